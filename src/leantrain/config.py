@@ -1,0 +1,318 @@
+"""One tree of typed dataclasses: the whole configuration of a leantrain run.
+
+``Config`` has one section per concern (``model``, ``data``, ``optim``,
+``train``, ``forge``, ``agoq``, ``dist``). Presets are functions returning a
+full ``Config``; a TOML file or ``--section.field value`` arguments override
+fields of a preset. Unknown keys and ill-typed values are rejected with a
+message that lists the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096  # set from the tokenizer when the data is loaded
+    dim: int = 192
+    n_layers: int = 4
+    n_heads: int = 6
+    n_kv_heads: int = 2  # grouped-query attention: n_heads / n_kv_heads queries share a K/V head
+    ffn_dim: int = 512
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # None: the embedded corpus (the running Python's standard library)
+    seq_len: int = 128
+    batch_size: int = 16  # sequences per micro-batch per rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    tokenizer_vocab: int = 4096  # BPE vocabulary trained on the corpus
+    val_fraction: float = 0.05  # share of files (or of tokens for a single file) held out
+    max_corpus_mb: float = 24.0  # cap on the embedded corpus text, for quick set-up
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd", "lion", "adams"] = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9  # SGD only
+    nesterov: bool = False  # SGD only
+    grad_clip: float = 1.0  # global-norm clipping (0 = off); see forge.clip for FORGE
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 1337
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 autocast (fp32 weights) or pure bf16 weights, see weights
+    weights: Literal["fp32", "bf16"] = "fp32"
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    sample_tokens: int = 80  # tokens of text generated at the end (0 = none)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    progress: bool = True
+    threads: int = 0  # torch CPU threads (0 = leave torch's default)
+
+
+@dataclass
+class ForgeConfig:
+    enabled: bool = False
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    stochastic_rounding: bool = True
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    clip: Literal["none", "layer", "prev_global"] = "none"
+    clip_value: float = 1.0
+
+
+@dataclass
+class AgoqConfig:
+    enabled: bool = False
+    bits: float = 4.0  # default bit-width of saved activations
+    group_size: int = 128
+    stochastic: bool = True
+    grad_bits: int = 0  # 8: int8 gradient accumulation buffers with error feedback (0 = off)
+    pipeline_stage: int = 0
+    pipeline_stages: int = 1
+
+
+@dataclass
+class DistConfig:
+    mode: Literal["ddp", "sharded"] = "ddp"
+    comm: Literal["none", "int8", "sdp4bit"] = "none"
+    intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
+    timeout_s: float = 120.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    forge: ForgeConfig = field(default_factory=ForgeConfig)
+    agoq: AgoqConfig = field(default_factory=AgoqConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    preset: str = "tiny"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- presets
+
+
+def tiny() -> Config:
+    """~3 M parameters: CPU, well under a second per step on 2 cores."""
+    return Config(preset="tiny")
+
+
+def small() -> Config:
+    c = Config(preset="small")
+    c.model = ModelConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=512)
+    c.data.tokenizer_vocab, c.data.seq_len = 8192, 256
+    c.optim.lr = 1.5e-3
+    return c
+
+
+def m125() -> Config:
+    c = Config(preset="125m")
+    c.model = ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, max_seq_len=1024)
+    c.data.tokenizer_vocab, c.data.seq_len, c.data.batch_size = 32000, 1024, 8
+    c.data.max_corpus_mb = 64.0
+    c.optim.lr = 6e-4
+    c.train.dtype = "bf16"
+    return c
+
+
+def b1() -> Config:
+    """The TinyLlama-1.1B shape."""
+    c = Config(preset="1b")
+    c.model = ModelConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=2048)
+    c.data.tokenizer_vocab, c.data.seq_len, c.data.batch_size = 32000, 1024, 4
+    c.data.max_corpus_mb = 64.0
+    c.optim.lr = 3e-4
+    c.train.dtype, c.train.weights = "bf16", "bf16"
+    return c
+
+
+PRESETS = {"tiny": tiny, "small": small, "125m": m125, "1b": b1}
+
+
+def preset(name: str) -> Config:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------- overrides
+
+
+class ConfigError(ValueError):
+    """A configuration the user wrote is wrong; the message says how to fix it."""
+
+
+def _sections(cfg: Config) -> dict[str, object]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))}
+
+
+def _coerce(value, tp, where: str):
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not a valid choice; choose one of {list(args)}")
+        return value
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        if len(items) != len(args):
+            raise ConfigError(f"{where}: expected {len(args)} comma-separated values, got {value!r}")
+        return tuple(_coerce(v, a, where) for v, a in zip(items, args, strict=True))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        return str(value)
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def set_field(cfg: Config, dotted: str, value) -> None:
+    """Set ``section.field`` (dashes allowed for underscores) to ``value``, with type checks."""
+    key = dotted.replace("-", "_")
+    sections = _sections(cfg)
+    if "." not in key:
+        raise ConfigError(f"config key {dotted!r} must look like section.field; sections: {sorted(sections)}")
+    sec_name, fname = key.split(".", 1)
+    if sec_name not in sections:
+        raise ConfigError(f"unknown config section {sec_name!r}; valid sections: {sorted(sections)}")
+    sec = sections[sec_name]
+    hints = get_type_hints(type(sec))
+    if fname not in hints:
+        valid = [f.name for f in dataclasses.fields(sec)]
+        raise ConfigError(f"unknown config key {sec_name}.{fname}; valid keys of [{sec_name}]: {valid}")
+    setattr(sec, fname, _coerce(value, hints[fname], f"{sec_name}.{fname}"))
+
+
+def apply_dict(cfg: Config, d: dict, prefix: str = "") -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                set_field(cfg, f"{k}.{kk}", vv)
+        elif k == "preset":
+            continue
+        else:
+            set_field(cfg, k, v)
+
+
+def load_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def build(preset_name: str = "tiny", toml_path: str | None = None, overrides: dict | None = None) -> Config:
+    """Preset, then TOML file, then ``--section.field`` overrides; validated."""
+    toml = load_toml(toml_path) if toml_path else {}
+    cfg = preset(toml.get("preset", preset_name) if preset_name is None else preset_name)
+    apply_dict(cfg, toml)
+    for k, v in (overrides or {}).items():
+        set_field(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config from ``to_dict()`` output (e.g. a checkpoint's config.json)."""
+    cfg = Config(preset=d.get("preset", "tiny"))
+    apply_dict(cfg, {k: v for k, v in d.items() if isinstance(v, dict)})
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.train
+    checks = [
+        (d.seq_len >= 2, "data.seq_len must be at least 2"),
+        (d.seq_len <= m.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
+        (d.batch_size >= 1 and d.grad_accum >= 1, "data.batch_size and data.grad_accum must be >= 1"),
+        (0.0 < d.val_fraction < 1.0, "data.val_fraction must be in (0, 1)"),
+        (t.steps >= 0, "train.steps must be >= 0"),
+        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def parse_overrides(argv: list[str]) -> dict:
+    """``["--model.dim", "256", "--optim.lr=1e-3"]`` -> ``{"model.dim": "256", "optim.lr": "1e-3"}``."""
+    out, i = {}, 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {a!r}; config fields are given as --section.field value")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{a} needs a value")
+            k, v = a[2:], argv[i + 1]
+            i += 2
+        out[k] = v
+    return out

@@ -1,0 +1,100 @@
+"""The one counter-based random number generator of leantrain's stochastic rounding.
+
+Math: a stateless hash of ``(seed, index)`` to 32 bits, evaluated identically by torch and
+by Triton so stochastic rounding gives bit-identical results on both backends:
+
+    k    = fmix32(lo32(seed) ^ fmix32(hi32(seed) ^ 0x5BD1E995))      (host, once per call)
+    h    = fmix32(hi32(index) ^ k)                                     (0 below 2**32 elements)
+    x    = fmix32((lo32(index) * 0x9E3779B9) ^ h)
+    u    = (x >> 8) * 2**-24                                           uniform in [0, 1)
+
+``fmix32`` is MurmurHash3's finalizer (xor-shift / multiply, full avalanche). For a fixed
+seed, ``index -> x`` is a bijection on each 2**32 block, so no two elements of one call get
+the same draw. All arithmetic is modulo 2**32: native ``uint32`` in Triton, emulated in torch
+on int64 with ``& 0xFFFFFFFF`` and 16-bit split multiplies (no signed overflow).
+
+Tiling / bytes: a device helper, no memory traffic of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAS_TRITON
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+_M1 = 0x85EBCA6B
+_M2 = 0xC2B2AE35
+
+
+def _fmix32_int(x: int) -> int:
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _M1) & MASK32
+    x ^= x >> 13
+    x = (x * _M2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def seed_key(seed: int) -> int:
+    """Mix a Python int seed (any size, taken mod 2**64) into the 32-bit kernel key."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return _fmix32_int((s & MASK32) ^ _fmix32_int((s >> 32) ^ 0x5BD1E995))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 16)
+
+
+def hash_u32(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """32-bit hash of ``(seed, index)`` as an int64 tensor holding values in [0, 2**32)."""
+    idx = index.to(torch.int64)
+    k = seed_key(seed)
+    h = _fmix32((idx >> 32) ^ k)
+    return _fmix32(_mul32(idx & MASK32, GOLDEN) ^ h)
+
+
+def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) for every element of ``index`` (a LongTensor), given ``seed``."""
+    return (hash_u32(seed, index) >> 8).to(torch.float32) * (2.0**-24)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fmix32(x):
+        x ^= x >> 16
+        x *= 0x85EBCA6B
+        x ^= x >> 13
+        x *= 0xC2B2AE35
+        x ^= x >> 16
+        return x
+
+    @triton.jit
+    def hash_u32_tl(key, index):
+        """uint32 hash of ``index`` (int32/int64 tensor) under ``key = seed_key(seed)``."""
+        idx = index.to(tl.int64)
+        lo = (idx & 0xFFFFFFFF).to(tl.uint32)
+        hi = (idx >> 32).to(tl.uint32)
+        h = fmix32(hi ^ key.to(tl.uint32))
+        return fmix32((lo * 0x9E3779B9) ^ h)
+
+    @triton.jit
+    def uniform_tl(key, index):
+        """float32 uniform in [0, 1), equal bit for bit to :func:`hash_uniform`."""
+        return (hash_u32_tl(key, index) >> 8).to(tl.float32) * 5.9604644775390625e-08
