@@ -7,3 +7,18 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES_FOR_TESTS"):
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "src"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Tokenizers and token caches of tests go to one temporary directory per session."""
+    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    from helpers import write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("data"))

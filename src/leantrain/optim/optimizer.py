@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .rules import Rule
+from .state import StateStorage
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -30,14 +31,18 @@ class Optimizer(torch.optim.Optimizer):
         stochastic_rounding: round bf16/fp16 parameters stochastically after the
             fp32 update (unbiased); otherwise round to nearest.
         seed: seed of the stochastic-rounding stream (reproducible runs).
+        state_dtype: how optimizer state is kept between steps: ``"fp32"``, ``"bf16"`` or
+            ``"int8"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
     """
 
-    def __init__(self, params: Iterable, rule: Rule, *, stochastic_rounding: bool = False, seed: int = 0):
+    def __init__(self, params: Iterable, rule: Rule, *, stochastic_rounding: bool = False, seed: int = 0,
+                 state_dtype: str = "fp32"):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         self.rule = rule
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
+        self.storage = StateStorage(state_dtype)
         super().__init__(params, rule.hyper())
 
     @torch.no_grad()
@@ -56,12 +61,13 @@ class Optimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state.update(self.rule.init_state(p))
+                    state.update(self.storage.init(self.rule, p))
                 state["step"] += 1
-                tensors = {k: state[k] for k in self.rule.state_names}
+                signed = self.rule.signed_states
+                tensors = {k: self.storage.read(state, k, k in signed) for k in self.rule.state_names}
                 p_new, new_state = self.rule.update(p, p.grad, tensors, step=state["step"], **hp)
                 for k, v in new_state.items():
-                    state[k].copy_(v)
+                    self.storage.write(state, k, v, k in signed)
                 write_param(p, p_new, stochastic=self.stochastic_rounding, seed=self.seed + state["step"])
         return loss
 

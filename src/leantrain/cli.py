@@ -1,0 +1,156 @@
+"""The ``leantrain`` command: train, compare, bench.
+
+    leantrain train --preset tiny --steps 300 --out runs/a
+    leantrain train --preset tiny --baseline --out runs/base
+    leantrain compare --preset tiny --steps 300 --out runs/cmp
+    leantrain bench ops|forge|agoq|comm [--out DIR]
+
+Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``);
+``--forge``/``--agoq`` are shorthands for ``--forge.enabled true``/``--agoq.enabled true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from . import config as config_mod
+from .config import ConfigError
+
+# name -> config overrides; the baseline is plain torch.optim.AdamW
+RECIPES: dict[str, dict] = {
+    "baseline": {},
+    "reference": {},
+    "forge": {"forge.enabled": "true"},
+    "forge-bf16": {"forge.enabled": "true", "train.weights": "bf16"},
+    "forge-bf16-int8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8"},
+    "agoq": {"agoq.enabled": "true"},
+    "agoq+forge": {"agoq.enabled": "true", "forge.enabled": "true"},
+}
+_RECIPE_NEEDS = {"forge": "leantrain.forge", "agoq": "leantrain.agoq"}
+
+
+def _available(recipe: str) -> bool:
+    for key, mod in _RECIPE_NEEDS.items():
+        if key in recipe and importlib.util.find_spec(mod) is None:
+            return False
+    return True
+
+
+def default_recipes() -> list[str]:
+    return [r for r in ("baseline", "reference", "forge", "forge-bf16", "agoq", "agoq+forge") if _available(r)]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
+    p.add_argument("--config", help="TOML file of config overrides")
+    p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
+    p.add_argument("--data", help="text file, directory, .jsonl or .bin tokens (default: embedded corpus)")
+    p.add_argument("--out", required=True, help="output directory")
+
+
+def _build_config(args, rest: list[str]) -> config_mod.Config:
+    flags = []
+    for a in rest:  # --forge / --agoq shorthands
+        if a in ("--forge", "--agoq"):
+            flags += [f"{a}.enabled", "true"]
+        else:
+            flags.append(a)
+    overrides = config_mod.parse_overrides(flags)
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.data is not None:
+        overrides["data.path"] = args.data
+    return config_mod.build(args.preset, args.config, overrides)
+
+
+def cmd_train(args, rest) -> int:
+    from .trainer import Trainer
+
+    cfg = _build_config(args, rest)
+    trainer = Trainer(cfg, args.out, baseline=args.baseline, resume=args.resume)
+    summary = trainer.fit()
+    if trainer.rank == 0:
+        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+              f"val loss {summary['initial_val_loss'] or float('nan'):.4f} -> {summary['val_loss'] or float('nan'):.4f}, "
+              f"{summary['tokens_per_second']:.0f} tokens/s; results in {args.out}")
+        if cfg.train.sample_tokens > 0:
+            print("sample:\n" + trainer.sample(tokens=cfg.train.sample_tokens))
+    return 0
+
+
+def cmd_compare(args, rest) -> int:
+    from .report import write_report
+    from .trainer import Trainer
+
+    recipes = args.recipes.split(",") if args.recipes else default_recipes()
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise ConfigError(f"unknown recipe(s) {unknown}; choose from {sorted(RECIPES)}")
+    if "baseline" not in recipes:
+        recipes = ["baseline", *recipes]
+    out = Path(args.out)
+    results = {}
+    for name in recipes:
+        if not _available(name):
+            print(f"[compare] skipping {name}: its technique is not installed")
+            continue
+        cfg = _build_config(args, rest)
+        for k, v in RECIPES[name].items():
+            config_mod.set_field(cfg, k, v)
+        cfg.train.sample_tokens = 0
+        print(f"[compare] {name}")
+        tr = Trainer(cfg, out / name, baseline=name == "baseline")
+        results[name] = tr.fit()
+    path = write_report(out, results)
+    print(f"report: {path}")
+    return 0
+
+
+def cmd_bench(args, rest) -> int:
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = root / f"bench_{args.what}.py"
+    if not script.exists():
+        raise ConfigError(f"no benchmark {args.what!r}: {script} is missing (benchmarks ship with the source tree)")
+    spec = importlib.util.spec_from_file_location(f"bench_{args.what}", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(rest) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="leantrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model")
+    _common(p)
+    p.add_argument("--baseline", action="store_true", help="plain PyTorch AdamW, no technique")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p = sub.add_parser("compare", help="baseline and every technique side by side")
+    _common(p)
+    p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")
+    p = sub.add_parser("bench", help="kernel and step micro-benchmarks")
+    p.add_argument("what", choices=["ops", "forge", "agoq", "comm"])
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, rest)
+        if args.command == "compare":
+            return cmd_compare(args, rest)
+        return cmd_bench(args, rest)
+    except ConfigError as e:
+        print(f"leantrain: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001
+        from .trainer import NonFiniteLoss
+
+        if isinstance(e, NonFiniteLoss):
+            print(f"leantrain: error: {e}", file=sys.stderr)
+            return 3
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,466 @@
+"""The training loop: one code path for CPU, one GPU and ``torchrun``.
+
+``Trainer(cfg, out_dir).fit()`` builds the data, the model and the optimizer
+that the config asks for, composing the techniques:
+
+- ``forge.enabled``: :func:`leantrain.forge.attach` (the optimizer step runs
+  inside backward; under torchrun each layer's gradient is all-reduced there);
+- ``agoq.enabled``: saved activations packed by :mod:`leantrain.agoq` around
+  forward+backward; ``agoq.grad_bits=8``: int8 gradient accumulation buffers;
+- ``dist.mode="sharded"``: :class:`leantrain.dist.ShardedOptimizer` with the
+  compressor ``dist.comm`` (``none`` / ``sdp4bit``);
+- otherwise the reference :class:`leantrain.optim.Optimizer` (``--baseline``:
+  ``torch.optim.AdamW``), wrapped in DDP under torchrun (``dist.comm=int8``:
+  AGoQ's 8-bit all-reduce as the DDP comm hook).
+
+It logs ``metrics.jsonl``, writes ``config.json``, ``summary.json``, a loss
+plot and atomic checkpoints, and ``resume=True`` continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint, collectives
+from . import data as data_mod
+from .config import Config, ConfigError
+from .ledger import COMM, MemoryLedger, SavedActivationMeter
+from .model import Llama
+from .optim import Optimizer, make_rule
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def log0(*args) -> None:
+    if collectives.rank() == 0:
+        print(*args, flush=True)
+
+
+def setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
+    """Device and process group from the environment (torchrun sets RANK/WORLD_SIZE)."""
+    want = cfg.train.device
+    use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if use_cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
+    rank = collectives.rank()
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+    return device, rank, collectives.world_size()
+
+
+def lr_lambda(cfg: Config):
+    o, steps = cfg.optim, max(cfg.train.steps, 1)
+
+    def f(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        frac = min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if o.schedule == "cosine" else 1.0 - frac
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * shape
+
+    return f
+
+
+def rule_from_config(cfg: Config):
+    o = cfg.optim
+    kw = {"lr": o.lr, "weight_decay": o.weight_decay}
+    if o.name in ("adamw", "adams"):
+        kw.update(betas=o.betas, eps=o.eps)
+    elif o.name == "lion":
+        kw.update(betas=o.betas)
+    else:
+        kw.update(momentum=o.momentum, nesterov=o.nesterov)
+    return make_rule(o.name, **kw)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, out_dir: str | Path, *, baseline: bool = False, resume: bool = False):
+        self.cfg, self.out, self.baseline, self.resume = cfg, Path(out_dir), baseline, resume
+        self.device, self.rank, self.world = setup_distributed(cfg)
+        if cfg.train.threads > 0:
+            torch.set_num_threads(cfg.train.threads)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._check_combination()
+        self.data = data_mod.load(cfg.data, log=log0)
+        cfg.model.vocab_size = self.data.vocab_size
+        torch.manual_seed(cfg.train.seed)
+        self.model = Llama(cfg.model)
+        if cfg.train.weights == "bf16":
+            self.model.to(torch.bfloat16)
+        self.model.to(self.device)
+        self.step = 0
+        self.ddp = None
+        self.grad_acc = None
+        self.agoq_policy = None
+        self.opt = self._build_optimizer()
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        if resume:
+            self._load_latest()
+
+    # ------------------------------------------------------------ composition
+
+    def _check_combination(self) -> None:
+        c = self.cfg
+        if self.baseline and (c.forge.enabled or c.agoq.enabled or c.dist.mode != "ddp" or c.dist.comm != "none"):
+            raise ConfigError("--baseline is plain PyTorch AdamW: do not combine it with forge/agoq/dist options")
+        if c.forge.enabled and c.dist.mode == "sharded":
+            raise ConfigError("forge.enabled and dist.mode=sharded both own the optimizer step; choose one")
+        if c.forge.enabled and c.data.grad_accum > 1:
+            raise ConfigError("FORGE updates weights inside backward, so data.grad_accum must be 1 "
+                              "(raise data.batch_size instead; see forge/README.md)")
+        if c.dist.comm == "sdp4bit" and c.dist.mode != "sharded":
+            raise ConfigError("dist.comm=sdp4bit needs dist.mode=sharded")
+        if c.dist.comm == "int8" and c.dist.mode != "ddp":
+            raise ConfigError("dist.comm=int8 is a DDP all-reduce hook: use it with dist.mode=ddp")
+
+    def _build_optimizer(self):
+        c, model = self.cfg, self.model
+        if self.baseline:
+            self._wrap_ddp()
+            o = c.optim
+            return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                     fused=self.device.type == "cuda")
+        rule = rule_from_config(c)
+        if c.agoq.enabled:
+            from . import agoq
+
+            self.agoq_policy = agoq.Policy(
+                default_bits=c.agoq.bits, group_size=c.agoq.group_size, stochastic=c.agoq.stochastic,
+                stage=c.agoq.pipeline_stage, num_stages=c.agoq.pipeline_stages,
+            )
+        if c.forge.enabled:
+            from . import forge
+
+            f = c.forge
+            return forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
+                                backend=f.backend, clip=f.clip, clip_value=f.clip_value)
+        if c.dist.mode == "sharded":
+            from . import comm
+            from . import dist as ltdist
+
+            compression = comm.SDP4Bit() if c.dist.comm == "sdp4bit" else None
+            return ltdist.ShardedOptimizer(model, rule, intra_node_size=c.dist.intra_node_size or None,
+                                           compression=compression)
+        self._wrap_ddp()
+        if c.agoq.grad_bits == 8:
+            from . import agoq
+
+            self.grad_acc = agoq.Int8GradAccumulator(list(model.parameters()))
+        return Optimizer(model.parameters(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed)
+
+    def _wrap_ddp(self) -> None:
+        if self.world == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.cfg.dist.comm == "int8":
+            from . import comm
+
+            self.ddp.register_comm_hook(comm.Int8AllReduceState(None), comm.int8_allreduce_hook)
+        else:
+            from .ddp_hooks import counted_allreduce_hook
+
+            self.ddp.register_comm_hook(None, counted_allreduce_hook)
+
+    @property
+    def forward_module(self):
+        return self.ddp if self.ddp is not None else self.model
+
+    def _activation_ctx(self):
+        if self.agoq_policy is None:
+            return contextlib.nullcontext()
+        from . import agoq
+
+        return agoq.quantize_activations(self.model, self.agoq_policy)
+
+    def _autocast(self):
+        if self.cfg.train.dtype == "bf16" and self.cfg.train.weights == "fp32":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------ one step
+
+    def train_step(self, measure: bool = False) -> dict:
+        c = self.cfg
+        d = c.data
+        meter = SavedActivationMeter(self.model.parameters()) if measure else None
+        total = 0.0
+        for micro in range(d.grad_accum):
+            x, y = self.data.batch("train", d.seq_len, d.batch_size, seed=c.train.seed, step=self.step, micro=micro,
+                                   rank=self.rank, world=self.world, device=self.device)
+            sync = contextlib.nullcontext()
+            if self.ddp is not None and micro < d.grad_accum - 1:
+                sync = self.ddp.no_sync()
+            with sync, self._activation_ctx():
+                with meter if (meter is not None and micro == 0) else contextlib.nullcontext():
+                    with self._autocast():
+                        loss = self.forward_module(x, y) / d.grad_accum
+                if not torch.isfinite(loss.detach()).item():
+                    self._nonfinite(loss)
+                    return {"loss": float("nan"), "skipped": True}
+                loss.backward()
+            if self.grad_acc is not None:
+                self.grad_acc.accumulate()
+            total += loss.item()
+        if self.grad_acc is not None:
+            self.grad_acc.finalize()
+        if self.world > 1:  # log the global-batch loss (a 4-byte control message, not counted as traffic)
+            t = torch.tensor([total], device=self.device)
+            dist.all_reduce(t)
+            total = t.item() / self.world
+        info = {"loss": total}
+        if c.optim.grad_clip > 0 and not c.forge.enabled:
+            if c.dist.mode == "sharded" and hasattr(self.opt, "clip_grad_norm_"):
+                info["grad_norm"] = float(self.opt.clip_grad_norm_(c.optim.grad_clip))
+            else:
+                info["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip))
+        if measure:
+            self.last_memory = MemoryLedger.measure(self.model, self.opt, activations=meter.bytes,
+                                                    grad_buffers=self.grad_acc.tensors() if self.grad_acc else ())
+        self.opt.step()
+        if measure:  # optimizer state may be created lazily by the first step: count it after
+            self.last_memory.optimizer_states = MemoryLedger.measure(self.model, self.opt).optimizer_states
+        nonfinite = getattr(self.opt, "last_nonfinite", None)
+        if nonfinite:
+            info["nonfinite_layers"] = nonfinite if isinstance(nonfinite, int) else len(nonfinite)
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        COMM.step()
+        return info
+
+    def _nonfinite(self, loss) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        if self.cfg.train.on_nonfinite == "skip":
+            log0(f"step {self.step}: non-finite loss ({loss.item()}); update skipped (train.on_nonfinite=skip)")
+            return
+        raise NonFiniteLoss(
+            f"step {self.step}: the loss is {loss.item()}; training stopped. The last good checkpoint is kept in "
+            f"{self.out / 'checkpoints'}. Lower optim.lr, or pass --train.on_nonfinite skip to skip such steps."
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        c = self.cfg
+        self.model.eval()
+        losses = []
+        for i in range(c.train.eval_batches):
+            x, y = self.data.batch("val", c.data.seq_len, c.data.batch_size, seed=c.train.seed, step=i,
+                                   rank=self.rank, world=self.world, device=self.device)
+            with self._autocast():
+                losses.append(self.model(x, y).float())
+        self.model.train()
+        v = torch.stack(losses).mean()
+        collectives.all_reduce(v, op=dist.ReduceOp.AVG) if self.world > 1 else None
+        return v.item()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _rank_state(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                "torch_rng": torch.get_rng_state(), "step": self.step}
+
+    def save_checkpoint(self) -> Path:
+        return checkpoint.save(
+            self.out, self.step, self.model.state_dict(), self._rank_state(),
+            {"config": self.cfg.to_dict(), "baseline": self.baseline},
+            rank=self.rank, world=self.world, barrier=collectives.barrier, keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def _load_latest(self) -> None:
+        path = checkpoint.latest(self.out)
+        if path is None:
+            log0(f"--resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
+            return
+        model_state, rank_state, meta = checkpoint.load(path, rank=self.rank)
+        if meta.get("world_size", 1) != self.world:
+            raise ConfigError(f"checkpoint {path} was written by {meta['world_size']} processes; resume with the same number")
+        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()}, strict=False)
+        if unexpected or any(k != "lm_head.weight" for k in missing):
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        self.opt.load_state_dict(rank_state["optimizer"])
+        self.sched.load_state_dict(rank_state["scheduler"])
+        torch.set_rng_state(rank_state["torch_rng"])
+        self.step = rank_state["step"]
+        log0(f"resumed from {path} at step {self.step}")
+
+    # ------------------------------------------------------------ the loop
+
+    def fit(self, until: int | None = None) -> dict:
+        """Train up to ``train.steps`` (or stop early after step ``until``, as an interrupted run would)."""
+        c, t = self.cfg, self.cfg.train
+        last = t.steps if until is None else min(until, t.steps)
+        is0 = self.rank == 0
+        if is0:
+            (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=1))
+        n_params = self.model.num_params()
+        log0(f"model: {n_params / 1e6:.2f} M parameters | preset {c.preset} | device {self.device} x{self.world} | "
+             f"recipe {recipe_name(c, self.baseline)}")
+        metrics_path = self.out / "metrics.jsonl"
+        mode = "a" if self.resume and self.step > 0 else "w"
+        mfile = open(metrics_path, mode) if is0 else None
+        tokens_per_step = c.data.seq_len * c.data.batch_size * c.data.grad_accum * self.world
+        bar = _progress(t.steps, self.step, enabled=is0 and t.progress)
+        self.last_memory, val_loss, first_val = None, None, None
+        losses, t_run, run_tokens, start_step = [], time.perf_counter(), 0, self.step
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        if self.step == 0 and t.eval_every > 0:
+            first_val = self.evaluate()
+        COMM.reset()
+        t_last = time.perf_counter()
+        try:
+            while self.step < last:
+                info = self.train_step(measure=self.step == start_step)
+                self.step += 1
+                run_tokens += tokens_per_step
+                losses.append(info["loss"])
+                now = time.perf_counter()
+                row = {"step": self.step, "loss": info["loss"], "lr": self.sched.get_last_lr()[0],
+                       "tokens_per_second": tokens_per_step / max(now - t_last, 1e-9)}
+                t_last = now
+                row.update({k: v for k, v in info.items() if k not in row})
+                if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    val_loss = row["val_loss"] = self.evaluate()
+                if mfile:
+                    mfile.write(json.dumps(row) + "\n")
+                    mfile.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{row['tokens_per_second']:.0f}",
+                                    mem=_fmt_bytes(self._peak()))
+                elif is0 and (self.step % t.log_every == 0 or self.step == t.steps):
+                    print(f"step {self.step}/{t.steps} loss {info['loss']:.4f} tok/s {row['tokens_per_second']:.0f}", flush=True)
+                if t.ckpt_every > 0 and (self.step % t.ckpt_every == 0 or self.step == last):
+                    self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            if mfile:
+                mfile.close()
+        elapsed = time.perf_counter() - t_run
+        summary = self._summary(losses, val_loss, first_val, run_tokens / max(elapsed, 1e-9), n_params)
+        if is0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
+        return summary
+
+    def _peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated()
+        return self.last_memory.total if self.last_memory else 0
+
+    def _summary(self, losses, val_loss, first_val, tok_s, n_params) -> dict:
+        mem = self.last_memory.as_dict() if self.last_memory else {}
+        tail = losses[-10:] if losses else [float("nan")]
+        comm_summary = COMM.summary()
+        return {
+            "recipe": recipe_name(self.cfg, self.baseline),
+            "final_loss": sum(tail) / len(tail),
+            "val_loss": val_loss,
+            "initial_val_loss": first_val,
+            "steps": self.step,
+            "tokens_per_second": tok_s,
+            "peak_memory_bytes": self._peak(),
+            "memory": mem,
+            "comm_bytes_per_step": comm_summary["bytes_per_step"],
+            "comm": comm_summary,
+            "world_size": self.world,
+            "parameters": n_params,
+            "device": str(self.device),
+        }
+
+    def sample(self, prompt: str = "def ", tokens: int = 80) -> str:
+        tok = self.data.tokenizer
+        if tok is None or tokens <= 0:
+            return ""
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
+        idx = torch.tensor([tok.encode(prompt)], device=self.device)
+        self.model.eval()
+        with self._autocast():
+            out = self.model.generate(idx, tokens, generator=g)
+        self.model.train()
+        return tok.decode(out[0].tolist())
+
+
+def recipe_name(cfg: Config, baseline: bool) -> str:
+    if baseline:
+        return "baseline"
+    parts = []
+    if cfg.forge.enabled:
+        parts.append("forge" + ("" if cfg.train.weights == "fp32" else "-bf16") +
+                     ("" if cfg.forge.state_dtype == "fp32" else f"-{cfg.forge.state_dtype}"))
+    if cfg.agoq.enabled:
+        parts.append("agoq")
+    if cfg.dist.mode == "sharded":
+        parts.append("sharded" + ("" if cfg.dist.comm == "none" else f"-{cfg.dist.comm}"))
+    elif cfg.dist.comm != "none":
+        parts.append(f"ddp-{cfg.dist.comm}")
+    return "+".join(parts) or f"reference-{cfg.optim.name}"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TiB"
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                disable=not sys.stderr.isatty() and os.environ.get("LEANTRAIN_PROGRESS") != "1")
+
+
+def plot_losses(curves: dict[str, Path], path: Path, title: str = "training loss") -> bool:
+    """Loss (and validation loss) against step for each run; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, mpath in curves.items():
+        rows = [json.loads(line) for line in Path(mpath).read_text().splitlines() if line.strip()]
+        if not rows:
+            continue
+        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, alpha=0.8, label=f"{name} train")
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if val:
+            ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(), ms=3, label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,65 @@
+import pytest
+
+from leantrain import config as C
+from leantrain.config import ConfigError
+
+
+def test_presets_build_and_have_the_documented_shapes():
+    for name in C.PRESETS:
+        cfg = C.build(name)
+        assert cfg.preset == name
+    b = C.preset("1b").model
+    assert (b.dim, b.n_layers, b.n_heads, b.n_kv_heads, b.ffn_dim) == (2048, 22, 32, 4, 5632)
+
+
+def test_overrides_are_typed():
+    cfg = C.build("tiny", overrides={"model.dim": "96", "optim.betas": "0.8,0.9", "forge.enabled": "true",
+                                     "forge.state-dtype": "int8", "data.path": "none"})
+    assert cfg.model.dim == 96 and cfg.optim.betas == (0.8, 0.9) and cfg.forge.enabled is True
+    assert cfg.forge.state_dtype == "int8" and cfg.data.path is None
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("model.dimm", "3", r"valid keys of \[model\].*'dim'"),
+    ("modle.dim", "3", "valid sections"),
+    ("optim.name", "adam", r"choose one of \['adamw'"),
+    ("train.steps", "ten", "expected an integer"),
+    ("forge.enabled", "maybe", "true or false"),
+    ("optim.betas", "0.9", "2 comma-separated"),
+])
+def test_bad_keys_and_values_name_the_valid_choices(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        C.build("tiny", overrides={key: value})
+
+
+def test_toml_then_cli(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\ndim = 96\n[optim]\nlr = 0.01\nbetas = [0.8, 0.9]\n')
+    cfg = C.build("tiny", str(f), {"optim.lr": "0.02"})
+    assert cfg.model.dim == 96 and cfg.optim.lr == 0.02 and cfg.optim.betas == (0.8, 0.9)
+    (tmp_path / "bad.toml").write_text("[model]\nwidth = 3\n")
+    with pytest.raises(ConfigError, match="width"):
+        C.build("tiny", str(tmp_path / "bad.toml"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        C.build("tiny", str(tmp_path / "missing.toml"))
+
+
+def test_unknown_preset_and_inconsistent_values():
+    with pytest.raises(ConfigError, match="unknown preset"):
+        C.build("huge")
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        C.build("tiny", overrides={"data.seq_len": "100000"})
+
+
+def test_roundtrip_through_dict():
+    cfg = C.build("small", overrides={"optim.lr": "0.5"})
+    again = C.from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_parse_overrides():
+    assert C.parse_overrides(["--a.b", "1", "--c.d=2"]) == {"a.b": "1", "c.d": "2"}
+    with pytest.raises(ConfigError, match="needs a value"):
+        C.parse_overrides(["--a.b"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        C.parse_overrides(["--verbose"])

@@ -1,0 +1,72 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from leantrain import data as D
+from leantrain.config import ConfigError, DataConfig
+
+
+def cfg(path, **kw):
+    return DataConfig(path=str(path), tokenizer_vocab=400, **kw)
+
+
+def test_directory_corpus_splits_by_file_and_roundtrips_text(corpus):
+    d = D.load(cfg(corpus), log=lambda *_: None)
+    assert len(d.train) > 2 * len(d.val) > 0
+    text = "def f(x):\n    return x + 1\n"
+    assert d.tokenizer.decode(d.tokenizer.encode(text)) == text
+    assert d.vocab_size == 400
+
+
+def test_batches_are_deterministic_and_ranks_slice_the_global_batch(corpus):
+    d = D.load(cfg(corpus), log=lambda *_: None)
+    x1, y1 = d.batch("train", 16, 4, seed=3, step=7)
+    x2, _ = d.batch("train", 16, 4, seed=3, step=7)
+    assert torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
+    parts = [d.batch("train", 16, 2, seed=3, step=7, rank=r, world=2)[0] for r in range(2)]
+    assert torch.equal(torch.cat(parts), x1)
+    assert not torch.equal(d.batch("train", 16, 4, seed=3, step=8)[0], x1)
+
+
+def test_jsonl_and_single_text_file(tmp_path, corpus):
+    text = "\n".join(p.read_text() for p in sorted(corpus.iterdir())[:3])
+    f = tmp_path / "a.txt"
+    f.write_text(text)
+    d = D.load(cfg(f), log=lambda *_: None)
+    assert len(d.val) > 0 and len(d.train) > len(d.val)
+    j = tmp_path / "a.jsonl"
+    j.write_text("\n".join(json.dumps({"text": t}) for t in text.split("\n\n")))
+    assert len(D.load(cfg(j), log=lambda *_: None).train) > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": "x"}\n')
+    with pytest.raises(ConfigError, match="field 'text'"):
+        D.load(cfg(bad))
+
+
+def test_pretokenized_bin(tmp_path):
+    ids = (np.arange(5000) % 300).astype(np.uint16)
+    f = tmp_path / "tokens.bin"
+    ids.tofile(f)
+    d = D.load(cfg(f))
+    assert d.vocab_size == 300 and d.tokenizer is None
+    assert len(d.train) + len(d.val) == 5000
+    x, y = d.batch("train", 8, 2, seed=0, step=0)
+    assert torch.equal((x[:, 1:]), y[:, :-1])
+
+
+def test_missing_and_empty_data_fail_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        D.load(cfg(tmp_path / "nope.txt"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("   \n")
+    with pytest.raises(ConfigError, match="empty"):
+        D.load(cfg(tmp_path / "empty"))
+
+
+def test_too_short_split_fails_clearly(tmp_path):
+    (np.arange(40) % 300).astype(np.uint16).tofile(tmp_path / "t.bin")
+    d = D.load(cfg(tmp_path / "t.bin"))
+    with pytest.raises(ConfigError, match="fewer than data.seq_len"):
+        d.batch("val", 32, 1, seed=0, step=0)

@@ -1,0 +1,52 @@
+import torch
+
+from leantrain.config import ModelConfig
+from leantrain.model import Llama, apply_rope, rope_tables
+
+CFG = ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
+def test_forward_shapes_and_loss():
+    torch.manual_seed(0)
+    m = Llama(CFG)
+    x = torch.randint(0, 97, (3, 16))
+    assert m(x).shape == (3, 16, 97)
+    loss = m(x, x)
+    assert loss.ndim == 0 and abs(loss.item() - torch.log(torch.tensor(97.0)).item()) < 0.5
+    per = m(x, x, reduction="none")
+    assert per.shape == (3,) and torch.allclose(per.mean(), loss, atol=1e-5)
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    m = Llama(CFG)
+    x = torch.randint(0, 97, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % 97
+    assert torch.allclose(m(x)[0, :10], m(y)[0, :10], atol=1e-5)
+    assert not torch.allclose(m(x)[0, 10:], m(y)[0, 10:], atol=1e-5)
+
+
+def test_rope_preserves_norm_and_is_relative():
+    cos, sin = rope_tables(8, 16, 10000.0)
+    q = torch.randn(1, 1, 16, 8)
+    assert torch.allclose(apply_rope(q, cos, sin).norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+    # <R(m) a, R(n) b> depends on m - n only
+    a, b = torch.randn(8), torch.randn(8)
+    seq_a = a.expand(1, 1, 16, 8)
+    seq_b = b.expand(1, 1, 16, 8)
+    ra, rb = apply_rope(seq_a, cos, sin)[0, 0], apply_rope(seq_b, cos, sin)[0, 0]
+    assert torch.allclose(ra[5] @ rb[3], ra[9] @ rb[7], atol=1e-5)
+
+
+def test_tied_embeddings_share_storage_and_gqa_params():
+    m = Llama(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
+    assert m.lm_head.weight is m.embed_tokens.weight
+    assert m.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 48)
+
+
+def test_backward_reaches_every_parameter():
+    m = Llama(CFG)
+    x = torch.randint(0, 97, (2, 8))
+    m(x, x).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())

@@ -1,0 +1,155 @@
+"""The reference optimizer and the element-wise rules against torch.optim and written-out formulas."""
+
+import copy
+
+import pytest
+import torch
+
+import leantrain as lt
+
+# fp32 comparisons with torch.optim: same formula, same order of operations -> tiny drift only
+RTOL = 1e-6
+
+
+def _problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(37, 19, generator=g), torch.randn(19, generator=g), torch.randn(1, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(6)]
+    return params, grads
+
+
+def _run(opt_factory, params, grads):
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = opt_factory(ps)
+    for step_grads in grads:
+        for p, gr in zip(ps, step_grads):
+            p.grad = gr.clone()
+        opt.step()
+    return [p.detach() for p in ps]
+
+
+def _assert_rel(a, b, rtol=RTOL):
+    for x, y in zip(a, b):
+        err = ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
+        assert err <= rtol, err
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_matches_torch(wd):
+    params, grads = _problem()
+    ours = _run(lambda ps: lt.optim.Optimizer(ps, lt.optim.AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)), params, grads)
+    ref = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, foreach=False), params, grads)
+    _assert_rel(ours, ref)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_sgd_matches_torch(momentum, nesterov):
+    params, grads = _problem(1)
+    ours = _run(lambda ps: lt.optim.Optimizer(ps, lt.optim.SGD(lr=0.05, momentum=momentum, nesterov=nesterov)), params, grads)
+    ref = _run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=momentum, nesterov=nesterov, foreach=False), params, grads)
+    _assert_rel(ours, ref)
+
+
+def test_sgd_decoupled_weight_decay_formula():
+    params, grads = _problem(2)
+    lr, wd, mu = 0.05, 0.1, 0.9
+    ours = _run(lambda ps: lt.optim.Optimizer(ps, lt.optim.SGD(lr=lr, momentum=mu, weight_decay=wd)), params, grads)
+    for i, p0 in enumerate(params):
+        p, b = p0.clone(), torch.zeros_like(p0)
+        for sg in grads:
+            b = mu * b + sg[i]
+            p = p * (1 - lr * wd) - lr * b
+        _assert_rel([ours[i]], [p])
+
+
+def test_lion_formula():
+    params, grads = _problem(3)
+    lr, (b1, b2), wd = 1e-3, (0.9, 0.99), 0.1
+    ours = _run(lambda ps: lt.optim.Optimizer(ps, lt.optim.Lion(lr=lr, betas=(b1, b2), weight_decay=wd)), params, grads)
+    for i, p0 in enumerate(params):
+        p, m = p0.clone(), torch.zeros_like(p0)
+        for sg in grads:
+            g = sg[i]
+            p = p * (1 - lr * wd) - lr * torch.sign(b1 * m + (1 - b1) * g)
+            m = b2 * m + (1 - b2) * g
+        _assert_rel([ours[i]], [p])
+
+
+def test_adams_formula():
+    params, grads = _problem(4)
+    lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.95), 1e-8, 0.05
+    ours = _run(lambda ps: lt.optim.Optimizer(ps, lt.optim.AdamS(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)), params, grads)
+    for i, p0 in enumerate(params):
+        p, m = p0.clone(), torch.zeros_like(p0)
+        for sg in grads:
+            g = sg[i]
+            v = b2 * m * m + (1 - b2) * g * g  # uses the previous first moment
+            m = b1 * m + (1 - b1) * g
+            p = (1 - lr * wd) * p - lr * m / (v.sqrt() + eps)
+        _assert_rel([ours[i]], [p])
+
+
+@pytest.mark.parametrize("rule", [lt.optim.AdamW(lr=1e-2), lt.optim.SGD(lr=0.1, momentum=0.9), lt.optim.Lion(lr=1e-3), lt.optim.AdamS(lr=1e-2)])
+def test_state_dict_roundtrip_resumes_identically(rule):
+    params, grads = _problem(5)
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = lt.optim.Optimizer(ps, rule)
+    for sg in grads[:3]:
+        for p, g in zip(ps, sg):
+            p.grad = g.clone()
+        opt.step()
+    snap_params = [p.detach().clone() for p in ps]
+    sd = copy.deepcopy(opt.state_dict())
+    for sg in grads[3:]:
+        for p, g in zip(ps, sg):
+            p.grad = g.clone()
+        opt.step()
+    ps2 = [torch.nn.Parameter(p) for p in snap_params]
+    opt2 = lt.optim.Optimizer(ps2, rule)
+    opt2.load_state_dict(sd)
+    for sg in grads[3:]:
+        for p, g in zip(ps2, sg):
+            p.grad = g.clone()
+        opt2.step()
+    for a, b in zip(ps, ps2):
+        assert torch.equal(a, b)
+
+
+def test_lr_scheduler_drives_the_rule():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = lt.optim.Optimizer([p], lt.optim.SGD(lr=1.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    deltas = []
+    for _ in range(3):
+        before = p.detach().clone()
+        p.grad = torch.ones(4)
+        opt.step()
+        sched.step()
+        deltas.append((before - p.detach())[0].item())
+    assert deltas == pytest.approx([1.0, 0.5, 0.25])
+
+
+def test_bf16_params_with_stochastic_rounding_are_unbiased():
+    torch.manual_seed(0)
+    base = torch.randn(4096).bfloat16()
+    # a step far smaller than bf16's spacing: round-to-nearest would lose it entirely
+    grad = torch.full((4096,), 1e-4).bfloat16()
+    mean_moves = []
+    for seed in range(20):
+        p = torch.nn.Parameter(base.clone())
+        opt = lt.optim.Optimizer([p], lt.optim.SGD(lr=1.0), stochastic_rounding=True, seed=seed)
+        p.grad = grad
+        opt.step()
+        mean_moves.append((base.float() - p.detach().float()).mean().item())
+    assert sum(mean_moves) / len(mean_moves) == pytest.approx(grad[0].item(), rel=0.1)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="betas"):
+        lt.optim.AdamW(betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="nesterov"):
+        lt.optim.SGD(lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="unknown optimizer rule"):
+        lt.optim.make_rule("adam")
+    with pytest.raises(TypeError, match="rule"):
+        lt.optim.Optimizer([torch.nn.Parameter(torch.ones(1))], torch.optim.SGD)

@@ -1,0 +1,74 @@
+"""`torchrun` on CPU (gloo): same loss curve as one process with the same global batch; a killed worker ends the job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port
+from helpers import TINY_OVERRIDES
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _args(out, corpus, batch, steps=8):
+    a = ["-m", "leantrain", "train", "--preset", "tiny", "--steps", str(steps), "--out", str(out), "--data", str(corpus)]
+    for k, v in {**TINY_OVERRIDES, "data.batch_size": str(batch), "train.eval_every": "4"}.items():
+        a += [f"--{k}", v]
+    return a
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(n):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port())]
+
+
+def _losses(out):
+    return [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_gloo_ranks_match_one_process(corpus, tmp_path):
+    one = subprocess.run([sys.executable, *_args(tmp_path / "one", corpus, 4)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([*_torchrun(2), *_args(tmp_path / "two", corpus, 2)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 8
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-4 * abs(x), (a, b)
+    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["comm_bytes_per_step"] > 0
+
+
+def _children(pid):
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_killed_worker_ends_the_job_with_an_error(corpus, tmp_path):
+    proc = subprocess.Popen([*_torchrun(2), *_args(tmp_path / "k", corpus, 2, steps=100000)], env={**_env(), "LEANTRAIN_PROGRESS": "0"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "k" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.5)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, "torchrun did not start two workers"
+    os.kill(workers[1], signal.SIGKILL)
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job hung after a worker was killed")
+    assert rc != 0

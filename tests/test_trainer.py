@@ -1,0 +1,103 @@
+import copy
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_config
+from leantrain import checkpoint
+from leantrain.cli import main as cli_main
+import leantrain as lt
+from leantrain.trainer import NonFiniteLoss, Trainer, lr_lambda, rule_from_config
+
+
+def test_trains_logs_and_writes_every_artifact(corpus, tmp_path):
+    cfg = tiny_config(corpus, **{"train.steps": "30", "train.eval_every": "10", "optim.lr": "3e-3"})
+    s = Trainer(cfg, tmp_path / "run").fit()
+    out = tmp_path / "run"
+    for f in ("metrics.jsonl", "summary.json", "config.json", "loss.png"):
+        assert (out / f).exists(), f
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and {"step", "loss", "lr", "tokens_per_second"} <= rows[0].keys()
+    for key in ("final_loss", "val_loss", "steps", "tokens_per_second", "peak_memory_bytes", "memory", "comm_bytes_per_step"):
+        assert key in s
+    assert set(s["memory"]) == {"weights", "grads", "optimizer_states", "activations"}
+    assert s["memory"]["optimizer_states"] == 2 * s["memory"]["weights"]  # AdamW: m and v in fp32
+    assert s["memory"]["grads"] == s["memory"]["weights"] and s["memory"]["activations"] > 0
+    assert s["val_loss"] < s["initial_val_loss"] - 0.5
+    assert checkpoint.latest(out).name == "step_0000030"
+
+
+def test_resume_is_bit_identical(corpus, tmp_path):
+    extra = {"train.steps": "10", "train.eval_every": "0", "train.ckpt_every": "5"}
+    straight = Trainer(tiny_config(corpus, **extra), tmp_path / "a")
+    straight.fit()
+    half = Trainer(tiny_config(corpus, **extra), tmp_path / "b")
+    half.fit(until=5)  # an interrupted run
+    resumed = Trainer(tiny_config(corpus, **extra), tmp_path / "b", resume=True)
+    assert resumed.step == 5
+    resumed.fit()
+    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), k
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb
+
+
+def test_gradient_accumulation_averages_micro_batch_gradients(corpus, tmp_path):
+    cfg = tiny_config(corpus, **{"train.steps": "1", "data.batch_size": "2", "data.grad_accum": "3", "optim.grad_clip": "0"})
+    tr = Trainer(cfg, tmp_path / "a")
+    model = copy.deepcopy(tr.model)
+    tr.train_step()
+    # expected: mean of the three micro-batches' gradients, then one reference step
+    for micro in range(3):
+        x, y = tr.data.batch("train", cfg.data.seq_len, 2, seed=cfg.train.seed, step=0, micro=micro)
+        (model(x, y) / 3).backward()
+    opt = lt.optim.Optimizer(model.parameters(), rule_from_config(cfg))
+    torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    opt.step()
+    for a, b in zip(tr.model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
+    cfg = tiny_config(corpus, **{"train.steps": "12", "train.ckpt_every": "5", "train.eval_every": "0"})
+    tr = Trainer(cfg, tmp_path / "r")
+    real_forward = tr.model.forward
+
+    def poisoned(idx, targets=None, reduction="mean"):
+        out = real_forward(idx, targets, reduction)
+        return out * float("nan") if tr.step >= 7 else out
+
+    monkeypatch.setattr(tr.model, "forward", poisoned)
+    with pytest.raises(NonFiniteLoss, match="last good checkpoint"):
+        tr.fit()
+    assert checkpoint.latest(tmp_path / "r").name == "step_0000005"
+
+
+def test_cli_train_and_errors(corpus, tmp_path, capsys):
+    args = ["train", "--preset", "tiny", "--steps", "4", "--out", str(tmp_path / "c"), "--data", str(corpus)]
+    small = []
+    from helpers import TINY_OVERRIDES
+
+    for k, v in TINY_OVERRIDES.items():
+        small += [f"--{k}", v]
+    assert cli_main(args + small + ["--train.sample-tokens", "10"]) == 0
+    assert "sample:" in capsys.readouterr().out
+    assert cli_main(args + ["--model.widht", "3"]) == 2
+    assert "valid keys of [model]" in capsys.readouterr().err
+    assert cli_main(["train", "--out", str(tmp_path / "d"), "--data", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_compare_writes_a_report_with_ratios(corpus, tmp_path):
+    from helpers import TINY_OVERRIDES
+
+    small = []
+    for k, v in TINY_OVERRIDES.items():
+        small += [f"--{k}", v]
+    rc = cli_main(["compare", "--steps", "3", "--out", str(tmp_path / "cmp"), "--data", str(corpus),
+                   "--recipes", "baseline,reference"] + small)
+    assert rc == 0
+    report = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| baseline |" in report and "| reference |" in report and "1.00×" in report
