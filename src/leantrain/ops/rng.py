@@ -44,6 +44,15 @@ def seed_key(seed: int) -> int:
     return _fmix32_int((s & MASK32) ^ _fmix32_int((s >> 32) ^ 0x5BD1E995))
 
 
+def kernel_key(seed: int) -> int:
+    """``seed_key(seed)`` as a signed int32, the form Triton kernels take (``key`` argument).
+
+    Pass it with ``do_not_specialize=["key"]``; kernels reinterpret it as uint32.
+    """
+    k = seed_key(seed)
+    return k - (1 << 32) if k >= (1 << 31) else k
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
     lo = x * (c & 0xFFFF)
@@ -87,7 +96,7 @@ if HAS_TRITON:
 
     @triton.jit
     def hash_u32_tl(key, index):
-        """uint32 hash of ``index`` (int32/int64 tensor) under ``key = seed_key(seed)``."""
+        """uint32 hash of ``index`` (int32/int64 tensor) under ``key = kernel_key(seed)``."""
         idx = index.to(tl.int64)
         lo = (idx & 0xFFFFFFFF).to(tl.uint32)
         hi = (idx >> 32).to(tl.uint32)

@@ -1,0 +1,34 @@
+"""Numeric building blocks of leantrain: each a pure-torch reference and a Triton kernel
+behind one dispatcher (``backend="auto" | "torch" | "triton"``; auto = Triton on CUDA).
+
+| module        | what                                                                 |
+|---------------|----------------------------------------------------------------------|
+| ``quant``     | block-wise int8 / int4 quantize, dequantize (RTN and stochastic)     |
+| ``fp8``       | FP8 E4M3 / E5M2 with per-group scales, payload uint8                 |
+| ``nvfp4``     | E2M1 in 16-blocks + E4M3 block scale + fp32 tensor scale (torch)      |
+| ``state8``    | 8-bit optimizer-state codec (dynamic map), Triton epilogue helpers    |
+| ``sr``        | fp32 -> bf16 stochastic rounding                                     |
+| ``hadamard``  | blocked Walsh-Hadamard transform, fused with quantization            |
+| ``reduce``    | dequantize -> fp32 sum over peers -> requantize                      |
+| ``bits``      | boolean mask <-> 1 bit per element                                   |
+| ``rng``       | the counter-based hash RNG shared by torch and Triton                |
+"""
+
+from ._backend import HAS_TRITON
+from .bits import pack_bits, unpack_bits
+from .fp8 import dequantize_fp8, quantize_fp8
+from .hadamard import hadamard, hadamard_quantize
+from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from .qtensor import QTensor
+from .quant import dequantize, quantize
+from .reduce import dequant_sum_requant
+from .rng import hash_uniform, kernel_key, seed_key
+from .sr import bf16_stochastic_round
+from .state8 import StateCodec8
+
+__all__ = [
+    "HAS_TRITON", "QTensor", "quantize", "dequantize", "quantize_fp8", "dequantize_fp8",
+    "NVFP4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "StateCodec8", "bf16_stochastic_round",
+    "hadamard", "hadamard_quantize", "dequant_sum_requant", "pack_bits", "unpack_bits",
+    "hash_uniform", "seed_key", "kernel_key",
+]

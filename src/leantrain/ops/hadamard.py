@@ -1,0 +1,191 @@
+"""Blocked fast Walsh-Hadamard transform, and the transform fused with quantization.
+
+Math: the flattened tensor is cut into blocks of ``b`` elements (power of two, 16..256;
+padded with zeros to a whole number of blocks) and each block row-vector ``x`` becomes
+    normalized:    y = x H_b / sqrt(b)        (orthonormal, its own inverse)
+    unnormalized:  y = x H_b,   inverse x = y H_b / b
+with ``H_b`` the Sylvester Hadamard matrix, ``H[i, j] = (-1)**popcount(i & j)`` (symmetric).
+Spreading each block's energy evenly, it shrinks the max/RMS ratio of heavy-tailed data
+(one outlier of size A in a block becomes b entries of size A/sqrt(b)), which is what makes
+low-bit gradient quantization (SDP4Bit) work. When ``x.shape[-1]`` is a multiple of ``b`` the
+blocks lie along the last dim and the output keeps ``x``'s shape; otherwise the output is the
+1-D padded vector (crop ``[:x.numel()]`` after the inverse).
+
+Tiling (Triton): one program owns ``R`` blocks (an ``[R, b]`` tile, ~4096 elements) and
+multiplies it by ``H_b`` built in registers from the popcount parity, with ``tl.dot`` in
+fp32 (``ieee``); b = 256 as ``H_16 (x) H_16`` (two 16-wide products). The fused ``hadamard_quantize`` reshapes the transformed tile into
+``[R * b / group_size, group_size]`` groups and quantizes it in the same program (group_size
+and b powers of two). Bytes per element: hadamard reads and writes ``sizeof(x)``;
+hadamard_quantize reads ``sizeof(x)`` and writes ``bits / 8`` (+ 4 / group_size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._backend import HAS_TRITON, launch, resolve
+from .qtensor import QTensor
+from .quant import _check, _qrange, quantize_ref
+from .rng import kernel_key
+
+
+def _check_block(block: int) -> None:
+    if block < 16 or block > 256 or block & (block - 1):
+        raise ValueError(f"block must be a power of two in [16, 256], got {block}")
+
+
+def hadamard_matrix(b: int, device=None) -> torch.Tensor:
+    """Sylvester Hadamard matrix ``H_b`` (entries +-1, fp32)."""
+    i = torch.arange(b, device=device)
+    p = i[:, None] & i[None, :]
+    par = torch.zeros_like(p)
+    for s in range(max(1, int(math.log2(b)))):
+        par ^= (p >> s) & 1
+    return (1 - 2 * par).to(torch.float32)
+
+
+def _factor(block: int, normalized: bool, inverse: bool) -> float:
+    if normalized:
+        return 1.0 / math.sqrt(block)
+    return 1.0 / block if inverse else 1.0
+
+
+def _out_shape(x: torch.Tensor, block: int):
+    if x.dim() and x.shape[-1] % block == 0:
+        return x.shape
+    return torch.Size([-(-x.numel() // block) * block])
+
+
+def hadamard_ref(x: torch.Tensor, *, block: int = 32, normalized: bool = True,
+                 inverse: bool = False) -> torch.Tensor:
+    n = x.numel()
+    nb = -(-n // block)
+    xp = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
+    xp[:n] = x.reshape(-1).to(torch.float32)
+    y = (xp.view(nb, block) @ hadamard_matrix(block, x.device)) * _factor(block, normalized, inverse)
+    return y.reshape(_out_shape(x, block)).to(x.dtype)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .quant import cast_out_tl, encode_tile_tl, pack_tile_tl
+
+    @triton.jit
+    def _h_tl(B: tl.constexpr, LOG2B: tl.constexpr):
+        i = tl.arange(0, B)
+        p = i[:, None] & i[None, :]
+        par = tl.zeros([B, B], dtype=tl.int32)
+        for s in tl.static_range(LOG2B):
+            par ^= (p >> s) & 1
+        return (1 - 2 * par).to(tl.float32)
+
+    @triton.jit
+    def hadamard_tile_tl(x, B: tl.constexpr, LOG2B: tl.constexpr):
+        """``x [R, B] @ H_B`` in fp32 (H built from popcount parity, never loaded).
+
+        B = 256 uses ``H_256 = H_16 (x) H_16``: two [., 16] x [16, 16] products with a
+        transpose between (64 instead of 512 flops per element, no 256 KiB operand)."""
+        if B == 256:
+            R: tl.constexpr = x.shape[0]
+            h = _h_tl(16, 4)
+            y = tl.dot(tl.reshape(x, [R * 16, 16]), h, input_precision="ieee")
+            y = tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R * 16, 16])
+            y = tl.dot(y, h, input_precision="ieee")
+            return tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R, 256])
+        else:
+            return tl.dot(x, _h_tl(B, LOG2B), input_precision="ieee")
+
+    @triton.jit
+    def _hadamard_kernel(x_ptr, y_ptr, n, n_pad, factor, B: tl.constexpr, LOG2B: tl.constexpr,
+                         R: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+        idx = rows[:, None] * B + tl.arange(0, B)[None, :]
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+        y = hadamard_tile_tl(x, B, LOG2B) * factor
+        tl.store(y_ptr + idx, cast_out_tl(y, y_ptr.dtype.element_ty), mask=idx < n_pad)
+
+    @triton.jit(do_not_specialize=["key"])
+    def _hadamard_quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_pad, n_groups, factor,
+                                  key, B: tl.constexpr, LOG2B: tl.constexpr, R: tl.constexpr,
+                                  GS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                                  STOCHASTIC: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr):
+        T: tl.constexpr = R * B
+        G: tl.constexpr = T // GS
+        base = tl.program_id(0).to(tl.int64) * T
+        idx = base + tl.arange(0, R)[:, None] * B + tl.arange(0, B)[None, :]
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+        y = tl.reshape(hadamard_tile_tl(x, B, LOG2B) * factor, [G, GS])
+        rows = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+        gidx = rows[:, None] * GS + tl.arange(0, GS)[None, :]
+        code, scale, zero = encode_tile_tl(y, gidx < n_pad, gidx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
+        byts = pack_tile_tl(code, G, GS, BITS)
+        BC: tl.constexpr = GS * BITS // 8
+        boff = rows[:, None] * BC + tl.arange(0, BC)[None, :]
+        tl.store(data_ptr + boff, byts, mask=rows[:, None] < n_groups)
+        tl.store(scale_ptr + rows, scale, mask=rows < n_groups)
+        if not SYMMETRIC:
+            tl.store(zero_ptr + rows, zero, mask=rows < n_groups)
+
+
+def _rows(block: int, multiple: int = 1) -> int:
+    return max(16, 4096 // block, multiple)
+
+
+def hadamard(x: torch.Tensor, *, block: int = 32, normalized: bool = True, inverse: bool = False,
+             backend: str = "auto") -> torch.Tensor:
+    """Blocked Walsh-Hadamard transform of ``x`` (see the module docstring for shapes)."""
+    _check_block(block)
+    if resolve(backend, x) == "torch":
+        return hadamard_ref(x, block=block, normalized=normalized, inverse=inverse)
+    xf = x.reshape(-1).contiguous()
+    n = xf.numel()
+    shape = _out_shape(x, block)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    n_pad = y.numel()
+    if n:
+        r = _rows(block)
+        launch(_hadamard_kernel, (triton.cdiv(n_pad, r * block),), xf, y, n, n_pad,
+               _factor(block, normalized, inverse), B=block, LOG2B=int(math.log2(block)), R=r,
+               num_warps=8 if block >= 64 else 4)
+    return y
+
+
+def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = True, bits: int = 8,
+                      group_size: int = 128, symmetric: bool = True, stochastic: bool = False,
+                      seed: int = 0, backend: str = "auto") -> QTensor:
+    """``quantize(hadamard(x, block=block, normalized=normalized), ...)`` in one pass.
+
+    The QTensor describes the *transformed* tensor (shape as :func:`hadamard` returns);
+    ``hadamard(dequantize(q), block=block, normalized=normalized, inverse=True)`` recovers
+    ``x`` up to quantization error. Triton needs ``group_size`` a power of two.
+    """
+    _check_block(block)
+    _check(bits, group_size)
+    if resolve(backend, x) == "torch":
+        y = hadamard_ref(x.to(torch.float32), block=block, normalized=normalized)
+        q = quantize_ref(y, bits=bits, group_size=group_size, symmetric=symmetric,
+                         stochastic=stochastic, seed=seed)
+        q.dtype = x.dtype
+        return q
+    if group_size & (group_size - 1):
+        raise ValueError(f"hadamard_quantize on Triton needs a power-of-two group_size, got {group_size}")
+    xf = x.reshape(-1).contiguous()
+    n = xf.numel()
+    shape = _out_shape(x, block)
+    n_pad = math.prod(shape)
+    g = -(-n_pad // group_size)
+    data = torch.empty(g * group_size * bits // 8, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(g, dtype=torch.float32, device=x.device)
+    zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
+    if n:
+        r = _rows(block, group_size // block)
+        qlo, qhi = _qrange(bits, symmetric)
+        launch(_hadamard_quantize_kernel, (triton.cdiv(n_pad, r * block),), xf, data, scale,
+               scale if zero is None else zero, n, n_pad, g, _factor(block, normalized, False),
+               kernel_key(seed), B=block, LOG2B=int(math.log2(block)), R=r, GS=group_size, BITS=bits,
+               SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, num_warps=8)
+    return QTensor(data, scale, zero, shape, x.dtype, bits, group_size, symmetric)

@@ -1,0 +1,350 @@
+"""Block-wise integer quantization: int8 and int4 (two codes per byte), symmetric or not.
+
+Math (per group ``g`` of ``group_size`` consecutive elements of the flattened tensor):
+  symmetric:   qmax = 2**(bits-1) - 1 (127, 7);  scale = absmax / qmax
+               code = clamp(round(x * pre * (qmax / (absmax * pre))), -qmax, qmax)
+  asymmetric:  qmax = 2**bits - 1 (255, 15);    scale = (max - min) / qmax, zero = min
+               code = clamp(round((x - min) * pre * (qmax / ((max - min) * pre))), 0, qmax)
+  dequant:     x' = code * scale (+ zero)
+``pre`` is 2**64 when the group's range is below 2**-64 (else 1): an exact power-of-two
+rescale so that groups of denormals do not overflow ``qmax / range``. ``round`` is
+``floor(y + 0.5)`` (round half up) for round-to-nearest and ``floor(y + u)`` with
+``u = hash_uniform(seed, element_index)`` for stochastic rounding (unbiased: E[code] = y).
+Every step is one IEEE fp32 operation done in the same order by both backends (Triton with
+FMA contraction off; divisions with ``tl.div_rn``, since Triton's ``/`` is the
+approximate ``div.full.f32`` on NVIDIA GPUs; torch divides two tensors of one shape, see
+:func:`ieee_div`), so codes, scales and dequantized values are
+bit-identical between torch and Triton.
+
+Special values: non-finite inputs (NaN, +-inf) are treated as 0 — excluded from the scale and
+encoded as the code of 0 (dequantize to 0 for symmetric, to the nearest level of 0 for
+asymmetric). Callers that must see non-finite values check for them before quantizing.
+All-zero groups get scale 0 and dequantize to exact zeros.
+
+Tiling (Triton): one program owns ``ROWS`` whole groups (a ``[ROWS, group_size]`` tile, about
+4096 elements), reduces absmax/min/max along the row, writes codes and one scale per row.
+Bytes moved per element: quantize reads ``sizeof(x)`` and writes ``bits/8`` (+ 4/group_size
+for the scale); dequantize the reverse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAS_TRITON, launch, next_pow2, resolve
+from .qtensor import QTensor
+from .rng import hash_uniform, kernel_key
+
+_TINY = 2.0**-64
+_PRE = 2.0**64
+
+
+def ieee_div(a, b) -> torch.Tensor:
+    """Correctly rounded ``a / b`` as the Triton kernels compute it.
+
+    torch computes ``scalar / tensor`` as ``reciprocal(tensor) * scalar`` and may turn
+    ``tensor / scalar`` into a multiply by the reciprocal (1 ulp off); dividing two tensors
+    of one shape is a true IEEE division on every device.
+    """
+    a = a if isinstance(a, torch.Tensor) else torch.full_like(b, float(a))
+    b = b if isinstance(b, torch.Tensor) else torch.full_like(a, float(b))
+    return torch.div(a, b)
+
+
+def _check(bits: int, group_size: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if not (2 <= group_size <= 4096) or group_size % 2:
+        raise ValueError(f"group_size must be an even number in [2, 4096] (32..4096 advised), got {group_size}")
+
+
+def _qrange(bits: int, symmetric: bool) -> tuple[int, int]:
+    return (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def _pad_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ``x`` (fp32), pad with zeros to whole groups; return ``(xg[G, gs], valid[G, gs])``."""
+    flat = x.reshape(-1).to(torch.float32)
+    n = flat.numel()
+    g = -(-n // group_size)
+    xg = torch.zeros(g * group_size, dtype=torch.float32, device=x.device)
+    xg[:n] = flat
+    valid = torch.arange(g * group_size, device=x.device) < n
+    return xg.view(g, group_size), valid.view(g, group_size)
+
+
+def encode_groups_ref(xg, valid, *, bits, symmetric, stochastic, seed, index=None):
+    """Integer codes (int32), scale and zero of the fp32 groups ``xg [..., G, gs]``.
+
+    The one definition of the quantizer; ``index`` gives each element's RNG counter
+    (defaults to its flat position in ``xg``).
+    """
+    xg = torch.where(torch.isfinite(xg), xg, 0.0)
+    lo, hi = _qrange(bits, symmetric)
+    if symmetric:
+        rng = xg.abs().amax(-1) if xg.shape[-1] else xg.new_zeros(xg.shape[:-1])
+        base, zero = xg, None
+    else:
+        inf = torch.tensor(float("inf"), device=xg.device)
+        mn = torch.where(valid, xg, inf).amin(-1)
+        mx = torch.where(valid, xg, -inf).amax(-1)
+        rng = mx - mn
+        base, zero = xg - mn.unsqueeze(-1), mn
+    pre = torch.where(rng < _TINY, _PRE, 1.0)
+    scale = ieee_div(rng, hi)
+    inv = torch.where(rng > 0, ieee_div(hi, torch.where(rng > 0, rng * pre, 1.0)), 0.0)
+    y = (base * pre.unsqueeze(-1)) * inv.unsqueeze(-1)
+    if stochastic:
+        if index is None:
+            index = torch.arange(xg.numel(), device=xg.device).view(xg.shape)
+        code = torch.floor(y + hash_uniform(seed, index))
+    else:
+        code = torch.floor(y + 0.5)
+    code = code.clamp(lo, hi).to(torch.int32)
+    return code, scale, zero
+
+
+def pack_codes(code: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 codes ``[..., G, gs]`` -> uint8 bytes ``[..., G * gs * bits // 8]``."""
+    if bits == 8:
+        b = code & 0xFF
+    else:
+        c = code & 0xF
+        b = c[..., 0::2] | (c[..., 1::2] << 4)
+    return b.to(torch.uint8).reshape(*code.shape[:-2], -1)
+
+
+def unpack_codes(data: torch.Tensor, bits: int, symmetric: bool, group_size: int) -> torch.Tensor:
+    """uint8 bytes ``[..., B]`` -> int32 codes ``[..., G, gs]`` (sign-extended if symmetric)."""
+    d = data.to(torch.int32)
+    if bits == 8:
+        c = d
+        if symmetric:
+            c = c - ((c >= 128).to(torch.int32) << 8)
+    else:
+        c = torch.stack([d & 0xF, d >> 4], dim=-1).flatten(-2)
+        if symmetric:
+            c = c - ((c >= 8).to(torch.int32) << 4)
+    return c.reshape(*data.shape[:-1], -1, group_size)
+
+
+def quantize_ref(x, *, bits=8, group_size=128, symmetric=True, stochastic=False, seed=0) -> QTensor:
+    xg, valid = _pad_groups(x, group_size)
+    code, scale, zero = encode_groups_ref(xg, valid, bits=bits, symmetric=symmetric,
+                                          stochastic=stochastic, seed=seed)
+    return QTensor(pack_codes(code, bits), scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
+
+
+def dequantize_ref(q: QTensor, dtype=None) -> torch.Tensor:
+    """fp values of ``q`` (a stacked QTensor gives ``(k, *shape)``)."""
+    code = unpack_codes(q.data, q.bits, q.symmetric, q.group_size)
+    v = code.to(torch.float32) * q.scale.unsqueeze(-1)
+    if q.zero is not None:
+        v = v + q.zero.unsqueeze(-1)
+    lead = q.data.shape[:-1]
+    v = v.reshape(*lead, -1)[..., : q.numel]
+    return v.reshape(*lead, *q.shape).to(dtype or q.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .rng import uniform_tl
+
+    @triton.jit
+    def encode_tile_tl(x, valid, idx, key, QLO: tl.constexpr, QHI: tl.constexpr,
+                       SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr):
+        """Quantize an fp32 tile ``[ROWS, COLS]`` row-wise; returns (int32 codes, scale, zero).
+
+        ``valid`` masks padding; ``idx`` holds each element's RNG counter; codes lie in
+        [QLO, QHI]. Same math, same operation order as :func:`encode_groups_ref`.
+        """
+        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)  # NaN and +-inf -> 0
+        x = tl.where(valid, x, 0.0)
+        if SYMMETRIC:
+            rng = tl.max(tl.abs(x), axis=1)
+            zero = tl.zeros_like(rng)
+            base = x
+        else:
+            mn = tl.min(tl.where(valid, x, float("inf")), axis=1)
+            mx = tl.max(tl.where(valid, x, -float("inf")), axis=1)
+            mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
+            mx = tl.where(mx >= mn, mx, 0.0)
+            rng = mx - mn
+            zero = mn
+            base = x - mn[:, None]
+        qhi = tl.zeros_like(rng) + QHI
+        pre = tl.where(rng < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+        scale = tl.div_rn(rng, qhi)
+        inv = tl.where(rng > 0, tl.div_rn(qhi, tl.where(rng > 0, rng * pre, 1.0)), 0.0)
+        y = (base * pre[:, None]) * inv[:, None]
+        if STOCHASTIC:
+            code = tl.floor(y + uniform_tl(key, idx))
+        else:
+            code = tl.floor(y + 0.5)
+        code = tl.minimum(tl.maximum(code, QLO), QHI).to(tl.int32)
+        return code, scale, zero
+
+    @triton.jit
+    def cast_out_tl(v, DTYPE: tl.constexpr):
+        """fp32 -> ``DTYPE`` with round-to-nearest-even. bf16 is rounded on the integer bits
+        (the Triton interpreter truncates fp32 -> bf16; GPUs round to nearest even)."""
+        if DTYPE == tl.bfloat16:
+            b = v.to(tl.int32, bitcast=True)
+            r = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
+            r = tl.where(v != v, b, r)
+            return r.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:
+            return v.to(DTYPE)
+
+    @triton.jit
+    def pack_tile_tl(code, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
+        """int32 codes ``[ROWS, COLS]`` -> uint8 ``[ROWS, COLS * BITS // 8]`` (low nibble = even)."""
+        if BITS == 8:
+            return (code & 0xFF).to(tl.uint8)
+        else:
+            lo, hi = tl.split(tl.reshape(code & 0xF, [ROWS, COLS // 2, 2]))
+            return (lo | (hi << 4)).to(tl.uint8)
+
+    @triton.jit
+    def unpack_tile_tl(b, ROWS: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
+                       SYMMETRIC: tl.constexpr):
+        """uint8 ``[ROWS, n]`` -> int32 codes ``[ROWS, n * 8 // BITS]`` (sign-extended if symmetric)."""
+        d = b.to(tl.int32)
+        if BITS == 8:
+            if SYMMETRIC:
+                d = tl.where(d >= 128, d - 256, d)
+            return d
+        else:
+            lo = d & 0xF
+            hi = d >> 4
+            if SYMMETRIC:
+                lo = tl.where(lo >= 8, lo - 16, lo)
+                hi = tl.where(hi >= 8, hi - 16, hi)
+            return tl.reshape(tl.join(lo, hi), [ROWS, 2 * HALF])
+
+    @triton.jit(do_not_specialize=["key"])
+    def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_groups, key,
+                         GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                         BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
+                         QLO: tl.constexpr, QHI: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, COLS)
+        idx = rows[:, None] * GS + cols[None, :]
+        valid = (cols[None, :] < GS) & (idx < n)
+        x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+        code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
+        byts = pack_tile_tl(code, ROWS, COLS, BITS)
+        BCOLS: tl.constexpr = COLS * BITS // 8
+        bcols = tl.arange(0, BCOLS)
+        boff = rows[:, None] * (GS * BITS // 8) + bcols[None, :]
+        bmask = (rows[:, None] < n_groups) & (bcols[None, :] < GS * BITS // 8)
+        tl.store(data_ptr + boff, byts, mask=bmask)
+        rmask = rows < n_groups
+        tl.store(scale_ptr + rows, scale, mask=rmask)
+        if not SYMMETRIC:
+            tl.store(zero_ptr + rows, zero, mask=rmask)
+
+    @triton.jit
+    def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
+                           GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+        peer = tl.program_id(1).to(tl.int64)
+        data_ptr += peer * (n_groups * GS * BITS // 8)
+        scale_ptr += peer * n_groups
+        out_ptr += peer * n
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_groups
+        BCOLS: tl.constexpr = COLS * BITS // 8
+        bcols = tl.arange(0, BCOLS)
+        bmask = rmask[:, None] & (bcols[None, :] < GS * BITS // 8)
+        b = tl.load(data_ptr + rows[:, None] * (GS * BITS // 8) + bcols[None, :], mask=bmask, other=0)
+        code = unpack_tile_tl(b, ROWS, BCOLS, BITS, SYMMETRIC)
+        scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
+        v = code.to(tl.float32) * scale[:, None]
+        if not SYMMETRIC:
+            zero_ptr += peer * n_groups
+            v = v + tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
+        cols = tl.arange(0, COLS)
+        idx = rows[:, None] * GS + cols[None, :]
+        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=(cols[None, :] < GS) & (idx < n))
+
+
+def tile_shape(group_size: int, elems: int = 4096) -> tuple[int, int, int]:
+    """(COLS, ROWS, num_warps) for a tile of whole groups holding about ``elems`` elements."""
+    cols = next_pow2(group_size)
+    rows = max(1, elems // cols)
+    return cols, rows, 8 if cols * rows >= 4096 else 4
+
+
+def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTensor:
+    xf = x.reshape(-1)
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    n = xf.numel()
+    g = -(-n // group_size)
+    data = torch.empty(g * group_size * bits // 8, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(g, dtype=torch.float32, device=x.device)
+    zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
+    if g:
+        cols, rows, warps = tile_shape(group_size)
+        qlo, qhi = _qrange(bits, symmetric)
+        launch(_quantize_kernel, (triton.cdiv(g, rows),), xf, data, scale,
+               scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,
+               ROWS=rows, BITS=bits, SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi,
+               num_warps=warps)
+    return QTensor(data, scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
+
+
+def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
+    k = q.num_peers
+    lead = (k,) if q.stacked else ()
+    out = torch.empty(*lead, *q.shape, dtype=dtype, device=q.device)
+    g = q.num_groups
+    if g and k:
+        cols, rows, warps = tile_shape(q.group_size)
+        data, scale = q.data.contiguous(), q.scale.contiguous()
+        zero = scale if q.zero is None else q.zero.contiguous()
+        launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero, out, q.numel, g,
+               GS=q.group_size, COLS=cols, ROWS=rows, BITS=q.bits, SYMMETRIC=q.symmetric,
+               num_warps=warps)
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 128, symmetric: bool = True,
+             stochastic: bool = False, seed: int = 0, backend: str = "auto") -> QTensor:
+    """Block-wise int8/int4 quantization of the flattened ``x`` (any shape, any numel >= 0).
+
+    See the module docstring for the exact math, rounding and special values.
+    """
+    _check(bits, group_size)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if resolve(backend, x) == "triton":
+        return _quantize_triton(x, bits, group_size, symmetric, stochastic, seed)
+    return quantize_ref(x, bits=bits, group_size=group_size, symmetric=symmetric,
+                        stochastic=stochastic, seed=seed)
+
+
+def dequantize(q: QTensor, *, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+    """Values of ``q`` with its original shape and dtype (or ``dtype``).
+
+    Works for integer and FP8 QTensors; a stacked QTensor gives ``(k, *shape)``.
+    """
+    if q.fmt != "int":
+        from .fp8 import dequantize_fp8
+
+        return dequantize_fp8(q, dtype=dtype, backend=backend)
+    dtype = dtype or q.dtype
+    if resolve(backend, q.data) == "triton":
+        return _dequantize_triton(q, dtype)
+    return dequantize_ref(q, dtype)

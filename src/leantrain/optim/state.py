@@ -1,0 +1,157 @@
+"""Optimizer-state storage: fp32, bf16, or 8-bit block-quantized.
+
+A rule (:mod:`leantrain.optim.rules`) always computes in fp32; this module decides how its
+state tensors are *kept* between steps. ``StateStorage(dtype)`` turns a rule's state into
+entries of ``optimizer.state[p]`` (plain tensors, so ``state_dict()``, the memory ledger
+and ``torch.save`` see exactly what is held) and converts them to and from fp32:
+
+- ``"fp32"``: the state tensor itself (reading returns it, no copy).
+- ``"bf16"``: a bf16 tensor; written with round-to-nearest-even.
+- ``"int8"``: ``name`` holds uint8 codes (same shape as the parameter) and
+  ``name + "_absmax"`` one fp32 absmax per block, encoded by :class:`leantrain.ops.StateCodec8`
+  (bitsandbytes' dynamic map: signed for first moments, unsigned for second moments;
+  nearest map entry of ``x * (1 / absmax)``). Blocks have 256 elements: for a 2-D tensor a
+  16 x 16 tile (codes stored block-major as ``[RB, CB, 16, 16]``, zero-padded to whole
+  tiles), so the tiles of FORGE's fused kernel (multiples of 16 on both sides) hold whole
+  blocks and requantize on their own; for any other tensor 256 consecutive elements.
+  Tensors with fewer than 4096 elements stay fp32 (``MIN_NUMEL``), as in bitsandbytes and
+  torchao.
+
+Error of 8-bit storage: relative to the block absmax, the dynamic map's step is at most
+~1.4 % near 1 and finer toward 0 (log-spaced); see ``tests/forge/test_state.py`` for the
+tolerance FORGE's int8 states are held to against fp32 states.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from leantrain.ops.state8 import StateCodec8
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+MIN_NUMEL = 4096  # smaller tensors keep fp32 state
+TILE = 16  # 2-D blocks are TILE x TILE = 256 elements
+FLAT_BLOCK = 256
+
+
+@functools.lru_cache(maxsize=None)
+def codec(signed: bool) -> StateCodec8:
+    """The shared 8-bit codec (dynamic map, blocks of 256) for signed or unsigned state."""
+    return StateCodec8(signed=bool(signed), block_size=FLAT_BLOCK)
+
+
+def qmap_on(signed: bool, device) -> Tensor:
+    """The codec's 256-entry map on ``device`` (what the Triton epilogue reads)."""
+    return codec(signed).qmap_on(device)
+
+
+def tile_blocks(shape) -> tuple[int, int] | None:
+    """``(RB, CB)``: 16 x 16 blocks of a 2-D tensor (None for other shapes: flat blocks)."""
+    if len(shape) != 2:
+        return None
+    return -(-int(shape[0]) // TILE), -(-int(shape[1]) // TILE)
+
+
+def to_tiles(x: Tensor) -> Tensor:
+    """2-D ``[R, C]`` -> zero-padded ``[RB, CB, 16, 16]``: each 256-element block contiguous."""
+    r, c = x.shape
+    rb, cb = tile_blocks(x.shape)
+    x = torch.nn.functional.pad(x, (0, cb * TILE - c, 0, rb * TILE - r))
+    return x.view(rb, TILE, cb, TILE).permute(0, 2, 1, 3).contiguous()
+
+
+def from_tiles(t: Tensor, shape) -> Tensor:
+    rb, cb = t.shape[:2]
+    return t.permute(0, 2, 1, 3).reshape(rb * TILE, cb * TILE)[: shape[0], : shape[1]]
+
+
+def quantize8(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """fp32 ``x`` -> (uint8 codes, fp32 absmax per block).
+
+    2-D tensors: codes ``[RB, CB, 16, 16]`` (block-major 16 x 16 tiles), absmax ``[RB, CB]``;
+    other shapes: codes shaped like ``x`` (flat blocks of 256), absmax ``[blocks]``.
+    """
+    if tile_blocks(x.shape) is None:
+        return codec(signed).encode(x.float())
+    t = to_tiles(x.float())
+    codes, absmax = codec(signed).encode(t)
+    return codes, absmax.view(t.shape[0], t.shape[1])
+
+
+def dequantize8(codes: Tensor, absmax: Tensor, signed: bool, shape) -> Tensor:
+    v = codec(signed).decode(codes, absmax.reshape(-1))
+    return v if codes.dim() != 4 else from_tiles(v, shape)
+
+
+class StateStorage:
+    """How a rule's state tensors are stored: ``StateStorage("fp32" | "bf16" | "int8")``."""
+
+    def __init__(self, dtype: str = "fp32", min_numel: int = MIN_NUMEL):
+        if dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {dtype!r}")
+        self.dtype = dtype
+        self.min_numel = min_numel
+
+    def kind_for(self, p: Tensor, force_fp32: bool = False) -> str:
+        if force_fp32 or self.dtype == "fp32":
+            return "fp32"
+        if self.dtype == "int8" and p.numel() < self.min_numel:
+            return "fp32"
+        return self.dtype
+
+    def init(self, rule, p: Tensor, *, force_fp32: bool = False) -> dict[str, Tensor]:
+        """Fresh (zero) state entries for parameter ``p``."""
+        kind = self.kind_for(p, force_fp32)
+        out: dict[str, Tensor] = {}
+        for name in rule.state_names:
+            if kind == "fp32":
+                out[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            elif kind == "bf16":
+                out[name] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+            else:
+                signed = name in rule.signed_states
+                codes, absmax = quantize8(torch.zeros(p.shape, device=p.device), signed)
+                out[name], out[name + "_absmax"] = codes, absmax
+        return out
+
+    @staticmethod
+    def kind_of(state: dict, name: str) -> str:
+        t = state[name]
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}[t.dtype]
+
+    @staticmethod
+    def read(state: dict, name: str, signed: bool, shape=None) -> Tensor:
+        """The fp32 value of state ``name`` (the stored tensor itself for fp32 storage).
+
+        ``shape``: the parameter's shape (needed for 8-bit states of 2-D parameters).
+        """
+        t = state[name]
+        if t.dtype == torch.float32:
+            return t
+        if t.dtype == torch.bfloat16:
+            return t.float()
+        return dequantize8(t, state[name + "_absmax"], signed, shape)
+
+    @staticmethod
+    def write(state: dict, name: str, value: Tensor, signed: bool, keep_old: Tensor | None = None) -> None:
+        """Store the fp32 ``value``; where the bool scalar ``keep_old`` is True the old bits stay."""
+        t = state[name]
+        if t.dtype == torch.uint8:
+            codes, absmax = quantize8(value, signed)
+            if keep_old is not None:
+                codes = torch.where(keep_old, t, codes)
+                absmax = torch.where(keep_old, state[name + "_absmax"], absmax)
+            t.copy_(codes)
+            state[name + "_absmax"].copy_(absmax)
+            return
+        new = value.to(t.dtype)
+        if keep_old is not None:
+            new = torch.where(keep_old, t, new)
+        t.copy_(new)
+
+
+__all__ = ["StateStorage", "STATE_DTYPES", "MIN_NUMEL", "codec", "qmap_on", "quantize8", "dequantize8", "to_tiles",
+           "from_tiles", "tile_blocks"]
