@@ -74,8 +74,12 @@ def cmd_train(args, rest) -> int:
     trainer = Trainer(cfg, args.out, baseline=args.baseline, resume=args.resume)
     summary = trainer.fit()
     if trainer.rank == 0:
-        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-              f"val loss {summary['initial_val_loss'] or float('nan'):.4f} -> {summary['val_loss'] or float('nan'):.4f}, "
+        val = ""
+        if summary["val_loss"] is not None:
+            start = summary["initial_val_loss"]
+            val = f"val loss {start:.4f} -> " if start is not None else "val loss "
+            val += f"{summary['val_loss']:.4f}, "
+        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {val}"
               f"{summary['tokens_per_second']:.0f} tokens/s; results in {args.out}")
         if cfg.train.sample_tokens > 0:
             print("sample:\n" + trainer.sample(tokens=cfg.train.sample_tokens))

@@ -321,7 +321,7 @@ class Trainer:
         tokens_per_step = c.data.seq_len * c.data.batch_size * c.data.grad_accum * self.world
         bar = _progress(t.steps, self.step, enabled=is0 and t.progress)
         self.last_memory, val_loss, first_val = None, None, None
-        losses, t_run, run_tokens, start_step = [], time.perf_counter(), 0, self.step
+        losses, train_time, run_tokens, start_step = [], 0.0, 0, self.step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if self.step == 0 and t.eval_every > 0:
@@ -330,9 +330,14 @@ class Trainer:
         t_last = time.perf_counter()
         try:
             while self.step < last:
+                t0 = time.perf_counter()
                 info = self.train_step(measure=self.step == start_step)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
                 self.step += 1
-                run_tokens += tokens_per_step
+                if self.step > start_step + 1 or last - start_step == 1:  # the first step is warm-up
+                    run_tokens += tokens_per_step
+                    train_time += time.perf_counter() - t0
                 losses.append(info["loss"])
                 now = time.perf_counter()
                 row = {"step": self.step, "loss": info["loss"], "lr": self.sched.get_last_lr()[0],
@@ -357,8 +362,7 @@ class Trainer:
                 bar.close()
             if mfile:
                 mfile.close()
-        elapsed = time.perf_counter() - t_run
-        summary = self._summary(losses, val_loss, first_val, run_tokens / max(elapsed, 1e-9), n_params)
+        summary = self._summary(losses, val_loss, first_val, run_tokens / max(train_time, 1e-9), n_params)
         if is0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
