@@ -161,7 +161,8 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
 
     The QTensor describes the *transformed* tensor (shape as :func:`hadamard` returns);
     ``hadamard(dequantize(q), block=block, normalized=normalized, inverse=True)`` recovers
-    ``x`` up to quantization error. Triton needs ``group_size`` a power of two.
+    ``x`` up to quantization error. Triton needs ``group_size`` a power of two; block 256
+    runs as two kernels there (see the note in the code).
     """
     _check_block(block)
     _check(bits, group_size)
@@ -173,6 +174,16 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
         return q
     if group_size & (group_size - 1):
         raise ValueError(f"hadamard_quantize on Triton needs a power-of-two group_size, got {group_size}")
+    if block == 256:
+        # The fused kernel's H_16 (x) H_16 path followed by the regrouping reshape gave wrong
+        # values on an H200 (Triton 3.6) while the standalone transform is right: two passes.
+        from .quant import quantize
+
+        q = quantize(hadamard(x.float(), block=block, normalized=normalized, backend="triton"), bits=bits,
+                     group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
+                     backend="triton")
+        q.dtype = x.dtype
+        return q
     xf = x.reshape(-1).contiguous()
     n = xf.numel()
     shape = _out_shape(x, block)
