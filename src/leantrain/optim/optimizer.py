@@ -64,7 +64,7 @@ class Optimizer(torch.optim.Optimizer):
                     state.update(self.storage.init(self.rule, p))
                 state["step"] += 1
                 signed = self.rule.signed_states
-                tensors = {k: self.storage.read(state, k, k in signed) for k in self.rule.state_names}
+                tensors = {k: self.storage.read(state, k, k in signed, p.shape) for k in self.rule.state_names}
                 p_new, new_state = self.rule.update(p, p.grad, tensors, step=state["step"], **hp)
                 for k, v in new_state.items():
                     self.storage.write(state, k, v, k in signed)

@@ -37,7 +37,7 @@ TILE = 16  # 2-D blocks are TILE x TILE = 256 elements
 FLAT_BLOCK = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def codec(signed: bool) -> StateCodec8:
     """The shared 8-bit codec (dynamic map, blocks of 256) for signed or unsigned state."""
     return StateCodec8(signed=bool(signed), block_size=FLAT_BLOCK)
