@@ -1,0 +1,48 @@
+"""Compressed collectives (``lt.comm``).
+
+- :class:`SDP4Bit`: 4-bit weight-difference all-gather and two-level (8-bit intra-node,
+  4-bit inter-node) Hadamard-smoothed gradient reduce-scatter, for
+  :class:`leantrain.dist.ShardedOptimizer` (``compression=lt.comm.SDP4Bit()``) and, for the
+  gradient half, FSDP2 (:class:`SDP4BitReduceScatter`).
+- ``Int8AllReduceState`` / ``int8_allreduce_hook`` / ``int8_all_reduce``: AGoQ's
+  precision-preserving 8-bit all-reduce and its DDP comm hook (``comm/int8_allreduce.py``).
+- :func:`estimate_time`: alpha-beta model from ledger bytes to seconds.
+- :func:`get_topology`: nodes and intra/inter subgroups of a data-parallel group.
+
+See ``comm/README.md`` for the schemes, bytes per parameter and measured numbers.
+"""
+
+import importlib
+
+from .cost import estimate_time
+from .fsdp import SDP4BitReduceScatter
+from .sdp4bit import NoCompression, Pending, SDP4Bit, bytes_per_element
+from .topology import Topology, get_topology
+
+_LAZY = {
+    "Int8AllReduceState": "int8_allreduce",
+    "int8_allreduce_hook": "int8_allreduce",
+    "int8_all_reduce": "int8_allreduce",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        val = getattr(mod, name)
+        globals()[name] = val
+        return val
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "SDP4Bit",
+    "NoCompression",
+    "Pending",
+    "SDP4BitReduceScatter",
+    "Topology",
+    "get_topology",
+    "estimate_time",
+    "bytes_per_element",
+    *_LAZY,
+]
