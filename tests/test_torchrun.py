@@ -72,3 +72,22 @@ def test_killed_worker_ends_the_job_with_an_error(corpus, tmp_path):
         proc.kill()
         pytest.fail("the job hung after a worker was killed")
     assert rc != 0
+
+
+def test_sharded_optimizer_in_the_trainer_matches_ddp_and_sdp4bit_splits_traffic(corpus, tmp_path):
+    ddp = tmp_path / "ddp"
+    r = subprocess.run([*_torchrun(2), *_args(ddp, corpus, 2, steps=6)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sh = tmp_path / "sharded"
+    r = subprocess.run([*_torchrun(2), *_args(sh, corpus, 2, steps=6), "--dist.mode", "sharded"], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for x, y in zip(_losses(ddp), _losses(sh)):
+        assert abs(x - y) <= 1e-4 * abs(x)
+    q = tmp_path / "sdp4bit"
+    r = subprocess.run([*_torchrun(4), *_args(q, corpus, 1, steps=6), "--dist.mode", "sharded", "--dist.comm", "sdp4bit",
+                        "--dist.intra-node-size", "2"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((q / "summary.json").read_text())
+    assert s["comm"]["by_scope"]["inter"] > 0 and s["comm"]["by_scope"]["intra"] > 0
+    assert all(x == x for x in _losses(q))  # finite

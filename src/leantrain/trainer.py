@@ -159,7 +159,7 @@ class Trainer:
 
             compression = comm.SDP4Bit() if c.dist.comm == "sdp4bit" else None
             return ltdist.ShardedOptimizer(model, rule, intra_node_size=c.dist.intra_node_size or None,
-                                           compression=compression)
+                                           compression=compression, max_grad_norm=c.optim.grad_clip or None)
         self._wrap_ddp()
         if c.agoq.grad_bits == 8:
             from . import agoq
@@ -209,8 +209,11 @@ class Trainer:
             x, y = self.data.batch("train", d.seq_len, d.batch_size, seed=c.train.seed, step=self.step, micro=micro,
                                    rank=self.rank, world=self.world, device=self.device)
             sync = contextlib.nullcontext()
-            if self.ddp is not None and micro < d.grad_accum - 1:
-                sync = self.ddp.no_sync()
+            if micro < d.grad_accum - 1:  # no gradient traffic until the last micro-batch
+                if self.ddp is not None:
+                    sync = self.ddp.no_sync()
+                elif hasattr(self.opt, "no_sync"):
+                    sync = self.opt.no_sync()
             with sync, self._activation_ctx():
                 with meter if (meter is not None and micro == 0) else contextlib.nullcontext():
                     with self._autocast():
@@ -229,15 +232,16 @@ class Trainer:
             dist.all_reduce(t)
             total = t.item() / self.world
         info = {"loss": total}
-        if c.optim.grad_clip > 0 and not c.forge.enabled:
-            if c.dist.mode == "sharded" and hasattr(self.opt, "clip_grad_norm_"):
-                info["grad_norm"] = float(self.opt.clip_grad_norm_(c.optim.grad_clip))
-            else:
-                info["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip))
+        # FORGE clips per layer inside backward (forge.clip); the sharded optimizer clips the
+        # reduced gradient itself (max_grad_norm), since its hooks may already have sent .grad
+        if c.optim.grad_clip > 0 and not c.forge.enabled and c.dist.mode != "sharded":
+            info["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip))
         if measure:
             self.last_memory = MemoryLedger.measure(self.model, self.opt, activations=meter.bytes,
                                                     grad_buffers=self.grad_acc.tensors() if self.grad_acc else ())
         self.opt.step()
+        if getattr(self.opt, "grad_norm", None) is not None:
+            info["grad_norm"] = float(self.opt.grad_norm)
         if measure:  # optimizer state may be created lazily by the first step: count it after
             self.last_memory.optimizer_states = MemoryLedger.measure(self.model, self.opt).optimizer_states
         nonfinite = getattr(self.opt, "last_nonfinite", None)
