@@ -1,0 +1,372 @@
+"""FORGE benchmarks on one CUDA GPU (written for an H200).
+
+    PYTHONPATH=src python3 benchmarks/bench_forge.py --out benchmarks/results [--quick] [--part a|b|all]
+
+(a) One linear layer, shapes of the 1b preset (N x K), T tokens: FORGE's fused dW + AdamW
+    update (fp32 W/m/v, bf16 X/dY) against ``torch.matmul`` (bf16 dYᵀX, cast to fp32) +
+    ``torch.optim.AdamW(fused=True)`` on the materialized gradient; also FORGE's split path
+    (cuBLAS dW into a reused fp32 buffer + the fused update kernel), the measured switch point
+    between the two. Median times from ``triton.testing.do_bench``; bytes moved
+    (X + dY read once, W/m/v read and written) against the HBM floor at the *measured*
+    copy bandwidth of this GPU.
+(b) A whole training step of the ``1b`` preset, T = 1024 tokens per sequence, B sequences:
+    torch AdamW fused with fp32 master weights + bf16 autocast; torch AdamW fused, pure bf16;
+    PyTorch optimizer-in-backward (``register_post_accumulate_grad_hook``, bf16); FORGE fp32
+    (+ autocast); FORGE bf16 weights + SR with fp32 states; FORGE bf16 + SR with int8 states.
+    Each configuration runs in a fresh subprocess (peaks do not mix). Reports peak memory,
+    memory held between steps, peak above it, median step time; OOM is caught and reported.
+
+Writes ``forge_<date>_<gpu>.json`` and ``.md`` into ``--out``. Every configuration is
+guarded: a failure is recorded with its error and the run continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
+
+SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)]
+TOKENS = [512, 1024, 2048, 4096, 16384]
+STEP_CONFIGS = ["torch_fp32_master_autocast", "torch_bf16", "torch_optim_in_backward_bf16", "forge_fp32",
+                "forge_bf16_sr_fp32_states", "forge_bf16_sr_int8_states"]
+BATCHES = [1, 4, 16]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _env() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "python": sys.version.split()[0],
+            "date": _dt.datetime.now().isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    return info
+
+
+def _bandwidth() -> float:
+    """Measured device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
+    import torch
+    from triton.testing import do_bench
+
+    a = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=10, rep=50)
+    return 2 * (1 << 30) / (ms * 1e-3)
+
+
+def _f(x, unit=""):
+    return "" if x is None else f"{x:.3f}{unit}"
+
+
+def _gb(x):
+    return None if x is None else round(x / 2**30, 3)
+
+
+# ----------------------------------------------------------------------------- part (a)
+
+
+def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+    from leantrain.forge.optimizer import _mm_fp32
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    row = {"N": n, "K": k, "T": t}
+    torch.manual_seed(0)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(n, k, device="cuda") * 0.02
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    common = dict(w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
+    buf = torch.empty(n, k, device="cuda")
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+
+    def fused():
+        launch_forge(MODE_FUSED, x=x, dy=dy, **common)
+
+    def split():  # what ForgeOptimizer does from split_tokens on
+        _mm_fp32(dy.t(), x, buf, allow_upcast=True)
+        launch_forge(MODE_UPDATE, g=buf, **common)
+
+    def baseline():
+        p.grad = torch.matmul(dy.t(), x).float()
+        opt.step()
+        p.grad = None
+
+    for name, fn in (("fused", fused), ("split", split), ("torch", baseline)):
+        fn()  # compile + autotune (restore_value keeps W/m/v intact)
+        torch.cuda.synchronize()
+        row[f"{name}_ms"] = do_bench(fn, warmup=5 if quick else 10, rep=20 if quick else 40)
+        try:  # GPU time without host launch overhead (CUDA graph replay)
+            from triton.testing import do_bench_cudagraph
+
+            row[f"{name}_graph_ms"] = do_bench_cudagraph(fn, rep=20 if quick else 40)
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_graph_ms"] = None
+            row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+    nbytes = t * (n + k) * 2 + n * k * 4 * 3 * 2
+    floor_ms = max(nbytes / bw, 2 * t * n * k / 790e12) * 1e3
+    best = min(row["fused_ms"], row["split_ms"])
+    row.update(bytes=nbytes, floor_ms=floor_ms, speedup_fused=row["torch_ms"] / row["fused_ms"],
+               speedup_dispatch=row["torch_ms"] / best,
+               best_path="fused" if row["fused_ms"] <= row["split_ms"] else "split",
+               fused_vs_floor=row["fused_ms"] / floor_ms)
+    if row.get("fused_graph_ms") and row.get("torch_graph_ms"):
+        row["speedup_fused_graph"] = row["torch_graph_ms"] / row["fused_graph_ms"]
+    return row
+
+
+def bench_layer(quick: bool, log) -> dict:
+    import torch
+
+    bw = _bandwidth()
+    log(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s")
+    shapes = SHAPES[:2] if quick else SHAPES
+    tokens = [512, 2048, 16384] if quick else TOKENS
+    rows = []
+    for n, k in shapes:
+        for t in tokens:
+            try:
+                row = _layer_case(n, k, t, bw, quick)
+            except Exception as e:  # noqa: BLE001
+                row = {"N": n, "K": k, "T": t, "error": f"{type(e).__name__}: {e}"}
+                log(traceback.format_exc())
+            torch.cuda.empty_cache()
+            log(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}))
+            rows.append(row)
+    return {"bandwidth_bytes_per_s": bw, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- part (b)
+
+
+def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    """One configuration of the whole-step benchmark (runs in its own process)."""
+    import torch
+
+    import leantrain as lt
+    from leantrain.config import preset
+    from leantrain.model import Llama
+
+    torch.manual_seed(0)
+    cfg = preset("1b").model
+    cfg.max_seq_len = max(cfg.max_seq_len, seq)
+    bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
+                              "forge_bf16_sr_int8_states")
+    with torch.device("cuda"):
+        model = Llama(cfg)
+    if bf16_weights:
+        model = model.to(torch.bfloat16)
+    autocast = not bf16_weights
+    kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = None
+    if config in ("torch_fp32_master_autocast", "torch_bf16"):
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+    elif config == "torch_optim_in_backward_bf16":
+        opts = {p: torch.optim.AdamW([p], fused=True, **kw) for p in model.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+    else:
+        state_dtype = "int8" if config.endswith("int8_states") else "fp32"
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype, stochastic_rounding=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def one_step():
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):  # includes Triton compilation / autotuning (restore_value clones)
+        one_step()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = one_step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    params = sum(p.numel() for p in model.parameters())
+    state_bytes = 0
+    if opt is not None:
+        from leantrain.ledger import count_bytes, tensors_in
+
+        state_bytes = count_bytes(tensors_in(list(opt.state.values())))
+    else:
+        from leantrain.ledger import count_bytes, tensors_in
+
+        state_bytes = count_bytes(tensors_in([o.state for o in opts.values()]))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"status": "ok", "step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
+            "peak_bytes": peak, "held_bytes": held, "above_held_bytes": peak - held,
+            "weight_bytes": weight_bytes, "state_bytes": state_bytes,
+            "persistent_bytes_per_param": (weight_bytes + state_bytes) / params, "params": params,
+            "final_loss": float(loss)}
+
+
+def bench_steps(quick: bool, log, timeout: float, steps: int, warmup: int, only_batches=None) -> list[dict]:
+    out = []
+    batches = [1, 4] if quick else BATCHES
+    batches = only_batches or batches
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+           "TRITON_CACHE_AUTOTUNING": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    for b in batches:
+        for c in STEP_CONFIGS:
+            row = {"config": c, "B": b, "T": 1024}
+            t0 = time.time()
+            try:
+                r = subprocess.run([sys.executable, __file__, "--worker", c, "--batch", str(b), "--steps", str(steps),
+                                    "--warmup", str(warmup)], capture_output=True, text=True, timeout=timeout, env=env)
+                line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+                if line:
+                    row.update(json.loads(line[-1][7:]))
+                else:
+                    row.update(status="error", error=(r.stderr or r.stdout)[-2000:])
+            except subprocess.TimeoutExpired:
+                row.update(status="timeout", error=f"no result within {timeout}s")
+            row["wall_s"] = round(time.time() - t0, 1)
+            log(json.dumps({k: v for k, v in row.items() if k not in ("step_ms_all", "error")})
+                + (f"\n  error: {row['error'][-600:]}" if row.get("error") else ""))
+            out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def markdown(res: dict) -> str:
+    env = res["env"]
+    lines = [f"# FORGE benchmark — {env.get('gpu', '?')}, {env['date']}", "",
+             f"torch {env['torch']}, Triton {env.get('triton')}; command: `{res['command']}`", ""]
+    a = res.get("layer")
+    if a:
+        lines += ["## (a) one linear layer: fused dW + AdamW vs matmul + torch AdamW(fused)",
+                  f"measured copy bandwidth {a['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floor = max(bytes / bandwidth, "
+                  "FLOPs / 790 TFLOP/s); bytes = X + dY once + W, m, v read and written", "",
+                  "Times are do_bench medians (host launch overhead included); 'graph' columns replay a CUDA",
+                  "graph (GPU time only).", "",
+                  "| N×K | T | torch ms | fused ms | split ms | floor ms | torch/fused | torch/best | best path "
+                  "| torch graph ms | fused graph ms | torch/fused (graph) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in a["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | error: {r['error'][:80]} |||||||")
+                continue
+            lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {r['torch_ms']:.3f} | {r['fused_ms']:.3f} | "
+                         f"{r['split_ms']:.3f} | {r['floor_ms']:.3f} | {r['speedup_fused']:.2f}× | "
+                         f"{r['speedup_dispatch']:.2f}× | {r['best_path']} | {_f(r.get('torch_graph_ms'))} | "
+                         f"{_f(r.get('fused_graph_ms'))} | {_f(r.get('speedup_fused_graph'), '×')} |")
+        lines.append("")
+    b = res.get("steps")
+    if b:
+        lines += ["## (b) whole training step, 1b preset, T = 1024", "",
+                  "| config | B | step ms | peak GiB | held GiB | above held GiB | persistent B/param | status |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in b:
+            if r.get("status") != "ok":
+                lines.append(f"| {r['config']} | {r['B']} | | | | | | {r.get('status')} |")
+                continue
+            lines.append(f"| {r['config']} | {r['B']} | {r['step_ms']:.1f} | {_gb(r['peak_bytes'])} | "
+                         f"{_gb(r['held_bytes'])} | {_gb(r['above_held_bytes'])} | "
+                         f"{r['persistent_bytes_per_param']:.2f} | ok |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes, tokens and batch sizes")
+    ap.add_argument("--part", choices=["a", "b", "all"], default="all")
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per whole-step configuration")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="*", help="part (b) batch sizes (default 1 4 16; quick: 1 4)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:  # a subprocess of part (b)
+        import torch
+
+        try:
+            r = step_worker(args.worker, args.batch, 1024, args.steps, args.warmup)
+        except torch.cuda.OutOfMemoryError as e:
+            r = {"status": "oom", "error": str(e)[:500]}
+        except Exception as e:  # noqa: BLE001
+            r = {"status": "error", "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+        print("RESULT " + json.dumps(r), flush=True)
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_forge: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.environ.pop("TRITON_INTERPRET", None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _env()
+    stem = f"forge_{env['date'][:10]}_{env.get('gpu', 'gpu').replace(' ', '-')}"
+
+    def log(msg):
+        print(msg, flush=True)
+
+    res = {"env": env, "command": "PYTHONPATH=src python3 benchmarks/bench_forge.py " + " ".join(argv or sys.argv[1:])}
+    t0 = time.time()
+    if args.part in ("a", "all"):
+        try:
+            res["layer"] = bench_layer(args.quick, log)
+        except Exception as e:  # noqa: BLE001
+            res["layer_error"] = f"{type(e).__name__}: {e}"
+            log(traceback.format_exc())
+        log(f"part (a) done in {time.time() - t0:.0f}s")
+    if args.part in ("b", "all"):
+        res["steps"] = bench_steps(args.quick, log, args.timeout, args.steps, args.warmup, args.batches)
+    res["wall_s"] = round(time.time() - t0, 1)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(markdown(res))
+    log(markdown(res))
+    log(f"wrote {out / (stem + '.json')} and .md in {res['wall_s']}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

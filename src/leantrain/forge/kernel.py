@@ -1,0 +1,375 @@
+"""FORGE's Triton kernel: the weight gradient of a linear layer and the optimizer step, fused.
+
+Math. For ``Y = X Wᵀ (+ b)`` with ``X: [T, K]``, ``dY: [T, N]``, ``W: [N, K]``:
+``dW = dYᵀ X`` and ``db = Σ_t dY``. The rule (SGD with momentum / Nesterov, AdamW, Lion,
+AdamS; :mod:`leantrain.optim.rules`, transcribed operation by operation: same order, fp32,
+no contraction into FMAs except where torch's own ``lerp`` uses one, IEEE ``div_rn`` /
+``sqrt_rn``) maps ``(W, dW, state)`` to ``(W', state')``.
+
+Tiling. One program owns one ``[BLOCK_N, BLOCK_K]`` tile of ``W`` and loops over **all** T
+tokens in steps of ``BLOCK_T`` (``acc += dY_tᵀ X_t``, fp32 accumulator; no split over tokens:
+a dW tile is only a gradient after the whole sum). Programs with ``pid_k == 0`` also sum
+``dY`` over tokens for the bias rows of their tile. The epilogue then loads the tile's
+``W`` (fp32 or bf16), its state (fp32, bf16, or uint8 codes + one absmax per 16 x 16 block:
+tiles are multiples of 16, so they own whole 8-bit blocks and requantize on their own),
+applies the rule in registers and stores ``W`` (fp32; bf16 rounded stochastically with the
+counter-based hash of :mod:`leantrain.ops.rng` keyed by (seed, element index), or to
+nearest) and the state. The gradient tile is never written to memory.
+
+Modes (``MODE``): 0 fused dW + update; 1 write dW (and db) to ``G`` instead of updating (the
+same accumulation, for bit-exact tests and for paths that must reduce dW first); 2 update
+from a materialized gradient ``G`` (after a data-parallel all-reduce, a per-layer norm clip,
+or a cuBLAS dW for large T): the same epilogue without the token loop.
+
+Every program also writes the sum of squares of its (unscaled) gradient tile to
+``PART[pid]``: the layer's gradient norm (clipping by the previous step's global norm,
+metrics) and its non-finite flag. A tile whose sum of squares is not finite (NaN/Inf in
+its gradient, or a sum of squares that overflows fp32) stores nothing: its W and state
+keep their old bits. Other tiles of the same layer are updated (see forge/README.md).
+
+Bytes per tile (fused mode): reads ``T·(BLOCK_N + BLOCK_K)·sizeof(x)`` of dY and X, then
+``BLOCK_N·BLOCK_K·(sizeof(W) + Σ sizeof(state))`` read and written once (fp32 AdamW: 12 B
+read + 12 B written per weight element; bf16 W + int8 states: 4 B + 4/256 B each way).
+Layer total: ``T·(N·⌈K/BK⌉ + K·⌈N/BN⌉)·sizeof(x)`` (X and dY are re-read by every tile row
+/ column; L2 absorbs most of it) plus the W/state traffic; no dW write or read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from leantrain.ops._backend import HAS_TRITON, launch
+
+RULE_IDS = {"sgd": 0, "adamw": 1, "lion": 2, "adams": 3}
+STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2}
+MODE_FUSED, MODE_WRITE_DW, MODE_UPDATE = 0, 1, 2
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from leantrain.ops.rng import hash_u32_tl
+    from leantrain.ops.sr import sr_bf16
+    from leantrain.ops.state8 import state8_decode, state8_encode
+
+    @triton.jit
+    def _rtn_bf16(x):
+        """fp32 -> bf16, round to nearest even, in integer ops (the interpreter's cast truncates)."""
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
+        y = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
+        return y.to(tl.bfloat16)
+
+    @triton.jit
+    def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, am_offs, mask, KIND: tl.constexpr):
+        if KIND == 2:
+            code = tl.load(ptr + code_offs, mask=mask, other=0)
+            am = tl.load(am_ptr + am_offs, mask=mask, other=0.0)
+            return state8_decode(code, am, qmap_ptr)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        if KIND == 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
+            x = tl.where(mask, x, 0.0)
+            a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
+            am = tl.max(tl.max(a4, axis=3), axis=1)  # [BN/16, BK/16]
+            amf = tl.reshape(tl.broadcast_to(am[:, None, :, None], [BN // 16, 16, BK // 16, 16]), [BN, BK])
+            inv = tl.where(amf > 0, tl.div_rn(tl.zeros_like(amf) + 1.0, tl.where(amf > 0, amf, 1.0)), 0.0)
+            code = state8_encode(x * inv, qmap_ptr)
+            tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
+            any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
+            am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
+            tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
+        elif KIND == 1:
+            tl.store(ptr + offs, _rtn_bf16(x), mask=mask)
+        else:
+            tl.store(ptr + offs, x, mask=mask)
+
+    @triton.jit
+    def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
+              RULE: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
+              LERP_SMALL: tl.constexpr):
+        """One element-wise rule in fp32, in the exact operation order of rules.py."""
+        p = w
+        if HAS_DECAY:
+            p = w * decay
+        if RULE == 0:  # SGD
+            if HAS_MOM:
+                s1 = s1 * mom + g
+                if NESTEROV:
+                    d = g + mom * s1
+                else:
+                    d = s1
+            else:
+                d = g
+            p = p - lr * d
+        elif RULE == 1:  # AdamW (torch.lerp: fma(w, end - self, self) / fma(-(end - self), 1 - w, end))
+            if LERP_SMALL:
+                s1 = tl.fma(omb1 + tl.zeros_like(g), g - s1, s1)
+            else:
+                s1 = tl.fma(-(g - s1), lerp_c + tl.zeros_like(g), g)
+            s2 = s2 * b2 + omb2 * g * g
+            denom = tl.div_rn(tl.sqrt_rn(s2), bc2_sqrt + tl.zeros_like(g)) + eps
+            p = p - step_size * tl.div_rn(s1, denom)
+        elif RULE == 2:  # Lion
+            c = b1 * s1 + omb1 * g
+            sgn = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+            p = p - lr * sgn
+            s1 = b2 * s1 + omb2 * g
+        else:  # AdamS
+            m = b1 * s1 + omb1 * g
+            v = b2 * s1 * s1 + omb2 * g * g
+            p = p - lr * tl.div_rn(m, tl.sqrt_rn(v) + eps)
+            s1 = m
+        return p, s1, s2
+
+    @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
+                                   "omb2", "lerp_c", "eps", "mom"])
+    def _forge_kernel(
+        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE,
+        T, N, K, stride_x, stride_dy,
+        lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+        MODE: tl.constexpr, RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
+        NSTATE: tl.constexpr, W_BF16: tl.constexpr, SR: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr,
+        HAS_SCALE: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        num_k = tl.cdiv(K, BLOCK_K)
+        # grouped ordering: GROUP_N consecutive row blocks share each X column block in L2
+        per_group = GROUP_N * num_k
+        first_n = (pid // per_group) * GROUP_N
+        gsize = tl.minimum(num_n - first_n, GROUP_N)
+        pid_n = first_n + ((pid % per_group) % gsize)
+        pid_k = (pid % per_group) // gsize
+
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mn = offs_n < N
+        mk = offs_k < K
+        mask = mn[:, None] & mk[None, :]
+        offs = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        bias_here = (tl.zeros([BLOCK_N], dtype=tl.int32) + pid_k) == 0  # a tensor: the interpreter
+        # cannot combine scalar and tensor booleans
+
+        if MODE == 2:
+            acc = tl.load(G + offs, mask=mask, other=0.0)
+            if HAS_BIAS:
+                accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            accb = tl.zeros([BLOCK_N], dtype=tl.float32)
+            offs_t = tl.arange(0, BLOCK_T)
+            for t0 in range(0, T, BLOCK_T):
+                t = t0 + offs_t
+                mt = t < T
+                dy = tl.load(DY + t[:, None].to(tl.int64) * stride_dy + offs_n[None, :],
+                             mask=mt[:, None] & mn[None, :], other=0.0)
+                x = tl.load(X + t[:, None].to(tl.int64) * stride_x + offs_k[None, :],
+                            mask=mt[:, None] & mk[None, :], other=0.0)
+                acc = tl.dot(tl.trans(dy), x, acc, input_precision=PREC)
+                if HAS_BIAS:
+                    accb += tl.sum(dy.to(tl.float32), axis=0)
+
+        # per-tile sum of squares: the layer norm and the non-finite flag
+        ss = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+        if HAS_BIAS:
+            ss += tl.sum(tl.where(mn & bias_here, accb * accb, 0.0), axis=0)
+        tl.store(PART + pid, ss)
+        ok = tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + ss) < float("inf")  # finite tile
+
+        if MODE == 1:
+            tl.store(G + offs, acc, mask=mask)
+            if HAS_BIAS:
+                tl.store(GB + offs_n, accb, mask=mn & bias_here)
+        else:
+            smask = mask & ok
+            g = acc
+            if HAS_SCALE:
+                g = g * tl.load(SCALE)
+            blk_n = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+            blk_k = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+            kb = tl.cdiv(K, 16)
+            nb = tl.cdiv(N, 16)
+            am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
+            code_offs = am_offs.to(tl.int64) * 256 + (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
+            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.zeros_like(g)
+            s2 = tl.zeros_like(g)
+            if NSTATE >= 1:
+                s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
+            if NSTATE >= 2:
+                s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
+            p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
+                              RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+            if W_BF16:
+                if SR:
+                    tl.store(W + offs, sr_bf16(p, hash_u32_tl(key, offs)), mask=smask)
+                else:
+                    tl.store(W + offs, _rtn_bf16(p), mask=smask)
+            else:
+                tl.store(W + offs, p, mask=smask)
+            if NSTATE >= 1:
+                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K)
+            if NSTATE >= 2:
+                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K)
+            if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
+                bmask = mn & bias_here & (tl.max(ok.to(tl.int32), axis=1) > 0)
+                gb = accb
+                if HAS_SCALE:
+                    gb = gb * tl.load(SCALE)
+                wb = tl.load(B + offs_n, mask=bmask, other=0.0).to(tl.float32)
+                t1 = tl.zeros_like(gb)
+                t2 = tl.zeros_like(gb)
+                if NSTATE >= 1:
+                    t1 = tl.load(BS1 + offs_n, mask=bmask, other=0.0)
+                if NSTATE >= 2:
+                    t2 = tl.load(BS2 + offs_n, mask=bmask, other=0.0)
+                pb, t1, t2 = _rule(wb, gb, t1, t2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
+                                   eps, mom, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+                if W_BF16:
+                    if SR:
+                        tl.store(B + offs_n, sr_bf16(pb, hash_u32_tl(key, offs_n.to(tl.int64) + N * K)), mask=bmask)
+                    else:
+                        tl.store(B + offs_n, _rtn_bf16(pb), mask=bmask)
+                else:
+                    tl.store(B + offs_n, pb, mask=bmask)
+                if NSTATE >= 1:
+                    tl.store(BS1 + offs_n, t1, mask=bmask)
+                if NSTATE >= 2:
+                    tl.store(BS2 + offs_n, t2, mask=bmask)
+
+    # -------------------------------------------------------------- tile configurations (H200)
+    # research/forge.md §8: 64x64 tiles at 4 warps win at T <= 1024; 128x128x32 at 8 warps at
+    # T = 16384; 128x128 at 4 warps spills. The autotuner picks per (N, K, T) and mode.
+    def _cfg(bn, bk, bt, w, s):
+        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8}, num_warps=w, num_stages=s)
+
+    TUNE_CONFIGS = [
+        _cfg(64, 64, 64, 4, 3), _cfg(64, 64, 32, 4, 4),
+        _cfg(64, 128, 32, 8, 3), _cfg(128, 64, 32, 8, 3), _cfg(128, 128, 32, 8, 3),
+    ]
+    UPDATE_CONFIGS = [_cfg(64, 64, 16, 4, 1), _cfg(64, 128, 16, 8, 1), _cfg(128, 128, 16, 8, 1)]
+    _RESTORE = ["W", "B", "S1", "S2", "A1", "A2", "BS1", "BS2"]
+    _KEY = ["N", "K", "T", "MODE", "RULE", "KIND1", "KIND2", "NSTATE", "W_BF16", "HAS_BIAS"]
+
+    def _prune(configs, named_args, **kw):
+        def arg(name, default=0):
+            return named_args.get(name, kw.get(name, default))
+
+        mode = arg("MODE")
+        out = [c for c in configs if (c.kwargs["BLOCK_T"] == 16) == (mode == 2)]
+        if 2 in (arg("KIND1"), arg("KIND2")):  # 8-bit epilogue: 64 x 64 tiles (compile time, registers)
+            out = [c for c in out if c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 64] or out
+        return out
+
+    _forge_kernel_tuned = triton.autotune(
+        configs=TUNE_CONFIGS + UPDATE_CONFIGS, key=_KEY, restore_value=_RESTORE,
+        prune_configs_by={"early_config_prune": _prune},
+    )(_forge_kernel)
+
+
+def _interp_config(mode: int) -> dict:
+    return {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}
+
+
+FIXED_CONFIG_ENV = "LEANTRAIN_FORGE_TILE"  # e.g. "64,64,64,4,3": skip autotuning
+
+
+def _fixed_config():
+    v = os.environ.get(FIXED_CONFIG_ENV)
+    if not v:
+        return None
+    bn, bk, bt, w, s = (int(x) for x in v.split(","))
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "num_warps": w, "num_stages": s}
+
+
+def rule_scalars(rule_name: str, hp: dict, step: int) -> dict:
+    """Host-side scalars of the epilogue (computed as torch would: doubles, cast to fp32 in-kernel)."""
+    lr = float(hp["lr"])
+    wd = float(hp.get("weight_decay", 0.0))
+    b1, b2 = (float(x) for x in hp.get("betas", (0.0, 0.0)))
+    out = dict(lr=lr, decay=1.0 - lr * wd, step_size=lr, bc2_sqrt=1.0, b1=b1, b2=b2, omb1=1.0 - b1,
+               omb2=1.0 - b2, lerp_c=0.0, eps=float(hp.get("eps", 0.0)), mom=float(hp.get("momentum", 0.0)),
+               HAS_DECAY=wd != 0.0, HAS_MOM=float(hp.get("momentum", 0.0)) > 0.0,
+               NESTEROV=bool(hp.get("nesterov", False)), LERP_SMALL=True)
+    if rule_name == "adamw":
+        out["step_size"] = lr / (1.0 - b1**step)
+        out["bc2_sqrt"] = (1.0 - b2**step) ** 0.5
+        w32 = np.float32(1.0 - b1)
+        out["LERP_SMALL"] = bool(abs(w32) < 0.5)
+        out["lerp_c"] = float(np.float32(1.0) - w32)
+    return out
+
+
+def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
+                 qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
+                 sr=True, key=0, tune=None):
+    """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
+
+    ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
+    ``states`` the stored state tensors of W (codes ``[RB, CB, 16, 16]`` for int8) and ``kinds``
+    their kinds (``"fp32" | "bf16" | "int8"``);
+    ``qtables`` one ``(qmap, absmax)`` per int8 state (None otherwise); ``bias_states`` fp32 tensors. ``g``/``gb``: dW/db (written in mode 1, read in mode 2).
+    ``scale``: optional fp32 scalar tensor multiplied into the gradient before the rule.
+    """
+    N, K = (w.shape if w is not None else g.shape)
+    T = x.shape[0] if x is not None else 0
+    dev = (w if w is not None else g).device
+    from leantrain.ops._backend import interpreting
+
+    if mode != MODE_UPDATE:
+        assert x.stride(-1) == 1 and dy.stride(-1) == 1 and x.dtype == dy.dtype
+        if interpreting() and x.dtype != torch.float32:  # the interpreter's tl.dot is wrong on bf16
+            x, dy = x.float(), dy.float()  # exact: same products, fp32 accumulation
+    hp = hp or {}
+    sc = rule_scalars(rule_name, hp, step) if mode != MODE_WRITE_DW else rule_scalars("sgd", {"lr": 0.0}, 1)
+    flags = {k: sc.pop(k) for k in ("HAS_DECAY", "HAS_MOM", "NESTEROV", "LERP_SMALL")}
+    nstate = len(states)
+    dummy = w if w is not None else g
+    s = list(states) + [dummy] * (2 - nstate)
+    bs = list(bias_states) + [dummy] * (2 - len(bias_states))
+    kinds = list(kinds) + ["fp32"] * (2 - len(kinds))
+    tabs = []
+    for i in range(2):
+        if kinds[i] == "int8":
+            tabs.append(qtables[i])
+        else:
+            tabs.append((dummy, dummy))
+    prec = "ieee" if (x is None or x.dtype == torch.float32) else "tf32"
+    args = (x if x is not None else dummy, dy if dy is not None else dummy, w if w is not None else dummy,
+            b if b is not None else dummy, s[0], s[1], tabs[0][1], tabs[1][1], bs[0], bs[1],
+            tabs[0][0], tabs[1][0], g if g is not None else dummy,
+            gb if gb is not None else dummy)
+    meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=STATE_KIND[kinds[0]], KIND2=STATE_KIND[kinds[1]],
+                NSTATE=nstate, W_BF16=(w is not None and w.dtype == torch.bfloat16), SR=bool(sr),
+                HAS_BIAS=(b is not None if mode != MODE_WRITE_DW else gb is not None),
+                HAS_SCALE=scale is not None, PREC=prec, **flags)
+    strides = (x.stride(0) if x is not None else 0, dy.stride(0) if dy is not None else 0)
+    scalars = (sc["lr"], sc["decay"], sc["step_size"], sc["bc2_sqrt"], sc["b1"], sc["b2"], sc["omb1"],
+               sc["omb2"], sc["lerp_c"], sc["eps"], sc["mom"], int(key))
+    cfg = _interp_config(mode) if (interpreting() or not dev.type == "cuda") else (tune or _fixed_config())
+    if cfg is not None:
+        cfg = dict(cfg)
+        grid_n, grid_k = triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["BLOCK_K"])
+        part = torch.empty(grid_n * grid_k, dtype=torch.float32, device=dev)
+        launch(_forge_kernel, (grid_n * grid_k,), *args, part, scale if scale is not None else part,
+               T, N, K, *strides, *scalars, **meta, **cfg)
+        return part
+    # autotuned: size PART for the smallest tile (64 x 64) and report only the launched tiles
+    part = torch.full((triton.cdiv(N, 64) * triton.cdiv(K, 64),), 0.0, dtype=torch.float32, device=dev)
+    launch(_forge_kernel_tuned, lambda m: (triton.cdiv(N, m["BLOCK_N"]) * triton.cdiv(K, m["BLOCK_K"]),),
+           *args, part, scale if scale is not None else part, T, N, K, *strides, *scalars, **meta)
+    return part
+
+
+__all__ = ["launch_forge", "rule_scalars", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE", "RULE_IDS"]

@@ -1,0 +1,118 @@
+"""The FORGE linear: an autograd Function whose backward computes dX and then updates W.
+
+``forward`` saves its input (and the weight) with ``ctx.save_for_backward`` so
+``saved_tensors_hooks`` (the memory ledger, AGoQ) see every saved tensor. ``backward``
+computes ``dX = dY W`` with the *old* W first, then hands ``(X, dY)`` to
+:meth:`ForgeOptimizer._update_layer`, which applies the optimizer step to W (and the bias)
+from ``dW = dYᵀ X`` without keeping ``dW``: the fused Triton kernel never writes it; the
+torch backend computes it, consumes it and drops it before the next layer's backward.
+The weight's gradient returned to autograd is ``None``: nothing accumulates in ``.grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(eq=False)
+class ForgeLayer:
+    """One fused layer: its module, fused parameters and bookkeeping (no tensors of its own)."""
+
+    name: str
+    module: nn.Module
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    index: int  # position among all params of the optimizer (stochastic-rounding stream)
+    group_index: int = 0
+    tp_group: object = None  # the weight is a tensor-parallel shard (norm sums need a TP all-reduce)
+    updated_in: int = -1  # optimizer step id of the last update (gradient accumulation guard)
+    opt: object = field(default=None, repr=False)
+
+
+def _autocast_dtype(device_type: str):
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # very old torch: no per-device query
+        pass
+    return None
+
+
+class ForgeLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, layer: ForgeLayer) -> Tensor:
+        cdt = _autocast_dtype(x.device.type)
+        if cdt is not None and x.dtype != cdt:
+            x = x.to(cdt)
+        with torch.autocast(x.device.type, enabled=False):
+            wc = weight.to(x.dtype)
+            y = F.linear(x, wc, None if bias is None else bias.to(x.dtype))
+        ctx.layer = layer
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        layer: ForgeLayer = ctx.layer
+        if dy.dtype != x.dtype:
+            dy = dy.to(x.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight.to(dy.dtype))  # old W: before the update below
+        layer.opt._update_layer(layer, x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
+        return dx, None, None, None
+
+
+def forge_linear(layer: ForgeLayer, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` whose backward updates ``weight`` (and ``bias``) in place."""
+    if weight is not layer.weight:
+        raise RuntimeError(f"FORGE: layer {layer.name!r} was called with a weight it was not attached to")
+    if not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return ForgeLinearFn.apply(x, weight, bias, layer)
+
+
+class _LinearForward:
+    """Replacement ``forward`` of a plain ``nn.Linear`` (an instance attribute; detach deletes it)."""
+
+    def __init__(self, layer: ForgeLayer):
+        self.layer = layer
+
+    def __call__(self, x: Tensor) -> Tensor:
+        m = self.layer.module
+        return forge_linear(self.layer, x, m.weight, m.bias)
+
+
+class _LinearFn:
+    """Replacement ``linear_fn(x, weight, bias)`` of modules that expose one (``lt.dist.tp``)."""
+
+    def __init__(self, layer: ForgeLayer):
+        self.layer = layer
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if bias is not None and bias is not self.layer.bias:
+            raise RuntimeError(f"FORGE: layer {self.layer.name!r} got a bias it does not update")
+        return forge_linear(self.layer, x, weight, bias)
+
+
+def patch(layer: ForgeLayer) -> None:
+    m = layer.module
+    if hasattr(type(m), "linear_fn"):
+        m.linear_fn = _LinearFn(layer)
+    else:
+        m.forward = _LinearForward(layer)
+    m._forge_layer = layer
+
+
+def unpatch(m: nn.Module) -> None:
+    for attr in ("linear_fn", "forward", "_forge_layer"):
+        if attr in m.__dict__:
+            delattr(m, attr)
+
+
+__all__ = ["ForgeLayer", "ForgeLinearFn", "forge_linear", "patch", "unpatch"]

@@ -1,0 +1,467 @@
+"""``lt.forge.attach`` / ``detach`` and ``ForgeOptimizer``: the optimizer step inside backward.
+
+``attach(model, rule)`` swaps the forward of every ``nn.Linear`` (and every module exposing a
+``linear_fn``, e.g. ``lt.dist.tp`` layers) for :class:`leantrain.forge.linear.ForgeLinearFn`
+and returns a :class:`ForgeOptimizer`. During ``loss.backward()`` each layer's weight (and
+bias) is updated as soon as its ``dY`` is known; ``opt.step()`` then steps the remaining
+parameters (norms, embeddings, tied weights, non-fused biases) with the same rule from
+their ``.grad`` and closes the step (norm for ``clip="prev_global"``, non-finite report).
+
+Per layer, in backward (``_update_layer``):
+1. gradient-accumulation guard (a layer updated twice before ``step()`` is an error);
+2. dW: fused into the Triton kernel's tile loop (nothing materialized), or, when it must be
+   seen whole first (data parallel all-reduce, ``clip="layer"``, the torch backend, or
+   T >= ``split_tokens`` on CUDA where cuBLAS wins), computed into one reused fp32
+   workspace (bounded by the largest layer), reduced, clipped, consumed, released;
+3. the rule, on the layer's own step count (bias correction), lr and hyper-parameters read
+   from ``param_groups`` at that moment (so LR schedulers work);
+4. a non-finite gradient leaves the layer (torch backend) or the tile (Triton) untouched.
+No host synchronization: flags and norms stay on the device until someone reads
+``last_nonfinite`` / ``last_grad_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from leantrain import collectives
+from leantrain.optim.rules import Rule
+from leantrain.optim.state import StateStorage, qmap_on
+
+from .linear import ForgeLayer, patch, unpatch
+
+CLIPS = ("none", "layer", "prev_global")
+_CLIP_EPS = 1e-6
+
+
+def _check_clip(clip: str, clip_value: float) -> None:
+    if clip in ("global", "norm", "global_norm"):
+        raise ValueError(
+            "FORGE updates each layer inside backward, before the global gradient norm exists, so "
+            "clipping by the global norm is impossible. Use clip='layer' (each layer's gradient "
+            "clipped to norm clip_value on its own) or clip='prev_global' (every gradient scaled by "
+            "min(1, clip_value / previous step's global norm)), or the unfused lt.optim.Optimizer "
+            "with torch.nn.utils.clip_grad_norm_."
+        )
+    if clip not in CLIPS:
+        raise ValueError(f"clip must be one of {CLIPS}, got {clip!r}")
+    if clip != "none" and not (clip_value > 0 and math.isfinite(clip_value)):
+        raise ValueError(f"clip_value must be a finite number > 0, got {clip_value}")
+
+
+class _Workspace:
+    """One reused fp32 buffer for a materialized dW (+ db): grows to the largest layer."""
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+
+    def get(self, numel: int, device) -> Tensor:
+        if self.buf is None or self.buf.numel() < numel or self.buf.device != torch.device(device):
+            self.buf = None
+            self.buf = torch.empty(numel, dtype=torch.float32, device=device)
+        return self.buf[:numel]
+
+    def release(self) -> None:
+        self.buf = None
+
+
+_OUT_DTYPE_OK = [True]
+
+
+def _mm_fp32(a: Tensor, b: Tensor, out: Tensor, allow_upcast: bool) -> bool:
+    """``out = a @ b`` with an fp32 result (bf16 inputs: fp32 accumulation, never rounded to bf16).
+
+    Returns False when that needs an upcast copy and ``allow_upcast`` is off.
+    """
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+        return True
+    if a.is_cuda and _OUT_DTYPE_OK[0]:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            return True
+        except (TypeError, RuntimeError):
+            _OUT_DTYPE_OK[0] = False
+    if not allow_upcast:
+        return False
+    torch.mm(a.float(), b.float(), out=out)
+    return True
+
+
+class ForgeOptimizer(torch.optim.Optimizer):
+    """Returned by :func:`attach`; see the module docstring. Not built directly."""
+
+    def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
+                 backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=4096, seed=0):
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
+        _check_clip(clip, clip_value)
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if getattr(model, "_forge_optimizer", None) is not None:
+            raise RuntimeError("FORGE is already attached to this model; call lt.forge.detach(model) first")
+        self.rule = rule
+        self.storage = StateStorage(state_dtype)
+        self.stochastic_rounding = stochastic_rounding
+        self.backend = backend
+        self.clip, self.clip_value = clip, float(clip_value)
+        self.split_tokens = split_tokens
+        self.seed = int(seed)
+        self._workspace = _Workspace()
+        self._step_id = 0
+        self._pending_sumsq: list[tuple[ForgeLayer | None, Tensor]] = []
+        self._last_flags: list[tuple[str, Tensor]] = []
+        self._last_norm: Tensor | None = None
+        self._clip_scale: Tensor | None = None  # prev_global: min(1, c / previous global norm)
+
+        layers, fused, others = _find_layers(model)
+        params = fused + others
+        if not params:
+            raise ValueError("FORGE: the model has no trainable parameters")
+        super().__init__(params, rule.hyper())
+        self.model = model
+        index = {p: i for i, p in enumerate(params)}
+        self.param_index = index
+        self._group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self.layers = layers
+        for layer in layers:
+            layer.index, layer.opt = index[layer.weight], self
+            layer.tp_group = getattr(layer.module, "tp_group", None)
+        self.has_tp = any(layer.tp_group is not None for layer in layers)
+        self.dp_group = self._resolve_dp(dp_group)
+        for layer in layers:
+            patch(layer)
+        model._forge_optimizer = self
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _resolve_dp(self, dp_group):
+        if dp_group is False:
+            return None
+        if dp_group is not None:
+            return dp_group if collectives.world_size(dp_group) > 1 else None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if self.has_tp:  # tensor parallel: the whole world is not the data-parallel group
+            return None
+        return dist.group.WORLD
+
+    def _backend_for(self, t: Tensor) -> str:
+        from leantrain.ops._backend import resolve
+
+        return resolve(self.backend, t)
+
+    def _init_state(self, p: Tensor, fp32: bool = False) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state.update(self.storage.init(self.rule, p, force_fp32=fp32))
+        return state
+
+    def _hp(self, p: Tensor) -> dict:
+        group = self.param_groups[self._group_of[id(p)]]  # read now: LR schedulers change it
+        return {k: v for k, v in group.items() if k != "params"}
+
+    def _seed(self, index: int, step: int) -> int:
+        return (self.seed * 0x9E3779B1 + index * 0x10001 + step * 0x5BD1E995) & 0xFFFFFFFFFFFF
+
+    # ------------------------------------------------------------------ the per-layer update
+
+    @torch.no_grad()
+    def _update_layer(self, layer: ForgeLayer, x2: Tensor, dy2: Tensor) -> None:
+        if layer.updated_in == self._step_id:
+            raise RuntimeError(
+                f"FORGE: layer {layer.name!r} got a second gradient before opt.step(). FORGE applies the "
+                "update inside backward, and the rules are not additive in the gradient (Adam, Lion, "
+                "momentum), so gradient accumulation over micro-batches is not supported: use one larger "
+                "micro-batch, call opt.step() after every backward, or train with lt.optim.Optimizer."
+            )
+        layer.updated_in = self._step_id
+        w, b = layer.weight, layer.bias
+        hp = self._hp(w)
+        sw = self._init_state(w)
+        sw["step"] += 1
+        step = sw["step"]
+        sb = None
+        if b is not None:
+            sb = self._init_state(b, fp32=True)
+            sb["step"] = step
+        backend = self._backend_for(w)
+        materialize = (backend == "torch" or self.dp_group is not None or self.clip == "layer"
+                       or (w.is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
+        if backend == "triton":
+            self._update_triton(layer, x2, dy2, hp, sw, sb, step, materialize)
+        else:
+            self._update_torch(layer, x2, dy2, hp, sw, sb, step)
+
+    def _materialize(self, layer, x2, dy2, backend):
+        """dW (and db) of one layer in the reused workspace, reduced over the DP group."""
+        w, b = layer.weight, layer.bias
+        n, k = w.shape
+        buf = self._workspace.get(n * k + (n if b is not None else 0), w.device)
+        g = buf[: n * k].view(n, k)
+        gb = buf[n * k:] if b is not None else None
+        done = False
+        if backend == "torch" or x2.is_cuda:  # cuBLAS (or CPU BLAS)
+            done = _mm_fp32(dy2.t(), x2, g, allow_upcast=backend == "torch")
+            if done and gb is not None:
+                torch.sum(dy2, 0, dtype=torch.float32, out=gb)
+        if not done:  # the kernel in "write dW" mode: fp32 accumulation, no upcast copies
+            from .kernel import MODE_WRITE_DW, launch_forge
+
+            launch_forge(MODE_WRITE_DW, x=x2.contiguous(), dy=dy2.contiguous(), g=g, gb=gb)
+        if self.dp_group is not None:
+            collectives.all_reduce(buf, group=self.dp_group)
+            buf.div_(collectives.world_size(self.dp_group))
+        return buf, g, gb
+
+    def _scale_for(self, sumsq: Tensor) -> Tensor | None:
+        if self.clip == "layer":
+            return torch.clamp(self.clip_value / (sumsq.sqrt() + _CLIP_EPS), max=1.0)
+        if self.clip == "prev_global":
+            return self._clip_scale
+        return None
+
+    def _update_torch(self, layer, x2, dy2, hp, sw, sb, step):
+        w, b = layer.weight, layer.bias
+        buf, g, gb = self._materialize(layer, x2, dy2, "torch")
+        sumsq = buf.square().sum() if buf.numel() else buf.new_zeros(())
+        self._pending_sumsq.append((layer, sumsq))
+        bad = ~torch.isfinite(sumsq)
+        scale = self._scale_for(sumsq)
+        if scale is not None:
+            buf.mul_(scale)
+        self._apply_rule(w, g, sw, hp, step, layer.index, bad)
+        if b is not None:
+            self._apply_rule(b, gb, sb, hp, step, layer.index, bad, sr_offset=w.numel())
+        del buf, g, gb
+
+    def _apply_rule(self, p, g, state, hp, step, index, bad, sr_offset=0):
+        signed = self.rule.signed_states
+        tensors = {k: self.storage.read(state, k, k in signed, p.shape) for k in self.rule.state_names}
+        p_new, new_state = self.rule.update(p, g, tensors, step=step, **hp)
+        for k, v in new_state.items():
+            self.storage.write(state, k, v, k in signed, keep_old=bad)
+        if p.dtype == torch.bfloat16 and self.stochastic_rounding:
+            from leantrain.ops.sr import bf16_stochastic_round
+
+            v = bf16_stochastic_round(p_new.contiguous(), seed=self._seed(index, step), offset=sr_offset,
+                                      backend="torch" if not p.is_cuda else "auto")
+        else:
+            v = p_new.to(p.dtype)
+        p.copy_(torch.where(bad, p, v))
+
+    def _update_triton(self, layer, x2, dy2, hp, sw, sb, step, materialize):
+        from leantrain.ops.rng import kernel_key
+
+        from .kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+
+        w, b = layer.weight, layer.bias
+        names = self.rule.state_names
+        states = [sw[k] for k in names]
+        kinds = [self.storage.kind_of(sw, k) for k in names]
+        qt = []
+        for k, kind in zip(names, kinds):
+            if kind == "int8":
+                qt.append((qmap_on(k in self.rule.signed_states, w.device), sw[k + "_absmax"]))
+            else:
+                qt.append(None)
+        bstates = [sb[k] for k in names] if b is not None else []
+        common = dict(w=w, b=b, states=states, bias_states=bstates, kinds=kinds, qtables=qt,
+                      rule_name=self.rule.name, hp=hp, step=step, sr=self.stochastic_rounding,
+                      key=kernel_key(self._seed(layer.index, step)))
+        if materialize:
+            buf, g, gb = self._materialize(layer, x2, dy2, "triton")
+            sumsq = buf.square().sum()
+            scale = self._scale_for(sumsq)
+            launch_forge(MODE_UPDATE, g=g, gb=gb, scale=scale, **common)
+            del buf, g, gb
+        else:
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
+            part = launch_forge(MODE_FUSED, x=x2, dy=dy2, scale=self._scale_for(None), **common)
+            sumsq = part.sum()
+        self._pending_sumsq.append((layer, sumsq))
+        torch.autograd.graph.increment_version(w)
+        if b is not None:
+            torch.autograd.graph.increment_version(b)
+
+    # ------------------------------------------------------------------ step: the other parameters
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        fused = {id(layer.weight) for layer in self.layers} | {id(layer.bias) for layer in self.layers if layer.bias is not None}
+        rest = [p for g in self.param_groups for p in g["params"] if id(p) not in fused and p.grad is not None]
+        self._reduce_grads(rest)
+        sums: list[tuple[str, Tensor]] = []
+        tp_sums: list[Tensor] = []
+        for layer, s in self._pending_sumsq:
+            sums.append((layer.name, s))
+            if layer.tp_group is not None:
+                tp_sums.append(s)
+        names = {p: n for n, p in self.model.named_parameters()}
+        for p in rest:
+            if p.grad.is_sparse:
+                raise RuntimeError("FORGE does not support sparse gradients")
+            g = p.grad.float()
+            s = g.square().sum()
+            sums.append((names.get(p, "?"), s))
+            bad = ~torch.isfinite(s)
+            scale = self._scale_for(s)
+            if scale is not None:
+                g = g * scale
+            state = self._init_state(p)
+            state["step"] += 1
+            self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], bad)
+        self._last_flags = [(n, ~torch.isfinite(s)) for n, s in sums]
+        if sums:
+            total = torch.stack([s for _, s in sums]).sum()
+            if tp_sums and self.clip == "prev_global":  # TP shards: add the other ranks' shards once
+                group = next(layer.tp_group for layer in self.layers if layer.tp_group is not None)
+                extra = torch.stack(tp_sums).sum()
+                shard = extra.clone()
+                collectives.all_reduce(extra, group=group)
+                total = total + extra - shard
+            self._last_norm = total.sqrt()
+            if self.clip == "prev_global":
+                ok = torch.isfinite(self._last_norm)
+                new = torch.clamp(self.clip_value / (self._last_norm + _CLIP_EPS), max=1.0)
+                old = self._clip_scale if self._clip_scale is not None else torch.ones_like(new)
+                self._clip_scale = torch.where(ok, new, old)  # a non-finite step keeps the old scale
+        self._pending_sumsq = []
+        self._workspace.release()
+        self._step_id += 1
+        return loss
+
+    def _reduce_grads(self, params: list[Tensor]) -> None:
+        """Average non-fused grads over DP; sum sequence-parallel partial grads over their TP group."""
+        sp = [p for p in params if getattr(p, "_lt_sp_group", None) is not None]
+        for p in sp:
+            collectives.all_reduce(p.grad, group=p._lt_sp_group)
+        if self.dp_group is None or not params:
+            return
+        flat = torch.cat([p.grad.reshape(-1).float() for p in params])
+        collectives.all_reduce(flat, group=self.dp_group)
+        flat.div_(collectives.world_size(self.dp_group))
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            off += n
+
+    # ------------------------------------------------------------------ metrics
+
+    @property
+    def last_nonfinite(self) -> list[str]:
+        """Names of the layers / parameters whose gradient was non-finite in the last step (syncs)."""
+        if not self._last_flags:
+            return []
+        flags = torch.stack([f for _, f in self._last_flags]).cpu().tolist()
+        return [n for (n, _), f in zip(self._last_flags, flags) if f]
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the last step, before clipping (syncs)."""
+        return None if self._last_norm is None else float(self._last_norm)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["forge"] = {"step_id": self._step_id,
+                       "clip_scale": None if self._clip_scale is None else self._clip_scale.detach().cpu().clone()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        sd = dict(state_dict)
+        extra = sd.pop("forge", None)
+        saved = sd["state"]
+        super().load_state_dict(sd)
+        # torch casts floating state to the parameter's dtype; restore the stored dtypes exactly
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        for pid, p in zip(ids, params):
+            if pid in saved:
+                self.state[p] = {k: (v.to(p.device).clone() if isinstance(v, Tensor) else v)
+                                 for k, v in saved[pid].items()}
+        if extra is not None:
+            self._step_id = int(extra["step_id"])
+            cs = extra["clip_scale"]
+            dev = params[0].device
+            self._clip_scale = None if cs is None else cs.to(dev)
+        for layer in self.layers:
+            layer.updated_in = -1
+
+
+def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter], list[nn.Parameter]]:
+    """Fused layers, their parameters, and every other trainable parameter (model order)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    layers, fused = [], []
+    fused_ids: set[int] = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        w = m.weight
+        if not w.requires_grad or w.dim() != 2 or uses[id(w)] > 1 or id(w) in fused_ids:
+            continue  # frozen, or shared (tied embedding / LM head): stepped unfused in step()
+        b = m.bias
+        if b is not None and (not b.requires_grad or uses[id(b)] > 1 or not getattr(m, "forge_fuse_bias", True)):
+            b = None
+        layers.append(ForgeLayer(name or "<root>", m, w, b, index=-1))
+        fused.append(w)
+        fused_ids.add(id(w))
+        if b is not None:
+            fused.append(b)
+            fused_ids.add(id(b))
+    others = [p for p in model.parameters() if p.requires_grad and id(p) not in fused_ids]
+    return layers, fused, others
+
+
+def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
+           backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
+           split_tokens: int | None = 4096, seed: int = 0) -> ForgeOptimizer:
+    """Fuse the optimizer step into the backward of every linear layer of ``model``.
+
+    Args:
+        model: any ``nn.Module``; every ``nn.Linear`` with an unshared, trainable weight is fused.
+            Shared weights (tied embedding / LM head) are left to ``step()``, where the
+            embedding's and the head's contributions are already summed in ``.grad``.
+        rule: ``lt.optim.SGD / AdamW / Lion / AdamS``; its fields become the param-group defaults.
+        state_dtype: ``"fp32"``, ``"bf16"`` or ``"int8"`` (256-element blocks; < 4096 elements: fp32).
+        stochastic_rounding: bf16 weights are stored with unbiased stochastic rounding (else nearest).
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        clip: ``"none"``, ``"layer"`` (each layer's gradient, weight and bias together, scaled by
+            ``min(1, clip_value / (‖g_layer‖ + 1e-6))``; each non-fused parameter likewise), or
+            ``"prev_global"`` (every gradient of step t scaled by ``min(1, clip_value / (‖g_{t-1}‖ + 1e-6))``,
+            ‖g_{t-1}‖ the global norm of step t-1's unclipped gradient; step 1 is not clipped).
+        dp_group: data-parallel process group. ``None``: the whole world when torch.distributed is
+            initialized with more than one rank and the model has no tensor-parallel layers;
+            ``False``: no data parallelism.
+        split_tokens: on CUDA, from this many tokens on a layer's dW is computed by cuBLAS into one
+            reused buffer and the fused update kernel applied (None: always the fused kernel).
+        seed: seed of the stochastic-rounding streams.
+    """
+    return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
+                          backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
+                          split_tokens=split_tokens, seed=seed)
+
+
+def detach(model: nn.Module) -> None:
+    """Restore the original forward of every layer ``attach`` patched."""
+    for m in model.modules():
+        unpatch(m)
+    if "_forge_optimizer" in model.__dict__:
+        del model.__dict__["_forge_optimizer"]
+
+
+__all__ = ["attach", "detach", "ForgeOptimizer", "CLIPS"]

@@ -1,0 +1,279 @@
+"""FORGE, torch backend: exactness against the unfused rule and torch.optim, semantics, errors.
+
+Tolerances: "bit for bit" means ``torch.equal``. Against ``torch.optim`` the summation order of
+dW differs (per-layer ``dYᵀX`` vs autograd's), so weights agree to ``max|Δ| / max|W| ≤ 1e-6``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _forge_util import RULES, Net, batches, max_rel, pair, train
+
+import leantrain as lt
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_bitwise_equal_to_reference_optimizer(rule, bias):
+    """fp32, 5 steps: FORGE (torch backend) == lt.optim.Optimizer on the materialized gradient."""
+    torch.manual_seed(0)
+    m0, m1 = pair(Net(bias=bias))
+    ref = lt.optim.Optimizer(m0.parameters(), RULES[rule]())
+    opt = lt.forge.attach(m1, RULES[rule](), backend="torch")
+    data = batches(5)
+    train(m0, ref, data)
+    train(m1, opt, data)
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters()):
+        assert torch.equal(a, b), n
+        for k, v in ref.state[a].items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, opt.state[b][k]), (n, k)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (127, 1, 65), (5, 127, 1)])
+def test_odd_shapes(shape):
+    k, h, n = shape
+    torch.manual_seed(1)
+    m0, m1 = pair(Net(k, h, n))
+    ref = lt.optim.Optimizer(m0.parameters(), RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch")
+    data = batches(5, shape=(3, 7, k))
+    train(m0, ref, data)
+    train(m1, opt, data)
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["adamw", "sgd"])
+def test_matches_torch_optim(which):
+    torch.manual_seed(2)
+    m0, m1 = pair(Net())
+    if which == "adamw":
+        ref = torch.optim.AdamW(m0.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                foreach=False)
+        rule = lt.optim.AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    else:
+        ref = torch.optim.SGD(m0.parameters(), lr=0.05, momentum=0.9, nesterov=True, foreach=False)
+        rule = lt.optim.SGD(lr=0.05, momentum=0.9, nesterov=True)
+    opt = lt.forge.attach(m1, rule, backend="torch")
+    data = batches(5)
+    train(m0, ref, data)
+    train(m1, opt, data)
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert max_rel(b, a) <= 1e-6
+
+
+def test_grad_not_materialized_and_detach():
+    torch.manual_seed(3)
+    m = Net()
+    opt = lt.forge.attach(m, RULES["adamw"](), backend="torch")
+    w0 = m.fc1.weight.detach().clone()
+    m(batches(1)[0]).square().mean().backward()
+    assert m.fc1.weight.grad is None and m.fc2.weight.grad is None and m.fc1.bias.grad is None
+    assert m.norm.weight.grad is not None
+    assert not torch.equal(m.fc1.weight, w0)  # updated inside backward
+    opt.step()
+    assert opt.state[m.fc1.weight]["step"] == 1 and opt.state[m.norm.weight]["step"] == 1
+    lt.forge.detach(m)
+    assert "forward" not in m.fc1.__dict__
+    m(batches(1)[0]).square().mean().backward()
+    assert m.fc1.weight.grad is not None
+
+
+def test_lr_scheduler_read_at_backward_time():
+    torch.manual_seed(4)
+    m0, m1 = pair(Net())
+    ref = lt.optim.Optimizer(m0.parameters(), RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch")
+    s0 = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    s1 = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x in batches(4):
+        for m, o, s in ((m0, ref, s0), (m1, opt, s1)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 16)
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_state_dict_resume_bit_identical(state_dtype):
+    torch.manual_seed(5)
+    data = batches(6, shape=(2, 12, 33))
+    m0 = Net(33, 160, 40)  # 160 x 33 and 40 x 160 weights: >= 4096 elements -> 8-bit states
+    m1 = copy.deepcopy(m0)
+    o0 = lt.forge.attach(m0, RULES["adamw"](), backend="torch", state_dtype=state_dtype, clip="prev_global")
+    train(m0, o0, data)
+    o1 = lt.forge.attach(m1, RULES["adamw"](), backend="torch", state_dtype=state_dtype, clip="prev_global")
+    train(m1, o1, data[:3])
+    sd = copy.deepcopy(o1.state_dict())
+    msd = copy.deepcopy(m1.state_dict())
+    if state_dtype == "int8":
+        assert o1.state[m1.fc1.weight]["exp_avg"].dtype == torch.uint8
+    m2 = Net(33, 160, 40)
+    m2.load_state_dict(msd)
+    o2 = lt.forge.attach(m2, RULES["adamw"](), backend="torch", state_dtype=state_dtype, clip="prev_global")
+    o2.load_state_dict(sd)
+    train(m2, o2, data[3:])
+    for a, b in zip(m0.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_nan_in_one_layer_leaves_it_unchanged():
+    torch.manual_seed(6)
+    m = Net()
+    opt = lt.forge.attach(m, RULES["adamw"](), backend="torch")
+    train(m, opt, batches(2))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    st_before = {k: v.clone() for k, v in opt.state[m.fc1.weight].items() if torch.is_tensor(v)}
+
+    def poison(mod, inp, out):  # NaN only in fc1's output gradient
+        out.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+    h = m.fc1.register_forward_hook(poison)
+    m(batches(1, seed=9)[0]).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    h.remove()
+    assert torch.equal(m.fc1.weight, before["fc1.weight"]) and torch.equal(m.fc1.bias, before["fc1.bias"])
+    for k, v in st_before.items():
+        assert torch.equal(opt.state[m.fc1.weight][k], v)
+    assert not torch.equal(m.fc2.weight, before["fc2.weight"])  # the other layers still step
+    assert "fc1" in opt.last_nonfinite and "fc2" not in opt.last_nonfinite
+    train(m, opt, batches(1, seed=10))
+    assert opt.last_nonfinite == [] and all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_gradient_accumulation_rejected():
+    m = Net()
+    opt = lt.forge.attach(m, RULES["adamw"](), backend="torch")
+    x = batches(1)[0]
+    m(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        m(x).square().mean().backward()
+    opt.step()
+    m(x).square().mean().backward()  # fine again after step()
+
+
+def test_global_clip_rejected_with_alternatives():
+    with pytest.raises(ValueError, match="clip='layer'.*clip='prev_global'"):
+        lt.forge.attach(Net(), RULES["adamw"](), clip="global")
+    with pytest.raises(ValueError, match="clip must be one of"):
+        lt.forge.attach(Net(), RULES["adamw"](), clip="foo")
+    m = Net()
+    lt.forge.attach(m, RULES["adamw"]())
+    with pytest.raises(RuntimeError, match="already attached"):
+        lt.forge.attach(m, RULES["adamw"]())
+
+
+def _clip_reference(m0, data, mode, c):
+    """Unfused reference of the two clipping modes."""
+    opt = lt.optim.Optimizer(m0.parameters(), RULES["sgd_mom"]())
+    prev = None
+    layers = [(m0.fc1.weight, m0.fc1.bias), (m0.norm.weight,), (m0.norm.bias,), (m0.fc2.weight, m0.fc2.bias)]
+    for x in data:
+        m0(x).square().mean().backward()
+        norm = torch.sqrt(sum(p.grad.square().sum() for p in m0.parameters()))
+        if mode == "layer":
+            for group in layers:
+                n = torch.sqrt(sum(p.grad.square().sum() for p in group))
+                for p in group:
+                    p.grad.mul_(torch.clamp(c / (n + 1e-6), max=1.0))
+        elif prev is not None:
+            for p in m0.parameters():
+                p.grad.mul_(torch.clamp(c / (prev + 1e-6), max=1.0))
+        prev = norm
+        opt.step()
+        opt.zero_grad()
+    return prev
+
+
+@pytest.mark.parametrize("mode", ["layer", "prev_global"])
+def test_clipping_semantics(mode):
+    torch.manual_seed(7)
+    m0, m1 = pair(Net())
+    data = [x * 5 for x in batches(4)]
+    norm = _clip_reference(m0, data, mode, 0.05)
+    opt = lt.forge.attach(m1, RULES["sgd_mom"](), backend="torch", clip=mode, clip_value=0.05)
+    train(m1, opt, data)
+    assert opt.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert max_rel(b, a) <= 1e-6
+
+
+def test_tied_weights_get_both_contributions():
+    """Embedding tied to the head: left unfused, its .grad holds both contributions, one update."""
+    torch.manual_seed(8)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 24)
+            self.mid = torch.nn.Linear(24, 24)
+            self.head = torch.nn.Linear(24, 50, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(torch.relu(self.mid(self.emb(idx))))
+
+    m0, m1 = pair(Tied())
+    ref = lt.optim.Optimizer(m0.parameters(), RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch")
+    assert [layer.name for layer in opt.layers] == ["mid"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        idx = torch.randint(0, 50, (4, 9), generator=g)
+        for m, o in ((m0, ref), (m1, opt)):
+            torch.nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bf16_stochastic_rounding_unbiased():
+    """bf16 weights + SR: the mean over 400 seeds of one update equals the fp32 update (within
+    4 standard errors + 2 % of a bf16 ulp on > 99 % of elements)."""
+    torch.manual_seed(9)
+    x = torch.randn(8, 32)
+    w_bf = (torch.randn(16, 32) * 0.1).bfloat16()  # start on the bf16 grid: only the update rounds
+    rule = lt.optim.SGD(lr=1e-3)
+    y = x @ w_bf.float().t()
+    target = w_bf.float() - 1e-3 * ((2 * y / y.numel()).t() @ x)  # d mean(y^2) / dW
+    outs = []
+    for seed in range(400):
+        m = torch.nn.Linear(32, 16, bias=False).bfloat16()
+        m.weight.data.copy_(w_bf)
+        opt = lt.forge.attach(m, rule, backend="torch", seed=seed)
+        m(x.bfloat16()).float().square().mean().backward()
+        opt.step()
+        outs.append(m.weight.detach().float())
+    outs = torch.stack(outs)
+    mean, se = outs.mean(0), outs.std(0) / 20 + 1e-12
+    ulp = w_bf.float().abs() * 2.0**-8
+    assert ((mean - target).abs() <= 4 * se + 0.02 * ulp).float().mean() > 0.99
+    assert outs.std(0).max() > 0  # it really rounded stochastically
+
+
+def test_int8_states_track_fp32():
+    """AdamW with 8-bit states: after 10 steps the weights differ from the fp32-state run by < 5 % of
+    the distance travelled, and the dequantized first moment by < 5 % (relative L2)."""
+    torch.manual_seed(10)
+    m0, m1 = pair(Net(33, 160, 40))
+    w_init = m0.fc1.weight.detach().clone()
+    o0 = lt.forge.attach(m0, RULES["adamw"](), backend="torch", state_dtype="fp32")
+    o1 = lt.forge.attach(m1, RULES["adamw"](), backend="torch", state_dtype="int8")
+    data = batches(10)
+    train(m0, o0, data)
+    train(m1, o1, data)
+    assert o1.state[m1.fc1.weight]["exp_avg_sq"].dtype == torch.uint8
+    delta = (m0.fc1.weight - w_init).norm()
+    assert (m1.fc1.weight - m0.fc1.weight).norm() / delta < 0.05
+    m_ref = o0.state[m0.fc1.weight]["exp_avg"]
+    m_q = o1.storage.read(o1.state[m1.fc1.weight], "exp_avg", True, m1.fc1.weight.shape)
+    assert (m_q - m_ref).norm() / m_ref.norm() < 0.05
