@@ -28,8 +28,17 @@ def test_trains_logs_and_writes_every_artifact(corpus, tmp_path):
     assert checkpoint.latest(out).name == "step_0000030"
 
 
-def test_resume_is_bit_identical(corpus, tmp_path):
-    extra = {"train.steps": "10", "train.eval_every": "0", "train.ckpt_every": "5"}
+RESUME_RECIPES = {
+    "reference": {},
+    "forge": {"forge.enabled": "true"},
+    "forge-bf16-int8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8",
+                        "model.dim": "64", "model.ffn_dim": "128"},
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RESUME_RECIPES))
+def test_resume_is_bit_identical(corpus, tmp_path, recipe):
+    extra = {"train.steps": "10", "train.eval_every": "0", "train.ckpt_every": "5", **RESUME_RECIPES[recipe]}
     straight = Trainer(tiny_config(corpus, **extra), tmp_path / "a")
     straight.fit()
     half = Trainer(tiny_config(corpus, **extra), tmp_path / "b")

@@ -82,8 +82,10 @@ class ForgeConfig:
     state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     stochastic_rounding: bool = True
     backend: Literal["auto", "torch", "triton"] = "auto"
-    clip: Literal["none", "layer", "prev_global"] = "none"
-    clip_value: float = 1.0
+    # global-norm clipping needs the norm before any update, impossible inside backward.
+    # auto: optim.grad_clip > 0 -> prev_global (clip by the previous step's global norm) at optim.grad_clip
+    clip: Literal["auto", "none", "layer", "prev_global"] = "auto"
+    clip_value: float = 0.0  # 0: use optim.grad_clip
 
 
 @dataclass

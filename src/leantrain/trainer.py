@@ -151,8 +151,13 @@ class Trainer:
             from . import forge
 
             f = c.forge
+            clip = f.clip if f.clip != "auto" else ("prev_global" if c.optim.grad_clip > 0 else "none")
+            clip_value = f.clip_value or c.optim.grad_clip
+            if f.clip == "auto" and clip != "none":
+                log0(f"FORGE: clipping by the previous step's global gradient norm at {clip_value} "
+                     "(forge.clip=prev_global; see forge/README.md)")
             return forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
-                                backend=f.backend, clip=f.clip, clip_value=f.clip_value)
+                                backend=f.backend, clip=clip, clip_value=clip_value)
         if c.dist.mode == "sharded":
             from . import comm
             from . import dist as ltdist
