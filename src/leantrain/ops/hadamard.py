@@ -12,11 +12,23 @@ blocks lie along the last dim and the output keeps ``x``'s shape; otherwise the 
 1-D padded vector (crop ``[:x.numel()]`` after the inverse).
 
 Tiling (Triton): one program owns ``R`` blocks (an ``[R, b]`` tile, ~4096 elements) and
-multiplies it by ``H_b`` built in registers from the popcount parity, with ``tl.dot`` in
-fp32 (``ieee``); b = 256 as ``H_16 (x) H_16`` (two 16-wide products). The fused ``hadamard_quantize`` reshapes the transformed tile into
+multiplies it by ``H_b`` built in registers from the popcount parity, with ``tl.dot`` on the
+tensor cores (b = 256: as ``H_16 (x) H_16``, two 16-wide fp32 FMA products with a transpose
+between, unchanged; see :func:`hadamard_tile_tl`). Precision of the tensor-core product:
+``H`` is +-1 (exact in any format) and products are accumulated in fp32, so only the input's
+representation matters. bf16/fp16 inputs are exact in tf32 (8 / 11 significant bits <= 11):
+one ``tf32`` product, exact up to fp32 summation order; fp32 inputs use ``tf32x3`` (x split
+into two tf32 parts; relative error ~2**-21 per input, far below the 1e-5 tolerance of the
+transform tests). This replaces the FMA ("ieee") product of b multiply-adds per element plus
+operand shuffles, which was the bottleneck (~370 G elements/s on an H200 for fp32 and bf16
+alike). Inside a tile offsets are int32 (64-bit only in the per-program base pointer); bf16
+outputs are rounded by the hardware conversion (round to nearest even; the integer emulation
+only under the interpreter, which truncates). The fused ``hadamard_quantize`` reshapes the transformed tile into
 ``[R * b / group_size, group_size]`` groups and quantizes it in the same program (group_size
-and b powers of two). Bytes per element: hadamard reads and writes ``sizeof(x)``;
-hadamard_quantize reads ``sizeof(x)`` and writes ``bits / 8`` (+ 4 / group_size).
+and b powers of two); its stochastic-rounding counter is the element index as uint32 when the
+output has < 2**32 elements (the same hash as the int64 index, whose high word is then 0).
+Bytes per element: hadamard reads and writes ``sizeof(x)``; hadamard_quantize reads
+``sizeof(x)`` and writes ``bits / 8`` (+ 4 / group_size).
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import math
 
 import torch
 
-from ._backend import HAS_TRITON, launch, resolve
+from ._backend import HAS_TRITON, interpreting, launch, resolve
 from .qtensor import QTensor
 from .quant import _check, _qrange, quantize_ref
 from .rng import kernel_key
@@ -84,11 +96,14 @@ if HAS_TRITON:
         return (1 - 2 * par).to(tl.float32)
 
     @triton.jit
-    def hadamard_tile_tl(x, B: tl.constexpr, LOG2B: tl.constexpr):
+    def hadamard_tile_tl(x, B: tl.constexpr, LOG2B: tl.constexpr, PREC: tl.constexpr):
         """``x [R, B] @ H_B`` in fp32 (H built from popcount parity, never loaded).
 
-        B = 256 uses ``H_256 = H_16 (x) H_16``: two [., 16] x [16, 16] products with a
-        transpose between (64 instead of 512 flops per element, no 256 KiB operand)."""
+        ``PREC``: ``tl.dot`` input precision ("tf32" is exact when x came from bf16/fp16,
+        "tf32x3" for fp32 x; see :func:`_prec`). B = 256 uses ``H_256 = H_16 (x) H_16``: two
+        [., 16] x [16, 16] products with a transpose between, kept on the fp32 FMA product
+        ("ieee", whatever PREC) -- the layout chain of this path is the one that misbehaved
+        in the fused kernel on an H200, so its code generation is left exactly as it was."""
         if B == 256:
             R: tl.constexpr = x.shape[0]
             h = _h_tl(16, 4)
@@ -97,38 +112,67 @@ if HAS_TRITON:
             y = tl.dot(y, h, input_precision="ieee")
             return tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R, 256])
         else:
-            return tl.dot(x, _h_tl(B, LOG2B), input_precision="ieee")
+            return tl.dot(x, _h_tl(B, LOG2B), input_precision=PREC)
+
+    @triton.jit
+    def _cast_out(v, DTYPE: tl.constexpr, HW_CAST: tl.constexpr):
+        """fp32 -> ``DTYPE`` round to nearest even: the GPU's conversion does it in one
+        instruction; the interpreter (which truncates to bf16) takes the integer path."""
+        if HW_CAST:
+            return v.to(DTYPE)
+        else:
+            return cast_out_tl(v, DTYPE)
 
     @triton.jit
     def _hadamard_kernel(x_ptr, y_ptr, n, n_pad, factor, B: tl.constexpr, LOG2B: tl.constexpr,
-                         R: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-        idx = rows[:, None] * B + tl.arange(0, B)[None, :]
-        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-        y = hadamard_tile_tl(x, B, LOG2B) * factor
-        tl.store(y_ptr + idx, cast_out_tl(y, y_ptr.dtype.element_ty), mask=idx < n_pad)
+                         R: tl.constexpr, PREC: tl.constexpr, HW_CAST: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * (R * B)      # int64 only per program
+        rem = tl.minimum(n - base, R * B).to(tl.int32)
+        rem_pad = tl.minimum(n_pad - base, R * B).to(tl.int32)
+        loc = tl.arange(0, R)[:, None] * B + tl.arange(0, B)[None, :]
+        x = tl.load(x_ptr + base + loc, mask=loc < rem, other=0.0).to(tl.float32)
+        y = hadamard_tile_tl(x, B, LOG2B, PREC) * factor
+        tl.store(y_ptr + base + loc, _cast_out(y, y_ptr.dtype.element_ty, HW_CAST), mask=loc < rem_pad)
 
     @triton.jit(do_not_specialize=["key"])
     def _hadamard_quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_pad, n_groups, factor,
                                   key, B: tl.constexpr, LOG2B: tl.constexpr, R: tl.constexpr,
                                   GS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                                  STOCHASTIC: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr):
+                                  STOCHASTIC: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr,
+                                  PREC: tl.constexpr, IDX32: tl.constexpr):
         T: tl.constexpr = R * B
         G: tl.constexpr = T // GS
-        base = tl.program_id(0).to(tl.int64) * T
-        idx = base + tl.arange(0, R)[:, None] * B + tl.arange(0, B)[None, :]
-        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-        y = tl.reshape(hadamard_tile_tl(x, B, LOG2B) * factor, [G, GS])
-        rows = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-        gidx = rows[:, None] * GS + tl.arange(0, GS)[None, :]
-        code, scale, zero = encode_tile_tl(y, gidx < n_pad, gidx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
-        byts = pack_tile_tl(code, G, GS, BITS)
         BC: tl.constexpr = GS * BITS // 8
-        boff = rows[:, None] * BC + tl.arange(0, BC)[None, :]
-        tl.store(data_ptr + boff, byts, mask=rows[:, None] < n_groups)
+        pid = tl.program_id(0).to(tl.int64)
+        base = pid * T                                      # int64 only per program
+        rem = tl.minimum(n - base, T).to(tl.int32)
+        rem_pad = tl.minimum(n_pad - base, T).to(tl.int32)
+        loc = tl.arange(0, R)[:, None] * B + tl.arange(0, B)[None, :]
+        x = tl.load(x_ptr + base + loc, mask=loc < rem, other=0.0).to(tl.float32)
+        y = tl.reshape(hadamard_tile_tl(x, B, LOG2B, PREC) * factor, [G, GS])
+        g = tl.arange(0, G)
+        gloc = g[:, None] * GS + tl.arange(0, GS)[None, :]
+        if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
+            gidx = base.to(tl.uint32) + gloc.to(tl.uint32)
+        else:
+            gidx = base + gloc
+        code, scale, zero = encode_tile_tl(y, gloc < rem_pad, gidx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
+        byts = pack_tile_tl(code, G, GS, BITS)
+        rows = pid * G + g
+        boff = g[:, None] * BC + tl.arange(0, BC)[None, :]
+        tl.store(data_ptr + pid * (G * BC) + boff, byts, mask=rows[:, None] < n_groups)
         tl.store(scale_ptr + rows, scale, mask=rows < n_groups)
         if not SYMMETRIC:
             tl.store(zero_ptr + rows, zero, mask=rows < n_groups)
+
+
+_IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
+
+
+def _prec(dtype: torch.dtype) -> str:
+    """Tensor-core ``tl.dot`` precision for inputs of ``dtype``: bf16/fp16 values are exact in
+    tf32 (one product, exact); fp32 values are split in two tf32 parts (tf32x3, ~2**-22)."""
+    return "tf32" if dtype in (torch.bfloat16, torch.float16) else "tf32x3"
 
 
 def _rows(block: int, multiple: int = 1) -> int:
@@ -150,7 +194,7 @@ def hadamard(x: torch.Tensor, *, block: int = 32, normalized: bool = True, inver
         r = _rows(block)
         launch(_hadamard_kernel, (triton.cdiv(n_pad, r * block),), xf, y, n, n_pad,
                _factor(block, normalized, inverse), B=block, LOG2B=int(math.log2(block)), R=r,
-               num_warps=8 if block >= 64 else 4)
+               PREC=_prec(x.dtype), HW_CAST=not interpreting(), num_warps=8 if block >= 64 else 4)
     return y
 
 
@@ -198,5 +242,6 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
         launch(_hadamard_quantize_kernel, (triton.cdiv(n_pad, r * block),), xf, data, scale,
                scale if zero is None else zero, n, n_pad, g, _factor(block, normalized, False),
                kernel_key(seed), B=block, LOG2B=int(math.log2(block)), R=r, GS=group_size, BITS=bits,
-               SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, num_warps=8)
+               SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, PREC=_prec(x.dtype),
+               IDX32=g * group_size <= _IDX32_LIMIT, num_warps=8)
     return QTensor(data, scale, zero, shape, x.dtype, bits, group_size, symmetric)

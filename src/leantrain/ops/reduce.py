@@ -56,12 +56,43 @@ def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_o
                    group_size_out, symmetric_out)
 
 
+_UNROLL_MAX = 16  # peers up to this count: the peer loop is unrolled at compile time
+_IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from .fp8 import fp8_decode_tl
-    from .quant import encode_tile_tl, pack_tile_tl
+    from .quant import encode_tile_tl, pack_tile_tl, unpack_tile_tl
+
+    @triton.jit
+    def _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid,
+                  GS_IN: tl.constexpr, BITS_IN: tl.constexpr, SYM_IN: tl.constexpr,
+                  FP8: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
+                  IS_E4M3: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  ROW_SCALE: tl.constexpr):
+        """One peer's dequantized ``[ROWS, COLS]`` tile (fp32), as :func:`dequantize_ref`."""
+        if BITS_IN == 8:
+            c = tl.load(dp + loc, mask=valid, other=0)
+            if FP8:
+                v = fp8_decode_tl(c.to(tl.int32), M, BIAS, EMIN, IS_E4M3)
+            elif SYM_IN:
+                v = c.to(tl.int8, bitcast=True).to(tl.float32)  # two's complement byte
+            else:
+                v = c.to(tl.float32)
+        else:
+            byts = tl.load(dp + bloc, mask=bvalid, other=0)
+            v = unpack_tile_tl(byts, ROWS, COLS // 2, 4, SYM_IN).to(tl.float32)
+        if ROW_SCALE:
+            v = v * tl.load(sp + sidx, mask=svalid, other=0.0)[:, None]
+            if not SYM_IN:
+                v = v + tl.load(zp + sidx, mask=svalid, other=0.0)[:, None]
+        else:
+            v = v * tl.load(sp + sidx, mask=valid, other=0.0)
+            if not SYM_IN:
+                v = v + tl.load(zp + sidx, mask=valid, other=0.0)
+        return v
 
     @triton.jit(do_not_specialize=["key"])
     def _dsr_kernel(data_ptr, scale_ptr, zero_ptr, odata_ptr, oscale_ptr, ozero_ptr,
@@ -71,44 +102,64 @@ if HAS_TRITON:
                     IS_E4M3: tl.constexpr,
                     GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
                     SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
-                    QLO: tl.constexpr, QHI: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+                    QLO: tl.constexpr, QHI: tl.constexpr, K: tl.constexpr,
+                    ROW_SCALE: tl.constexpr, IDX32: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        row0 = pid * ROWS
+        base = row0 * GS                                    # first element of the tile (int64)
+        rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)  # valid elements in the tile
+        r = tl.arange(0, ROWS)
         cols = tl.arange(0, COLS)
-        idx = rows[:, None] * GS + cols[None, :]
-        valid = (cols[None, :] < GS) & (idx < n)
-        gin = idx // GS_IN
+        loc = r[:, None] * GS + cols[None, :]               # int32 offsets inside the tile
+        valid = (cols[None, :] < GS) & (loc < rem)
+        # int4 input: whole bytes of each row (GS is even, so rows start on a byte)
+        HB: tl.constexpr = COLS // 2
+        bcol = tl.arange(0, HB)
+        bloc = r[:, None] * (GS // 2) + bcol[None, :]
+        bvalid = (bcol[None, :] < GS // 2) & (2 * bloc < rem)
+        if BITS_IN == 8:
+            dp = data_ptr + base
+        else:
+            dp = data_ptr + base // 2
+        g0 = base // GS_IN                                  # input group of the tile's first element
+        off0 = (base - g0 * GS_IN).to(tl.int32)             # its offset in that group
+        if ROW_SCALE:  # every output row inside one input group: one scale per row
+            sidx = (off0 + r * GS) // GS_IN
+            svalid = row0 + r < out_groups
+        else:          # per-element input group, int32 inside the tile
+            sidx = (off0 + loc) // GS_IN
+            svalid = valid
+        sp = scale_ptr + g0
+        zp = zero_ptr + g0
         acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
-        dp = data_ptr
-        sp = scale_ptr
-        zp = zero_ptr
-        for _ in range(k):
-            if BITS_IN == 8:
-                c = tl.load(dp + idx, mask=valid, other=0).to(tl.int32)
-                if FP8:
-                    v = fp8_decode_tl(c, M, BIAS, EMIN, IS_E4M3)
-                else:
-                    if SYM_IN:
-                        c = tl.where(c >= 128, c - 256, c)
-                    v = c.to(tl.float32)
-            else:
-                byte = tl.load(dp + idx // 2, mask=valid, other=0).to(tl.int32)
-                c = (byte >> ((idx & 1) * 4).to(tl.int32)) & 0xF
-                if SYM_IN:
-                    c = tl.where(c >= 8, c - 16, c)
-                v = c.to(tl.float32)
-            v = v * tl.load(sp + gin, mask=valid, other=0.0)
-            if not SYM_IN:
-                v = v + tl.load(zp + gin, mask=valid, other=0.0)
-            acc = acc + v
-            dp += in_bytes
-            sp += in_groups
-            zp += in_groups
+        if K > 0:  # unrolled: all peers' loads issue back to back
+            for _ in tl.static_range(K):
+                acc = acc + _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid, GS_IN,
+                                      BITS_IN, SYM_IN, FP8, M, BIAS, EMIN, IS_E4M3, ROWS, COLS,
+                                      ROW_SCALE)
+                dp += in_bytes
+                sp += in_groups
+                zp += in_groups
+        else:
+            for _ in range(k):
+                acc = acc + _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid, GS_IN,
+                                      BITS_IN, SYM_IN, FP8, M, BIAS, EMIN, IS_E4M3, ROWS, COLS,
+                                      ROW_SCALE)
+                dp += in_bytes
+                sp += in_groups
+                zp += in_groups
+        if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
+            idx = base.to(tl.uint32) + loc.to(tl.uint32)
+        else:
+            idx = base + loc
         code, scale, zero = encode_tile_tl(acc, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
         byts = pack_tile_tl(code, ROWS, COLS, BITS)
         BC: tl.constexpr = COLS * BITS // 8
+        OB: tl.constexpr = GS * BITS // 8
         bcols = tl.arange(0, BC)
-        bmask = (rows[:, None] < out_groups) & (bcols[None, :] < GS * BITS // 8)
-        tl.store(odata_ptr + rows[:, None] * (GS * BITS // 8) + bcols[None, :], byts, mask=bmask)
+        rows = row0 + r
+        bmask = (rows[:, None] < out_groups) & (bcols[None, :] < OB)
+        tl.store(odata_ptr + row0 * OB + (r[:, None] * OB + bcols[None, :]), byts, mask=bmask)
         tl.store(oscale_ptr + rows, scale, mask=rows < out_groups)
         if not SYMMETRIC:
             tl.store(ozero_ptr + rows, zero, mask=rows < out_groups)
@@ -148,5 +199,7 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
                kernel_key(seed), GS_IN=q.group_size, BITS_IN=q.bits, SYM_IN=q.zero is None,
                FP8=fp8, M=m, BIAS=bias, EMIN=emin, IS_E4M3=q.fmt == "e4m3", GS=group_size_out,
                COLS=cols, ROWS=rows, BITS=bits_out, SYMMETRIC=symmetric_out, STOCHASTIC=stochastic,
-               QLO=qlo, QHI=qhi, num_warps=warps)
+               QLO=qlo, QHI=qhi, K=k if k <= _UNROLL_MAX else 0,
+               ROW_SCALE=q.group_size % group_size_out == 0, IDX32=g * group_size_out <= _IDX32_LIMIT,
+               num_warps=warps)
     return QTensor(data, scale, zero, q.shape, torch.float32, bits_out, group_size_out, symmetric_out)

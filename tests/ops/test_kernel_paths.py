@@ -1,0 +1,115 @@
+"""Code paths of the bandwidth-tuned kernels that the per-op tests do not reach by default:
+the closed-form ``state8_encode`` on every boundary of both maps, the reduce kernel's
+per-row scales / runtime peer loop / non-power-of-two groups, and the int64 fallback of the
+uint32 stochastic-rounding counter (must hash exactly like the uint32 one)."""
+
+import importlib
+
+import pytest
+import torch
+from _opslib import DEVICE, randn, triton_runnable
+
+from leantrain.ops import QTensor, dequant_sum_requant, hadamard_quantize, quantize
+from leantrain.ops._backend import HAS_TRITON
+from leantrain.ops.reduce import dequant_sum_requant_ref
+from leantrain.ops.state8 import create_dynamic_map
+
+hadamard_mod = importlib.import_module("leantrain.ops.hadamard")  # the package attribute is the function
+reduce_mod = importlib.import_module("leantrain.ops.reduce")
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from leantrain.ops.state8 import state8_encode
+
+    @triton.jit
+    def _encode_elems(x_ptr, out_ptr, qmap_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, state8_encode(x, qmap_ptr), mask=i < n)
+
+
+def _needs_triton():
+    if not triton_runnable():
+        pytest.skip("Triton not runnable here")
+
+
+def _ulps(v: torch.Tensor, k: int) -> list[torch.Tensor]:
+    out, up, dn = [], v.clone(), v.clone()
+    for _ in range(k):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        dn = torch.nextafter(dn, torch.full_like(dn, -float("inf")))
+        out += [up, dn]
+    return out
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_state8_encode_helper_exact_on_all_boundaries(signed):
+    """Closed form + one comparison == searchsorted over the midpoints, on every map entry,
+    every midpoint (ties go low) and 3 ulps either side, log-spread values, +-inf, |x| > 1."""
+    _needs_triton()
+    q = create_dynamic_map(signed)
+    mids = (q[1:] + q[:-1]) * 0.5
+    g = torch.Generator().manual_seed(0)
+    parts = [q, mids, *_ulps(q, 3), *_ulps(mids, 3),
+             torch.rand(1 << 16, generator=g) * 2 - 1,
+             torch.sign(torch.randn(1 << 16, generator=g)) * 10 ** (-8 * torch.rand(1 << 16, generator=g)),
+             torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0000001, -1.0000001, 2.0, -2.0, 1e30, -1e30, 1e-40,
+                           -1e-40, 1e-45, float("inf"), -float("inf")])]
+    x = torch.cat(parts).float().contiguous()
+    out = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
+    xd = x.to(DEVICE)
+    _encode_elems[(triton.cdiv(x.numel(), 4096),)](xd, out, q.to(DEVICE), x.numel(), BLOCK=4096)
+    ref = torch.searchsorted(mids, x, right=False).to(torch.int32)
+    assert torch.equal(out.cpu(), ref)
+    nan = torch.full((4,), float("nan"), device=DEVICE)
+    o = torch.empty(4, dtype=torch.int32, device=DEVICE)
+    _encode_elems[(1,)](nan, o, q.to(DEVICE), 4, BLOCK=16)
+    assert (o == 0).all()  # documented: NaN -> code 0 (as the binary search gave)
+
+
+# (bits, symmetric, group_size) in -> (group_size) out: per-row scales (gs_in % gs_out == 0,
+# incl. asymmetric and int4 inputs, and a non-power-of-two output group) and per-element
+# scales with a non-power-of-two output group; 7000 elements span several programs, and with
+# gs_in = 480 / 80 / 48 a program's first element is not at an input-group start.
+REDUCE_CASES = [((8, False, 256), 128), ((4, True, 256), 64), ((4, False, 128), 128),
+                ((8, True, 192), 96), ((8, True, 480), 96), ((8, True, 80), 96), ((4, True, 48), 32)]
+
+
+@pytest.mark.parametrize("inp,gs_out", REDUCE_CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_reduce_scale_paths_bit_exact(inp, gs_out, stochastic):
+    _needs_triton()
+    bits, sym, gs = inp
+    qs = [quantize(randn(7000, device=DEVICE), bits=bits, symmetric=sym, group_size=gs) for _ in range(3)]
+    kw = dict(bits_out=4, group_size_out=gs_out, symmetric_out=True, stochastic=stochastic, seed=7)
+    out = dequant_sum_requant(qs, backend="triton", **kw)
+    ref = dequant_sum_requant_ref(QTensor.stack(qs), **kw)
+    assert torch.equal(out.data, ref.data) and torch.equal(out.scale, ref.scale)
+
+
+@pytest.mark.parametrize("k", [1, 3, 17])
+def test_reduce_runtime_peer_loop_and_int64_counter(monkeypatch, k):
+    """k > _UNROLL_MAX takes the runtime loop; _IDX32_LIMIT = 0 forces the int64 RNG index."""
+    _needs_triton()
+    qs = [quantize(randn(777, device=DEVICE), bits=8, group_size=128) for _ in range(k)]
+    kw = dict(bits_out=4, group_size_out=128, stochastic=True, seed=3)
+    ref = dequant_sum_requant_ref(QTensor.stack(qs), symmetric_out=True, **kw)
+    a = dequant_sum_requant(qs, backend="triton", **kw)
+    monkeypatch.setattr(reduce_mod, "_UNROLL_MAX", 1)
+    monkeypatch.setattr(reduce_mod, "_IDX32_LIMIT", 0)
+    b = dequant_sum_requant(qs, backend="triton", **kw)
+    for o in (a, b):
+        assert torch.equal(o.data, ref.data) and torch.equal(o.scale, ref.scale)
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 128), (4, 32)])
+def test_hadamard_quantize_uint32_counter_equals_int64(monkeypatch, bits, group_size):
+    _needs_triton()
+    x = randn(4097, device=DEVICE)
+    kw = dict(block=32, bits=bits, group_size=group_size, stochastic=True, seed=11, backend="triton")
+    a = hadamard_quantize(x, **kw)
+    monkeypatch.setattr(hadamard_mod, "_IDX32_LIMIT", 0)
+    b = hadamard_quantize(x, **kw)
+    assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
