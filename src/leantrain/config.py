@@ -91,7 +91,7 @@ class ForgeConfig:
 @dataclass
 class AgoqConfig:
     enabled: bool = False
-    bits: float = 4.0  # default bit-width of saved activations
+    bits: float = 4.0  # bit-width of the roles the default policy keeps at 4 bits (see agoq/README.md)
     group_size: int = 128
     stochastic: bool = True
     grad_bits: int = 0  # 8: int8 gradient accumulation buffers with error feedback (0 = off)

@@ -143,10 +143,7 @@ class Trainer:
         if c.agoq.enabled:
             from . import agoq
 
-            self.agoq_policy = agoq.Policy(
-                default_bits=c.agoq.bits, group_size=c.agoq.group_size, stochastic=c.agoq.stochastic,
-                stage=c.agoq.pipeline_stage, num_stages=c.agoq.pipeline_stages,
-            )
+            self.agoq_policy = agoq.Policy.from_config(c.agoq)
         if c.forge.enabled:
             from . import forge
 
@@ -196,7 +193,7 @@ class Trainer:
             return contextlib.nullcontext()
         from . import agoq
 
-        return agoq.quantize_activations(self.model, self.agoq_policy)
+        return agoq.quantize_activations(self.model, self.agoq_policy, stage=self.cfg.agoq.pipeline_stage)
 
     def _autocast(self):
         if self.cfg.train.dtype == "bf16" and self.cfg.train.weights == "fp32":

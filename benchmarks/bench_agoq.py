@@ -1,0 +1,239 @@
+"""AGoQ benchmark: saved-activation bytes, allocator peak and step time, with vs without AGoQ.
+
+    PYTHONPATH=src python3 benchmarks/bench_agoq.py --out benchmarks/results        # GPU: 1b, B=8, T=1024, bf16
+    PYTHONPATH=src python3 benchmarks/bench_agoq.py --out DIR --cpu                 # CPU: tiny and small presets
+    PYTHONPATH=src python3 benchmarks/bench_agoq.py --out DIR --cpu --errors        # + gradient-error table
+
+Each configuration runs in a fresh subprocess (clean allocator statistics). One step is
+forward + backward of the bf16 model (no optimizer: its memory is the same in both runs).
+Measured per configuration: the bytes saved for backward (``SavedActivationMeter``: raw
+bytes for the baseline, packed codes + scales + what is kept exact for AGoQ), the CUDA
+allocator's peak during a step, the memory held before the step (weights, grads) and the
+median step time. Targets (SPEC §3): saved bytes <= 0.3x, step time <= 1.15x.
+Writes ``agoq_<date>_<device>.json`` and ``.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+
+
+def _child(args) -> dict:
+    sys.path.insert(0, str(SRC))
+    import torch
+
+    from leantrain.agoq import Policy, quantize_activations
+    from leantrain.config import preset
+    from leantrain.ledger import SavedActivationMeter
+    from leantrain.model import Llama
+
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda" if cuda else "cpu")
+    cfg = preset(args.preset)
+    B = args.batch or cfg.data.batch_size
+    T = args.seq or cfg.data.seq_len
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, T)
+    cfg.model.vocab_size = cfg.data.tokenizer_vocab  # what the trainer sets from the tokenizer (1b: 32000)
+    torch.manual_seed(0)
+    with torch.device(dev):  # initialize on the device (1.1B parameters on a CPU is slow)
+        m = Llama(cfg.model)
+    m = m.to(dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
+    tgt = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
+    use = args.child == "agoq"
+    policy = Policy()
+
+    def fwd():
+        if use:
+            with quantize_activations(m, policy):
+                return m(idx, tgt)
+        return m(idx, tgt)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # saved-activation bytes of one forward (then backward to free it)
+    with SavedActivationMeter(m.parameters()) as meter:
+        loss = fwd()
+    loss.backward()
+    del loss
+    times = []
+    for i in range(args.warmup + args.steps):
+        for p in m.parameters():
+            p.grad = None
+        sync()
+        if cuda and i == args.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        t0 = time.perf_counter()
+        loss = fwd()
+        loss.backward()
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        del loss
+    out = {
+        "config": args.child, "preset": args.preset, "batch": B, "seq": T, "dtype": "bf16",
+        "params": m.num_params(), "saved_bytes": meter.bytes,
+        "saved_by_role": dict(meter.by_role),
+        "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times,
+    }
+    if cuda:
+        out["peak_allocated"] = torch.cuda.max_memory_allocated()
+        out["allocated_before_step"] = before
+        out["peak_above_before"] = out["peak_allocated"] - before
+    return out
+
+
+def _errors(out: Path, stamp: str) -> list[str]:
+    """Per-role relative gradient error at 2/3/4/8 bits (tiny preset, B=8, T=128, one batch)."""
+    sys.path.insert(0, str(SRC))
+    import torch
+
+    from leantrain.agoq import Policy, calibrate, gradient_error
+    from leantrain.agoq.calibrate import param_grads
+    from leantrain.config import preset
+    from leantrain.model import Llama
+
+    cfg = preset("tiny").model
+    torch.manual_seed(0)
+    m = Llama(cfg)
+    g = torch.Generator().manual_seed(1)
+    mk = lambda: (torch.randint(0, cfg.vocab_size, (8, 128), generator=g), torch.randint(0, cfg.vocab_size, (8, 128), generator=g))
+    batches, other = [mk()], [mk()]
+    pol, rep = calibrate(m, batches, error_budget=0.1, return_report=True)
+    ref, ref2 = param_grads(m, batches), param_grads(m, other)
+    dflt = gradient_error(m, batches, Policy(), reference=ref)
+    rtn = gradient_error(m, batches, Policy(stochastic=False), reference=ref)
+    noise = {n: ((ref2[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref}
+    doc = {"per_role": rep, "default_total": dflt["total"], "default_per_param": dflt["per_param"],
+           "rtn_total": rtn["total"], "batch_noise_per_param": noise}
+    (out / f"agoq_errors_{stamp}_cpu.json").write_text(json.dumps(doc, indent=1))
+    lines = ["", "Relative gradient error (all parameters), one role quantized, tiny preset, B=8, T=128:", "",
+             "| role | elements | 2 bits | 3 bits | 4 bits | 8 bits |", "|---|---|---|---|---|---|"]
+    for r, e in rep["errors"].items():
+        lines.append(f"| {r} | {rep['numel'][r]} | " + " | ".join(f"{e[b]:.4f}" for b in (2, 3, 4, 8)) + " |")
+    worst = max(dflt["per_param"], key=dflt["per_param"].get)
+    lines += ["", f"Default policy: total {dflt['total']:.3f} (round-to-nearest instead: {rtn['total']:.3f}); "
+              f"worst layer {worst} {dflt['per_param'][worst]:.3f}; max ratio to the batch-to-batch gradient "
+              f"difference {max(dflt['per_param'][n] / noise[n] for n in noise):.3f}.",
+              f"calibrate(error_budget=0.1) chose {rep['chosen']} (average {rep['average_bits']:.2f} bits, "
+              f"measured error {rep['measured_error']:.3f})."]
+    return lines
+
+
+def _run_child(preset, child, args) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, __file__, "--child", child, "--child-out", path, "--preset", preset,
+           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
+    if args.seq:
+        cmd += ["--seq", str(args.seq)]
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run(cmd, check=True, env=env)
+    res = json.loads(Path(path).read_text())
+    os.unlink(path)
+    return res
+
+
+def _versions(device) -> dict:
+    import torch
+
+    v = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except Exception:
+        pass
+    v["device"] = torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or "cpu")
+    return v
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--cpu", action="store_true", help="CPU mode: tiny and small presets")
+    ap.add_argument("--preset", default=None, help="default: 1b on GPU; tiny,small on CPU")
+    ap.add_argument("--batch", type=int, default=None, help="default: 8 on GPU, the preset's on CPU")
+    ap.add_argument("--seq", type=int, default=None, help="default: 1024 on GPU, the preset's on CPU")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--errors", action="store_true", help="CPU: also the per-role gradient-error table")
+    ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        Path(args.child_out).write_text(json.dumps(_child(args)))
+        return 0
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    args.device = "cuda" if gpu else "cpu"
+    presets = (args.preset or ("1b" if gpu else "tiny,small")).split(",")
+    if gpu:
+        args.batch = args.batch or 8
+        args.seq = args.seq or 1024
+    args.steps = args.steps or (8 if gpu else 3)
+    args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for p in presets:
+        base = _run_child(p, "baseline", args)
+        ago = _run_child(p, "agoq", args)
+        row = {"preset": p, "batch": base["batch"], "seq": base["seq"], "baseline": base, "agoq": ago,
+               "saved_ratio": ago["saved_bytes"] / base["saved_bytes"],
+               "step_time_ratio": ago["step_s_median"] / base["step_s_median"]}
+        if gpu:
+            row["peak_ratio"] = ago["peak_allocated"] / base["peak_allocated"]
+            row["peak_above_static_ratio"] = ago["peak_above_before"] / base["peak_above_before"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq")}))
+    ver = _versions(args.device)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d")
+    tag = "".join(c if c.isalnum() else "-" for c in ver["device"])[:40].strip("-") or args.device
+    cmd = "PYTHONPATH=src python3 benchmarks/bench_agoq.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    doc = {"date": stamp, "versions": ver, "command": cmd, "rows": rows}
+    (out / f"agoq_{stamp}_{tag}.json").write_text(json.dumps(doc, indent=1))
+    gib = 2**30
+    lines = [f"# AGoQ benchmark, {stamp}, {ver['device']}", "",
+             f"torch {ver['torch']}, triton {ver.get('triton', '-')}; `{cmd}`", "",
+             "| preset | B x T | saved bf16 (GiB) | saved AGoQ (GiB) | ratio | step base (s) | step AGoQ (s) | time ratio |"
+             + (" peak base (GiB) | peak AGoQ (GiB) | peak ratio | peak-above-static ratio |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if gpu else "")]
+    for r in rows:
+        b, a = r["baseline"], r["agoq"]
+        line = (f"| {r['preset']} | {r['batch']} x {r['seq']} | {b['saved_bytes'] / gib:.3f} | {a['saved_bytes'] / gib:.3f} | "
+                f"{r['saved_ratio']:.3f} | {b['step_s_median']:.3f} | {a['step_s_median']:.3f} | {r['step_time_ratio']:.3f} |")
+        if gpu:
+            line += (f" {b['peak_allocated'] / gib:.2f} | {a['peak_allocated'] / gib:.2f} | {r['peak_ratio']:.3f} |"
+                     f" {r['peak_above_static_ratio']:.3f} |")
+        lines.append(line)
+    if args.errors and not gpu:
+        lines += _errors(out, stamp)
+    (out / f"agoq_{stamp}_{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""The one save path: every tensor autograd saves during a forward goes through ``Packer``.
+
+``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` sees every tensor saved by a
+built-in op *and* by ``ctx.save_for_backward`` in a custom ``autograd.Function`` (FORGE's
+linear, ChunkFT's functions). A function that must keep a tensor on ``ctx`` as an
+attribute instead uses :func:`save` / :func:`load`, which go through the same packer.
+
+Roles come from module context: forward pre/post hooks on the model's modules push and pop
+the role of the module that is running (q_proj -> ``qkv_in``, RMSNorm -> ``norm``, the
+attention body -> ``attn``, ...; see :func:`role_of_module`), so the packer knows what it
+is packing, including tensors a custom Function saves inside a Linear-like module.
+
+Per saved tensor, in order: parameter/buffer (or a view of one) -> kept, not counted (it is
+not an activation); integer -> kept; bool -> 1-bit mask; no grad required (RoPE tables,
+constants) -> kept; reduced statistic (last dim 1: RMSNorm rstd; fp32 of rank <= 3 in
+attention: log-sum-exp) -> kept; fewer than ``min_numel`` elements -> kept; otherwise
+quantized to ``policy.bits_for(role, stage)``. A tensor saved twice (same storage, offset,
+shape, strides and version, still alive) is packed once and shared. Every decision is
+counted in ``Packer.stats``, so nothing is skipped silently; every byte kept is reported to
+the memory ledger through :func:`leantrain.ledger.note_saved`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import Counter, defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from ..ledger import note_saved
+from .pack import Packed, pack, unpack
+from .policy import KEEP, Policy
+
+__all__ = ["Packer", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
+
+_QKV = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "query", "key", "value")
+_OUT = ("o_proj", "out_proj", "dense", "c_proj")
+_MLP_IN = ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc")
+_DOWN = ("down_proj", "w2", "fc2")
+_HEAD = ("lm_head", "output", "head")
+
+
+def _linear_like(m: nn.Module) -> bool:
+    if isinstance(m, nn.Linear):
+        return True
+    w = getattr(m, "weight", None)
+    return isinstance(w, Tensor) and w.dim() == 2 and not isinstance(m, nn.Embedding)
+
+
+def role_of_module(name: str, m: nn.Module) -> str | None:
+    """The role of tensors saved while ``m`` (named ``name``) runs, or None to inherit."""
+    leaf = name.rsplit(".", 1)[-1]
+    cls = type(m).__name__
+    if _linear_like(m):
+        if leaf in _QKV:
+            return "qkv_in"
+        if leaf in _OUT:
+            return "o_in"
+        if leaf in _MLP_IN:
+            return "mlp_in"
+        if leaf in _DOWN:
+            return "down_in"
+        if leaf in _HEAD:
+            return "head_in"
+        return "linear_in"
+    if cls.endswith(("RMSNorm", "LayerNorm", "Norm")) or isinstance(m, nn.LayerNorm):
+        return "norm"
+    if "Attention" in cls:
+        return "attn"
+    if "MLP" in cls or "FeedForward" in cls:
+        return "gate_up"
+    return None
+
+
+def _storage_ptr(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -id(t)
+
+
+_local = threading.local()
+
+
+def _active() -> list[Packer]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+class Packer:
+    """Packs saved activations of ``model`` by ``policy``; counts every decision in ``stats``."""
+
+    def __init__(self, model: nn.Module, policy: Policy | None = None, *, stage: int = 0,
+                 record: bool = False):
+        self.model = model
+        self.policy = policy or Policy()
+        self.stage = stage
+        self.record = record
+        self.log: list[dict] = []  # one entry per saved tensor when record=True
+        self.stats: Counter = Counter()
+        self.bytes_raw: dict[str, int] = defaultdict(int)  # by role, before packing (dedup'd)
+        self.bytes_kept: dict[str, int] = defaultdict(int)  # by role, what is held
+        self.numel: dict[str, int] = defaultdict(int)
+        self._roles: list[str] = []
+        self._handles: list = []
+        self._dedup: dict = {}
+        self._static: set[int] = set()
+        self._n = 0
+        self._ctx = None
+
+    # ------------------------------------------------------------------ module hooks
+
+    def install(self, root_role: str = "logits") -> None:
+        self.remove()
+        for name, m in self.model.named_modules():
+            role = root_role if m is self.model else role_of_module(name, m)
+            if role is None:
+                continue
+            self._handles.append(m.register_forward_pre_hook(self._push(role)))
+            self._handles.append(m.register_forward_hook(self._pop, always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _push(self, role):
+        def hook(mod, args):
+            self._roles.append(role)
+        return hook
+
+    def _pop(self, mod, args, out):
+        if self._roles:
+            self._roles.pop()
+
+    @property
+    def role(self) -> str:
+        return self._roles[-1] if self._roles else "other"
+
+    # ------------------------------------------------------------------ saved-tensor hooks
+
+    def begin(self) -> None:
+        """Start of a forward: refresh the parameter/buffer set, clear the dedup table."""
+        self._static = {_storage_ptr(t) for t in self.model.parameters()}
+        self._static |= {_storage_ptr(t) for t in self.model.buffers()}
+        self._dedup.clear()
+
+    def end(self) -> None:
+        self._dedup.clear()
+
+    def __enter__(self) -> Packer:
+        self.begin()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook)
+        self._ctx.__enter__()
+        _active().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active().remove(self)
+        ctx, self._ctx = self._ctx, None
+        ctx.__exit__(*exc)
+        self.end()
+
+    def _keep(self, t: Tensor, reason: str, role: str, report: bool = True):
+        self.stats["kept:" + reason] += 1
+        if report:
+            key = ("raw", str(t.device), _storage_ptr(t))
+            nb = t.untyped_storage().nbytes() if t.device.type != "meta" else 0
+            note_saved(nb, key, role)
+            if key not in self._dedup:
+                self._dedup[key] = None
+                self.bytes_raw[role] += nb
+                self.bytes_kept[role] += nb
+        if self.record:
+            self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": None, "why": reason})
+        return t
+
+    def classify(self, t: Tensor, role: str, explicit: bool = False) -> tuple[str, int]:
+        """("pack", bits) or ("keep:<reason>", 0) for tensor ``t`` saved under ``role``.
+
+        ``explicit``: handed over by :func:`save` from inside an ``autograd.Function``'s
+        forward, where grad mode is off, so ``requires_grad`` says nothing.
+        """
+        if _storage_ptr(t) in self._static:
+            return "keep:param", 0
+        if t.dtype == torch.bool:
+            return "pack", 1
+        if not t.is_floating_point():
+            return "keep:integer", 0
+        if not t.requires_grad and not explicit:
+            return "keep:no_grad", 0
+        if t.dim() >= 1 and t.shape[-1] == 1:
+            return "keep:stat", 0
+        if role == "attn" and t.dtype == torch.float32 and t.dim() <= 3:
+            return "keep:stat", 0
+        if t.numel() < self.policy.min_numel:
+            return "keep:small", 0
+        bits = self.policy.bits_for(role, self.stage)
+        if bits >= KEEP:
+            return "keep:policy", 0
+        return "pack", bits
+
+    def pack_hook(self, t: Tensor, explicit: bool = False):
+        self.stats["saved"] += 1
+        role = self.role if t.dtype != torch.bool else "mask"
+        decision, bits = self.classify(t, role, explicit)
+        if decision != "pack":
+            return self._keep(t, decision[5:], role, report=decision != "keep:param")
+        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        hit = self._dedup.get(key)
+        if hit is not None and hit[0]() is not None:  # the owner alive: storage not reused
+            self.stats["dedup"] += 1
+            if self.record:
+                self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
+            return hit[1]
+        self._n += 1
+        pol = self.policy
+        p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic,
+                 seed=(pol.seed << 32) + self._n, symmetric=role != "logits")
+        # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
+        # storage, so a weak reference to the base proves the memory was not reused.
+        owner = t._base if t._base is not None else t
+        self._dedup[key] = (weakref.ref(owner), p)
+        self.stats["packed"] += 1
+        self.stats[f"bits{bits}"] += 1
+        self.numel[role] += t.numel()
+        self.bytes_raw[role] += t.numel() * t.element_size()
+        self.bytes_kept[role] += p.nbytes
+        note_saved(p.nbytes, ("agoq", id(p)), role)
+        if self.record:
+            self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "packed"})
+        return p
+
+    @staticmethod
+    def unpack_hook(obj):
+        return unpack(obj) if isinstance(obj, Packed) else obj
+
+    def summary(self) -> dict:
+        raw, kept = sum(self.bytes_raw.values()), sum(self.bytes_kept.values())
+        return {"stats": dict(self.stats), "bytes_raw": raw, "bytes_kept": kept,
+                "ratio": kept / raw if raw else 0.0,
+                "by_role": {r: {"raw": self.bytes_raw[r], "kept": self.bytes_kept[r]} for r in self.bytes_raw}}
+
+
+@contextlib.contextmanager
+def quantize_activations(model: nn.Module, policy: Policy | None = None, *, stage: int = 0,
+                         record: bool = False):
+    """Within the context, every activation ``model``'s forward saves is packed by ``policy``.
+
+    Yields the :class:`Packer` (its ``stats`` count every saved tensor and its fate).
+    The backward may run after the context closes.
+    """
+    pk = Packer(model, policy, stage=stage, record=record)
+    pk.install()
+    try:
+        with pk:
+            yield pk
+    finally:
+        pk.remove()
+
+
+def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0) -> Packer:
+    """Persistent AGoQ: every forward of ``model`` packs what it saves. Undo with :func:`remove`.
+
+    The hooks open at the start of ``model.forward`` and close at its end, so a loss computed
+    outside the model's forward is not packed (leantrain's Llama computes it inside).
+    """
+    remove(model)
+    pk = Packer(model, policy, stage=stage)
+    def _enter(mod, args):
+        pk.__enter__()  # (a pre-hook's return value would replace the forward's arguments)
+
+    enter = model.register_forward_pre_hook(_enter)
+    pk.install()
+    leave = model.register_forward_hook(lambda m, a, o: pk.__exit__(None, None, None), always_call=True)
+    pk._handles = [enter, *pk._handles, leave]
+    model._agoq_packer = pk
+    return pk
+
+
+def remove(model: nn.Module) -> None:
+    """Undo :func:`apply` (no-op when AGoQ is not applied)."""
+    pk = model.__dict__.pop("_agoq_packer", None)
+    if pk is not None:
+        pk.remove()
+
+
+def save(t: Tensor):
+    """Pack ``t`` through the active AGoQ packer (for tensors kept on ``ctx`` as attributes)."""
+    st = _active()
+    return st[-1].pack_hook(t, explicit=True) if st else t
+
+
+def load(obj) -> Tensor:
+    """The tensor :func:`save` packed (identity for a tensor that was not packed)."""
+    return unpack(obj) if isinstance(obj, Packed) else obj

@@ -1,0 +1,238 @@
+"""Packing one saved activation into few bits, and unpacking it exactly back to its shape.
+
+Formats (all per group of ``group_size`` consecutive elements of the flattened tensor):
+
+- 8 and 4 bits: :func:`leantrain.ops.quantize` / ``dequantize`` (the Triton kernels) on CUDA;
+  on CPU an equivalent vectorized torch path writing the same ``QTensor`` layout (the ops
+  reference draws its stochastic-rounding noise from a counter hash, ~1 s per 10^6 elements
+  on a small CPU, too slow for saved activations; here ``torch.rand`` with a seeded
+  generator supplies it). Symmetric absmax (``scale = absmax / (2**(b-1)-1)``) or, for one-sided data such as
+  log-probabilities, asymmetric min/max (``scale = (max-min)/(2**b-1)``, ``zero = min``).
+- 3 and 2 bits: asymmetric min/max codes ``0 .. 2**b-1`` (a symmetric 2-bit grid has only
+  three levels), packed by this module in pure torch: four 2-bit codes per byte, eight 3-bit
+  codes per three bytes. No Python loop per element; a handful of element-wise kernels.
+- 1 bit: boolean masks, eight per byte (exact).
+
+Rounding is to nearest or stochastic (``floor(y + u)``, ``u`` uniform: unbiased, E[x'] = x),
+the default for activations (ActNN, GACT): the gradient stays an unbiased estimate.
+Bytes kept per element: ``b/8 + 4/group_size`` (+4/group_size for the zero point of the
+asymmetric formats). The SQNR floor of round-to-nearest on Gaussian data with absmax
+scaling is about ``6.02 b - 10`` dB at group 128; stochastic rounding costs about 3 dB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:  # the kernels package exports these once its __init__ exists
+    from leantrain.ops import dequantize, quantize
+except ImportError:  # pragma: no cover - during concurrent development of ops/
+    from leantrain.ops.quant import dequantize, quantize
+
+try:
+    from leantrain.ops import QTensor, hash_uniform
+except ImportError:  # pragma: no cover
+    from leantrain.ops.qtensor import QTensor
+    from leantrain.ops.rng import hash_uniform
+
+__all__ = ["Packed", "pack", "unpack", "pack_mask", "unpack_mask", "quantize_q", "dequantize_q",
+           "SUPPORTED_BITS"]
+
+SUPPORTED_BITS = (1, 2, 3, 4, 8)
+
+
+@dataclass
+class Packed:
+    """A saved activation in packed form. ``nbytes`` is what it holds (codes + scales)."""
+
+    kind: str  # "q" (ops QTensor, 4/8 bits), "low" (2/3 bits), "mask" (1 bit)
+    payload: object
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    bits: int
+    nbytes: int
+
+    def tensors(self) -> list[Tensor]:
+        p = self.payload
+        if self.kind == "q":
+            return [t for t in (p.data, p.scale, p.zero) if t is not None]
+        return [t for t in p if isinstance(t, Tensor)]
+
+
+def _uniform(seed: int, n_groups: int, group_size: int, device) -> Tensor:
+    if device.type == "cpu":
+        gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+        return torch.rand(n_groups, group_size, generator=gen)
+    idx = torch.arange(n_groups * group_size, device=device, dtype=torch.int64)
+    return hash_uniform(seed, idx).view(n_groups, group_size)
+
+
+def _quantize_torch(x: Tensor, bits: int, group_size: int, symmetric: bool, stochastic: bool,
+                    seed: int) -> QTensor:
+    """4/8-bit codes in the layout of :class:`leantrain.ops.QTensor` (fast CPU path)."""
+    xg = _groups(x, group_size)
+    xg = torch.nan_to_num(xg, nan=0.0, posinf=0.0, neginf=0.0)
+    if symmetric:
+        qmax, lo = 2 ** (bits - 1) - 1, -(2 ** (bits - 1) - 1)
+        rng = xg.abs().amax(1, keepdim=True)
+        zero, base = None, xg
+    else:
+        qmax, lo = 2**bits - 1, 0
+        mn = xg.amin(1, keepdim=True)
+        rng = xg.amax(1, keepdim=True) - mn
+        zero, base = mn, xg - mn
+    scale = rng / qmax
+    y = base * torch.where(rng > 0, qmax / rng, 0.0)
+    y += _uniform(seed, *xg.shape, xg.device) if stochastic else 0.5
+    code = y.floor_().clamp_(lo, qmax).to(torch.int32)
+    if bits == 8:
+        data = (code & 0xFF).to(torch.uint8).reshape(-1)
+    else:
+        c = code & 0xF
+        data = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
+    return QTensor(data, scale.view(-1), None if zero is None else zero.view(-1), x.shape, x.dtype,
+                   bits, group_size, symmetric)
+
+
+def _dequantize_torch(q: QTensor) -> Tensor:
+    d = q.data
+    if q.bits == 8:
+        code = d.view(torch.int8) if q.symmetric else d
+    else:
+        lo, hi = d & 0xF, d >> 4
+        code = torch.stack([lo, hi], 1).reshape(-1)
+        if q.symmetric:
+            code = code.to(torch.int8)
+            code = torch.where(code >= 8, code - 16, code)
+    v = code.view(-1, q.group_size).float() * q.scale.unsqueeze(1)
+    if q.zero is not None:
+        v += q.zero.unsqueeze(1)
+    return v.reshape(-1)[: q.numel].view(q.shape).to(q.dtype)
+
+
+def _groups(x: Tensor, group_size: int) -> Tensor:
+    """Flattened fp32 ``x`` padded (with its last value, so min/max are unchanged) to ``[G, gs]``."""
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    g = -(-n // group_size)
+    pad = g * group_size - n
+    if pad:
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    return flat.view(g, group_size)
+
+
+def _pack_low(x: Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
+    """2/3-bit asymmetric codes, returns ``(data uint8, scale fp32, zero fp32)``."""
+    if group_size % 8:
+        raise ValueError(f"2/3-bit packing needs group_size divisible by 8, got {group_size}")
+    xg = _groups(x, group_size)
+    xg = torch.where(torch.isfinite(xg), xg, 0.0)
+    mn, mx = xg.amin(1, keepdim=True), xg.amax(1, keepdim=True)
+    qmax = 2**bits - 1
+    scale = (mx - mn) / qmax
+    inv = torch.where(scale > 0, 1.0 / scale, 0.0)
+    y = (xg - mn) * inv
+    if stochastic:
+        y = y + _uniform(seed, *xg.shape, xg.device)
+    else:
+        y = y + 0.5
+    code = y.floor_().clamp_(0, qmax).to(torch.int32)
+    if bits == 2:
+        c = code.view(-1, 4)
+        data = c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+        data = data.to(torch.uint8)
+    else:  # 3 bits: 8 codes -> 24-bit word -> 3 bytes
+        c = code.view(-1, 8)
+        shifts = torch.arange(0, 24, 3, device=c.device, dtype=torch.int32)
+        word = (c << shifts).sum(1, dtype=torch.int32)
+        data = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], 1).to(torch.uint8).reshape(-1)
+    return data, scale.view(-1), mn.view(-1)
+
+
+def _unpack_low(data: Tensor, scale: Tensor, zero: Tensor, bits: int, group_size: int, n: int) -> Tensor:
+    d = data.to(torch.int32)
+    if bits == 2:
+        code = torch.stack([d & 3, (d >> 2) & 3, (d >> 4) & 3, (d >> 6) & 3], 1).reshape(-1)
+    else:
+        b = d.view(-1, 3)
+        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        shifts = torch.arange(0, 24, 3, device=d.device, dtype=torch.int32)
+        code = ((word.unsqueeze(1) >> shifts) & 7).reshape(-1)
+    v = code.view(-1, group_size).float() * scale.unsqueeze(1) + zero.unsqueeze(1)
+    return v.reshape(-1)[:n]
+
+
+def pack_mask(m: Tensor) -> tuple[Tensor, int]:
+    """Bool tensor -> uint8 bytes, eight elements per byte (little-endian bits)."""
+    flat = m.reshape(-1).to(torch.uint8)
+    n = flat.numel()
+    pad = (-n) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=m.device)
+    return (flat.view(-1, 8) * w).sum(1, dtype=torch.uint8), n
+
+
+def unpack_mask(data: Tensor, n: int, shape) -> Tensor:
+    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=data.device)
+    bits = (data.unsqueeze(1) & w) != 0
+    return bits.reshape(-1)[:n].reshape(shape)
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True, seed: int = 0,
+         symmetric: bool = True) -> Packed:
+    """Pack ``x`` to ``bits`` (1: bool masks only; 2/3: asymmetric; 4/8: ``symmetric`` as asked)."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"agoq: bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if x.dtype == torch.bool:
+        data, n = pack_mask(x)
+        return Packed("mask", (data, n), x.shape, x.dtype, x.device, 1, _nbytes(data))
+    if bits == 1:
+        raise ValueError("agoq: 1-bit packing is for boolean masks only")
+    if not x.is_floating_point():
+        raise TypeError(f"agoq: cannot quantize a {x.dtype} tensor (integer tensors are kept exact)")
+    if bits in (2, 3):
+        data, scale, zero = _pack_low(x, bits, group_size, stochastic, seed)
+        return Packed("low", (data, scale, zero, group_size), x.shape, x.dtype, x.device, bits,
+                      _nbytes(data, scale, zero))
+    q = quantize_q(x.detach(), bits, group_size=group_size, symmetric=symmetric,
+                   stochastic=stochastic, seed=seed)
+    return Packed("q", q, x.shape, x.dtype, x.device, bits, q.nbytes)
+
+
+def unpack(p: Packed) -> Tensor:
+    """The tensor ``p`` was packed from (values up to quantization error), same shape/dtype/device."""
+    if p.kind == "mask":
+        data, n = p.payload
+        return unpack_mask(data, n, p.shape)
+    if p.kind == "low":
+        data, scale, zero, gs = p.payload
+        n = math.prod(p.shape)
+        return _unpack_low(data, scale, zero, p.bits, gs, n).to(p.dtype).reshape(p.shape)
+    return dequantize_q(p.payload).reshape(p.shape)
+
+
+def quantize_q(x: Tensor, bits: int, *, group_size: int = 128, symmetric: bool = True,
+               stochastic: bool = False, seed: int = 0) -> QTensor:
+    """4/8-bit :class:`QTensor`: the ops Triton kernel on CUDA, the vectorized torch path on CPU."""
+    if x.is_cuda:
+        return quantize(x, bits=bits, group_size=group_size, symmetric=symmetric,
+                        stochastic=stochastic, seed=seed)
+    return _quantize_torch(x, bits, group_size, symmetric, stochastic, seed)
+
+
+def dequantize_q(q: QTensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Values of a 4/8-bit :class:`QTensor` (non-stacked), in ``dtype`` or its own dtype."""
+    if q.data.is_cuda:
+        return dequantize(q, dtype=dtype)
+    v = _dequantize_torch(q)
+    return v if dtype is None else v.to(dtype)

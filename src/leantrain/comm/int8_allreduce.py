@@ -1,0 +1,130 @@
+"""Precision-preserving 8-bit all-reduce (AGoQ), as a function and as a DDP comm hook.
+
+One all-reduce of a flat tensor of ``N`` elements over ``n`` ranks, with ``G = group_size``:
+
+1. pad to ``n * C`` elements (``C`` a multiple of ``G``), cut into ``n`` chunks; quantize each
+   group of ``G`` to int8 codes (symmetric absmax, one fp32 scale per group);
+2. **all-to-all**: chunk ``i``'s codes and scales go to rank ``i`` (one uint8 message per
+   peer: ``C`` code bytes followed by the ``C/G`` scales' bytes);
+3. the owner dequantizes its ``n - 1`` peers' chunks, adds its own chunk *unquantized*, sums
+   in fp32 (and divides by ``n`` when averaging): the only rounding so far is each peer's one
+   quantization;
+4. requantize the reduced chunk **once** (int8 + fp32 scales) and **all-gather** it; every rank
+   dequantizes the same bytes, so all ranks end with bit-identical results.
+
+Never requantized at a hop (a ring all-reduce of int8 would round ``n - 1`` times). Error per
+element: ``<= sum_{j != owner} s_j / 2 + s_out / 2`` for round-to-nearest, ``s = absmax/127``
+of the element's group on rank ``j`` / of the reduced group.
+
+Bytes this rank sends (counted by :mod:`leantrain.collectives`): ``2 (n-1)/n * n C (1 + 4/G)``,
+i.e. ``(1 + 4/G) / 2`` of a bf16 all-reduce of the same tensor (0.508 at G = 256,
+0.504 at G = 512) plus padding; an fp32 all-reduce costs 4x more. Eight-bit codes plus any
+per-group scale cannot be below one half of bf16: the scales are the price of the precision.
+
+Both NCCL and gloo implement the two collectives used (``all_to_all_single`` with equal
+splits, ``all_gather_into_tensor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import collectives as C
+from ..agoq.pack import quantize_q
+
+try:
+    from leantrain.ops import QTensor
+except ImportError:  # pragma: no cover
+    from leantrain.ops.qtensor import QTensor
+
+__all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce"]
+
+
+@dataclass
+class Int8AllReduceState:
+    """State of the DDP hook: process group, group size of the scales, rounding."""
+
+    group: object = None
+    group_size: int = 256
+    stochastic: bool = False  # stochastic rounding of both quantizations (unbiased)
+    seed: int = 0
+    scope: str = "world"  # ledger scope of the bytes sent
+    calls: int = 0  # buckets reduced so far (varies the rounding seed)
+
+
+def _payload(q: QTensor, k: int) -> Tensor:
+    """``k`` peers' codes + scales as one uint8 tensor ``(k, C + 4 C/G)``."""
+    data = q.data.view(k, -1)
+    scale = q.scale.contiguous().view(k, -1).view(torch.uint8)
+    return torch.cat([data, scale], 1)
+
+
+def _unpayload(buf: Tensor, chunk: int, group_size: int) -> tuple[Tensor, Tensor]:
+    """``(k, C + 4 C/G)`` uint8 -> (codes int8 ``(k, C/G, G)``, scales fp32 ``(k, C/G, 1)``)."""
+    k = buf.shape[0]
+    codes = buf[:, :chunk].contiguous().view(torch.int8).view(k, -1, group_size)
+    scale = buf[:, chunk:].contiguous().view(torch.float32).view(k, -1, 1)
+    return codes, scale
+
+
+def int8_all_reduce(tensor: Tensor, group=None, *, group_size: int = 256, average: bool = False,
+                    stochastic: bool = False, seed: int = 0, scope: str = "world") -> Tensor:
+    """All-reduce ``tensor`` in place through int8 (see the module doc); returns it.
+
+    ``average=True`` divides the sum by the number of ranks (DDP's convention).
+    """
+    n = C.world_size(group)
+    if n == 1:
+        return tensor
+    if group_size % 2 or group_size < 2:
+        raise ValueError(f"int8_all_reduce: group_size must be even and >= 2, got {group_size}")
+    me = C.rank(group)
+    flat = tensor.detach().reshape(-1).float()
+    numel = flat.numel()
+    chunk = -(-numel // (n * group_size)) * group_size
+    x = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
+    x[:numel] = flat
+    q = quantize_q(x, 8, group_size=group_size, stochastic=stochastic, seed=seed)
+    send = _payload(q, n)
+    recv = torch.empty_like(send)
+    C.all_to_all_single(recv, send, group=group, scope=scope)
+    codes, scale = _unpayload(recv, chunk, group_size)
+    vals = codes.float() * scale  # (n, C/G, G)
+    vals[me] = x.view(n, -1, group_size)[me]  # own chunk: exact, not its quantized copy
+    red = vals.sum(0).reshape(-1)
+    if average:
+        red /= n
+    q2 = quantize_q(red, 8, group_size=group_size, stochastic=stochastic, seed=seed + 1)
+    mine = _payload(q2, 1).reshape(-1)
+    out = torch.empty(n * mine.numel(), dtype=torch.uint8, device=tensor.device)
+    C.all_gather_into_tensor(out, mine, group=group, scope=scope)
+    codes, scale = _unpayload(out.view(n, -1), chunk, group_size)
+    res = (codes.float() * scale).reshape(-1)[:numel]
+    tensor.copy_(res.view_as(tensor))
+    return tensor
+
+
+def int8_allreduce_hook(state: Int8AllReduceState, bucket):
+    """DDP comm hook: ``ddp.register_comm_hook(Int8AllReduceState(), int8_allreduce_hook)``.
+
+    Averages the bucket's gradients over ranks through :func:`int8_all_reduce` (synchronous;
+    the returned future is already completed).
+    """
+    buf = bucket.buffer()
+    state.calls += 1
+    int8_all_reduce(buf, state.group, group_size=state.group_size, average=True,
+                    stochastic=state.stochastic, seed=state.seed * 1_000_003 + 2 * state.calls,
+                    scope=state.scope)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+# DDP checks annotations by identity (strings, as ``from __future__ import annotations`` makes them,
+# are rejected): state them as objects.
+int8_allreduce_hook.__annotations__ = {"state": Int8AllReduceState, "bucket": dist.GradBucket,
+                                       "return": torch.futures.Future[torch.Tensor]}
