@@ -6,14 +6,19 @@
     update (fp32 W/m/v, bf16 X/dY) against ``torch.matmul`` (bf16 dYᵀX, cast to fp32) +
     ``torch.optim.AdamW(fused=True)`` on the materialized gradient; also FORGE's split path
     (cuBLAS dW into a reused fp32 buffer + the fused update kernel), the measured switch point
-    between the two. Median times from ``triton.testing.do_bench``; bytes moved
+    between the two, and ForgeOptimizer's whole per-layer path ('layer'). Median times from
+    ``triton.testing.do_bench`` (host launch overhead included), CUDA-graph replays
+    (``do_bench_cudagraph``: GPU time only) and the host CPU time per call of back-to-back
+    calls; bytes moved
     (X + dY read once, W/m/v read and written) against the HBM floor at the *measured*
     copy bandwidth of this GPU.
 (b) A whole training step of the ``1b`` preset, T = 1024 tokens per sequence, B sequences:
     torch AdamW fused with fp32 master weights + bf16 autocast; torch AdamW fused, pure bf16;
     PyTorch optimizer-in-backward (``register_post_accumulate_grad_hook``, bf16); FORGE fp32
     (+ autocast); FORGE bf16 weights + SR with fp32 states; FORGE bf16 + SR with int8 states.
-    Each configuration runs in a fresh subprocess (peaks do not mix). Reports peak memory,
+    Each configuration runs in a fresh subprocess (peaks do not mix; part (a) too). Tile shapes
+    come from FORGE's fixed heuristic (no autotuning), so warm-up is compilation only
+    (reported per configuration as ``warmup_s``). Reports peak memory,
     memory held between steps, peak above it, median step time; OOM is caught and reported.
 
 Writes ``forge_<date>_<gpu>.json`` and ``.md`` into ``--out``. Every configuration is
@@ -79,6 +84,10 @@ def _f(x, unit=""):
     return "" if x is None else f"{x:.3f}{unit}"
 
 
+def _u(x):
+    return "" if x is None else f"{x:.0f}"
+
+
 def _gb(x):
     return None if x is None else round(x / 2**30, 3)
 
@@ -90,8 +99,10 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
     import torch
     from triton.testing import do_bench
 
+    from leantrain.forge import attach, detach
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
     from leantrain.forge.optimizer import _mm_fp32
+    from leantrain.optim import AdamW
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     row = {"N": n, "K": k, "T": t}
@@ -103,7 +114,9 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
     common = dict(w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
     buf = torch.empty(n, k, device="cuda")
     p = torch.nn.Parameter(w.clone())
-    opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    # capturable: the step count lives on the GPU, so the CUDA-graph replay below is valid
+    opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
+                            capturable=True)
 
     def fused():
         launch_forge(MODE_FUSED, x=x, dy=dy, **common)
@@ -117,10 +130,31 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
         opt.step()
         p.grad = None
 
-    for name, fn in (("fused", fused), ("split", split), ("torch", baseline)):
-        fn()  # compile + autotune (restore_value keeps W/m/v intact)
+    # the whole per-layer path of ForgeOptimizer (state lookup, launch arguments, launch, norm sum)
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda")
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    fopt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), split_tokens=None)
+    layer = fopt.layers[0]
+
+    def forge_layer():
+        fopt._update_layer(layer, x, dy)
+        fopt._step_id += 1  # the accumulation guard; step() closes nothing else that matters here
+        fopt._pending_sumsq.clear()
+
+    for name, fn in (("fused", fused), ("split", split), ("torch", baseline), ("layer", forge_layer)):
+        fn()  # compile (fixed tile heuristic: nothing to autotune)
         torch.cuda.synchronize()
         row[f"{name}_ms"] = do_bench(fn, warmup=5 if quick else 10, rep=20 if quick else 40)
+        # host time per call: back-to-back calls, no synchronization inside the loop (the GPU
+        # queue absorbs the launches), so this is the Python + launch cost on the CPU
+        torch.cuda.synchronize()
+        reps = 50
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        row[f"{name}_host_us"] = (time.perf_counter() - t0) / reps * 1e6
+        torch.cuda.synchronize()
         try:  # GPU time without host launch overhead (CUDA graph replay)
             from triton.testing import do_bench_cudagraph
 
@@ -128,6 +162,8 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
         except Exception as e:  # noqa: BLE001
             row[f"{name}_graph_ms"] = None
             row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+        torch.cuda.synchronize()
+    detach(lin)
     nbytes = t * (n + k) * 2 + n * k * 4 * 3 * 2
     floor_ms = max(nbytes / bw, 2 * t * n * k / 790e12) * 1e3
     best = min(row["fused_ms"], row["split_ms"])
@@ -210,9 +246,11 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):  # includes Triton compilation / autotuning (restore_value clones)
+    t_warm = time.perf_counter()
+    for _ in range(warmup):  # includes Triton compilation (fixed tile heuristic: no autotuning)
         one_step()
     torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t_warm
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -233,7 +271,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
 
         state_bytes = count_bytes(tensors_in([o.state for o in opts.values()]))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"status": "ok", "step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
+    return {"status": "ok", "step_ms": statistics.median(times) * 1e3, "warmup_s": warmup_s, "step_ms_all": [t * 1e3 for t in times],
             "peak_bytes": peak, "held_bytes": held, "above_held_bytes": peak - held,
             "weight_bytes": weight_bytes, "state_bytes": state_bytes,
             "persistent_bytes_per_param": (weight_bytes + state_bytes) / params, "params": params,
@@ -281,31 +319,36 @@ def markdown(res: dict) -> str:
                   f"measured copy bandwidth {a['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floor = max(bytes / bandwidth, "
                   "FLOPs / 790 TFLOP/s); bytes = X + dY once + W, m, v read and written", "",
                   "Times are do_bench medians (host launch overhead included); 'graph' columns replay a CUDA",
-                  "graph (GPU time only).", "",
+                  "graph (GPU time only); 'host µs' is the CPU time per call of back-to-back calls (Python +",
+                  "launch). 'layer' is ForgeOptimizer's whole per-layer path (fused kernel + norm sum).", "",
                   "| N×K | T | torch ms | fused ms | split ms | floor ms | torch/fused | torch/best | best path "
-                  "| torch graph ms | fused graph ms | torch/fused (graph) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| torch graph ms | fused graph ms | torch/fused (graph) | layer ms | layer graph ms "
+                  "| torch host µs | fused host µs | layer host µs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in a["rows"]:
             if "error" in r:
-                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | error: {r['error'][:80]} |||||||")
+                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | error: {r['error'][:80]} ||||||||||||||")
                 continue
             lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {r['torch_ms']:.3f} | {r['fused_ms']:.3f} | "
                          f"{r['split_ms']:.3f} | {r['floor_ms']:.3f} | {r['speedup_fused']:.2f}× | "
                          f"{r['speedup_dispatch']:.2f}× | {r['best_path']} | {_f(r.get('torch_graph_ms'))} | "
-                         f"{_f(r.get('fused_graph_ms'))} | {_f(r.get('speedup_fused_graph'), '×')} |")
+                         f"{_f(r.get('fused_graph_ms'))} | {_f(r.get('speedup_fused_graph'), '×')} | "
+                         f"{_f(r.get('layer_ms'))} | {_f(r.get('layer_graph_ms'))} | {_u(r.get('torch_host_us'))} | "
+                         f"{_u(r.get('fused_host_us'))} | {_u(r.get('layer_host_us'))} |")
         lines.append("")
     b = res.get("steps")
     if b:
         lines += ["## (b) whole training step, 1b preset, T = 1024", "",
-                  "| config | B | step ms | peak GiB | held GiB | above held GiB | persistent B/param | status |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| config | B | step ms | peak GiB | held GiB | above held GiB | persistent B/param | warm-up s "
+                  "| wall s | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in b:
             if r.get("status") != "ok":
-                lines.append(f"| {r['config']} | {r['B']} | | | | | | {r.get('status')} |")
+                lines.append(f"| {r['config']} | {r['B']} | | | | | | | {r.get('wall_s', '')} | {r.get('status')} |")
                 continue
             lines.append(f"| {r['config']} | {r['B']} | {r['step_ms']:.1f} | {_gb(r['peak_bytes'])} | "
                          f"{_gb(r['held_bytes'])} | {_gb(r['above_held_bytes'])} | "
-                         f"{r['persistent_bytes_per_param']:.2f} | ok |")
+                         f"{r['persistent_bytes_per_param']:.2f} | {r.get('warmup_s', 0):.1f} | {r.get('wall_s', '')} | ok |")
         lines.append("")
     return "\n".join(lines)
 
@@ -319,7 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="*", help="part (b) batch sizes (default 1 4 16; quick: 1 4)")
+    ap.add_argument("--timeout-a", type=float, default=300.0, help="seconds for part (a)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--layer-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -337,6 +382,16 @@ def main(argv=None) -> int:
 
     import torch
 
+    if args.layer_worker:  # part (a), in a subprocess
+        os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            r = bench_layer(args.quick, lambda m: print(m, flush=True))
+        except Exception as e:  # noqa: BLE001
+            r = {"error": f"{type(e).__name__}: {e}", "rows": []}
+            print(traceback.format_exc(), flush=True)
+        print("RESULT " + json.dumps(r), flush=True)
+        return 0
+
     if not torch.cuda.is_available():
         print("bench_forge: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -351,12 +406,23 @@ def main(argv=None) -> int:
 
     res = {"env": env, "command": "PYTHONPATH=src python3 benchmarks/bench_forge.py " + " ".join(argv or sys.argv[1:])}
     t0 = time.time()
-    if args.part in ("a", "all"):
+    if args.part in ("a", "all"):  # in its own process too (nothing of it stays on the GPU for part (b))
+        env_a = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
         try:
-            res["layer"] = bench_layer(args.quick, log)
-        except Exception as e:  # noqa: BLE001
-            res["layer_error"] = f"{type(e).__name__}: {e}"
-            log(traceback.format_exc())
+            r = subprocess.run([sys.executable, __file__, "--layer-worker"] + (["--quick"] if args.quick else []),
+                               capture_output=True, text=True, timeout=args.timeout_a, env=env_a)
+            for line in r.stdout.splitlines():
+                if not line.startswith("RESULT "):
+                    log(line)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            if line:
+                res["layer"] = json.loads(line[-1][7:])
+            else:
+                res["layer_error"] = (r.stderr or r.stdout)[-2000:]
+                log(res["layer_error"])
+        except subprocess.TimeoutExpired:
+            res["layer_error"] = f"part (a): no result within {args.timeout_a}s"
+            log(res["layer_error"])
         log(f"part (a) done in {time.time() - t0:.0f}s")
     if args.part in ("b", "all"):
         res["steps"] = bench_steps(args.quick, log, args.timeout, args.steps, args.warmup, args.batches)

@@ -216,10 +216,11 @@ class Trainer:
                     sync = self.ddp.no_sync()
                 elif hasattr(self.opt, "no_sync"):
                     sync = self.opt.no_sync()
-            with sync, self._activation_ctx():
-                with meter if (meter is not None and micro == 0) else contextlib.nullcontext():
-                    with self._autocast():
-                        loss = self.forward_module(x, y) / d.grad_accum
+            # the meter is entered first: saved-tensor hooks nest, and the innermost (AGoQ's
+            # packer, when on) sees each tensor and reports what it keeps to the meter
+            with sync, meter if (meter is not None and micro == 0) else contextlib.nullcontext():
+                with self._activation_ctx(), self._autocast():
+                    loss = self.forward_module(x, y) / d.grad_accum
                 if not torch.isfinite(loss.detach()).item():
                     self._nonfinite(loss)
                     return {"loss": float("nan"), "skipped": True}

@@ -214,3 +214,110 @@ def test_model_triton_clip_and_nonfinite_report():
     for a, b in zip(m0.parameters(), m1.parameters()):
         assert max_rel(b, a) <= 1e-6
     assert o1.last_grad_norm == pytest.approx(o0.last_grad_norm, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- host-side launch path
+
+
+def _reference_rule_scalars(rule_name, hp, step):
+    """The epilogue scalars as first written (before the host-overhead rewrite): the cached
+    ``rule_scalars`` must return exactly these values."""
+    import numpy as np
+
+    lr = float(hp["lr"])
+    wd = float(hp.get("weight_decay", 0.0))
+    b1, b2 = (float(x) for x in hp.get("betas", (0.0, 0.0)))
+    out = dict(lr=lr, decay=1.0 - lr * wd, step_size=lr, bc2_sqrt=1.0, b1=b1, b2=b2, omb1=1.0 - b1,
+               omb2=1.0 - b2, lerp_c=0.0, eps=float(hp.get("eps", 0.0)), mom=float(hp.get("momentum", 0.0)),
+               HAS_DECAY=wd != 0.0, HAS_MOM=float(hp.get("momentum", 0.0)) > 0.0,
+               NESTEROV=bool(hp.get("nesterov", False)), LERP_SMALL=True)
+    if rule_name == "adamw":
+        out["step_size"] = lr / (1.0 - b1**step)
+        out["bc2_sqrt"] = (1.0 - b2**step) ** 0.5
+        w32 = np.float32(1.0 - b1)
+        out["LERP_SMALL"] = bool(abs(w32) < 0.5)
+        out["lerp_c"] = float(np.float32(1.0) - w32)
+    return out
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_scalars_unchanged(rule):
+    K = _kernel()
+    r = RULES[rule]()
+    for step in (1, 2, 7, 1000):
+        for hp in (_hp(r), {**_hp(r), "lr": 3e-4}, {**_hp(r), "betas": (0.3, 0.999)}):
+            if "betas" not in _hp(r) and "betas" in hp and r.name != "adamw":
+                continue
+            assert K.rule_scalars(r.name, hp, step) == _reference_rule_scalars(r.name, hp, step)
+
+
+def test_heuristic_config():
+    K = _kernel()
+    small = K.heuristic_config(K.MODE_FUSED, 1024)
+    assert (small["BLOCK_N"], small["BLOCK_K"], small["BLOCK_T"], small["num_warps"]) == (64, 64, 64, 4)
+    big = K.heuristic_config(K.MODE_FUSED, 16384)
+    assert (big["BLOCK_N"], big["BLOCK_K"], big["BLOCK_T"], big["num_warps"]) == (128, 128, 32, 8)
+    assert K.heuristic_config(K.MODE_FUSED, 16384, int8=True)["BLOCK_N"] == 64  # 8-bit epilogue: 64 x 64
+    assert K.heuristic_config(K.MODE_UPDATE, 0)["BLOCK_T"] == 16
+
+
+def test_part_buffer_reused():
+    K = _kernel()
+    rule = RULES["sgd"]()
+    x, dy = torch.randn(5, 20).to(DEV), torch.randn(5, 18).to(DEV)
+    w = torch.zeros(18, 20, device=DEV)
+    p1 = K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, rule_name="sgd", hp=_hp(rule), step=1)
+    p2 = K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, rule_name="sgd", hp=_hp(rule), step=2, part=p1)
+    assert p2 is p1
+    wrong = torch.empty(p1.numel() + 1, device=DEV)
+    assert K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, rule_name="sgd", hp=_hp(rule), step=3, part=wrong) is not wrong
+
+
+def test_layer_cache_follows_load_state_dict():
+    """The optimizer caches each layer's launch arguments (state tensors, param group); replacing
+    the state (load_state_dict on the same optimizer) must be seen: resume is still exact."""
+    torch.manual_seed(5)
+    model = Net(20, 33, 9).to(DEV)
+    opt = lt.forge.attach(model, RULES["adamw"](), backend="triton")
+    data = [x.to(DEV) for x in batches(3, shape=(2, 6, 20))]
+    train(model, opt, data[:1])
+    sd_model = {k: v.clone() for k, v in model.state_dict().items()}
+    sd_opt = opt.state_dict()
+    sd_opt = {**sd_opt, "state": {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
+                                  for k, v in sd_opt["state"].items()}}
+    train(model, opt, data[1:])
+    after = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(sd_model)
+    opt.load_state_dict(sd_opt)
+    train(model, opt, data[1:])
+    for a, b in zip(after, model.parameters()):
+        assert torch.equal(a, b.detach())
+    opt.param_groups[0]["lr"] = 0.0  # the loaded param group (a new dict) is the one read
+    before = model.fc1.weight.detach().clone()
+    train(model, opt, data[:1])
+    assert torch.equal(model.fc1.weight, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="compiled kernels on CUDA only")
+def test_direct_launch_equals_jit_launch():
+    """The cached CompiledKernel launch gives the same bits as kernel[grid](...)."""
+    K = _kernel()
+    rule = RULES["adamw"]()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(300, 96, generator=g).to("cuda", torch.bfloat16)
+    dy = torch.randn(300, 80, generator=g).to("cuda", torch.bfloat16)
+    w0 = torch.randn(80, 96, generator=g).cuda()
+    outs = []
+    for direct in (False, True):
+        K._DIRECT[0] = direct
+        K._FAST.clear()
+        w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+        for step in range(1, 4):
+            K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
+                           rule_name="adamw", hp=_hp(rule), step=step, key=step)
+        if direct:
+            assert K._FAST, "the direct launch path was not taken"
+        outs.append((w, m, v))
+    K._DIRECT[0] = None
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -41,7 +41,7 @@ import os
 import numpy as np
 import torch
 
-from leantrain.ops._backend import HAS_TRITON, launch
+from leantrain.ops._backend import HAS_TRITON, interpreting
 
 RULE_IDS = {"sgd": 0, "adamw": 1, "lion": 2, "adams": 3}
 STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2}
@@ -250,7 +250,9 @@ if HAS_TRITON:
 
     # -------------------------------------------------------------- tile configurations (H200)
     # research/forge.md §8: 64x64 tiles at 4 warps win at T <= 1024; 128x128x32 at 8 warps at
-    # T = 16384; 128x128 at 4 warps spills. The autotuner picks per (N, K, T) and mode.
+    # T = 16384; 128x128 at 4 warps spills. Default: the fixed heuristic of `heuristic_config`
+    # (no autotuning, nothing to benchmark at warm-up); LEANTRAIN_FORGE_AUTOTUNE=1 autotunes
+    # over these configurations per (N, K, T, mode, dtypes) instead.
     def _cfg(bn, bk, bt, w, s):
         return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8}, num_warps=w, num_stages=s)
 
@@ -277,43 +279,183 @@ if HAS_TRITON:
         prune_configs_by={"early_config_prune": _prune},
     )(_forge_kernel)
 
+    _ARG_NAMES = list(_forge_kernel.arg_names)
+    _N_RUNTIME = _ARG_NAMES.index("MODE")  # runtime arguments come first, then the constexprs
+    _CONST_NAMES = tuple(_ARG_NAMES[_N_RUNTIME:])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain Python: triton.cdiv is a ConstexprFunction (slow to call from the host)
+
+
+_INTERP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}
+
 
 def _interp_config(mode: int) -> dict:
-    return {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}
+    return dict(_INTERP_CONFIG)
 
 
-FIXED_CONFIG_ENV = "LEANTRAIN_FORGE_TILE"  # e.g. "64,64,64,4,3": skip autotuning
+FIXED_CONFIG_ENV = "LEANTRAIN_FORGE_TILE"  # e.g. "64,64,64,4,3": pin one tile configuration
+AUTOTUNE_ENV = "LEANTRAIN_FORGE_AUTOTUNE"  # "1": autotune over TUNE_CONFIGS / UPDATE_CONFIGS
+DIRECT_LAUNCH_ENV = "LEANTRAIN_FORGE_DIRECT_LAUNCH"  # "0": always launch through kernel[grid](...)
+LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tiles at 8 warps
 
 
-def _fixed_config():
-    v = os.environ.get(FIXED_CONFIG_ENV)
-    if not v:
-        return None
+def _parse_fixed(v: str) -> dict:
     bn, bk, bt, w, s = (int(x) for x in v.split(","))
     return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "num_warps": w, "num_stages": s}
 
 
+def _fixed_config():
+    v = os.environ.get(FIXED_CONFIG_ENV)
+    return _parse_fixed(v) if v else None
+
+
+def heuristic_config(mode: int, T: int, int8: bool = False) -> dict:
+    """The fixed tile configuration used without autotuning (research/forge.md §8, H200).
+
+    Fused / write-dW: 64 x 64 tiles, 64-token steps, 4 warps, 3 stages up to ``LARGE_T`` tokens
+    (and always with 8-bit states: the 16 x 16 block requantization needs the registers);
+    128 x 128 x 32 at 8 warps above. Update-only: 64 x 64 tiles, 4 warps, no pipelining.
+    """
+    if mode == MODE_UPDATE:
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 4, "num_stages": 1}
+    if T <= LARGE_T or int8:
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
+
+
+_RULE_CACHE: dict = {}
+
+
+def _rule_consts(rule_name: str, lr: float, wd: float, b1: float, b2: float, eps: float, mom: float,
+                 nesterov: bool):
+    key = (rule_name, lr, wd, b1, b2, eps, mom, nesterov)
+    c = _RULE_CACHE.get(key)
+    if c is None:
+        lerp_small, lerp_c = True, 0.0
+        if rule_name == "adamw":
+            w32 = np.float32(1.0 - b1)
+            lerp_small = bool(abs(w32) < 0.5)
+            lerp_c = float(np.float32(1.0) - w32)
+        scal = (lr, 1.0 - lr * wd, lr, 1.0, b1, b2, 1.0 - b1, 1.0 - b2, lerp_c, eps, mom)
+        c = (scal, (wd != 0.0, mom > 0.0, bool(nesterov), lerp_small))
+        if len(_RULE_CACHE) > 4096:  # a schedule changing lr every step: do not grow without bound
+            _RULE_CACHE.clear()
+        _RULE_CACHE[key] = c
+    return c
+
+
+def _scalars(rule_name: str, hp: dict, step: int):
+    """``(scalars tuple in kernel order (lr .. mom), flags (HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL))``."""
+    get = hp.get
+    b1, b2 = get("betas", (0.0, 0.0))
+    b1, b2 = float(b1), float(b2)
+    lr = float(hp["lr"])
+    scal, flags = _rule_consts(rule_name, lr, float(get("weight_decay", 0.0)), b1, b2, float(get("eps", 0.0)),
+                               float(get("momentum", 0.0)), bool(get("nesterov", False)))
+    if rule_name == "adamw":  # bias corrections: the only per-step scalars
+        scal = scal[:2] + (lr / (1.0 - b1**step), (1.0 - b2**step) ** 0.5) + scal[4:]
+    return scal, flags
+
+
 def rule_scalars(rule_name: str, hp: dict, step: int) -> dict:
     """Host-side scalars of the epilogue (computed as torch would: doubles, cast to fp32 in-kernel)."""
-    lr = float(hp["lr"])
-    wd = float(hp.get("weight_decay", 0.0))
-    b1, b2 = (float(x) for x in hp.get("betas", (0.0, 0.0)))
-    out = dict(lr=lr, decay=1.0 - lr * wd, step_size=lr, bc2_sqrt=1.0, b1=b1, b2=b2, omb1=1.0 - b1,
-               omb2=1.0 - b2, lerp_c=0.0, eps=float(hp.get("eps", 0.0)), mom=float(hp.get("momentum", 0.0)),
-               HAS_DECAY=wd != 0.0, HAS_MOM=float(hp.get("momentum", 0.0)) > 0.0,
-               NESTEROV=bool(hp.get("nesterov", False)), LERP_SMALL=True)
-    if rule_name == "adamw":
-        out["step_size"] = lr / (1.0 - b1**step)
-        out["bc2_sqrt"] = (1.0 - b2**step) ** 0.5
-        w32 = np.float32(1.0 - b1)
-        out["LERP_SMALL"] = bool(abs(w32) < 0.5)
-        out["lerp_c"] = float(np.float32(1.0) - w32)
+    scal, flags = _scalars(rule_name, hp, step)
+    out = dict(zip(("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c", "eps", "mom"), scal, strict=True))
+    out.update(zip(("HAS_DECAY", "HAS_MOM", "NESTEROV", "LERP_SMALL"), flags, strict=True))
     return out
+
+
+_WRITE_DW_SCALARS = _scalars("sgd", {"lr": 0.0}, 1)
+
+
+class _Plan:
+    """Everything about one launch that does not change from step to step (cached per signature)."""
+
+    __slots__ = ("kernel", "meta", "consts", "grid", "nparts", "tuned")
+
+    def __init__(self, kernel, meta, consts, grid, nparts, tuned):
+        self.kernel, self.meta, self.consts, self.grid, self.nparts, self.tuned = kernel, meta, consts, grid, nparts, tuned
+
+
+_PLANS: dict = {}
+_FAST: dict = {}  # direct-launch cache: guard key -> CompiledKernel
+_DIRECT = [None]  # None: not decided yet; False: off
+
+
+def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
+    if not on_gpu:
+        cfg = _interp_config(mode)
+    elif tune is not None:
+        cfg = dict(tune)
+    else:
+        fixed = os.environ.get(FIXED_CONFIG_ENV)
+        if fixed:
+            cfg = _parse_fixed(fixed)
+        elif os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0"):
+            cfg = None
+        else:
+            cfg = heuristic_config(mode, T, int8)
+    if cfg is None:  # autotuned: PART sized for the smallest tile (64 x 64), the launched tiles report
+        return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
+                     lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
+                     _cdiv(N, 64) * _cdiv(K, 64), True)
+    meta = dict(flags_meta, **cfg)
+    consts = tuple(meta[n] for n in _CONST_NAMES) if on_gpu else None
+    grid = _cdiv(N, cfg["BLOCK_N"]) * _cdiv(K, cfg["BLOCK_K"])
+    meta["enable_fp_fusion"] = False  # see leantrain.ops._backend.launch
+    return _Plan(_forge_kernel, meta, consts, (grid,), grid, False)
+
+
+def _direct_ok() -> bool:
+    """Direct launches of the cached CompiledKernel: Triton >= 3.3 (launchers take every argument,
+    constexprs included, in signature order), not turned off by LEANTRAIN_FORGE_DIRECT_LAUNCH=0."""
+    if _DIRECT[0] is None:
+        ok = os.environ.get(DIRECT_LAUNCH_ENV, "1") not in ("", "0")
+        try:
+            major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+            ok = ok and (major, minor) >= (3, 3)
+        except Exception:  # noqa: BLE001
+            ok = False
+        _DIRECT[0] = ok
+    return _DIRECT[0]
+
+
+_I32 = 1 << 31
+
+
+def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
+    """``_forge_kernel[grid](*args, **meta)``, or the CompiledKernel it returned for the same
+    specialization (dtypes, 16-byte alignment of every pointer, integer specializations, device),
+    called directly: Triton's argument binding and cache-key hashing cost more host time than
+    everything else in a FORGE layer update. The guard key holds what Triton specializes on:
+    each pointer's dtype and 16-byte alignment, each specialized integer's (== 1, % 16 == 0,
+    32-bit range), the 32-bit range of T and key, the constexprs (in ``pkey``) and the device."""
+    if _DIRECT[0] or (_DIRECT[0] is None and _direct_ok()):
+        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:16]],
+                *[(v == 1, not v & 15, -_I32 <= v < _I32) for v in ints],
+                -_I32 <= args[16] < _I32, -_I32 <= args[-1] < _I32)
+        ck = _FAST.get(gkey)
+        if ck is not None:
+            try:
+                ck[plan.grid](*args, *plan.consts)
+                return
+            except TypeError:  # a launcher that does not take this argument list: never again
+                _DIRECT[0] = False
+                _FAST.clear()
+        else:
+            ck = plan.kernel[plan.grid](*args, **plan.meta)
+            if (_DIRECT[0] and ck is not None and hasattr(ck, "__getitem__")
+                    and len(getattr(getattr(ck, "src", None), "signature", ())) == len(_ARG_NAMES)):
+                _FAST[gkey] = ck
+            return
+    plan.kernel[plan.grid](*args, **plan.meta)
 
 
 def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
                  qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
-                 sr=True, key=0, tune=None):
+                 sr=True, key=0, tune=None, part=None):
     """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
@@ -321,55 +463,63 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     their kinds (``"fp32" | "bf16" | "int8"``);
     ``qtables`` one ``(qmap, absmax)`` per int8 state (None otherwise); ``bias_states`` fp32 tensors. ``g``/``gb``: dW/db (written in mode 1, read in mode 2).
     ``scale``: optional fp32 scalar tensor multiplied into the gradient before the rule.
+    ``tune``: a tile configuration dict (``BLOCK_N, BLOCK_K, BLOCK_T, GROUP_N, num_warps[, num_stages]``).
+    ``part``: optional reused fp32 buffer for the per-tile sums; used when its size is exactly
+    the launch's tile count (else a new one is allocated). The returned tensor is the one written.
     """
-    N, K = (w.shape if w is not None else g.shape)
-    T = x.shape[0] if x is not None else 0
-    dev = (w if w is not None else g).device
-    from leantrain.ops._backend import interpreting
-
-    if mode != MODE_UPDATE:
-        assert x.stride(-1) == 1 and dy.stride(-1) == 1 and x.dtype == dy.dtype
-        if interpreting() and x.dtype != torch.float32:  # the interpreter's tl.dot is wrong on bf16
-            x, dy = x.float(), dy.float()  # exact: same products, fp32 accumulation
-    hp = hp or {}
-    sc = rule_scalars(rule_name, hp, step) if mode != MODE_WRITE_DW else rule_scalars("sgd", {"lr": 0.0}, 1)
-    flags = {k: sc.pop(k) for k in ("HAS_DECAY", "HAS_MOM", "NESTEROV", "LERP_SMALL")}
-    nstate = len(states)
     dummy = w if w is not None else g
-    s = list(states) + [dummy] * (2 - nstate)
-    bs = list(bias_states) + [dummy] * (2 - len(bias_states))
-    kinds = list(kinds) + ["fp32"] * (2 - len(kinds))
-    tabs = []
-    for i in range(2):
-        if kinds[i] == "int8":
-            tabs.append(qtables[i])
-        else:
-            tabs.append((dummy, dummy))
-    prec = "ieee" if (x is None or x.dtype == torch.float32) else "tf32"
-    args = (x if x is not None else dummy, dy if dy is not None else dummy, w if w is not None else dummy,
-            b if b is not None else dummy, s[0], s[1], tabs[0][1], tabs[1][1], bs[0], bs[1],
-            tabs[0][0], tabs[1][0], g if g is not None else dummy,
-            gb if gb is not None else dummy)
-    meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=STATE_KIND[kinds[0]], KIND2=STATE_KIND[kinds[1]],
-                NSTATE=nstate, W_BF16=(w is not None and w.dtype == torch.bfloat16), SR=bool(sr),
-                HAS_BIAS=(b is not None if mode != MODE_WRITE_DW else gb is not None),
-                HAS_SCALE=scale is not None, PREC=prec, **flags)
-    strides = (x.stride(0) if x is not None else 0, dy.stride(0) if dy is not None else 0)
-    scalars = (sc["lr"], sc["decay"], sc["step_size"], sc["bc2_sqrt"], sc["b1"], sc["b2"], sc["omb1"],
-               sc["omb2"], sc["lerp_c"], sc["eps"], sc["mom"], int(key))
-    cfg = _interp_config(mode) if (interpreting() or not dev.type == "cuda") else (tune or _fixed_config())
-    if cfg is not None:
-        cfg = dict(cfg)
-        grid_n, grid_k = triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["BLOCK_K"])
-        part = torch.empty(grid_n * grid_k, dtype=torch.float32, device=dev)
-        launch(_forge_kernel, (grid_n * grid_k,), *args, part, scale if scale is not None else part,
-               T, N, K, *strides, *scalars, **meta, **cfg)
-        return part
-    # autotuned: size PART for the smallest tile (64 x 64) and report only the launched tiles
-    part = torch.full((triton.cdiv(N, 64) * triton.cdiv(K, 64),), 0.0, dtype=torch.float32, device=dev)
-    launch(_forge_kernel_tuned, lambda m: (triton.cdiv(N, m["BLOCK_N"]) * triton.cdiv(K, m["BLOCK_K"]),),
-           *args, part, scale if scale is not None else part, T, N, K, *strides, *scalars, **meta)
+    N, K = dummy.shape
+    dev = dummy.device
+    on_gpu = dev.type == "cuda" and not interpreting()
+    if mode != MODE_UPDATE:
+        T = x.shape[0]
+        assert x.stride(-1) == 1 and dy.stride(-1) == 1 and x.dtype == dy.dtype
+        if not on_gpu and x.dtype != torch.float32 and interpreting():  # the interpreter's tl.dot: wrong on bf16
+            x, dy = x.float(), dy.float()  # exact: same products, fp32 accumulation
+        sx, sdy = x.stride(0), dy.stride(0)
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    else:
+        T, sx, sdy, prec = 0, 0, 0, "ieee"
+        x = dy = dummy
+    if mode == MODE_WRITE_DW:
+        scal, flags = _WRITE_DW_SCALARS
+    else:
+        scal, flags = _scalars(rule_name, hp or {}, step)
+    nstate = len(states)
+    k1 = kinds[0] if nstate > 0 else "fp32"
+    k2 = kinds[1] if nstate > 1 else "fp32"
+    kind1, kind2 = STATE_KIND[k1], STATE_KIND[k2]
+    has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
+    w_bf16 = w is not None and w.dtype == torch.bfloat16
+    pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias,
+            scale is not None, prec, flags, on_gpu, None if tune is None else tuple(sorted(tune.items())),
+            os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV))
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
+                    SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec,
+                    HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
+        plan = _PLANS[pkey] = _plan(mode, N, K, T, 2 in (kind1, kind2), tune, on_gpu, meta)
+    s1 = states[0] if nstate > 0 else dummy
+    s2 = states[1] if nstate > 1 else dummy
+    nb = len(bias_states)
+    bs1 = bias_states[0] if nb > 0 else dummy
+    bs2 = bias_states[1] if nb > 1 else dummy
+    q1, a1 = qtables[0] if kind1 == 2 else (dummy, dummy)
+    q2, a2 = qtables[1] if kind2 == 2 else (dummy, dummy)
+    if plan.tuned:
+        part = torch.zeros(plan.nparts, dtype=torch.float32, device=dev)
+    elif part is None or part.numel() != plan.nparts or part.device != dev:
+        part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
+    args = (x, dy, dummy if w is None else w, dummy if b is None else b, s1, s2, a1, a2, bs1, bs2, q1, q2,
+            dummy if g is None else g, dummy if gb is None else gb, part, part if scale is None else scale,
+            T, N, K, sx, sdy, *scal, int(key))
+    if on_gpu and not plan.tuned:
+        _launch_gpu(plan, pkey, args, (N, K, sx, sdy))
+    else:
+        plan.kernel[plan.grid](*args, **plan.meta)
     return part
 
 
-__all__ = ["launch_forge", "rule_scalars", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE", "RULE_IDS"]
+__all__ = ["launch_forge", "rule_scalars", "heuristic_config", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE",
+           "RULE_IDS"]

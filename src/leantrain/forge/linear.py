@@ -31,6 +31,7 @@ class ForgeLayer:
     tp_group: object = None  # the weight is a tensor-parallel shard (norm sums need a TP all-reduce)
     updated_in: int = -1  # optimizer step id of the last update (gradient accumulation guard)
     opt: object = field(default=None, repr=False)
+    host: object = field(default=None, repr=False)  # the optimizer's per-layer launch cache
 
 
 def _autocast_dtype(device_type: str):
@@ -48,9 +49,11 @@ class ForgeLinearFn(torch.autograd.Function):
         cdt = _autocast_dtype(x.device.type)
         if cdt is not None and x.dtype != cdt:
             x = x.to(cdt)
-        with torch.autocast(x.device.type, enabled=False):
-            wc = weight.to(x.dtype)
-            y = F.linear(x, wc, None if bias is None else bias.to(x.dtype))
+        # every operand in x's dtype: under autocast F.linear then casts nothing (no context switch needed)
+        wc = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        y = F.linear(x, wc, bias)
         ctx.layer = layer
         ctx.save_for_backward(x, weight)
         return y
@@ -62,9 +65,11 @@ class ForgeLinearFn(torch.autograd.Function):
         if dy.dtype != x.dtype:
             dy = dy.to(x.dtype)
         dx = None
-        if ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight.to(dy.dtype))  # old W: before the update below
-        layer.opt._update_layer(layer, x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]))
+        if ctx.needs_input_grad[0]:  # old W: before the update below
+            dx = dy.matmul(weight if weight.dtype == dy.dtype else weight.to(dy.dtype))
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+        layer.opt._update_layer(layer, x2, dy2)
         return dx, None, None, None
 
 

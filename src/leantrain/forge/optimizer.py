@@ -92,6 +92,32 @@ def _mm_fp32(a: Tensor, b: Tensor, out: Tensor, allow_upcast: bool) -> bool:
     return True
 
 
+_KERNEL = []
+
+
+def _kernel():
+    """leantrain.forge.kernel, imported on first use (it imports Triton)."""
+    if not _KERNEL:
+        from leantrain.ops.rng import kernel_key
+
+        from . import kernel
+
+        _KERNEL[:] = [kernel, kernel_key]
+    return _KERNEL[0]
+
+
+class _LayerHost:
+    """Per-layer host cache of the Triton path: state tensors, kinds, 8-bit tables, the param
+    group, the reused per-tile sum buffer. Rebuilt when the state dict or a tensor in it is replaced
+    (``load_state_dict``)."""
+
+    __slots__ = ("sw", "sb", "checks", "states", "kinds", "qtables", "bstates", "group", "part")
+
+    def __init__(self, sw, sb, checks, states, kinds, qtables, bstates, group):
+        self.sw, self.sb, self.checks, self.states, self.kinds = sw, sb, checks, states, kinds
+        self.qtables, self.bstates, self.group, self.part = qtables, bstates, group, None
+
+
 class ForgeOptimizer(torch.optim.Optimizer):
     """Returned by :func:`attach`; see the module docstring. Not built directly."""
 
@@ -112,6 +138,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.split_tokens = split_tokens
         self.seed = int(seed)
         self._workspace = _Workspace()
+        self._backends: dict[bool, str] = {}  # w.is_cuda -> resolved backend
         self._step_id = 0
         self._pending_sumsq: list[tuple[ForgeLayer | None, Tensor]] = []
         self._last_flags: list[tuple[str, Tensor]] = []
@@ -171,8 +198,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the per-layer update
 
-    @torch.no_grad()
     def _update_layer(self, layer: ForgeLayer, x2: Tensor, dy2: Tensor) -> None:
+        if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
+            with torch.no_grad():
+                return self._update_layer_impl(layer, x2, dy2)
+        return self._update_layer_impl(layer, x2, dy2)
+
+    def _update_layer_impl(self, layer: ForgeLayer, x2: Tensor, dy2: Tensor) -> None:
         if layer.updated_in == self._step_id:
             raise RuntimeError(
                 f"FORGE: layer {layer.name!r} got a second gradient before opt.step(). FORGE applies the "
@@ -182,21 +214,27 @@ class ForgeOptimizer(torch.optim.Optimizer):
             )
         layer.updated_in = self._step_id
         w, b = layer.weight, layer.bias
-        hp = self._hp(w)
-        sw = self._init_state(w)
+        sw = self.state[w]
+        if not sw:
+            sw = self._init_state(w)
         sw["step"] += 1
         step = sw["step"]
         sb = None
         if b is not None:
-            sb = self._init_state(b, fp32=True)
+            sb = self.state[b]
+            if not sb:
+                sb = self._init_state(b, fp32=True)
             sb["step"] = step
-        backend = self._backend_for(w)
+        is_cuda = w.is_cuda
+        backend = self._backends.get(is_cuda)
+        if backend is None:
+            backend = self._backends[is_cuda] = self._backend_for(w)
         materialize = (backend == "torch" or self.dp_group is not None or self.clip == "layer"
-                       or (w.is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
+                       or (is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
         if backend == "triton":
-            self._update_triton(layer, x2, dy2, hp, sw, sb, step, materialize)
+            self._update_triton(layer, x2, dy2, sw, sb, step, materialize)
         else:
-            self._update_torch(layer, x2, dy2, hp, sw, sb, step)
+            self._update_torch(layer, x2, dy2, self._hp(w), sw, sb, step)
 
     def _materialize(self, layer, x2, dy2, backend):
         """dW (and db) of one layer in the reused workspace, reduced over the DP group."""
@@ -255,35 +293,52 @@ class ForgeOptimizer(torch.optim.Optimizer):
             v = p_new.to(p.dtype)
         p.copy_(torch.where(bad, p, v))
 
-    def _update_triton(self, layer, x2, dy2, hp, sw, sb, step, materialize):
-        from leantrain.ops.rng import kernel_key
-
-        from .kernel import MODE_FUSED, MODE_UPDATE, launch_forge
-
+    def _layer_host(self, layer: ForgeLayer, sw: dict, sb: dict | None) -> _LayerHost:
+        """The layer's launch arguments that only change when its state tensors are replaced."""
+        h = layer.host
         w, b = layer.weight, layer.bias
+        group = self.param_groups[self._group_of[id(w)]]
+        if h is not None and h.sw is sw and h.sb is sb and h.group is group and all(sw[k] is t for k, t in h.checks):
+            return h
         names = self.rule.state_names
-        states = [sw[k] for k in names]
         kinds = [self.storage.kind_of(sw, k) for k in names]
         qt = []
-        for k, kind in zip(names, kinds):
+        checks = [(k, sw[k]) for k in names]
+        for k, kind in zip(names, kinds, strict=True):
             if kind == "int8":
                 qt.append((qmap_on(k in self.rule.signed_states, w.device), sw[k + "_absmax"]))
+                checks.append((k + "_absmax", sw[k + "_absmax"]))
             else:
                 qt.append(None)
-        bstates = [sb[k] for k in names] if b is not None else []
-        common = dict(w=w, b=b, states=states, bias_states=bstates, kinds=kinds, qtables=qt,
-                      rule_name=self.rule.name, hp=hp, step=step, sr=self.stochastic_rounding,
-                      key=kernel_key(self._seed(layer.index, step)))
+        h = _LayerHost(sw, sb, tuple(checks), [sw[k] for k in names], kinds, qt,
+                       [sb[k] for k in names] if b is not None else [], group)
+        layer.host = h
+        return h
+
+    def _update_triton(self, layer, x2, dy2, sw, sb, step, materialize):
+        K = _KERNEL[0] if _KERNEL else _kernel()
+        w, b = layer.weight, layer.bias
+        h = self._layer_host(layer, sw, sb)
+        key = _KERNEL[1](self._seed(layer.index, step))
+        # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
             buf, g, gb = self._materialize(layer, x2, dy2, "triton")
             sumsq = buf.square().sum()
             scale = self._scale_for(sumsq)
-            launch_forge(MODE_UPDATE, g=g, gb=gb, scale=scale, **common)
+            K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates, kinds=h.kinds,
+                           qtables=h.qtables, rule_name=self.rule.name, hp=h.group, step=step,
+                           sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale)
             del buf, g, gb
         else:
-            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
-            part = launch_forge(MODE_FUSED, x=x2, dy=dy2, scale=self._scale_for(None), **common)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            if dy2.stride(-1) != 1:
+                dy2 = dy2.contiguous()
+            part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
+                                  kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
+                                  step=step, sr=self.stochastic_rounding, key=key,
+                                  scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part)
+            h.part = part  # reused next step (the sum below is stream-ordered before the next launch)
             sumsq = part.sum()
         self._pending_sumsq.append((layer, sumsq))
         torch.autograd.graph.increment_version(w)
