@@ -439,9 +439,9 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
         ck = _FAST.get(gkey)
         if ck is not None:
             try:
-                ck[plan.grid](*args, *plan.consts)
+                ck[(*plan.grid, 1, 1)[:3]](*args, *plan.consts)  # CompiledKernel wants a 3-D grid
                 return
-            except TypeError:  # a launcher that does not take this argument list: never again
+            except (TypeError, IndexError):  # a launcher that does not take this argument list: never again
                 _DIRECT[0] = False
                 _FAST.clear()
         else:
