@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
+import leantrain as lt
 from helpers import tiny_config
 from leantrain import checkpoint
 from leantrain.cli import main as cli_main
-import leantrain as lt
 from leantrain.trainer import NonFiniteLoss, Trainer, lr_lambda, rule_from_config
 
 
