@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.leantrain-installed
 TORCH  ?= torch==2.13.0
 OUT    ?= runs/default
-STEPS  ?= 300
+STEPS  ?= 200
 
 .PHONY: setup train test test-fast lint clean
 
