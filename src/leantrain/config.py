@@ -83,7 +83,8 @@ class ForgeConfig:
     stochastic_rounding: bool = True
     backend: Literal["auto", "torch", "triton"] = "auto"
     # global-norm clipping needs the norm before any update, impossible inside backward.
-    # auto: optim.grad_clip > 0 -> prev_global (clip by the previous step's global norm) at optim.grad_clip
+    # auto: no clipping inside FORGE (it measured best on tiny); layer / prev_global clip at
+    # clip_value (0: optim.grad_clip)
     clip: Literal["auto", "none", "layer", "prev_global"] = "auto"
     clip_value: float = 0.0  # 0: use optim.grad_clip
 
