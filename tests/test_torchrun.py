@@ -91,3 +91,25 @@ def test_sharded_optimizer_in_the_trainer_matches_ddp_and_sdp4bit_splits_traffic
     s = json.loads((q / "summary.json").read_text())
     assert s["comm"]["by_scope"]["inter"] > 0 and s["comm"]["by_scope"]["intra"] > 0
     assert all(x == x for x in _losses(q))  # finite
+
+
+def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
+    """FORGE (per-layer dW reduced through AGoQ's int8 all-reduce) + AGoQ activations, 2 ranks."""
+    out = tmp_path / "fa"
+    r = subprocess.run([*_torchrun(2), *_args(out, corpus, 2, steps=8), "--forge.enabled", "true",
+                        "--agoq.enabled", "true", "--dist.comm", "int8", "--optim.lr", "1e-2"],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["recipe"] == "forge+agoq+ddp-int8"
+    by_op = s["comm"]["by_op"]
+    assert by_op.get("all_to_all", 0) > 0 and by_op.get("all_gather", 0) > 0  # the int8 all-reduce's two hops
+    # saved activations are packed: far below the same model's raw fp32 bytes
+    ref = tmp_path / "plain"
+    r = subprocess.run([sys.executable, *_args(ref, corpus, 4, steps=1)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    raw = json.loads((ref / "summary.json").read_text())["memory"]["activations"]
+    per_sample_ratio = (s["memory"]["activations"] / 2) / (raw / 4)  # batch 2 per rank vs 4, fp32 model
+    assert per_sample_ratio < 0.3, per_sample_ratio
+    losses = _losses(out)
+    assert all(x == x for x in losses) and losses[-1] < losses[0]

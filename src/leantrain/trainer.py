@@ -156,8 +156,13 @@ class Trainer:
             if f.clip == "auto" and c.optim.grad_clip > 0:
                 log0("FORGE: optim.grad_clip (global norm) cannot run inside backward; training unclipped "
                      "(forge.clip=layer or prev_global to clip; see forge/README.md)")
+            allreduce = None
+            if c.dist.comm == "int8":  # AGoQ's precision-preserving 8-bit all-reduce for FORGE's per-layer dW
+                from . import comm
+
+                allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
             return forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
-                                backend=f.backend, clip=clip, clip_value=clip_value)
+                                backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce)
         if c.dist.mode == "sharded":
             from . import comm
             from . import dist as ltdist

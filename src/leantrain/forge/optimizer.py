@@ -122,7 +122,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """Returned by :func:`attach`; see the module docstring. Not built directly."""
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
-                 backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=4096, seed=0):
+                 backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=4096, seed=0,
+                 allreduce=None):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -160,6 +161,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             layer.tp_group = getattr(layer.module, "tp_group", None)
         self.has_tp = any(layer.tp_group is not None for layer in layers)
         self.dp_group = self._resolve_dp(dp_group)
+        self._allreduce = allreduce
         for layer in layers:
             patch(layer)
         model._forge_optimizer = self
@@ -253,9 +255,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
             launch_forge(MODE_WRITE_DW, x=x2.contiguous(), dy=dy2.contiguous(), g=g, gb=gb)
         if self.dp_group is not None:
-            collectives.all_reduce(buf, group=self.dp_group)
-            buf.div_(collectives.world_size(self.dp_group))
+            self._dp_average(buf)
         return buf, g, gb
+
+    def _dp_average(self, buf: Tensor) -> None:
+        """Average ``buf`` over the data-parallel group: the plain counted all-reduce, or the
+        ``allreduce`` callable given to :func:`attach` (e.g. ``lt.comm.int8_all_reduce``)."""
+        if self._allreduce is not None:
+            self._allreduce(buf, self.dp_group)
+        else:
+            collectives.all_reduce(buf, group=self.dp_group)
+        buf.div_(collectives.world_size(self.dp_group))
 
     def _scale_for(self, sumsq: Tensor) -> Tensor | None:
         if self.clip == "layer":
@@ -404,8 +414,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self.dp_group is None or not params:
             return
         flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-        collectives.all_reduce(flat, group=self.dp_group)
-        flat.div_(collectives.world_size(self.dp_group))
+        self._dp_average(flat)
         off = 0
         for p in params:
             n = p.numel()
@@ -484,7 +493,7 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
-           split_tokens: int | None = 4096, seed: int = 0) -> ForgeOptimizer:
+           split_tokens: int | None = 4096, seed: int = 0, allreduce=None) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -505,10 +514,14 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
         split_tokens: on CUDA, from this many tokens on a layer's dW is computed by cuBLAS into one
             reused buffer and the fused update kernel applied (None: always the fused kernel).
         seed: seed of the stochastic-rounding streams.
+        allreduce: ``fn(tensor, group)`` summing ``tensor`` in place over ``group``, used for the
+            data-parallel gradient reductions instead of the plain all-reduce (the trainer passes
+            ``lt.comm.int8_all_reduce`` for ``--dist.comm int8``). FORGE does not import it:
+            techniques are composed by the caller.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
-                          split_tokens=split_tokens, seed=seed)
+                          split_tokens=split_tokens, seed=seed, allreduce=allreduce)
 
 
 def detach(model: nn.Module) -> None:
