@@ -135,7 +135,7 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group):  # noqa: D102
         if getattr(self, "buckets", None) is not None:
-            raise NotImplementedError("ShardedOptimizer: add_param_group after construction is not supported; "
+            raise RuntimeError("ShardedOptimizer: add_param_group after construction is not supported; "
                                       "pass every group to the constructor")
         super().add_param_group(param_group)
 
