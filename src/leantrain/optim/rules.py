@@ -56,6 +56,8 @@ class Rule:
             raise ValueError(f"{type(self).__name__}: lr must be a finite number >= 0, got {self.lr}")
         if self.weight_decay < 0.0:
             raise ValueError(f"{type(self).__name__}: weight_decay must be >= 0, got {self.weight_decay}")
+        if hasattr(self, "betas"):  # AdamW, Lion, AdamS
+            _check_betas(self)
 
     def hyper(self) -> dict:
         """Hyper-parameters as a dict, the ``defaults`` of a torch optimizer."""
@@ -123,10 +125,6 @@ class AdamW(Rule):
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     signed_states: ClassVar[tuple[str, ...]] = ("exp_avg",)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_betas(self)
-
     def update(self, p, g, state, *, step, lr, betas, eps, weight_decay=0.0, **_):
         b1, b2 = betas
         g = g.float()
@@ -149,10 +147,6 @@ class Lion(Rule):
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg",)
     signed_states: ClassVar[tuple[str, ...]] = ("exp_avg",)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_betas(self)
-
     def update(self, p, g, state, *, step, lr, betas, weight_decay=0.0, **_):
         b1, b2 = betas
         g = g.float()
@@ -172,10 +166,6 @@ class AdamS(Rule):
     name: ClassVar[str] = "adams"
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg",)
     signed_states: ClassVar[tuple[str, ...]] = ("exp_avg",)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_betas(self)
 
     def update(self, p, g, state, *, step, lr, betas, eps, weight_decay=0.0, **_):
         b1, b2 = betas
