@@ -12,10 +12,11 @@ from _opslib import DEVICE, randn, triton_runnable
 from leantrain.ops import QTensor, dequant_sum_requant, hadamard_quantize, quantize
 from leantrain.ops._backend import HAS_TRITON
 from leantrain.ops.reduce import dequant_sum_requant_ref
-from leantrain.ops.state8 import create_dynamic_map
+from leantrain.ops.state8 import StateCodec8, create_dynamic_map
 
 hadamard_mod = importlib.import_module("leantrain.ops.hadamard")  # the package attribute is the function
 reduce_mod = importlib.import_module("leantrain.ops.reduce")
+quant_mod = importlib.import_module("leantrain.ops.quant")
 
 if HAS_TRITON:
     import triton
@@ -60,12 +61,14 @@ def test_state8_encode_helper_exact_on_all_boundaries(signed):
     x = torch.cat(parts).float().contiguous()
     out = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
     xd = x.to(DEVICE)
-    _encode_elems[(triton.cdiv(x.numel(), 4096),)](xd, out, q.to(DEVICE), x.numel(), BLOCK=4096)
+    table = StateCodec8(signed).qmap_on(DEVICE)  # the map, then its midpoints
+    assert torch.equal(table[:256].cpu(), q) and torch.equal(table[256:].cpu(), mids)
+    _encode_elems[(triton.cdiv(x.numel(), 4096),)](xd, out, table, x.numel(), BLOCK=4096)
     ref = torch.searchsorted(mids, x, right=False).to(torch.int32)
     assert torch.equal(out.cpu(), ref)
     nan = torch.full((4,), float("nan"), device=DEVICE)
     o = torch.empty(4, dtype=torch.int32, device=DEVICE)
-    _encode_elems[(1,)](nan, o, q.to(DEVICE), 4, BLOCK=16)
+    _encode_elems[(1,)](nan, o, table, 4, BLOCK=16)
     assert (o == 0).all()  # documented: NaN -> code 0 (as the binary search gave)
 
 
@@ -113,3 +116,16 @@ def test_hadamard_quantize_uint32_counter_equals_int64(monkeypatch, bits, group_
     monkeypatch.setattr(hadamard_mod, "_IDX32_LIMIT", 0)
     b = hadamard_quantize(x, **kw)
     assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 128), (4, 32)])
+def test_quantize_uint32_counter_equals_int64_and_reference(monkeypatch, bits, group_size):
+    _needs_triton()
+    x = randn(4097, device=DEVICE)
+    kw = dict(bits=bits, group_size=group_size, stochastic=True, seed=11)
+    ref = quantize(x, backend="torch", **kw)
+    a = quantize(x, backend="triton", **kw)
+    monkeypatch.setattr(quant_mod, "_IDX32_LIMIT", 0)
+    b = quantize(x, backend="triton", **kw)
+    for o in (a, b):
+        assert torch.equal(o.data, ref.data) and torch.equal(o.scale, ref.scale)

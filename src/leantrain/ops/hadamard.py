@@ -96,23 +96,63 @@ if HAS_TRITON:
         return (1 - 2 * par).to(tl.float32)
 
     @triton.jit
+    def _butterfly_tl(x, R: tl.constexpr, B: tl.constexpr, LOG2B: tl.constexpr):
+        """``x [R, B] @ H_B`` as LOG2B radix-2 stages (one add or subtract per element each).
+
+        Each stage butterflies index bit 0 (pairs 2j, 2j+1) and rotates the index bits right
+        (result index ``s * B/2 + j``); after LOG2B stages every bit was butterflied once and
+        the order is back. Exact fp32 adds, no tensor cores, no H."""
+        for _ in tl.static_range(LOG2B):
+            a, b = tl.split(tl.reshape(x, [R, B // 2, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [R, B])
+        return x
+
+    @triton.jit
+    def _dot_bf16x3(x, h):
+        """``x @ h`` for fp32 ``x`` and +-1 ``h`` on bf16 tensor cores, exact products: x is
+        split into three bf16 parts (8 + 8 + 8 significant bits = fp32's 24), each product
+        with +-1 is exact, the three are accumulated in fp32."""
+        hb = h.to(tl.bfloat16)
+        x1 = x.to(tl.bfloat16)
+        r = x - x1.to(tl.float32)
+        x2 = r.to(tl.bfloat16)
+        x3 = (r - x2.to(tl.float32)).to(tl.bfloat16)
+        y = tl.dot(x1, hb, out_dtype=tl.float32)
+        y = tl.dot(x2, hb, y, out_dtype=tl.float32)
+        return tl.dot(x3, hb, y, out_dtype=tl.float32)
+
+    @triton.jit
+    def _dot_h(x, h, PREC: tl.constexpr):
+        if PREC == "bf16x3":
+            return _dot_bf16x3(x, h)
+        else:
+            return tl.dot(x, h, input_precision=PREC)
+
+    @triton.jit
     def hadamard_tile_tl(x, B: tl.constexpr, LOG2B: tl.constexpr, PREC: tl.constexpr):
         """``x [R, B] @ H_B`` in fp32 (H built from popcount parity, never loaded).
 
-        ``PREC``: ``tl.dot`` input precision ("tf32" is exact when x came from bf16/fp16,
-        "tf32x3" for fp32 x; see :func:`_prec`). B = 256 uses ``H_256 = H_16 (x) H_16``: two
-        [., 16] x [16, 16] products with a transpose between, kept on the fp32 FMA product
-        ("ieee", whatever PREC) -- the layout chain of this path is the one that misbehaved
-        in the fused kernel on an H200, so its code generation is left exactly as it was."""
-        if B == 256:
-            R: tl.constexpr = x.shape[0]
+        ``PREC``: "butterfly" (:func:`_butterfly_tl`), "bf16x3" (:func:`_dot_bf16x3`), or a
+        ``tl.dot`` input precision ("tf32" is exact when x came from bf16/fp16, "ieee" is the
+        FMA product); see :func:`_prec`. B = 256 with a dot uses ``H_256 = H_16 (x) H_16``:
+        two [., 16] x [16, 16] products with a transpose between."""
+        R: tl.constexpr = x.shape[0]
+        if PREC == "butterfly":
+            return _butterfly_tl(x, R, B, LOG2B)
+        elif B == 256:  # the second product's input is an fp32 sum: never tf32
             h = _h_tl(16, 4)
-            y = tl.dot(tl.reshape(x, [R * 16, 16]), h, input_precision="ieee")
+            if PREC == "bf16x3":
+                y = _dot_bf16x3(tl.reshape(x, [R * 16, 16]), h)
+            else:
+                y = tl.dot(tl.reshape(x, [R * 16, 16]), h, input_precision="ieee")
             y = tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R * 16, 16])
-            y = tl.dot(y, h, input_precision="ieee")
+            if PREC == "bf16x3":
+                y = _dot_bf16x3(y, h)
+            else:
+                y = tl.dot(y, h, input_precision="ieee")
             return tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R, 256])
         else:
-            return tl.dot(x, _h_tl(B, LOG2B), input_precision=PREC)
+            return _dot_h(x, _h_tl(B, LOG2B), PREC)
 
     @triton.jit
     def _cast_out(v, DTYPE: tl.constexpr, HW_CAST: tl.constexpr):
@@ -169,11 +209,14 @@ if HAS_TRITON:
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
 
 
+FP32_METHOD = "ieee"  # how fp32 inputs are transformed: "ieee" | "bf16x3" | "butterfly"
+HALF_METHOD = "tf32"  # bf16/fp16 inputs (exact in tf32): "tf32" | "butterfly"
+
+
 def _prec(dtype: torch.dtype) -> str:
-    """Tensor-core ``tl.dot`` precision for inputs of ``dtype``: bf16/fp16 values are exact in
-    tf32 (one product, exact). fp32 values use the exact fp32 product: tf32x3 measured 2.4x
-    slower for the transform and 9x slower fused with quantization on an H200 (Triton 3.6)."""
-    return "tf32" if dtype in (torch.bfloat16, torch.float16) else "ieee"
+    """The transform method for inputs of ``dtype`` (see :func:`hadamard_tile_tl`): bf16/fp16
+    values are exact in tf32 (one tensor-core product, exact); fp32 values take FP32_METHOD."""
+    return HALF_METHOD if dtype in (torch.bfloat16, torch.float16) else FP32_METHOD
 
 
 def _rows(block: int, multiple: int = 1) -> int:

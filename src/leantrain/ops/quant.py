@@ -233,19 +233,27 @@ if HAS_TRITON:
     def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_groups, key,
                          GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
-                         QLO: tl.constexpr, QHI: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+                         QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr):
+        row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
+        base = row0 * GS
+        rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)
+        r = tl.arange(0, ROWS)
         cols = tl.arange(0, COLS)
-        idx = rows[:, None] * GS + cols[None, :]
-        valid = (cols[None, :] < GS) & (idx < n)
-        x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+        loc = r[:, None] * GS + cols[None, :]               # int32 offsets inside the tile
+        valid = (cols[None, :] < GS) & (loc < rem)
+        x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
+        if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
+            idx = base.to(tl.uint32) + loc.to(tl.uint32)
+        else:
+            idx = base + loc
         code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
         byts = pack_tile_tl(code, ROWS, COLS, BITS)
         BCOLS: tl.constexpr = COLS * BITS // 8
+        OB: tl.constexpr = GS * BITS // 8
         bcols = tl.arange(0, BCOLS)
-        boff = rows[:, None] * (GS * BITS // 8) + bcols[None, :]
-        bmask = (rows[:, None] < n_groups) & (bcols[None, :] < GS * BITS // 8)
-        tl.store(data_ptr + boff, byts, mask=bmask)
+        rows = row0 + r
+        bmask = (rows[:, None] < n_groups) & (bcols[None, :] < OB)
+        tl.store(data_ptr + row0 * OB + (r[:, None] * OB + bcols[None, :]), byts, mask=bmask)
         rmask = rows < n_groups
         tl.store(scale_ptr + rows, scale, mask=rmask)
         if not SYMMETRIC:
@@ -283,6 +291,9 @@ def tile_shape(group_size: int, elems: int = 4096) -> tuple[int, int, int]:
     return cols, rows, 8 if cols * rows >= 4096 else 4
 
 
+_IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
+
+
 def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTensor:
     xf = x.reshape(-1)
     if not xf.is_contiguous():
@@ -298,7 +309,7 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTenso
         launch(_quantize_kernel, (triton.cdiv(g, rows),), xf, data, scale,
                scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,
                ROWS=rows, BITS=bits, SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi,
-               num_warps=warps)
+               IDX32=g * group_size <= _IDX32_LIMIT, num_warps=warps)
     return QTensor(data, scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
 
 

@@ -57,6 +57,8 @@ def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_o
 
 
 _UNROLL_MAX = 16  # peers up to this count: the peer loop is unrolled at compile time
+TILE_ELEMS = 4096  # output elements per program (whole output groups)
+NUM_WARPS = 0  # 0: tile_shape's choice
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
 
 if HAS_TRITON:
@@ -190,7 +192,8 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
     if g:
         fp8 = q.fmt != "int"
         _, m, bias, emin, _ = FP8_FORMATS[q.fmt] if fp8 else (None, 0, 0, 0, 0)
-        cols, rows, warps = tile_shape(group_size_out)
+        cols, rows, warps = tile_shape(group_size_out, TILE_ELEMS)
+        warps = NUM_WARPS or warps
         qlo, qhi = _qrange(bits_out, symmetric_out)
         qd, qsc = q.data.contiguous(), q.scale.contiguous()
         qz = qsc if q.zero is None else q.zero.contiguous()

@@ -12,8 +12,11 @@ the local gap of the map (tested), absolute error by ``absmax * max_gap / 2``.
 
 Triton device helpers for epilogues elsewhere (FORGE): :func:`state8_decode` is one gather
 from the 1 KiB map; :func:`state8_encode` computes a candidate code in closed form from the
-structure of the map and corrects it with one midpoint comparison (two cached gathers),
-exactly the torch ``searchsorted`` result (see "closed-form encode" below).
+structure of the map and corrects it with one midpoint comparison (one cached gather from
+the midpoint table stored after the map), exactly the torch ``searchsorted`` result (see
+"closed-form encode" below). Both take the *device table* of :meth:`StateCodec8.qmap_on`:
+``table[0:256]`` the map, ``table[256:511]`` its midpoints ``(qmap[j] + qmap[j+1]) * 0.5``
+(computed in torch exactly as the reference computes them).
 
 Closed-form encode. Decade ``i`` (0..6) of the map holds ``m_i`` (signed: ``2**i``; unsigned:
 ``2**(i+1)``) entries ``10**(i-6) * (0.1 + 0.9 * (j + 0.5) / m_i)``, j = 0..m_i-1, linear in j;
@@ -29,9 +32,11 @@ value ``Q(mid_k) in [k + 0.15, k + 0.60]`` at every midpoint of the real fp32 ma
 for both maps: the worst case is the 0.99.. | 1.0 midpoint), far from the fp32 rounding
 error of Q (~1e-5). Hence with ``c = clamp(trunc(Q), 0, 254)`` the exact code
 ``#{k : mid_k < x}`` is ``c`` or ``c + 1``, and it is ``c + (mid_c < x)`` with
-``mid_c = (qmap[c] + qmap[c+1]) * 0.5`` computed as the reference computes it: bit-exact,
-ties to the lower entry as before, +-inf to 255 / 0. Per element: ~40 ALU ops and two
-gathers from the 1 KiB map (the binary search had 16 gathers and 8 dependent steps).
+``mid_c = (qmap[c] + qmap[c+1]) * 0.5`` read from the midpoint table (the reference's own
+values): bit-exact, ties to the lower entry as before, +-inf to 255 / 0. Per element: ~40
+ALU ops and one gather from the 1 KiB midpoint table (the binary search had 16 gathers and
+8 dependent steps; reading both neighbours of the map and averaging them had two, and the
+L1 wavefronts of those gathers, not HBM, bounded the encode kernel on an H200).
 
 Tiling (Triton encode): one program owns ``ROWS`` blocks (a ``[ROWS, next_pow2(bs)]`` tile,
 about 4096 elements, 8 warps); 64-bit offsets only in the per-program base pointers. Bytes
@@ -78,7 +83,8 @@ if HAS_TRITON:
 
     @triton.jit
     def state8_decode(code, absmax, qmap_ptr):
-        """Device helper: ``qmap[code] * absmax`` (code: integer tensor 0..255)."""
+        """Device helper: ``qmap[code] * absmax`` (code: integer tensor 0..255; ``qmap_ptr``:
+        the device table of :meth:`StateCodec8.qmap_on`)."""
         return tl.load(qmap_ptr + code.to(tl.int32)) * absmax
 
     @triton.jit
@@ -86,9 +92,10 @@ if HAS_TRITON:
         """Device helper: nearest-entry code (int32 0..255) of ``x_normalized`` in [-1, 1].
 
         Exactly ``#{j : mid_j < x}`` (ties go to the lower entry), computed in closed form
-        plus one midpoint comparison (module docstring). ``qmap_ptr`` must point at a
-        :func:`create_dynamic_map` map (signed or unsigned, told apart by ``qmap[0] < 0``),
-        e.g. ``StateCodec8.qmap_on(device)``. ``x_normalized`` should be finite (callers
+        plus one midpoint comparison (module docstring). ``qmap_ptr`` must point at the
+        device table of a :func:`create_dynamic_map` map (signed or unsigned, told apart by
+        ``qmap[0] < 0``; 256 map entries then 255 midpoints): ``StateCodec8.qmap_on(device)``.
+        ``x_normalized`` should be finite (callers
         zero non-finite values first); NaN gives code 0, +-inf the extreme entries.
         """
         x = x_normalized.to(tl.float32)
@@ -108,7 +115,7 @@ if HAS_TRITON:
         neg_add = tl.where(signed, 253.8, -1.0)  # unsigned: x < 0 -> Q < 0 -> code 0
         q = tl.where(x < 0.0, neg_add - p, p * pos_mul + pos_add)
         c = tl.minimum(tl.maximum(q.to(tl.int32), 0), 254)  # trunc == floor after the clamp
-        mid = (tl.load(qmap_ptr + c) + tl.load(qmap_ptr + (c + 1))) * 0.5
+        mid = tl.load(qmap_ptr + 256 + c)  # (qmap[c] + qmap[c + 1]) * 0.5, precomputed
         code = c + (mid < x).to(tl.int32)
         return tl.where(x == x, code, 0)
 
@@ -162,11 +169,13 @@ class StateCodec8:
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def qmap_on(self, device) -> torch.Tensor:
-        return self._maps(torch.device(device))[0]
+        """The device table Triton helpers take: the 256-entry map, then its 255 midpoints."""
+        return self._maps(torch.device(device))[2]
 
     def _maps(self, device: torch.device):
         if device not in self._on:
-            self._on[device] = (self.qmap.to(device), self.midpoints.to(device))
+            table = torch.cat([self.qmap, self.midpoints]).to(device)
+            self._on[device] = (table[:256], table[256:], table)
         return self._on[device]
 
     def num_blocks(self, numel: int) -> int:
@@ -174,7 +183,7 @@ class StateCodec8:
 
     def encode(self, x: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` (any float dtype/shape) -> ``(codes uint8 of x.shape, absmax fp32 [blocks])``."""
-        qmap, mids = self._maps(x.device)
+        qmap, mids, table = self._maps(x.device)
         n, bs = x.numel(), self.block_size
         nb = self.num_blocks(n)
         if resolve(backend, x) == "triton":
@@ -183,7 +192,7 @@ class StateCodec8:
             absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
             if nb:
                 cols, rows = _tile(bs, 4096)
-                launch(_encode_kernel, (triton.cdiv(nb, rows),), xf, codes, absmax, qmap, n, nb,
+                launch(_encode_kernel, (triton.cdiv(nb, rows),), xf, codes, absmax, table, n, nb,
                        BS=bs, COLS=cols, ROWS=rows, num_warps=8)
             return codes, absmax
         flat = x.reshape(-1).to(torch.float32)
@@ -197,14 +206,14 @@ class StateCodec8:
 
     def decode(self, codes: torch.Tensor, absmax: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         """``(codes, absmax)`` -> fp32 tensor of ``codes.shape``."""
-        qmap, _ = self._maps(codes.device)
+        qmap, _, table = self._maps(codes.device)
         n, bs = codes.numel(), self.block_size
         if resolve(backend, codes) == "triton":
             out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
             nb = self.num_blocks(n)
             if nb:
                 cols, rows = _tile(bs)
-                launch(_decode_kernel, (triton.cdiv(nb, rows),), codes.contiguous(), absmax, qmap,
+                launch(_decode_kernel, (triton.cdiv(nb, rows),), codes.contiguous(), absmax, table,
                        out, n, BS=bs, COLS=cols, ROWS=rows, num_warps=4)
             return out
         flat = qmap[codes.reshape(-1).long()]

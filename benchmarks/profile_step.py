@@ -1,0 +1,82 @@
+"""Profile one training step of the 1b preset (torch.profiler tables, for finding overhead).
+
+    PYTHONPATH=src python3 benchmarks/profile_step.py --config forge_bf16 --batch 4 --out DIR
+
+configs: torch_bf16 (AdamW fused, pure bf16), forge_bf16 (FORGE bf16+SR, fp32 states),
+agoq (bf16, AdamW fused, AGoQ default policy), agoq_forge. Writes ``profile_<config>.txt``:
+wall time per step (median of 5), then the top operators by CUDA and by CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import torch  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    import leantrain as lt
+    from leantrain.config import preset
+    from leantrain.model import Llama
+
+    torch.manual_seed(0)
+    cfg = preset(a.preset).model
+    cfg.max_seq_len = max(cfg.max_seq_len, a.seq)
+    with torch.device("cuda"):
+        model = Llama(cfg).to(torch.bfloat16)
+    kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    if "forge" in a.config:
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="fp32", stochastic_rounding=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+    if "agoq" in a.config:
+        lt.agoq.apply(model, lt.agoq.Policy())
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def step():
+        idx = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device="cuda", generator=g)
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}.txt"), "w") as f:
+        f.write(f"{a.config} B={a.batch} T={a.seq}: step ms median {statistics.median(times):.1f} all {times}\n\n")
+        f.write(ka.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(a.config, a.batch, statistics.median(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Sweep kernel variants and launch configurations on a GPU (exploration, not a benchmark).
+
+    PYTHONPATH=src python3 benchmarks/tune_kernels.py --out DIR [--what ops,forge]
+
+For each variant it checks the result against the torch reference first (a variant that
+is wrong on this GPU is reported, never timed as a win) and then times it with
+``triton.testing.do_bench``. Effective bandwidth as in bench_ops.py: (bytes read + written)
+/ median time, next to a device-to-device copy of the same input measured in the same run.
+Writes ``tune_ops.json`` / ``tune_forge.json`` under ``--out`` and prints one line per case.
+"""
+
+# ruff: noqa: B023 -- closures are called inside the loop iteration that defines them
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import torch  # noqa: E402
+
+
+def _bench(fn, rep=60):
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=10, rep=rep)
+
+
+def tune_ops(mib: int, log) -> list[dict]:
+    import importlib
+
+    from leantrain import ops
+
+    H = importlib.import_module("leantrain.ops.hadamard")  # the package attribute is the function
+    R = importlib.import_module("leantrain.ops.reduce")
+
+    n = mib * (1 << 20) // 4
+    x = torch.randn(n, device="cuda")
+    xb = x.to(torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_ms = _bench(lambda: y.copy_(x))
+    copy_gbps = 8 * n / copy_ms / 1e6
+    rows = [{"case": "copy", "ms": copy_ms, "gbps": copy_gbps, "frac_copy": 1.0}]
+    log(f"copy {mib} MiB: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
+
+    def rec(case, fn, nbytes, err=None):
+        try:
+            ms = _bench(fn)
+            r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbps,
+                 "max_err": err}
+        except Exception as e:  # noqa: BLE001
+            r = {"case": case, "error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(r)
+        log(json.dumps(r))
+
+    # state8 encode / decode (one-gather encode)
+    codec = ops.StateCodec8(signed=True)
+    xs = x[: 1 << 22]
+    c_t, a_t = codec.encode(xs, backend="triton")
+    c_r, a_r = codec.encode(xs, backend="torch")
+    err = float((c_t.int() - c_r.int()).abs().max())
+    rec("state8 encode", lambda: codec.encode(x, backend="triton"), 5 * n + 4 * n // 256, err)
+    # Hadamard methods
+    xs = x[: 1 << 22]
+    for meth in ("ieee", "bf16x3", "butterfly"):
+        H.FP32_METHOD = meth
+        for b in (32, 256):
+            try:
+                e = float((ops.hadamard(xs, block=b, backend="triton") - ops.hadamard(xs, block=b, backend="torch")).abs().max())
+            except Exception as ex:  # noqa: BLE001
+                e = f"{type(ex).__name__}: {ex}"[:200]
+            rec(f"hadamard b{b} fp32 {meth}", lambda b=b: ops.hadamard(x, block=b, backend="triton"), 8 * n, e)
+        for bits, sr in ((8, False), (4, True)):
+            try:
+                q = ops.hadamard_quantize(xs, block=32, bits=bits, stochastic=sr, backend="triton")
+                r = ops.hadamard_quantize(xs, block=32, bits=bits, stochastic=sr, backend="torch")
+                dq, dr = ops.dequantize(q), ops.dequantize(r)
+                step = r.scale.repeat_interleave(128)[: dr.numel()].view(dr.shape)
+                e = {"max_steps": float(((dq - dr).abs() / step.clamp_min(1e-30)).max()),
+                     "frac_diff": float(((dq - dr).abs() > 1e-5 * dr.abs().max()).float().mean()),
+                     "scale_rel": float(((q.scale - r.scale).abs() / r.scale.abs().clamp_min(1e-30)).max())}
+            except Exception as ex:  # noqa: BLE001
+                e = f"{type(ex).__name__}: {ex}"[:200]
+            rec(f"hadamard_quantize b32 int{bits}{' SR' if sr else ''} g128 fp32 {meth}",
+                lambda bits=bits, sr=sr: ops.hadamard_quantize(x, block=32, bits=bits, stochastic=sr, backend="triton"),
+                4 * n + n * bits // 8 + 4 * n // 128, e)
+    H.FP32_METHOD = "ieee"
+    for meth in ("tf32", "butterfly"):
+        H.HALF_METHOD = meth
+        xbs = xb[: 1 << 22]
+        e = float((ops.hadamard(xbs, block=32, backend="triton").float() - ops.hadamard(xbs, block=32, backend="torch").float()).abs().max())
+        rec(f"hadamard b32 bf16 {meth}", lambda: ops.hadamard(xb, block=32, backend="triton"), 4 * n, e)
+        rec(f"hadamard_quantize b32 int8 g128 bf16 {meth}",
+            lambda: ops.hadamard_quantize(xb, block=32, bits=8, backend="triton"), 2 * n + n + 4 * n // 128)
+    H.HALF_METHOD = "tf32"
+    # dequant-sum-requant tiles
+    k = 8
+    m = n // k
+    qk = ops.QTensor.stack([ops.quantize(x[i * m:(i + 1) * m], bits=8, backend="triton") for i in range(k)])
+    nb = k * m + 4 * k * m // 128 + m // 2 + 4 * m // 128
+    for elems in (1024, 2048, 4096, 8192):
+        for w in (4, 8):
+            R.TILE_ELEMS, R.NUM_WARPS = elems, w
+            rec(f"dsr k=8 int8->int4 SR elems={elems} warps={w}",
+                lambda: ops.dequant_sum_requant(qk, bits_out=4, stochastic=True, backend="triton"), nb)
+    R.TILE_ELEMS, R.NUM_WARPS = 4096, 0
+    return rows
+
+
+def tune_forge(log) -> list[dict]:
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, launch_forge
+    from leantrain.forge.optimizer import _mm_fp32
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    cfgs = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 32, 8, 3),
+            (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+            (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (256, 64, 64, 8, 3)]
+    rows = []
+    for (N, K) in ((2048, 5632), (2048, 2048), (5632, 2048), (32000, 2048)):
+        for T in (512, 2048, 16384):
+            if N == 32000 and T == 16384:
+                continue
+            torch.manual_seed(0)
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+            w = torch.randn(N, K, device="cuda") * 0.02
+            m, v = torch.zeros_like(w), torch.zeros_like(w)
+            common = dict(w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
+            p = torch.nn.Parameter(w.clone())
+            opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+            buf = torch.empty(N, K, device="cuda")
+
+            def base():
+                p.grad = torch.matmul(dy.t(), x).float()
+                opt.step()
+                p.grad = None
+
+            def mm():
+                torch.matmul(dy.t(), x)
+
+            def split():
+                _mm_fp32(dy.t(), x, buf, allow_upcast=True)
+                launch_forge(MODE_UPDATE, g=buf, **common)
+
+            ref = torch.matmul(dy.t().float(), x.float())
+            row = {"N": N, "K": K, "T": T, "torch_ms": _bench(base), "matmul_ms": _bench(mm), "split_ms": _bench(split)}
+            for c in cfgs:
+                tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
+                        "num_stages": c[4]}
+                name = "x".join(map(str, c))
+                try:
+                    g = torch.zeros(N, K, device="cuda")
+                    launch_forge(MODE_WRITE_DW, x=x, dy=dy, w=w, g=g, tune=tune)
+                    err = float((g - ref).abs().max() / ref.abs().max())
+                    ms = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common), rep=40)
+                    row[name] = {"ms": ms, "rel_err": err}
+                except Exception as e:  # noqa: BLE001
+                    row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            best = min((v["ms"], k) for k, v in row.items() if isinstance(v, dict) and "ms" in v)
+            row["best"] = best[1]
+            row["torch/best"] = row["torch_ms"] / best[0]
+            row["torch/split"] = row["torch_ms"] / row["split_ms"]
+            log(json.dumps(row))
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--what", default="ops,forge")
+    ap.add_argument("--mib", type=int, default=256)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    what = a.what.split(",")
+
+    def log(s):
+        print(s, flush=True)
+
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if "ops" in what:
+        res = tune_ops(a.mib, log)
+        json.dump({**env, "mib": a.mib, "rows": res}, open(os.path.join(a.out, "tune_ops.json"), "w"), indent=1)
+    if "forge" in what:
+        res = tune_forge(log)
+        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
