@@ -48,6 +48,10 @@ def _cases(n: int, dev: str):
     q8 = ops.quantize_fp8(x, backend="triton")
     out.append(("quantize_fp8 e4m3 g128", lambda: ops.quantize_fp8(x, backend="triton"), 5 * n + 4 * n // 128))
     out.append(("dequantize_fp8 e4m3 ->fp32", lambda: ops.dequantize_fp8(q8, backend="triton"), 5 * n + 4 * n // 128))
+    q4 = ops.quantize_nvfp4(x, backend="triton")  # quantize = 2 reads of x (amax pass + encode pass)
+    out.append(("quantize_nvfp4 fp32 (amax+encode, 2 reads)", lambda: ops.quantize_nvfp4(x, backend="triton"),
+                8 * n + n // 2 + n // 16))
+    out.append(("dequantize_nvfp4 ->fp32", lambda: ops.dequantize_nvfp4(q4, backend="triton"), n // 2 + n // 16 + 4 * n))
     for b in (32, 256):
         out.append((f"hadamard b{b} fp32", lambda b=b: ops.hadamard(x, block=b, backend="triton"), 8 * n))
     out.append(("hadamard b32 bf16", lambda: ops.hadamard(xb, block=32, backend="triton"), 4 * n))

@@ -5,7 +5,7 @@ behind one dispatcher (``backend="auto" | "torch" | "triton"``; auto = Triton on
 |---------------|----------------------------------------------------------------------|
 | ``quant``     | block-wise int8 / int4 quantize, dequantize (RTN and stochastic)     |
 | ``fp8``       | FP8 E4M3 / E5M2 with per-group scales, payload uint8                 |
-| ``nvfp4``     | E2M1 in 16-blocks + E4M3 block scale + fp32 tensor scale (torch)      |
+| ``nvfp4``     | E2M1 in 16-blocks + E4M3 block scale + fp32 tensor scale              |
 | ``state8``    | 8-bit optimizer-state codec (dynamic map), Triton epilogue helpers    |
 | ``sr``        | fp32 -> bf16 stochastic rounding                                     |
 | ``hadamard``  | blocked Walsh-Hadamard transform, fused with quantization            |

@@ -1,14 +1,34 @@
 """NVFP4-style 4-bit floating point: E2M1 values in 16-element blocks, E4M3 block scales,
-one fp32 tensor scale. Torch reference only (a Triton kernel is future work; GIFT's 4-bit
-option is the only caller and runs it off the critical path).
+one fp32 tensor scale. Pure-torch reference and Triton kernels behind one dispatcher
+(``backend="auto" | "torch" | "triton"``), bit-identical to each other.
 
-Math:
+Math (every division is one IEEE fp32 division, :func:`~leantrain.ops.quant.ieee_div` in
+torch, ``tl.div_rn`` in Triton, so the result does not depend on the device):
     tensor_scale = amax(x) / (6 * 448)                          (fp32; 0 for an all-zero x)
-    s_b          = e4m3_rne(amax_b / 6 / tensor_scale)           per 16-block b, stored as E4M3 bits
+    s_b          = e4m3_rne(min(amax_b / 6 / tensor_scale, 448)) per 16-block b, stored as E4M3 bits
     code         = e2m1_rne(x / (s_b * tensor_scale))            values {0, .5, 1, 1.5, 2, 3, 4, 6}, sign bit 3
     x'           = e2m1(code) * s_b * tensor_scale
-Two codes per byte (even element in the low nibble). Non-finite inputs are treated as 0.
-Bytes per element: 0.5 (codes) + 1/16 (block scale) + 4/numel.
+``e4m3_rne`` is torch's ``.to(torch.float8_e4m3fn)`` (round to nearest even, subnormals
+included); ``e2m1_rne`` rounds to the nearest E2M1 magnitude, ties to the even index (0.25 -> 0,
+0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), after clamping to [-6, 6]; blocks
+whose ``s_b * tensor_scale`` is 0 encode as zeros. Codes of negative values get bit 3; a
+negative value that rounds to 0 is stored as +0 (code 0, no negative zero).
+Two codes per byte (even element in the low nibble). Non-finite inputs are treated as 0
+(excluded from both amaxes, encoded as 0).
+
+Triton path: the tensor scale needs the global amax before any block can be encoded, so
+quantize is two passes over ``x``: a small kernel writes one partial amax (finite values) per
+4096 elements, torch reduces the partials (exact: max is order-free) and divides by 2688; then
+the encode kernel reads ``x`` again. The E4M3 scale is encoded with integer arithmetic on the
+fp32 bits (:func:`~leantrain.ops.fp8.fp8_encode_tl`) and the E2M1 code with seven
+comparisons, so no hardware fp8/fp4 conversion is involved and the interpreter and any GPU
+give the same bytes.
+
+Tiling (Triton): one program owns a ``[256, 16]`` tile (256 whole blocks, 4096 elements);
+amax pass: one program per 4096 elements.
+Bytes per element: quantize reads 2 * sizeof(x) (amax pass + encode pass) and writes
+0.5 (codes) + 1/16 (block scale) (+ 4/numel tensor scale, + 4/4096 amax partials);
+dequantize reads 0.5 + 1/16 and writes sizeof(dtype).
 """
 
 from __future__ import annotations
@@ -18,9 +38,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ._backend import HAS_TRITON, launch, resolve
+from .quant import ieee_div
+
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 BLOCK = 16
+_TS_DIV = 6.0 * 448.0  # tensor_scale = amax / (E2M1 max * E4M3 max)
+_ROWS = 256            # blocks per program: a [256, 16] tile, 4096 elements
+_AMAX_BLOCK = 4096     # elements per program of the amax pass
 
 
 @dataclass
@@ -48,8 +74,15 @@ def _e2m1_rne(a: torch.Tensor) -> torch.Tensor:
     return torch.where((lo != hi) & (lo % 2 == 1), hi, lo)
 
 
-def quantize_nvfp4(x: torch.Tensor) -> NVFP4Tensor:
-    """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0)."""
+def _tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    return ieee_div(amax.to(torch.float32), _TS_DIV)
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def quantize_nvfp4_ref(x: torch.Tensor) -> NVFP4Tensor:
+    """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0), pure torch."""
     flat = x.reshape(-1).to(torch.float32)
     flat = torch.where(torch.isfinite(flat), flat, 0.0)
     n = flat.numel()
@@ -58,9 +91,10 @@ def quantize_nvfp4(x: torch.Tensor) -> NVFP4Tensor:
     xg[:n] = flat
     xg = xg.view(nb, BLOCK)
     amax = xg.abs().max() if n else torch.zeros((), device=x.device)
-    ts = amax / (6.0 * 448.0)
+    ts = _tensor_scale(amax)
     bamax = xg.abs().amax(1) if nb else xg.new_zeros(0)
-    s = torch.where(ts > 0, bamax / 6.0 / torch.where(ts > 0, ts, 1.0), 0.0).clamp(max=448.0)
+    ts_safe = torch.where(ts > 0, ts, 1.0).expand_as(bamax)
+    s = torch.where(ts > 0, ieee_div(ieee_div(bamax, 6.0), ts_safe), 0.0).clamp(max=448.0)
     s8 = s.to(torch.float8_e4m3fn)
     eff = s8.to(torch.float32) * ts
     y = torch.where(eff[:, None] > 0, xg / torch.where(eff > 0, eff, 1.0)[:, None], 0.0).clamp(-6, 6)
@@ -70,7 +104,7 @@ def quantize_nvfp4(x: torch.Tensor) -> NVFP4Tensor:
     return NVFP4Tensor(byte, s8.view(torch.uint8), ts.to(torch.float32), x.shape, x.dtype)
 
 
-def dequantize_nvfp4(q: NVFP4Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize_nvfp4_ref(q: NVFP4Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     d = q.data.to(torch.int64)
     code = torch.stack([d & 0xF, d >> 4], -1).reshape(-1, BLOCK)
     mag = E2M1_VALUES.to(q.data.device)[code & 7]
@@ -78,3 +112,124 @@ def dequantize_nvfp4(q: NVFP4Tensor, *, dtype: torch.dtype | None = None) -> tor
     eff = q.block_scale.view(torch.float8_e4m3fn).to(torch.float32) * q.tensor_scale
     v = (v * eff[:, None]).reshape(-1)[: q.numel]
     return v.reshape(q.shape).to(dtype or q.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .fp8 import fp8_decode_tl, fp8_encode_tl
+    from .quant import cast_out_tl, pack_tile_tl, unpack_tile_tl
+
+    @triton.jit
+    def _amax_partial_kernel(x_ptr, part_ptr, n, BLOCK_N: tl.constexpr):
+        """``part[p] = max |x|`` over the finite elements of the p-th 4096-element chunk."""
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+        a = tl.where(a < float("inf"), a, 0.0)  # NaN and +-inf -> 0
+        tl.store(part_ptr + pid, tl.max(a, axis=0))
+
+    @triton.jit
+    def _qnvfp4_kernel(x_ptr, ts_ptr, data_ptr, bs_ptr, n, n_blocks, ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, 16)
+        idx = rows[:, None] * 16 + cols[None, :]
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)  # NaN and +-inf -> 0
+        ts = tl.load(ts_ptr)
+        bamax = tl.max(tl.abs(x), axis=1)
+        six = tl.zeros_like(bamax) + 6.0
+        ts_safe = tl.zeros_like(bamax) + tl.where(ts > 0, ts, 1.0)
+        s = tl.where(ts > 0, tl.div_rn(tl.div_rn(bamax, six), ts_safe), 0.0)
+        s = tl.minimum(s, 448.0)
+        s8 = fp8_encode_tl(s, 3, 7, -6)  # E4M3 bits, RNE, == torch's cast (s >= 0, <= 448)
+        eff = fp8_decode_tl(s8, 3, 7, -6, True) * ts
+        eff_safe = tl.broadcast_to(tl.where(eff > 0, eff, 1.0)[:, None], (ROWS, 16))
+        y = tl.where(eff[:, None] > 0, tl.div_rn(x, eff_safe), 0.0)
+        y = tl.minimum(tl.maximum(y, -6.0), 6.0)
+        a = tl.abs(y)
+        # nearest E2M1 index: count of midpoints below a; a tie on an odd-index midpoint
+        # (0.75, 1.75, 3.5) goes up to the even index, one on an even-index midpoint stays
+        code = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
+                + (a > 5.0).to(tl.int32))
+        code += ((a == 0.75) | (a == 1.75) | (a == 3.5)).to(tl.int32)
+        code = code | ((y < 0).to(tl.int32) << 3)
+        code = tl.where(code == 8, 0, code)  # no negative zero
+        byts = pack_tile_tl(code, ROWS, 16, 4)
+        rmask = rows < n_blocks
+        bcols = tl.arange(0, 8)
+        tl.store(data_ptr + rows[:, None] * 8 + bcols[None, :], byts, mask=rmask[:, None])
+        tl.store(bs_ptr + rows, s8.to(tl.uint8), mask=rmask)
+
+    @triton.jit
+    def _dqnvfp4_kernel(data_ptr, bs_ptr, ts_ptr, out_ptr, n, n_blocks, ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_blocks
+        bcols = tl.arange(0, 8)
+        b = tl.load(data_ptr + rows[:, None] * 8 + bcols[None, :], mask=rmask[:, None], other=0)
+        code = unpack_tile_tl(b, ROWS, 8, 4, False)  # [ROWS, 16], unsigned 0..15
+        e = (code >> 1) & 3
+        m = code & 1
+        normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m/2) * 2**(e-1)
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+        v = tl.where(code >= 8, -mag, mag)
+        s8 = tl.load(bs_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        eff = fp8_decode_tl(s8, 3, 7, -6, True) * tl.load(ts_ptr)
+        v = v * eff[:, None]
+        cols = tl.arange(0, 16)
+        idx = rows[:, None] * 16 + cols[None, :]
+        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=idx < n)
+
+
+def _quantize_nvfp4_triton(x: torch.Tensor) -> NVFP4Tensor:
+    xf = x.reshape(-1)
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    n = xf.numel()
+    nb = -(-n // BLOCK)
+    data = torch.empty(nb * BLOCK // 2, dtype=torch.uint8, device=x.device)
+    bs = torch.empty(nb, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return NVFP4Tensor(data, bs, torch.zeros((), dtype=torch.float32, device=x.device), x.shape, x.dtype)
+    parts = torch.empty(triton.cdiv(n, _AMAX_BLOCK), dtype=torch.float32, device=x.device)
+    launch(_amax_partial_kernel, (parts.numel(),), xf, parts, n, BLOCK_N=_AMAX_BLOCK, num_warps=8)
+    ts = _tensor_scale(parts.amax())
+    launch(_qnvfp4_kernel, (triton.cdiv(nb, _ROWS),), xf, ts, data, bs, n, nb, ROWS=_ROWS, num_warps=8)
+    return NVFP4Tensor(data, bs, ts, x.shape, x.dtype)
+
+
+def _dequantize_nvfp4_triton(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=dtype, device=q.data.device)
+    n = q.numel
+    nb = -(-n // BLOCK)
+    if nb:
+        ts = q.tensor_scale.to(device=q.data.device, dtype=torch.float32).reshape(1)
+        launch(_dqnvfp4_kernel, (triton.cdiv(nb, _ROWS),), q.data.contiguous(), q.block_scale.contiguous(),
+               ts, out, n, nb, ROWS=_ROWS, num_warps=8)
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def quantize_nvfp4(x: torch.Tensor, *, backend: str = "auto") -> NVFP4Tensor:
+    """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0).
+
+    See the module docstring for the math; the Triton path reads ``x`` twice (global amax
+    pass, then the encode pass) and gives the same bytes as the torch reference.
+    """
+    if resolve(backend, x) == "triton":
+        return _quantize_nvfp4_triton(x)
+    return quantize_nvfp4_ref(x)
+
+
+def dequantize_nvfp4(q: NVFP4Tensor, *, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+    """Values of ``q`` with its original shape, in ``dtype`` (default: the original dtype)."""
+    dtype = dtype or q.dtype
+    if resolve(backend, q.data) == "triton":
+        return _dequantize_nvfp4_triton(q, dtype)
+    return dequantize_nvfp4_ref(q, dtype)
