@@ -64,7 +64,17 @@ def tune_ops(mib: int, log) -> list[dict]:
     c_t, a_t = codec.encode(xs, backend="triton")
     c_r, a_r = codec.encode(xs, backend="torch")
     err = float((c_t.int() - c_r.int()).abs().max())
-    rec("state8 encode", lambda: codec.encode(x, backend="triton"), 5 * n + 4 * n // 256, err)
+    S8 = importlib.import_module("leantrain.ops.state8")
+    for elems in (2048, 4096, 8192):
+        for w in (4, 8):
+            S8.ENCODE_ELEMS, S8.ENCODE_WARPS = elems, w
+            rec(f"state8 encode elems={elems} warps={w}", lambda: codec.encode(x, backend="triton"),
+                5 * n + 4 * n // 256, err)
+    S8.ENCODE_ELEMS, S8.ENCODE_WARPS = 4096, 8
+    for bits in (4, 8):
+        rec(f"quantize int{bits} g128 SR bf16 (AGoQ)",
+            lambda bits=bits: ops.quantize(xb, bits=bits, stochastic=True, seed=1, backend="triton"),
+            2 * n + n * bits // 8 + 4 * n // 128)
     # Hadamard methods
     xs = x[: 1 << 22]
     for meth in ("ieee", "bf16x3", "butterfly"):
@@ -86,9 +96,13 @@ def tune_ops(mib: int, log) -> list[dict]:
                      "scale_rel": float(((q.scale - r.scale).abs() / r.scale.abs().clamp_min(1e-30)).max())}
             except Exception as ex:  # noqa: BLE001
                 e = f"{type(ex).__name__}: {ex}"[:200]
-            rec(f"hadamard_quantize b32 int{bits}{' SR' if sr else ''} g128 fp32 {meth}",
-                lambda bits=bits, sr=sr: ops.hadamard_quantize(x, block=32, bits=bits, stochastic=sr, backend="triton"),
-                4 * n + n * bits // 8 + 4 * n // 128, e)
+            for elems, w in ((0, 8), (0, 4), (8192, 8), (2048, 4)):
+                H.HQ_ELEMS, H.HQ_WARPS = elems, w
+                rec(f"hadamard_quantize b32 int{bits}{' SR' if sr else ''} g128 fp32 {meth} elems={elems} warps={w}",
+                    lambda bits=bits, sr=sr: ops.hadamard_quantize(x, block=32, bits=bits, stochastic=sr,
+                                                                   backend="triton"),
+                    4 * n + n * bits // 8 + 4 * n // 128, e)
+            H.HQ_ELEMS, H.HQ_WARPS = 0, 8
     H.FP32_METHOD = "ieee"
     for meth in ("tf32", "butterfly"):
         H.HALF_METHOD = meth

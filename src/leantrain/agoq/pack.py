@@ -56,6 +56,9 @@ class Packed:
     device: torch.device
     bits: int
     nbytes: int
+    uses: int = 1  # backward nodes holding it (a deduplicated save counts once per node)
+    cache: Tensor | None = None  # the unpacked tensor, kept until the last of those nodes took it
+    pending: int = 0
 
     def tensors(self) -> list[Tensor]:
         p = self.payload
@@ -210,7 +213,27 @@ def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True
 
 
 def unpack(p: Packed) -> Tensor:
-    """The tensor ``p`` was packed from (values up to quantization error), same shape/dtype/device."""
+    """The tensor ``p`` was packed from (values up to quantization error), same shape/dtype/device.
+
+    A packed tensor shared by ``uses`` backward nodes (q/k/v projections saving one input) is
+    dequantized once: the first unpack keeps the result for the other ``uses - 1`` (they run
+    one after another in backward) and the last one drops it. Backward formulas never write
+    into saved tensors, so handing the same tensor to each node is safe; a further unpack
+    (``retain_graph``) dequantizes again.
+    """
+    c = p.cache
+    if c is not None:
+        p.pending -= 1
+        if p.pending <= 0:
+            p.cache = None
+        return c
+    t = _unpack(p)
+    if p.uses > 1:
+        p.cache, p.pending = t, p.uses - 1
+    return t
+
+
+def _unpack(p: Packed) -> Tensor:
     if p.kind == "mask":
         data, n = p.payload
         return unpack_mask(data, n, p.shape)

@@ -194,8 +194,10 @@ if HAS_TRITON:
         else:
             smask = mask & ok
             g = acc
-            if HAS_SCALE:
-                g = g * tl.load(SCALE)
+            if HAS_SCALE:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
+                sc = tl.load(SCALE)
+                g = g * sc
+                smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
             blk_n = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
             blk_k = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
             kb = tl.cdiv(K, 16)
@@ -223,7 +225,7 @@ if HAS_TRITON:
             if NSTATE >= 2:
                 _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K)
             if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
-                bmask = mn & bias_here & (tl.max(ok.to(tl.int32), axis=1) > 0)
+                bmask = mn & bias_here & (tl.max(smask.to(tl.int32), axis=1) > 0)
                 gb = accb
                 if HAS_SCALE:
                     gb = gb * tl.load(SCALE)

@@ -54,9 +54,68 @@ def resolve(backend: str, *tensors: torch.Tensor) -> str:
     return "triton"
 
 
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_I32 = 1 << 31
+_FAST: dict = {}  # specialization key -> (CompiledKernel, names of the constexpr arguments)
+_DIRECT = [None]  # None: undecided; False: off (old Triton, interpreter, or a failed direct call)
+
+
+def _direct_ok() -> bool:
+    if _DIRECT[0] is None:
+        ok = os.environ.get("LEANTRAIN_DIRECT_LAUNCH", "1") not in ("", "0") and not interpreting()
+        try:
+            major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+            ok = ok and (major, minor) >= (3, 3)
+        except Exception:  # noqa: BLE001
+            ok = False
+        _DIRECT[0] = ok
+    return _DIRECT[0]
+
+
+def _spec(v):
+    """What Triton specializes a runtime argument on (dtype and 16-byte alignment of tensors,
+    ==1 / %16 / 32-bit range of integers); extra detail only costs cache entries."""
+    if isinstance(v, torch.Tensor):
+        return v.dtype, not v.data_ptr() & 15
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, int):
+        return v == 1, not v & 15, -_I32 <= v < _I32
+    return type(v)
+
+
 def launch(kernel, grid, *args, **meta) -> None:
-    """Launch ``kernel[grid](*args, **meta)`` with FMA contraction disabled (see module doc)."""
-    kernel[grid](*args, enable_fp_fusion=False, **meta)
+    """Launch ``kernel[grid](*args, **meta)`` with FMA contraction disabled (see module doc).
+
+    On a GPU the CompiledKernel Triton returns is cached under the specialization of the
+    arguments (see :func:`_spec`) and later calls with the same specialization call it
+    directly: Triton's per-call argument binding and cache-key hashing cost tens of µs of host
+    time, more than a small kernel runs (AGoQ packs hundreds of tensors per step). Any
+    failure of a direct call turns the fast path off for good (``LEANTRAIN_DIRECT_LAUNCH=0``
+    turns it off from the start)."""
+    if _DIRECT[0] is False or (_DIRECT[0] is None and not _direct_ok()) or callable(grid):
+        kernel[grid](*args, enable_fp_fusion=False, **meta)
+        return
+    key = (id(kernel), len(grid), torch.cuda.current_device(), tuple(meta.items()), *map(_spec, args))
+    try:
+        hit = _FAST.get(key)
+    except TypeError:  # an unhashable constexpr: the plain launch
+        kernel[grid](*args, enable_fp_fusion=False, **meta)
+        return
+    if hit is not None:
+        ck, consts = hit
+        try:
+            ck[(*grid, 1, 1)[:3]](*args, *[meta[n] for n in consts])
+            return
+        except (TypeError, IndexError, KeyError):  # a launcher that takes other arguments: never again
+            _DIRECT[0] = False
+            _FAST.clear()
+    ck = kernel[grid](*args, enable_fp_fusion=False, **meta)
+    names = list(getattr(kernel, "arg_names", ()))
+    consts = names[len(args):]
+    if (ck is not None and hasattr(ck, "__getitem__") and all(n in meta for n in consts)
+            and len(getattr(getattr(ck, "src", None), "signature", ())) == len(names)):
+        _FAST[key] = (ck, tuple(consts))
 
 
 def next_pow2(n: int) -> int:

@@ -207,6 +207,8 @@ if HAS_TRITON:
 
 
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
+HQ_ELEMS = 0  # hadamard_quantize: elements per program (0: _rows' choice, ~4096)
+HQ_WARPS = 8
 
 
 FP32_METHOD = "ieee"  # how fp32 inputs are transformed: "ieee" | "bf16x3" | "butterfly"
@@ -281,11 +283,11 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
     scale = torch.empty(g, dtype=torch.float32, device=x.device)
     zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
     if n:
-        r = _rows(block, group_size // block)
+        r = max(_rows(block, group_size // block), HQ_ELEMS // block)
         qlo, qhi = _qrange(bits, symmetric)
         launch(_hadamard_quantize_kernel, (triton.cdiv(n_pad, r * block),), xf, data, scale,
                scale if zero is None else zero, n, n_pad, g, _factor(block, normalized, False),
                kernel_key(seed), B=block, LOG2B=int(math.log2(block)), R=r, GS=group_size, BITS=bits,
                SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, PREC=_prec(x.dtype),
-               IDX32=g * group_size <= _IDX32_LIMIT, num_warps=8)
+               IDX32=g * group_size <= _IDX32_LIMIT, num_warps=HQ_WARPS)
     return QTensor(data, scale, zero, shape, x.dtype, bits, group_size, symmetric)
