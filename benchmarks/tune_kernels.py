@@ -117,12 +117,12 @@ def tune_ops(mib: int, log) -> list[dict]:
     m = n // k
     qk = ops.QTensor.stack([ops.quantize(x[i * m:(i + 1) * m], bits=8, backend="triton") for i in range(k)])
     nb = k * m + 4 * k * m // 128 + m // 2 + 4 * m // 128
-    for elems in (1024, 2048, 4096, 8192):
-        for w in (4, 8):
+    for elems in (2048, 4096, 8192):
+        for w in (2, 4):
             R.TILE_ELEMS, R.NUM_WARPS = elems, w
             rec(f"dsr k=8 int8->int4 SR elems={elems} warps={w}",
                 lambda: ops.dequant_sum_requant(qk, bits_out=4, stochastic=True, backend="triton"), nb)
-    R.TILE_ELEMS, R.NUM_WARPS = 4096, 0
+    R.TILE_ELEMS, R.NUM_WARPS = 4096, 4
     return rows
 
 
