@@ -185,6 +185,49 @@ def tune_forge(log) -> list[dict]:
     return rows
 
 
+def tune_forge_paths(log) -> list[dict]:
+    """Update-only tiles (the split path's second half) and low-stage fused tiles, 2048x5632."""
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+    from leantrain.forge.optimizer import _mm_fp32
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    N, K = 2048, 5632
+    w = torch.randn(N, K, device="cuda") * 0.02
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    g = torch.randn(N, K, device="cuda") * 1e-3
+    common = dict(w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
+    rows = []
+    for c in ((64, 64, 16, 4, 1), (32, 128, 16, 4, 1), (64, 128, 16, 4, 1), (128, 64, 16, 8, 1), (64, 256, 16, 8, 1),
+              (32, 256, 16, 4, 1), (128, 128, 16, 8, 1), (16, 256, 16, 2, 1), (32, 64, 16, 2, 1)):
+        tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3], "num_stages": c[4]}
+        try:
+            ms = _bench(lambda tune=tune: launch_forge(MODE_UPDATE, g=g, tune=tune, **common))
+            r = {"case": "update " + "x".join(map(str, c)), "ms": ms, "tbps": N * K * 28 / ms / 1e9}
+        except Exception as e:  # noqa: BLE001
+            r = {"case": "update " + "x".join(map(str, c)), "error": f"{type(e).__name__}: {e}"[:200]}
+        log(json.dumps(r))
+        rows.append(r)
+    for T in (512, 2048):
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+        buf = torch.empty(N, K, device="cuda")
+        r = {"case": f"mm T={T}", "ms": _bench(lambda: _mm_fp32(dy.t(), x, buf, allow_upcast=True))}
+        log(json.dumps(r))
+        rows.append(r)
+        for c in ((64, 64, 32, 4, 1), (64, 64, 64, 4, 1), (64, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 128, 32, 4, 2),
+                  (32, 64, 64, 4, 2), (64, 64, 64, 8, 3), (64, 64, 128, 4, 2)):
+            tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
+                    "num_stages": c[4]}
+            try:
+                ms = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common))
+                r = {"case": f"fused T={T} " + "x".join(map(str, c)), "ms": ms}
+            except Exception as e:  # noqa: BLE001
+                r = {"case": f"fused T={T} " + "x".join(map(str, c)), "error": f"{type(e).__name__}: {e}"[:200]}
+            log(json.dumps(r))
+            rows.append(r)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -202,6 +245,9 @@ def main(argv=None) -> int:
     if "ops" in what:
         res = tune_ops(a.mib, log)
         json.dump({**env, "mib": a.mib, "rows": res}, open(os.path.join(a.out, "tune_ops.json"), "w"), indent=1)
+    if "forge_paths" in what:
+        res = tune_forge_paths(log)
+        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge_paths.json"), "w"), indent=1)
     if "forge" in what:
         res = tune_forge(log)
         json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge.json"), "w"), indent=1)

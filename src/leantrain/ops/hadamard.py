@@ -208,10 +208,11 @@ if HAS_TRITON:
 
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
 HQ_ELEMS = 0  # hadamard_quantize: elements per program (0: _rows' choice, ~4096)
-HQ_WARPS = 8
+HQ_WARPS = 4  # measured: 4 warps beat 8 for the fused kernel (tune_s2b)
 
 
-FP32_METHOD = "ieee"  # how fp32 inputs are transformed: "ieee" | "bf16x3" | "butterfly"
+FP32_METHOD = "bf16x3"  # fp32 inputs: "bf16x3" (fastest on an H200: b32 97 % of copy vs 79 % for
+#   "ieee", fused int8 58 % vs 41 %; benchmarks/results/*tune_s2b) | "ieee" | "butterfly"
 HALF_METHOD = "tf32"  # bf16/fp16 inputs (exact in tf32): "tf32" | "butterfly"
 
 

@@ -57,8 +57,9 @@ def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_o
 
 
 _UNROLL_MAX = 16  # peers up to this count: the peer loop is unrolled at compile time
-TILE_ELEMS = 4096  # output elements per program (whole output groups)
-NUM_WARPS = 4  # measured on an H200: 4 warps 49 % of copy, 8 warps 28 % (benchmarks/results/*tune_s2a)
+TILE_ELEMS = 2048  # output elements per program (whole output groups); 2048 at 4 warps measured
+#   best and stable across runs on an H200 (tune_s2a/b)
+NUM_WARPS = 4
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
 
 if HAS_TRITON:

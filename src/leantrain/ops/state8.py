@@ -88,6 +88,32 @@ if HAS_TRITON:
         return tl.load(qmap_ptr + code.to(tl.int32)) * absmax
 
     @triton.jit
+    def _closed_form_q(a, x, SIGNED: tl.constexpr):
+        """``Q`` of the module docstring for ``a = |x|`` (signedness known at compile time)."""
+        a = tl.where(a < 2.0, a, 2.0)  # |x| >= 2 -> 2: keeps Q small and finite
+        p = tl.fma(a, 1111111.111111111, 127.28888888888889)
+        p = tl.minimum(p, tl.fma(a, 222222.22222222222, 128.17777777777778))
+        p = tl.minimum(p, tl.fma(a, 44444.444444444444, 129.95555555555555))
+        p = tl.minimum(p, tl.fma(a, 8888.8888888888889, 133.51111111111112))
+        p = tl.minimum(p, tl.fma(a, 1777.7777777777778, 140.62222222222223))
+        p = tl.minimum(p, tl.fma(a, 355.55555555555556, 154.84444444444446))
+        p = tl.minimum(p, tl.fma(a, 71.111111111111111, 183.28888888888889))
+        if SIGNED:
+            return tl.where(x < 0.0, 253.8 - p, p)
+        else:
+            return tl.where(x < 0.0, -1.0 - p, p * 2.0 - 254.4)
+
+    @triton.jit
+    def state8_encode_finite(x_normalized, a_normalized, qmap_ptr, SIGNED: tl.constexpr):
+        """:func:`state8_encode` for finite ``x_normalized`` whose ``|x|`` the caller already
+        has (``a_normalized``) and a map whose signedness is a compile-time constant: the
+        same codes with ~7 fewer operations per element (the encode kernel's hot loop)."""
+        q = _closed_form_q(a_normalized, x_normalized, SIGNED)
+        c = tl.minimum(tl.maximum(q.to(tl.int32), 0), 254)  # trunc == floor after the clamp
+        mid = tl.load(qmap_ptr + 256 + c)  # (qmap[c] + qmap[c + 1]) * 0.5, precomputed
+        return c + (mid < x_normalized).to(tl.int32)
+
+    @triton.jit
     def state8_encode(x_normalized, qmap_ptr):
         """Device helper: nearest-entry code (int32 0..255) of ``x_normalized`` in [-1, 1].
 
@@ -123,7 +149,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _encode_kernel(x_ptr, codes_ptr, absmax_ptr, qmap_ptr, n, n_blocks,
-                       BS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr):
+                       BS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr, SIGNED: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         base = pid * (ROWS * BS)                      # int64 only here, per program
         rem = tl.minimum(n - base, ROWS * BS).to(tl.int32)
@@ -132,11 +158,15 @@ if HAS_TRITON:
         loc = r[:, None] * BS + cols[None, :]         # int32 offsets inside the tile
         m = (cols[None, :] < BS) & (loc < rem)
         x = tl.load(x_ptr + base + loc, mask=m, other=0.0).to(tl.float32)
-        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
-        amax = tl.max(tl.abs(x), axis=1)
+        ax = tl.abs(x)
+        fin = ax < float("inf")  # NaN and +-inf -> 0
+        x = tl.where(fin, x, 0.0)
+        ax = tl.where(fin, ax, 0.0)
+        amax = tl.max(ax, axis=1)
         one = tl.zeros_like(amax) + 1.0
         inv = tl.where(amax > 0, tl.div_rn(one, tl.where(amax > 0, amax, 1.0)), 0.0)
-        code = state8_encode(x * inv[:, None], qmap_ptr)
+        # |x * inv| == |x| * inv exactly (inv >= 0): the abs is not recomputed
+        code = state8_encode_finite(x * inv[:, None], ax * inv[:, None], qmap_ptr, SIGNED)
         tl.store(codes_ptr + base + loc, code.to(tl.uint8), mask=m)
         rows = pid * ROWS + r
         tl.store(absmax_ptr + rows, amax, mask=rows < n_blocks)
@@ -154,7 +184,7 @@ if HAS_TRITON:
 
 
 ENCODE_ELEMS = 4096  # elements per program of the encode kernel (whole blocks)
-ENCODE_WARPS = 8
+ENCODE_WARPS = 4  # measured on an H200: 43 % of copy vs 39 % at 8 warps (tune_s2b)
 
 
 class StateCodec8:
@@ -199,7 +229,7 @@ class StateCodec8:
             if nb:
                 cols, rows = _tile(bs, ENCODE_ELEMS)
                 launch(_encode_kernel, (triton.cdiv(nb, rows),), xf, codes, absmax, table, n, nb,
-                       BS=bs, COLS=cols, ROWS=rows, num_warps=ENCODE_WARPS)
+                       BS=bs, COLS=cols, ROWS=rows, SIGNED=self.signed, num_warps=ENCODE_WARPS)
             return codes, absmax
         flat = x.reshape(-1).to(torch.float32)
         xg = torch.zeros(nb * bs, dtype=torch.float32, device=x.device)
