@@ -108,23 +108,31 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _dot_bf16x3(x, h):
+    def _dot_bf16x3(x, h, EMULATE: tl.constexpr = False):
         """``x @ h`` for fp32 ``x`` and +-1 ``h`` on bf16 tensor cores, exact products: x is
         split into three bf16 parts (8 + 8 + 8 significant bits = fp32's 24), each product
-        with +-1 is exact, the three are accumulated in fp32."""
-        hb = h.to(tl.bfloat16)
+        with +-1 is exact, the three are accumulated in fp32. ``EMULATE`` (the interpreter,
+        whose bf16 ``tl.dot`` is unreliable): the same parts, multiplied in fp32."""
         x1 = x.to(tl.bfloat16)
         r = x - x1.to(tl.float32)
         x2 = r.to(tl.bfloat16)
         x3 = (r - x2.to(tl.float32)).to(tl.bfloat16)
-        y = tl.dot(x1, hb, out_dtype=tl.float32)
-        y = tl.dot(x2, hb, y, out_dtype=tl.float32)
-        return tl.dot(x3, hb, y, out_dtype=tl.float32)
+        if EMULATE:
+            y = tl.dot(x1.to(tl.float32), h, input_precision="ieee")
+            y = tl.dot(x2.to(tl.float32), h, y, input_precision="ieee")
+            return tl.dot(x3.to(tl.float32), h, y, input_precision="ieee")
+        else:
+            hb = h.to(tl.bfloat16)
+            y = tl.dot(x1, hb, out_dtype=tl.float32)
+            y = tl.dot(x2, hb, y, out_dtype=tl.float32)
+            return tl.dot(x3, hb, y, out_dtype=tl.float32)
 
     @triton.jit
     def _dot_h(x, h, PREC: tl.constexpr):
         if PREC == "bf16x3":
             return _dot_bf16x3(x, h)
+        elif PREC == "bf16x3_emulated":
+            return _dot_bf16x3(x, h, True)
         else:
             return tl.dot(x, h, input_precision=PREC)
 
@@ -141,13 +149,13 @@ if HAS_TRITON:
             return _butterfly_tl(x, R, B, LOG2B)
         elif B == 256:  # the second product's input is an fp32 sum: never tf32
             h = _h_tl(16, 4)
-            if PREC == "bf16x3":
-                y = _dot_bf16x3(tl.reshape(x, [R * 16, 16]), h)
+            if PREC == "bf16x3" or PREC == "bf16x3_emulated":
+                y = _dot_h(tl.reshape(x, [R * 16, 16]), h, PREC)
             else:
                 y = tl.dot(tl.reshape(x, [R * 16, 16]), h, input_precision="ieee")
             y = tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R * 16, 16])
-            if PREC == "bf16x3":
-                y = _dot_bf16x3(y, h)
+            if PREC == "bf16x3" or PREC == "bf16x3_emulated":
+                y = _dot_h(y, h, PREC)
             else:
                 y = tl.dot(y, h, input_precision="ieee")
             return tl.reshape(tl.permute(tl.reshape(y, [R, 16, 16]), (0, 2, 1)), [R, 256])
@@ -219,7 +227,8 @@ HALF_METHOD = "tf32"  # bf16/fp16 inputs (exact in tf32): "tf32" | "butterfly"
 def _prec(dtype: torch.dtype) -> str:
     """The transform method for inputs of ``dtype`` (see :func:`hadamard_tile_tl`): bf16/fp16
     values are exact in tf32 (one tensor-core product, exact); fp32 values take FP32_METHOD."""
-    return HALF_METHOD if dtype in (torch.bfloat16, torch.float16) else FP32_METHOD
+    m = HALF_METHOD if dtype in (torch.bfloat16, torch.float16) else FP32_METHOD
+    return m + "_emulated" if m == "bf16x3" and interpreting() else m
 
 
 def _rows(block: int, multiple: int = 1) -> int:
