@@ -192,50 +192,6 @@ if HAS_TRITON:
         return code, scale, zero
 
     @triton.jit
-    def encode_pair_tl(xe, xo, valid_e, valid_o, idx_e, idx_o, key, QLO: tl.constexpr, QHI: tl.constexpr,
-                       SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr):
-        """:func:`encode_tile_tl` of a tile given as its even and odd columns (``[ROWS, COLS/2]``
-        each; a group is one row of both): the same operations per element, so the same codes,
-        and the two 4-bit codes of a byte come out side by side, with no reshape/split of
-        registers (which costs a shared-memory round trip on a GPU). Returns (code_e, code_o,
-        scale, zero)."""
-        xe = tl.where(tl.abs(xe) < float("inf"), xe, 0.0)
-        xo = tl.where(tl.abs(xo) < float("inf"), xo, 0.0)
-        xe = tl.where(valid_e, xe, 0.0)
-        xo = tl.where(valid_o, xo, 0.0)
-        if SYMMETRIC:
-            rng = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
-            zero = tl.zeros_like(rng)
-            be = xe
-            bo = xo
-        else:
-            mn = tl.minimum(tl.min(tl.where(valid_e, xe, float("inf")), axis=1),
-                            tl.min(tl.where(valid_o, xo, float("inf")), axis=1))
-            mx = tl.maximum(tl.max(tl.where(valid_e, xe, -float("inf")), axis=1),
-                            tl.max(tl.where(valid_o, xo, -float("inf")), axis=1))
-            mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
-            mx = tl.where(mx >= mn, mx, 0.0)
-            rng = mx - mn
-            zero = mn
-            be = xe - mn[:, None]
-            bo = xo - mn[:, None]
-        qhi = tl.zeros_like(rng) + QHI
-        pre = tl.where(rng < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
-        scale = tl.div_rn(rng, qhi)
-        inv = tl.where(rng > 0, tl.div_rn(qhi, tl.where(rng > 0, rng * pre, 1.0)), 0.0)
-        ye = (be * pre[:, None]) * inv[:, None]
-        yo = (bo * pre[:, None]) * inv[:, None]
-        if STOCHASTIC:
-            ce = tl.floor(ye + uniform_tl(key, idx_e))
-            co = tl.floor(yo + uniform_tl(key, idx_o))
-        else:
-            ce = tl.floor(ye + 0.5)
-            co = tl.floor(yo + 0.5)
-        ce = tl.minimum(tl.maximum(ce, QLO), QHI).to(tl.int32)
-        co = tl.minimum(tl.maximum(co, QLO), QHI).to(tl.int32)
-        return ce, co, scale, zero
-
-    @triton.jit
     def cast_out_tl(v, DTYPE: tl.constexpr):
         """fp32 -> ``DTYPE`` with round-to-nearest-even. bf16 is rounded on the integer bits
         (the Triton interpreter truncates fp32 -> bf16; GPUs round to nearest even)."""
@@ -285,30 +241,16 @@ if HAS_TRITON:
         cols = tl.arange(0, COLS)
         loc = r[:, None] * GS + cols[None, :]               # int32 offsets inside the tile
         valid = (cols[None, :] < GS) & (loc < rem)
+        x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
+        if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
+            idx = base.to(tl.uint32) + loc.to(tl.uint32)
+        else:
+            idx = base + loc
+        code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
+        byts = pack_tile_tl(code, ROWS, COLS, BITS)
         BCOLS: tl.constexpr = COLS * BITS // 8
         OB: tl.constexpr = GS * BITS // 8
         bcols = tl.arange(0, BCOLS)
-        if BITS == 4:  # even and odd elements as two tiles: codes pair up without a register shuffle
-            loc_e = r[:, None] * GS + 2 * bcols[None, :]
-            valid_e = (2 * bcols[None, :] < GS) & (loc_e < rem)
-            valid_o = (2 * bcols[None, :] + 1 < GS) & (loc_e + 1 < rem)
-            xe = tl.load(x_ptr + base + loc_e, mask=valid_e, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + base + (loc_e + 1), mask=valid_o, other=0.0).to(tl.float32)
-            if IDX32:
-                ie = base.to(tl.uint32) + loc_e.to(tl.uint32)
-            else:
-                ie = base + loc_e
-            ce, co, scale, zero = encode_pair_tl(xe, xo, valid_e, valid_o, ie, ie + 1, key, QLO, QHI,
-                                                 SYMMETRIC, STOCHASTIC)
-            byts = ((ce & 0xF) | ((co & 0xF) << 4)).to(tl.uint8)
-        else:
-            x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
-            if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
-                idx = base.to(tl.uint32) + loc.to(tl.uint32)
-            else:
-                idx = base + loc
-            code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
-            byts = pack_tile_tl(code, ROWS, COLS, BITS)
         rows = row0 + r
         bmask = (rows[:, None] < n_groups) & (bcols[None, :] < OB)
         tl.store(data_ptr + row0 * OB + (r[:, None] * OB + bcols[None, :]), byts, mask=bmask)
@@ -331,35 +273,15 @@ if HAS_TRITON:
         bcols = tl.arange(0, BCOLS)
         bmask = rmask[:, None] & (bcols[None, :] < GS * BITS // 8)
         b = tl.load(data_ptr + rows[:, None] * (GS * BITS // 8) + bcols[None, :], mask=bmask, other=0)
+        code = unpack_tile_tl(b, ROWS, BCOLS, BITS, SYMMETRIC)
         scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
+        v = code.to(tl.float32) * scale[:, None]
         if not SYMMETRIC:
             zero_ptr += peer * n_groups
-            zr = tl.load(zero_ptr + rows, mask=rmask, other=0.0)
-        if BITS == 4:  # low / high nibbles to the even / odd elements: no register shuffle
-            d = b.to(tl.int32)
-            lo = d & 0xF
-            hi = d >> 4
-            if SYMMETRIC:
-                lo = tl.where(lo >= 8, lo - 16, lo)
-                hi = tl.where(hi >= 8, hi - 16, hi)
-            ve = lo.to(tl.float32) * scale[:, None]
-            vo = hi.to(tl.float32) * scale[:, None]
-            if not SYMMETRIC:
-                ve = ve + zr[:, None]
-                vo = vo + zr[:, None]
-            ie = rows[:, None] * GS + 2 * bcols[None, :]
-            me = (2 * bcols[None, :] < GS) & (ie < n)
-            mo = (2 * bcols[None, :] + 1 < GS) & (ie + 1 < n)
-            tl.store(out_ptr + ie, cast_out_tl(ve, out_ptr.dtype.element_ty), mask=me)
-            tl.store(out_ptr + (ie + 1), cast_out_tl(vo, out_ptr.dtype.element_ty), mask=mo)
-        else:
-            code = unpack_tile_tl(b, ROWS, BCOLS, BITS, SYMMETRIC)
-            v = code.to(tl.float32) * scale[:, None]
-            if not SYMMETRIC:
-                v = v + zr[:, None]
-            cols = tl.arange(0, COLS)
-            idx = rows[:, None] * GS + cols[None, :]
-            tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=(cols[None, :] < GS) & (idx < n))
+            v = v + tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
+        cols = tl.arange(0, COLS)
+        idx = rows[:, None] * GS + cols[None, :]
+        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=(cols[None, :] < GS) & (idx < n))
 
 
 def tile_shape(group_size: int, elems: int = 4096) -> tuple[int, int, int]:
