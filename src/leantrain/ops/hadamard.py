@@ -12,21 +12,23 @@ blocks lie along the last dim and the output keeps ``x``'s shape; otherwise the 
 1-D padded vector (crop ``[:x.numel()]`` after the inverse).
 
 Tiling (Triton): one program owns ``R`` blocks (an ``[R, b]`` tile, ~4096 elements) and
-multiplies it by ``H_b`` built in registers from the popcount parity, with ``tl.dot`` on the
-tensor cores (b = 256: as ``H_16 (x) H_16``, two 16-wide fp32 FMA products with a transpose
-between, unchanged; see :func:`hadamard_tile_tl`). Precision of the tensor-core product:
-``H`` is +-1 (exact in any format) and products are accumulated in fp32, so only the input's
-representation matters. bf16/fp16 inputs are exact in tf32 (8 / 11 significant bits <= 11):
-one ``tf32`` product, exact up to fp32 summation order; fp32 inputs use ``tf32x3`` (x split
-into two tf32 parts; relative error ~2**-21 per input, far below the 1e-5 tolerance of the
-transform tests). This replaces the FMA ("ieee") product of b multiply-adds per element plus
-operand shuffles, which was the bottleneck (~370 G elements/s on an H200 for fp32 and bf16
-alike). Inside a tile offsets are int32 (64-bit only in the per-program base pointer); bf16
-outputs are rounded by the hardware conversion (round to nearest even; the integer emulation
-only under the interpreter, which truncates). The fused ``hadamard_quantize`` reshapes the transformed tile into
+multiplies it by ``H_b``, built in registers from the popcount parity (never loaded), on the
+tensor cores (b = 256 as ``H_16 (x) H_16``: two 16-wide products with a transpose between).
+``H`` is +-1, exact in any format, and products accumulate in fp32, so only the input's
+representation matters: bf16/fp16 inputs are exact in tf32 (one ``tf32`` product); fp32
+inputs are split into three bf16 parts (8 + 8 + 8 significant bits = fp32's 24) whose three
+exact products are summed in fp32 ("bf16x3", :func:`_dot_bf16x3`): the transform equals the
+fp32 reference up to summation order. On an H200 this runs the b = 32 transform at 98 % of a
+device copy (the FMA product, "ieee", 79 %; an in-register radix-2 "butterfly" 97 %) and
+b = 256 at 79 % (ieee 51 %); ``FP32_METHOD`` selects the method. Inside a tile offsets are
+int32 (64-bit only in the per-program base pointer); bf16 outputs are rounded by the
+hardware conversion (round to nearest even; the integer emulation only under the
+interpreter, which truncates, and whose bf16 ``tl.dot`` is replaced by the same products in
+fp32). The fused ``hadamard_quantize`` reshapes the transformed tile into
 ``[R * b / group_size, group_size]`` groups and quantizes it in the same program (group_size
-and b powers of two); its stochastic-rounding counter is the element index as uint32 when the
-output has < 2**32 elements (the same hash as the int64 index, whose high word is then 0).
+and b powers of two; 4 warps); its stochastic-rounding counter is the element index as uint32
+when the output has < 2**32 elements (the same hash as the int64 index, whose high word is
+then 0).
 Bytes per element: hadamard reads and writes ``sizeof(x)``; hadamard_quantize reads
 ``sizeof(x)`` and writes ``bits / 8`` (+ 4 / group_size).
 """
