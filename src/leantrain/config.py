@@ -98,6 +98,8 @@ class AgoqConfig:
     grad_bits: int = 0  # 8: int8 gradient accumulation buffers with error feedback (0 = off)
     pipeline_stage: int = 0
     pipeline_stages: int = 1
+    roles: str = ""  # per-role bits over the default policy, e.g. "attn=4,norm=8" (16 = keep)
+    logits_format: Literal["prob", "logp"] = "prob"  # log-softmax stored as exp(logp) or as is
 
 
 @dataclass

@@ -127,10 +127,12 @@ def test_apply_and_remove_persistent():
 
 
 # Per-layer bound, tiny preset model, B = 4, T = 128, default policy (stochastic rounding):
-# measured max 0.49 (q/k projections; attention gradients of a random-init model are tiny and
-# noise-dominated), typical 0.1-0.3; the whole gradient 0.15. We require every layer <= 0.6
-# and <= 0.5x the gradient's own sampling noise (the relative difference between two batches'
-# gradients, >= 1.2 for every layer here: AGoQ's error is far below SGD's own noise).
+# measured max 0.29 (layers.0 down_proj; with 4-bit attention it was 0.49 on the q/k
+# projections), the whole gradient 0.14, every layer <= 0.2x the batch-to-batch difference.
+# We require every layer <= 0.6 and <= 0.5x the gradient's own sampling noise (the relative
+# difference between two batches' gradients, >= 1.2 for every layer here: AGoQ's error is far
+# below SGD's own noise). A random-init model hides the attention problem (see
+# test_agoq_fidelity.py and agoq/README.md "Convergence").
 PER_LAYER_BOUND = 0.6
 TOTAL_BOUND = 0.2
 

@@ -14,8 +14,11 @@ Per saved tensor, in order: parameter/buffer (or a view of one) -> kept, not cou
 not an activation); integer -> kept; bool -> 1-bit mask; no grad required (RoPE tables,
 constants) -> kept; reduced statistic (last dim 1: RMSNorm rstd; fp32 of rank <= 3 in
 attention: log-sum-exp) -> kept; fewer than ``min_numel`` elements -> kept; otherwise
-quantized to ``policy.bits_for(role, stage)``. A tensor saved twice (same storage, offset,
-shape, strides and version, still alive) is packed once and shared. Every decision is
+quantized to ``policy.bits_for(role, stage)`` (a log-softmax output, which cross-entropy
+saves, as ``p = exp(logp)`` when ``policy.logits_format == "prob"``: :class:`ProbPacked`;
+stochastic-rounding noise is fresh for every tensor of every forward, see :func:`_mix`).
+A tensor saved twice (same storage, offset, shape, strides and version, still alive) is
+packed once and shared. Every decision is
 counted in ``Packer.stats``, so nothing is skipped silently; every byte kept is reported to
 the memory ledger through :func:`leantrain.ledger.note_saved`.
 """
@@ -23,9 +26,11 @@ the memory ledger through :func:`leantrain.ledger.note_saved`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -75,6 +80,58 @@ def role_of_module(name: str, m: nn.Module) -> str | None:
     return None
 
 
+_M64 = (1 << 64) - 1
+_PACKERS = itertools.count(1)  # process-wide: each Packer draws fresh rounding noise
+
+
+def _mix(*xs: int) -> int:
+    """A 63-bit seed from integers (splitmix64 chain). Every bit depends on every input: torch's
+    CPU generator uses only a seed's low 32 bits, so ``(a << 32) + n`` would repeat the noise."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = (h ^ (x & _M64)) & _M64
+        h = (h + 0x9E3779B97F4A7C15) & _M64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _M64
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass
+class ProbPacked:
+    """A log-softmax stored as ``p = exp(logp)`` (``Packed``); unpacks to ``log(p)``.
+
+    Log-softmax backward reads only ``exp(logp)``: rounding ``p`` stochastically keeps exactly
+    that unbiased, and its error is absolute in ``p`` (largest where ``p`` is largest), where a
+    grid on ``logp`` gives every probability the same relative error and, through ``exp``, a bias.
+    """
+
+    packed: Packed
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def unpack(self) -> Tensor:
+        p = unpack(self.packed).float()  # may be shared (dequantized once for several nodes):
+        # never in place. p = 0 -> log = -88 (not -inf): exp() gives back 1e-38
+        return p.clamp_min(torch.finfo(torch.float32).tiny).log().to(self.dtype)
+
+
+def _is_log_softmax(t: Tensor) -> bool:
+    """The output of log_softmax (cross-entropy saves it): its grad_fn is already set when saved."""
+    return t.grad_fn is not None and type(t.grad_fn).__name__.startswith("LogSoftmaxBackward")
+
+
+def _unpack_any(obj):
+    if isinstance(obj, Packed):
+        return unpack(obj)
+    if isinstance(obj, ProbPacked):
+        return obj.unpack()
+    return obj
+
+
 def _storage_ptr(t: Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -110,6 +167,7 @@ class Packer:
         self._dedup: dict = {}
         self._static: set[int] = set()
         self._n = 0
+        self._salt = next(_PACKERS)
         self._ctx = None
 
     # ------------------------------------------------------------------ module hooks
@@ -216,11 +274,20 @@ class Packer:
             self.stats["dedup"] += 1
             if self.record:
                 self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
+            if isinstance(hit[1], Packed):  # one more backward node unpacks it: dequantized once for all
+                hit[1].uses += 1
+            elif isinstance(hit[1], ProbPacked):  # log_softmax + nll_loss: p dequantized once
+                hit[1].packed.uses += 1
             return hit[1]
         self._n += 1
         pol = self.policy
-        p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic,
-                 seed=(pol.seed << 32) + self._n, symmetric=role != "logits")
+        seed = _mix(pol.seed, self._salt, self._n)
+        if pol.logits_format == "prob" and _is_log_softmax(t):
+            p = ProbPacked(pack(t.detach().float().exp(), bits, group_size=pol.group_size,
+                                stochastic=pol.stochastic, seed=seed, symmetric=False), t.dtype)
+        else:
+            p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
+                     symmetric=role != "logits")
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
         owner = t._base if t._base is not None else t
@@ -237,7 +304,7 @@ class Packer:
 
     @staticmethod
     def unpack_hook(obj):
-        return unpack(obj) if isinstance(obj, Packed) else obj
+        return _unpack_any(obj)
 
     def summary(self) -> dict:
         raw, kept = sum(self.bytes_raw.values()), sum(self.bytes_kept.values())
@@ -297,4 +364,4 @@ def save(t: Tensor):
 
 def load(obj) -> Tensor:
     """The tensor :func:`save` packed (identity for a tensor that was not packed)."""
-    return unpack(obj) if isinstance(obj, Packed) else obj
+    return _unpack_any(obj)

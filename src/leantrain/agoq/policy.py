@@ -7,14 +7,14 @@ it; see :mod:`leantrain.agoq.hooks`):
 role           saved tensor (Llama)                                        bits
 =============  ==========================================================  =====
 ``qkv_in``     input of q/k/v_proj (the attention RMSNorm's output)         4
-``attn``       q, k (RoPE), q, k, v, out (SDPA) inside the attention        4
+``attn``       q, k, v, out saved by SDPA inside the attention              8
 ``o_in``       input of o_proj (attention output, heads merged)             4
 ``mlp_in``     input of gate/up_proj (the MLP RMSNorm's output)             4
 ``gate_up``    SiLU input, SiLU output, up output (SwiGLU)                  4
 ``down_in``    input of down_proj (SiLU(gate) * up)                         4
 ``norm``       RMSNorm input (residual stream) and normalized x             8
 ``head_in``    input of the LM head (final RMSNorm output)                  8
-``logits``     log-softmax of the logits (saved by cross-entropy)           8, asymmetric
+``logits``     log-softmax (saved by cross-entropy), stored as p = exp      4, min/max on p
 ``linear_in``  input of any other Linear-like module                        4
 ``other``      any other float tensor                                       8
 ``mask``       boolean tensors                                              1 (exact)
@@ -29,10 +29,17 @@ Why these widths: linear inputs feed ``dW = dYᵀX``, a sum over tokens in which
 unbiased (stochastic-rounding) 4-bit noise averages out; the SwiGLU tensors set the local
 derivative of an element-wise op and tolerate 4 bits as well. The residual stream / norm
 input is the quantity RMSNorm divides by its own RMS: an outlier-heavy, sensitive tensor
-(COAT keeps it fine-grained), so 8 bits. Log-probabilities are exponentiated in backward
-(``p = exp(logp)``): an error ``e`` in logp is a relative error ``e`` in p, so 8 bits with a
-min/max grid (they are one-sided). The measured gradient error of each choice is in
-``agoq/README.md`` (``calibrate`` re-measures it on your model).
+(COAT keeps it fine-grained), so 8 bits. Attention: SDPA's backward recomputes the
+probabilities ``exp(q·k/√d - lse)`` from the saved q, k and the *exact* saved log-sum-exp, so
+an error in q or k is exponentiated and not renormalized; once attention is sharp (a trained
+model) 4-bit q/k give gradient errors larger than the gradient itself (1.49x after 300 tiny
+steps), 8 bits 1.5 %.
+Log-softmax backward reads only ``p = exp(logp)``: AGoQ stores ``p`` (``logits_format =
+"prob"``, min/max grid on ``p``, stochastic rounding unbiased in ``p``), where a grid on
+``logp`` gives every probability the same relative error and a bias through ``exp``; 4 bits on
+``p`` cost less gradient error than 4 bits on ``logp`` and free the bytes that 8-bit attention
+needs. The measured gradient error of each choice is in ``agoq/README.md`` (``calibrate``
+re-measures it on your model).
 
 Pipeline rule (1F1B): stage ``s`` of ``p`` stages holds ``k(s) = min(p - s, m)`` micro-batches'
 activations in flight (``m`` micro-batches per step). AGoQ makes the held bytes ``k(s) * b(s)``
@@ -58,14 +65,14 @@ class Policy:
     """Bits per role (16 = keep as is), group size, rounding, and the pipeline-stage rule."""
 
     qkv_in: int = 4
-    attn: int = 4
+    attn: int = 8
     o_in: int = 4
     mlp_in: int = 4
     gate_up: int = 4
     down_in: int = 4
     norm: int = 8
     head_in: int = 8
-    logits: int = 8
+    logits: int = 4
     linear_in: int = 4
     other: int = 8
     group_size: int = 128  # elements per scale (64-128 advised; 2/3 bits need a multiple of 8)
@@ -75,6 +82,9 @@ class Policy:
     micro_batches: int = 0  # m (0: = p, the 1F1B steady state)
     min_bits: int = 2  # the stage rule never goes below this
     seed: int = 0
+    # "prob": the log-softmax is stored as p = exp(logp) on a min/max grid (backward uses only
+    # exp(logp): stochastic rounding of p is unbiased in what backward reads); "logp": as is
+    logits_format: str = "prob"
 
     def __post_init__(self):
         for r in ROLES:
@@ -87,6 +97,8 @@ class Policy:
             raise ValueError("agoq.Policy.pipeline_stages must be >= 1")
         if self.min_bits not in ALLOWED_BITS:
             raise ValueError(f"agoq.Policy.min_bits must be one of {ALLOWED_BITS}")
+        if self.logits_format not in ("prob", "logp"):
+            raise ValueError(f"agoq.Policy.logits_format={self.logits_format!r}: use 'prob' or 'logp'")
 
     # ------------------------------------------------------------------ stage rule
 
@@ -132,9 +144,30 @@ class Policy:
 
     @classmethod
     def from_config(cls, cfg) -> Policy:
-        """From a :class:`leantrain.config.AgoqConfig` (``bits`` becomes every 4-bit role's width)."""
+        """From a :class:`leantrain.config.AgoqConfig`: ``bits`` becomes every 4-bit role's width,
+        then ``roles`` (``"attn=8,logits=4"``; 16 = keep) sets single roles."""
         b = int(round(cfg.bits))
         base = cls()
         kw = {r: b for r in ROLES if getattr(base, r) == 4}
+        kw.update(parse_roles(getattr(cfg, "roles", "") or ""))
         return cls(**kw, group_size=cfg.group_size, stochastic=cfg.stochastic,
-                   pipeline_stages=max(1, cfg.pipeline_stages))
+                   pipeline_stages=max(1, cfg.pipeline_stages),
+                   logits_format=getattr(cfg, "logits_format", base.logits_format))
+
+
+def parse_roles(spec: str) -> dict[str, int]:
+    """``"attn=8, logits=4"`` -> ``{"attn": 8, "logits": 4}`` (unknown roles are an error)."""
+    out = {}
+    for item in spec.replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        role, sep, bits = item.partition("=")
+        role = role.strip()
+        if not sep or role not in ROLES:
+            raise ValueError(f"agoq.roles: {item!r} is not ROLE=BITS with ROLE one of {ROLES}")
+        try:
+            out[role] = int(bits)
+        except ValueError:
+            raise ValueError(f"agoq.roles: {item!r}: bits must be an integer") from None
+    return out
