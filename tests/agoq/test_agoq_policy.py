@@ -17,7 +17,7 @@ def test_stage_rule_balances_memory():
     held = [k * b for k, b in zip(ks, bits, strict=True)]
     assert max(held) / min(held) <= 9 / 8
     assert sum(bits) / 4 == pytest.approx(4.25)
-    assert [pol.bits_for("norm", s) for s in range(4)] == [4, 4, 8, 8]
+    assert [pol.bits_for("attn", s) for s in range(4)] == [4, 4, 8, 8]  # an 8-bit role
     assert pol.bits_for("mask", 0) == 1
     assert Policy().bits_for("qkv_in", 0) == 4
     few = Policy(pipeline_stages=4, micro_batches=2)  # m < p: k = 2, 2, 2, 1

@@ -12,7 +12,7 @@ role           saved tensor (Llama)                                        bits
 ``mlp_in``     input of gate/up_proj (the MLP RMSNorm's output)             4
 ``gate_up``    SiLU input, SiLU output, up output (SwiGLU)                  4
 ``down_in``    input of down_proj (SiLU(gate) * up)                         4
-``norm``       RMSNorm input (residual stream) and normalized x             8
+``norm``       RMSNorm input (residual stream) and normalized x             4
 ``head_in``    input of the LM head (final RMSNorm output)                  8
 ``logits``     log-softmax (saved by cross-entropy), stored as p = exp      4, min/max on p
 ``linear_in``  input of any other Linear-like module                        4
@@ -70,7 +70,7 @@ class Policy:
     mlp_in: int = 4
     gate_up: int = 4
     down_in: int = 4
-    norm: int = 8
+    norm: int = 4
     head_in: int = 8
     logits: int = 4
     linear_in: int = 4
