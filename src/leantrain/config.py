@@ -83,9 +83,9 @@ class ForgeConfig:
     stochastic_rounding: bool = True
     backend: Literal["auto", "torch", "triton"] = "auto"
     # global-norm clipping needs the norm before any update, impossible inside backward.
-    # auto: no clipping inside FORGE (it measured best on tiny); layer / prev_global clip at
-    # clip_value (0: optim.grad_clip)
-    clip: Literal["auto", "none", "layer", "prev_global"] = "auto"
+    # auto: est_global (this step's global norm estimated from the layers reduced so far; see
+    # forge/README.md); layer / prev_global / est_global clip at clip_value (0: optim.grad_clip)
+    clip: Literal["auto", "none", "layer", "prev_global", "est_global"] = "auto"
     clip_value: float = 0.0  # 0: use optim.grad_clip
 
 

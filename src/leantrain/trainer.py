@@ -149,13 +149,14 @@ class Trainer:
 
             f = c.forge
             # global-norm clipping needs every gradient before the first update: impossible
-            # inside backward. "auto" trains unclipped: on the tiny preset (300 steps, CPU) the
-            # unclipped run converged better than both proxies (benchmarks/results README).
-            clip = "none" if f.clip == "auto" else f.clip
+            # inside backward. "auto" clips by an estimate of this step's global norm (est_global,
+            # the closest to the baseline on tiny/300 steps: forge/README.md), unclipped when
+            # optim.grad_clip is 0 and no forge.clip_value is given.
             clip_value = f.clip_value or c.optim.grad_clip
-            if f.clip == "auto" and c.optim.grad_clip > 0:
-                log0("FORGE: optim.grad_clip (global norm) cannot run inside backward; training unclipped "
-                     "(forge.clip=layer or prev_global to clip; see forge/README.md)")
+            clip = ("est_global" if clip_value > 0 else "none") if f.clip == "auto" else f.clip
+            if f.clip == "auto" and clip != "none":
+                log0("FORGE: optim.grad_clip (global norm) cannot run inside backward; clipping by an estimate "
+                     "of the step's global norm instead (forge.clip=est_global; see forge/README.md)")
             allreduce = None
             if c.dist.comm == "int8":  # AGoQ's precision-preserving 8-bit all-reduce for FORGE's per-layer dW
                 from . import comm

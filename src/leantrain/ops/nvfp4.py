@@ -176,7 +176,9 @@ if HAS_TRITON:
         m = code & 1
         normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m/2) * 2**(e-1)
         mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-        v = tl.where(code >= 8, -mag, mag)
+        # the sign as a bit (code 8 is -0.0, as in the reference): a select of -mag / mag
+        # compiled on an H200 gave +0.0 there
+        v = (mag.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
         s8 = tl.load(bs_ptr + rows, mask=rmask, other=0).to(tl.int32)
         eff = fp8_decode_tl(s8, 3, 7, -6, True) * tl.load(ts_ptr)
         v = v * eff[:, None]

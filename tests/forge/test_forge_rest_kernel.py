@@ -1,0 +1,65 @@
+"""Non-fused parameters (norms, embeddings) stepped by the kernel's update-only mode."""
+
+import copy
+
+import pytest
+import torch
+from _forge_util import RULES, Net, batches, train
+from torch import nn
+
+import leantrain as lt
+from leantrain.ops._backend import HAS_TRITON, interpreting
+
+pytestmark = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.cuda.is_available())),
+                                reason="needs Triton (interpreter or CUDA)")
+
+
+class EmbNet(nn.Module):
+    """An untied embedding (2-D, non-fused) and a LayerNorm (1-D) around one linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.norm = nn.LayerNorm(24)
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, idx):
+        return self.fc(self.norm(self.emb(idx)))
+
+
+@pytest.mark.parametrize("rule", ["adamw", "sgd_mom", "lion"])
+def test_rest_params_on_the_kernel_match_the_torch_rule(rule, monkeypatch):
+    calls = []
+    real = lt.forge.ForgeOptimizer._step_rest_kernel
+    monkeypatch.setattr(lt.forge.ForgeOptimizer, "_step_rest_kernel",
+                        lambda self, p, *a: calls.append(p.shape) or real(self, p, *a))
+    torch.manual_seed(0)
+    base = EmbNet()
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 40, (3, 7), generator=g) for _ in range(4)]
+    out = {}
+    for backend in ("torch", "triton"):
+        m = copy.deepcopy(base)
+        opt = lt.forge.attach(m, RULES[rule](), backend=backend)
+        for idx in data:
+            loss = nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[backend] = {n: p.detach().clone() for n, p in m.named_parameters()}
+    assert len(calls) == 3 * len(data)  # emb, norm weight, norm bias: on the kernel (triton only)
+    for n in ("emb.weight", "norm.weight", "norm.bias"):
+        torch.testing.assert_close(out["triton"][n], out["torch"][n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_nonfinite_gradient_leaves_the_whole_rest_parameter_unchanged():
+    torch.manual_seed(0)
+    m = Net()
+    opt = lt.forge.attach(m, RULES["adamw"](), backend="triton")
+    train(m, opt, batches(2))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    m.norm.weight.register_hook(lambda gr: torch.where(torch.arange(gr.numel()) == 5, float("nan"), gr))
+    train(m, opt, batches(1, seed=3))
+    assert torch.equal(m.norm.weight, before["norm.weight"])  # one NaN element: nothing of it stepped
+    assert not torch.equal(m.norm.bias, before["norm.bias"])  # its finite neighbour did step
+    assert "norm.weight" in opt.last_nonfinite
