@@ -12,6 +12,7 @@ from leantrain.ops._backend import HAS_TRITON, interpreting
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.cuda.is_available())),
                                 reason="needs Triton (interpreter or CUDA)")
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"  # compiled on a GPU
 
 
 class EmbNet(nn.Module):
@@ -34,9 +35,9 @@ def test_rest_params_on_the_kernel_match_the_torch_rule(rule, monkeypatch):
     monkeypatch.setattr(lt.forge.ForgeOptimizer, "_step_rest_kernel",
                         lambda self, p, *a: calls.append(p.shape) or real(self, p, *a))
     torch.manual_seed(0)
-    base = EmbNet()
+    base = EmbNet().to(DEV)
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 40, (3, 7), generator=g) for _ in range(4)]
+    data = [torch.randint(0, 40, (3, 7), generator=g).to(DEV) for _ in range(4)]
     out = {}
     for backend in ("torch", "triton"):
         m = copy.deepcopy(base)
@@ -54,12 +55,12 @@ def test_rest_params_on_the_kernel_match_the_torch_rule(rule, monkeypatch):
 
 def test_nonfinite_gradient_leaves_the_whole_rest_parameter_unchanged():
     torch.manual_seed(0)
-    m = Net()
+    m = Net().to(DEV)
     opt = lt.forge.attach(m, RULES["adamw"](), backend="triton")
-    train(m, opt, batches(2))
+    train(m, opt, [b.to(DEV) for b in batches(2)])
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    m.norm.weight.register_hook(lambda gr: torch.where(torch.arange(gr.numel()) == 5, float("nan"), gr))
-    train(m, opt, batches(1, seed=3))
+    m.norm.weight.register_hook(lambda gr: torch.where(torch.arange(gr.numel(), device=gr.device) == 5, float("nan"), gr))
+    train(m, opt, [b.to(DEV) for b in batches(1, seed=3)])
     assert torch.equal(m.norm.weight, before["norm.weight"])  # one NaN element: nothing of it stepped
     assert not torch.equal(m.norm.bias, before["norm.bias"])  # its finite neighbour did step
     assert "norm.weight" in opt.last_nonfinite

@@ -12,7 +12,7 @@ torch, ``tl.div_rn`` in Triton, so the result does not depend on the device):
 included); ``e2m1_rne`` rounds to the nearest E2M1 magnitude, ties to the even index (0.25 -> 0,
 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), after clamping to [-6, 6]; blocks
 whose ``s_b * tensor_scale`` is 0 encode as zeros. Codes of negative values get bit 3; a
-negative value that rounds to 0 is stored as +0 (code 0, no negative zero).
+negative value that rounds to 0 is stored as +0 (code 0, no negative zero); code 8 decodes to +0.
 Two codes per byte (even element in the low nibble). Non-finite inputs are treated as 0
 (excluded from both amaxes, encoded as 0).
 
@@ -108,7 +108,7 @@ def dequantize_nvfp4_ref(q: NVFP4Tensor, dtype: torch.dtype | None = None) -> to
     d = q.data.to(torch.int64)
     code = torch.stack([d & 0xF, d >> 4], -1).reshape(-1, BLOCK)
     mag = E2M1_VALUES.to(q.data.device)[code & 7]
-    v = torch.where(code >= 8, -mag, mag)
+    v = torch.where((code >= 8) & (mag > 0), -mag, mag)  # code 8 ("-0") -> +0.0, as the kernel
     eff = q.block_scale.view(torch.float8_e4m3fn).to(torch.float32) * q.tensor_scale
     v = (v * eff[:, None]).reshape(-1)[: q.numel]
     return v.reshape(q.shape).to(dtype or q.dtype)
@@ -176,9 +176,9 @@ if HAS_TRITON:
         m = code & 1
         normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m/2) * 2**(e-1)
         mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-        # the sign as a bit (code 8 is -0.0, as in the reference): a select of -mag / mag
-        # compiled on an H200 gave +0.0 there
-        v = (mag.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
+        # code 8 ("-0", never written by quantize) decodes to +0.0 in both backends: the GPU
+        # compiler does not keep the sign of a zero through a select
+        v = tl.where((code >= 8) & (mag > 0), -mag, mag)
         s8 = tl.load(bs_ptr + rows, mask=rmask, other=0).to(tl.int32)
         eff = fp8_decode_tl(s8, 3, 7, -6, True) * tl.load(ts_ptr)
         v = v * eff[:, None]
