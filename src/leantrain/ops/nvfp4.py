@@ -110,6 +110,7 @@ def dequantize_nvfp4_ref(q: NVFP4Tensor, dtype: torch.dtype | None = None) -> to
     mag = E2M1_VALUES.to(q.data.device)[code & 7]
     v = torch.where((code >= 8) & (mag > 0), -mag, mag)  # code 8 ("-0") -> +0.0, as the kernel
     eff = q.block_scale.view(torch.float8_e4m3fn).to(torch.float32) * q.tensor_scale
+    eff = torch.where(eff == 0, 0.0, eff)  # a -0 block scale (never written) decodes as +0, as the kernel
     v = (v * eff[:, None]).reshape(-1)[: q.numel]
     return v.reshape(q.shape).to(dtype or q.dtype)
 
@@ -181,6 +182,7 @@ if HAS_TRITON:
         v = tl.where((code >= 8) & (mag > 0), -mag, mag)
         s8 = tl.load(bs_ptr + rows, mask=rmask, other=0).to(tl.int32)
         eff = fp8_decode_tl(s8, 3, 7, -6, True) * tl.load(ts_ptr)
+        eff = tl.where(eff == 0.0, 0.0, eff)  # a -0 block scale (never written) decodes as +0
         v = v * eff[:, None]
         cols = tl.arange(0, 16)
         idx = rows[:, None] * 16 + cols[None, :]
