@@ -1,4 +1,7 @@
+"""Debug aid (GPU): NVFP4 dequantize, Triton vs torch, every code byte under every scale byte."""
+
 import torch
+
 from leantrain.ops.nvfp4 import NVFP4Tensor, dequantize_nvfp4, dequantize_nvfp4_ref
 data = torch.arange(256, dtype=torch.uint8).repeat(8)
 q = NVFP4Tensor(data.cuda(), torch.arange(256, dtype=torch.uint8, device="cuda"), torch.tensor(0.37, device="cuda"),
