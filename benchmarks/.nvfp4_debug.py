@@ -3,6 +3,7 @@
 import torch
 
 from leantrain.ops.nvfp4 import NVFP4Tensor, dequantize_nvfp4, dequantize_nvfp4_ref
+
 data = torch.arange(256, dtype=torch.uint8).repeat(8)
 q = NVFP4Tensor(data.cuda(), torch.arange(256, dtype=torch.uint8, device="cuda"), torch.tensor(0.37, device="cuda"),
                 torch.Size([64, 64]), torch.float32)
