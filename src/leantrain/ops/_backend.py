@@ -113,7 +113,7 @@ def launch(kernel, grid, *args, **meta) -> None:
     ck = kernel[grid](*args, enable_fp_fusion=False, **meta)
     names = list(getattr(kernel, "arg_names", ()))
     consts = names[len(args):]
-    if (ck is not None and hasattr(ck, "__getitem__") and all(n in meta for n in consts)
+    if (_DIRECT[0] and ck is not None and hasattr(ck, "__getitem__") and all(n in meta for n in consts)
             and len(getattr(getattr(ck, "src", None), "signature", ())) == len(names)):
         _FAST[key] = (ck, tuple(consts))
 
