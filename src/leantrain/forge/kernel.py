@@ -414,13 +414,9 @@ def _direct_ok() -> bool:
     """Direct launches of the cached CompiledKernel: Triton >= 3.3 (launchers take every argument,
     constexprs included, in signature order), not turned off by LEANTRAIN_FORGE_DIRECT_LAUNCH=0."""
     if _DIRECT[0] is None:
-        ok = os.environ.get(DIRECT_LAUNCH_ENV, "1") not in ("", "0")
-        try:
-            major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-            ok = ok and (major, minor) >= (3, 3)
-        except Exception:  # noqa: BLE001
-            ok = False
-        _DIRECT[0] = ok
+        from leantrain.ops._backend import direct_launch_supported
+
+        _DIRECT[0] = os.environ.get(DIRECT_LAUNCH_ENV, "1") not in ("", "0") and direct_launch_supported()
     return _DIRECT[0]
 
 

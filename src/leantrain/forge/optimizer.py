@@ -195,9 +195,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return dist.group.WORLD
 
     def _backend_for(self, t: Tensor) -> str:
-        from leantrain.ops._backend import resolve
+        """The resolved backend for tensors on ``t``'s kind of device (cached: a per-layer call)."""
+        backend = self._backends.get(t.is_cuda)
+        if backend is None:
+            from leantrain.ops._backend import resolve
 
-        return resolve(self.backend, t)
+            backend = self._backends[t.is_cuda] = resolve(self.backend, t)
+        return backend
 
     def _init_state(self, p: Tensor, fp32: bool = False) -> dict:
         state = self.state[p]
@@ -243,9 +247,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 sb = self._init_state(b, fp32=True)
             sb["step"] = step
         is_cuda = w.is_cuda
-        backend = self._backends.get(is_cuda)
-        if backend is None:
-            backend = self._backends[is_cuda] = self._backend_for(w)
+        backend = self._backend_for(w)
         materialize = (backend == "torch" or self.dp_group is not None or self.clip in ("layer", "est_global")
                        or (is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
         if backend == "triton":
@@ -465,27 +467,25 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if grads:
             r0 = len(sums) - len(grads)  # the non-fused parameters' sums come last
             rest_ok = finite[r0:]
+            scales = None  # each non-fused parameter's clipping scale (None: not clipped)
             if self.clip == "est_global":
                 scales = rest_scale.expand(len(grads))
             elif self.clip == "layer":
                 scales = torch.clamp(self.clip_value / (stacked[r0:].sqrt() + _CLIP_EPS), max=1.0)
             elif self.clip == "prev_global" and self._clip_scale is not None:
                 scales = self._clip_scale.expand(len(grads))
-            else:
-                scales = torch.ones_like(stacked[r0:])
-            # the kernel's gate per parameter: its scale, or NaN (store nothing) when not finite
-            gates = torch.where(rest_ok, scales, torch.full_like(scales, float("nan")))
-        for i, (p, g, s) in enumerate(grads):
+            # the kernel's gate per parameter: its scale (or 1), NaN (store nothing) when not finite
+            ones = torch.ones_like(stacked[r0:])
+            gates = torch.where(rest_ok, ones if scales is None else scales, torch.full_like(ones, float("nan")))
+        for i, (p, g, _) in enumerate(grads):
             state = self._init_state(p)
             state["step"] += 1
             if self._rest_on_kernel(p, state):
                 self._step_rest_kernel(p, g, state, gates[i])
                 continue
-            bad = ~rest_ok[i]
-            scale = rest_scale if self.clip == "est_global" else self._scale_for(s)
-            if scale is not None:
-                g = g * scale
-            self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], bad)
+            if scales is not None:
+                g = g * scales[i]
+            self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], ~rest_ok[i])
         self._last_flags = ([n for n, _ in sums], None if finite is None else ~finite)
         if total is not None:
             self._last_norm = total.sqrt()
@@ -513,10 +513,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         states are stored as the kernel reads them (8-bit states only for 2-D parameters)."""
         if p.dim() not in (1, 2) or p.dtype not in (torch.float32, torch.bfloat16):
             return False
-        backend = self._backends.get(p.is_cuda)
-        if backend is None:
-            backend = self._backends[p.is_cuda] = self._backend_for(p)
-        if backend != "triton":
+        if self._backend_for(p) != "triton":
             return False
         return p.dim() == 2 or all(self.storage.kind_of(state, k) != "int8" for k in self.rule.state_names)
 

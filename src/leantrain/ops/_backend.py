@@ -60,15 +60,20 @@ _FAST: dict = {}  # specialization key -> (CompiledKernel, names of the constexp
 _DIRECT = [None]  # None: undecided; False: off (old Triton, interpreter, or a failed direct call)
 
 
+def direct_launch_supported() -> bool:
+    """Triton >= 3.3: a CompiledKernel's launcher takes every argument, constexprs included, in
+    signature order, so a cached one can be called directly (here and in FORGE's launcher)."""
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+        return (major, minor) >= (3, 3)
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _direct_ok() -> bool:
     if _DIRECT[0] is None:
-        ok = os.environ.get("LEANTRAIN_DIRECT_LAUNCH", "1") not in ("", "0") and not interpreting()
-        try:
-            major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-            ok = ok and (major, minor) >= (3, 3)
-        except Exception:  # noqa: BLE001
-            ok = False
-        _DIRECT[0] = ok
+        _DIRECT[0] = (os.environ.get("LEANTRAIN_DIRECT_LAUNCH", "1") not in ("", "0") and not interpreting()
+                      and direct_launch_supported())
     return _DIRECT[0]
 
 

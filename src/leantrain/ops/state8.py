@@ -88,9 +88,11 @@ if HAS_TRITON:
         return tl.load(qmap_ptr + code.to(tl.int32)) * absmax
 
     @triton.jit
-    def _closed_form_q(a, x, SIGNED: tl.constexpr):
-        """``Q`` of the module docstring for ``a = |x|`` (signedness known at compile time)."""
-        a = tl.where(a < 2.0, a, 2.0)  # |x| >= 2 -> 2: keeps Q small and finite
+    def _position(a):
+        """``P(a) - 0.1`` of the module docstring: the min over the decades' lines, |x| >= 2 (and
+        NaN) clamped to 2 so it stays small and finite. Fused multiply-adds on purpose: it only
+        picks the candidate code (margin >= 0.15); the midpoint comparison makes it exact."""
+        a = tl.where(a < 2.0, a, 2.0)
         p = tl.fma(a, 1111111.111111111, 127.28888888888889)
         p = tl.minimum(p, tl.fma(a, 222222.22222222222, 128.17777777777778))
         p = tl.minimum(p, tl.fma(a, 44444.444444444444, 129.95555555555555))
@@ -98,6 +100,12 @@ if HAS_TRITON:
         p = tl.minimum(p, tl.fma(a, 1777.7777777777778, 140.62222222222223))
         p = tl.minimum(p, tl.fma(a, 355.55555555555556, 154.84444444444446))
         p = tl.minimum(p, tl.fma(a, 71.111111111111111, 183.28888888888889))
+        return p
+
+    @triton.jit
+    def _closed_form_q(a, x, SIGNED: tl.constexpr):
+        """``Q`` of the module docstring for ``a = |x|`` (signedness known at compile time)."""
+        p = _position(a)
         if SIGNED:
             return tl.where(x < 0.0, 253.8 - p, p)
         else:
@@ -121,23 +129,12 @@ if HAS_TRITON:
         plus one midpoint comparison (module docstring). ``qmap_ptr`` must point at the
         device table of a :func:`create_dynamic_map` map (signed or unsigned, told apart by
         ``qmap[0] < 0``; 256 map entries then 255 midpoints): ``StateCodec8.qmap_on(device)``.
-        ``x_normalized`` should be finite (callers
-        zero non-finite values first); NaN gives code 0, +-inf the extreme entries.
+        ``x_normalized`` should be finite (callers zero non-finite values first); NaN gives
+        code 0, +-inf the extreme entries.
         """
         x = x_normalized.to(tl.float32)
         signed = tl.load(qmap_ptr) < 0.0
-        a = tl.abs(x)
-        a = tl.where(a < 2.0, a, 2.0)  # NaN and |x| >= 2 -> 2: keeps Q small and finite
-        # P(a) - 0.1 for the signed map: min over the decades' lines A_i * a + B_i
-        # fused multiply-adds on purpose: Q only picks the candidate c (margin >= 0.15 per
-        # the module docstring); exactness comes from the midpoint comparison below
-        p = tl.fma(a, 1111111.111111111, 127.28888888888889)
-        p = tl.minimum(p, tl.fma(a, 222222.22222222222, 128.17777777777778))
-        p = tl.minimum(p, tl.fma(a, 44444.444444444444, 129.95555555555555))
-        p = tl.minimum(p, tl.fma(a, 8888.8888888888889, 133.51111111111112))
-        p = tl.minimum(p, tl.fma(a, 1777.7777777777778, 140.62222222222223))
-        p = tl.minimum(p, tl.fma(a, 355.55555555555556, 154.84444444444446))
-        p = tl.minimum(p, tl.fma(a, 71.111111111111111, 183.28888888888889))
+        p = _position(tl.abs(x))
         pos_mul = tl.where(signed, 1.0, 2.0)
         pos_add = tl.where(signed, 0.0, -254.4)
         neg_add = tl.where(signed, 253.8, -1.0)  # unsigned: x < 0 -> Q < 0 -> code 0
