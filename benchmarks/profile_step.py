@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--no-opt", action="store_true", help="forward + backward only (as bench_agoq times it)")
     a = ap.parse_args(argv)
     import leantrain as lt
     from leantrain.config import preset
@@ -50,16 +51,18 @@ def main(argv=None) -> int:
         idx = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device="cuda", generator=g)
         loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
-        opt.step()
+        if not a.no_opt:
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    times = []
+    times, issue = [], []
     for _ in range(5):
         t0 = time.perf_counter()
         step()
+        issue.append((time.perf_counter() - t0) * 1e3)  # host time to issue the step's work
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     from torch.profiler import ProfilerActivity, profile
@@ -69,12 +72,14 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     ka = prof.key_averages()
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}.txt"), "w") as f:
-        f.write(f"{a.config} B={a.batch} T={a.seq}: step ms median {statistics.median(times):.1f} all {times}\n\n")
+    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}{'_noopt' if a.no_opt else ''}.txt"), "w") as f:
+        f.write(f"{a.config} B={a.batch} T={a.seq}: step ms median {statistics.median(times):.1f} all {times}\n"
+                f"host issue ms median {statistics.median(issue):.1f} (a step is host-bound when this is"
+                f" close to the step time)\n\n")
         f.write(ka.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         f.write("\n\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    print(a.config, a.batch, statistics.median(times))
+    print(a.config, a.batch, "step ms", statistics.median(times), "issue ms", statistics.median(issue))
     return 0
 
 

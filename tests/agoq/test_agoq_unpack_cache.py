@@ -13,8 +13,8 @@ def test_shared_unpack_is_computed_once_and_released():
     p = pack(x, 4, group_size=128, stochastic=False)
     p.uses = 3
     a = unpack(p)
-    assert p.cache is a and p.pending == 2
-    assert unpack(p) is a and p.pending == 1
+    assert p.cache is a and p.taken == 1
+    assert unpack(p) is a and p.taken == 2
     assert unpack(p) is a and p.cache is None  # the last node took it: nothing kept
     again = unpack(p)  # retain_graph: dequantized anew, same values
     assert again is not a and torch.equal(again, a)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ledger import note_saved
-from .pack import Packed, pack, unpack
+from .pack import PackBatch, Packed, pack, unpack
 from .policy import KEEP, Policy
 
 __all__ = ["Packer", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
@@ -81,6 +81,8 @@ def role_of_module(name: str, m: nn.Module) -> str | None:
 
 
 _M64 = (1 << 64) - 1
+_M63 = (1 << 63) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
 _PACKERS = itertools.count(1)  # process-wide: each Packer draws fresh rounding noise
 
 
@@ -149,7 +151,14 @@ def _active() -> list[Packer]:
 
 
 class Packer:
-    """Packs saved activations of ``model`` by ``policy``; counts every decision in ``stats``."""
+    """Packs saved activations of ``model`` by ``policy``; counts every decision in ``stats``.
+
+    ``batch_devices`` / ``batch_backend``: where 4/8-bit saves go through :class:`PackBatch`
+    (CUDA; tests add "cpu" with the Triton interpreter) and the ops backend the batches use.
+    """
+
+    batch_devices: tuple[str, ...] = ("cuda",)
+    batch_backend: str = "auto"
 
     def __init__(self, model: nn.Module, policy: Policy | None = None, *, stage: int = 0,
                  record: bool = False):
@@ -168,6 +177,9 @@ class Packer:
         self._static: set[int] = set()
         self._n = 0
         self._salt = next(_PACKERS)
+        self._base_seed = _mix(self.policy.seed, self._salt)  # tensor n: base + n * golden (mod 2**63)
+        self._batches: dict[tuple, PackBatch] = {}
+        self._waiting = 0  # bytes of tensors registered in the open batches
         self._ctx = None
 
     # ------------------------------------------------------------------ module hooks
@@ -208,7 +220,14 @@ class Packer:
         self._dedup.clear()
 
     def end(self) -> None:
+        self.flush()
         self._dedup.clear()
+
+    def flush(self) -> None:
+        """Pack every waiting tensor (one launch per open batch) and close the batches."""
+        batches, self._batches, self._waiting = self._batches, {}, 0
+        for b in batches.values():
+            b.flush()
 
     def __enter__(self) -> Packer:
         self.begin()
@@ -281,13 +300,25 @@ class Packer:
             return hit[1]
         self._n += 1
         pol = self.policy
-        seed = _mix(pol.seed, self._salt, self._n)
+        seed = (self._base_seed + self._n * _GOLDEN64) & _M63
         if pol.logits_format == "prob" and _is_log_softmax(t):
             p = ProbPacked(pack(t.detach().float().exp(), bits, group_size=pol.group_size,
                                 stochastic=pol.stochastic, seed=seed, symmetric=False), t.dtype)
         else:
+            symmetric = role != "logits"
+            batch = None
+            if bits in (4, 8) and pol.batch_mib > 0 and t.device.type in self.batch_devices:
+                kind = (t.dtype, bits, symmetric)
+                batch = self._batches.get(kind)
+                if batch is None:
+                    batch = self._batches[kind] = PackBatch(bits, pol.group_size, symmetric, pol.stochastic,
+                                                           self.batch_backend)
             p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
-                     symmetric=role != "logits")
+                     symmetric=symmetric, batch=batch)
+            if batch is not None:
+                self._waiting += t.numel() * t.element_size()
+                if self._waiting >= pol.batch_mib * 2**20:
+                    self.flush()
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
         owner = t._base if t._base is not None else t

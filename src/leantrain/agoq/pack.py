@@ -23,6 +23,7 @@ scaling is about ``6.02 b - 10`` dB at group 128; stochastic rounding costs abou
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,10 @@ try:
 except ImportError:  # pragma: no cover
     from leantrain.ops.qtensor import QTensor
     from leantrain.ops.rng import hash_uniform
+from leantrain.ops.multi import dequantize_many, quantize_many
 
-__all__ = ["Packed", "pack", "unpack", "pack_mask", "unpack_mask", "quantize_q", "dequantize_q",
-           "SUPPORTED_BITS"]
+__all__ = ["Packed", "PackBatch", "pack", "unpack", "pack_mask", "unpack_mask", "quantize_q",
+           "dequantize_q", "SUPPORTED_BITS"]
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 
@@ -58,13 +60,63 @@ class Packed:
     nbytes: int
     uses: int = 1  # backward nodes holding it (a deduplicated save counts once per node)
     cache: Tensor | None = None  # the unpacked tensor, kept until the last of those nodes took it
-    pending: int = 0
+    taken: int = 0  # unpacks so far
+    perm: tuple[int, ...] | None = None  # the payload holds x.permute(perm) (x a permuted view)
+    batch: PackBatch | None = None  # packed with others: payload filled at the batch's flush
 
     def tensors(self) -> list[Tensor]:
         p = self.payload
+        if p is None:  # not flushed yet
+            return []
         if self.kind == "q":
             return [t for t in (p.data, p.scale, p.zero) if t is not None]
         return [t for t in p if isinstance(t, Tensor)]
+
+
+class PackBatch:
+    """Saved activations packed in one kernel launch and unpacked in one (same dtype, bits, symmetry).
+
+    :meth:`add` registers a tensor and its (still empty) :class:`Packed`; :meth:`flush`
+    quantizes all of them with :func:`leantrain.ops.multi.quantize_many` (the same codes as
+    one :func:`quantize` per tensor); the first :func:`unpack` of any member dequantizes every
+    member not yet taken with ``dequantize_many`` and caches each result until its backward
+    node takes it. Until the flush the batch holds the tensors (the caller bounds the bytes).
+    A tensor changed in place between its save and the flush is an error: eager packing would
+    have kept the old values, autograd without hooks would have refused the backward.
+    """
+
+    def __init__(self, bits: int, group_size: int, symmetric: bool, stochastic: bool, backend: str = "auto"):
+        self.bits, self.group_size, self.symmetric, self.stochastic = bits, group_size, symmetric, stochastic
+        self.backend = backend
+        self._todo: list[tuple[Tensor, Packed, int, int]] = []  # (source, packed, seed, version)
+        self._members: list[weakref.ref] = []
+
+    def add(self, src: Tensor, p: Packed, seed: int) -> None:
+        self._todo.append((src, p, seed, src._version))
+        self._members.append(weakref.ref(p))
+
+    def flush(self) -> None:
+        todo, self._todo = self._todo, []
+        if not todo:
+            return
+        for src, _, _, version in todo:
+            if src._version != version:
+                raise RuntimeError(
+                    "agoq: a saved activation was modified in place after autograd saved it and "
+                    "before its batch was packed; pack each tensor at once with Policy(batch_mib=0)")
+        qs = quantize_many([t[0] for t in todo], bits=self.bits, group_size=self.group_size,
+                           symmetric=self.symmetric, stochastic=self.stochastic,
+                           seeds=[t[2] for t in todo], backend=self.backend)
+        for (_, p, _, _), q in zip(todo, qs, strict=True):
+            p.payload = q
+
+    def unpack_live(self) -> None:
+        """Dequantize, in one launch, every member some backward node has still to take."""
+        self.flush()
+        live = [p for r in self._members if (p := r()) is not None and p.cache is None and p.taken < p.uses]
+        outs = dequantize_many([p.payload for p in live], backend=self.backend)
+        for p, v in zip(live, outs, strict=True):
+            p.cache = _restore(p, v)
 
 
 def _uniform(seed: int, n_groups: int, group_size: int, device) -> Tensor:
@@ -191,9 +243,41 @@ def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def _dense_source(x: Tensor) -> tuple[Tensor, tuple[int, ...] | None]:
+    """``(src, perm)``: contiguous memory holding ``x``'s values, ``x == src.permute(argsort(perm))``.
+
+    A permuted view of contiguous memory (attention's ``[B, H, T, D]`` transposes) is read in
+    place (``perm`` orders its dims by stride) and unpacks to the same strides; anything else
+    is copied (``perm`` None)."""
+    if x.is_contiguous():
+        return x, None
+    perm = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    src = x.permute(perm)
+    if src.is_contiguous():
+        return src, perm
+    return x.contiguous(), None
+
+
+def _restore(p: Packed, v: Tensor) -> Tensor:
+    """The dequantized payload ``v`` in the saved tensor's shape (and strides, for a permuted view)."""
+    if p.perm is None:
+        return v.reshape(p.shape)
+    inv = [0] * len(p.perm)
+    for i, d in enumerate(p.perm):
+        inv[d] = i
+    return v.permute(inv)
+
+
+def _q_nbytes(n: int, bits: int, group_size: int, symmetric: bool) -> int:
+    g = -(-n // group_size)
+    return g * group_size * bits // 8 + 4 * g * (1 if symmetric else 2)
+
+
 def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True, seed: int = 0,
-         symmetric: bool = True) -> Packed:
-    """Pack ``x`` to ``bits`` (1: bool masks only; 2/3: asymmetric; 4/8: ``symmetric`` as asked)."""
+         symmetric: bool = True, batch: PackBatch | None = None) -> Packed:
+    """Pack ``x`` to ``bits`` (1: bool masks only; 2/3: asymmetric; 4/8: ``symmetric`` as asked).
+
+    With ``batch`` (4/8 bits), ``x`` is registered there and quantized at the batch's flush."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"agoq: bits must be one of {SUPPORTED_BITS}, got {bits}")
     if x.dtype == torch.bool:
@@ -207,9 +291,14 @@ def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True
         data, scale, zero = _pack_low(x, bits, group_size, stochastic, seed)
         return Packed("low", (data, scale, zero, group_size), x.shape, x.dtype, x.device, bits,
                       _nbytes(data, scale, zero))
-    q = quantize_q(x.detach(), bits, group_size=group_size, symmetric=symmetric,
-                   stochastic=stochastic, seed=seed)
-    return Packed("q", q, x.shape, x.dtype, x.device, bits, q.nbytes)
+    src, perm = _dense_source(x.detach())
+    if batch is not None:
+        p = Packed("q", None, x.shape, x.dtype, x.device, bits,
+                   _q_nbytes(src.numel(), bits, group_size, symmetric), perm=perm, batch=batch)
+        batch.add(src, p, seed)
+        return p
+    q = quantize_q(src, bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed)
+    return Packed("q", q, x.shape, x.dtype, x.device, bits, q.nbytes, perm=perm)
 
 
 def unpack(p: Packed) -> Tensor:
@@ -219,21 +308,26 @@ def unpack(p: Packed) -> Tensor:
     dequantized once: the first unpack keeps the result for the other ``uses - 1`` (they run
     one after another in backward) and the last one drops it. Backward formulas never write
     into saved tensors, so handing the same tensor to each node is safe; a further unpack
-    (``retain_graph``) dequantizes again.
+    (``retain_graph``) dequantizes again. A member of a :class:`PackBatch` is dequantized with
+    the batch's other live members in one launch.
     """
+    if p.cache is None and p.batch is not None and p.taken < p.uses:
+        p.batch.unpack_live()
+    p.taken += 1
     c = p.cache
     if c is not None:
-        p.pending -= 1
-        if p.pending <= 0:
+        if p.taken >= p.uses:
             p.cache = None
         return c
     t = _unpack(p)
-    if p.uses > 1:
-        p.cache, p.pending = t, p.uses - 1
+    if p.taken < p.uses:
+        p.cache = t
     return t
 
 
 def _unpack(p: Packed) -> Tensor:
+    if p.payload is None:  # a batch member whose batch was not flushed yet
+        p.batch.flush()
     if p.kind == "mask":
         data, n = p.payload
         return unpack_mask(data, n, p.shape)
@@ -241,7 +335,7 @@ def _unpack(p: Packed) -> Tensor:
         data, scale, zero, gs = p.payload
         n = math.prod(p.shape)
         return _unpack_low(data, scale, zero, p.bits, gs, n).to(p.dtype).reshape(p.shape)
-    return dequantize_q(p.payload).reshape(p.shape)
+    return _restore(p, dequantize_q(p.payload))
 
 
 def quantize_q(x: Tensor, bits: int, *, group_size: int = 128, symmetric: bool = True,

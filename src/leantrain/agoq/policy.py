@@ -85,6 +85,11 @@ class Policy:
     # "prob": the log-softmax is stored as p = exp(logp) on a min/max grid (backward uses only
     # exp(logp): stochastic rounding of p is unbiased in what backward reads); "logp": as is
     logits_format: str = "prob"
+    # On CUDA, 4/8-bit saves are packed in batches: one quantize launch per batch (flushed when
+    # the tensors waiting hold this many MiB, and at the end of the forward) and one dequantize
+    # launch at the batch's first unpack. The waiting tensors stay alive until the flush: this
+    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor).
+    batch_mib: float = 512.0
 
     def __post_init__(self):
         for r in ROLES:
@@ -97,6 +102,8 @@ class Policy:
             raise ValueError("agoq.Policy.pipeline_stages must be >= 1")
         if self.min_bits not in ALLOWED_BITS:
             raise ValueError(f"agoq.Policy.min_bits must be one of {ALLOWED_BITS}")
+        if self.batch_mib < 0:
+            raise ValueError(f"agoq.Policy.batch_mib={self.batch_mib}: use >= 0 (0 packs each tensor at once)")
         if self.logits_format not in ("prob", "logp"):
             raise ValueError(f"agoq.Policy.logits_format={self.logits_format!r}: use 'prob' or 'logp'")
 
@@ -152,7 +159,8 @@ class Policy:
         kw.update(parse_roles(getattr(cfg, "roles", "") or ""))
         return cls(**kw, group_size=cfg.group_size, stochastic=cfg.stochastic,
                    pipeline_stages=max(1, cfg.pipeline_stages),
-                   logits_format=getattr(cfg, "logits_format", base.logits_format))
+                   logits_format=getattr(cfg, "logits_format", base.logits_format),
+                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib))
 
 
 def parse_roles(spec: str) -> dict[str, int]:

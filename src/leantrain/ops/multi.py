@@ -1,0 +1,253 @@
+"""Block-wise quantize / dequantize of many tensors in one kernel launch.
+
+``quantize_many(xs, seeds=...)`` equals ``[quantize(x, seed=s) for x, s in zip(xs, seeds)]``
+bit for bit (same codes, scales, zero points, same stochastic-rounding draws), and
+``dequantize_many(qs)`` equals ``[dequantize(q) for q in qs]``; the math is
+:mod:`leantrain.ops.quant`'s. What changes is the host cost: one launch for the whole list
+instead of one per tensor. A Triton launch costs tens of µs of host time, more than the
+kernel runs for a few-MiB tensor, and AGoQ packs hundreds of saved activations per step.
+
+Tiling (Triton): a table (int64, one row per tensor: addresses, sizes, the RNG key and the
+first program of the tensor) goes to the device with the launch; program ``p`` finds its
+tensor as the number of tensors whose first program is ``<= p``, minus one, and then does
+exactly what :func:`leantrain.ops.quant._quantize_kernel` does for one ``[ROWS, group_size]``
+tile of that tensor. Tensors are read through raw addresses; 16-bit floats are loaded as
+their bit patterns and widened exactly (bf16: ``bits << 16``), which also keeps the Triton
+interpreter (whose bf16 pointers cannot be made from an integer) on the same code.
+All tensors of one call share dtype, bit-width, group size, symmetry and rounding; every
+input must be contiguous (callers pass a contiguous view, see AGoQ's ``pack``). Bytes moved
+are those of the per-tensor kernels, plus 64 bytes of table per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from .qtensor import QTensor
+from .quant import _check, _qrange, dequantize_ref, quantize_ref, tile_shape
+from .rng import kernel_key
+
+__all__ = ["quantize_many", "dequantize_many"]
+
+_COLS = 8  # int64 entries per table row
+_FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_IDX32_LIMIT = 2**32
+
+
+def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tensor, int]:
+    """Rows plus the padded first-program column, as one int64 device tensor."""
+    starts, s = [], 0
+    for r, p in zip(rows, progs):
+        r[7] = s  # the row's first program, also read by the program that owns a tile of it
+        starts.append(s)
+        s += p
+    tp = next_pow2(max(1, len(rows)))
+    flat = [v for r in rows for v in r] + starts + [1 << 62] * (tp - len(starts))
+    return torch.tensor(flat, dtype=torch.int64, device=device), s
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .quant import encode_tile_tl, pack_tile_tl, unpack_tile_tl
+
+    @triton.jit
+    def _row(tab_ptr, n_tensors, TP: tl.constexpr):
+        """(this program's tensor's table row pointer, program index inside that tensor)."""
+        pid = tl.program_id(0).to(tl.int64)
+        starts = tl.load(tab_ptr + n_tensors * 8 + tl.arange(0, TP))
+        t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+        row = tab_ptr + t * 8
+        return row, pid - tl.load(row + 7)
+
+    @triton.jit
+    def _load_float(ptr, offs, mask, KIND: tl.constexpr):
+        """fp32 values of an fp32 (0), bf16 (1) or fp16 (2) tensor at a raw address."""
+        if KIND == 0:
+            return tl.load(ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+        else:
+            u = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+            if KIND == 1:
+                return (u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                return u.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _store_float(ptr, offs, v, mask, KIND: tl.constexpr, HW_CAST: tl.constexpr):
+        """Store fp32 ``v`` as fp32 (0), bf16 (1) or fp16 (2), round to nearest even."""
+        if KIND == 0:
+            tl.store(ptr.to(tl.pointer_type(tl.float32)) + offs, v, mask=mask)
+        else:
+            if KIND == 1:
+                if HW_CAST:
+                    u = v.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+                else:  # the interpreter truncates fp32 -> bf16: round on the integer bits
+                    b = v.to(tl.uint32, bitcast=True)
+                    r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+                    u = tl.where(v != v, b >> 16, r).to(tl.uint16)
+            else:
+                u = v.to(tl.float16).to(tl.uint16, bitcast=True)
+            tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, u, mask=mask)
+
+    @triton.jit
+    def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
+                              GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                              BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
+                              QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr):
+        row, prog = _row(tab_ptr, n_tensors, TP)
+        x_ptr = tl.load(row)
+        data_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+        scale_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        zero_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        n = tl.load(row + 4)
+        n_groups = tl.load(row + 5)
+        key = tl.load(row + 6).to(tl.int32)
+        row0 = prog * ROWS
+        base = row0 * GS
+        rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)
+        r = tl.arange(0, ROWS)
+        cols = tl.arange(0, COLS)
+        loc = r[:, None] * GS + cols[None, :]
+        valid = (cols[None, :] < GS) & (loc < rem)
+        x = _load_float(x_ptr, base + loc, valid, KIND)
+        if IDX32:
+            idx = base.to(tl.uint32) + loc.to(tl.uint32)
+        else:
+            idx = base + loc
+        code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
+        byts = pack_tile_tl(code, ROWS, COLS, BITS)
+        BCOLS: tl.constexpr = COLS * BITS // 8
+        OB: tl.constexpr = GS * BITS // 8
+        bcols = tl.arange(0, BCOLS)
+        rows = row0 + r
+        bmask = (rows[:, None] < n_groups) & (bcols[None, :] < OB)
+        tl.store(data_ptr + row0 * OB + (r[:, None] * OB + bcols[None, :]), byts, mask=bmask)
+        rmask = rows < n_groups
+        tl.store(scale_ptr + rows, scale, mask=rmask)
+        if not SYMMETRIC:
+            tl.store(zero_ptr + rows, zero, mask=rmask)
+
+    @triton.jit
+    def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
+                                HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
+                                ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+        row, prog = _row(tab_ptr, n_tensors, TP)
+        data_ptr = tl.load(row).to(tl.pointer_type(tl.uint8))
+        scale_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        zero_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        out_ptr = tl.load(row + 3)
+        n = tl.load(row + 4)
+        n_groups = tl.load(row + 5)
+        rows = prog * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_groups
+        BCOLS: tl.constexpr = COLS * BITS // 8
+        bcols = tl.arange(0, BCOLS)
+        bmask = rmask[:, None] & (bcols[None, :] < GS * BITS // 8)
+        b = tl.load(data_ptr + rows[:, None] * (GS * BITS // 8) + bcols[None, :], mask=bmask, other=0)
+        code = unpack_tile_tl(b, ROWS, BCOLS, BITS, SYMMETRIC)
+        scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
+        v = code.to(tl.float32) * scale[:, None]
+        if not SYMMETRIC:
+            v = v + tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
+        cols = tl.arange(0, COLS)
+        idx = rows[:, None] * GS + cols[None, :]
+        _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST)
+
+
+def _same(values, what: str):
+    first = values[0]
+    if any(v != first for v in values[1:]):
+        raise ValueError(f"quantize_many/dequantize_many: all tensors of one call need the same {what}")
+    return first
+
+
+def quantize_many(xs: list[torch.Tensor], *, bits: int = 8, group_size: int = 128, symmetric: bool = True,
+                  stochastic: bool = False, seeds: list[int] | None = None, keys: list[int] | None = None,
+                  backend: str = "auto") -> list[QTensor]:
+    """``[quantize(x, seed=s, ...) for x, s in zip(xs, seeds)]`` in one launch (module doc).
+
+    ``keys`` (``kernel_key(seed)`` per tensor) may be given instead of ``seeds`` by callers that
+    derive them directly. Every ``x`` must be contiguous and of one floating dtype and device.
+    """
+    _check(bits, group_size)
+    if not xs:
+        return []
+    if keys is None:
+        seeds = list(seeds) if seeds is not None else [0] * len(xs)
+        if len(seeds) != len(xs):
+            raise ValueError(f"quantize_many: {len(xs)} tensors but {len(seeds)} seeds")
+        keys = [kernel_key(s) for s in seeds]
+    elif len(keys) != len(xs):
+        raise ValueError(f"quantize_many: {len(xs)} tensors but {len(keys)} keys")
+    dtype = _same([x.dtype for x in xs], "dtype")
+    device = _same([x.device for x in xs], "device")
+    if dtype not in _FLOAT_KIND:
+        raise TypeError(f"quantize_many expects fp32/bf16/fp16 tensors, got {dtype}")
+    if resolve(backend, *xs) == "torch":
+        if seeds is None:
+            raise ValueError("quantize_many: the torch backend needs seeds (keys cannot be inverted)")
+        return [quantize_ref(x, bits=bits, group_size=group_size, symmetric=symmetric,
+                             stochastic=stochastic, seed=s) for x, s in zip(xs, seeds)]
+    for x in xs:
+        if not x.is_contiguous():
+            raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
+    cols, rows_per, warps = tile_shape(group_size)
+    out, rows, progs = [], [], []
+    big = False
+    for x, k in zip(xs, keys):
+        n = x.numel()
+        g = -(-n // group_size)
+        data = torch.empty(g * group_size * bits // 8, dtype=torch.uint8, device=device)
+        scale = torch.empty(g, dtype=torch.float32, device=device)
+        zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=device)
+        out.append(QTensor(data, scale, zero, x.shape, dtype, bits, group_size, symmetric))
+        if g:
+            rows.append([x.data_ptr(), data.data_ptr(), scale.data_ptr(),
+                         (scale if zero is None else zero).data_ptr(), n, g, k, 0])
+            progs.append(-(-g // rows_per))
+            big |= g * group_size > _IDX32_LIMIT
+    if rows:
+        tab, total = _table(rows, progs, device)
+        qlo, qhi = _qrange(bits, symmetric)
+        launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_FLOAT_KIND[dtype],
+               GS=group_size, COLS=cols, ROWS=rows_per, BITS=bits, SYMMETRIC=symmetric,
+               STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, IDX32=not big, num_warps=warps)
+    return out
+
+
+def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
+                    backend: str = "auto") -> list[torch.Tensor]:
+    """``[dequantize(q, dtype=dtype) for q in qs]`` in one launch (integer, non-stacked QTensors
+    of one bit-width, group size, symmetry and output dtype)."""
+    if not qs:
+        return []
+    for q in qs:
+        if q.fmt != "int" or q.stacked:
+            raise ValueError("dequantize_many takes integer, non-stacked QTensors")
+    bits = _same([q.bits for q in qs], "bits")
+    gs = _same([q.group_size for q in qs], "group_size")
+    sym = _same([q.symmetric for q in qs], "symmetric")
+    out_dtype = _same([dtype or q.dtype for q in qs], "output dtype")
+    device = _same([q.data.device for q in qs], "device")
+    if out_dtype not in _FLOAT_KIND:
+        raise TypeError(f"dequantize_many writes fp32/bf16/fp16, got {out_dtype}")
+    if resolve(backend, *(q.data for q in qs)) == "torch":
+        return [dequantize_ref(q, out_dtype) for q in qs]
+    cols, rows_per, warps = tile_shape(gs)
+    out, rows, progs = [], [], []
+    for q in qs:
+        o = torch.empty(q.shape, dtype=out_dtype, device=device)
+        out.append(o)
+        g = q.num_groups
+        if g:
+            zero = q.scale if q.zero is None else q.zero
+            rows.append([q.data.data_ptr(), q.scale.data_ptr(), zero.data_ptr(), o.data_ptr(), q.numel, g, 0, 0])
+            progs.append(-(-g // rows_per))
+    if rows:
+        tab, total = _table(rows, progs, device)
+        launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
+               KIND=_FLOAT_KIND[out_dtype], HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
+               BITS=bits, SYMMETRIC=sym, num_warps=warps)
+    return out

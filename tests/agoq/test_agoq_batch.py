@@ -1,0 +1,149 @@
+"""Batched packing (CUDA's default): one quantize launch per batch, one dequantize per batch's
+first unpack, codes and gradients equal to packing each tensor at once with the same kernel
+math, the waiting bytes bounded, in-place changes before the flush refused, permuted views
+unpacked with their strides. On CPU the batches run through the Triton interpreter."""
+
+import importlib
+
+import pytest
+import torch
+
+from leantrain.agoq import Policy, quantize_activations
+from leantrain.agoq.hooks import Packer
+from leantrain.agoq.pack import PackBatch, pack, unpack
+from leantrain.config import ModelConfig
+from leantrain.model import Llama
+from leantrain.ops import dequantize, quantize
+from leantrain.ops._backend import interpreting
+
+CUDA = torch.cuda.is_available() and not interpreting()
+DEV = "cuda" if CUDA else "cpu"
+TINY = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+pack_mod = importlib.import_module("leantrain.agoq.pack")  # the package attribute is the function
+
+
+@pytest.fixture
+def batching(monkeypatch):
+    """Batches on this device, through Triton (compiled on CUDA, interpreted on CPU)."""
+    if not CUDA and not interpreting():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    monkeypatch.setattr(Packer, "batch_devices", (DEV,))
+    monkeypatch.setattr(Packer, "batch_backend", "triton")
+
+
+def _reference_ops(monkeypatch):
+    """Eager packing through the ops reference (the hash RNG the batch kernel draws from)."""
+    monkeypatch.setattr(pack_mod, "quantize_q", lambda x, bits, **kw: quantize(x, bits=bits, backend="torch", **kw))
+    monkeypatch.setattr(pack_mod, "dequantize_q", lambda q, dtype=None: dequantize(q, dtype=dtype, backend="torch"))
+
+
+def _grads(model, idx, tgt, policy):
+    for p in model.parameters():
+        p.grad = None
+    with quantize_activations(model, policy) as pk:
+        loss = model(idx, tgt)
+    loss.backward()
+    return pk, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
+    torch.manual_seed(0)
+    m = Llama(TINY).to(DEV)
+    idx = torch.randint(0, 256, (2, 32), device=DEV)
+    tgt = torch.randint(0, 256, (2, 32), device=DEV)
+    calls = {"q": 0, "dq": 0}
+    real_q, real_dq = pack_mod.quantize_many, pack_mod.dequantize_many
+
+    def q(*a, **kw):
+        calls["q"] += 1
+        return real_q(*a, **kw)
+
+    def dq(*a, **kw):
+        calls["dq"] += 1
+        return real_dq(*a, **kw)
+
+    monkeypatch.setattr(pack_mod, "quantize_many", q)
+    monkeypatch.setattr(pack_mod, "dequantize_many", dq)
+    _reference_ops(monkeypatch)  # the eagerly packed log-softmax: the same RNG in both runs
+    pol = Policy(min_numel=16, seed=5)
+    hooks_mod = importlib.import_module("leantrain.agoq.hooks")
+    monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
+    pk, loss_b, g_b = _grads(m, idx, tgt, pol)
+    n_packed = pk.stats["packed"] - 1  # the log-softmax is packed on its own
+    assert n_packed > 20
+    assert calls["q"] == 2  # one flush at the end of the forward: one batch per bit-width (4, 8)
+    assert calls["dq"] == 2  # one dequantize launch per batch
+    # eager packing with the same seeds and the same rounding math gives the same codes
+    monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
+    monkeypatch.setattr(Packer, "batch_devices", ())
+    _, loss_e, g_e = _grads(m, idx, tgt, pol)
+    assert torch.equal(loss_b, loss_e)
+    for name in g_b:
+        assert torch.equal(g_b[name], g_e[name]), name
+
+
+def test_batch_bytes_bound_the_waiting_tensors(batching, monkeypatch):
+    torch.manual_seed(0)
+    m = Llama(TINY).to(DEV)
+    idx = torch.randint(0, 256, (2, 32), device=DEV)
+    flushes = []
+    real = PackBatch.flush
+
+    def flush(self):
+        flushes.append(sum(t[0].numel() * t[0].element_size() for t in self._todo))
+        real(self)
+
+    monkeypatch.setattr(PackBatch, "flush", flush)
+    limit = 40_000
+    with quantize_activations(m, Policy(min_numel=16, batch_mib=limit / 2**20)) as pk:
+        loss = m(idx, idx)
+    loss.backward()
+    waiting = [b for b in flushes if b]
+    assert len(waiting) > 3
+    # a flush starts when the waiting bytes reach the limit: at most the limit plus one tensor
+    biggest = 2 * 32 * TINY.ffn_dim * 4
+    assert max(waiting) <= limit + biggest
+    assert pk.stats["packed"] > 0
+
+
+def test_in_place_change_before_the_flush_is_refused(batching):
+    x = torch.randn(4, 256, device=DEV)
+    b = PackBatch(4, 128, True, True, backend="triton")
+    p = pack(x, 4, seed=1, batch=b)
+    assert p.payload is None and p.nbytes == 4 * 256 // 2 + 4 * 8
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        b.flush()
+
+
+def test_unpack_before_flush_and_shared_uses(batching):
+    x = torch.randn(3, 300, device=DEV)
+    y = torch.randn(128, device=DEV)
+    b = PackBatch(8, 128, True, False, backend="triton")
+    p, r = pack(x, 8, seed=1, batch=b), pack(y, 8, seed=2, batch=b)
+    p.uses = 2
+    a = unpack(p)  # flushes the batch, dequantizes both members
+    assert p.payload is not None and r.cache is not None and p.cache is a
+    assert torch.equal(a, dequantize(quantize(x, bits=8, backend="torch"), backend="torch"))
+    assert unpack(p) is a and p.cache is None
+    assert torch.equal(unpack(r), dequantize(quantize(y, bits=8, backend="torch"), backend="torch"))
+    assert r.cache is None
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_permuted_view_is_read_in_place_and_keeps_its_strides(batched, monkeypatch):
+    if batched and not CUDA and not interpreting():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    base = torch.randn(2, 16, 4, 32, device=DEV)
+    x = base.transpose(1, 2)  # [B, H, T, D] view of [B, T, H, D] memory, as attention saves
+    b = PackBatch(8, 128, True, False, backend="triton") if batched else None
+    p = pack(x, 8, stochastic=False, batch=b)
+    assert p.perm is not None
+    v = unpack(p)
+    assert v.shape == x.shape and v.stride() == x.stride()
+    ref = dequantize(quantize(base, bits=8, backend="torch"), backend="torch").transpose(1, 2)
+    assert torch.equal(v, ref)
+    gappy = torch.randn(8, 300, device=DEV)[:, :256]  # not dense: copied
+    q = pack(gappy, 8, stochastic=False)
+    assert q.perm is None and torch.equal(unpack(q), dequantize(quantize(gappy, bits=8, backend="torch"),
+                                                                backend="torch"))

@@ -1,0 +1,77 @@
+"""quantize_many / dequantize_many equal one quantize / dequantize per tensor, bit for bit."""
+
+import pytest
+import torch
+from _opslib import DTYPES, randn, triton_runnable
+
+from leantrain.ops import dequantize, quantize
+from leantrain.ops.multi import dequantize_many, quantize_many
+
+SHAPES = [(3, 70), (1,), (0,), (4097,), (2, 256), (130,)]
+
+
+@pytest.mark.parametrize("bits,symmetric", [(8, True), (8, False), (4, True), (4, False)])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_equals_one_per_tensor(backend, device, bits, symmetric, stochastic, dtype):
+    xs = [randn(s, dtype, device).reshape(s) if len(s) == 1 else randn(s[0] * s[1], dtype, device).view(s)
+          for s in SHAPES]
+    xs[3][5], xs[3][9], xs[3][11] = float("nan"), float("inf"), -float("inf")
+    seeds = [3, 2**40 + 1, 5, 7, 11, 13]
+    kw = dict(bits=bits, group_size=128, symmetric=symmetric, stochastic=stochastic)
+    qs = quantize_many(xs, seeds=seeds, backend=backend, **kw)
+    for x, s, q in zip(xs, seeds, qs, strict=True):
+        r = quantize(x, seed=s, backend="torch", **kw)
+        assert q.shape == x.shape and q.dtype == x.dtype
+        assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+        assert (q.zero is None) == symmetric and (symmetric or torch.equal(q.zero, r.zero))
+    for out_dtype in (None, torch.float32):
+        ds = dequantize_many(qs, dtype=out_dtype, backend=backend)
+        for q, d in zip(qs, ds, strict=True):
+            r = dequantize(q, dtype=out_dtype, backend="torch")
+            assert d.dtype == r.dtype and d.shape == r.shape
+            assert torch.equal(d, r)
+
+
+def test_group_sizes_and_a_single_tensor(device):
+    if not triton_runnable():
+        pytest.skip("no Triton")
+    for gs in (32, 96, 2048):
+        x = randn(5000, torch.float32, device)
+        (q,) = quantize_many([x], bits=4, group_size=gs, stochastic=True, seeds=[9], backend="triton")
+        r = quantize(x, bits=4, group_size=gs, stochastic=True, seed=9, backend="torch")
+        assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+        (d,) = dequantize_many([q], backend="triton")
+        assert torch.equal(d, dequantize(r, backend="torch"))
+
+
+def test_keys_are_the_kernel_keys_of_the_seeds(device):
+    if not triton_runnable():
+        pytest.skip("no Triton")
+    from leantrain.ops import kernel_key
+
+    xs = [randn(300, torch.bfloat16, device), randn(77, torch.bfloat16, device)]
+    a = quantize_many(xs, bits=4, stochastic=True, seeds=[1, 2], backend="triton")
+    b = quantize_many(xs, bits=4, stochastic=True, keys=[kernel_key(1), kernel_key(2)], backend="triton")
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p.data, q.data)
+
+
+def test_bad_input_is_refused(device):
+    x = randn(256, torch.float32, device)
+    with pytest.raises(ValueError, match="same dtype"):
+        quantize_many([x, x.to(torch.bfloat16)], bits=8, seeds=[0, 1])
+    with pytest.raises(ValueError, match="seeds"):
+        quantize_many([x, x], bits=8, seeds=[0])
+    with pytest.raises(TypeError, match="fp32/bf16/fp16"):
+        quantize_many([x.double()], bits=8)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_many([x], bits=5)
+    if triton_runnable():
+        with pytest.raises(ValueError, match="contiguous"):
+            quantize_many([x.view(16, 16).t()], bits=8, backend="triton")
+    q8 = quantize(x, bits=8, backend="torch")
+    q4 = quantize(x, bits=4, backend="torch")
+    with pytest.raises(ValueError, match="same bits"):
+        dequantize_many([q8, q4])
+    assert quantize_many([], bits=8) == [] and dequantize_many([]) == []
