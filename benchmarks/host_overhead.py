@@ -75,6 +75,12 @@ def main(argv=None) -> int:
     case("Packer.pack_hook (a parameter: kept)", lambda: packer.pack_hook(w))
     case("Packer.unpack_hook", lambda: packer.unpack_hook(pk4))
     case("_mix seed", lambda: H._mix(1, 2, 3))
+    M = importlib.import_module("leantrain.ops.multi")
+    xs = [x.clone() for _ in range(10)]
+    case("quantize_many (10 tensors, int4 SR)", lambda: M.quantize_many(xs, bits=4, stochastic=True, seeds=list(range(10))))
+    qs = M.quantize_many(xs, bits=4, stochastic=True, seeds=list(range(10)))
+    case("dequantize_many (10 tensors)", lambda: M.dequantize_many(qs))
+    case("the launch table of 10 tensors", lambda: M._table([[0] * 8 for _ in range(10)], [1] * 10, x.device))
     rows["direct_launch"] = B._DIRECT[0]
     rows["direct_cache_entries"] = len(B._FAST)
     print("direct launch:", B._DIRECT[0], "cached kernels:", len(B._FAST))

@@ -126,6 +126,50 @@ def tune_ops(mib: int, log) -> list[dict]:
     return rows
 
 
+def tune_agoq(log) -> list[dict]:
+    """quantize_many / dequantize_many on one 1b layer's saves at B = 8 (bf16, 4 and 8 bits, SR)."""
+    import importlib
+
+    M = importlib.import_module("leantrain.ops.multi")
+    n_small, n_big = 8192 * 2048, 8192 * 5632
+    xs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in [n_small] * 6 + [n_big] * 4]
+    tot = sum(x.numel() for x in xs)
+    a = torch.empty(tot, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_ms = _bench(lambda: b.copy_(a))
+    copy_gbps = 4 * tot / copy_ms / 1e6
+    rows = [{"case": "copy bf16", "ms": copy_ms, "gbps": copy_gbps}]
+    log(f"agoq layer: {tot / 2**20:.0f} M elements, copy {copy_ms:.3f} ms {copy_gbps:.0f} GB/s")
+    seeds = list(range(len(xs)))
+
+    def rec(case, fn, nb):
+        ms = _bench(fn, rep=40)
+        r = {"case": case, "ms": ms, "gbps": nb / ms / 1e6, "frac_copy": nb / ms / 1e6 / copy_gbps}
+        rows.append(r)
+        log(json.dumps(r))
+
+    from leantrain import ops
+    for bits in (4, 8):
+        nb = tot * (2 + bits / 8) + 4 * tot / 128
+        q1 = [ops.quantize(x, bits=bits, stochastic=True, seed=1) for x in xs]
+        rec(f"single quantize x10 int{bits} SR bf16", lambda: [ops.quantize(x, bits=bits, stochastic=True, seed=1)
+                                                             for x in xs], nb)
+        rec(f"single dequantize x10 int{bits} -> bf16", lambda: [ops.dequantize(q) for q in q1], nb)
+        for align in (True, False):
+            for native in (True, False):
+                M.ALIGN_HINTS, M.NATIVE16 = {"quantize": align, "dequantize": align}, native
+                for elems, w in ((2048, 4), (4096, 8)):
+                    M.Q_TILE = M.DQ_TILE = (elems, w)
+                    qs = M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds)
+                    tag = f"align={align} native={native} elems={elems} warps={w}"
+                    rec(f"quantize_many int{bits} SR bf16 {tag}",
+                        lambda: M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds), nb)
+                    rec(f"dequantize_many int{bits} -> bf16 {tag}", lambda: M.dequantize_many(qs), nb)
+    M.ALIGN_HINTS, M.NATIVE16 = {"quantize": True, "dequantize": False}, True
+    M.Q_TILE = M.DQ_TILE = (0, 0)
+    return rows
+
+
 def tune_forge(log) -> list[dict]:
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, launch_forge
     from leantrain.forge.optimizer import _mm_fp32
@@ -245,6 +289,9 @@ def main(argv=None) -> int:
     if "ops" in what:
         res = tune_ops(a.mib, log)
         json.dump({**env, "mib": a.mib, "rows": res}, open(os.path.join(a.out, "tune_ops.json"), "w"), indent=1)
+    if "agoq" in what:
+        res = tune_agoq(log)
+        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_agoq.json"), "w"), indent=1)
     if "forge_paths" in what:
         res = tune_forge_paths(log)
         json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge_paths.json"), "w"), indent=1)

@@ -284,11 +284,15 @@ if HAS_TRITON:
         tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=(cols[None, :] < GS) & (idx < n))
 
 
-def tile_shape(group_size: int, elems: int = 4096) -> tuple[int, int, int]:
+TILE_ELEMS = 4096  # elements per program of quantize / dequantize (whole groups)
+TILE_WARPS = 0  # 0: 8 warps for tiles of >= 4096 elements, else 4
+
+
+def tile_shape(group_size: int, elems: int = 0) -> tuple[int, int, int]:
     """(COLS, ROWS, num_warps) for a tile of whole groups holding about ``elems`` elements."""
     cols = next_pow2(group_size)
-    rows = max(1, elems // cols)
-    return cols, rows, 8 if cols * rows >= 4096 else 4
+    rows = max(1, (elems or TILE_ELEMS) // cols)
+    return cols, rows, TILE_WARPS or (8 if cols * rows >= 4096 else 4)
 
 
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
