@@ -70,8 +70,21 @@ def test_bad_input_is_refused(device):
     if triton_runnable():
         with pytest.raises(ValueError, match="contiguous"):
             quantize_many([x.view(16, 16).t()], bits=8, backend="triton")
+    with pytest.raises(ValueError, match="bit-widths"):
+        quantize_many([x, x], bits=[4], seeds=[0, 1])
     q8 = quantize(x, bits=8, backend="torch")
-    q4 = quantize(x, bits=4, backend="torch")
-    with pytest.raises(ValueError, match="same bits"):
-        dequantize_many([q8, q4])
+    with pytest.raises(ValueError, match="same group_size"):
+        dequantize_many([q8, quantize(x, bits=8, group_size=64, backend="torch")])
     assert quantize_many([], bits=8) == [] and dequantize_many([]) == []
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_mixed_bit_widths_in_one_launch(backend, device, stochastic):
+    xs = [randn(n, torch.bfloat16, device) for n in (300, 4096, 77, 1000)]
+    widths, seeds = [4, 8, 8, 4], [1, 2, 3, 4]
+    qs = quantize_many(xs, bits=widths, stochastic=stochastic, seeds=seeds, backend=backend)
+    for x, b, s, q in zip(xs, widths, seeds, qs, strict=True):
+        r = quantize(x, bits=b, stochastic=stochastic, seed=s, backend="torch")
+        assert q.bits == b and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+    for q, d in zip(qs, dequantize_many(qs, backend=backend), strict=True):
+        assert torch.equal(d, dequantize(q, backend="torch"))

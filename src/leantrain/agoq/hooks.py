@@ -308,10 +308,10 @@ class Packer:
             symmetric = role != "logits"
             batch = None
             if bits in (4, 8) and pol.batch_mib > 0 and t.device.type in self.batch_devices:
-                kind = (t.dtype, bits, symmetric)
+                kind = (t.dtype, symmetric)
                 batch = self._batches.get(kind)
                 if batch is None:
-                    batch = self._batches[kind] = PackBatch(bits, pol.group_size, symmetric, pol.stochastic,
+                    batch = self._batches[kind] = PackBatch(pol.group_size, symmetric, pol.stochastic,
                                                            self.batch_backend)
             p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
                      symmetric=symmetric, batch=batch)

@@ -74,7 +74,8 @@ class Packed:
 
 
 class PackBatch:
-    """Saved activations packed in one kernel launch and unpacked in one (same dtype, bits, symmetry).
+    """Saved activations packed in one kernel launch and unpacked in one (one dtype and symmetry;
+    4 and 8 bits mixed).
 
     :meth:`add` registers a tensor and its (still empty) :class:`Packed`; :meth:`flush`
     quantizes all of them with :func:`leantrain.ops.multi.quantize_many` (the same codes as
@@ -85,8 +86,8 @@ class PackBatch:
     have kept the old values, autograd without hooks would have refused the backward.
     """
 
-    def __init__(self, bits: int, group_size: int, symmetric: bool, stochastic: bool, backend: str = "auto"):
-        self.bits, self.group_size, self.symmetric, self.stochastic = bits, group_size, symmetric, stochastic
+    def __init__(self, group_size: int, symmetric: bool, stochastic: bool, backend: str = "auto"):
+        self.group_size, self.symmetric, self.stochastic = group_size, symmetric, stochastic
         self.backend = backend
         self._todo: list[tuple[Tensor, Packed, int, int]] = []  # (source, packed, seed, version)
         self._members: list[weakref.ref] = []
@@ -104,7 +105,7 @@ class PackBatch:
                 raise RuntimeError(
                     "agoq: a saved activation was modified in place after autograd saved it and "
                     "before its batch was packed; pack each tensor at once with Policy(batch_mib=0)")
-        qs = quantize_many([t[0] for t in todo], bits=self.bits, group_size=self.group_size,
+        qs = quantize_many([t[0] for t in todo], bits=[t[1].bits for t in todo], group_size=self.group_size,
                            symmetric=self.symmetric, stochastic=self.stochastic,
                            seeds=[t[2] for t in todo], backend=self.backend)
         for (_, p, _, _), q in zip(todo, qs, strict=True):

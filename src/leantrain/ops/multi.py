@@ -30,9 +30,11 @@ from .rng import kernel_key
 
 __all__ = ["quantize_many", "dequantize_many"]
 
-_COLS = 8  # int64 entries per table row
-Q_TILE = (0, 0)  # quantize_many: (elements, warps) per program; 0 = quant.tile_shape's choice
-DQ_TILE = (0, 0)  # dequantize_many: the same
+_ROW = 10  # int64 table columns: 4 addresses, n, n_groups, key, first program, bits, (unused)
+# (elements, warps) per program, 0 = quant.tile_shape's choice; measured on an H200 (bf16, one
+# 1b layer's saves): 2048 elements at 4 warps is the fastest for both (tune_kernels --what agoq)
+Q_TILE = (2048, 4)
+DQ_TILE = (2048, 4)
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -43,7 +45,8 @@ _IDX32_LIMIT = 2**32
 
 
 def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tensor, int]:
-    """Rows plus the padded first-program column, as one int64 device tensor."""
+    """The rows (first program filled in) plus the padded first-program column, as one int64
+    device tensor; copied without waiting for the stream (a blocking copy would)."""
     starts, s = [], 0
     for r, p in zip(rows, progs):
         r[7] = s  # the row's first program, also read by the program that owns a tile of it
@@ -51,9 +54,8 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
         s += p
     tp = next_pow2(max(1, len(rows)))
     flat = torch.tensor([v for r in rows for v in r] + starts + [1 << 62] * (tp - len(starts)), dtype=torch.int64)
-    if device.type == "cuda":  # a blocking copy would wait for the stream: pinned, asynchronous
-        return flat.pin_memory().to(device, non_blocking=True), s
-    return flat.to(device), s
+    # From pageable memory the copy is staged at once and never waits for the device.
+    return flat.to(device, non_blocking=True), s
 
 
 if HAS_TRITON:
@@ -66,9 +68,9 @@ if HAS_TRITON:
     def _row(tab_ptr, n_tensors, TP: tl.constexpr):
         """(this program's tensor's table row pointer, program index inside that tensor)."""
         pid = tl.program_id(0).to(tl.int64)
-        starts = tl.load(tab_ptr + n_tensors * 8 + tl.arange(0, TP))
+        starts = tl.load(tab_ptr + n_tensors * 10 + tl.arange(0, TP))
         t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
-        row = tab_ptr + t * 8
+        row = tab_ptr + t * 10
         return row, pid - tl.load(row + 7)
 
     @triton.jit
@@ -114,12 +116,14 @@ if HAS_TRITON:
             tl.store(_ptr(addr, tl.uint16, ALIGNED) + offs, u, mask=mask)
 
     @triton.jit
-    def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
-                              GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                              BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
-                              QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
-                              ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
-        row, prog = _row(tab_ptr, n_tensors, TP)
+    def _quantize_tile(row, prog, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
+                       ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                       STOCHASTIC: tl.constexpr, IDX32: tl.constexpr, ALIGNED: tl.constexpr,
+                       NATIVE: tl.constexpr):
+        """One ``[ROWS, group_size]`` tile of the tensor of table row ``row``, as
+        :func:`leantrain.ops.quant._quantize_kernel` does it."""
+        QHI: tl.constexpr = (1 << (BITS - 1)) - 1 if SYMMETRIC else (1 << BITS) - 1
+        QLO: tl.constexpr = -QHI if SYMMETRIC else 0
         x_addr = tl.load(row)
         data_ptr = _ptr(tl.load(row + 1), tl.uint8, ALIGNED)
         scale_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
@@ -153,11 +157,24 @@ if HAS_TRITON:
             tl.store(zero_ptr + rows, zero, mask=rmask)
 
     @triton.jit
-    def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
-                                HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
-                                ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                                ALIGNED: tl.constexpr):
+    def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
+                              GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                              BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
+                              IDX32: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+        """``BITS`` 4 or 8 for every tensor, or 0: each tensor's own (table column 8)."""
         row, prog = _row(tab_ptr, n_tensors, TP)
+        if BITS == 0:
+            if tl.load(row + 8) == 4:
+                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE)
+            else:
+                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 8, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE)
+        else:
+            _quantize_tile(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE)
+
+    @triton.jit
+    def _dequantize_tile(row, prog, KIND: tl.constexpr, HW_CAST: tl.constexpr, GS: tl.constexpr,
+                         COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr):
         data_ptr = _ptr(tl.load(row), tl.uint8, ALIGNED)
         scale_ptr = _ptr(tl.load(row + 1), tl.float32, ALIGNED)
         zero_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
@@ -179,6 +196,20 @@ if HAS_TRITON:
         idx = rows[:, None] * GS + cols[None, :]
         _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
 
+    @triton.jit
+    def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
+                                HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
+                                ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                                ALIGNED: tl.constexpr):
+        row, prog = _row(tab_ptr, n_tensors, TP)
+        if BITS == 0:
+            if tl.load(row + 8) == 4:
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED)
+            else:
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED)
+        else:
+            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED)
+
 
 def _aligned(rows: list[list[int]], kernel: str) -> bool:
     """Hint alignment to ``kernel``: every address of the launch (the table's first four
@@ -193,17 +224,22 @@ def _same(values, what: str):
     return first
 
 
-def quantize_many(xs: list[torch.Tensor], *, bits: int = 8, group_size: int = 128, symmetric: bool = True,
-                  stochastic: bool = False, seeds: list[int] | None = None, keys: list[int] | None = None,
-                  backend: str = "auto") -> list[QTensor]:
-    """``[quantize(x, seed=s, ...) for x, s in zip(xs, seeds)]`` in one launch (module doc).
+def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_size: int = 128,
+                  symmetric: bool = True, stochastic: bool = False, seeds: list[int] | None = None,
+                  keys: list[int] | None = None, backend: str = "auto") -> list[QTensor]:
+    """``[quantize(x, bits=b, seed=s, ...) for x, b, s in zip(xs, bits, seeds)]`` in one launch.
 
-    ``keys`` (``kernel_key(seed)`` per tensor) may be given instead of ``seeds`` by callers that
-    derive them directly. Every ``x`` must be contiguous and of one floating dtype and device.
+    ``bits``: one width (4 or 8) for all, or one per tensor. ``keys`` (``kernel_key(seed)`` per
+    tensor) may be given instead of ``seeds`` by callers that derive them directly. Every ``x``
+    must be contiguous and of one floating dtype and device. See the module docstring.
     """
-    _check(bits, group_size)
     if not xs:
         return []
+    widths = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(xs)
+    if len(widths) != len(xs):
+        raise ValueError(f"quantize_many: {len(xs)} tensors but {len(widths)} bit-widths")
+    for b in set(widths):
+        _check(b, group_size)
     if keys is None:
         seeds = list(seeds) if seeds is not None else [0] * len(xs)
         if len(seeds) != len(xs):
@@ -218,8 +254,8 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int = 8, group_size: int = 12
     if resolve(backend, *xs) == "torch":
         if seeds is None:
             raise ValueError("quantize_many: the torch backend needs seeds (keys cannot be inverted)")
-        return [quantize_ref(x, bits=bits, group_size=group_size, symmetric=symmetric,
-                             stochastic=stochastic, seed=s) for x, s in zip(xs, seeds)]
+        return [quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
+                for x, b, s in zip(xs, widths, seeds)]
     for x in xs:
         if not x.is_contiguous():
             raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
@@ -227,27 +263,27 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int = 8, group_size: int = 12
     warps = Q_TILE[1] or warps
     out, rows, progs = [], [], []
     big = False
-    for x, k in zip(xs, keys):
+    for x, b, k in zip(xs, widths, keys):
         n = x.numel()
         g = -(-n // group_size)
-        nd = g * group_size * bits // 8
+        nd = g * group_size * b // 8
         at = -(-nd // 16) * 16  # one allocation per tensor: codes, then scales (and zero points)
         buf = torch.empty(at + 4 * g * (1 if symmetric else 2), dtype=torch.uint8, device=device)
         data = buf[:nd]  # at 16-byte aligned offsets, as the kernel is told
         scale = buf[at:at + 4 * g].view(torch.float32)
         zero = None if symmetric else buf[at + 4 * g:].view(torch.float32)
-        out.append(QTensor(data, scale, zero, x.shape, dtype, bits, group_size, symmetric))
+        out.append(QTensor(data, scale, zero, x.shape, dtype, b, group_size, symmetric))
         if g:
             rows.append([x.data_ptr(), data.data_ptr(), scale.data_ptr(),
-                         (scale if zero is None else zero).data_ptr(), n, g, k, 0])
+                         (scale if zero is None else zero).data_ptr(), n, g, k, 0, b, 0])
             progs.append(-(-g // rows_per))
             big |= g * group_size > _IDX32_LIMIT
     if rows:
         tab, total = _table(rows, progs, device)
-        qlo, qhi = _qrange(bits, symmetric)
+        mixed = len(set(r[8] for r in rows)) > 1
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_FLOAT_KIND[dtype],
-               GS=group_size, COLS=cols, ROWS=rows_per, BITS=bits, SYMMETRIC=symmetric,
-               STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
+               GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
+               STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
                NATIVE=NATIVE16 and not interpreting(), num_warps=warps)
     return out
 
@@ -255,13 +291,12 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int = 8, group_size: int = 12
 def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
                     backend: str = "auto") -> list[torch.Tensor]:
     """``[dequantize(q, dtype=dtype) for q in qs]`` in one launch (integer, non-stacked QTensors
-    of one bit-width, group size, symmetry and output dtype)."""
+    of 4 or 8 bits (mixed), one group size, symmetry and output dtype)."""
     if not qs:
         return []
     for q in qs:
         if q.fmt != "int" or q.stacked:
             raise ValueError("dequantize_many takes integer, non-stacked QTensors")
-    bits = _same([q.bits for q in qs], "bits")
     gs = _same([q.group_size for q in qs], "group_size")
     sym = _same([q.symmetric for q in qs], "symmetric")
     out_dtype = _same([dtype or q.dtype for q in qs], "output dtype")
@@ -279,11 +314,14 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
         g = q.num_groups
         if g:
             zero = q.scale if q.zero is None else q.zero
-            rows.append([q.data.data_ptr(), q.scale.data_ptr(), zero.data_ptr(), o.data_ptr(), q.numel, g, 0, 0])
+            rows.append([q.data.data_ptr(), q.scale.data_ptr(), zero.data_ptr(), o.data_ptr(), q.numel, g, 0, 0,
+                         q.bits, 0])
             progs.append(-(-g // rows_per))
     if rows:
         tab, total = _table(rows, progs, device)
+        mixed = len(set(r[8] for r in rows)) > 1
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
                KIND=_FLOAT_KIND[out_dtype], HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
-               BITS=bits, SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"), num_warps=warps)
+               BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"),
+               num_warps=warps)
     return out
