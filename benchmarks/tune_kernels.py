@@ -126,6 +126,9 @@ def tune_ops(mib: int, log) -> list[dict]:
     return rows
 
 
+VARIANTS = False  # also sweep alignment hints / typed pointers / tiles of the multi-tensor kernels
+
+
 def tune_agoq(log) -> list[dict]:
     """quantize_many / dequantize_many on one 1b layer's saves at B = 8 (bf16, 4 and 8 bits, SR)."""
     import importlib
@@ -149,13 +152,29 @@ def tune_agoq(log) -> list[dict]:
         log(json.dumps(r))
 
     from leantrain import ops
+    Q = importlib.import_module("leantrain.ops.quant")
+    H = importlib.import_module("leantrain.ops.hadamard")
+    x32 = torch.randn(64 << 20, device="cuda")
+    n32 = x32.numel()
+    for pair in (True, False):
+        Q.PAIR_SR = pair
+        rec(f"quantize_many int4 SR bf16 pairs={pair}", lambda: M.quantize_many(xs, bits=4, stochastic=True,
+                                                                               seeds=seeds), tot * 2.5 + tot / 32)
+        rec(f"single quantize x10 int4 SR bf16 pairs={pair}",
+            lambda: [ops.quantize(x, bits=4, stochastic=True, seed=1) for x in xs], tot * 2.5 + tot / 32)
+        for w in (4, 8):
+            H.HQ_WARPS = w
+            rec(f"hadamard_quantize b32 int4 SR g128 fp32 256MiB pairs={pair} warps={w}",
+                lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), n32 * 4.5 + n32 / 32)
+        H.HQ_WARPS = 4
+    Q.PAIR_SR = True
     for bits in (4, 8):
         nb = tot * (2 + bits / 8) + 4 * tot / 128
         q1 = [ops.quantize(x, bits=bits, stochastic=True, seed=1) for x in xs]
         rec(f"single quantize x10 int{bits} SR bf16", lambda: [ops.quantize(x, bits=bits, stochastic=True, seed=1)
                                                              for x in xs], nb)
         rec(f"single dequantize x10 int{bits} -> bf16", lambda: [ops.dequantize(q) for q in q1], nb)
-        for align in (True, False):
+        for align in (True, False) if VARIANTS else ():
             for native in (True, False):
                 M.ALIGN_HINTS, M.NATIVE16 = {"quantize": align, "dequantize": align}, native
                 for elems, w in ((2048, 4), (4096, 8)):

@@ -150,3 +150,18 @@ def test_gpu_full_size_bit_exact(bits, symmetric, stochastic):
     q, r = quantize(x, backend="triton", **kw), quantize(x, backend="torch", **kw)
     _same(q, r)
     assert torch.equal(dequantize(q, backend="triton"), dequantize(r, backend="torch"))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_pairwise_stochastic_rounding_path_gives_the_same_codes(backend, device, monkeypatch, symmetric):
+    """4-bit SR draws one hash per byte (PAIR_SR) or one per element: identical codes."""
+    import importlib
+
+    Q = importlib.import_module("leantrain.ops.quant")
+    x = randn(4097, torch.bfloat16, device)
+    kw = dict(bits=4, group_size=64, symmetric=symmetric, stochastic=True, seed=99, backend=backend)
+    monkeypatch.setattr(Q, "PAIR_SR", True)
+    a = quantize(x, **kw)
+    monkeypatch.setattr(Q, "PAIR_SR", False)
+    b = quantize(x, **kw)
+    _same(a, b)

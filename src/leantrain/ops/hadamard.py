@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from . import quant
 from ._backend import HAS_TRITON, interpreting, launch, resolve
 from .qtensor import QTensor
 from .quant import _check, _qrange, quantize_ref
@@ -86,7 +87,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import cast_out_tl, encode_tile_tl, pack_tile_tl
+    from .quant import cast_out_tl, encode_pack_tl
 
     @triton.jit
     def _h_tl(B: tl.constexpr, LOG2B: tl.constexpr):
@@ -189,7 +190,7 @@ if HAS_TRITON:
                                   key, B: tl.constexpr, LOG2B: tl.constexpr, R: tl.constexpr,
                                   GS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                                   STOCHASTIC: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr,
-                                  PREC: tl.constexpr, IDX32: tl.constexpr):
+                                  PREC: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr):
         T: tl.constexpr = R * B
         G: tl.constexpr = T // GS
         BC: tl.constexpr = GS * BITS // 8
@@ -206,8 +207,8 @@ if HAS_TRITON:
             gidx = base.to(tl.uint32) + gloc.to(tl.uint32)
         else:
             gidx = base + gloc
-        code, scale, zero = encode_tile_tl(y, gloc < rem_pad, gidx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
-        byts = pack_tile_tl(code, G, GS, BITS)
+        byts, scale, zero = encode_pack_tl(y, gloc < rem_pad, gidx, key, G, GS, BITS, QLO, QHI, SYMMETRIC,
+                                           STOCHASTIC, PAIRS)
         rows = pid * G + g
         boff = g[:, None] * BC + tl.arange(0, BC)[None, :]
         tl.store(data_ptr + pid * (G * BC) + boff, byts, mask=rows[:, None] < n_groups)
@@ -301,5 +302,5 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
                scale if zero is None else zero, n, n_pad, g, _factor(block, normalized, False),
                kernel_key(seed), B=block, LOG2B=int(math.log2(block)), R=r, GS=group_size, BITS=bits,
                SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, PREC=_prec(x.dtype),
-               IDX32=g * group_size <= _IDX32_LIMIT, num_warps=HQ_WARPS)
+               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=quant.PAIR_SR, num_warps=HQ_WARPS)
     return QTensor(data, scale, zero, shape, x.dtype, bits, group_size, symmetric)

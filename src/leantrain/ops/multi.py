@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
 from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
 from .qtensor import QTensor
-from .quant import _check, _qrange, dequantize_ref, quantize_ref, tile_shape
+from .quant import _check, dequantize_ref, quantize_ref, tile_shape
 from .rng import kernel_key
 
 __all__ = ["quantize_many", "dequantize_many"]
@@ -62,7 +63,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import encode_tile_tl, pack_tile_tl, unpack_tile_tl
+    from .quant import encode_pack_tl, unpack_tile_tl
 
     @triton.jit
     def _row(tab_ptr, n_tensors, TP: tl.constexpr):
@@ -119,7 +120,7 @@ if HAS_TRITON:
     def _quantize_tile(row, prog, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                        ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                        STOCHASTIC: tl.constexpr, IDX32: tl.constexpr, ALIGNED: tl.constexpr,
-                       NATIVE: tl.constexpr):
+                       NATIVE: tl.constexpr, PAIRS: tl.constexpr):
         """One ``[ROWS, group_size]`` tile of the tensor of table row ``row``, as
         :func:`leantrain.ops.quant._quantize_kernel` does it."""
         QHI: tl.constexpr = (1 << (BITS - 1)) - 1 if SYMMETRIC else (1 << BITS) - 1
@@ -143,8 +144,8 @@ if HAS_TRITON:
             idx = base.to(tl.uint32) + loc.to(tl.uint32)
         else:
             idx = base + loc
-        code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
-        byts = pack_tile_tl(code, ROWS, COLS, BITS)
+        byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
+                                           STOCHASTIC, PAIRS)
         BCOLS: tl.constexpr = COLS * BITS // 8
         OB: tl.constexpr = GS * BITS // 8
         bcols = tl.arange(0, BCOLS)
@@ -160,16 +161,17 @@ if HAS_TRITON:
     def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                               GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                               BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
-                              IDX32: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+                              IDX32: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr,
+                              PAIRS: tl.constexpr):
         """``BITS`` 4 or 8 for every tensor, or 0: each tensor's own (table column 8)."""
         row, prog = _row(tab_ptr, n_tensors, TP)
         if BITS == 0:
             if tl.load(row + 8) == 4:
-                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE)
+                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE, PAIRS)
             else:
-                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 8, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE)
+                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 8, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE, PAIRS)
         else:
-            _quantize_tile(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE)
+            _quantize_tile(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE, PAIRS)
 
     @triton.jit
     def _dequantize_tile(row, prog, KIND: tl.constexpr, HW_CAST: tl.constexpr, GS: tl.constexpr,
@@ -284,7 +286,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_FLOAT_KIND[dtype],
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
-               NATIVE=NATIVE16 and not interpreting(), num_warps=warps)
+               NATIVE=NATIVE16 and not interpreting(), PAIRS=quant.PAIR_SR, num_warps=warps)
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
 from ._backend import HAS_TRITON, launch, resolve
 from .fp8 import FP8_FORMATS
 from .qtensor import QTensor
@@ -67,7 +68,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .fp8 import fp8_decode_tl
-    from .quant import encode_tile_tl, pack_tile_tl, unpack_tile_tl
+    from .quant import encode_pack_tl, unpack_tile_tl
 
     @triton.jit
     def _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid,
@@ -106,7 +107,7 @@ if HAS_TRITON:
                     GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
                     SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                     QLO: tl.constexpr, QHI: tl.constexpr, K: tl.constexpr,
-                    ROW_SCALE: tl.constexpr, IDX32: tl.constexpr):
+                    ROW_SCALE: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         row0 = pid * ROWS
         base = row0 * GS                                    # first element of the tile (int64)
@@ -155,8 +156,8 @@ if HAS_TRITON:
             idx = base.to(tl.uint32) + loc.to(tl.uint32)
         else:
             idx = base + loc
-        code, scale, zero = encode_tile_tl(acc, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
-        byts = pack_tile_tl(code, ROWS, COLS, BITS)
+        byts, scale, zero = encode_pack_tl(acc, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
+                                           STOCHASTIC, PAIRS)
         BC: tl.constexpr = COLS * BITS // 8
         OB: tl.constexpr = GS * BITS // 8
         bcols = tl.arange(0, BC)
@@ -205,5 +206,5 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
                COLS=cols, ROWS=rows, BITS=bits_out, SYMMETRIC=symmetric_out, STOCHASTIC=stochastic,
                QLO=qlo, QHI=qhi, K=k if k <= _UNROLL_MAX else 0,
                ROW_SCALE=q.group_size % group_size_out == 0, IDX32=g * group_size_out <= _IDX32_LIMIT,
-               num_warps=warps)
+               PAIRS=quant.PAIR_SR, num_warps=warps)
     return QTensor(data, scale, zero, q.shape, torch.float32, bits_out, group_size_out, symmetric_out)

@@ -6,12 +6,22 @@ by Triton so stochastic rounding gives bit-identical results on both backends:
     k    = fmix32(lo32(seed) ^ fmix32(hi32(seed) ^ 0x5BD1E995))      (host, once per call)
     h    = fmix32(hi32(index) ^ k)                                     (0 below 2**32 elements)
     x    = fmix32((lo32(index) * 0x9E3779B9) ^ h)
-    u    = (x >> 8) * 2**-24                                           uniform in [0, 1)
 
 ``fmix32`` is MurmurHash3's finalizer (xor-shift / multiply, full avalanche). For a fixed
 seed, ``index -> x`` is a bijection on each 2**32 block, so no two elements of one call get
 the same draw. All arithmetic is modulo 2**32: native ``uint32`` in Triton, emulated in torch
 on int64 with ``& 0xFFFFFFFF`` and 16-bit split multiplies (no signed overflow).
+
+The uniforms of the integer quantizers come two per hash: element ``i`` takes the low
+(``i`` even) or high (``i`` odd) 16 bits of ``x = hash(i >> 1)``:
+
+    u    = (h16 + 1/2) * 2**-16        uniform on the 2**16 midpoints of [0, 1)
+
+Stochastic rounding ``floor(y + u)`` with it is unbiased up to 2**-17 of a quantization step
+(the grid's own resolution). A kernel quantizing a pair of neighbours computes one hash for
+both (:func:`uniform_pair_tl`); on a GPU ``u`` is built from the bits (``0x3F800040 | h16 << 7``
+is the float ``1 + u``), which skips the integer-to-float conversion. bf16 stochastic rounding
+(:mod:`leantrain.ops.sr`) adds ``x >> 16`` to the dropped bits directly.
 
 Tiling / bytes: a device helper, no memory traffic of its own.
 """
@@ -77,8 +87,11 @@ def hash_u32(seed: int, index: torch.Tensor) -> torch.Tensor:
 
 
 def hash_uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 in [0, 1) for every element of ``index`` (a LongTensor), given ``seed``."""
-    return (hash_u32(seed, index) >> 8).to(torch.float32) * (2.0**-24)
+    """Uniform float32 in (0, 1) (the 2**16 midpoints) for every element of ``index``, given
+    ``seed``: the low or high 16 bits of ``hash_u32(seed, index >> 1)`` (module docstring)."""
+    idx = index.to(torch.int64)
+    h16 = (hash_u32(seed, idx >> 1) >> ((idx & 1) * 16)) & 0xFFFF
+    return h16.to(torch.float32) * (2.0**-16) + (2.0**-17)
 
 
 if HAS_TRITON:
@@ -112,6 +125,19 @@ if HAS_TRITON:
             return fmix32((lo * 0x9E3779B9) ^ h)
 
     @triton.jit
+    def _u16_tl(h16):
+        """(h16 + 1/2) * 2**-16 from the bits: ``1 + u`` is the float 0x3F800040 | h16 << 7."""
+        return ((h16 << 7) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
+
+    @triton.jit
     def uniform_tl(key, index):
-        """float32 uniform in [0, 1), equal bit for bit to :func:`hash_uniform`."""
-        return (hash_u32_tl(key, index) >> 8).to(tl.float32) * 5.9604644775390625e-08
+        """float32 uniform, equal bit for bit to :func:`hash_uniform` (one hash per element;
+        a kernel holding both elements of a pair uses :func:`uniform_pair_tl`)."""
+        h = hash_u32_tl(key, index >> 1)
+        return _u16_tl((h >> ((index & 1) * 16).to(tl.uint32)) & 0xFFFF)
+
+    @triton.jit
+    def uniform_pair_tl(key, pair):
+        """The uniforms of elements ``2 * pair`` and ``2 * pair + 1``, from one hash."""
+        h = hash_u32_tl(key, pair)
+        return _u16_tl(h & 0xFFFF), _u16_tl(h >> 16)
