@@ -42,6 +42,20 @@ def _cases(n: int, dev: str):
     out.append(("quantize int8 g128 SR bf16",
                 lambda: ops.quantize(xb, bits=8, stochastic=True, seed=1, backend="triton"),
                 2 * n + n + 4 * n // 128))
+    q4b = ops.quantize(xb, bits=4, stochastic=True, seed=1, backend="triton")
+    out.append(("quantize int4 g128 SR bf16 (AGoQ)",
+                lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1, backend="triton"),
+                2 * n + n // 2 + 4 * n // 128))
+    out.append(("dequantize int4 g128 ->bf16 (AGoQ)", lambda: ops.dequantize(q4b, backend="triton"),
+                2 * n + n // 2 + 4 * n // 128))
+    from leantrain.ops.multi import dequantize_many, quantize_many
+    xs = list(xb.split((n // 10) // 64 * 64))  # AGoQ's batched path: ~ten tensors (16-byte aligned) in one launch
+    qs = quantize_many(xs, bits=4, stochastic=True, seeds=list(range(len(xs))))
+    out.append(("quantize_many 10 tensors int4 g128 SR bf16 (AGoQ)",
+                lambda: quantize_many(xs, bits=4, stochastic=True, seeds=list(range(len(xs)))),
+                2 * n + n // 2 + 4 * n // 128))
+    out.append(("dequantize_many 10 tensors int4 g128 ->bf16 (AGoQ)", lambda: dequantize_many(qs),
+                2 * n + n // 2 + 4 * n // 128))
     out.append(("quantize int4 g2048 SR fp32",
                 lambda: ops.quantize(x, bits=4, group_size=2048, stochastic=True, backend="triton"),
                 4 * n + n // 2 + 4 * n // 2048))

@@ -4,6 +4,7 @@ behind one dispatcher (``backend="auto" | "torch" | "triton"``; auto = Triton on
 | module        | what                                                                 |
 |---------------|----------------------------------------------------------------------|
 | ``quant``     | block-wise int8 / int4 quantize, dequantize (RTN and stochastic)     |
+| ``multi``     | the same for many tensors in one launch (AGoQ's batched save path)   |
 | ``fp8``       | FP8 E4M3 / E5M2 with per-group scales, payload uint8                 |
 | ``nvfp4``     | E2M1 in 16-blocks + E4M3 block scale + fp32 tensor scale              |
 | ``state8``    | 8-bit optimizer-state codec (dynamic map), Triton epilogue helpers    |
@@ -20,6 +21,7 @@ from .fp8 import dequantize_fp8, quantize_fp8
 from .hadamard import hadamard, hadamard_quantize
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from .qtensor import QTensor
+from .multi import dequantize_many, quantize_many
 from .quant import dequantize, quantize
 from .reduce import dequant_sum_requant
 from .rng import hash_uniform, kernel_key, seed_key
@@ -27,7 +29,7 @@ from .sr import bf16_stochastic_round
 from .state8 import StateCodec8
 
 __all__ = [
-    "HAS_TRITON", "QTensor", "quantize", "dequantize", "quantize_fp8", "dequantize_fp8",
+    "HAS_TRITON", "QTensor", "quantize", "dequantize", "quantize_many", "dequantize_many", "quantize_fp8", "dequantize_fp8",
     "NVFP4Tensor", "quantize_nvfp4", "dequantize_nvfp4", "StateCodec8", "bf16_stochastic_round",
     "hadamard", "hadamard_quantize", "dequant_sum_requant", "pack_bits", "unpack_bits",
     "hash_uniform", "seed_key", "kernel_key",

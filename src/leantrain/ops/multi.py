@@ -157,7 +157,7 @@ if HAS_TRITON:
         if not SYMMETRIC:
             tl.store(zero_ptr + rows, zero, mask=rmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tensors"])
     def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                               GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                               BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -198,7 +198,7 @@ if HAS_TRITON:
         idx = rows[:, None] * GS + cols[None, :]
         _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tensors"])
     def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                                 HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                                 ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,

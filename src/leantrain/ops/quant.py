@@ -9,7 +9,9 @@ Math (per group ``g`` of ``group_size`` consecutive elements of the flattened te
 ``pre`` is 2**64 when the group's range is below 2**-64 (else 1): an exact power-of-two
 rescale so that groups of denormals do not overflow ``qmax / range``. ``round`` is
 ``floor(y + 0.5)`` (round half up) for round-to-nearest and ``floor(y + u)`` with
-``u = hash_uniform(seed, element_index)`` for stochastic rounding (unbiased: E[code] = y).
+``u = hash_uniform(seed, element_index)`` for stochastic rounding (unbiased up to 2**-17 of a
+step, the resolution of ``u``: see :mod:`leantrain.ops.rng`; 4-bit kernels draw the two
+uniforms of a byte from one hash, :func:`encode_pack_tl`).
 Every step is one IEEE fp32 operation done in the same order by both backends (Triton with
 FMA contraction off; divisions with ``tl.div_rn``, since Triton's ``/`` is the
 approximate ``div.full.f32`` on NVIDIA GPUs; torch divides two tensors of one shape, see
