@@ -101,6 +101,7 @@ class AgoqConfig:
     roles: str = ""  # per-role bits over the default policy, e.g. "attn=4,norm=8" (16 = keep)
     logits_format: Literal["prob", "logp"] = "prob"  # log-softmax stored as exp(logp) or as is
     batch_mib: float = 512.0  # CUDA: saves packed per batch of this many MiB (0 = one launch per tensor)
+    seed: int = 0  # stochastic-rounding noise seed
 
 
 @dataclass

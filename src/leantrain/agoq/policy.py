@@ -160,7 +160,7 @@ class Policy:
         return cls(**kw, group_size=cfg.group_size, stochastic=cfg.stochastic,
                    pipeline_stages=max(1, cfg.pipeline_stages),
                    logits_format=getattr(cfg, "logits_format", base.logits_format),
-                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib))
+                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib), seed=getattr(cfg, "seed", base.seed))
 
 
 def parse_roles(spec: str) -> dict[str, int]:
