@@ -131,19 +131,19 @@ def test_unpack_before_flush_and_shared_uses(batching):
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_permuted_view_is_read_in_place_and_keeps_its_strides(batched, monkeypatch):
+def test_permuted_view_is_packed_in_logical_order(batched):
+    """Groups run along the last dim of the saved tensor (within one attention head), not along
+    the memory of a transposed view, whose groups would mix heads."""
     if batched and not CUDA and not interpreting():
         pytest.skip("needs CUDA or the Triton interpreter")
-    base = torch.randn(2, 16, 4, 32, device=DEV)
+    base = torch.randn(2, 16, 4, 32, device=DEV) * torch.tensor([1.0, 100.0, 1.0, 100.0], device=DEV)[:, None]
     x = base.transpose(1, 2)  # [B, H, T, D] view of [B, T, H, D] memory, as attention saves
     b = PackBatch(128, True, False, backend="triton") if batched else None
     p = pack(x, 8, stochastic=False, batch=b)
-    assert p.perm is not None
     v = unpack(p)
-    assert v.shape == x.shape and v.stride() == x.stride()
-    ref = dequantize(quantize(base, bits=8, backend="torch"), backend="torch").transpose(1, 2)
+    assert v.shape == x.shape
+    ref = dequantize(quantize(x.contiguous(), bits=8, backend="torch"), backend="torch")
     assert torch.equal(v, ref)
-    gappy = torch.randn(8, 300, device=DEV)[:, :256]  # not dense: copied
-    q = pack(gappy, 8, stochastic=False)
-    assert q.perm is None and torch.equal(unpack(q), dequantize(quantize(gappy, bits=8, backend="torch"),
-                                                                backend="torch"))
+    # each group holds one head's values: the small heads keep their own scale
+    small = (x[:, 0] - v[:, 0]).abs().max() / x[:, 0].abs().max()
+    assert small < 1 / 127

@@ -19,9 +19,9 @@ from ._backend import HAS_TRITON
 from .bits import pack_bits, unpack_bits
 from .fp8 import dequantize_fp8, quantize_fp8
 from .hadamard import hadamard, hadamard_quantize
+from .multi import dequantize_many, quantize_many
 from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from .qtensor import QTensor
-from .multi import dequantize_many, quantize_many
 from .quant import dequantize, quantize
 from .reduce import dequant_sum_requant
 from .rng import hash_uniform, kernel_key, seed_key
