@@ -248,10 +248,9 @@ def _nbytes(*ts) -> int:
 def _source(x: Tensor) -> Tensor:
     """``x`` in logical (row-major) order: a group of ``group_size`` elements then lies along the
     last dim. A permuted view such as attention's ``[B, H, T, D]`` transpose of ``[B, T, H, D]``
-    memory is copied: read in memory order, its groups would span heads of different scale.
-    (Three 125m runs with in-place reads, together with this session's other numeric changes,
-    ended 0.3-0.9 % above the baseline's validation loss against -0.23 % before; the grouping
-    is the suspected cause, not an isolated one: agoq/README.md.)"""
+    memory is copied: read in memory order, its groups would span heads of different scale
+    (agoq/README.md, "Convergence on 125m": a suspected, not isolated, cause of a 0.3-0.9 %
+    validation-loss gap measured while views were read in place)."""
     return x if x.is_contiguous() else x.contiguous()
 
 
