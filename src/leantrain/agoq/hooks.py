@@ -16,11 +16,14 @@ constants) -> kept; reduced statistic (last dim 1: RMSNorm rstd; fp32 of rank <=
 attention: log-sum-exp) -> kept; fewer than ``min_numel`` elements -> kept; otherwise
 quantized to ``policy.bits_for(role, stage)`` (a log-softmax output, which cross-entropy
 saves, as ``p = exp(logp)`` when ``policy.logits_format == "prob"``: :class:`ProbPacked`;
-stochastic-rounding noise is fresh for every tensor of every forward, see :func:`_mix`).
+stochastic-rounding noise is fresh for every tensor of every forward: tensor ``n`` of a
+packer gets the seed ``base + n * golden`` with ``base = _mix(policy.seed, packer number)``).
+On CUDA the 4/8-bit ones are packed in batches (:class:`leantrain.agoq.pack.PackBatch`, one
+launch per batch; flushed at ``policy.batch_mib`` waiting bytes and at the end of the forward).
 A tensor saved twice (same storage, offset, shape, strides and version, still alive) is
-packed once and shared. Every decision is
-counted in ``Packer.stats``, so nothing is skipped silently; every byte kept is reported to
-the memory ledger through :func:`leantrain.ledger.note_saved`.
+packed once and shared. Every decision is counted in ``Packer.stats``, so nothing is skipped
+silently; every byte kept is reported to the memory ledger through
+:func:`leantrain.ledger.note_saved`.
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ Tiling (Triton): a table (int64, one row per tensor: addresses, sizes, the RNG k
 first program of the tensor) goes to the device with the launch; program ``p`` finds its
 tensor as the number of tensors whose first program is ``<= p``, minus one, and then does
 exactly what :func:`leantrain.ops.quant._quantize_kernel` does for one ``[ROWS, group_size]``
-tile of that tensor. Tensors are read through raw addresses; 16-bit floats are loaded as
-their bit patterns and widened exactly (bf16: ``bits << 16``), which also keeps the Triton
-interpreter (whose bf16 pointers cannot be made from an integer) on the same code.
-All tensors of one call share dtype, bit-width, group size, symmetry and rounding; every
-input must be contiguous (callers pass a contiguous view, see AGoQ's ``pack``). Bytes moved
-are those of the per-tensor kernels, plus 64 bytes of table per tensor.
+tile of that tensor (4 or 8 bits per tensor: a launch with both widths branches on the
+table's width column). Tensors are read through raw addresses, cast to typed pointers on a GPU;
+under the Triton interpreter (whose bf16 pointers cannot be made from an integer) 16-bit
+floats are loaded as their bit patterns and widened exactly (bf16: ``bits << 16``). The
+compiler cannot know the alignment of a loaded address: the host checks it and says so
+(``ALIGN_HINTS``, measured). All tensors of one call share dtype, group size, symmetry and
+rounding; every input must be contiguous. Bytes moved are those of the per-tensor kernels,
+plus 88 bytes of table per tensor.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from .rng import kernel_key
 
 __all__ = ["quantize_many", "dequantize_many"]
 
-_ROW = 10  # int64 table columns: 4 addresses, n, n_groups, key, first program, bits, (unused)
+_ROW = 10  # int64 table columns (the kernels' row stride): 4 addresses, n, n_groups, key, first
+#   program, bits, (unused); after the rows, the first-program column again, padded to a power of 2
 # (elements, warps) per program, 0 = quant.tile_shape's choice; measured on an H200 (bf16, one
 # 1b layer's saves): 2048 elements at 4 warps is the fastest for both (tune_kernels --what agoq)
 Q_TILE = (2048, 4)
