@@ -128,6 +128,23 @@ def test_unpack_before_flush_and_shared_uses(batching):
     assert unpack(p) is a and p.cache is None
     assert torch.equal(unpack(r), dequantize(quantize(y, bits=8, backend="torch"), backend="torch"))
     assert r.cache is None
+    again = unpack(p)  # retain_graph: a third unpack dequantizes anew, same values
+    assert again is not a and torch.equal(again, a) and p.cache is None
+
+
+def test_retain_graph_backward_twice_under_batching(batching):
+    torch.manual_seed(0)
+    m = Llama(TINY).to(DEV)
+    idx = torch.randint(0, 256, (2, 32), device=DEV)
+    with quantize_activations(m, Policy(min_numel=16)):
+        loss = m(idx, idx)
+    loss.backward(retain_graph=True)
+    first = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for p in m.parameters():
+        p.grad = None
+    loss.backward()
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, first[n]), n
 
 
 @pytest.mark.parametrize("batched", [False, True])
