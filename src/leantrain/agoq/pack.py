@@ -277,13 +277,13 @@ def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True
         data, scale, zero = _pack_low(x, bits, group_size, stochastic, seed)
         return Packed("low", (data, scale, zero, group_size), x.shape, x.dtype, x.device, bits,
                       _nbytes(data, scale, zero))
-    src = _source(x.detach())
-    if batch is not None:
+    if batch is not None:  # only its memory is read, at the flush: no detached alias needed
+        src = x if x.is_contiguous() else _source(x.detach())
         p = Packed("q", None, x.shape, x.dtype, x.device, bits,
                    _q_nbytes(src.numel(), bits, group_size, symmetric), batch=batch)
         batch.add(src, p, seed)
         return p
-    q = quantize_q(src, bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed)
+    q = quantize_q(_source(x.detach()), bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed)
     return Packed("q", q, x.shape, x.dtype, x.device, bits, q.nbytes)
 
 
