@@ -184,6 +184,7 @@ class Packer:
         self._batches: dict[tuple, PackBatch] = {}
         self._waiting = 0  # bytes of tensors registered in the open batches
         self._modules: list[nn.Module] | None = None
+        self._bits: dict[str, int] = {}
         self._ctx = None
 
     # ------------------------------------------------------------------ module hooks
@@ -228,6 +229,7 @@ class Packer:
         self._static = {_storage_ptr(t) for m in self._modules
                         for d in (m._parameters, m._buffers) for t in d.values() if t is not None}
         self._dedup.clear()
+        self._bits = {}  # role -> bits this forward (the policy may have been changed between forwards)
 
     def end(self) -> None:
         self.flush()
@@ -272,7 +274,7 @@ class Packer:
         ``explicit``: handed over by :func:`save` from inside an ``autograd.Function``'s
         forward, where grad mode is off, so ``requires_grad`` says nothing.
         """
-        if _storage_ptr(t) in self._static:
+        if type(t._base if t._base is not None else t) is nn.Parameter or _storage_ptr(t) in self._static:
             return "keep:param", 0
         if t.dtype == torch.bool:
             return "pack", 1
@@ -286,14 +288,16 @@ class Packer:
             return "keep:stat", 0
         if t.numel() < self.policy.min_numel:
             return "keep:small", 0
-        bits = self.policy.bits_for(role, self.stage)
+        bits = self._bits.get(role)
+        if bits is None:
+            bits = self._bits[role] = self.policy.bits_for(role, self.stage)
         if bits >= KEEP:
             return "keep:policy", 0
         return "pack", bits
 
     def pack_hook(self, t: Tensor, explicit: bool = False):
         self.stats["saved"] += 1
-        if isinstance(t._base if t._base is not None else t, nn.Parameter):  # fast path: weights
+        if type(t._base if t._base is not None else t) is nn.Parameter:  # fast path: weights, their views
             return self._keep(t, "param", self.role, report=False)
         role = self.role if t.dtype != torch.bool else "mask"
         decision, bits = self.classify(t, role, explicit)
