@@ -81,6 +81,8 @@ def _child(args) -> dict:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         loss = fwd()
+        if cuda and i == args.warmup:  # what the forward left allocated: the saved activations (and the loss)
+            held_after_forward = torch.cuda.memory_allocated() - before
         loss.backward()
         sync()
         if i >= args.warmup:
@@ -96,6 +98,7 @@ def _child(args) -> dict:
         out["peak_allocated"] = torch.cuda.max_memory_allocated()
         out["allocated_before_step"] = before
         out["peak_above_before"] = out["peak_allocated"] - before
+        out["held_after_forward"] = held_after_forward
     return out
 
 
@@ -206,6 +209,8 @@ def main(argv=None) -> int:
         if gpu:
             row["peak_ratio"] = ago["peak_allocated"] / base["peak_allocated"]
             row["peak_above_static_ratio"] = ago["peak_above_before"] / base["peak_above_before"]
+            if "held_after_forward" in ago and "held_after_forward" in base:
+                row["held_after_forward_ratio"] = ago["held_after_forward"] / base["held_after_forward"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq")}))
     ver = _versions(args.device)
@@ -218,15 +223,18 @@ def main(argv=None) -> int:
     lines = [f"# AGoQ benchmark, {stamp}, {ver['device']}", "",
              f"torch {ver['torch']}, triton {ver.get('triton', '-')}; `{cmd}`", "",
              "| preset | B x T | saved bf16 (GiB) | saved AGoQ (GiB) | ratio | step base (s) | step AGoQ (s) | time ratio |"
-             + (" peak base (GiB) | peak AGoQ (GiB) | peak ratio | peak-above-static ratio |" if gpu else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if gpu else "")]
+             + (" peak base (GiB) | peak AGoQ (GiB) | peak ratio | peak-above-static ratio |"
+                " allocated after forward, base / AGoQ (GiB) | its ratio |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if gpu else "")]
     for r in rows:
         b, a = r["baseline"], r["agoq"]
         line = (f"| {r['preset']} | {r['batch']} x {r['seq']} | {b['saved_bytes'] / gib:.3f} | {a['saved_bytes'] / gib:.3f} | "
                 f"{r['saved_ratio']:.3f} | {b['step_s_median']:.3f} | {a['step_s_median']:.3f} | {r['step_time_ratio']:.3f} |")
         if gpu:
             line += (f" {b['peak_allocated'] / gib:.2f} | {a['peak_allocated'] / gib:.2f} | {r['peak_ratio']:.3f} |"
-                     f" {r['peak_above_static_ratio']:.3f} |")
+                     f" {r['peak_above_static_ratio']:.3f} |"
+                     f" {b['held_after_forward'] / gib:.2f} / {a['held_after_forward'] / gib:.2f} |"
+                     f" {r['held_after_forward_ratio']:.3f} |")
         lines.append(line)
     if args.errors and not gpu:
         lines += _errors(out, stamp)
