@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 3 record run on one H200: compiled tests of the batched AGoQ path and the pairwise
 # stochastic rounding, kernel bandwidth (256 MiB and 2 GiB), AGoQ on 1b (B = 8), step profiles,
-# and the 125m AGoQ 1000-step curve.   OUT=dir bash benchmarks/gpu_final_s3.sh
+# and the 125m AGoQ 1000-step curve (benchmarks/run_125m_agoq.sh).   OUT=dir bash benchmarks/gpu_final_s3.sh
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 mkdir -p "$OUT/s3"
@@ -21,9 +21,6 @@ log() { echo "=== $(date +%T) $*"; }
     timeout 60 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --out "$OUT/s3" 2>&1 | grep -v Warn | tail -1
   done
   log "125m, 1000 steps: agoq"
-  timeout 170 python3 -m leantrain train --preset 125m --steps 1000 --agoq --out /tmp/c125_agoq \
-    --data.max-corpus-mb 16 --train.eval-every 200 --train.ckpt-every 0 --train.sample-tokens 0 \
-    --train.log-every 50 2>&1 | grep -v "^step" | tail -3
-  mkdir -p "$OUT/s3/c125_agoq"; cp /tmp/c125_agoq/metrics.jsonl /tmp/c125_agoq/summary.json "$OUT/s3/c125_agoq/" 2>/dev/null
+  bash benchmarks/run_125m_agoq.sh 0 "$OUT/s3/c125_agoq"
   log done
 } 2>&1 | tee "$OUT/s3/run.log"

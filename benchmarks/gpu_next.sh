@@ -17,10 +17,7 @@ log() { echo "=== $(date +%T) $*"; }
     done
     for s in 0 1; do
       log "125m, 1000 steps: agoq seed $s"
-      timeout 150 python3 -m leantrain train --preset 125m --steps 1000 --agoq --agoq.seed $s --out /tmp/c125_$s \
-        --data.max-corpus-mb 16 --train.eval-every 200 --train.ckpt-every 0 --train.sample-tokens 0 \
-        --train.log-every 50 2>&1 | grep -v "^step" | tail -1
-      mkdir -p "$OUT/agoq/c125_agoq_seed$s"; cp /tmp/c125_$s/metrics.jsonl "$OUT/agoq/c125_agoq_seed$s/" 2>/dev/null
+      bash benchmarks/run_125m_agoq.sh $s "$OUT/agoq/c125_agoq_seed$s"
     done
   else
     log "bench forge (b): six configurations, B = 1, 4, 16"

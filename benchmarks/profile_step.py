@@ -4,7 +4,8 @@
 
 configs: torch_bf16 (AdamW fused, pure bf16), forge_bf16 (FORGE bf16+SR, fp32 states),
 agoq (bf16, AdamW fused, AGoQ default policy), agoq_forge. Writes ``profile_<config>.txt``:
-wall time per step (median of 5), then the top operators by CUDA and by CPU time.
+wall time per step (median of 5), then the top operators by CUDA and by CPU time; with
+``--cprofile`` also ``cprofile_<config>_b<B>.txt``, the host's Python time by function.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-opt", action="store_true", help="forward + backward only (as bench_agoq times it)")
+    ap.add_argument("--cprofile", action="store_true", help="also a Python cProfile of 3 steps (host time by function)")
     a = ap.parse_args(argv)
     import leantrain as lt
     from leantrain.config import preset
@@ -84,6 +86,23 @@ def main(argv=None) -> int:
         f.write(ka.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         f.write("\n\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if a.cprofile:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        with open(os.path.join(a.out, f"cprofile_{a.config}_b{a.batch}.txt"), "w") as f:
+            packer = getattr(model, "_agoq_packer", None)
+            if packer is not None:
+                f.write(f"AGoQ packer stats (all steps so far): {dict(packer.stats)}\n")
+            st = pstats.Stats(pr, stream=f)
+            st.sort_stats("tottime").print_stats(40)
+            st.sort_stats("cumulative").print_stats(40)
     print(a.config, a.batch, "step ms", statistics.median(times), "issue ms", statistics.median(issue),
           "forward issue ms", statistics.median(fwd[:5]))
     return 0

@@ -126,7 +126,7 @@ def tune_ops(mib: int, log) -> list[dict]:
     return rows
 
 
-VARIANTS = False  # also sweep alignment hints / typed pointers / tiles of the multi-tensor kernels
+VARIANTS = False  # also sweep alignment hints / tiles of the multi-tensor kernels
 
 
 def tune_agoq(log) -> list[dict]:
@@ -144,6 +144,7 @@ def tune_agoq(log) -> list[dict]:
     rows = [{"case": "copy bf16", "ms": copy_ms, "gbps": copy_gbps}]
     log(f"agoq layer: {tot / 2**20:.0f} M elements, copy {copy_ms:.3f} ms {copy_gbps:.0f} GB/s")
     seeds = list(range(len(xs)))
+    defaults = dict(M.ALIGN_HINTS), M.Q_TILE, M.DQ_TILE
 
     def rec(case, fn, nb):
         ms = _bench(fn, rep=40)
@@ -175,17 +176,15 @@ def tune_agoq(log) -> list[dict]:
                                                              for x in xs], nb)
         rec(f"single dequantize x10 int{bits} -> bf16", lambda: [ops.dequantize(q) for q in q1], nb)
         for align in (True, False) if VARIANTS else ():
-            for native in (True, False):
-                M.ALIGN_HINTS, M.NATIVE16 = {"quantize": align, "dequantize": align}, native
-                for elems, w in ((2048, 4), (4096, 8)):
-                    M.Q_TILE = M.DQ_TILE = (elems, w)
-                    qs = M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds)
-                    tag = f"align={align} native={native} elems={elems} warps={w}"
-                    rec(f"quantize_many int{bits} SR bf16 {tag}",
-                        lambda: M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds), nb)
-                    rec(f"dequantize_many int{bits} -> bf16 {tag}", lambda: M.dequantize_many(qs), nb)
-    M.ALIGN_HINTS, M.NATIVE16 = {"quantize": True, "dequantize": False}, True
-    M.Q_TILE = M.DQ_TILE = (0, 0)
+            M.ALIGN_HINTS = {"quantize": align, "dequantize": align}
+            for elems, w in ((2048, 4), (4096, 8)):
+                M.Q_TILE = M.DQ_TILE = (elems, w)
+                qs = M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds)
+                tag = f"align={align} elems={elems} warps={w}"
+                rec(f"quantize_many int{bits} SR bf16 {tag}",
+                    lambda: M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds), nb)
+                rec(f"dequantize_many int{bits} -> bf16 {tag}", lambda: M.dequantize_many(qs), nb)
+    M.ALIGN_HINTS, M.Q_TILE, M.DQ_TILE = defaults
     return rows
 
 

@@ -274,7 +274,7 @@ class Packer:
         ``explicit``: handed over by :func:`save` from inside an ``autograd.Function``'s
         forward, where grad mode is off, so ``requires_grad`` says nothing.
         """
-        if type(t._base if t._base is not None else t) is nn.Parameter or _storage_ptr(t) in self._static:
+        if _storage_ptr(t) in self._static:  # (pack_hook takes weights and their views first)
             return "keep:param", 0
         if t.dtype == torch.bool:
             return "pack", 1

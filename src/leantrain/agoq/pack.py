@@ -248,10 +248,10 @@ def _nbytes(*ts) -> int:
 def _source(x: Tensor) -> Tensor:
     """``x`` in logical (row-major) order: a group of ``group_size`` elements then lies along the
     last dim. A permuted view such as attention's ``[B, H, T, D]`` transpose of ``[B, T, H, D]``
-    memory is copied: read in memory order, its groups would span heads of different scale
-    (agoq/README.md, "Convergence on 125m": a suspected, not isolated, cause of a 0.3-0.9 %
+    memory is copied (detached): read in memory order, its groups would span heads of different
+    scale (agoq/README.md, "Convergence on 125m": a suspected, not isolated, cause of a 0.3-0.9 %
     validation-loss gap measured while views were read in place)."""
-    return x if x.is_contiguous() else x.contiguous()
+    return x if x.is_contiguous() else x.detach().contiguous()
 
 
 def _q_nbytes(n: int, bits: int, group_size: int, symmetric: bool) -> int:
@@ -277,13 +277,13 @@ def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True
         data, scale, zero = _pack_low(x, bits, group_size, stochastic, seed)
         return Packed("low", (data, scale, zero, group_size), x.shape, x.dtype, x.device, bits,
                       _nbytes(data, scale, zero))
+    src = _source(x)
     if batch is not None:  # only its memory is read, at the flush: no detached alias needed
-        src = x if x.is_contiguous() else _source(x.detach())
         p = Packed("q", None, x.shape, x.dtype, x.device, bits,
                    _q_nbytes(src.numel(), bits, group_size, symmetric), batch=batch)
         batch.add(src, p, seed)
         return p
-    q = quantize_q(_source(x.detach()), bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed)
+    q = quantize_q(src.detach(), bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed)
     return Packed("q", q, x.shape, x.dtype, x.device, bits, q.nbytes)
 
 

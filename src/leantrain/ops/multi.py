@@ -33,8 +33,8 @@ from .rng import kernel_key
 
 __all__ = ["quantize_many", "dequantize_many"]
 
-_ROW = 10  # int64 table columns (the kernels' row stride): 4 addresses, n, n_groups, key, first
-#   program, bits, (unused); after the rows, the first-program column again, padded to a power of 2
+# The table: 10 int64 columns per tensor (the kernels' row stride): 4 addresses, n, n_groups, key,
+# first program, bits, (unused); after the rows, the first-program column again, padded to a power of 2.
 # (elements, warps) per program, 0 = quant.tile_shape's choice; measured on an H200 (bf16, one
 # 1b layer's saves): 2048 elements at 4 warps is the fastest for both (tune_kernels --what agoq)
 Q_TILE = (2048, 4)
@@ -43,7 +43,6 @@ DQ_TILE = (2048, 4)
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
 ALIGN_HINTS = {"quantize": True, "dequantize": False}
-NATIVE16 = True  # on a GPU, bf16/fp16 through typed pointers (the interpreter needs the bit path)
 _FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _IDX32_LIMIT = 2**32
 
@@ -66,7 +65,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import encode_pack_tl, unpack_tile_tl
+    from .quant import dequant_tile_tl, encode_pack_tl, store_packed_tl, tile_index_tl
 
     @triton.jit
     def _row(tab_ptr, n_tensors, TP: tl.constexpr):
@@ -136,29 +135,12 @@ if HAS_TRITON:
         n_groups = tl.load(row + 5)
         key = tl.load(row + 6).to(tl.int32)
         row0 = prog * ROWS
-        base = row0 * GS
-        rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)
-        r = tl.arange(0, ROWS)
-        cols = tl.arange(0, COLS)
-        loc = r[:, None] * GS + cols[None, :]
-        valid = (cols[None, :] < GS) & (loc < rem)
+        base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
         x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
-        if IDX32:
-            idx = base.to(tl.uint32) + loc.to(tl.uint32)
-        else:
-            idx = base + loc
         byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
                                            STOCHASTIC, PAIRS)
-        BCOLS: tl.constexpr = COLS * BITS // 8
-        OB: tl.constexpr = GS * BITS // 8
-        bcols = tl.arange(0, BCOLS)
-        rows = row0 + r
-        bmask = (rows[:, None] < n_groups) & (bcols[None, :] < OB)
-        tl.store(data_ptr + row0 * OB + (r[:, None] * OB + bcols[None, :]), byts, mask=bmask)
-        rmask = rows < n_groups
-        tl.store(scale_ptr + rows, scale, mask=rmask)
-        if not SYMMETRIC:
-            tl.store(zero_ptr + rows, zero, mask=rmask)
+        store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
+                        BITS, SYMMETRIC)
 
     @triton.jit(do_not_specialize=["n_tensors"])
     def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
@@ -187,16 +169,7 @@ if HAS_TRITON:
         n = tl.load(row + 4)
         n_groups = tl.load(row + 5)
         rows = prog * ROWS + tl.arange(0, ROWS)
-        rmask = rows < n_groups
-        BCOLS: tl.constexpr = COLS * BITS // 8
-        bcols = tl.arange(0, BCOLS)
-        bmask = rmask[:, None] & (bcols[None, :] < GS * BITS // 8)
-        b = tl.load(data_ptr + rows[:, None] * (GS * BITS // 8) + bcols[None, :], mask=bmask, other=0)
-        code = unpack_tile_tl(b, ROWS, BCOLS, BITS, SYMMETRIC)
-        scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
-        v = code.to(tl.float32) * scale[:, None]
-        if not SYMMETRIC:
-            v = v + tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
+        v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC)
         cols = tl.arange(0, COLS)
         idx = rows[:, None] * GS + cols[None, :]
         _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
@@ -289,7 +262,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_FLOAT_KIND[dtype],
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
-               NATIVE=NATIVE16 and not interpreting(), PAIRS=quant.PAIR_SR, num_warps=warps)
+               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, num_warps=warps)
     return out
 
 

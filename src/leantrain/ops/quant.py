@@ -267,28 +267,34 @@ if HAS_TRITON:
                 hi = tl.where(hi >= 8, hi - 16, hi)
             return tl.reshape(tl.join(lo, hi), [ROWS, 2 * HALF])
 
-    @triton.jit(do_not_specialize=["key"])
-    def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_groups, key,
-                         GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                         BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
-                         QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
-                         PAIRS: tl.constexpr):
-        row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
+    @triton.jit
+    def tile_index_tl(row0, n, GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                      IDX32: tl.constexpr):
+        """``(base, rem, loc, valid, idx)`` of the ``[ROWS, group_size]`` tile whose first group
+        is ``row0`` (int64): its first element, how many of its elements exist, int32 offsets
+        inside it, their mask and their RNG counters (uint32 below 2**32 elements: hashes like
+        the int64 index, whose high word is then 0)."""
         base = row0 * GS
         rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)
         r = tl.arange(0, ROWS)
         cols = tl.arange(0, COLS)
-        loc = r[:, None] * GS + cols[None, :]               # int32 offsets inside the tile
+        loc = r[:, None] * GS + cols[None, :]
         valid = (cols[None, :] < GS) & (loc < rem)
-        x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
-        if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
+        if IDX32:
             idx = base.to(tl.uint32) + loc.to(tl.uint32)
         else:
             idx = base + loc
-        byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
-                                           STOCHASTIC, PAIRS)
+        return base, rem, loc, valid, idx
+
+    @triton.jit
+    def store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups,
+                        GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                        SYMMETRIC: tl.constexpr):
+        """Store a tile's packed bytes ``[ROWS, COLS * BITS // 8]``, scales (and zero points) at
+        group ``row0`` of the output."""
         BCOLS: tl.constexpr = COLS * BITS // 8
         OB: tl.constexpr = GS * BITS // 8
+        r = tl.arange(0, ROWS)
         bcols = tl.arange(0, BCOLS)
         rows = row0 + r
         bmask = (rows[:, None] < n_groups) & (bcols[None, :] < OB)
@@ -299,15 +305,9 @@ if HAS_TRITON:
             tl.store(zero_ptr + rows, zero, mask=rmask)
 
     @triton.jit
-    def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
-                           GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
-        peer = tl.program_id(1).to(tl.int64)
-        data_ptr += peer * (n_groups * GS * BITS // 8)
-        scale_ptr += peer * n_groups
-        out_ptr += peer * n
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        rmask = rows < n_groups
+    def dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rmask, GS: tl.constexpr, COLS: tl.constexpr,
+                        ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+        """fp32 values ``[ROWS, COLS]`` of the groups ``rows`` (masked by ``rmask``)."""
         BCOLS: tl.constexpr = COLS * BITS // 8
         bcols = tl.arange(0, BCOLS)
         bmask = rmask[:, None] & (bcols[None, :] < GS * BITS // 8)
@@ -316,8 +316,34 @@ if HAS_TRITON:
         scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
         v = code.to(tl.float32) * scale[:, None]
         if not SYMMETRIC:
-            zero_ptr += peer * n_groups
             v = v + tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
+        return v
+
+    @triton.jit(do_not_specialize=["key"])
+    def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_groups, key,
+                         GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                         BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
+                         QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
+                         PAIRS: tl.constexpr):
+        row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
+        base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
+        x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
+        byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
+                                           STOCHASTIC, PAIRS)
+        store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
+                        BITS, SYMMETRIC)
+
+    @triton.jit
+    def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
+                           GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+        peer = tl.program_id(1).to(tl.int64)
+        data_ptr += peer * (n_groups * GS * BITS // 8)
+        scale_ptr += peer * n_groups
+        zero_ptr += peer * n_groups  # (the scale pointer again when symmetric: never read)
+        out_ptr += peer * n
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC)
         cols = tl.arange(0, COLS)
         idx = rows[:, None] * GS + cols[None, :]
         tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=(cols[None, :] < GS) & (idx < n))
@@ -325,14 +351,13 @@ if HAS_TRITON:
 
 TILE_ELEMS = 4096  # elements per program of quantize / dequantize (whole groups)
 PAIR_SR = True  # 4-bit stochastic rounding: one hash per byte (encode_pack_tl; same codes)
-TILE_WARPS = 0  # 0: 8 warps for tiles of >= 4096 elements, else 4
 
 
 def tile_shape(group_size: int, elems: int = 0) -> tuple[int, int, int]:
     """(COLS, ROWS, num_warps) for a tile of whole groups holding about ``elems`` elements."""
     cols = next_pow2(group_size)
     rows = max(1, (elems or TILE_ELEMS) // cols)
-    return cols, rows, TILE_WARPS or (8 if cols * rows >= 4096 else 4)
+    return cols, rows, 8 if cols * rows >= 4096 else 4
 
 
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter

@@ -68,7 +68,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .fp8 import fp8_decode_tl
-    from .quant import encode_pack_tl, unpack_tile_tl
+    from .quant import encode_pack_tl, store_packed_tl, tile_index_tl, unpack_tile_tl
 
     @triton.jit
     def _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid,
@@ -108,14 +108,9 @@ if HAS_TRITON:
                     SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                     QLO: tl.constexpr, QHI: tl.constexpr, K: tl.constexpr,
                     ROW_SCALE: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        row0 = pid * ROWS
-        base = row0 * GS                                    # first element of the tile (int64)
-        rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)  # valid elements in the tile
+        row0 = tl.program_id(0).to(tl.int64) * ROWS
+        base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
         r = tl.arange(0, ROWS)
-        cols = tl.arange(0, COLS)
-        loc = r[:, None] * GS + cols[None, :]               # int32 offsets inside the tile
-        valid = (cols[None, :] < GS) & (loc < rem)
         # int4 input: whole bytes of each row (GS is even, so rows start on a byte)
         HB: tl.constexpr = COLS // 2
         bcol = tl.arange(0, HB)
@@ -152,21 +147,10 @@ if HAS_TRITON:
                 dp += in_bytes
                 sp += in_groups
                 zp += in_groups
-        if IDX32:  # < 2**32 elements: the uint32 index hashes like the int64 one (high word 0)
-            idx = base.to(tl.uint32) + loc.to(tl.uint32)
-        else:
-            idx = base + loc
         byts, scale, zero = encode_pack_tl(acc, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
                                            STOCHASTIC, PAIRS)
-        BC: tl.constexpr = COLS * BITS // 8
-        OB: tl.constexpr = GS * BITS // 8
-        bcols = tl.arange(0, BC)
-        rows = row0 + r
-        bmask = (rows[:, None] < out_groups) & (bcols[None, :] < OB)
-        tl.store(odata_ptr + row0 * OB + (r[:, None] * OB + bcols[None, :]), byts, mask=bmask)
-        tl.store(oscale_ptr + rows, scale, mask=rows < out_groups)
-        if not SYMMETRIC:
-            tl.store(ozero_ptr + rows, zero, mask=rows < out_groups)
+        store_packed_tl(odata_ptr, oscale_ptr, ozero_ptr, byts, scale, zero, row0, out_groups, GS, COLS, ROWS,
+                        BITS, SYMMETRIC)
 
 
 def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group_size_out: int = 128,
