@@ -126,6 +126,77 @@ def tune_ops(mib: int, log) -> list[dict]:
     return rows
 
 
+def tune_fast(log) -> list[dict]:
+    """The GPU-only instruction choices (``quant.FAST`` bits) and the tiles per program of the
+    multi-tensor kernels (``multi.Q_TILE[2]`` / ``DQ_TILE[2]``), each variant's codes and
+    values checked equal to the portable path's (FAST=0) before it is timed."""
+    import importlib
+
+    from leantrain import ops
+
+    Q = importlib.import_module("leantrain.ops.quant")
+    M = importlib.import_module("leantrain.ops.multi")
+    n = 128 << 20  # 256 MiB of bf16
+    xb = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x32 = torch.randn(64 << 20, device="cuda")
+    yb = torch.empty_like(xb)
+    copy_ms = _bench(lambda: yb.copy_(xb))
+    copy_gbps = 4 * n / copy_ms / 1e6
+    rows = [{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}]
+    log(f"copy: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
+    n_small, n_big = 8192 * 2048, 8192 * 5632
+    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
+    tot = sum(x.numel() for x in xs)
+    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
+    nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
+    seeds = list(range(len(xs)))
+
+    def rec(case, fn, nbytes, same=None):
+        try:
+            ms = _bench(fn, rep=40)
+            r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbps,
+                 "same_as_portable": same}
+        except Exception as e:  # noqa: BLE001
+            r = {"case": case, "error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(r)
+        log(json.dumps(r))
+
+    def outputs():
+        q4 = ops.quantize(xb[: 1 << 22], bits=4, stochastic=True, seed=3)
+        q8 = ops.quantize(x32[: 1 << 22], bits=8, symmetric=False, stochastic=True, seed=3)
+        h4 = ops.hadamard_quantize(x32[: 1 << 22], block=32, bits=4, stochastic=True, seed=3)
+        qs = M.quantize_many(xs[:3], bits=[4, 8, 4], stochastic=True, seeds=[1, 2, 3])
+        return [q4.data, q4.scale, ops.dequantize(q4), q8.data, q8.scale, q8.zero, ops.dequantize(q8),
+                h4.data, h4.scale, *[q.data for q in qs], *M.dequantize_many(qs)]
+
+    Q.FAST = 0
+    ref = outputs()
+    defaults = Q.FAST, M.Q_TILE, M.DQ_TILE
+    for fast in (0, 1, 2, 4, 7):
+        Q.FAST = fast
+        same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
+        q4 = ops.quantize(xb, bits=4, stochastic=True, seed=1)
+        rec(f"FAST={fast} quantize int4 g128 SR bf16", lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1),
+            2.5 * n + n / 32, same)
+        rec(f"FAST={fast} quantize int8 g128 SR bf16", lambda: ops.quantize(xb, bits=8, stochastic=True, seed=1),
+            3 * n + n / 32, same)
+        rec(f"FAST={fast} dequantize int4 g128 -> bf16", lambda: ops.dequantize(q4), 2.5 * n + n / 32, same)
+        rec(f"FAST={fast} hadamard_quantize b32 int4 SR g128 fp32",
+            lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), x32.numel() * (4.5 + 1 / 32), same)
+        for tpp in (1, 2, 4) if fast in (0, 7) else (1,):
+            M.Q_TILE = M.Q_TILE[:2] + (tpp,)
+            M.DQ_TILE = M.DQ_TILE[:2] + (tpp,)
+            same_t = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
+            qs = M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds)
+            rec(f"FAST={fast} TPP={tpp} quantize_many 10 tensors int4/8 SR bf16",
+                lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, same_t)
+            rec(f"FAST={fast} TPP={tpp} dequantize_many 10 tensors -> bf16", lambda: M.dequantize_many(qs),
+                nb_many, same_t)
+        M.Q_TILE, M.DQ_TILE = defaults[1:]
+    Q.FAST, M.Q_TILE, M.DQ_TILE = defaults
+    return rows
+
+
 VARIANTS = False  # also sweep alignment hints / tiles of the multi-tensor kernels
 
 
@@ -178,7 +249,7 @@ def tune_agoq(log) -> list[dict]:
         for align in (True, False) if VARIANTS else ():
             M.ALIGN_HINTS = {"quantize": align, "dequantize": align}
             for elems, w in ((2048, 4), (4096, 8)):
-                M.Q_TILE = M.DQ_TILE = (elems, w)
+                M.Q_TILE = M.DQ_TILE = (elems, w, 1)
                 qs = M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds)
                 tag = f"align={align} elems={elems} warps={w}"
                 rec(f"quantize_many int{bits} SR bf16 {tag}",
@@ -310,6 +381,9 @@ def main(argv=None) -> int:
     if "agoq" in what:
         res = tune_agoq(log)
         json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_agoq.json"), "w"), indent=1)
+    if "fast" in what:
+        res = tune_fast(log)
+        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_fast.json"), "w"), indent=1)
     if "forge_paths" in what:
         res = tune_forge_paths(log)
         json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge_paths.json"), "w"), indent=1)

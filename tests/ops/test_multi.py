@@ -88,3 +88,23 @@ def test_mixed_bit_widths_in_one_launch(backend, device, stochastic):
         assert q.bits == b and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
     for q, d in zip(qs, dequantize_many(qs, backend=backend), strict=True):
         assert torch.equal(d, dequantize(q, backend="torch"))
+
+
+@pytest.mark.parametrize("tpp", [2, 3])
+def test_several_tiles_per_program(device, monkeypatch, tpp):
+    """A program running TPP consecutive tiles (the last ones past a tensor's end masked) gives
+    the same bytes as one tile per program."""
+    if not triton_runnable():
+        pytest.skip("no Triton")
+    import importlib
+
+    M = importlib.import_module("leantrain.ops.multi")
+    monkeypatch.setattr(M, "Q_TILE", (256, 4, tpp))
+    monkeypatch.setattr(M, "DQ_TILE", (256, 4, tpp))
+    xs = [randn(n, torch.bfloat16, device) for n in (1, 700, 2048, 5000)]
+    qs = quantize_many(xs, bits=[4, 8, 4, 8], stochastic=True, seeds=[1, 2, 3, 4], backend="triton")
+    for x, s, b, q in zip(xs, [1, 2, 3, 4], [4, 8, 4, 8], qs, strict=True):
+        r = quantize(x, bits=b, stochastic=True, seed=s, backend="torch")
+        assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+    for q, d in zip(qs, dequantize_many(qs, backend="triton"), strict=True):
+        assert torch.equal(d, dequantize(q, backend="torch"))

@@ -24,7 +24,7 @@ import torch
 
 from ._backend import HAS_TRITON, launch, resolve
 from .qtensor import QTensor
-from .quant import _PRE, _TINY, _pad_groups, ieee_div, tile_shape
+from .quant import _PRE, _TINY, _pad_groups, fast_bits, ieee_div, tile_shape
 
 # fmt -> (torch dtype, mantissa bits, exponent bias, min normal exponent, max finite)
 FP8_FORMATS = {
@@ -120,7 +120,8 @@ if HAS_TRITON:
     @triton.jit
     def _dqfp8_kernel(data_ptr, scale_ptr, out_ptr, n, n_groups,
                       GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                      M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr):
+                      M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr,
+                      FAST: tl.constexpr):
         peer = tl.program_id(1).to(tl.int64)
         data_ptr += peer * (n_groups * GS)
         scale_ptr += peer * n_groups
@@ -132,7 +133,7 @@ if HAS_TRITON:
         c = tl.load(data_ptr + idx, mask=m, other=0).to(tl.int32)
         s = tl.load(scale_ptr + rows, mask=rows < n_groups, other=0.0)
         v = fp8_decode_tl(c, M, BIAS, EMIN, IS_E4M3) * s[:, None]
-        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty, FAST), mask=m)
 
 
 def quantize_fp8(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128,
@@ -168,5 +169,5 @@ def dequantize_fp8(q: QTensor, *, dtype: torch.dtype | None = None, backend: str
         cols, rows, warps = tile_shape(q.group_size)
         launch(_dqfp8_kernel, (triton.cdiv(g, rows), k), q.data.contiguous(), q.scale.contiguous(),
                out, q.numel, g, GS=q.group_size, COLS=cols, ROWS=rows, M=m, BIAS=bias, EMIN=emin,
-               IS_E4M3=q.fmt == "e4m3", num_warps=warps)
+               IS_E4M3=q.fmt == "e4m3", FAST=fast_bits(), num_warps=warps)
     return out

@@ -172,7 +172,7 @@ if HAS_TRITON:
         if HW_CAST:
             return v.to(DTYPE)
         else:
-            return cast_out_tl(v, DTYPE)
+            return cast_out_tl(v, DTYPE, 0)
 
     @triton.jit
     def _hadamard_kernel(x_ptr, y_ptr, n, n_pad, factor, B: tl.constexpr, LOG2B: tl.constexpr,
@@ -190,7 +190,8 @@ if HAS_TRITON:
                                   key, B: tl.constexpr, LOG2B: tl.constexpr, R: tl.constexpr,
                                   GS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                                   STOCHASTIC: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr,
-                                  PREC: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr):
+                                  PREC: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr,
+                                  FAST: tl.constexpr):
         T: tl.constexpr = R * B
         G: tl.constexpr = T // GS
         BC: tl.constexpr = GS * BITS // 8
@@ -208,7 +209,7 @@ if HAS_TRITON:
         else:
             gidx = base + gloc
         byts, scale, zero = encode_pack_tl(y, gloc < rem_pad, gidx, key, G, GS, BITS, QLO, QHI, SYMMETRIC,
-                                           STOCHASTIC, PAIRS)
+                                           STOCHASTIC, PAIRS, FAST)
         rows = pid * G + g
         boff = g[:, None] * BC + tl.arange(0, BC)[None, :]
         tl.store(data_ptr + pid * (G * BC) + boff, byts, mask=rows[:, None] < n_groups)
@@ -302,5 +303,6 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
                scale if zero is None else zero, n, n_pad, g, _factor(block, normalized, False),
                kernel_key(seed), B=block, LOG2B=int(math.log2(block)), R=r, GS=group_size, BITS=bits,
                SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, PREC=_prec(x.dtype),
-               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=quant.PAIR_SR, num_warps=HQ_WARPS)
+               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(),
+               num_warps=HQ_WARPS)
     return QTensor(data, scale, zero, shape, x.dtype, bits, group_size, symmetric)

@@ -35,10 +35,12 @@ __all__ = ["quantize_many", "dequantize_many"]
 
 # The table: 10 int64 columns per tensor (the kernels' row stride): 4 addresses, n, n_groups, key,
 # first program, bits, (unused); after the rows, the first-program column again, padded to a power of 2.
-# (elements, warps) per program, 0 = quant.tile_shape's choice; measured on an H200 (bf16, one
-# 1b layer's saves): 2048 elements at 4 warps is the fastest for both (tune_kernels --what agoq)
-Q_TILE = (2048, 4)
-DQ_TILE = (2048, 4)
+# (elements per tile, warps, tiles per program), 0 = quant.tile_shape's choice; measured on an
+# H200 (bf16, one 1b layer's saves): 2048 elements at 4 warps is the fastest tile for both
+# (tune_kernels --what agoq); a program runs TPP consecutive tiles of one tensor (the table
+# lookup and its dependent loads are paid once per program).
+Q_TILE = (2048, 4, 1)
+DQ_TILE = (2048, 4, 1)
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -122,9 +124,10 @@ if HAS_TRITON:
     def _quantize_tile(row, prog, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                        ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                        STOCHASTIC: tl.constexpr, IDX32: tl.constexpr, ALIGNED: tl.constexpr,
-                       NATIVE: tl.constexpr, PAIRS: tl.constexpr):
-        """One ``[ROWS, group_size]`` tile of the tensor of table row ``row``, as
-        :func:`leantrain.ops.quant._quantize_kernel` does it."""
+                       NATIVE: tl.constexpr, PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
+        """``TPP`` consecutive ``[ROWS, group_size]`` tiles of the tensor of table row ``row``
+        (the program's ``prog``-th run of them), each as
+        :func:`leantrain.ops.quant._quantize_kernel` does it; tiles past the end are masked."""
         QHI: tl.constexpr = (1 << (BITS - 1)) - 1 if SYMMETRIC else (1 << BITS) - 1
         QLO: tl.constexpr = -QHI if SYMMETRIC else 0
         x_addr = tl.load(row)
@@ -134,59 +137,65 @@ if HAS_TRITON:
         n = tl.load(row + 4)
         n_groups = tl.load(row + 5)
         key = tl.load(row + 6).to(tl.int32)
-        row0 = prog * ROWS
-        base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
-        x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
-        byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
-                                           STOCHASTIC, PAIRS)
-        store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
-                        BITS, SYMMETRIC)
+        for j in tl.static_range(TPP):
+            row0 = (prog * TPP + j) * ROWS
+            base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
+            x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
+            byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
+                                               STOCHASTIC, PAIRS, FAST)
+            store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
+                            BITS, SYMMETRIC)
 
     @triton.jit(do_not_specialize=["n_tensors"])
     def _quantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                               GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                               BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                               IDX32: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr,
-                              PAIRS: tl.constexpr):
+                              PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         """``BITS`` 4 or 8 for every tensor, or 0: each tensor's own (table column 8)."""
         row, prog = _row(tab_ptr, n_tensors, TP)
         if BITS == 0:
             if tl.load(row + 8) == 4:
-                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE, PAIRS)
+                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                               PAIRS, FAST, TPP)
             else:
-                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 8, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE, PAIRS)
+                _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 8, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                               PAIRS, FAST, TPP)
         else:
-            _quantize_tile(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE, PAIRS)
+            _quantize_tile(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                           PAIRS, FAST, TPP)
 
     @triton.jit
     def _dequantize_tile(row, prog, KIND: tl.constexpr, HW_CAST: tl.constexpr, GS: tl.constexpr,
                          COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr):
+                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         data_ptr = _ptr(tl.load(row), tl.uint8, ALIGNED)
         scale_ptr = _ptr(tl.load(row + 1), tl.float32, ALIGNED)
         zero_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
         out_ptr = tl.load(row + 3)
         n = tl.load(row + 4)
         n_groups = tl.load(row + 5)
-        rows = prog * ROWS + tl.arange(0, ROWS)
-        v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC)
         cols = tl.arange(0, COLS)
-        idx = rows[:, None] * GS + cols[None, :]
-        _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
+        for j in tl.static_range(TPP):
+            rows = (prog * TPP + j) * ROWS + tl.arange(0, ROWS)
+            v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS,
+                                SYMMETRIC, FAST)
+            idx = rows[:, None] * GS + cols[None, :]
+            _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
 
     @triton.jit(do_not_specialize=["n_tensors"])
     def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                                 HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                                 ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                                ALIGNED: tl.constexpr):
+                                ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         row, prog = _row(tab_ptr, n_tensors, TP)
         if BITS == 0:
             if tl.load(row + 8) == 4:
-                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED)
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED, FAST, TPP)
             else:
-                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED)
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED, FAST, TPP)
         else:
-            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED)
+            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
 
 
 def _aligned(rows: list[list[int]], kernel: str) -> bool:
@@ -254,7 +263,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         if g:
             rows.append([x.data_ptr(), data.data_ptr(), scale.data_ptr(),
                          (scale if zero is None else zero).data_ptr(), n, g, k, 0, b, 0])
-            progs.append(-(-g // rows_per))
+            progs.append(-(-g // (rows_per * Q_TILE[2])))
             big |= g * group_size > _IDX32_LIMIT
     if rows:
         tab, total = _table(rows, progs, device)
@@ -262,7 +271,8 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_FLOAT_KIND[dtype],
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
-               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, num_warps=warps)
+               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), TPP=Q_TILE[2],
+               num_warps=warps)
     return out
 
 
@@ -294,12 +304,12 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
             zero = q.scale if q.zero is None else q.zero
             rows.append([q.data.data_ptr(), q.scale.data_ptr(), zero.data_ptr(), o.data_ptr(), q.numel, g, 0, 0,
                          q.bits, 0])
-            progs.append(-(-g // rows_per))
+            progs.append(-(-g // (rows_per * DQ_TILE[2])))
     if rows:
         tab, total = _table(rows, progs, device)
         mixed = len(set(r[8] for r in rows)) > 1
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
                KIND=_FLOAT_KIND[out_dtype], HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
                BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"),
-               num_warps=warps)
+               FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
     return out

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import HAS_TRITON, launch, resolve
-from .quant import ieee_div
+from .quant import fast_bits, ieee_div
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -167,7 +167,7 @@ if HAS_TRITON:
         tl.store(bs_ptr + rows, s8.to(tl.uint8), mask=rmask)
 
     @triton.jit
-    def _dqnvfp4_kernel(data_ptr, bs_ptr, ts_ptr, out_ptr, n, n_blocks, ROWS: tl.constexpr):
+    def _dqnvfp4_kernel(data_ptr, bs_ptr, ts_ptr, out_ptr, n, n_blocks, ROWS: tl.constexpr, FAST: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_blocks
         bcols = tl.arange(0, 8)
@@ -186,7 +186,7 @@ if HAS_TRITON:
         v = v * eff[:, None]
         cols = tl.arange(0, 16)
         idx = rows[:, None] * 16 + cols[None, :]
-        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=idx < n)
+        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty, FAST), mask=idx < n)
 
 
 def _quantize_nvfp4_triton(x: torch.Tensor) -> NVFP4Tensor:
@@ -213,7 +213,7 @@ def _dequantize_nvfp4_triton(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor
     if nb:
         ts = q.tensor_scale.to(device=q.data.device, dtype=torch.float32).reshape(1)
         launch(_dqnvfp4_kernel, (triton.cdiv(nb, _ROWS),), q.data.contiguous(), q.block_scale.contiguous(),
-               ts, out, n, nb, ROWS=_ROWS, num_warps=8)
+               ts, out, n, nb, ROWS=_ROWS, FAST=fast_bits(), num_warps=8)
     return out
 
 

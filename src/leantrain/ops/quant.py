@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, launch, next_pow2, resolve
+from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
 from .qtensor import QTensor
 from .rng import hash_uniform, kernel_key
 
@@ -184,12 +184,22 @@ if HAS_TRITON:
         return base, scale, zero, pre, inv
 
     @triton.jit
-    def _round_tl(y, u, QLO: tl.constexpr, QHI: tl.constexpr):
-        return tl.minimum(tl.maximum(tl.floor(y + u), QLO), QHI).to(tl.int32)
+    def _round_tl(y, u, QLO: tl.constexpr, QHI: tl.constexpr, FAST: tl.constexpr):
+        """int32 ``clamp(floor(y + u), QLO, QHI)`` (= ``floor(clamp(y + u, QLO, QHI))``: integer
+        bounds). ``FAST & 1`` (GPU): ``floor(w) + 1.5 * 2**23`` is one fp32 add rounded toward
+        -inf, whose low bits are the two's complement code, so neither the floor nor the
+        float-to-int conversion (the slow conversion pipe) is executed; same codes."""
+        w = tl.minimum(tl.maximum(y + u, QLO), QHI)
+        if FAST & 1:
+            m = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [w],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+            return m.to(tl.int32, bitcast=True) - 0x4B400000
+        else:
+            return tl.floor(w).to(tl.int32)
 
     @triton.jit
     def encode_tile_tl(x, valid, idx, key, QLO: tl.constexpr, QHI: tl.constexpr,
-                       SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr):
+                       SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr, FAST: tl.constexpr):
         """Quantize an fp32 tile ``[ROWS, COLS]`` row-wise; returns (int32 codes, scale, zero).
 
         ``valid`` masks padding; ``idx`` holds each element's RNG counter; codes lie in
@@ -198,15 +208,15 @@ if HAS_TRITON:
         base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
         y = (base * pre[:, None]) * inv[:, None]
         if STOCHASTIC:
-            code = _round_tl(y, uniform_tl(key, idx), QLO, QHI)
+            code = _round_tl(y, uniform_tl(key, idx), QLO, QHI, FAST)
         else:
-            code = _round_tl(y, 0.5, QLO, QHI)
+            code = _round_tl(y, 0.5, QLO, QHI, FAST)
         return code, scale, zero
 
     @triton.jit
     def encode_pack_tl(x, valid, idx, key, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr,
                        QLO: tl.constexpr, QHI: tl.constexpr, SYMMETRIC: tl.constexpr,
-                       STOCHASTIC: tl.constexpr, PAIRS: tl.constexpr):
+                       STOCHASTIC: tl.constexpr, PAIRS: tl.constexpr, FAST: tl.constexpr):
         """:func:`encode_tile_tl` then :func:`pack_tile_tl`: (uint8 bytes, scale, zero).
 
         4 bits with ``PAIRS``: the tile is split into its even and odd columns before rounding
@@ -219,21 +229,24 @@ if HAS_TRITON:
             if STOCHASTIC:
                 i0, _ = tl.split(tl.reshape(idx, [ROWS, COLS // 2, 2]))
                 u0, u1 = uniform_pair_tl(key, i0 >> 1)
-                c0 = _round_tl(y0, u0, QLO, QHI)
-                c1 = _round_tl(y1, u1, QLO, QHI)
+                c0 = _round_tl(y0, u0, QLO, QHI, FAST)
+                c1 = _round_tl(y1, u1, QLO, QHI, FAST)
             else:
-                c0 = _round_tl(y0, 0.5, QLO, QHI)
-                c1 = _round_tl(y1, 0.5, QLO, QHI)
+                c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
+                c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
             return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8), scale, zero
         else:
-            code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC)
+            code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC, FAST)
             return pack_tile_tl(code, ROWS, COLS, BITS), scale, zero
 
     @triton.jit
-    def cast_out_tl(v, DTYPE: tl.constexpr):
-        """fp32 -> ``DTYPE`` with round-to-nearest-even. bf16 is rounded on the integer bits
-        (the Triton interpreter truncates fp32 -> bf16; GPUs round to nearest even)."""
-        if DTYPE == tl.bfloat16:
+    def cast_out_tl(v, DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """fp32 -> ``DTYPE`` with round-to-nearest-even. ``FAST & 4`` (GPU): the hardware
+        conversion; else bf16 is rounded on the integer bits (the Triton interpreter truncates
+        fp32 -> bf16; GPUs round to nearest even)."""
+        if FAST & 4:
+            return v.to(DTYPE)
+        elif DTYPE == tl.bfloat16:
             b = v.to(tl.int32, bitcast=True)
             r = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
             r = tl.where(v != v, b, r)
@@ -266,6 +279,34 @@ if HAS_TRITON:
                 lo = tl.where(lo >= 8, lo - 16, lo)
                 hi = tl.where(hi >= 8, hi - 16, hi)
             return tl.reshape(tl.join(lo, hi), [ROWS, 2 * HALF])
+
+    @triton.jit
+    def _code_float_tl(c, SIGNED: tl.constexpr, BITS: tl.constexpr):
+        """fp32 value of the code in the low ``BITS`` bits of the int32 ``c`` (two's complement
+        if ``SIGNED``) without an int-to-float conversion: ``1.5 * 2**23 + code`` has the bits
+        ``0x4B400000 + code``, and subtracting 1.5 * 2**23 is exact."""
+        if SIGNED:
+            h: tl.constexpr = 1 << (BITS - 1)
+            b = (c ^ h) + (0x4B400000 - h)  # (c ^ h) - h is the signed code
+        else:
+            b = c | 0x4B400000
+        return b.to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def unpack_float_tl(b, ROWS: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
+                        SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
+        """uint8 ``[ROWS, n]`` -> fp32 codes ``[ROWS, n * 8 // BITS]`` (:func:`unpack_tile_tl`
+        converted; ``FAST & 2`` (GPU): through :func:`_code_float_tl`, the same values)."""
+        if FAST & 2:
+            d = b.to(tl.int32)
+            if BITS == 8:
+                return _code_float_tl(d, SYMMETRIC, 8)
+            else:
+                lo = _code_float_tl(d & 0xF, SYMMETRIC, 4)
+                hi = _code_float_tl(d >> 4, SYMMETRIC, 4)
+                return tl.reshape(tl.join(lo, hi), [ROWS, 2 * HALF])
+        else:
+            return unpack_tile_tl(b, ROWS, HALF, BITS, SYMMETRIC).to(tl.float32)
 
     @triton.jit
     def tile_index_tl(row0, n, GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
@@ -306,15 +347,15 @@ if HAS_TRITON:
 
     @triton.jit
     def dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rmask, GS: tl.constexpr, COLS: tl.constexpr,
-                        ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+                        ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
         """fp32 values ``[ROWS, COLS]`` of the groups ``rows`` (masked by ``rmask``)."""
         BCOLS: tl.constexpr = COLS * BITS // 8
         bcols = tl.arange(0, BCOLS)
         bmask = rmask[:, None] & (bcols[None, :] < GS * BITS // 8)
         b = tl.load(data_ptr + rows[:, None] * (GS * BITS // 8) + bcols[None, :], mask=bmask, other=0)
-        code = unpack_tile_tl(b, ROWS, BCOLS, BITS, SYMMETRIC)
+        code = unpack_float_tl(b, ROWS, BCOLS, BITS, SYMMETRIC, FAST)
         scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)
-        v = code.to(tl.float32) * scale[:, None]
+        v = code * scale[:, None]
         if not SYMMETRIC:
             v = v + tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
         return v
@@ -324,33 +365,44 @@ if HAS_TRITON:
                          GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                          QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
-                         PAIRS: tl.constexpr):
+                         PAIRS: tl.constexpr, FAST: tl.constexpr):
         row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
         base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
         x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
         byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
-                                           STOCHASTIC, PAIRS)
+                                           STOCHASTIC, PAIRS, FAST)
         store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
                         BITS, SYMMETRIC)
 
     @triton.jit
     def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
                            GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
         peer = tl.program_id(1).to(tl.int64)
         data_ptr += peer * (n_groups * GS * BITS // 8)
         scale_ptr += peer * n_groups
         zero_ptr += peer * n_groups  # (the scale pointer again when symmetric: never read)
         out_ptr += peer * n
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC)
+        v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC,
+                            FAST)
         cols = tl.arange(0, COLS)
         idx = rows[:, None] * GS + cols[None, :]
-        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty), mask=(cols[None, :] < GS) & (idx < n))
+        tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty, FAST), mask=(cols[None, :] < GS) & (idx < n))
 
 
 TILE_ELEMS = 4096  # elements per program of quantize / dequantize (whole groups)
 PAIR_SR = True  # 4-bit stochastic rounding: one hash per byte (encode_pack_tl; same codes)
+# GPU-only instruction choices (bits: 1 rounding by a directed add, 2 codes to floats by their
+# bits, 4 the hardware fp32 -> bf16 cast); same results as the portable paths, which the Triton
+# interpreter runs. Measured on an H200: see benchmarks/results (tune_kernels --what fast).
+FAST = 7
+
+
+def fast_bits() -> int:
+    """The ``FAST`` constexpr of a launch: :data:`FAST` on a GPU; under the interpreter only
+    bit 2 (portable: bitcasts), which the CPU tests thus check against the reference."""
+    return FAST & 2 if interpreting() else FAST
 
 
 def tile_shape(group_size: int, elems: int = 0) -> tuple[int, int, int]:
@@ -378,7 +430,7 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTenso
         launch(_quantize_kernel, (triton.cdiv(g, rows),), xf, data, scale,
                scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,
                ROWS=rows, BITS=bits, SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi,
-               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=PAIR_SR, num_warps=warps)
+               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=PAIR_SR, FAST=fast_bits(), num_warps=warps)
     return QTensor(data, scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
 
 
@@ -393,7 +445,7 @@ def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
         zero = scale if q.zero is None else q.zero.contiguous()
         launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero, out, q.numel, g,
                GS=q.group_size, COLS=cols, ROWS=rows, BITS=q.bits, SYMMETRIC=q.symmetric,
-               num_warps=warps)
+               FAST=fast_bits(), num_warps=warps)
     return out
 
 

@@ -68,26 +68,28 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .fp8 import fp8_decode_tl
-    from .quant import encode_pack_tl, store_packed_tl, tile_index_tl, unpack_tile_tl
+    from .quant import _code_float_tl, encode_pack_tl, store_packed_tl, tile_index_tl, unpack_float_tl
 
     @triton.jit
     def _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid,
                   GS_IN: tl.constexpr, BITS_IN: tl.constexpr, SYM_IN: tl.constexpr,
                   FP8: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
                   IS_E4M3: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                  ROW_SCALE: tl.constexpr):
+                  ROW_SCALE: tl.constexpr, FAST: tl.constexpr):
         """One peer's dequantized ``[ROWS, COLS]`` tile (fp32), as :func:`dequantize_ref`."""
         if BITS_IN == 8:
             c = tl.load(dp + loc, mask=valid, other=0)
             if FP8:
                 v = fp8_decode_tl(c.to(tl.int32), M, BIAS, EMIN, IS_E4M3)
+            elif FAST & 2:
+                v = _code_float_tl(c.to(tl.int32), SYM_IN, 8)
             elif SYM_IN:
                 v = c.to(tl.int8, bitcast=True).to(tl.float32)  # two's complement byte
             else:
                 v = c.to(tl.float32)
         else:
             byts = tl.load(dp + bloc, mask=bvalid, other=0)
-            v = unpack_tile_tl(byts, ROWS, COLS // 2, 4, SYM_IN).to(tl.float32)
+            v = unpack_float_tl(byts, ROWS, COLS // 2, 4, SYM_IN, FAST)
         if ROW_SCALE:
             v = v * tl.load(sp + sidx, mask=svalid, other=0.0)[:, None]
             if not SYM_IN:
@@ -107,7 +109,8 @@ if HAS_TRITON:
                     GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
                     SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                     QLO: tl.constexpr, QHI: tl.constexpr, K: tl.constexpr,
-                    ROW_SCALE: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr):
+                    ROW_SCALE: tl.constexpr, IDX32: tl.constexpr, PAIRS: tl.constexpr,
+                    FAST: tl.constexpr):
         row0 = tl.program_id(0).to(tl.int64) * ROWS
         base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
         r = tl.arange(0, ROWS)
@@ -135,7 +138,7 @@ if HAS_TRITON:
             for _ in tl.static_range(K):
                 acc = acc + _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid, GS_IN,
                                       BITS_IN, SYM_IN, FP8, M, BIAS, EMIN, IS_E4M3, ROWS, COLS,
-                                      ROW_SCALE)
+                                      ROW_SCALE, FAST)
                 dp += in_bytes
                 sp += in_groups
                 zp += in_groups
@@ -143,12 +146,12 @@ if HAS_TRITON:
             for _ in range(k):
                 acc = acc + _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid, GS_IN,
                                       BITS_IN, SYM_IN, FP8, M, BIAS, EMIN, IS_E4M3, ROWS, COLS,
-                                      ROW_SCALE)
+                                      ROW_SCALE, FAST)
                 dp += in_bytes
                 sp += in_groups
                 zp += in_groups
         byts, scale, zero = encode_pack_tl(acc, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
-                                           STOCHASTIC, PAIRS)
+                                           STOCHASTIC, PAIRS, FAST)
         store_packed_tl(odata_ptr, oscale_ptr, ozero_ptr, byts, scale, zero, row0, out_groups, GS, COLS, ROWS,
                         BITS, SYMMETRIC)
 
@@ -190,5 +193,5 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
                COLS=cols, ROWS=rows, BITS=bits_out, SYMMETRIC=symmetric_out, STOCHASTIC=stochastic,
                QLO=qlo, QHI=qhi, K=k if k <= _UNROLL_MAX else 0,
                ROW_SCALE=q.group_size % group_size_out == 0, IDX32=g * group_size_out <= _IDX32_LIMIT,
-               PAIRS=quant.PAIR_SR, num_warps=warps)
+               PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), num_warps=warps)
     return QTensor(data, scale, zero, q.shape, torch.float32, bits_out, group_size_out, symmetric_out)
