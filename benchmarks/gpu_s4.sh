@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 4's GPU calls (each under the device tool's 600 s limit):
 #   OUT=dir bash benchmarks/gpu_s4.sh fast   # FAST bits / tiles-per-program sweep, then the ops and AGoQ tests compiled
+#   OUT=dir bash benchmarks/gpu_s4.sh words  # + the 32-bit word path: tests, sweep, bench_ops, bench_agoq, profiles
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 PART=${1:-fast}
@@ -15,6 +16,20 @@ gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cachepr
     gputest 200 tests/ops/test_quant.py tests/ops/test_multi.py tests/ops/test_reduce_bits_nvfp4.py tests/ops/test_fp8.py tests/ops/test_hadamard.py tests/ops/test_nvfp4_triton.py
     log "gpu tests: agoq"
     gputest 120 tests/agoq
+  fi
+  if [ "$PART" = words ]; then
+    log "gpu tests: word paths, multi, agoq"
+    gputest 100 tests/ops/test_quant.py -k "word or bit_exact or extreme" tests/ops/test_multi.py tests/agoq
+    log "tune fast"
+    timeout 200 python3 benchmarks/tune_kernels.py --what fast --out "$OUT/words" 2>&1 | grep -v Warn
+    log "bench ops 256, 2048 MiB"
+    timeout 110 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$OUT/words/ops.json" 2>&1 | tail -3
+    log "bench agoq (1b, B=8)"
+    timeout 100 python3 benchmarks/bench_agoq.py --out "$OUT/words" 2>&1 | tail -2
+    for c in torch_bf16 agoq; do
+      log "profile $c B=8 forward+backward"
+      timeout 60 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --out "$OUT/words" 2>&1 | grep -v Warn | tail -1
+    done
   fi
   log done
 } 2>&1 | tee "$OUT/$PART/run.log"

@@ -101,10 +101,37 @@ def test_several_tiles_per_program(device, monkeypatch, tpp):
     M = importlib.import_module("leantrain.ops.multi")
     monkeypatch.setattr(M, "Q_TILE", (256, 4, tpp))
     monkeypatch.setattr(M, "DQ_TILE", (256, 4, tpp))
-    xs = [randn(n, torch.bfloat16, device) for n in (1, 700, 2048, 5000)]
+    xs = [randn(n, torch.bfloat16, device) for n in (2, 700, 2048, 5001)]  # 4-bit ones even: word path
     qs = quantize_many(xs, bits=[4, 8, 4, 8], stochastic=True, seeds=[1, 2, 3, 4], backend="triton")
     for x, s, b, q in zip(xs, [1, 2, 3, 4], [4, 8, 4, 8], qs, strict=True):
         r = quantize(x, bits=b, stochastic=True, seed=s, backend="torch")
         assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
     for q, d in zip(qs, dequantize_many(qs, backend="triton"), strict=True):
         assert torch.equal(d, dequantize(q, backend="torch"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_word_path_and_its_fallback(device, dtype, symmetric):
+    """4-bit tensors of a launch, all of even size at 4-byte aligned addresses, are read and
+    written as 32-bit words; one odd-sized or misaligned tensor sends the launch down the
+    element path. Both equal the reference."""
+    if not triton_runnable():
+        pytest.skip("no Triton")
+    import importlib
+
+    M = importlib.import_module("leantrain.ops.multi")
+    big = randn(9000, dtype, device)
+    big[3] = float("nan")
+    even = [big[:4096], big[4096:4096 + 130], big[6000:6002]]
+    kw = dict(bits=4, symmetric=symmetric, stochastic=True)
+    for xs in (even, even + [big[7001:7301]], even + [big[8000:8011]]):
+        rows = [[x.data_ptr(), 0, 0, 0, x.numel(), 0, 0, 0, 4, 0] for x in xs]
+        assert (M._words(rows, dtype, 0) > 0) == (xs is even)
+        seeds = list(range(len(xs)))
+        qs = quantize_many(xs, seeds=seeds, backend="triton", **kw)
+        for x, s, q in zip(xs, seeds, qs, strict=True):
+            r = quantize(x, seed=s, backend="torch", **kw)
+            assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+        for q, d in zip(qs, dequantize_many(qs, backend="triton"), strict=True):
+            assert torch.equal(d, dequantize(q, backend="torch"))

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from _opslib import DTYPES, SQNR_FLOOR_DB, equal_nan, randn, sqnr_db
+from _opslib import DTYPES, SQNR_FLOOR_DB, equal_nan, randn, sqnr_db, triton_runnable
 
 from leantrain.ops import QTensor, dequantize, quantize
 from leantrain.ops.quant import dequantize_ref, quantize_ref
@@ -165,3 +165,29 @@ def test_pairwise_stochastic_rounding_path_gives_the_same_codes(backend, device,
     monkeypatch.setattr(Q, "PAIR_SR", False)
     b = quantize(x, **kw)
     _same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_word_path_of_16_bit_inputs(device, monkeypatch, dtype, symmetric, stochastic):
+    """4 bits from / to bf16 and fp16 read and write 32-bit words of two elements (WORD_PAIRS)
+    where the size is even and the address 4-byte aligned, elements otherwise: the same bytes
+    and values as the reference either way (odd sizes, odd offsets, partial groups, NaN/inf)."""
+    if not triton_runnable():
+        pytest.skip("no Triton")
+    import importlib
+
+    Q = importlib.import_module("leantrain.ops.quant")
+    big = randn(2 * 4099, dtype, device)
+    big[7], big[300], big[301] = float("nan"), float("inf"), -float("inf")
+    cases = [big[:8192].view(2, 4096), big[:6].view(2, 3), big[1:4097], big[:4097], big[2:1002]]
+    assert Q.word_kind(4, dtype, 6, big[1:].data_ptr()) == 0 and Q.word_kind(4, dtype, 6, big.data_ptr()) > 0
+    kw = dict(bits=4, group_size=128, symmetric=symmetric, stochastic=stochastic, seed=5)
+    for x in cases:
+        r = quantize(x, backend="torch", **kw)
+        for words in (True, False):
+            monkeypatch.setattr(Q, "WORD_PAIRS", words)
+            q = quantize(x, backend="triton", **kw)
+            _same(q, r)
+            assert torch.equal(dequantize(q, backend="triton"), dequantize(r, backend="torch"))

@@ -67,7 +67,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import dequant_tile_tl, encode_pack_tl, store_packed_tl, tile_index_tl
+    from .quant import dequant_tile_tl, dequant_words_tl, encode_pack_tl, encode_words_tl, store_packed_tl, tile_index_tl
 
     @triton.jit
     def _row(tab_ptr, n_tensors, TP: tl.constexpr):
@@ -124,10 +124,12 @@ if HAS_TRITON:
     def _quantize_tile(row, prog, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                        ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                        STOCHASTIC: tl.constexpr, IDX32: tl.constexpr, ALIGNED: tl.constexpr,
-                       NATIVE: tl.constexpr, PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
+                       NATIVE: tl.constexpr, PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr,
+                       WORDS: tl.constexpr):
         """``TPP`` consecutive ``[ROWS, group_size]`` tiles of the tensor of table row ``row``
         (the program's ``prog``-th run of them), each as
-        :func:`leantrain.ops.quant._quantize_kernel` does it; tiles past the end are masked."""
+        :func:`leantrain.ops.quant._quantize_kernel` does it; tiles past the end are masked.
+        ``WORDS``: 4-bit tiles read the (bf16 = 1 / fp16 = 2) input as 32-bit words."""
         QHI: tl.constexpr = (1 << (BITS - 1)) - 1 if SYMMETRIC else (1 << BITS) - 1
         QLO: tl.constexpr = -QHI if SYMMETRIC else 0
         x_addr = tl.load(row)
@@ -139,10 +141,14 @@ if HAS_TRITON:
         key = tl.load(row + 6).to(tl.int32)
         for j in tl.static_range(TPP):
             row0 = (prog * TPP + j) * ROWS
-            base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
-            x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
-            byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
-                                               STOCHASTIC, PAIRS, FAST)
+            if BITS == 4 and WORDS:
+                byts, scale, zero = encode_words_tl(_ptr(x_addr, tl.int32, ALIGNED), row0, n, key, WORDS, GS, COLS,
+                                                    ROWS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
+            else:
+                base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
+                x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
+                byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
+                                                   STOCHASTIC, PAIRS, FAST)
             store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
                             BITS, SYMMETRIC)
 
@@ -151,24 +157,25 @@ if HAS_TRITON:
                               GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                               BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                               IDX32: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr,
-                              PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
+                              PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr, WORDS: tl.constexpr):
         """``BITS`` 4 or 8 for every tensor, or 0: each tensor's own (table column 8)."""
         row, prog = _row(tab_ptr, n_tensors, TP)
         if BITS == 0:
             if tl.load(row + 8) == 4:
                 _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
-                               PAIRS, FAST, TPP)
+                               PAIRS, FAST, TPP, WORDS)
             else:
                 _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 8, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
-                               PAIRS, FAST, TPP)
+                               PAIRS, FAST, TPP, WORDS)
         else:
             _quantize_tile(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
-                           PAIRS, FAST, TPP)
+                           PAIRS, FAST, TPP, WORDS)
 
     @triton.jit
     def _dequantize_tile(row, prog, KIND: tl.constexpr, HW_CAST: tl.constexpr, GS: tl.constexpr,
                          COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
+                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr,
+                         WORDS: tl.constexpr):
         data_ptr = _ptr(tl.load(row), tl.uint8, ALIGNED)
         scale_ptr = _ptr(tl.load(row + 1), tl.float32, ALIGNED)
         zero_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
@@ -176,32 +183,47 @@ if HAS_TRITON:
         n = tl.load(row + 4)
         n_groups = tl.load(row + 5)
         cols = tl.arange(0, COLS)
+        wcols = tl.arange(0, COLS // 2)
         for j in tl.static_range(TPP):
             rows = (prog * TPP + j) * ROWS + tl.arange(0, ROWS)
-            v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS,
-                                SYMMETRIC, FAST)
-            idx = rows[:, None] * GS + cols[None, :]
-            _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
+            if BITS == 4 and WORDS:
+                wd = dequant_words_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, WORDS, GS, COLS, ROWS,
+                                      SYMMETRIC, FAST)
+                widx = rows[:, None] * (GS // 2) + wcols[None, :]
+                tl.store(_ptr(out_ptr, tl.int32, ALIGNED) + widx, wd, mask=(wcols[None, :] < GS // 2) & (2 * widx < n))
+            else:
+                v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS,
+                                    SYMMETRIC, FAST)
+                idx = rows[:, None] * GS + cols[None, :]
+                _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
 
     @triton.jit(do_not_specialize=["n_tensors"])
     def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                                 HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                                 ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                                ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
+                                ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr, WORDS: tl.constexpr):
         row, prog = _row(tab_ptr, n_tensors, TP)
         if BITS == 0:
             if tl.load(row + 8) == 4:
-                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED, FAST, TPP)
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED, FAST, TPP, WORDS)
             else:
-                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED, FAST, TPP)
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED, FAST, TPP, WORDS)
         else:
-            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
+            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP, WORDS)
 
 
 def _aligned(rows: list[list[int]], kernel: str) -> bool:
     """Hint alignment to ``kernel``: every address of the launch (the table's first four
     columns) is a multiple of 16 and ALIGN_HINTS says the hint pays."""
     return ALIGN_HINTS[kernel] and all(r[c] % 16 == 0 for r in rows for c in range(4))
+
+
+def _words(rows: list[list[int]], dtype: torch.dtype, col: int) -> int:
+    """The ``WORDS`` constexpr: :func:`leantrain.ops.quant.word_kind` holds for every 4-bit
+    tensor of the launch (the 16-bit side's address in table column ``col``)."""
+    four = [r for r in rows if r[8] == 4]
+    ok = four and all(quant.word_kind(4, dtype, r[4], r[col]) for r in four)
+    return quant.word_kind(4, dtype, 2) if ok else 0
 
 
 def _same(values, what: str):
@@ -272,7 +294,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), TPP=Q_TILE[2],
-               num_warps=warps)
+               WORDS=_words(rows, dtype, 0), num_warps=warps)
     return out
 
 
@@ -311,5 +333,5 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
                KIND=_FLOAT_KIND[out_dtype], HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
                BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"),
-               FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
+               FAST=quant.fast_bits(), TPP=DQ_TILE[2], WORDS=_words(rows, out_dtype, 3), num_warps=warps)
     return out

@@ -177,11 +177,17 @@ if HAS_TRITON:
             rng = mx - mn
             zero = mn
             base = x - mn[:, None]
+        scale, pre, inv = _scale_tl(rng, QHI)
+        return base, scale, zero, pre, inv
+
+    @triton.jit
+    def _scale_tl(rng, QHI: tl.constexpr):
+        """(scale, pre, inv) of row ranges ``rng`` (module docstring)."""
         qhi = tl.zeros_like(rng) + QHI
         pre = tl.where(rng < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
         scale = tl.div_rn(rng, qhi)
         inv = tl.where(rng > 0, tl.div_rn(qhi, tl.where(rng > 0, rng * pre, 1.0)), 0.0)
-        return base, scale, zero, pre, inv
+        return scale, pre, inv
 
     @triton.jit
     def _round_tl(y, u, QLO: tl.constexpr, QHI: tl.constexpr, FAST: tl.constexpr):
@@ -253,6 +259,111 @@ if HAS_TRITON:
             return r.to(tl.float32, bitcast=True).to(tl.bfloat16)
         else:
             return v.to(DTYPE)
+
+    @triton.jit
+    def half_pair_tl(w, KIND: tl.constexpr):
+        """fp32 values of the two 16-bit floats of each 32-bit word ``w`` (the element at the
+        lower address is the low half): bf16 (``KIND`` 1) widens by shifts, fp16 (2) converts."""
+        w = w.to(tl.uint32, bitcast=True)
+        if KIND == 1:
+            return (w << 16).to(tl.float32, bitcast=True), (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            return lo, (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def half_word_tl(v0, v1, KIND: tl.constexpr, FAST: tl.constexpr):
+        """The int32 word of two fp32 values rounded to bf16 (``KIND`` 1) or fp16 (2), low half
+        ``v0`` (:func:`half_pair_tl` reversed; rounding as :func:`cast_out_tl`)."""
+        DT: tl.constexpr = tl.bfloat16 if KIND == 1 else tl.float16
+        lo = cast_out_tl(v0, DT, FAST).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi = cast_out_tl(v1, DT, FAST).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (lo | (hi << 16)).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def word_index_tl(row0, n, GS: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr, IDX32: tl.constexpr):
+        """``(wbase, wloc, valid, pair)`` of the ``[ROWS, group_size]`` tile whose first group is
+        ``row0``, seen as ``[ROWS, H]`` words of two elements (even group size and ``n``): the
+        first word, int32 word offsets inside the tile, their mask and the pair indices (element
+        index // 2, the RNG counter of :func:`uniform_pair_tl`)."""
+        base = row0 * GS
+        rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)
+        wcols = tl.arange(0, H)
+        wloc = tl.arange(0, ROWS)[:, None] * (GS // 2) + wcols[None, :]
+        valid = (wcols[None, :] < GS // 2) & (2 * wloc < rem)
+        wbase = base // 2
+        if IDX32:
+            pair = wbase.to(tl.uint32) + wloc.to(tl.uint32)
+        else:
+            pair = wbase + wloc
+        return wbase, wloc, valid, pair
+
+    @triton.jit
+    def encode_words_tl(w_ptr, row0, n, key, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
+                        ROWS: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr, SYMMETRIC: tl.constexpr,
+                        STOCHASTIC: tl.constexpr, IDX32: tl.constexpr, FAST: tl.constexpr):
+        """4-bit (uint8 bytes ``[ROWS, COLS // 2]``, scale, zero) of the tile at group ``row0`` of
+        a bf16/fp16 tensor read as 32-bit words (``w_ptr``): a word holds the two elements of
+        one output byte, so the tile is never split into even and odd columns. Same codes as
+        :func:`encode_pack_tl`."""
+        wbase, wloc, valid, pair = word_index_tl(row0, n, GS, COLS // 2, ROWS, IDX32)
+        x0, x1 = half_pair_tl(tl.load(w_ptr + wbase + wloc, mask=valid, other=0), KIND)
+        x0 = tl.where(valid & (tl.abs(x0) < float("inf")), x0, 0.0)  # NaN, +-inf, padding -> 0
+        x1 = tl.where(valid & (tl.abs(x1) < float("inf")), x1, 0.0)
+        if SYMMETRIC:
+            rng = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+            zero = tl.zeros_like(rng)
+        else:
+            mn = tl.minimum(tl.min(tl.where(valid, x0, float("inf")), axis=1),
+                            tl.min(tl.where(valid, x1, float("inf")), axis=1))
+            mx = tl.maximum(tl.max(tl.where(valid, x0, -float("inf")), axis=1),
+                            tl.max(tl.where(valid, x1, -float("inf")), axis=1))
+            mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
+            mx = tl.where(mx >= mn, mx, 0.0)
+            rng = mx - mn
+            zero = mn
+            x0 = x0 - mn[:, None]
+            x1 = x1 - mn[:, None]
+        scale, pre, inv = _scale_tl(rng, QHI)
+        y0 = (x0 * pre[:, None]) * inv[:, None]
+        y1 = (x1 * pre[:, None]) * inv[:, None]
+        if STOCHASTIC:
+            u0, u1 = uniform_pair_tl(key, pair)
+            c0 = _round_tl(y0, u0, QLO, QHI, FAST)
+            c1 = _round_tl(y1, u1, QLO, QHI, FAST)
+        else:
+            c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
+            c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
+        return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8), scale, zero
+
+    @triton.jit
+    def dequant_words_tl(data_ptr, scale_ptr, zero_ptr, rows, rmask, KIND: tl.constexpr, GS: tl.constexpr,
+                         COLS: tl.constexpr, ROWS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
+        """int32 words ``[ROWS, COLS // 2]`` (two bf16/fp16 values each) of the 4-bit groups
+        ``rows``: :func:`dequant_tile_tl` for 16-bit outputs, one output word per input byte."""
+        H: tl.constexpr = COLS // 2
+        bcols = tl.arange(0, H)
+        bmask = rmask[:, None] & (bcols[None, :] < GS // 2)
+        d = tl.load(data_ptr + rows[:, None] * (GS // 2) + bcols[None, :], mask=bmask, other=0).to(tl.int32)
+        if FAST & 2:
+            c0 = _code_float_tl(d & 0xF, SYMMETRIC, 4)
+            c1 = _code_float_tl(d >> 4, SYMMETRIC, 4)
+        else:
+            c0 = d & 0xF
+            c1 = d >> 4
+            if SYMMETRIC:
+                c0 = tl.where(c0 >= 8, c0 - 16, c0)
+                c1 = tl.where(c1 >= 8, c1 - 16, c1)
+            c0 = c0.to(tl.float32)
+            c1 = c1.to(tl.float32)
+        scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)[:, None]
+        v0 = c0 * scale
+        v1 = c1 * scale
+        if not SYMMETRIC:
+            zero = tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
+            v0 = v0 + zero
+            v1 = v1 + zero
+        return half_word_tl(v0, v1, KIND, FAST)
 
     @triton.jit
     def pack_tile_tl(code, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
@@ -365,25 +476,40 @@ if HAS_TRITON:
                          GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                          QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
-                         PAIRS: tl.constexpr, FAST: tl.constexpr):
+                         PAIRS: tl.constexpr, FAST: tl.constexpr, WORDS: tl.constexpr):
+        """``WORDS`` (4 bits, bf16 = 1 / fp16 = 2 input): ``x_ptr`` is the input as int32 words."""
         row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
-        base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
-        x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
-        byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
-                                           STOCHASTIC, PAIRS, FAST)
+        if WORDS:
+            byts, scale, zero = encode_words_tl(x_ptr, row0, n, key, WORDS, GS, COLS, ROWS, QLO, QHI, SYMMETRIC,
+                                                STOCHASTIC, IDX32, FAST)
+        else:
+            base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
+            x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
+            byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
+                                               STOCHASTIC, PAIRS, FAST)
         store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
                         BITS, SYMMETRIC)
 
     @triton.jit
     def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
                            GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
+                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr,
+                           WORDS: tl.constexpr):
+        """``WORDS`` (4 bits, bf16 = 1 / fp16 = 2 output): ``out_ptr`` is the output as int32 words."""
         peer = tl.program_id(1).to(tl.int64)
         data_ptr += peer * (n_groups * GS * BITS // 8)
         scale_ptr += peer * n_groups
         zero_ptr += peer * n_groups  # (the scale pointer again when symmetric: never read)
-        out_ptr += peer * n
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        if WORDS:
+            out_ptr += peer * (n // 2)
+            wd = dequant_words_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, WORDS, GS, COLS, ROWS,
+                                  SYMMETRIC, FAST)
+            wcols = tl.arange(0, COLS // 2)
+            widx = rows[:, None] * (GS // 2) + wcols[None, :]
+            tl.store(out_ptr + widx, wd, mask=(wcols[None, :] < GS // 2) & (2 * widx < n))
+            return
+        out_ptr += peer * n
         v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC,
                             FAST)
         cols = tl.arange(0, COLS)
@@ -393,6 +519,8 @@ if HAS_TRITON:
 
 TILE_ELEMS = 4096  # elements per program of quantize / dequantize (whole groups)
 PAIR_SR = True  # 4-bit stochastic rounding: one hash per byte (encode_pack_tl; same codes)
+WORD_PAIRS = True  # 4 bits from / to bf16 or fp16: read / write the tensor as 32-bit words (encode_words_tl)
+_HALF_KIND = {torch.bfloat16: 1, torch.float16: 2}
 # GPU-only instruction choices (bits: 1 rounding by a directed add, 2 codes to floats by their
 # bits, 4 the hardware fp32 -> bf16 cast); same results as the portable paths, which the Triton
 # interpreter runs. Measured on an H200: see benchmarks/results (tune_kernels --what fast).
@@ -415,11 +543,19 @@ def tile_shape(group_size: int, elems: int = 0) -> tuple[int, int, int]:
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
 
 
+def word_kind(bits: int, dtype: torch.dtype, n: int, *ptrs: int) -> int:
+    """1 (bf16) / 2 (fp16) when 4-bit codes of a 16-bit tensor of ``n`` elements at the
+    addresses ``ptrs`` can be read / written as 32-bit words (:data:`WORD_PAIRS`), else 0."""
+    ok = WORD_PAIRS and bits == 4 and n % 2 == 0 and all(p % 4 == 0 for p in ptrs)
+    return _HALF_KIND.get(dtype, 0) if ok else 0
+
+
 def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTensor:
     xf = x.reshape(-1)
     if not xf.is_contiguous():
         xf = xf.contiguous()
     n = xf.numel()
+    words = word_kind(bits, xf.dtype, n, xf.data_ptr())
     g = -(-n // group_size)
     data = torch.empty(g * group_size * bits // 8, dtype=torch.uint8, device=x.device)
     scale = torch.empty(g, dtype=torch.float32, device=x.device)
@@ -427,10 +563,11 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTenso
     if g:
         cols, rows, warps = tile_shape(group_size)
         qlo, qhi = _qrange(bits, symmetric)
-        launch(_quantize_kernel, (triton.cdiv(g, rows),), xf, data, scale,
+        launch(_quantize_kernel, (triton.cdiv(g, rows),), xf.view(torch.int32) if words else xf, data, scale,
                scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,
                ROWS=rows, BITS=bits, SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi,
-               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=PAIR_SR, FAST=fast_bits(), num_warps=warps)
+               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=PAIR_SR, FAST=fast_bits(), WORDS=words,
+               num_warps=warps)
     return QTensor(data, scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
 
 
@@ -443,9 +580,10 @@ def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
         cols, rows, warps = tile_shape(q.group_size)
         data, scale = q.data.contiguous(), q.scale.contiguous()
         zero = scale if q.zero is None else q.zero.contiguous()
-        launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero, out, q.numel, g,
-               GS=q.group_size, COLS=cols, ROWS=rows, BITS=q.bits, SYMMETRIC=q.symmetric,
-               FAST=fast_bits(), num_warps=warps)
+        words = word_kind(q.bits, dtype, q.numel, out.data_ptr())
+        launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero,
+               out.view(-1).view(torch.int32) if words else out, q.numel, g, GS=q.group_size, COLS=cols, ROWS=rows,
+               BITS=q.bits, SYMMETRIC=q.symmetric, FAST=fast_bits(), WORDS=words, num_warps=warps)
     return out
 
 
