@@ -2,6 +2,7 @@
 # Session 4's GPU calls (each under the device tool's 600 s limit):
 #   OUT=dir bash benchmarks/gpu_s4.sh fast   # FAST bits / tiles-per-program sweep, then the ops and AGoQ tests compiled
 #   OUT=dir bash benchmarks/gpu_s4.sh words  # + the 32-bit word path: tests, sweep, bench_ops, bench_agoq, profiles
+#   OUT=dir bash benchmarks/gpu_s4.sh tune2  # tiles of the word path, TPP pairs, cProfile of the AGoQ step
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 PART=${1:-fast}
@@ -30,6 +31,14 @@ gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cachepr
       log "profile $c B=8 forward+backward"
       timeout 60 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --out "$OUT/words" 2>&1 | grep -v Warn | tail -1
     done
+  fi
+  if [ "$PART" = tune2 ]; then
+    log "gpu tests: word paths, multi"
+    gputest 100 tests/ops/test_quant.py -k "word or bit_exact" tests/ops/test_multi.py
+    log "tune fast"
+    timeout 200 python3 benchmarks/tune_kernels.py --what fast --out "$OUT/tune2" 2>&1 | grep -v Warn
+    log "profile agoq B=8 with cProfile"
+    timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --cprofile --out "$OUT/tune2" 2>&1 | grep -v Warn | tail -1
   fi
   log done
 } 2>&1 | tee "$OUT/$PART/run.log"

@@ -169,35 +169,44 @@ def tune_fast(log) -> list[dict]:
         return [q4.data, q4.scale, ops.dequantize(q4), q8.data, q8.scale, q8.zero, ops.dequantize(q8),
                 h4.data, h4.scale, *[q.data for q in qs], *M.dequantize_many(qs)]
 
-    defaults = Q.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE
+    defaults = Q.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE, Q.TILE_ELEMS, Q.QUANT_WARPS
     Q.FAST, Q.WORD_PAIRS = 0, False
     ref = outputs()
-    for fast, words, tpp in ((0, False, 1), (7, False, 1), (0, True, 1), (7, True, 1), (7, True, 2), (7, True, 4)):
+    for fast, words in ((0, False), (7, False), (7, True)):
         Q.FAST, Q.WORD_PAIRS = fast, words
-        M.Q_TILE, M.DQ_TILE = defaults[2][:2] + (tpp,), defaults[3][:2] + (tpp,)
-        tag = f"FAST={fast} WORDS={int(words)} TPP={tpp}"
+        tag = f"FAST={fast} WORDS={int(words)}"
         same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
-        if tpp == 1:
-            q4 = ops.quantize(xb, bits=4, stochastic=True, seed=1)
-            rec(f"{tag} quantize int4 g128 SR bf16", lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1),
-                2.5 * n + n / 32, same)
-            rec(f"{tag} dequantize int4 g128 -> bf16", lambda: ops.dequantize(q4), 2.5 * n + n / 32, same)
-            if not words:
-                rec(f"{tag} quantize int8 g128 SR bf16", lambda: ops.quantize(xb, bits=8, stochastic=True, seed=1),
-                    3 * n + n / 32, same)
-                rec(f"{tag} hadamard_quantize b32 int4 SR g128 fp32",
-                    lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True),
-                    x32.numel() * (4.5 + 1 / 32), same)
+        q4 = ops.quantize(xb, bits=4, stochastic=True, seed=1)
+        rec(f"{tag} quantize int4 g128 SR bf16", lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1),
+            2.5 * n + n / 32, same)
+        rec(f"{tag} dequantize int4 g128 -> bf16", lambda: ops.dequantize(q4), 2.5 * n + n / 32, same)
+        if not words:
+            rec(f"{tag} quantize int8 g128 SR bf16", lambda: ops.quantize(xb, bits=8, stochastic=True, seed=1),
+                3 * n + n / 32, same)
+            rec(f"{tag} hadamard_quantize b32 int4 SR g128 fp32",
+                lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True),
+                x32.numel() * (4.5 + 1 / 32), same)
+    for elems in (2048, 4096, 8192):
+        for w in (4, 8, 16):
+            Q.TILE_ELEMS, Q.QUANT_WARPS = elems, w
+            same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
+            rec(f"FAST=7 WORDS=1 quantize int4 g128 SR bf16 elems={elems} warps={w}",
+                lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1), 2.5 * n + n / 32, same)
+    Q.TILE_ELEMS, Q.QUANT_WARPS = defaults[4:]
+    for qt, dt in (((2048, 4, 1), (2048, 4, 2)), ((2048, 4, 2), (2048, 4, 4)), ((4096, 8, 2), (2048, 4, 8)),
+                   ((2048, 8, 2), (4096, 8, 4)), ((4096, 4, 1), (4096, 4, 2))):
+        M.Q_TILE, M.DQ_TILE = qt, dt
+        same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
         qs = M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds)
-        rec(f"{tag} quantize_many 10 tensors int4/8 SR bf16",
+        rec(f"FAST=7 WORDS=1 quantize_many 10 tensors int4/8 SR bf16 tile={qt}",
             lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, same)
-        rec(f"{tag} dequantize_many 10 tensors -> bf16", lambda: M.dequantize_many(qs), nb_many, same)
-    Q.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE = defaults
+        rec(f"FAST=7 dequantize_many 10 tensors -> bf16 tile={dt}", lambda: M.dequantize_many(qs), nb_many, same)
+    Q.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE, Q.TILE_ELEMS, Q.QUANT_WARPS = defaults
     H = importlib.import_module("leantrain.ops.hadamard")
     hdef = H.HQ_ELEMS, H.HQ_WARPS
     for pairs in (True, False):
         Q.PAIR_SR = pairs
-        for elems, w in ((0, 4), (0, 8), (8192, 4), (8192, 8), (2048, 4), (2048, 2)):
+        for elems, w in ((0, 4), (8192, 8), (16384, 8), (16384, 16)):
             H.HQ_ELEMS, H.HQ_WARPS = elems, w
             same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
             rec(f"FAST={Q.FAST} PAIRS={int(pairs)} hadamard_quantize b32 int4 SR g128 fp32 elems={elems} warps={w}",

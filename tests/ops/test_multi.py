@@ -113,9 +113,9 @@ def test_several_tiles_per_program(device, monkeypatch, tpp):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_word_path_and_its_fallback(device, dtype, symmetric):
-    """4-bit tensors of a launch, all of even size at 4-byte aligned addresses, are read and
-    written as 32-bit words; one odd-sized or misaligned tensor sends the launch down the
-    element path. Both equal the reference."""
+    """4-bit tensors of a launch, all of even size at 4-byte aligned addresses, are read as
+    32-bit words; one odd-sized or misaligned tensor sends the launch down the element path.
+    Both equal the reference."""
     if not triton_runnable():
         pytest.skip("no Triton")
     import importlib
@@ -127,7 +127,7 @@ def test_word_path_and_its_fallback(device, dtype, symmetric):
     kw = dict(bits=4, symmetric=symmetric, stochastic=True)
     for xs in (even, even + [big[7001:7301]], even + [big[8000:8011]]):
         rows = [[x.data_ptr(), 0, 0, 0, x.numel(), 0, 0, 0, 4, 0] for x in xs]
-        assert (M._words(rows, dtype, 0) > 0) == (xs is even)
+        assert (M._words(rows, dtype) > 0) == (xs is even)
         seeds = list(range(len(xs)))
         qs = quantize_many(xs, seeds=seeds, backend="triton", **kw)
         for x, s, q in zip(xs, seeds, qs, strict=True):

@@ -171,9 +171,9 @@ def test_pairwise_stochastic_rounding_path_gives_the_same_codes(backend, device,
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_word_path_of_16_bit_inputs(device, monkeypatch, dtype, symmetric, stochastic):
-    """4 bits from / to bf16 and fp16 read and write 32-bit words of two elements (WORD_PAIRS)
-    where the size is even and the address 4-byte aligned, elements otherwise: the same bytes
-    and values as the reference either way (odd sizes, odd offsets, partial groups, NaN/inf)."""
+    """4 bits from bf16 and fp16 read 32-bit words of two elements (WORD_PAIRS) where the size
+    is even and the address 4-byte aligned, elements otherwise: the same bytes as the reference
+    either way (odd sizes, odd offsets, partial groups, NaN/inf)."""
     if not triton_runnable():
         pytest.skip("no Triton")
     import importlib

@@ -39,8 +39,8 @@ __all__ = ["quantize_many", "dequantize_many"]
 # H200 (bf16, one 1b layer's saves): 2048 elements at 4 warps is the fastest tile for both
 # (tune_kernels --what agoq); a program runs TPP consecutive tiles of one tensor (the table
 # lookup and its dependent loads are paid once per program).
-Q_TILE = (2048, 4, 1)
-DQ_TILE = (2048, 4, 1)
+Q_TILE = (2048, 4, 2)  # TPP measured (tune_kernels --what fast): 2 for quantize, 4 for dequantize
+DQ_TILE = (2048, 4, 4)
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -67,7 +67,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import dequant_tile_tl, dequant_words_tl, encode_pack_tl, encode_words_tl, store_packed_tl, tile_index_tl
+    from .quant import (
+        dequant_tile_tl,
+        encode_pack_tl,
+        encode_words_tl,
+        store_packed_tl,
+        tile_index_tl,
+    )
 
     @triton.jit
     def _row(tab_ptr, n_tensors, TP: tl.constexpr):
@@ -174,8 +180,7 @@ if HAS_TRITON:
     @triton.jit
     def _dequantize_tile(row, prog, KIND: tl.constexpr, HW_CAST: tl.constexpr, GS: tl.constexpr,
                          COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr,
-                         WORDS: tl.constexpr):
+                         SYMMETRIC: tl.constexpr, ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         data_ptr = _ptr(tl.load(row), tl.uint8, ALIGNED)
         scale_ptr = _ptr(tl.load(row + 1), tl.float32, ALIGNED)
         zero_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
@@ -183,33 +188,26 @@ if HAS_TRITON:
         n = tl.load(row + 4)
         n_groups = tl.load(row + 5)
         cols = tl.arange(0, COLS)
-        wcols = tl.arange(0, COLS // 2)
         for j in tl.static_range(TPP):
             rows = (prog * TPP + j) * ROWS + tl.arange(0, ROWS)
-            if BITS == 4 and WORDS:
-                wd = dequant_words_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, WORDS, GS, COLS, ROWS,
-                                      SYMMETRIC, FAST)
-                widx = rows[:, None] * (GS // 2) + wcols[None, :]
-                tl.store(_ptr(out_ptr, tl.int32, ALIGNED) + widx, wd, mask=(wcols[None, :] < GS // 2) & (2 * widx < n))
-            else:
-                v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS,
-                                    SYMMETRIC, FAST)
-                idx = rows[:, None] * GS + cols[None, :]
-                _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
+            v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS,
+                                SYMMETRIC, FAST)
+            idx = rows[:, None] * GS + cols[None, :]
+            _store_float(out_ptr, idx, v, (cols[None, :] < GS) & (idx < n), KIND, HW_CAST, ALIGNED)
 
     @triton.jit(do_not_specialize=["n_tensors"])
     def _dequantize_many_kernel(tab_ptr, n_tensors, TP: tl.constexpr, KIND: tl.constexpr,
                                 HW_CAST: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
                                 ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                                ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr, WORDS: tl.constexpr):
+                                ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         row, prog = _row(tab_ptr, n_tensors, TP)
         if BITS == 0:
             if tl.load(row + 8) == 4:
-                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED, FAST, TPP, WORDS)
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED, FAST, TPP)
             else:
-                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED, FAST, TPP, WORDS)
+                _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 8, SYMMETRIC, ALIGNED, FAST, TPP)
         else:
-            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP, WORDS)
+            _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
 
 
 def _aligned(rows: list[list[int]], kernel: str) -> bool:
@@ -218,11 +216,11 @@ def _aligned(rows: list[list[int]], kernel: str) -> bool:
     return ALIGN_HINTS[kernel] and all(r[c] % 16 == 0 for r in rows for c in range(4))
 
 
-def _words(rows: list[list[int]], dtype: torch.dtype, col: int) -> int:
+def _words(rows: list[list[int]], dtype: torch.dtype) -> int:
     """The ``WORDS`` constexpr: :func:`leantrain.ops.quant.word_kind` holds for every 4-bit
-    tensor of the launch (the 16-bit side's address in table column ``col``)."""
+    tensor of the launch."""
     four = [r for r in rows if r[8] == 4]
-    ok = four and all(quant.word_kind(4, dtype, r[4], r[col]) for r in four)
+    ok = four and all(quant.word_kind(4, dtype, r[4], r[0]) for r in four)
     return quant.word_kind(4, dtype, 2) if ok else 0
 
 
@@ -294,7 +292,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), TPP=Q_TILE[2],
-               WORDS=_words(rows, dtype, 0), num_warps=warps)
+               WORDS=_words(rows, dtype), num_warps=warps)
     return out
 
 
@@ -333,5 +331,5 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
                KIND=_FLOAT_KIND[out_dtype], HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
                BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"),
-               FAST=quant.fast_bits(), TPP=DQ_TILE[2], WORDS=_words(rows, out_dtype, 3), num_warps=warps)
+               FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
     return out

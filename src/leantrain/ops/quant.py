@@ -272,15 +272,6 @@ if HAS_TRITON:
             return lo, (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def half_word_tl(v0, v1, KIND: tl.constexpr, FAST: tl.constexpr):
-        """The int32 word of two fp32 values rounded to bf16 (``KIND`` 1) or fp16 (2), low half
-        ``v0`` (:func:`half_pair_tl` reversed; rounding as :func:`cast_out_tl`)."""
-        DT: tl.constexpr = tl.bfloat16 if KIND == 1 else tl.float16
-        lo = cast_out_tl(v0, DT, FAST).to(tl.uint16, bitcast=True).to(tl.uint32)
-        hi = cast_out_tl(v1, DT, FAST).to(tl.uint16, bitcast=True).to(tl.uint32)
-        return (lo | (hi << 16)).to(tl.int32, bitcast=True)
-
-    @triton.jit
     def word_index_tl(row0, n, GS: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr, IDX32: tl.constexpr):
         """``(wbase, wloc, valid, pair)`` of the ``[ROWS, group_size]`` tile whose first group is
         ``row0``, seen as ``[ROWS, H]`` words of two elements (even group size and ``n``): the
@@ -310,14 +301,12 @@ if HAS_TRITON:
         x0, x1 = half_pair_tl(tl.load(w_ptr + wbase + wloc, mask=valid, other=0), KIND)
         x0 = tl.where(valid & (tl.abs(x0) < float("inf")), x0, 0.0)  # NaN, +-inf, padding -> 0
         x1 = tl.where(valid & (tl.abs(x1) < float("inf")), x1, 0.0)
-        if SYMMETRIC:
-            rng = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+        if SYMMETRIC:  # (element-wise first: one cross-thread reduction per row, not two)
+            rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
             zero = tl.zeros_like(rng)
         else:
-            mn = tl.minimum(tl.min(tl.where(valid, x0, float("inf")), axis=1),
-                            tl.min(tl.where(valid, x1, float("inf")), axis=1))
-            mx = tl.maximum(tl.max(tl.where(valid, x0, -float("inf")), axis=1),
-                            tl.max(tl.where(valid, x1, -float("inf")), axis=1))
+            mn = tl.min(tl.where(valid, tl.minimum(x0, x1), float("inf")), axis=1)
+            mx = tl.max(tl.where(valid, tl.maximum(x0, x1), -float("inf")), axis=1)
             mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
             mx = tl.where(mx >= mn, mx, 0.0)
             rng = mx - mn
@@ -335,35 +324,6 @@ if HAS_TRITON:
             c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
             c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
         return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8), scale, zero
-
-    @triton.jit
-    def dequant_words_tl(data_ptr, scale_ptr, zero_ptr, rows, rmask, KIND: tl.constexpr, GS: tl.constexpr,
-                         COLS: tl.constexpr, ROWS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
-        """int32 words ``[ROWS, COLS // 2]`` (two bf16/fp16 values each) of the 4-bit groups
-        ``rows``: :func:`dequant_tile_tl` for 16-bit outputs, one output word per input byte."""
-        H: tl.constexpr = COLS // 2
-        bcols = tl.arange(0, H)
-        bmask = rmask[:, None] & (bcols[None, :] < GS // 2)
-        d = tl.load(data_ptr + rows[:, None] * (GS // 2) + bcols[None, :], mask=bmask, other=0).to(tl.int32)
-        if FAST & 2:
-            c0 = _code_float_tl(d & 0xF, SYMMETRIC, 4)
-            c1 = _code_float_tl(d >> 4, SYMMETRIC, 4)
-        else:
-            c0 = d & 0xF
-            c1 = d >> 4
-            if SYMMETRIC:
-                c0 = tl.where(c0 >= 8, c0 - 16, c0)
-                c1 = tl.where(c1 >= 8, c1 - 16, c1)
-            c0 = c0.to(tl.float32)
-            c1 = c1.to(tl.float32)
-        scale = tl.load(scale_ptr + rows, mask=rmask, other=0.0)[:, None]
-        v0 = c0 * scale
-        v1 = c1 * scale
-        if not SYMMETRIC:
-            zero = tl.load(zero_ptr + rows, mask=rmask, other=0.0)[:, None]
-            v0 = v0 + zero
-            v1 = v1 + zero
-        return half_word_tl(v0, v1, KIND, FAST)
 
     @triton.jit
     def pack_tile_tl(code, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
@@ -493,23 +453,13 @@ if HAS_TRITON:
     @triton.jit
     def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
                            GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr,
-                           WORDS: tl.constexpr):
-        """``WORDS`` (4 bits, bf16 = 1 / fp16 = 2 output): ``out_ptr`` is the output as int32 words."""
+                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
         peer = tl.program_id(1).to(tl.int64)
         data_ptr += peer * (n_groups * GS * BITS // 8)
         scale_ptr += peer * n_groups
         zero_ptr += peer * n_groups  # (the scale pointer again when symmetric: never read)
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        if WORDS:
-            out_ptr += peer * (n // 2)
-            wd = dequant_words_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, WORDS, GS, COLS, ROWS,
-                                  SYMMETRIC, FAST)
-            wcols = tl.arange(0, COLS // 2)
-            widx = rows[:, None] * (GS // 2) + wcols[None, :]
-            tl.store(out_ptr + widx, wd, mask=(wcols[None, :] < GS // 2) & (2 * widx < n))
-            return
         out_ptr += peer * n
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC,
                             FAST)
         cols = tl.arange(0, COLS)
@@ -519,7 +469,9 @@ if HAS_TRITON:
 
 TILE_ELEMS = 4096  # elements per program of quantize / dequantize (whole groups)
 PAIR_SR = True  # 4-bit stochastic rounding: one hash per byte (encode_pack_tl; same codes)
-WORD_PAIRS = True  # 4 bits from / to bf16 or fp16: read / write the tensor as 32-bit words (encode_words_tl)
+WORD_PAIRS = True  # 4 bits from bf16 or fp16: read the tensor as 32-bit words (encode_words_tl); measured on
+#   an H200 (tune_kernels --what fast): int4 SR from bf16 46 -> 50 % of a copy. (Writing dequantized
+#   pairs as words was slower, 81 -> 63 %: not done.)
 _HALF_KIND = {torch.bfloat16: 1, torch.float16: 2}
 # GPU-only instruction choices (bits: 1 rounding by a directed add, 2 codes to floats by their
 # bits, 4 the hardware fp32 -> bf16 cast); same results as the portable paths, which the Triton
@@ -544,10 +496,13 @@ _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG coun
 
 
 def word_kind(bits: int, dtype: torch.dtype, n: int, *ptrs: int) -> int:
-    """1 (bf16) / 2 (fp16) when 4-bit codes of a 16-bit tensor of ``n`` elements at the
-    addresses ``ptrs`` can be read / written as 32-bit words (:data:`WORD_PAIRS`), else 0."""
+    """1 (bf16) / 2 (fp16) when a 16-bit tensor of ``n`` elements at the addresses ``ptrs``
+    can be read as 32-bit words for 4-bit quantization (:data:`WORD_PAIRS`), else 0."""
     ok = WORD_PAIRS and bits == 4 and n % 2 == 0 and all(p % 4 == 0 for p in ptrs)
     return _HALF_KIND.get(dtype, 0) if ok else 0
+
+
+QUANT_WARPS = 0  # quantize's warps per program (0: tile_shape's choice)
 
 
 def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTensor:
@@ -562,6 +517,7 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTenso
     zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
     if g:
         cols, rows, warps = tile_shape(group_size)
+        warps = QUANT_WARPS or warps
         qlo, qhi = _qrange(bits, symmetric)
         launch(_quantize_kernel, (triton.cdiv(g, rows),), xf.view(torch.int32) if words else xf, data, scale,
                scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,
@@ -580,10 +536,9 @@ def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
         cols, rows, warps = tile_shape(q.group_size)
         data, scale = q.data.contiguous(), q.scale.contiguous()
         zero = scale if q.zero is None else q.zero.contiguous()
-        words = word_kind(q.bits, dtype, q.numel, out.data_ptr())
-        launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero,
-               out.view(-1).view(torch.int32) if words else out, q.numel, g, GS=q.group_size, COLS=cols, ROWS=rows,
-               BITS=q.bits, SYMMETRIC=q.symmetric, FAST=fast_bits(), WORDS=words, num_warps=warps)
+        launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero, out, q.numel, g,
+               GS=q.group_size, COLS=cols, ROWS=rows, BITS=q.bits, SYMMETRIC=q.symmetric, FAST=fast_bits(),
+               num_warps=warps)
     return out
 
 

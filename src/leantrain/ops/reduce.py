@@ -68,7 +68,13 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .fp8 import fp8_decode_tl
-    from .quant import _code_float_tl, encode_pack_tl, store_packed_tl, tile_index_tl, unpack_float_tl
+    from .quant import (
+        _code_float_tl,
+        encode_pack_tl,
+        store_packed_tl,
+        tile_index_tl,
+        unpack_float_tl,
+    )
 
     @triton.jit
     def _dsr_peer(dp, sp, zp, loc, valid, bloc, bvalid, sidx, svalid,
