@@ -146,7 +146,6 @@ def tune_fast(log) -> list[dict]:
     log(f"copy: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
     n_small, n_big = 8192 * 2048, 8192 * 5632
     xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
-    tot = sum(x.numel() for x in xs)
     widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
     nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
     seeds = list(range(len(xs)))
