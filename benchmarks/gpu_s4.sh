@@ -3,6 +3,7 @@
 #   OUT=dir bash benchmarks/gpu_s4.sh fast   # FAST bits / tiles-per-program sweep, then the ops and AGoQ tests compiled
 #   OUT=dir bash benchmarks/gpu_s4.sh words  # + the 32-bit word path: tests, sweep, bench_ops, bench_agoq, profiles
 #   OUT=dir bash benchmarks/gpu_s4.sh tune2  # tiles of the word path, TPP pairs, cProfile of the AGoQ step
+#   OUT=dir bash benchmarks/gpu_s4.sh host   # one launch per flush (dtypes mixed), one allocation per call: bench + profiles
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 PART=${1:-fast}
@@ -39,6 +40,18 @@ gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cachepr
     timeout 200 python3 benchmarks/tune_kernels.py --what fast --out "$OUT/tune2" 2>&1 | grep -v Warn
     log "profile agoq B=8 with cProfile"
     timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --cprofile --out "$OUT/tune2" 2>&1 | grep -v Warn | tail -1
+  fi
+  if [ "$PART" = host ]; then
+    log "gpu tests: multi, agoq batch"
+    gputest 100 tests/ops/test_multi.py tests/agoq/test_agoq_batch.py
+    log "bench ops 256, 2048 MiB"
+    timeout 110 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$OUT/host/ops.json" 2>&1 | tail -3
+    log "bench agoq (1b, B=8)"
+    timeout 100 python3 benchmarks/bench_agoq.py --out "$OUT/host" 2>&1 | tail -2
+    for c in torch_bf16 agoq; do
+      log "profile $c B=8 forward+backward"
+      timeout 90 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --cprofile --out "$OUT/host" 2>&1 | grep -v Warn | tail -1
+    done
   fi
   log done
 } 2>&1 | tee "$OUT/$PART/run.log"

@@ -59,8 +59,6 @@ def test_keys_are_the_kernel_keys_of_the_seeds(device):
 
 def test_bad_input_is_refused(device):
     x = randn(256, torch.float32, device)
-    with pytest.raises(ValueError, match="same dtype"):
-        quantize_many([x, x.to(torch.bfloat16)], bits=8, seeds=[0, 1])
     with pytest.raises(ValueError, match="seeds"):
         quantize_many([x, x], bits=8, seeds=[0])
     with pytest.raises(TypeError, match="fp32/bf16/fp16"):
@@ -73,6 +71,8 @@ def test_bad_input_is_refused(device):
     with pytest.raises(ValueError, match="bit-widths"):
         quantize_many([x, x], bits=[4], seeds=[0, 1])
     q8 = quantize(x, bits=8, backend="torch")
+    with pytest.raises(TypeError, match="fp32/bf16/fp16"):
+        dequantize_many([q8], dtype=torch.float64)
     with pytest.raises(ValueError, match="same group_size"):
         dequantize_many([q8, quantize(x, bits=8, group_size=64, backend="torch")])
     assert quantize_many([], bits=8) == [] and dequantize_many([]) == []
@@ -126,8 +126,8 @@ def test_word_path_and_its_fallback(device, dtype, symmetric):
     even = [big[:4096], big[4096:4096 + 130], big[6000:6002]]
     kw = dict(bits=4, symmetric=symmetric, stochastic=True)
     for xs in (even, even + [big[7001:7301]], even + [big[8000:8011]]):
-        rows = [[x.data_ptr(), 0, 0, 0, x.numel(), 0, 0, 0, 4, 0] for x in xs]
-        assert (M._words(rows, dtype) > 0) == (xs is even)
+        rows = [[x.data_ptr(), 0, 0, 0, x.numel(), 0, 0, 0, 4, M._FLOAT_KIND[dtype]] for x in xs]
+        assert M._words(rows) == (xs is even)
         seeds = list(range(len(xs)))
         qs = quantize_many(xs, seeds=seeds, backend="triton", **kw)
         for x, s, q in zip(xs, seeds, qs, strict=True):
@@ -135,3 +135,18 @@ def test_word_path_and_its_fallback(device, dtype, symmetric):
             assert torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
         for q, d in zip(qs, dequantize_many(qs, backend="triton"), strict=True):
             assert torch.equal(d, dequantize(q, backend="torch"))
+
+
+def test_mixed_dtypes_in_one_launch(backend, device):
+    """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call, dequantized to their own dtypes
+    or to one asked for: each equals its own quantize / dequantize."""
+    xs = [randn(n, dt, device) for n, dt in ((300, torch.float32), (256, torch.bfloat16), (77, torch.float16),
+                                              (1000, torch.bfloat16), (130, torch.float32))]
+    bits, seeds = [4, 4, 8, 8, 4], [1, 2, 3, 4, 5]
+    qs = quantize_many(xs, bits=bits, stochastic=True, seeds=seeds, backend=backend)
+    for x, b, s, q in zip(xs, bits, seeds, qs, strict=True):
+        r = quantize(x, bits=b, stochastic=True, seed=s, backend="torch")
+        assert q.dtype == x.dtype and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+    for dt in (None, torch.float32):
+        for q, d in zip(qs, dequantize_many(qs, dtype=dt, backend=backend), strict=True):
+            assert torch.equal(d, dequantize(q, dtype=dt, backend="torch"))

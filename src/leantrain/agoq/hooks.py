@@ -268,13 +268,14 @@ class Packer:
             self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": None, "why": reason})
         return t
 
-    def classify(self, t: Tensor, role: str, explicit: bool = False) -> tuple[str, int]:
+    def classify(self, t: Tensor, role: str, explicit: bool = False, sp: int | None = None) -> tuple[str, int]:
         """("pack", bits) or ("keep:<reason>", 0) for tensor ``t`` saved under ``role``.
 
         ``explicit``: handed over by :func:`save` from inside an ``autograd.Function``'s
-        forward, where grad mode is off, so ``requires_grad`` says nothing.
+        forward, where grad mode is off, so ``requires_grad`` says nothing. ``sp``: ``t``'s
+        storage address, when the caller has it.
         """
-        if _storage_ptr(t) in self._static:  # (pack_hook takes weights and their views first)
+        if (_storage_ptr(t) if sp is None else sp) in self._static:  # (pack_hook takes weights and their views first)
             return "keep:param", 0
         if t.dtype == torch.bool:
             return "pack", 1
@@ -300,10 +301,11 @@ class Packer:
         if type(t._base if t._base is not None else t) is nn.Parameter:  # fast path: weights, their views
             return self._keep(t, "param", self.role, report=False)
         role = self.role if t.dtype != torch.bool else "mask"
-        decision, bits = self.classify(t, role, explicit)
+        sp = _storage_ptr(t)
+        decision, bits = self.classify(t, role, explicit, sp)
         if decision != "pack":
             return self._keep(t, decision[5:], role, report=decision != "keep:param")
-        key = (_storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        key = (sp, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         hit = self._dedup.get(key)
         if hit is not None and hit[0]() is not None:  # the owner alive: storage not reused
             self.stats["dedup"] += 1
@@ -324,10 +326,9 @@ class Packer:
             symmetric = role != "logits"
             batch = None
             if bits in (4, 8) and pol.batch_mib > 0 and t.device.type in self.batch_devices:
-                kind = (t.dtype, symmetric)
-                batch = self._batches.get(kind)
+                batch = self._batches.get(symmetric)  # (dtypes and widths mix in one launch)
                 if batch is None:
-                    batch = self._batches[kind] = PackBatch(pol.group_size, symmetric, pol.stochastic,
+                    batch = self._batches[symmetric] = PackBatch(pol.group_size, symmetric, pol.stochastic,
                                                            self.batch_backend)
             p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
                      symmetric=symmetric, batch=batch)

@@ -75,8 +75,8 @@ class Packed:
 
 
 class PackBatch:
-    """Saved activations packed in one kernel launch and unpacked in one (one dtype and symmetry;
-    4 and 8 bits mixed).
+    """Saved activations packed in one kernel launch and unpacked in one (one symmetry; fp32,
+    bf16 and fp16, 4 and 8 bits mixed).
 
     :meth:`add` registers a tensor and its (still empty) :class:`Packed`; :meth:`flush`
     quantizes all of them with :func:`leantrain.ops.multi.quantize_many` (the same codes as

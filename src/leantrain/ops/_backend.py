@@ -30,9 +30,15 @@ except Exception:  # pragma: no cover - exercised on machines without Triton
 BACKENDS = ("auto", "torch", "triton")
 
 
+_INTERPRETING: list = [None]
+
+
 def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET``, which
+    Triton reads once, at import: read once here too, it is asked on every launch)."""
+    if _INTERPRETING[0] is None:
+        _INTERPRETING[0] = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING[0]
 
 
 def resolve(backend: str, *tensors: torch.Tensor) -> str:

@@ -11,14 +11,16 @@ Tiling (Triton): a table (int64, one row per tensor: addresses, sizes, the RNG k
 first program of the tensor) goes to the device with the launch; program ``p`` finds its
 tensor as the number of tensors whose first program is ``<= p``, minus one, and then does
 exactly what :func:`leantrain.ops.quant._quantize_kernel` does for one ``[ROWS, group_size]``
-tile of that tensor (4 or 8 bits per tensor: a launch with both widths branches on the
-table's width column). Tensors are read through raw addresses, cast to typed pointers on a GPU;
+tile of that tensor (4 or 8 bits and fp32 / bf16 / fp16 per tensor: a launch mixing widths or
+dtypes branches on the table's columns). Tensors are read through raw addresses, cast to typed
+pointers on a GPU;
 under the Triton interpreter (whose bf16 pointers cannot be made from an integer) 16-bit
 floats are loaded as their bit patterns and widened exactly (bf16: ``bits << 16``). The
 compiler cannot know the alignment of a loaded address: the host checks it and says so
-(``ALIGN_HINTS``, measured). All tensors of one call share dtype, group size, symmetry and
-rounding; every input must be contiguous. Bytes moved are those of the per-tensor kernels,
-plus 88 bytes of table per tensor.
+(``ALIGN_HINTS``, measured). All tensors of one call share group size, symmetry and rounding;
+every input must be contiguous. The codes (and the scales) of all tensors of a call are views
+of one allocation, freed when the last of them is (host time: one allocation per call, not
+per tensor). Bytes moved are those of the per-tensor kernels, plus 88 bytes of table per tensor.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from .rng import kernel_key
 __all__ = ["quantize_many", "dequantize_many"]
 
 # The table: 10 int64 columns per tensor (the kernels' row stride): 4 addresses, n, n_groups, key,
-# first program, bits, (unused); after the rows, the first-program column again, padded to a power of 2.
+# first program, bits, dtype kind (_FLOAT_KIND); after the rows, the first-program column again,
+# padded to a power of 2.
 # (elements per tile, warps, tiles per program), 0 = quant.tile_shape's choice; measured on an
 # H200 (bf16, one 1b layer's saves): 2048 elements at 4 warps is the fastest tile for both
 # (tune_kernels --what agoq); a program runs TPP consecutive tiles of one tensor (the table
@@ -135,7 +138,7 @@ if HAS_TRITON:
         """``TPP`` consecutive ``[ROWS, group_size]`` tiles of the tensor of table row ``row``
         (the program's ``prog``-th run of them), each as
         :func:`leantrain.ops.quant._quantize_kernel` does it; tiles past the end are masked.
-        ``WORDS``: 4-bit tiles read the (bf16 = 1 / fp16 = 2) input as 32-bit words."""
+        ``WORDS``: 4-bit tiles of bf16 / fp16 inputs read them as 32-bit words."""
         QHI: tl.constexpr = (1 << (BITS - 1)) - 1 if SYMMETRIC else (1 << BITS) - 1
         QLO: tl.constexpr = -QHI if SYMMETRIC else 0
         x_addr = tl.load(row)
@@ -147,8 +150,8 @@ if HAS_TRITON:
         key = tl.load(row + 6).to(tl.int32)
         for j in tl.static_range(TPP):
             row0 = (prog * TPP + j) * ROWS
-            if BITS == 4 and WORDS:
-                byts, scale, zero = encode_words_tl(_ptr(x_addr, tl.int32, ALIGNED), row0, n, key, WORDS, GS, COLS,
+            if BITS == 4 and WORDS and KIND > 0:
+                byts, scale, zero = encode_words_tl(_ptr(x_addr, tl.int32, ALIGNED), row0, n, key, KIND, GS, COLS,
                                                     ROWS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
             else:
                 base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
@@ -164,8 +167,30 @@ if HAS_TRITON:
                               BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                               IDX32: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr,
                               PAIRS: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr, WORDS: tl.constexpr):
-        """``BITS`` 4 or 8 for every tensor, or 0: each tensor's own (table column 8)."""
+        """``BITS`` 4 or 8 for every tensor, or 0: each tensor's own (table column 8); ``KIND``
+        the input dtype of every tensor (0 fp32, 1 bf16, 2 fp16), or -1: each tensor's own
+        (column 9)."""
         row, prog = _row(tab_ptr, n_tensors, TP)
+        if KIND < 0:
+            k = tl.load(row + 9)
+            if k == 0:
+                _quantize_bits(row, prog, 0, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                               PAIRS, FAST, TPP, WORDS)
+            elif k == 1:
+                _quantize_bits(row, prog, 1, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                               PAIRS, FAST, TPP, WORDS)
+            else:
+                _quantize_bits(row, prog, 2, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                               PAIRS, FAST, TPP, WORDS)
+        else:
+            _quantize_bits(row, prog, KIND, GS, COLS, ROWS, BITS, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
+                           PAIRS, FAST, TPP, WORDS)
+
+    @triton.jit
+    def _quantize_bits(row, prog, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+                       BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr, IDX32: tl.constexpr,
+                       ALIGNED: tl.constexpr, NATIVE: tl.constexpr, PAIRS: tl.constexpr, FAST: tl.constexpr,
+                       TPP: tl.constexpr, WORDS: tl.constexpr):
         if BITS == 0:
             if tl.load(row + 8) == 4:
                 _quantize_tile(row, prog, KIND, GS, COLS, ROWS, 4, SYMMETRIC, STOCHASTIC, IDX32, ALIGNED, NATIVE,
@@ -201,6 +226,21 @@ if HAS_TRITON:
                                 ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
                                 ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         row, prog = _row(tab_ptr, n_tensors, TP)
+        if KIND < 0:  # each tensor's output dtype (table column 9)
+            k = tl.load(row + 9)
+            if k == 0:
+                _dequantize_bits(row, prog, 0, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
+            elif k == 1:
+                _dequantize_bits(row, prog, 1, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
+            else:
+                _dequantize_bits(row, prog, 2, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
+        else:
+            _dequantize_bits(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
+
+    @triton.jit
+    def _dequantize_bits(row, prog, KIND: tl.constexpr, HW_CAST: tl.constexpr, GS: tl.constexpr,
+                         COLS: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                         ALIGNED: tl.constexpr, FAST: tl.constexpr, TPP: tl.constexpr):
         if BITS == 0:
             if tl.load(row + 8) == 4:
                 _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, 4, SYMMETRIC, ALIGNED, FAST, TPP)
@@ -216,12 +256,33 @@ def _aligned(rows: list[list[int]], kernel: str) -> bool:
     return ALIGN_HINTS[kernel] and all(r[c] % 16 == 0 for r in rows for c in range(4))
 
 
-def _words(rows: list[list[int]], dtype: torch.dtype) -> int:
-    """The ``WORDS`` constexpr: :func:`leantrain.ops.quant.word_kind` holds for every 4-bit
-    tensor of the launch."""
-    four = [r for r in rows if r[8] == 4]
-    ok = four and all(quant.word_kind(4, dtype, r[4], r[0]) for r in four)
-    return quant.word_kind(4, dtype, 2) if ok else 0
+def _words(rows: list[list[int]]) -> bool:
+    """The ``WORDS`` constexpr: every 4-bit 16-bit-float tensor of the launch can be read as
+    32-bit words (:func:`leantrain.ops.quant.word_kind`; the input's address in column 0,
+    its kind in column 9)."""
+    half = [r for r in rows if r[8] == 4 and r[9]]
+    return bool(quant.WORD_PAIRS and half and all(r[4] % 2 == 0 and r[0] % 4 == 0 for r in half))
+
+
+def _kind(rows: list[list[int]]) -> int:
+    """The ``KIND`` constexpr: the dtype kind shared by every row, else -1 (column 9 per row)."""
+    kinds = {r[9] for r in rows}
+    return kinds.pop() if len(kinds) == 1 else -1
+
+
+def _split(device, dtype, sizes: list[int], align: int) -> tuple[list[torch.Tensor], int]:
+    """One allocation cut into views of ``sizes`` elements, each starting at a multiple of
+    ``align`` elements: (views, address of the first). One allocation and one split for a
+    whole call instead of a few tensor ops per tensor (host time)."""
+    cuts, offs, o = [], [], 0
+    for s in sizes:
+        p = -(-s // align) * align
+        cuts += [s, p - s]
+        offs.append(o)
+        o += p
+    buf = torch.empty(o, dtype=dtype, device=device)
+    views = buf.split(cuts)
+    return list(views[0::2]), buf.data_ptr()
 
 
 def _same(values, what: str):
@@ -238,7 +299,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
 
     ``bits``: one width (4 or 8) for all, or one per tensor. ``keys`` (``kernel_key(seed)`` per
     tensor) may be given instead of ``seeds`` by callers that derive them directly. Every ``x``
-    must be contiguous and of one floating dtype and device. See the module docstring.
+    must be contiguous, fp32 / bf16 / fp16 (mixed), on one device. See the module docstring.
     """
     if not xs:
         return []
@@ -254,52 +315,57 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         keys = [kernel_key(s) for s in seeds]
     elif len(keys) != len(xs):
         raise ValueError(f"quantize_many: {len(xs)} tensors but {len(keys)} keys")
-    dtype = _same([x.dtype for x in xs], "dtype")
-    device = _same([x.device for x in xs], "device")
-    if dtype not in _FLOAT_KIND:
-        raise TypeError(f"quantize_many expects fp32/bf16/fp16 tensors, got {dtype}")
+    device = xs[0].device
+    for x in xs:
+        if x.dtype not in _FLOAT_KIND:
+            raise TypeError(f"quantize_many expects fp32/bf16/fp16 tensors, got {x.dtype}")
+        if x.device != device:
+            raise ValueError("quantize_many/dequantize_many: all tensors of one call need the same device")
     if resolve(backend, *xs) == "torch":
         if seeds is None:
             raise ValueError("quantize_many: the torch backend needs seeds (keys cannot be inverted)")
         return [quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
                 for x, b, s in zip(xs, widths, seeds)]
-    for x in xs:
-        if not x.is_contiguous():
-            raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
+    if not all(x.is_contiguous() for x in xs):
+        raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
     cols, rows_per, warps = tile_shape(group_size, Q_TILE[0])
     warps = Q_TILE[1] or warps
+    ns = [x.numel() for x in xs]
+    gs = [-(-n // group_size) for n in ns]
+    # codes, scales (and zero points) of all tensors: one allocation each, 16-byte aligned views
+    nds = [g * group_size * b // 8 for g, b in zip(gs, widths)]
+    datas, d0 = _split(device, torch.uint8, nds, 16)
+    scales, s0 = _split(device, torch.float32, gs, 4)
+    zeros, z0 = (None, None) if symmetric else _split(device, torch.float32, gs, 4)
     out, rows, progs = [], [], []
-    big = False
-    for x, b, k in zip(xs, widths, keys):
-        n = x.numel()
-        g = -(-n // group_size)
-        nd = g * group_size * b // 8
-        at = -(-nd // 16) * 16  # one allocation per tensor: codes, then scales (and zero points)
-        buf = torch.empty(at + 4 * g * (1 if symmetric else 2), dtype=torch.uint8, device=device)
-        data = buf[:nd]  # at 16-byte aligned offsets, as the kernel is told
-        scale = buf[at:at + 4 * g].view(torch.float32)
-        zero = None if symmetric else buf[at + 4 * g:].view(torch.float32)
-        out.append(QTensor(data, scale, zero, x.shape, dtype, b, group_size, symmetric))
+    do = so = 0
+    per_prog = rows_per * Q_TILE[2]
+    for i, (x, b, k, n, g) in enumerate(zip(xs, widths, keys, ns, gs)):
+        out.append(QTensor(datas[i], scales[i], None if symmetric else zeros[i], x.shape, x.dtype, b, group_size,
+                           symmetric))
         if g:
-            rows.append([x.data_ptr(), data.data_ptr(), scale.data_ptr(),
-                         (scale if zero is None else zero).data_ptr(), n, g, k, 0, b, 0])
-            progs.append(-(-g // (rows_per * Q_TILE[2])))
-            big |= g * group_size > _IDX32_LIMIT
+            sp = s0 + 4 * so
+            rows.append([x.data_ptr(), d0 + do, sp, sp if symmetric else z0 + 4 * so, n, g, k, 0, b,
+                         _FLOAT_KIND[x.dtype]])
+            progs.append(-(-g // per_prog))
+        do += -(-nds[i] // 16) * 16
+        so += -(-g // 4) * 4
+    big = max(gs) * group_size > _IDX32_LIMIT
     if rows:
         tab, total = _table(rows, progs, device)
         mixed = len(set(r[8] for r in rows)) > 1
-        launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_FLOAT_KIND[dtype],
+        launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_kind(rows),
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), TPP=Q_TILE[2],
-               WORDS=_words(rows, dtype), num_warps=warps)
+               WORDS=_words(rows), num_warps=warps)
     return out
 
 
 def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
                     backend: str = "auto") -> list[torch.Tensor]:
     """``[dequantize(q, dtype=dtype) for q in qs]`` in one launch (integer, non-stacked QTensors
-    of 4 or 8 bits (mixed), one group size, symmetry and output dtype)."""
+    of 4 or 8 bits and output dtypes mixed, one group size and symmetry)."""
     if not qs:
         return []
     for q in qs:
@@ -307,29 +373,30 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
             raise ValueError("dequantize_many takes integer, non-stacked QTensors")
     gs = _same([q.group_size for q in qs], "group_size")
     sym = _same([q.symmetric for q in qs], "symmetric")
-    out_dtype = _same([dtype or q.dtype for q in qs], "output dtype")
     device = _same([q.data.device for q in qs], "device")
-    if out_dtype not in _FLOAT_KIND:
-        raise TypeError(f"dequantize_many writes fp32/bf16/fp16, got {out_dtype}")
+    dtypes = [dtype or q.dtype for q in qs]
+    for d in set(dtypes):
+        if d not in _FLOAT_KIND:
+            raise TypeError(f"dequantize_many writes fp32/bf16/fp16, got {d}")
     if resolve(backend, *(q.data for q in qs)) == "torch":
-        return [dequantize_ref(q, out_dtype) for q in qs]
+        return [dequantize_ref(q, d) for q, d in zip(qs, dtypes)]
     cols, rows_per, warps = tile_shape(gs, DQ_TILE[0])
     warps = DQ_TILE[1] or warps
     out, rows, progs = [], [], []
-    for q in qs:
-        o = torch.empty(q.shape, dtype=out_dtype, device=device)
+    for q, d in zip(qs, dtypes):
+        o = torch.empty(q.shape, dtype=d, device=device)  # one allocation each: freed one by one
         out.append(o)
         g = q.num_groups
         if g:
             zero = q.scale if q.zero is None else q.zero
             rows.append([q.data.data_ptr(), q.scale.data_ptr(), zero.data_ptr(), o.data_ptr(), q.numel, g, 0, 0,
-                         q.bits, 0])
+                         q.bits, _FLOAT_KIND[d]])
             progs.append(-(-g // (rows_per * DQ_TILE[2])))
     if rows:
         tab, total = _table(rows, progs, device)
         mixed = len(set(r[8] for r in rows)) > 1
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
-               KIND=_FLOAT_KIND[out_dtype], HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
+               KIND=_kind(rows), HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
                BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"),
                FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
     return out
