@@ -34,7 +34,7 @@ def _child(args) -> dict:
     sys.path.insert(0, str(SRC))
     import torch
 
-    from leantrain.agoq import Policy, quantize_activations
+    from leantrain.agoq import Policy, apply, quantize_activations
     from leantrain.config import preset
     from leantrain.ledger import SavedActivationMeter
     from leantrain.model import Llama
@@ -53,11 +53,12 @@ def _child(args) -> dict:
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     tgt = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
-    use = args.child == "agoq"
     policy = Policy()
+    if args.child == "agoq":  # persistent, as the trainer uses it
+        apply(m, policy)
 
     def fwd():
-        if use:
+        if args.child == "agoq_ctx":  # a packer made and its hooks installed per step
             with quantize_activations(m, policy):
                 return m(idx, tgt)
         return m(idx, tgt)
@@ -207,12 +208,15 @@ def main(argv=None) -> int:
                "saved_ratio": ago["saved_bytes"] / base["saved_bytes"],
                "step_time_ratio": ago["step_s_median"] / base["step_s_median"]}
         if gpu:
+            ctx = _run_child(p, "agoq_ctx", args)
+            row["agoq_ctx"] = ctx
+            row["ctx_step_time_ratio"] = ctx["step_s_median"] / base["step_s_median"]
             row["peak_ratio"] = ago["peak_allocated"] / base["peak_allocated"]
             row["peak_above_static_ratio"] = ago["peak_above_before"] / base["peak_above_before"]
             if "held_after_forward" in ago and "held_after_forward" in base:
                 row["held_after_forward_ratio"] = ago["held_after_forward"] / base["held_after_forward"]
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq")}))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq", "agoq_ctx")}))
     ver = _versions(args.device)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
     tag = "".join(c if c.isalnum() else "-" for c in ver["device"])[:40].strip("-") or args.device
@@ -224,17 +228,19 @@ def main(argv=None) -> int:
              f"torch {ver['torch']}, triton {ver.get('triton', '-')}; `{cmd}`", "",
              "| preset | B x T | saved bf16 (GiB) | saved AGoQ (GiB) | ratio | step base (s) | step AGoQ (s) | time ratio |"
              + (" peak base (GiB) | peak AGoQ (GiB) | peak ratio | peak-above-static ratio |"
-                " allocated after forward, base / AGoQ (GiB) | its ratio |" if gpu else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|" if gpu else "")]
+                " allocated after forward, base / AGoQ (GiB) | its ratio |"
+                " step, context manager per step (s) | its ratio |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|---|---|" if gpu else "")]
     for r in rows:
-        b, a = r["baseline"], r["agoq"]
+        b, a = r["baseline"], r["agoq"]  # AGoQ applied persistently (agoq.apply, as the trainer does)
         line = (f"| {r['preset']} | {r['batch']} x {r['seq']} | {b['saved_bytes'] / gib:.3f} | {a['saved_bytes'] / gib:.3f} | "
                 f"{r['saved_ratio']:.3f} | {b['step_s_median']:.3f} | {a['step_s_median']:.3f} | {r['step_time_ratio']:.3f} |")
         if gpu:
             line += (f" {b['peak_allocated'] / gib:.2f} | {a['peak_allocated'] / gib:.2f} | {r['peak_ratio']:.3f} |"
                      f" {r['peak_above_static_ratio']:.3f} |"
                      f" {b['held_after_forward'] / gib:.2f} / {a['held_after_forward'] / gib:.2f} |"
-                     f" {r['held_after_forward_ratio']:.3f} |")
+                     f" {r['held_after_forward_ratio']:.3f} |"
+                     f" {r['agoq_ctx']['step_s_median']:.3f} | {r['ctx_step_time_ratio']:.3f} |")
         lines.append(line)
     if args.errors and not gpu:
         lines += _errors(out, stamp)

@@ -4,6 +4,7 @@
 #   OUT=dir bash benchmarks/gpu_s4.sh words  # + the 32-bit word path: tests, sweep, bench_ops, bench_agoq, profiles
 #   OUT=dir bash benchmarks/gpu_s4.sh tune2  # tiles of the word path, TPP pairs, cProfile of the AGoQ step
 #   OUT=dir bash benchmarks/gpu_s4.sh host   # one launch per flush (dtypes mixed), one allocation per call: bench + profiles
+#   OUT=dir bash benchmarks/gpu_s4.sh final  # record: bench_ops, bench_agoq (persistent apply + per-step context), profiles, 125m seeds 0-1
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 PART=${1:-fast}
@@ -51,6 +52,23 @@ gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cachepr
     for c in torch_bf16 agoq; do
       log "profile $c B=8 forward+backward"
       timeout 90 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --cprofile --out "$OUT/host" 2>&1 | grep -v Warn | tail -1
+    done
+  fi
+  if [ "$PART" = final ]; then
+    log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    log "gpu tests: dequant-sum-requant, trainer+agoq"
+    gputest 60 tests/ops/test_reduce_bits_nvfp4.py -k "not nvfp4"
+    log "bench ops 256, 2048 MiB"
+    timeout 110 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$OUT/final/ops.json" 2>&1 | tail -3
+    log "bench agoq (1b, B=8)"
+    timeout 150 python3 benchmarks/bench_agoq.py --out "$OUT/final" 2>&1 | tail -2
+    for c in torch_bf16 agoq; do
+      log "profile $c B=8 forward+backward"
+      timeout 60 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --out "$OUT/final" 2>&1 | grep -v Warn | tail -1
+    done
+    for s in 0 1; do
+      log "125m, 1000 steps: agoq seed $s"
+      bash benchmarks/run_125m_agoq.sh $s "$OUT/final/c125_agoq_seed$s"
     done
   fi
   log done

@@ -198,11 +198,14 @@ class Trainer:
         return self.ddp if self.ddp is not None else self.model
 
     def _activation_ctx(self):
-        if self.agoq_policy is None:
-            return contextlib.nullcontext()
-        from . import agoq
+        """AGoQ is applied once, persistently, at the first training forward (after FORGE and DDP
+        are set up): a packer made and its module hooks installed per step cost host time, and
+        a 1b step at B = 8 is host-bound already. Forwards under ``no_grad`` save nothing."""
+        if self.agoq_policy is not None and getattr(self.model, "_agoq_packer", None) is None:
+            from . import agoq
 
-        return agoq.quantize_activations(self.model, self.agoq_policy, stage=self.cfg.agoq.pipeline_stage)
+            agoq.apply(self.model, self.agoq_policy, stage=self.cfg.agoq.pipeline_stage)
+        return contextlib.nullcontext()
 
     def _autocast(self):
         if self.cfg.train.dtype == "bf16" and self.cfg.train.weights == "fp32":

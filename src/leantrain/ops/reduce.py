@@ -69,7 +69,6 @@ if HAS_TRITON:
 
     from .fp8 import fp8_decode_tl
     from .quant import (
-        _code_float_tl,
         encode_pack_tl,
         store_packed_tl,
         tile_index_tl,
@@ -87,8 +86,6 @@ if HAS_TRITON:
             c = tl.load(dp + loc, mask=valid, other=0)
             if FP8:
                 v = fp8_decode_tl(c.to(tl.int32), M, BIAS, EMIN, IS_E4M3)
-            elif FAST & 2:
-                v = _code_float_tl(c.to(tl.int32), SYM_IN, 8)
             elif SYM_IN:
                 v = c.to(tl.int8, bitcast=True).to(tl.float32)  # two's complement byte
             else:
