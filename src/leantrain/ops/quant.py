@@ -25,6 +25,11 @@ All-zero groups get scale 0 and dequantize to exact zeros.
 
 Tiling (Triton): one program owns ``ROWS`` whole groups (a ``[ROWS, group_size]`` tile, about
 4096 elements), reduces absmax/min/max along the row, writes codes and one scale per row.
+4 bits from bf16 / fp16 read the tile as ``[ROWS, group_size / 2]`` 32-bit words, one word per
+output byte (:func:`encode_words_tl`: no even/odd split of the tile). On a GPU (``FAST``,
+measured) rounding is one add rounded toward -inf whose bits are the code, codes become floats
+by their bits and bf16 outputs use the hardware cast: no conversion instructions, the same
+results as the portable path the interpreter runs.
 Bytes moved per element: quantize reads ``sizeof(x)`` and writes ``bits/8`` (+ 4/group_size
 for the scale); dequantize the reverse.
 """
