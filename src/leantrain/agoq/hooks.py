@@ -138,13 +138,16 @@ def _unpack_any(obj):
 
 
 def _storage_ptr(t: Tensor) -> int:
+    """The address of ``t``'s storage: its data pointer less its offset (``untyped_storage()``
+    builds a Python object per call, several µs on a hook that runs ~940 times a forward)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.data_ptr() - t.storage_offset() * t.element_size()
     except (RuntimeError, NotImplementedError):
         return -id(t)
 
 
 _local = threading.local()
+_BITS_KEY = {b: f"bits{b}" for b in (1, 2, 3, 4, 8)}
 
 
 def _active() -> list[Packer]:
@@ -297,10 +300,15 @@ class Packer:
         return "pack", bits
 
     def pack_hook(self, t: Tensor, explicit: bool = False):
-        self.stats["saved"] += 1
-        if type(t._base if t._base is not None else t) is nn.Parameter:  # fast path: weights, their views
-            return self._keep(t, "param", self.role, report=False)
-        role = self.role if t.dtype != torch.bool else "mask"
+        stats = self.stats
+        stats["saved"] += 1
+        base = t._base
+        if type(t if base is None else base) is nn.Parameter:  # fast path: weights, their views
+            if self.record:
+                return self._keep(t, "param", self.role, report=False)
+            stats["kept:param"] += 1
+            return t
+        role = (self._roles[-1] if self._roles else "other") if t.dtype != torch.bool else "mask"
         sp = _storage_ptr(t)
         decision, bits = self.classify(t, role, explicit, sp)
         if decision != "pack":
@@ -308,7 +316,7 @@ class Packer:
         key = (sp, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         hit = self._dedup.get(key)
         if hit is not None and hit[0]() is not None:  # the owner alive: storage not reused
-            self.stats["dedup"] += 1
+            stats["dedup"] += 1
             if self.record:
                 self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
             if isinstance(hit[1], Packed):  # one more backward node unpacks it: dequantized once for all
@@ -319,7 +327,7 @@ class Packer:
         self._n += 1
         pol = self.policy
         seed = (self._base_seed + self._n * _GOLDEN64) & _M63
-        if pol.logits_format == "prob" and _is_log_softmax(t):
+        if role == "logits" and pol.logits_format == "prob" and _is_log_softmax(t):  # (the loss: root role)
             p = ProbPacked(pack(t.detach().float().exp(), bits, group_size=pol.group_size,
                                 stochastic=pol.stochastic, seed=seed, symmetric=False), t.dtype)
         else:
@@ -338,12 +346,12 @@ class Packer:
                     self.flush()
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
-        owner = t._base if t._base is not None else t
-        self._dedup[key] = (weakref.ref(owner), p)
-        self.stats["packed"] += 1
-        self.stats[f"bits{bits}"] += 1
-        self.numel[role] += t.numel()
-        self.bytes_raw[role] += t.numel() * t.element_size()
+        self._dedup[key] = (weakref.ref(t if base is None else base), p)
+        stats["packed"] += 1
+        stats[_BITS_KEY[bits]] += 1
+        n = t.numel()
+        self.numel[role] += n
+        self.bytes_raw[role] += n * t.element_size()
         self.bytes_kept[role] += p.nbytes
         note_saved(p.nbytes, ("agoq", id(p)), role)
         if self.record:
