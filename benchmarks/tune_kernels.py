@@ -31,6 +31,21 @@ def _bench(fn, rep=60):
     return do_bench(fn, warmup=10, rep=rep)
 
 
+def _recorder(rows: list, copy_gbps: float, log, rep: int = 60, note: str = "max_err"):
+    """``rec(case, fn, nbytes, extra)``: time ``fn``, append and log its row (bandwidth next to
+    the copy's; ``extra`` stored under ``note``); a failing variant gets an error row."""
+    def rec(case, fn, nbytes, extra=None):
+        try:
+            ms = _bench(fn, rep=rep)
+            r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbps,
+                 note: extra}
+        except Exception as e:  # noqa: BLE001
+            r = {"case": case, "error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(r)
+        log(json.dumps(r))
+    return rec
+
+
 def tune_ops(mib: int, log) -> list[dict]:
     import importlib
 
@@ -48,15 +63,7 @@ def tune_ops(mib: int, log) -> list[dict]:
     rows = [{"case": "copy", "ms": copy_ms, "gbps": copy_gbps, "frac_copy": 1.0}]
     log(f"copy {mib} MiB: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
 
-    def rec(case, fn, nbytes, err=None):
-        try:
-            ms = _bench(fn)
-            r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbps,
-                 "max_err": err}
-        except Exception as e:  # noqa: BLE001
-            r = {"case": case, "error": f"{type(e).__name__}: {e}"[:300]}
-        rows.append(r)
-        log(json.dumps(r))
+    rec = _recorder(rows, copy_gbps, log)
 
     # state8 encode / decode (one-gather encode)
     codec = ops.StateCodec8(signed=True)
@@ -150,15 +157,7 @@ def tune_fast(log) -> list[dict]:
     nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
     seeds = list(range(len(xs)))
 
-    def rec(case, fn, nbytes, same=None):
-        try:
-            ms = _bench(fn, rep=40)
-            r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbps,
-                 "same_as_portable": same}
-        except Exception as e:  # noqa: BLE001
-            r = {"case": case, "error": f"{type(e).__name__}: {e}"[:300]}
-        rows.append(r)
-        log(json.dumps(r))
+    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_portable")
 
     def outputs():
         q4 = ops.quantize(xb[: 1 << 22], bits=4, stochastic=True, seed=3)

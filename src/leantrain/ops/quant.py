@@ -209,6 +209,20 @@ if HAS_TRITON:
             return tl.floor(w).to(tl.int32)
 
     @triton.jit
+    def _pack_pair_tl(y0, y1, key, pair, QLO: tl.constexpr, QHI: tl.constexpr, STOCHASTIC: tl.constexpr,
+                      FAST: tl.constexpr):
+        """The bytes of two 4-bit code tiles rounded from ``y0`` (low nibble) and ``y1``;
+        stochastic rounding draws both uniforms of a byte from one hash of its ``pair`` index."""
+        if STOCHASTIC:
+            u0, u1 = uniform_pair_tl(key, pair)
+            c0 = _round_tl(y0, u0, QLO, QHI, FAST)
+            c1 = _round_tl(y1, u1, QLO, QHI, FAST)
+        else:
+            c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
+            c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
+        return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8)
+
+    @triton.jit
     def encode_tile_tl(x, valid, idx, key, QLO: tl.constexpr, QHI: tl.constexpr,
                        SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr, FAST: tl.constexpr):
         """Quantize an fp32 tile ``[ROWS, COLS]`` row-wise; returns (int32 codes, scale, zero).
@@ -239,13 +253,10 @@ if HAS_TRITON:
             y0, y1 = tl.split(tl.reshape((base * pre[:, None]) * inv[:, None], [ROWS, COLS // 2, 2]))
             if STOCHASTIC:
                 i0, _ = tl.split(tl.reshape(idx, [ROWS, COLS // 2, 2]))
-                u0, u1 = uniform_pair_tl(key, i0 >> 1)
-                c0 = _round_tl(y0, u0, QLO, QHI, FAST)
-                c1 = _round_tl(y1, u1, QLO, QHI, FAST)
+                pair = i0 >> 1
             else:
-                c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
-                c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
-            return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8), scale, zero
+                pair = 0  # (not read)
+            return _pack_pair_tl(y0, y1, key, pair, QLO, QHI, STOCHASTIC, FAST), scale, zero
         else:
             code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC, FAST)
             return pack_tile_tl(code, ROWS, COLS, BITS), scale, zero
@@ -321,14 +332,7 @@ if HAS_TRITON:
         scale, pre, inv = _scale_tl(rng, QHI)
         y0 = (x0 * pre[:, None]) * inv[:, None]
         y1 = (x1 * pre[:, None]) * inv[:, None]
-        if STOCHASTIC:
-            u0, u1 = uniform_pair_tl(key, pair)
-            c0 = _round_tl(y0, u0, QLO, QHI, FAST)
-            c1 = _round_tl(y1, u1, QLO, QHI, FAST)
-        else:
-            c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
-            c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
-        return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8), scale, zero
+        return _pack_pair_tl(y0, y1, key, pair, QLO, QHI, STOCHASTIC, FAST), scale, zero
 
     @triton.jit
     def pack_tile_tl(code, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
