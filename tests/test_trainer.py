@@ -110,3 +110,24 @@ def test_compare_writes_a_report_with_ratios(corpus, tmp_path):
     assert rc == 0
     report = (tmp_path / "cmp" / "report.md").read_text()
     assert "| baseline |" in report and "| reference |" in report and "1.00×" in report
+
+
+def test_agoq_is_applied_once_and_replaced_for_another_policy(corpus, tmp_path):
+    """The trainer applies AGoQ persistently at its first training forward (one packer, module
+    hooks installed once); a different policy replaces it instead of stacking a second one."""
+    from leantrain import agoq
+
+    cfg = tiny_config(corpus, **{"train.steps": "2", "train.eval_every": "0", "train.ckpt_every": "0",
+                                 "agoq.enabled": "true"})
+    tr = Trainer(cfg, tmp_path / "a")
+    tr.fit()
+    pk = tr.model._agoq_packer
+    hooks = len(tr.model._forward_hooks) + len(tr.model._forward_pre_hooks)
+    packed = pk.stats["packed"]
+    assert pk.policy is tr.agoq_policy and packed > 0
+    tr.train_step()
+    assert tr.model._agoq_packer is pk and pk.stats["packed"] > packed
+    tr.agoq_policy = agoq.Policy(qkv_in=8)
+    tr.train_step()
+    assert tr.model._agoq_packer is not pk and tr.model._agoq_packer.policy is tr.agoq_policy
+    assert len(tr.model._forward_hooks) + len(tr.model._forward_pre_hooks) == hooks

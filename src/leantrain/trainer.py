@@ -201,10 +201,13 @@ class Trainer:
         """AGoQ is applied once, persistently, at the first training forward (after FORGE and DDP
         are set up): a packer made and its module hooks installed per step cost host time, and
         a 1b step at B = 8 is host-bound already. Forwards under ``no_grad`` save nothing."""
-        if self.agoq_policy is not None and getattr(self.model, "_agoq_packer", None) is None:
-            from . import agoq
+        if self.agoq_policy is not None:
+            pk = getattr(self.model, "_agoq_packer", None)
+            stage = self.cfg.agoq.pipeline_stage
+            if pk is None or pk.policy is not self.agoq_policy or pk.stage != stage:  # (another trainer's)
+                from . import agoq
 
-            agoq.apply(self.model, self.agoq_policy, stage=self.cfg.agoq.pipeline_stage)
+                agoq.apply(self.model, self.agoq_policy, stage=stage)
         return contextlib.nullcontext()
 
     def _autocast(self):
