@@ -393,21 +393,12 @@ def main(argv=None) -> int:
 
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if "ops" in what:
-        res = tune_ops(a.mib, log)
-        json.dump({**env, "mib": a.mib, "rows": res}, open(os.path.join(a.out, "tune_ops.json"), "w"), indent=1)
-    if "agoq" in what:
-        res = tune_agoq(log)
-        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_agoq.json"), "w"), indent=1)
-    if "fast" in what:
-        res = tune_fast(log)
-        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_fast.json"), "w"), indent=1)
-    if "forge_paths" in what:
-        res = tune_forge_paths(log)
-        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge_paths.json"), "w"), indent=1)
-    if "forge" in what:
-        res = tune_forge(log)
-        json.dump({**env, "rows": res}, open(os.path.join(a.out, "tune_forge.json"), "w"), indent=1)
+    tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
+              "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
+    for name, tuner in tuners.items():
+        if name in what:
+            extra = {"mib": a.mib} if name == "ops" else {}
+            json.dump({**env, **extra, "rows": tuner()}, open(os.path.join(a.out, f"tune_{name}.json"), "w"), indent=1)
     return 0
 
 

@@ -197,18 +197,18 @@ class Trainer:
     def forward_module(self):
         return self.ddp if self.ddp is not None else self.model
 
-    def _activation_ctx(self):
+    def _apply_agoq(self) -> None:
         """AGoQ is applied once, persistently, at the first training forward (after FORGE and DDP
         are set up): a packer made and its module hooks installed per step cost host time, and
         a 1b step at B = 8 is host-bound already. Forwards under ``no_grad`` save nothing."""
-        if self.agoq_policy is not None:
-            pk = getattr(self.model, "_agoq_packer", None)
-            stage = self.cfg.agoq.pipeline_stage
-            if pk is None or pk.policy is not self.agoq_policy or pk.stage != stage:  # (another trainer's)
-                from . import agoq
+        if self.agoq_policy is None:
+            return
+        pk = getattr(self.model, "_agoq_packer", None)
+        stage = self.cfg.agoq.pipeline_stage
+        if pk is None or pk.policy is not self.agoq_policy or pk.stage != stage:  # (another trainer's)
+            from . import agoq
 
-                agoq.apply(self.model, self.agoq_policy, stage=stage)
-        return contextlib.nullcontext()
+            agoq.apply(self.model, self.agoq_policy, stage=stage)
 
     def _autocast(self):
         if self.cfg.train.dtype == "bf16" and self.cfg.train.weights == "fp32":
@@ -232,9 +232,11 @@ class Trainer:
                 elif hasattr(self.opt, "no_sync"):
                     sync = self.opt.no_sync()
             # the meter is entered first: saved-tensor hooks nest, and the innermost (AGoQ's
-            # packer, when on) sees each tensor and reports what it keeps to the meter
+            # packer, entered by the model's forward when on) sees each tensor and reports what
+            # it keeps to the meter
+            self._apply_agoq()
             with sync, meter if (meter is not None and micro == 0) else contextlib.nullcontext():
-                with self._activation_ctx(), self._autocast():
+                with self._autocast():
                     loss = self.forward_module(x, y) / d.grad_accum
                 if not torch.isfinite(loss.detach()).item():
                     self._nonfinite(loss)

@@ -139,7 +139,7 @@ def _unpack_any(obj):
 
 def _storage_ptr(t: Tensor) -> int:
     """The address of ``t``'s storage: its data pointer less its offset (``untyped_storage()``
-    builds a Python object per call, several µs on a hook that runs ~940 times a forward)."""
+    builds a Python object per call, on a hook that runs ~940 times a forward)."""
     try:
         return t.data_ptr() - t.storage_offset() * t.element_size()
     except (RuntimeError, NotImplementedError):
@@ -184,7 +184,7 @@ class Packer:
         self._n = 0
         self._salt = next(_PACKERS)
         self._base_seed = _mix(self.policy.seed, self._salt)  # tensor n: base + n * golden (mod 2**63)
-        self._batches: dict[tuple, PackBatch] = {}
+        self._batches: dict[bool, PackBatch] = {}  # by symmetry
         self._waiting = 0  # bytes of tensors registered in the open batches
         self._modules: list[nn.Module] | None = None
         self._bits: dict[str, int] = {}
@@ -327,12 +327,12 @@ class Packer:
         self._n += 1
         pol = self.policy
         seed = (self._base_seed + self._n * _GOLDEN64) & _M63
+        batch = None
         if role == "logits" and pol.logits_format == "prob" and _is_log_softmax(t):  # (the loss: root role)
             p = ProbPacked(pack(t.detach().float().exp(), bits, group_size=pol.group_size,
                                 stochastic=pol.stochastic, seed=seed, symmetric=False), t.dtype)
         else:
             symmetric = role != "logits"
-            batch = None
             if bits in (4, 8) and pol.batch_mib > 0 and t.device.type in self.batch_devices:
                 batch = self._batches.get(symmetric)  # (dtypes and widths mix in one launch)
                 if batch is None:
@@ -340,18 +340,19 @@ class Packer:
                                                            self.batch_backend)
             p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
                      symmetric=symmetric, batch=batch)
-            if batch is not None:
-                self._waiting += t.numel() * t.element_size()
-                if self._waiting >= pol.batch_mib * 2**20:
-                    self.flush()
+        n = t.numel()
+        nb = n * t.element_size()
+        if batch is not None:
+            self._waiting += nb
+            if self._waiting >= pol.batch_mib * 2**20:
+                self.flush()
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
         self._dedup[key] = (weakref.ref(t if base is None else base), p)
         stats["packed"] += 1
         stats[_BITS_KEY[bits]] += 1
-        n = t.numel()
         self.numel[role] += n
-        self.bytes_raw[role] += n * t.element_size()
+        self.bytes_raw[role] += nb
         self.bytes_kept[role] += p.nbytes
         note_saved(p.nbytes, ("agoq", id(p)), role)
         if self.record:

@@ -166,24 +166,15 @@ if HAS_TRITON:
             return _dot_h(x, _h_tl(B, LOG2B), PREC)
 
     @triton.jit
-    def _cast_out(v, DTYPE: tl.constexpr, HW_CAST: tl.constexpr):
-        """fp32 -> ``DTYPE`` round to nearest even: the GPU's conversion does it in one
-        instruction; the interpreter (which truncates to bf16) takes the integer path."""
-        if HW_CAST:
-            return v.to(DTYPE)
-        else:
-            return cast_out_tl(v, DTYPE, 0)
-
-    @triton.jit
     def _hadamard_kernel(x_ptr, y_ptr, n, n_pad, factor, B: tl.constexpr, LOG2B: tl.constexpr,
-                         R: tl.constexpr, PREC: tl.constexpr, HW_CAST: tl.constexpr):
+                         R: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr):
         base = tl.program_id(0).to(tl.int64) * (R * B)      # int64 only per program
         rem = tl.minimum(n - base, R * B).to(tl.int32)
         rem_pad = tl.minimum(n_pad - base, R * B).to(tl.int32)
         loc = tl.arange(0, R)[:, None] * B + tl.arange(0, B)[None, :]
         x = tl.load(x_ptr + base + loc, mask=loc < rem, other=0.0).to(tl.float32)
         y = hadamard_tile_tl(x, B, LOG2B, PREC) * factor
-        tl.store(y_ptr + base + loc, _cast_out(y, y_ptr.dtype.element_ty, HW_CAST), mask=loc < rem_pad)
+        tl.store(y_ptr + base + loc, cast_out_tl(y, y_ptr.dtype.element_ty, FAST), mask=loc < rem_pad)
 
     @triton.jit(do_not_specialize=["key"])
     def _hadamard_quantize_kernel(x_ptr, data_ptr, scale_ptr, zero_ptr, n, n_pad, n_groups, factor,
@@ -254,7 +245,7 @@ def hadamard(x: torch.Tensor, *, block: int = 32, normalized: bool = True, inver
         r = _rows(block)
         launch(_hadamard_kernel, (triton.cdiv(n_pad, r * block),), xf, y, n, n_pad,
                _factor(block, normalized, inverse), B=block, LOG2B=int(math.log2(block)), R=r,
-               PREC=_prec(x.dtype), HW_CAST=not interpreting(), num_warps=8 if block >= 64 else 4)
+               PREC=_prec(x.dtype), FAST=quant.fast_bits(), num_warps=8 if block >= 64 else 4)
     return y
 
 

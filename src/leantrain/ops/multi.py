@@ -49,6 +49,7 @@ DQ_TILE = (2048, 4, 4)
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
 ALIGN_HINTS = {"quantize": True, "dequantize": False}
 _FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPE_OF_KIND = {k: d for d, k in _FLOAT_KIND.items()}
 _IDX32_LIMIT = 2**32
 
 
@@ -261,7 +262,7 @@ def _words(rows: list[list[int]]) -> bool:
     32-bit words (:func:`leantrain.ops.quant.word_kind`; the input's address in column 0,
     its kind in column 9)."""
     half = [r for r in rows if r[8] == 4 and r[9]]
-    return bool(quant.WORD_PAIRS and half and all(r[4] % 2 == 0 and r[0] % 4 == 0 for r in half))
+    return bool(half) and all(quant.word_kind(4, _DTYPE_OF_KIND[r[9]], r[4], r[0]) for r in half)
 
 
 def _kind(rows: list[list[int]]) -> int:
