@@ -215,6 +215,86 @@ def tune_fast(log) -> list[dict]:
     return rows
 
 
+def tune_fast2(log) -> list[dict]:
+    """Session 5: ``quant.FAST`` bits 8 (uniforms by integer multiply-adds) and 16 (the
+    clean-tile branch), the word path's tile (``quant.WORD_TILE``), the multi-tensor quantize
+    tile and the fused Hadamard tile; each variant's outputs checked equal to the portable
+    path's (FAST=0) before it is timed."""
+    import importlib
+
+    from leantrain import ops
+
+    Q = importlib.import_module("leantrain.ops.quant")
+    M = importlib.import_module("leantrain.ops.multi")
+    H = importlib.import_module("leantrain.ops.hadamard")
+    n = 128 << 20  # 256 MiB of bf16
+    xb = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x32 = torch.randn(64 << 20, device="cuda")
+    yb = torch.empty_like(xb)
+    copy_ms = _bench(lambda: yb.copy_(xb))
+    copy_gbps = 4 * n / copy_ms / 1e6
+    rows = [{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}]
+    log(f"copy: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
+    n_small, n_big = 8192 * 2048, 8192 * 5632
+    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
+    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
+    nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
+    seeds = list(range(len(xs)))
+    bad = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    bad[77777], bad[5000], bad[9000:9128] = float("nan"), float("-inf"), 1e-39  # the general branch
+    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_portable")
+
+    def outputs():
+        out = []
+        for x in (xb[: 1 << 22], bad, x32[: 1 << 22]):
+            for bits in (4, 8):
+                q = ops.quantize(x, bits=bits, stochastic=True, seed=3)
+                out += [q.data, q.scale, ops.dequantize(q)]
+        q8 = ops.quantize(x32[: 1 << 22], bits=8, symmetric=False, stochastic=True, seed=3)
+        h4 = ops.hadamard_quantize(x32[: 1 << 22], block=32, bits=4, stochastic=True, seed=3)
+        qs = M.quantize_many([*xs[:3], bad], bits=[4, 8, 4, 4], stochastic=True, seeds=[1, 2, 3, 4])
+        return [*out, q8.data, q8.scale, q8.zero, h4.data, h4.scale, *[q.data for q in qs],
+                *M.dequantize_many(qs)]
+
+    def same():
+        return all(torch.equal(a, b) for a, b in zip(outputs(), ref, strict=True))
+
+    defaults = Q.FAST, Q.WORD_TILE, M.Q_TILE, H.HQ_ELEMS, H.HQ_WARPS
+    Q.FAST = 0
+    ref = outputs()
+    nq4, nq8, nh = 2.5 * n + n / 32, 3 * n + n / 32, x32.numel() * (4.5 + 1 / 32)
+    for fast in (7, 15, 23, 31):
+        Q.FAST = fast
+        ok = same()
+        q4 = ops.quantize(xb, bits=4, stochastic=True, seed=1)
+        rec(f"FAST={fast} quantize int4 g128 SR bf16", lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1),
+            nq4, ok)
+        rec(f"FAST={fast} quantize int8 g128 SR bf16", lambda: ops.quantize(xb, bits=8, stochastic=True, seed=1),
+            nq8, ok)
+        rec(f"FAST={fast} dequantize int4 g128 -> bf16", lambda: ops.dequantize(q4), nq4, ok)
+        rec(f"FAST={fast} hadamard_quantize b32 int4 SR g128 fp32",
+            lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), nh, ok)
+        rec(f"FAST={fast} quantize_many 10 tensors int4/8 SR bf16",
+            lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, ok)
+    Q.FAST = defaults[0]
+    for tile in ((4096, 8), (4096, 4), (8192, 8), (8192, 4), (2048, 2), (2048, 4), (16384, 8)):
+        Q.WORD_TILE = tile
+        rec(f"FAST={Q.FAST} quantize int4 g128 SR bf16 word tile={tile}",
+            lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1), nq4, same())
+    Q.WORD_TILE = defaults[1]
+    for qt in ((2048, 4, 2), (4096, 4, 1), (4096, 4, 2), (2048, 2, 2), (4096, 8, 2), (8192, 8, 1), (2048, 2, 4)):
+        M.Q_TILE = qt
+        rec(f"FAST={Q.FAST} quantize_many 10 tensors int4/8 SR bf16 tile={qt}",
+            lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, same())
+    M.Q_TILE = defaults[2]
+    for elems, w in ((0, 4), (8192, 4), (8192, 8), (16384, 8), (4096, 2)):
+        H.HQ_ELEMS, H.HQ_WARPS = elems, w
+        rec(f"FAST={Q.FAST} hadamard_quantize b32 int4 SR g128 fp32 elems={elems} warps={w}",
+            lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), nh, same())
+    Q.FAST, Q.WORD_TILE, M.Q_TILE, H.HQ_ELEMS, H.HQ_WARPS = defaults
+    return rows
+
+
 VARIANTS = False  # also sweep alignment hints / tiles of the multi-tensor kernels
 
 
@@ -394,6 +474,7 @@ def main(argv=None) -> int:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
+              "fast2": lambda: tune_fast2(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
         if name in what:

@@ -129,3 +129,55 @@ def test_quantize_uint32_counter_equals_int64_and_reference(monkeypatch, bits, g
     b = quantize(x, backend="triton", **kw)
     for o in (a, b):
         assert torch.equal(o.data, ref.data) and torch.equal(o.scale, ref.scale)
+
+
+def _tiles_with_bad_groups(dtype, denormals=True):
+    """Clean 4096-element tiles, then tiles with NaN, -inf, a denormal-range group (each sends
+    its tile down the general branch of ``quant._pair_y_tl``) and an all-zero group (clean)."""
+    x = randn(4096 * 6 + 256, device=DEVICE)
+    x[4096 + 17] = float("nan")
+    x[2 * 4096 + 300] = float("-inf")
+    if denormals:
+        x[3 * 4096: 3 * 4096 + 128] *= 1e-40
+    x[4 * 4096 + 128: 4 * 4096 + 256] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_clean_tile_branch_and_general_branch_equal_reference(dtype, bits, stochastic):
+    """The clean-tile branch (``quant.FAST & 16``, portable: the interpreter runs it) and the
+    general branch of the same launch give the reference's codes and scales."""
+    _needs_triton()
+    from leantrain.ops.multi import quantize_many
+    from leantrain.ops.quant import quantize_ref
+
+    # (The Triton interpreter widens bf16 denormals wrongly; the 4-bit word path widens by bits.)
+    interp_bf16 = dtype == torch.bfloat16 and bits == 8 and DEVICE == "cpu"
+    x = _tiles_with_bad_groups(dtype, denormals=not interp_bf16)
+    ref = quantize_ref(x, bits=bits, group_size=128, stochastic=stochastic, seed=5)
+    got = quantize(x, bits=bits, group_size=128, stochastic=stochastic, seed=5, backend="triton")
+    assert torch.equal(got.data, ref.data) and torch.equal(got.scale, ref.scale)
+    many = quantize_many([x, x[:4096]], bits=bits, stochastic=stochastic, seeds=[5, 5], backend="triton")
+    assert torch.equal(many[0].data, ref.data) and torch.equal(many[0].scale, ref.scale)
+
+
+def test_symmetric_4bit_rounding_needs_no_clamp():
+    """The clamp-free symmetric rounding (``quant._round_tl``): groups whose extreme element
+    lands one ulp above 7 (``absmax * RN(7 / absmax) > 7``), every draw of ``u``, stay in
+    [-7, 7] and equal the (clamping) reference."""
+    _needs_triton()
+    from leantrain.ops.quant import quantize_ref
+
+    a = torch.rand(200_000, dtype=torch.float64).mul(8).exp2().float() + 1e-3
+    over = a * torch.div(torch.full_like(a, 7.0), a) > 7.0  # fp32 products above 7
+    a = a[over][:64]
+    assert a.numel() == 64
+    x = torch.stack([a.repeat_interleave(64), -a.repeat_interleave(64)], 1).reshape(-1)  # +a, -a, ...
+    x = x.to(DEVICE)
+    for stochastic in (False, True):
+        for seed in range(3):
+            ref = quantize_ref(x, bits=4, group_size=128, stochastic=stochastic, seed=seed)
+            got = quantize(x, bits=4, group_size=128, stochastic=stochastic, seed=seed, backend="triton")
+            assert torch.equal(got.data, ref.data)

@@ -8,10 +8,10 @@ Math (per group ``g`` of ``group_size`` consecutive elements of the flattened te
   dequant:     x' = code * scale (+ zero)
 ``pre`` is 2**64 when the group's range is below 2**-64 (else 1): an exact power-of-two
 rescale so that groups of denormals do not overflow ``qmax / range``. ``round`` is
-``floor(y + 0.5)`` (round half up) for round-to-nearest and ``floor(y + u)`` with
-``u = hash_uniform(seed, element_index)`` for stochastic rounding (unbiased up to 2**-17 of a
-step, the resolution of ``u``: see :mod:`leantrain.ops.rng`; 4-bit kernels draw the two
-uniforms of a byte from one hash, :func:`encode_pack_tl`).
+``floor(y + 0.5)`` (round half up) for round-to-nearest and ``floor(y + (1 + u)) - 1`` with
+``u = hash_uniform(seed, element_index)`` for stochastic rounding (``1 + u`` is exact; unbiased
+up to 2**-17 of a step, the resolution of ``u``: see :mod:`leantrain.ops.rng`; 4-bit kernels
+draw the two uniforms of a byte from one hash, :func:`encode_pack_tl`).
 Every step is one IEEE fp32 operation done in the same order by both backends (Triton with
 FMA contraction off; divisions with ``tl.div_rn``, since Triton's ``/`` is the
 approximate ``div.full.f32`` on NVIDIA GPUs; torch divides two tensors of one shape, see
@@ -107,7 +107,7 @@ def encode_groups_ref(xg, valid, *, bits, symmetric, stochastic, seed, index=Non
     if stochastic:
         if index is None:
             index = torch.arange(xg.numel(), device=xg.device).view(xg.shape)
-        code = torch.floor(y + hash_uniform(seed, index))
+        code = torch.floor(y + (1.0 + hash_uniform(seed, index))) - 1
     else:
         code = torch.floor(y + 0.5)
     code = code.clamp(lo, hi).to(torch.int32)
@@ -162,7 +162,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .rng import uniform_pair_tl, uniform_tl
+    from .rng import uniform1_pair_tl, uniform1_tl
 
     @triton.jit
     def _range_tl(x, valid, QHI: tl.constexpr, SYMMETRIC: tl.constexpr):
@@ -195,18 +195,35 @@ if HAS_TRITON:
         return scale, pre, inv
 
     @triton.jit
-    def _round_tl(y, u, QLO: tl.constexpr, QHI: tl.constexpr, FAST: tl.constexpr):
-        """int32 ``clamp(floor(y + u), QLO, QHI)`` (= ``floor(clamp(y + u, QLO, QHI))``: integer
-        bounds). ``FAST & 1`` (GPU): ``floor(w) + 1.5 * 2**23`` is one fp32 add rounded toward
-        -inf, whose low bits are the two's complement code, so neither the floor nor the
-        float-to-int conversion (the slow conversion pipe) is executed; same codes."""
-        w = tl.minimum(tl.maximum(y + u, QLO), QHI)
+    def _round_tl(y, r, QLO: tl.constexpr, QHI: tl.constexpr, FAST: tl.constexpr, OFF: tl.constexpr):
+        """int32 ``clamp(floor(y + r) - OFF, QLO, QHI)``: round-to-nearest is ``r = 0.5, OFF = 0``,
+        stochastic rounding ``r = 1 + u, OFF = 1`` (module docstring). The clamp is done on
+        ``w = y + r`` (integer bounds ``QLO + OFF``, ``QHI + OFF``). ``FAST & 1`` (GPU):
+        ``floor(w) - OFF + 1.5 * 2**23`` is one fp32 add rounded toward -inf, whose low bits are
+        the two's complement code, so neither the floor, the float-to-int conversion (the slow
+        conversion pipe) nor the ``- OFF`` is executed; same codes.
+
+        Symmetric codes (``QLO = -QHI``) skip the clamps that cannot act: there ``|y| <= QHI +
+        ulp(QHI)`` (``y = x * RN(QHI / absmax)``, one rounding each) and ``r - OFF`` lies in
+        ``[2**-17, 1 - 2**-17]`` (or is 1/2), so ``floor(w) - OFF >= -QHI`` always, and
+        ``<= QHI`` whenever ``ulp(QHI) < 2**-17`` (4 bits: ulp(7) = 2**-21); int8 keeps the
+        upper clamp."""
+        w = y + r
+        if QLO == -QHI:
+            if QHI > 7:
+                w = tl.minimum(w, QHI + OFF)
+        else:
+            w = tl.minimum(tl.maximum(w, QLO + OFF), QHI + OFF)
         if FAST & 1:
-            m = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [w],
-                                          dtype=tl.float32, is_pure=True, pack=1)
+            if OFF == 0:
+                m = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [w],
+                                              dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                m = tl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B3FFFFF;", "=f,f", [w],
+                                              dtype=tl.float32, is_pure=True, pack=1)
             return m.to(tl.int32, bitcast=True) - 0x4B400000
         else:
-            return tl.floor(w).to(tl.int32)
+            return tl.floor(w).to(tl.int32) - OFF
 
     @triton.jit
     def _pack_pair_tl(y0, y1, key, pair, QLO: tl.constexpr, QHI: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -214,12 +231,12 @@ if HAS_TRITON:
         """The bytes of two 4-bit code tiles rounded from ``y0`` (low nibble) and ``y1``;
         stochastic rounding draws both uniforms of a byte from one hash of its ``pair`` index."""
         if STOCHASTIC:
-            u0, u1 = uniform_pair_tl(key, pair)
-            c0 = _round_tl(y0, u0, QLO, QHI, FAST)
-            c1 = _round_tl(y1, u1, QLO, QHI, FAST)
+            r0, r1 = uniform1_pair_tl(key, pair, FAST)
+            c0 = _round_tl(y0, r0, QLO, QHI, FAST, 1)
+            c1 = _round_tl(y1, r1, QLO, QHI, FAST, 1)
         else:
-            c0 = _round_tl(y0, 0.5, QLO, QHI, FAST)
-            c1 = _round_tl(y1, 0.5, QLO, QHI, FAST)
+            c0 = _round_tl(y0, 0.5, QLO, QHI, FAST, 0)
+            c1 = _round_tl(y1, 0.5, QLO, QHI, FAST, 0)
         return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8)
 
     @triton.jit
@@ -230,13 +247,90 @@ if HAS_TRITON:
         ``valid`` masks padding; ``idx`` holds each element's RNG counter; codes lie in
         [QLO, QHI]. Same math, same operation order as :func:`encode_groups_ref`.
         """
-        base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
-        y = (base * pre[:, None]) * inv[:, None]
+        y, scale, zero = _tile_y_tl(x, valid, QHI, SYMMETRIC, FAST)
         if STOCHASTIC:
-            code = _round_tl(y, uniform_tl(key, idx), QLO, QHI, FAST)
+            code = _round_tl(y, uniform1_tl(key, idx), QLO, QHI, FAST, 1)
         else:
-            code = _round_tl(y, 0.5, QLO, QHI, FAST)
+            code = _round_tl(y, 0.5, QLO, QHI, FAST, 0)
         return code, scale, zero
+
+    @triton.jit
+    def _max_nan_tl(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _tile_y_tl(x, valid, QHI: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
+        """``(y, scale, zero)`` of an fp32 tile ``[ROWS, COLS]``: the values to round, ``(base *
+        pre) * inv`` (module docstring); ``FAST & 16``: the clean-tile branch of
+        :func:`_pair_y_tl`."""
+        if SYMMETRIC and (FAST & 16):
+            x = tl.where(valid, x, 0.0)
+            rmax = tl.reduce(tl.abs(x), 1, _max_nan_tl)
+            scale, pre, inv = _scale_tl(rmax, QHI)
+            inv1 = pre * inv
+            clean = tl.min(((rmax < float("inf")) & (inv1 < float("inf"))).to(tl.int32), axis=0)
+            if clean != 0:
+                y = x * inv1[:, None]
+            else:
+                base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
+                y = (base * pre[:, None]) * inv[:, None]
+            return y, scale, tl.zeros_like(scale)
+        else:
+            base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
+            return (base * pre[:, None]) * inv[:, None], scale, zero
+
+    @triton.jit
+    def _pair_y_tl(x0, x1, v0, v1, QHI: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr,
+                   WORD: tl.constexpr):
+        """``(y0, y1, scale, zero)`` of a tile given as its even (``x0``) and odd (``x1``) columns
+        (fp32; masks ``v0``, ``v1``; ``WORD``: one mask for both, and masked lanes hold 0): the
+        values to round, ``(base * pre) * inv`` (module docstring).
+
+        ``FAST & 16`` (GPU), symmetric: one NaN-propagating absmax per row, and when every row
+        of the tile is finite with ``pre * inv`` finite (no denormal-range group), ``y = x *
+        (pre * inv)``: the same values (``x * pre`` and ``pre * inv`` are exact power-of-two
+        scalings, so both are one rounding of ``x * pre * inv``) without the per-element
+        non-finite select and ``pre`` multiply; any other tile takes the general path."""
+        if not WORD:  # (a caller's tile may hold anything past the end)
+            x0 = tl.where(v0, x0, 0.0)
+            x1 = tl.where(v1, x1, 0.0)
+        if SYMMETRIC and (FAST & 16):
+            rmax = tl.reduce(_max_nan_tl(tl.abs(x0), tl.abs(x1)), 1, _max_nan_tl)
+            scale, pre, inv = _scale_tl(rmax, QHI)
+            inv1 = pre * inv
+            clean = tl.min(((rmax < float("inf")) & (inv1 < float("inf"))).to(tl.int32), axis=0)
+            if clean != 0:
+                y0 = x0 * inv1[:, None]
+                y1 = x1 * inv1[:, None]
+            else:
+                x0 = tl.where(tl.abs(x0) < float("inf"), x0, 0.0)
+                x1 = tl.where(tl.abs(x1) < float("inf"), x1, 0.0)
+                rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
+                scale, pre, inv = _scale_tl(rng, QHI)
+                y0 = (x0 * pre[:, None]) * inv[:, None]
+                y1 = (x1 * pre[:, None]) * inv[:, None]
+            return y0, y1, scale, tl.zeros_like(scale)
+        else:
+            x0 = tl.where(tl.abs(x0) < float("inf"), x0, 0.0)  # NaN, +-inf -> 0
+            x1 = tl.where(tl.abs(x1) < float("inf"), x1, 0.0)
+            if SYMMETRIC:  # (element-wise first: one cross-thread reduction per row, not two)
+                rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
+                zero = tl.zeros_like(rng)
+            else:
+                if WORD:
+                    mn = tl.min(tl.where(v0, tl.minimum(x0, x1), float("inf")), axis=1)
+                    mx = tl.max(tl.where(v0, tl.maximum(x0, x1), -float("inf")), axis=1)
+                else:
+                    mn = tl.min(tl.minimum(tl.where(v0, x0, float("inf")), tl.where(v1, x1, float("inf"))), axis=1)
+                    mx = tl.max(tl.maximum(tl.where(v0, x0, -float("inf")), tl.where(v1, x1, -float("inf"))), axis=1)
+                mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
+                mx = tl.where(mx >= mn, mx, 0.0)
+                rng = mx - mn
+                zero = mn
+                x0 = x0 - mn[:, None]
+                x1 = x1 - mn[:, None]
+            scale, pre, inv = _scale_tl(rng, QHI)
+            return (x0 * pre[:, None]) * inv[:, None], (x1 * pre[:, None]) * inv[:, None], scale, zero
 
     @triton.jit
     def encode_pack_tl(x, valid, idx, key, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr,
@@ -249,8 +343,9 @@ if HAS_TRITON:
         (``idx`` even at even columns: whole groups of even size). Same codes as the
         element-wise path, fewer instructions per element."""
         if BITS == 4 and PAIRS:
-            base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
-            y0, y1 = tl.split(tl.reshape((base * pre[:, None]) * inv[:, None], [ROWS, COLS // 2, 2]))
+            x0, x1 = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
+            v0, v1 = tl.split(tl.reshape(valid, [ROWS, COLS // 2, 2]))
+            y0, y1, scale, zero = _pair_y_tl(x0, x1, v0, v1, QHI, SYMMETRIC, FAST, False)
             if STOCHASTIC:
                 i0, _ = tl.split(tl.reshape(idx, [ROWS, COLS // 2, 2]))
                 pair = i0 >> 1
@@ -297,7 +392,7 @@ if HAS_TRITON:
         rem = tl.minimum(n - base, ROWS * GS).to(tl.int32)
         wcols = tl.arange(0, H)
         wloc = tl.arange(0, ROWS)[:, None] * (GS // 2) + wcols[None, :]
-        valid = (wcols[None, :] < GS // 2) & (2 * wloc < rem)
+        valid = (wcols[None, :] < GS // 2) & (wloc < rem // 2)
         wbase = base // 2
         if IDX32:
             pair = wbase.to(tl.uint32) + wloc.to(tl.uint32)
@@ -315,23 +410,7 @@ if HAS_TRITON:
         :func:`encode_pack_tl`."""
         wbase, wloc, valid, pair = word_index_tl(row0, n, GS, COLS // 2, ROWS, IDX32)
         x0, x1 = half_pair_tl(tl.load(w_ptr + wbase + wloc, mask=valid, other=0), KIND)
-        x0 = tl.where(valid & (tl.abs(x0) < float("inf")), x0, 0.0)  # NaN, +-inf, padding -> 0
-        x1 = tl.where(valid & (tl.abs(x1) < float("inf")), x1, 0.0)
-        if SYMMETRIC:  # (element-wise first: one cross-thread reduction per row, not two)
-            rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
-            zero = tl.zeros_like(rng)
-        else:
-            mn = tl.min(tl.where(valid, tl.minimum(x0, x1), float("inf")), axis=1)
-            mx = tl.max(tl.where(valid, tl.maximum(x0, x1), -float("inf")), axis=1)
-            mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
-            mx = tl.where(mx >= mn, mx, 0.0)
-            rng = mx - mn
-            zero = mn
-            x0 = x0 - mn[:, None]
-            x1 = x1 - mn[:, None]
-        scale, pre, inv = _scale_tl(rng, QHI)
-        y0 = (x0 * pre[:, None]) * inv[:, None]
-        y1 = (x1 * pre[:, None]) * inv[:, None]
+        y0, y1, scale, zero = _pair_y_tl(x0, x1, valid, valid, QHI, SYMMETRIC, FAST, True)
         return _pack_pair_tl(y0, y1, key, pair, QLO, QHI, STOCHASTIC, FAST), scale, zero
 
     @triton.jit
@@ -483,15 +562,18 @@ WORD_PAIRS = True  # 4 bits from bf16 or fp16: read the tensor as 32-bit words (
 #   pairs as words was slower, 81 -> 63 %: not done.)
 _HALF_KIND = {torch.bfloat16: 1, torch.float16: 2}
 # GPU-only instruction choices (bits: 1 rounding by a directed add, 2 codes to floats by their
-# bits, 4 the hardware fp32 -> bf16 cast); same results as the portable paths, which the Triton
-# interpreter runs. Measured on an H200: see benchmarks/results (tune_kernels --what fast).
-FAST = 7
+# bits, 4 the hardware fp32 -> bf16 cast, 8 the two uniforms of a hash by integer multiply-adds,
+# 16 the clean-tile path of 4-bit symmetric quantization, :func:`_pair_y_tl`);
+# same results as the portable paths, which the Triton interpreter runs. Measured on an H200: see
+# benchmarks/results (tune_kernels --what fast).
+FAST = 31
 
 
 def fast_bits() -> int:
     """The ``FAST`` constexpr of a launch: :data:`FAST` on a GPU; under the interpreter only
-    bit 2 (portable: bitcasts), which the CPU tests thus check against the reference."""
-    return FAST & 2 if interpreting() else FAST
+    the portable bits 2 (bitcasts) and 16 (the clean-tile branch), which the CPU tests thus
+    check against the reference (bits 1, 4 and 8 are PTX instructions)."""
+    return FAST & 18 if interpreting() else FAST
 
 
 def tile_shape(group_size: int, elems: int = 0) -> tuple[int, int, int]:
@@ -512,6 +594,7 @@ def word_kind(bits: int, dtype: torch.dtype, n: int, *ptrs: int) -> int:
 
 
 QUANT_WARPS = 0  # quantize's warps per program (0: tile_shape's choice)
+WORD_TILE = (4096, 4)  # (elements, warps) per program of the 4-bit word path: 32 elements a thread
 
 
 def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTensor:
@@ -525,8 +608,8 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTenso
     scale = torch.empty(g, dtype=torch.float32, device=x.device)
     zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
     if g:
-        cols, rows, warps = tile_shape(group_size)
-        warps = QUANT_WARPS or warps
+        cols, rows, warps = tile_shape(group_size, WORD_TILE[0] if words else 0)
+        warps = (WORD_TILE[1] if words else QUANT_WARPS) or warps
         qlo, qhi = _qrange(bits, symmetric)
         launch(_quantize_kernel, (triton.cdiv(g, rows),), xf.view(torch.int32) if words else xf, data, scale,
                scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,

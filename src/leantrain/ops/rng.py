@@ -17,11 +17,14 @@ The uniforms of the integer quantizers come two per hash: element ``i`` takes th
 
     u    = (h16 + 1/2) * 2**-16        uniform on the 2**16 midpoints of [0, 1)
 
-Stochastic rounding ``floor(y + u)`` with it is unbiased up to 2**-17 of a quantization step
-(the grid's own resolution). A kernel quantizing a pair of neighbours computes one hash for
-both (:func:`uniform_pair_tl`); on a GPU ``u`` is built from the bits (``0x3F800040 | h16 << 7``
-is the float ``1 + u``), which skips the integer-to-float conversion. bf16 stochastic rounding
-(:mod:`leantrain.ops.sr`) adds ``x >> 16`` to the dropped bits directly.
+Stochastic rounding to integers is ``floor(y + (1 + u)) - 1`` (:mod:`leantrain.ops.quant`),
+unbiased up to 2**-17 of a quantization step (the grid's own resolution). Kernels take ``1 + u``
+straight from the bits (``0x3F800040 | h16 << 7`` is that float): no integer-to-float
+conversion and no ``- 1.0``, which the rounding folds into its directed add. A kernel
+quantizing a pair of neighbours computes one hash for both (:func:`uniform1_pair_tl`); on a
+GPU (``FAST & 8``) the two floats are built by integer multiply-adds, which run beside the
+logic unit that the hash keeps busy. bf16 stochastic rounding (:mod:`leantrain.ops.sr`) adds
+``x >> 16`` to the dropped bits directly.
 
 Tiling / bytes: a device helper, no memory traffic of its own.
 """
@@ -125,19 +128,34 @@ if HAS_TRITON:
             return fmix32((lo * 0x9E3779B9) ^ h)
 
     @triton.jit
-    def _u16_tl(h16):
-        """(h16 + 1/2) * 2**-16 from the bits: ``1 + u`` is the float 0x3F800040 | h16 << 7."""
-        return ((h16 << 7) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
+    def _one_plus_u16_tl(h16):
+        """``1 + (h16 + 1/2) * 2**-16`` from the bits: the float 0x3F800040 | h16 << 7 (exact)."""
+        return ((h16 << 7) | 0x3F800040).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def uniform1_tl(key, index):
+        """float32 ``1 + u`` with ``u`` equal bit for bit to :func:`hash_uniform` (one hash per
+        element; a kernel holding both elements of a pair uses :func:`uniform1_pair_tl`)."""
+        h = hash_u32_tl(key, index >> 1)
+        return _one_plus_u16_tl((h >> ((index & 1) * 16).to(tl.uint32)) & 0xFFFF)
 
     @triton.jit
     def uniform_tl(key, index):
-        """float32 uniform, equal bit for bit to :func:`hash_uniform` (one hash per element;
-        a kernel holding both elements of a pair uses :func:`uniform_pair_tl`)."""
-        h = hash_u32_tl(key, index >> 1)
-        return _u16_tl((h >> ((index & 1) * 16).to(tl.uint32)) & 0xFFFF)
+        """float32 uniform, equal bit for bit to :func:`hash_uniform`."""
+        return uniform1_tl(key, index) - 1.0
 
     @triton.jit
-    def uniform_pair_tl(key, pair):
-        """The uniforms of elements ``2 * pair`` and ``2 * pair + 1``, from one hash."""
+    def uniform1_pair_tl(key, pair, FAST: tl.constexpr):
+        """``1 + u`` of elements ``2 * pair`` and ``2 * pair + 1``, from one hash. ``FAST & 8``
+        (GPU): ``(h << 16) >> 9`` by ``mad.hi`` and ``(h >> 16) << 7`` by ``mad.lo``, each with
+        the ``0x3F800040`` added: integer multiply-adds instead of shift-mask-or logic (same
+        bits: the fields never overlap the constant)."""
         h = hash_u32_tl(key, pair)
-        return _u16_tl(h & 0xFFFF), _u16_tl(h >> 16)
+        if FAST & 8:
+            lo = tl.inline_asm_elementwise("mad.hi.u32 $0, $1, 8388608, 1065353280;", "=r,r", [h << 16],
+                                           dtype=tl.uint32, is_pure=True, pack=1)
+            hi = tl.inline_asm_elementwise("mad.lo.u32 $0, $1, 128, 1065353280;", "=r,r", [h >> 16],
+                                           dtype=tl.uint32, is_pure=True, pack=1)
+            return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+        else:
+            return _one_plus_u16_tl(h & 0xFFFF), _one_plus_u16_tl(h >> 16)

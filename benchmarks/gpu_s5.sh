@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Session 5's GPU calls (each under the device tool's 600 s limit):
+#   OUT=dir bash benchmarks/gpu_s5.sh explore  # FAST bits 8/16 + tile sweeps (tune_kernels --what fast2), the ops
+#                                              # and AGoQ tests compiled, bench_agoq
+#   OUT=dir bash benchmarks/gpu_s5.sh final    # record: bench_ops (256 MiB, 2 GiB), bench_agoq, profiles, 125m seed 0
+#   OUT=dir bash benchmarks/gpu_s5.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
+set -u -o pipefail
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
+PART=${1:-explore}
+D=$OUT/$PART
+mkdir -p "$D"
+log() { echo "=== $(date +%T) $*"; }
+gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cacheprovider -o addopts="" "${@:2}" 2>&1 | tail -15; }
+profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward
+  for c in torch_bf16 agoq; do
+    log "profile $c B=8 forward+backward"
+    timeout 90 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
+  done
+}
+{
+  case "$PART" in
+    explore)
+      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      log "tune fast2"
+      timeout 200 python3 benchmarks/tune_kernels.py --what fast2 --out "$D" 2>&1 | grep -v Warn
+      log "gpu tests: ops, agoq"
+      gputest 260 tests/ops tests/agoq
+      log "bench agoq (1b, B=8)"
+      timeout 130 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2 ;;
+    final)
+      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      log "bench ops 256, 2048 MiB"
+      timeout 120 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+      log "bench agoq (1b, B=8)"
+      timeout 150 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+      profiles
+      log "125m, 1000 steps: agoq seed 0"
+      bash benchmarks/run_125m_agoq.sh 0 "$D/c125_agoq_seed0" ;;
+    forge)
+      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      log "bench forge part b"
+      timeout 560 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 60 --out "$D" 2>&1 | tail -12 ;;
+  esac
+  log done
+} 2>&1 | tee "$D/run.log"
