@@ -2,7 +2,8 @@
 # Session 5's GPU calls (each under the device tool's 600 s limit):
 #   OUT=dir bash benchmarks/gpu_s5.sh explore  # FAST bits 8/16 + tile sweeps (tune_kernels --what fast2), the ops
 #                                              # and AGoQ tests compiled, bench_agoq
-#   OUT=dir bash benchmarks/gpu_s5.sh final    # record: bench_ops (256 MiB, 2 GiB), bench_agoq, profiles, 125m seed 0
+#   OUT=dir bash benchmarks/gpu_s5.sh final    # record: bench_agoq, profiles, bench_ops (256 MiB, 2 GiB), the rest of
+#                                              # the compiled tests, a cProfile of the AGoQ step
 #   OUT=dir bash benchmarks/gpu_s5.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
@@ -29,13 +30,17 @@ profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward
       timeout 130 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2 ;;
     final)
       log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      log "bench ops 256, 2048 MiB"
-      timeout 120 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
       log "bench agoq (1b, B=8)"
       timeout 150 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
       profiles
-      log "125m, 1000 steps: agoq seed 0"
-      bash benchmarks/run_125m_agoq.sh 0 "$D/c125_agoq_seed0" ;;
+      log "bench ops 256, 2048 MiB"
+      timeout 120 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+      log "gpu tests: the part the explore run's time limit cut (agoq, multi, reduce, rng, state8)"
+      gputest 150 tests/agoq tests/ops/test_multi.py tests/ops/test_reduce_bits_nvfp4.py tests/ops/test_rng_sr.py \
+        tests/ops/test_state8.py tests/ops/test_kernel_paths.py
+      log "cProfile of the AGoQ step"
+      timeout 80 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --cprofile --out "$D/cprof" 2>&1 \
+        | grep -v Warn | tail -1 ;;
     forge)
       log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       log "bench forge part b"

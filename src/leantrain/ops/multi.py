@@ -358,7 +358,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_kind(rows),
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
-               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), TPP=Q_TILE[2],
+               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & ~16, TPP=Q_TILE[2],
                WORDS=_words(rows), num_warps=warps)
     return out
 

@@ -196,5 +196,5 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
                COLS=cols, ROWS=rows, BITS=bits_out, SYMMETRIC=symmetric_out, STOCHASTIC=stochastic,
                QLO=qlo, QHI=qhi, K=k if k <= _UNROLL_MAX else 0,
                ROW_SCALE=q.group_size % group_size_out == 0, IDX32=g * group_size_out <= _IDX32_LIMIT,
-               PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(), num_warps=warps)
+               PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & ~16, num_warps=warps)
     return QTensor(data, scale, zero, q.shape, torch.float32, bits_out, group_size_out, symmetric_out)
