@@ -4,6 +4,8 @@
 #                                              # and AGoQ tests compiled, bench_agoq
 #   OUT=dir bash benchmarks/gpu_s5.sh final    # record: bench_agoq, profiles, bench_ops (256 MiB, 2 GiB), the rest of
 #                                              # the compiled tests, a cProfile of the AGoQ step
+#   OUT=dir bash benchmarks/gpu_s5.sh multi    # multi-tensor quantize with sizes hinted %16: tiles, clean-tile branch;
+#                                              # then bench_agoq, profiles, bench_ops, its tests compiled
 #   OUT=dir bash benchmarks/gpu_s5.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
@@ -41,6 +43,17 @@ profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward
       log "cProfile of the AGoQ step"
       timeout 80 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --cprofile --out "$D/cprof" 2>&1 \
         | grep -v Warn | tail -1 ;;
+    multi)
+      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      log "tune multi"
+      timeout 150 python3 benchmarks/tune_kernels.py --what multi --out "$D" 2>&1 | grep -v Warn
+      log "bench agoq (1b, B=8)"
+      timeout 150 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+      profiles
+      log "bench ops 256, 2048 MiB"
+      timeout 120 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+      log "gpu tests: multi, kernel paths, agoq batch"
+      gputest 100 tests/ops/test_multi.py tests/ops/test_kernel_paths.py tests/agoq/test_agoq_batch.py ;;
     forge)
       log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       log "bench forge part b"

@@ -295,6 +295,56 @@ def tune_fast2(log) -> list[dict]:
     return rows
 
 
+def tune_multi(log) -> list[dict]:
+    """Session 5: the multi-tensor quantize with every size hinted divisible by 16 (vector
+    loads), with and without the clean-tile branch (``multi.FAST_MASK``), over tiles
+    (``multi.Q_TILE``); outputs checked equal to the portable path's before timing."""
+    import importlib
+
+    from leantrain import ops
+
+    Q = importlib.import_module("leantrain.ops.quant")
+    M = importlib.import_module("leantrain.ops.multi")
+    xb = torch.randn(128 << 20, device="cuda", dtype=torch.bfloat16)
+    yb = torch.empty_like(xb)
+    copy_ms = _bench(lambda: yb.copy_(xb))
+    copy_gbps = 4 * xb.numel() / copy_ms / 1e6
+    rows = [{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}]
+    n_small, n_big = 8192 * 2048, 8192 * 5632
+    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
+    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
+    nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
+    nb4 = sum(m.numel() * 2.5 + 4 * m.numel() / 128 for m in xs)
+    seeds = list(range(len(xs)))
+    bad = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    bad[77777], bad[5000], bad[9000:9128] = float("nan"), float("-inf"), 1e-39
+    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_portable")
+
+    def outputs():
+        qs = M.quantize_many([*xs[:3], bad], bits=[4, 8, 4, 4], stochastic=True, seeds=[1, 2, 3, 4])
+        q32 = M.quantize_many([xs[0].float(), xs[1]], bits=[4, 8], stochastic=True, seeds=[1, 2])
+        return [t for q in [*qs, *q32] for t in (q.data, q.scale)]
+
+    defaults = Q.FAST, M.Q_TILE, M.FAST_MASK
+    Q.FAST = 0
+    ref = outputs()
+    Q.FAST = defaults[0]
+    for mask in (~16, ~0):
+        M.FAST_MASK = mask
+        for qt in ((2048, 4, 2), (4096, 4, 1), (4096, 4, 2), (2048, 2, 2), (4096, 8, 1), (2048, 2, 1), (8192, 8, 1)):
+            M.Q_TILE = qt
+            tag = f"FAST={Q.FAST & mask} tile={qt}"
+            ok = all(torch.equal(a, b) for a, b in zip(outputs(), ref, strict=True))
+            rec(f"{tag} quantize_many 10 tensors int4/8 SR bf16",
+                lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, ok)
+            rec(f"{tag} quantize_many 10 tensors int4 SR bf16",
+                lambda: M.quantize_many(xs, bits=4, stochastic=True, seeds=seeds), nb4, ok)
+    Q.FAST, M.Q_TILE, M.FAST_MASK = defaults
+    rec("default single quantize int4 g128 SR bf16 (reference point)",
+        lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1), 2.5 * xb.numel() + xb.numel() / 32, True)
+    return rows
+
+
 VARIANTS = False  # also sweep alignment hints / tiles of the multi-tensor kernels
 
 
@@ -475,6 +525,7 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
               "fast2": lambda: tune_fast2(log),
+              "multi": lambda: tune_multi(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
         if name in what:

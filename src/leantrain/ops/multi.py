@@ -42,8 +42,9 @@ __all__ = ["quantize_many", "dequantize_many"]
 # H200 (bf16, one 1b layer's saves): 2048 elements at 4 warps is the fastest tile for both
 # (tune_kernels --what agoq); a program runs TPP consecutive tiles of one tensor (the table
 # lookup and its dependent loads are paid once per program).
-Q_TILE = (2048, 4, 2)  # TPP measured (tune_kernels --what fast): 2 for quantize, 4 for dequantize
-DQ_TILE = (2048, 4, 4)
+Q_TILE = (4096, 4, 1)  # (elements, warps, tiles per program); session 5 re-measures it (tune_kernels --what multi)
+DQ_TILE = (2048, 4, 4)  # TPP measured (tune_kernels --what fast): 4 for dequantize
+FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -147,6 +148,8 @@ if HAS_TRITON:
         scale_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
         zero_ptr = _ptr(tl.load(row + 3), tl.float32, ALIGNED)
         n = tl.load(row + 4)
+        if ALIGNED:  # (and every n a multiple of 16: tile masks constant over 16 elements, loads vectorize)
+            n = tl.multiple_of(n, 16)
         n_groups = tl.load(row + 5)
         key = tl.load(row + 6).to(tl.int32)
         for j in tl.static_range(TPP):
@@ -253,8 +256,10 @@ if HAS_TRITON:
 
 def _aligned(rows: list[list[int]], kernel: str) -> bool:
     """Hint alignment to ``kernel``: every address of the launch (the table's first four
-    columns) is a multiple of 16 and ALIGN_HINTS says the hint pays."""
-    return ALIGN_HINTS[kernel] and all(r[c] % 16 == 0 for r in rows for c in range(4))
+    columns) is a multiple of 16, so is every tensor's size (column 4) for quantize, and
+    ALIGN_HINTS says the hint pays."""
+    cols = range(5) if kernel == "quantize" else range(4)
+    return ALIGN_HINTS[kernel] and all(r[c] % 16 == 0 for r in rows for c in cols)
 
 
 def _words(rows: list[list[int]]) -> bool:
@@ -358,7 +363,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_kind(rows),
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
-               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & ~16, TPP=Q_TILE[2],
+               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
                WORDS=_words(rows), num_warps=warps)
     return out
 

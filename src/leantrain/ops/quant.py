@@ -564,8 +564,8 @@ _HALF_KIND = {torch.bfloat16: 1, torch.float16: 2}
 # GPU-only instruction choices (bits: 1 rounding by a directed add, 2 codes to floats by their
 # bits, 4 the hardware fp32 -> bf16 cast, 8 the two uniforms of a hash by integer multiply-adds,
 # 16 the clean-tile branch of symmetric quantization, :func:`_pair_y_tl`: measured a win for
-# single tensors (int4 SR from bf16 65 -> 82 % of a copy) and a loss in the multi-tensor kernel
-# (52 -> 42 %), which launches without it, as does dequant-sum-requant);
+# single tensors (int4 SR from bf16 65 -> 82 % of a copy); dequant-sum-requant launches without
+# it, the multi-tensor kernel per multi.FAST_MASK);
 # same results as the portable paths, which the Triton interpreter runs. Measured on an H200: see
 # benchmarks/results (tune_kernels --what fast).
 FAST = 31
