@@ -25,6 +25,8 @@ per tensor). Bytes moved are those of the per-tensor kernels, plus 88 bytes of t
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from . import quant
@@ -50,7 +52,6 @@ FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
 ALIGN_HINTS = {"quantize": True, "dequantize": False}
 _FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_DTYPE_OF_KIND = {k: d for d, k in _FLOAT_KIND.items()}
 _IDX32_LIMIT = 2**32
 
 
@@ -63,9 +64,12 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
         starts.append(s)
         s += p
     tp = next_pow2(max(1, len(rows)))
-    flat = torch.tensor([v for r in rows for v in r] + starts + [1 << 62] * (tp - len(starts)), dtype=torch.int64)
-    # From pageable memory the copy is staged at once and never waits for the device.
-    return flat.to(device, non_blocking=True), s
+    flat = array("q", [v for r in rows for v in r])
+    flat.extend(starts)
+    flat.extend([1 << 62] * (tp - len(starts)))
+    # (from an array: a third of torch.tensor(list)'s host time.) From pageable memory the copy
+    # is staged at once and never waits for the device.
+    return torch.frombuffer(flat, dtype=torch.int64).to(device, non_blocking=True), s
 
 
 if HAS_TRITON:
@@ -156,7 +160,7 @@ if HAS_TRITON:
             row0 = (prog * TPP + j) * ROWS
             if BITS == 4 and WORDS and KIND > 0:
                 byts, scale, zero = encode_words_tl(_ptr(x_addr, tl.int32, ALIGNED), row0, n, key, KIND, GS, COLS,
-                                                    ROWS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
+                                                    ROWS, BITS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
             else:
                 base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
                 x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
@@ -254,22 +258,6 @@ if HAS_TRITON:
             _dequantize_tile(row, prog, KIND, HW_CAST, GS, COLS, ROWS, BITS, SYMMETRIC, ALIGNED, FAST, TPP)
 
 
-def _aligned(rows: list[list[int]], kernel: str) -> bool:
-    """Hint alignment to ``kernel``: every address of the launch (the table's first four
-    columns) is a multiple of 16, so is every tensor's size (column 4) for quantize, and
-    ALIGN_HINTS says the hint pays."""
-    cols = range(5) if kernel == "quantize" else range(4)
-    return ALIGN_HINTS[kernel] and all(r[c] % 16 == 0 for r in rows for c in cols)
-
-
-def _words(rows: list[list[int]]) -> bool:
-    """The ``WORDS`` constexpr: every 4-bit 16-bit-float tensor of the launch can be read as
-    32-bit words (:func:`leantrain.ops.quant.word_kind`; the input's address in column 0,
-    its kind in column 9)."""
-    half = [r for r in rows if r[8] == 4 and r[9]]
-    return bool(half) and all(quant.word_kind(4, _DTYPE_OF_KIND[r[9]], r[4], r[0]) for r in half)
-
-
 def _kind(rows: list[list[int]]) -> int:
     """The ``KIND`` constexpr: the dtype kind shared by every row, else -1 (column 9 per row)."""
     kinds = {r[9] for r in rows}
@@ -332,8 +320,6 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
             raise ValueError("quantize_many: the torch backend needs seeds (keys cannot be inverted)")
         return [quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
                 for x, b, s in zip(xs, widths, seeds)]
-    if not all(x.is_contiguous() for x in xs):
-        raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
     cols, rows_per, warps = tile_shape(group_size, Q_TILE[0])
     warps = Q_TILE[1] or warps
     ns = [x.numel() for x in xs]
@@ -346,14 +332,25 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
     out, rows, progs = [], [], []
     do = so = 0
     per_prog = rows_per * Q_TILE[2]
+    low = 0  # OR of every address and size: the alignment hint holds when its low 4 bits are 0
+    words = quant.WORD_PAIRS  # every 4-bit 16-bit-float input readable as 32-bit words
+    half4 = False
     for i, (x, b, k, n, g) in enumerate(zip(xs, widths, keys, ns, gs)):
+        if not x.is_contiguous():
+            raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
         out.append(QTensor(datas[i], scales[i], None if symmetric else zeros[i], x.shape, x.dtype, b, group_size,
                            symmetric))
         if g:
             sp = s0 + 4 * so
-            rows.append([x.data_ptr(), d0 + do, sp, sp if symmetric else z0 + 4 * so, n, g, k, 0, b,
-                         _FLOAT_KIND[x.dtype]])
+            zp = sp if symmetric else z0 + 4 * so
+            xp = x.data_ptr()
+            kind = _FLOAT_KIND[x.dtype]
+            rows.append([xp, d0 + do, sp, zp, n, g, k, 0, b, kind])
             progs.append(-(-g // per_prog))
+            low |= xp | (d0 + do) | sp | zp | n
+            if b == 4 and kind:
+                half4 = True
+                words = words and not (n & 1 or xp & 3)
         do += -(-nds[i] // 16) * 16
         so += -(-g // 4) * 4
     big = max(gs) * group_size > _IDX32_LIMIT
@@ -362,9 +359,9 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         mixed = len(set(r[8] for r in rows)) > 1
         launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_kind(rows),
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
-               STOCHASTIC=stochastic, IDX32=not big, ALIGNED=_aligned(rows, "quantize"),
+               STOCHASTIC=stochastic, IDX32=not big, ALIGNED=ALIGN_HINTS["quantize"] and not low & 15,
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
-               WORDS=_words(rows), num_warps=warps)
+               WORDS=half4 and words, num_warps=warps)
     return out
 
 
@@ -389,20 +386,25 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
     cols, rows_per, warps = tile_shape(gs, DQ_TILE[0])
     warps = DQ_TILE[1] or warps
     out, rows, progs = [], [], []
+    per_prog = rows_per * DQ_TILE[2]
+    low = 0
     for q, d in zip(qs, dtypes):
         o = torch.empty(q.shape, dtype=d, device=device)  # one allocation each: freed one by one
         out.append(o)
-        g = q.num_groups
+        n = o.numel()
+        g = -(-n // gs)
         if g:
-            zero = q.scale if q.zero is None else q.zero
-            rows.append([q.data.data_ptr(), q.scale.data_ptr(), zero.data_ptr(), o.data_ptr(), q.numel, g, 0, 0,
-                         q.bits, _FLOAT_KIND[d]])
-            progs.append(-(-g // (rows_per * DQ_TILE[2])))
+            sp = q.scale.data_ptr()
+            zp = sp if q.zero is None else q.zero.data_ptr()
+            dp, op = q.data.data_ptr(), o.data_ptr()
+            rows.append([dp, sp, zp, op, n, g, 0, 0, q.bits, _FLOAT_KIND[d]])
+            progs.append(-(-g // per_prog))
+            low |= dp | sp | zp | op
     if rows:
         tab, total = _table(rows, progs, device)
         mixed = len(set(r[8] for r in rows)) > 1
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
                KIND=_kind(rows), HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
-               BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=_aligned(rows, "dequantize"),
+               BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=ALIGN_HINTS["dequantize"] and not low & 15,
                FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
     return out
