@@ -8,7 +8,6 @@
 #                                              # then bench_agoq, profiles, bench_ops, its tests compiled
 #   OUT=dir bash benchmarks/gpu_s5.sh record   # record at the session's last kernel code: bench_agoq, profiles, bench_ops,
 #                                              # the changed kernels' tests compiled, 125m AGoQ 1000 steps (seed 0)
-#   OUT=dir bash benchmarks/gpu_s5.sh split    # fp32 and 16-bit saves in separate launches: bench_agoq, profiles, tests
 #   OUT=dir bash benchmarks/gpu_s5.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
@@ -68,13 +67,6 @@ profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward
       gputest 170 tests/ops/test_quant.py tests/ops/test_multi.py tests/ops/test_kernel_paths.py tests/agoq
       log "125m, 1000 steps: agoq seed 0"
       bash benchmarks/run_125m_agoq.sh 0 "$D/c125_agoq_seed0" ;;
-    split)
-      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      log "bench agoq (1b, B=8)"
-      timeout 100 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
-      profiles
-      log "gpu tests: multi, agoq batch"
-      gputest 100 tests/ops/test_multi.py tests/agoq/test_agoq_batch.py ;;
     forge)
       log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       log "bench forge part b"

@@ -144,14 +144,9 @@ def test_word_path_and_its_fallback(device, dtype, symmetric, monkeypatch):
             assert torch.equal(d, dequantize(q, backend="torch"))
 
 
-@pytest.mark.parametrize("split_kinds", [True, False])
-def test_mixed_dtypes_in_one_call(backend, device, split_kinds, monkeypatch):
-    """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call (fp32 and 16-bit inputs in two
-    launches, or all in one), dequantized to their own dtypes or to one asked for: each equals
-    its own quantize / dequantize."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("leantrain.ops.multi"), "SPLIT_KINDS", split_kinds)
+def test_mixed_dtypes_in_one_launch(backend, device):
+    """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call, dequantized to their own dtypes
+    or to one asked for: each equals its own quantize / dequantize."""
     xs = [randn(n, dt, device) for n, dt in ((300, torch.float32), (256, torch.bfloat16), (77, torch.float16),
                                               (1000, torch.bfloat16), (130, torch.float32))]
     bits, seeds = [4, 4, 8, 8, 4], [1, 2, 3, 4, 5]

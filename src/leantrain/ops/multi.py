@@ -47,7 +47,6 @@ __all__ = ["quantize_many", "dequantize_many"]
 Q_TILE = (4096, 4, 1)  # (elements, warps, tiles per program); session 5 re-measures it (tune_kernels --what multi)
 DQ_TILE = (2048, 4, 4)  # TPP measured (tune_kernels --what fast): 4 for dequantize
 FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
-SPLIT_KINDS = True  # fp32 and 16-bit inputs in separate launches (see quantize_many)
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -56,28 +55,21 @@ _FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _IDX32_LIMIT = 2**32
 
 
-def _tables(row_sets: list[list[list[int]]], prog_sets: list[list[int]], device) -> list[tuple[torch.Tensor, int]]:
-    """Launch tables, all in one host-to-device copy: per row set, ``(view, programs)``: the rows
-    (their first program filled in, column 7) then the first-program column padded to a power
-    of two, each view starting at a 16-byte boundary. From an array (a third of
-    ``torch.tensor(list)``'s host time) and pageable memory: staged at once, the copy never
-    waits for the device (a blocking copy would)."""
-    flat, spans = array("q"), []
-    for rows, progs in zip(row_sets, prog_sets):
-        starts, s = [], 0
-        for r, p in zip(rows, progs):
-            r[7] = s
-            starts.append(s)
-            s += p
-        o = len(flat)
-        flat.extend([v for r in rows for v in r])
-        flat.extend(starts)
-        flat.extend([1 << 62] * (next_pow2(max(1, len(rows))) - len(starts)))
-        if len(flat) & 1:
-            flat.append(0)
-        spans.append((o, len(flat), s))
-    dev = torch.frombuffer(flat, dtype=torch.int64).to(device, non_blocking=True) if flat else None
-    return [(dev[a:b], s) for a, b, s in spans]
+def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tensor, int]:
+    """The rows (first program filled in) plus the padded first-program column, as one int64
+    device tensor; copied without waiting for the stream (a blocking copy would)."""
+    starts, s = [], 0
+    for r, p in zip(rows, progs):
+        r[7] = s  # the row's first program, also read by the program that owns a tile of it
+        starts.append(s)
+        s += p
+    tp = next_pow2(max(1, len(rows)))
+    flat = array("q", [v for r in rows for v in r])
+    flat.extend(starts)
+    flat.extend([1 << 62] * (tp - len(starts)))
+    # (from an array: a third of torch.tensor(list)'s host time.) From pageable memory the copy
+    # is staged at once and never waits for the device.
+    return torch.frombuffer(flat, dtype=torch.int64).to(device, non_blocking=True), s
 
 
 if HAS_TRITON:
@@ -164,23 +156,17 @@ if HAS_TRITON:
             n = tl.multiple_of(n, 16)
         n_groups = tl.load(row + 5)
         key = tl.load(row + 6).to(tl.int32)
-        # The element path (8 bits, or 32-bit inputs) takes the tile in SPLIT pieces of ~2048
-        # elements: at ~32 elements a thread it needs ~120 registers (cuobjdump), which starves
-        # the mixed-width launches of occupancy; the 4-bit word path keeps ~32 (56 registers).
-        WORD: tl.constexpr = BITS == 4 and WORDS and KIND > 0
-        SPLIT: tl.constexpr = 1 if WORD or ROWS * COLS <= 2048 or ROWS % 2 else 2
-        R: tl.constexpr = ROWS // SPLIT
-        for j in tl.static_range(TPP * SPLIT):
-            row0 = prog * (TPP * ROWS) + j * R
-            if WORD:
+        for j in tl.static_range(TPP):
+            row0 = (prog * TPP + j) * ROWS
+            if BITS == 4 and WORDS and KIND > 0:
                 byts, scale, zero = encode_words_tl(_ptr(x_addr, tl.int32, ALIGNED), row0, n, key, KIND, GS, COLS,
-                                                    R, BITS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
+                                                    ROWS, BITS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
             else:
-                base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, R, IDX32)
+                base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
                 x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)
-                byts, scale, zero = encode_pack_tl(x, valid, idx, key, R, COLS, BITS, QLO, QHI, SYMMETRIC,
+                byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
                                                    STOCHASTIC, PAIRS, FAST)
-            store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, R,
+            store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
                             BITS, SYMMETRIC)
 
     @triton.jit(do_not_specialize=["n_tensors"])
@@ -368,17 +354,11 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         do += -(-nds[i] // 16) * 16
         so += -(-g // 4) * 4
     big = max(gs) * group_size > _IDX32_LIMIT
-    # fp32 and 16-bit inputs go to separate launches (one table copy for both): a kernel
-    # compiled for both kinds needs ~105 registers a thread (cuobjdump, sm_90) against <= 77
-    # for either alone, and runs at a fraction of the occupancy.
-    groups = [[i for i, r in enumerate(rows) if (r[9] == 0) == fp32] for fp32 in (True, False)]
-    groups = [gr for gr in groups if gr] if SPLIT_KINDS else [list(range(len(rows)))] if rows else []
-    tabs = _tables([[rows[i] for i in gr] for gr in groups], [[progs[i] for i in gr] for gr in groups], device)
-    for (tab, total), gr in zip(tabs, groups):
-        sub = [rows[i] for i in gr]
-        mixed = len(set(r[8] for r in sub)) > 1
-        launch(_quantize_many_kernel, (total,), tab, len(sub), TP=next_pow2(len(sub)), KIND=_kind(sub),
-               GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else sub[0][8], SYMMETRIC=symmetric,
+    if rows:
+        tab, total = _table(rows, progs, device)
+        mixed = len(set(r[8] for r in rows)) > 1
+        launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_kind(rows),
+               GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=ALIGN_HINTS["quantize"] and not low & 15,
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
                WORDS=half4 and words, num_warps=warps)
@@ -421,7 +401,7 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
             progs.append(-(-g // per_prog))
             low |= dp | sp | zp | op
     if rows:
-        (tab, total), = _tables([rows], [progs], device)
+        tab, total = _table(rows, progs, device)
         mixed = len(set(r[8] for r in rows)) > 1
         launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
                KIND=_kind(rows), HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
