@@ -6,24 +6,14 @@
 #   OUT=dir bash benchmarks/gpu_s4.sh host   # one launch per flush (dtypes mixed), one allocation per call: bench + profiles
 #   OUT=dir bash benchmarks/gpu_s4.sh final  # record: bench_ops, bench_agoq (persistent apply + per-step context), profiles, 125m seeds 0-1
 set -u -o pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 PART=${1:-fast}
 D=$OUT/$PART
 mkdir -p "$D"
-log() { echo "=== $(date +%T) $*"; }
-gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cacheprovider -o addopts="" "${@:2}" 2>&1 | tail -15; }
+source "$(dirname "$0")/gpu_lib.sh"
 tune() { log "tune fast"; timeout 200 python3 benchmarks/tune_kernels.py --what fast --out "$D" 2>&1 | grep -v Warn; }
-profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward ("$@": e.g. --cprofile)
-  for c in torch_bf16 agoq; do
-    log "profile $c B=8 forward+backward"
-    timeout 90 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt "$@" --out "$D" 2>&1 | grep -v Warn | tail -1
-  done
-}
 benches() {  # bench_ops (256 MiB, 2 GiB), bench_agoq (1b, B = 8), profiles
-  log "bench ops 256, 2048 MiB"
-  timeout 110 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
-  log "bench agoq (1b, B=8)"
-  timeout 150 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+  opsbench 110
+  agoqbench 150
   profiles "$@"
 }
 {

@@ -10,35 +10,24 @@
 #                                              # the changed kernels' tests compiled, 125m AGoQ 1000 steps (seed 0)
 #   OUT=dir bash benchmarks/gpu_s5.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 PART=${1:-explore}
 D=$OUT/$PART
 mkdir -p "$D"
-log() { echo "=== $(date +%T) $*"; }
-gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cacheprovider -o addopts="" "${@:2}" 2>&1 | tail -15; }
-profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward
-  for c in torch_bf16 agoq; do
-    log "profile $c B=8 forward+backward"
-    timeout 90 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
-  done
-}
+source "$(dirname "$0")/gpu_lib.sh"
 {
   case "$PART" in
     explore)
-      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      gpuinfo
       log "tune fast2"
       timeout 200 python3 benchmarks/tune_kernels.py --what fast2 --out "$D" 2>&1 | grep -v Warn
       log "gpu tests: ops, agoq"
       gputest 260 tests/ops tests/agoq
-      log "bench agoq (1b, B=8)"
-      timeout 130 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2 ;;
+      agoqbench 130 ;;
     final)
-      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      log "bench agoq (1b, B=8)"
-      timeout 150 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+      gpuinfo
+      agoqbench 150
       profiles
-      log "bench ops 256, 2048 MiB"
-      timeout 120 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+      opsbench 120
       log "gpu tests: the part the explore run's time limit cut (agoq, multi, reduce, rng, state8)"
       gputest 150 tests/agoq tests/ops/test_multi.py tests/ops/test_reduce_bits_nvfp4.py tests/ops/test_rng_sr.py \
         tests/ops/test_state8.py tests/ops/test_kernel_paths.py
@@ -46,29 +35,25 @@ profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward
       timeout 80 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --cprofile --out "$D/cprof" 2>&1 \
         | grep -v Warn | tail -1 ;;
     multi)
-      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      gpuinfo
       log "tune multi"
       timeout 150 python3 benchmarks/tune_kernels.py --what multi --out "$D" 2>&1 | grep -v Warn
-      log "bench agoq (1b, B=8)"
-      timeout 150 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+      agoqbench 150
       profiles
-      log "bench ops 256, 2048 MiB"
-      timeout 120 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+      opsbench 120
       log "gpu tests: multi, kernel paths, agoq batch"
       gputest 100 tests/ops/test_multi.py tests/ops/test_kernel_paths.py tests/agoq/test_agoq_batch.py ;;
     record)
-      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      log "bench agoq (1b, B=8)"
-      timeout 120 python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+      gpuinfo
+      agoqbench 120
       profiles
-      log "bench ops 256, 2048 MiB"
-      timeout 100 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+      opsbench 100
       log "gpu tests: quant, multi, kernel paths, agoq"
       gputest 170 tests/ops/test_quant.py tests/ops/test_multi.py tests/ops/test_kernel_paths.py tests/agoq
       log "125m, 1000 steps: agoq seed 0"
       bash benchmarks/run_125m_agoq.sh 0 "$D/c125_agoq_seed0" ;;
     forge)
-      log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      gpuinfo
       log "bench forge part b"
       timeout 560 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 60 --out "$D" 2>&1 | tail -12 ;;
   esac

@@ -133,6 +133,27 @@ def tune_ops(mib: int, log) -> list[dict]:
     return rows
 
 
+def _fast_inputs(log) -> dict:
+    """The inputs the ``fast`` tuners share: 256 MiB of bf16 (and 256 MiB of fp32), a copy of it
+    timed for the bandwidth reference, ten bf16 tensors of a 1b layer's save sizes at 4 and 8
+    bits, and a tensor with NaN, -inf and a denormal-range group (the general branch)."""
+    n = 128 << 20  # 256 MiB of bf16
+    xb = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    yb = torch.empty_like(xb)
+    copy_ms = _bench(lambda: yb.copy_(xb))
+    copy_gbps = 4 * n / copy_ms / 1e6
+    log(f"copy: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
+    n_small, n_big = 8192 * 2048, 8192 * 5632
+    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
+    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
+    bad = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    bad[77777], bad[5000], bad[9000:9128] = float("nan"), float("-inf"), 1e-39
+    return dict(n=n, xb=xb, x32=torch.randn(64 << 20, device="cuda"), copy_gbps=copy_gbps,
+                rows=[{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}], xs=xs, widths=widths,
+                nb_many=sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths)),
+                seeds=list(range(len(xs))), bad=bad)
+
+
 def tune_fast(log) -> list[dict]:
     """The GPU-only instruction choices (``quant.FAST`` bits) and the tiles per program of the
     multi-tensor kernels (``multi.Q_TILE[2]`` / ``DQ_TILE[2]``), each variant's codes and
@@ -143,21 +164,10 @@ def tune_fast(log) -> list[dict]:
 
     Q = importlib.import_module("leantrain.ops.quant")
     M = importlib.import_module("leantrain.ops.multi")
-    n = 128 << 20  # 256 MiB of bf16
-    xb = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    x32 = torch.randn(64 << 20, device="cuda")
-    yb = torch.empty_like(xb)
-    copy_ms = _bench(lambda: yb.copy_(xb))
-    copy_gbps = 4 * n / copy_ms / 1e6
-    rows = [{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}]
-    log(f"copy: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
-    n_small, n_big = 8192 * 2048, 8192 * 5632
-    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
-    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
-    nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
-    seeds = list(range(len(xs)))
-
-    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_portable")
+    d = _fast_inputs(log)
+    n, xb, x32, xs, widths, nb_many, seeds, rows = (d[k] for k in ("n", "xb", "x32", "xs", "widths", "nb_many",
+                                                                   "seeds", "rows"))
+    rec = _recorder(rows, d["copy_gbps"], log, rep=40, note="same_as_portable")
 
     def outputs():
         q4 = ops.quantize(xb[: 1 << 22], bits=4, stochastic=True, seed=3)
@@ -227,22 +237,10 @@ def tune_fast2(log) -> list[dict]:
     Q = importlib.import_module("leantrain.ops.quant")
     M = importlib.import_module("leantrain.ops.multi")
     H = importlib.import_module("leantrain.ops.hadamard")
-    n = 128 << 20  # 256 MiB of bf16
-    xb = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    x32 = torch.randn(64 << 20, device="cuda")
-    yb = torch.empty_like(xb)
-    copy_ms = _bench(lambda: yb.copy_(xb))
-    copy_gbps = 4 * n / copy_ms / 1e6
-    rows = [{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}]
-    log(f"copy: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
-    n_small, n_big = 8192 * 2048, 8192 * 5632
-    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
-    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
-    nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
-    seeds = list(range(len(xs)))
-    bad = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
-    bad[77777], bad[5000], bad[9000:9128] = float("nan"), float("-inf"), 1e-39  # the general branch
-    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_portable")
+    d = _fast_inputs(log)
+    n, xb, x32, xs, widths, nb_many, seeds, rows, bad = (
+        d[k] for k in ("n", "xb", "x32", "xs", "widths", "nb_many", "seeds", "rows", "bad"))
+    rec = _recorder(rows, d["copy_gbps"], log, rep=40, note="same_as_portable")
 
     def outputs():
         out = []
@@ -305,20 +303,11 @@ def tune_multi(log) -> list[dict]:
 
     Q = importlib.import_module("leantrain.ops.quant")
     M = importlib.import_module("leantrain.ops.multi")
-    xb = torch.randn(128 << 20, device="cuda", dtype=torch.bfloat16)
-    yb = torch.empty_like(xb)
-    copy_ms = _bench(lambda: yb.copy_(xb))
-    copy_gbps = 4 * xb.numel() / copy_ms / 1e6
-    rows = [{"case": "copy bf16 256 MiB", "ms": copy_ms, "gbps": copy_gbps}]
-    n_small, n_big = 8192 * 2048, 8192 * 5632
-    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
-    widths = [4, 8, 4, 4, 4, 8, 4, 4, 4, 8]
-    nb_many = sum(m.numel() * (2 + b / 8) + 4 * m.numel() / 128 for m, b in zip(xs, widths))
+    d = _fast_inputs(log)
+    xb, xs, widths, nb_many, seeds, rows, bad = (d[k] for k in ("xb", "xs", "widths", "nb_many", "seeds", "rows",
+                                                                "bad"))
     nb4 = sum(m.numel() * 2.5 + 4 * m.numel() / 128 for m in xs)
-    seeds = list(range(len(xs)))
-    bad = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
-    bad[77777], bad[5000], bad[9000:9128] = float("nan"), float("-inf"), 1e-39
-    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_portable")
+    rec = _recorder(rows, d["copy_gbps"], log, rep=40, note="same_as_portable")
 
     def outputs():
         qs = M.quantize_many([*xs[:3], bad], bits=[4, 8, 4, 4], stochastic=True, seeds=[1, 2, 3, 4])

@@ -1,0 +1,19 @@
+# Shared steps of the benchmarks/gpu_s*.sh device scripts (sourced; needs D, the output folder).
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
+log() { echo "=== $(date +%T) $*"; }
+gpuinfo() { log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; }
+gputest() { LEANTRAIN_TEST_GPU=1 timeout "$1" python3 -m pytest -q -p no:cacheprovider -o addopts="" "${@:2}" 2>&1 | tail -15; }
+profiles() {  # profile_step of torch bf16 and AGoQ, B = 8, forward + backward ("$@": e.g. --cprofile)
+  for c in torch_bf16 agoq; do
+    log "profile $c B=8 forward+backward"
+    timeout 90 python3 benchmarks/profile_step.py --config $c --batch 8 --no-opt "$@" --out "$D" 2>&1 | grep -v Warn | tail -1
+  done
+}
+agoqbench() {  # bench_agoq: 1b, B = 8 ($1: time limit)
+  log "bench agoq (1b, B=8)"
+  timeout "$1" python3 benchmarks/bench_agoq.py --out "$D" 2>&1 | tail -2
+}
+opsbench() {  # bench_ops at 256 MiB and 2 GiB ($1: time limit)
+  log "bench ops 256, 2048 MiB"
+  timeout "$1" python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
+}
