@@ -1,0 +1,120 @@
+"""Count the SASS instructions and registers of leantrain's quantize kernels, without a GPU.
+
+    PYTHONPATH=src python3 benchmarks/sass_count.py quant --words 1 --bits 4 --fast 31 --warps 4 --rows 32
+    PYTHONPATH=src python3 benchmarks/sass_count.py multi --kind -1 --bits 0 --fast 31 --warps 4 --rows 32
+
+Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``, so a kernel compiles for
+sm_90 (the H200) on any machine. Printed per kernel: the static instruction count, the count up
+to the first ``EXIT`` (the main path, every branch included), the "clean" path (the main path
+less the blocks that an unconditional branch jumps over, i.e. with each clean-tile branch
+taken; an estimate), the registers a thread needs, and the most frequent opcodes. Pointer and
+size arguments are specialized as divisible by 16, as a launch on real tensors gives them.
+Used in session 5 to find what the H200 runs only timed (results/2026-11-30_H200_tune_s5/).
+Counts are per thread: divide by the elements a thread holds (tile elements / (32 * warps)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # (a compiled kernel, not the interpreter's)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+_INSN = re.compile(r"\s+/\*[0-9a-f]{4}\*/")
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible: tuple[str, ...]):
+    """(SASS text, resource line) of ``fn`` compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": num_warps, "enable_fp_fusion": False})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(ck.asm["cubin"])
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
+                             capture_output=True, text=True, check=True).stdout
+    return sass, next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "")
+
+
+def counts(sass: str) -> dict:
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"^\.(L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = len(ins)
+        elif _INSN.match(line):
+            ins.append(line)
+    ops = collections.Counter(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", ln).split()[0].split(".")[0]
+                              for ln in ins)
+    end = next((k for k, ln in enumerate(ins) if "EXIT" in ln), len(ins) - 1)
+    skip: set[int] = set()
+    for k, ln in enumerate(ins[:end]):
+        m = re.search(r"\sBRA `\((\.?L_x_\d+)\)", ln)
+        if m and not re.match(r"\s*@", ln.split("*/", 1)[1]):
+            target = labels.get(m.group(1).lstrip("."), k)
+            if target > k:
+                skip.update(range(k + 1, target))
+    return {"total": len(ins), "main": end + 1, "clean": sum(1 for k in range(end + 1) if k not in skip),
+            "ops": ops.most_common(12)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=["quant", "multi"])
+    ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
+    ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=32, help="groups of 128 per tile")
+    ap.add_argument("--words", type=int, default=1, help="quant: 1 = bf16 read as 32-bit words, 0 = elements")
+    ap.add_argument("--dtype", default="bf16", help="quant, element path: input type (bf16, fp32)")
+    ap.add_argument("--kind", type=int, default=1, help="multi: 0 fp32, 1 bf16, 2 fp16, -1 mixed")
+    ap.add_argument("--tpp", type=int, default=1, help="multi: tiles per program")
+    a = ap.parse_args(argv)
+    qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
+    if a.kernel == "quant":
+        from leantrain.ops import quant
+
+        fn = quant._quantize_kernel
+        sig = {"x_ptr": "*i32" if a.words else f"*{a.dtype}", "data_ptr": "*u8", "scale_ptr": "*fp32",
+               "zero_ptr": "*fp32", "n": "i64", "n_groups": "i64", "key": "i32"}
+        cons = dict(GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True, QLO=-qhi, QHI=qhi,
+                    IDX32=True, PAIRS=True, FAST=a.fast, WORDS=a.words)
+        div = ("x_ptr", "data_ptr", "scale_ptr", "zero_ptr", "n", "n_groups")
+    else:
+        from leantrain.ops import multi
+
+        fn = multi._quantize_many_kernel
+        sig = {"tab_ptr": "*i64", "n_tensors": "i32"}
+        cons = dict(TP=16, KIND=a.kind, GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True,
+                    IDX32=True, ALIGNED=True, NATIVE=True, PAIRS=True, FAST=a.fast, TPP=a.tpp, WORDS=True)
+        div = ("tab_ptr",)
+    sass, res = compile_sass(fn, sig, cons, a.warps, div)
+    c = counts(sass)
+    per = a.rows * 128 * a.tpp / (32 * a.warps)
+    print(f"{a.kernel} {cons}  num_warps={a.warps}")
+    print(f"instructions per thread: total {c['total']}, main path {c['main']}, clean path {c['clean']} "
+          f"({c['clean'] / per:.1f} an element, {per:.0f} elements a thread)")
+    print(f"resources: {res}")
+    print("opcodes:", ", ".join(f"{k} {v}" for k, v in c["ops"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
