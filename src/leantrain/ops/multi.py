@@ -40,12 +40,14 @@ __all__ = ["quantize_many", "dequantize_many"]
 # The table: 10 int64 columns per tensor (the kernels' row stride): 4 addresses, n, n_groups, key,
 # first program, bits, dtype kind (_FLOAT_KIND); after the rows, the first-program column again,
 # padded to a power of 2.
-# (elements per tile, warps, tiles per program), 0 = quant.tile_shape's choice; measured on an
-# H200 (bf16, one 1b layer's saves): 2048 elements at 4 warps is the fastest tile for both
-# (tune_kernels --what agoq); a program runs TPP consecutive tiles of one tensor (the table
-# lookup and its dependent loads are paid once per program).
-Q_TILE = (4096, 4, 1)  # (elements, warps, tiles per program); session 5 re-measures it (tune_kernels --what multi)
-DQ_TILE = (2048, 4, 4)  # TPP measured (tune_kernels --what fast): 4 for dequantize
+# Tiles: (elements per tile, warps, tiles per program), 0 = quant.tile_shape's choice; a program
+# runs TPP consecutive tiles of one tensor (the table lookup and its dependent loads are paid
+# once per program). Measured on an H200: quantize, with every size hinted divisible by 16
+# (tune_kernels --what multi, session 5), 4096 elements at 4 warps, one tile a program, is the
+# best for 4-bit bf16 (77.6 % of a copy; mixed widths 58-60 % for every tile tried); dequantize
+# 2048 elements at 4 warps (tune_kernels --what agoq), 4 tiles a program (--what fast).
+Q_TILE = (4096, 4, 1)
+DQ_TILE = (2048, 4, 4)
 FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
@@ -160,7 +162,7 @@ if HAS_TRITON:
             row0 = (prog * TPP + j) * ROWS
             if BITS == 4 and WORDS and KIND > 0:
                 byts, scale, zero = encode_words_tl(_ptr(x_addr, tl.int32, ALIGNED), row0, n, key, KIND, GS, COLS,
-                                                    ROWS, BITS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
+                                                    ROWS, QLO, QHI, SYMMETRIC, STOCHASTIC, IDX32, FAST)
             else:
                 base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
                 x = _load_float(x_addr, base + loc, valid, KIND, ALIGNED, NATIVE)

@@ -226,12 +226,10 @@ if HAS_TRITON:
             return tl.floor(w).to(tl.int32) - OFF
 
     @triton.jit
-    def _pack_pair_tl(y0, y1, key, pair, ROWS: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr,
-                      QLO: tl.constexpr, QHI: tl.constexpr, STOCHASTIC: tl.constexpr, FAST: tl.constexpr):
-        """The bytes of the codes rounded from the even (``y0``) and odd (``y1``) columns
-        ``[ROWS, H]`` of a tile: 4 bits, ``[ROWS, H]`` bytes (``y0`` the low nibble); 8 bits,
-        ``[ROWS, 2 * H]`` bytes in column order. Stochastic rounding draws both uniforms of a
-        pair from one hash of its ``pair`` index."""
+    def _pack_pair_tl(y0, y1, key, pair, QLO: tl.constexpr, QHI: tl.constexpr, STOCHASTIC: tl.constexpr,
+                      FAST: tl.constexpr):
+        """The bytes of two 4-bit code tiles rounded from ``y0`` (low nibble) and ``y1``;
+        stochastic rounding draws both uniforms of a byte from one hash of its ``pair`` index."""
         if STOCHASTIC:
             r0, r1 = uniform1_pair_tl(key, pair, FAST)
             c0 = _round_tl(y0, r0, QLO, QHI, FAST, 1)
@@ -239,10 +237,7 @@ if HAS_TRITON:
         else:
             c0 = _round_tl(y0, 0.5, QLO, QHI, FAST, 0)
             c1 = _round_tl(y1, 0.5, QLO, QHI, FAST, 0)
-        if BITS == 4:
-            return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8)
-        else:
-            return tl.reshape(tl.join(c0, c1), [ROWS, 2 * H]).to(tl.uint8)
+        return ((c0 & 0xF) | ((c1 & 0xF) << 4)).to(tl.uint8)
 
     @triton.jit
     def encode_tile_tl(x, valid, idx, key, QLO: tl.constexpr, QHI: tl.constexpr,
@@ -356,7 +351,7 @@ if HAS_TRITON:
                 pair = i0 >> 1
             else:
                 pair = 0  # (not read)
-            return _pack_pair_tl(y0, y1, key, pair, ROWS, COLS // 2, BITS, QLO, QHI, STOCHASTIC, FAST), scale, zero
+            return _pack_pair_tl(y0, y1, key, pair, QLO, QHI, STOCHASTIC, FAST), scale, zero
         else:
             code, scale, zero = encode_tile_tl(x, valid, idx, key, QLO, QHI, SYMMETRIC, STOCHASTIC, FAST)
             return pack_tile_tl(code, ROWS, COLS, BITS), scale, zero
@@ -407,16 +402,16 @@ if HAS_TRITON:
 
     @triton.jit
     def encode_words_tl(w_ptr, row0, n, key, KIND: tl.constexpr, GS: tl.constexpr, COLS: tl.constexpr,
-                        ROWS: tl.constexpr, BITS: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr, SYMMETRIC: tl.constexpr,
+                        ROWS: tl.constexpr, QLO: tl.constexpr, QHI: tl.constexpr, SYMMETRIC: tl.constexpr,
                         STOCHASTIC: tl.constexpr, IDX32: tl.constexpr, FAST: tl.constexpr):
-        """(uint8 bytes ``[ROWS, COLS * BITS // 8]``, scale, zero) of the tile at group ``row0``
-        of a bf16/fp16 tensor read as 32-bit words (``w_ptr``): a word holds one pair of
-        neighbours (the two elements of one 4-bit byte), so the tile is never split into even
-        and odd columns. Same codes as :func:`encode_pack_tl`."""
+        """4-bit (uint8 bytes ``[ROWS, COLS // 2]``, scale, zero) of the tile at group ``row0`` of
+        a bf16/fp16 tensor read as 32-bit words (``w_ptr``): a word holds the two elements of
+        one output byte, so the tile is never split into even and odd columns. Same codes as
+        :func:`encode_pack_tl`."""
         wbase, wloc, valid, pair = word_index_tl(row0, n, GS, COLS // 2, ROWS, IDX32)
         x0, x1 = half_pair_tl(tl.load(w_ptr + wbase + wloc, mask=valid, other=0), KIND)
         y0, y1, scale, zero = _pair_y_tl(x0, x1, valid, valid, QHI, SYMMETRIC, FAST, True)
-        return _pack_pair_tl(y0, y1, key, pair, ROWS, COLS // 2, BITS, QLO, QHI, STOCHASTIC, FAST), scale, zero
+        return _pack_pair_tl(y0, y1, key, pair, QLO, QHI, STOCHASTIC, FAST), scale, zero
 
     @triton.jit
     def pack_tile_tl(code, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
@@ -530,10 +525,10 @@ if HAS_TRITON:
                          BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                          QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
                          PAIRS: tl.constexpr, FAST: tl.constexpr, WORDS: tl.constexpr):
-        """``WORDS`` (bf16 = 1 / fp16 = 2 input): ``x_ptr`` is the input as int32 words."""
+        """``WORDS`` (4 bits, bf16 = 1 / fp16 = 2 input): ``x_ptr`` is the input as int32 words."""
         row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
         if WORDS:
-            byts, scale, zero = encode_words_tl(x_ptr, row0, n, key, WORDS, GS, COLS, ROWS, BITS, QLO, QHI, SYMMETRIC,
+            byts, scale, zero = encode_words_tl(x_ptr, row0, n, key, WORDS, GS, COLS, ROWS, QLO, QHI, SYMMETRIC,
                                                 STOCHASTIC, IDX32, FAST)
         else:
             base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
