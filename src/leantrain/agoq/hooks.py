@@ -257,10 +257,10 @@ class Packer:
         ctx.__exit__(*exc)
         self.end()
 
-    def _keep(self, t: Tensor, reason: str, role: str, report: bool = True):
+    def _keep(self, t: Tensor, reason: str, role: str, report: bool = True, sp: int | None = None):
         self.stats["kept:" + reason] += 1
         if report:
-            key = ("raw", str(t.device), _storage_ptr(t))
+            key = ("raw", str(t.device), _storage_ptr(t) if sp is None else sp)
             nb = t.untyped_storage().nbytes() if t.device.type != "meta" else 0
             note_saved(nb, key, role)
             if key not in self._dedup:
@@ -312,7 +312,7 @@ class Packer:
         sp = _storage_ptr(t)
         decision, bits = self.classify(t, role, explicit, sp)
         if decision != "pack":
-            return self._keep(t, decision[5:], role, report=decision != "keep:param")
+            return self._keep(t, decision[5:], role, report=decision != "keep:param", sp=sp)
         key = (sp, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         hit = self._dedup.get(key)
         if hit is not None and hit[0]() is not None:  # the owner alive: storage not reused

@@ -266,10 +266,10 @@ def _kind(rows: list[list[int]]) -> int:
     return kinds.pop() if len(kinds) == 1 else -1
 
 
-def _split(device, dtype, sizes: list[int], align: int) -> tuple[list[torch.Tensor], int]:
+def _split(device, dtype, sizes: list[int], align: int) -> tuple[list[torch.Tensor], list[int]]:
     """One allocation cut into views of ``sizes`` elements, each starting at a multiple of
-    ``align`` elements: (views, address of the first). One allocation and one split for a
-    whole call instead of a few tensor ops per tensor (host time)."""
+    ``align`` elements: (views, their addresses). One allocation and one split for a whole
+    call instead of a few tensor ops per tensor (host time)."""
     cuts, offs, o = [], [], 0
     for s in sizes:
         p = -(-s // align) * align
@@ -277,8 +277,8 @@ def _split(device, dtype, sizes: list[int], align: int) -> tuple[list[torch.Tens
         offs.append(o)
         o += p
     buf = torch.empty(o, dtype=dtype, device=device)
-    views = buf.split(cuts)
-    return list(views[0::2]), buf.data_ptr()
+    base, esize = buf.data_ptr(), buf.element_size()
+    return list(buf.split(cuts)[0::2]), [base + esize * off for off in offs]
 
 
 def _same(values, what: str):
@@ -328,11 +328,10 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
     gs = [-(-n // group_size) for n in ns]
     # codes, scales (and zero points) of all tensors: one allocation each, 16-byte aligned views
     nds = [g * group_size * b // 8 for g, b in zip(gs, widths)]
-    datas, d0 = _split(device, torch.uint8, nds, 16)
-    scales, s0 = _split(device, torch.float32, gs, 4)
-    zeros, z0 = (None, None) if symmetric else _split(device, torch.float32, gs, 4)
+    datas, dps = _split(device, torch.uint8, nds, 16)
+    scales, sps = _split(device, torch.float32, gs, 4)
+    zeros, zps = (None, sps) if symmetric else _split(device, torch.float32, gs, 4)
     out, rows, progs = [], [], []
-    do = so = 0
     per_prog = rows_per * Q_TILE[2]
     low = 0  # OR of every address and size: the alignment hint holds when its low 4 bits are 0
     words = quant.WORD_PAIRS  # every 4-bit 16-bit-float input readable as 32-bit words
@@ -343,18 +342,14 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
         out.append(QTensor(datas[i], scales[i], None if symmetric else zeros[i], x.shape, x.dtype, b, group_size,
                            symmetric))
         if g:
-            sp = s0 + 4 * so
-            zp = sp if symmetric else z0 + 4 * so
-            xp = x.data_ptr()
+            xp, dp, sp, zp = x.data_ptr(), dps[i], sps[i], zps[i]
             kind = _FLOAT_KIND[x.dtype]
-            rows.append([xp, d0 + do, sp, zp, n, g, k, 0, b, kind])
+            rows.append([xp, dp, sp, zp, n, g, k, 0, b, kind])
             progs.append(-(-g // per_prog))
-            low |= xp | (d0 + do) | sp | zp | n
+            low |= xp | dp | sp | zp | n
             if b == 4 and kind:
                 half4 = True
                 words = words and not (n & 1 or xp & 3)
-        do += -(-nds[i] // 16) * 16
-        so += -(-g // 4) * 4
     big = max(gs) * group_size > _IDX32_LIMIT
     if rows:
         tab, total = _table(rows, progs, device)

@@ -259,25 +259,37 @@ if HAS_TRITON:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
+    def _clean_scale_tl(rmax, QHI: tl.constexpr):
+        """``(scale, inv1, clean)`` from the NaN-propagating row absmax ``rmax`` of a tile:
+        ``inv1 = pre * inv`` and ``clean`` (a scalar) when every row is finite with ``inv1``
+        finite (no denormal-range group), the case where ``y = x * inv1`` equals ``(x * pre) *
+        inv`` (both exact power-of-two scalings of one rounding of ``x * pre * inv``)."""
+        scale, pre, inv = _scale_tl(rmax, QHI)
+        inv1 = pre * inv
+        clean = tl.min(((rmax < float("inf")) & (inv1 < float("inf"))).to(tl.int32), axis=0)
+        return scale, inv1, clean
+
+    @triton.jit
     def _tile_y_tl(x, valid, QHI: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
         """``(y, scale, zero)`` of an fp32 tile ``[ROWS, COLS]``: the values to round, ``(base *
         pre) * inv`` (module docstring); ``FAST & 16``: the clean-tile branch of
         :func:`_pair_y_tl`."""
         if SYMMETRIC and (FAST & 16):
             x = tl.where(valid, x, 0.0)
-            rmax = tl.reduce(tl.abs(x), 1, _max_nan_tl)
-            scale, pre, inv = _scale_tl(rmax, QHI)
-            inv1 = pre * inv
-            clean = tl.min(((rmax < float("inf")) & (inv1 < float("inf"))).to(tl.int32), axis=0)
+            scale, inv1, clean = _clean_scale_tl(tl.reduce(tl.abs(x), 1, _max_nan_tl), QHI)
             if clean != 0:
                 y = x * inv1[:, None]
+                zero = tl.zeros_like(scale)
             else:
-                base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
-                y = (base * pre[:, None]) * inv[:, None]
-            return y, scale, tl.zeros_like(scale)
+                y, scale, zero = _tile_y_general_tl(x, valid, QHI, SYMMETRIC)
+            return y, scale, zero
         else:
-            base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
-            return (base * pre[:, None]) * inv[:, None], scale, zero
+            return _tile_y_general_tl(x, valid, QHI, SYMMETRIC)
+
+    @triton.jit
+    def _tile_y_general_tl(x, valid, QHI: tl.constexpr, SYMMETRIC: tl.constexpr):
+        base, scale, zero, pre, inv = _range_tl(x, valid, QHI, SYMMETRIC)
+        return (base * pre[:, None]) * inv[:, None], scale, zero
 
     @triton.jit
     def _pair_y_tl(x0, x1, v0, v1, QHI: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr,
@@ -286,51 +298,47 @@ if HAS_TRITON:
         (fp32; masks ``v0``, ``v1``; ``WORD``: one mask for both, and masked lanes hold 0): the
         values to round, ``(base * pre) * inv`` (module docstring).
 
-        ``FAST & 16`` (GPU), symmetric: one NaN-propagating absmax per row, and when every row
-        of the tile is finite with ``pre * inv`` finite (no denormal-range group), ``y = x *
-        (pre * inv)``: the same values (``x * pre`` and ``pre * inv`` are exact power-of-two
-        scalings, so both are one rounding of ``x * pre * inv``) without the per-element
+        ``FAST & 16`` (GPU), symmetric: one NaN-propagating absmax per row, and when the tile is
+        clean (:func:`_clean_scale_tl`) ``y = x * (pre * inv)``, without the per-element
         non-finite select and ``pre`` multiply; any other tile takes the general path."""
         if not WORD:  # (a caller's tile may hold anything past the end)
             x0 = tl.where(v0, x0, 0.0)
             x1 = tl.where(v1, x1, 0.0)
         if SYMMETRIC and (FAST & 16):
             rmax = tl.reduce(_max_nan_tl(tl.abs(x0), tl.abs(x1)), 1, _max_nan_tl)
-            scale, pre, inv = _scale_tl(rmax, QHI)
-            inv1 = pre * inv
-            clean = tl.min(((rmax < float("inf")) & (inv1 < float("inf"))).to(tl.int32), axis=0)
+            scale, inv1, clean = _clean_scale_tl(rmax, QHI)
             if clean != 0:
                 y0 = x0 * inv1[:, None]
                 y1 = x1 * inv1[:, None]
+                zero = tl.zeros_like(scale)
             else:
-                x0 = tl.where(tl.abs(x0) < float("inf"), x0, 0.0)
-                x1 = tl.where(tl.abs(x1) < float("inf"), x1, 0.0)
-                rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
-                scale, pre, inv = _scale_tl(rng, QHI)
-                y0 = (x0 * pre[:, None]) * inv[:, None]
-                y1 = (x1 * pre[:, None]) * inv[:, None]
-            return y0, y1, scale, tl.zeros_like(scale)
+                y0, y1, scale, zero = _pair_y_general_tl(x0, x1, v0, v1, QHI, SYMMETRIC, WORD)
+            return y0, y1, scale, zero
         else:
-            x0 = tl.where(tl.abs(x0) < float("inf"), x0, 0.0)  # NaN, +-inf -> 0
-            x1 = tl.where(tl.abs(x1) < float("inf"), x1, 0.0)
-            if SYMMETRIC:  # (element-wise first: one cross-thread reduction per row, not two)
-                rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
-                zero = tl.zeros_like(rng)
+            return _pair_y_general_tl(x0, x1, v0, v1, QHI, SYMMETRIC, WORD)
+
+    @triton.jit
+    def _pair_y_general_tl(x0, x1, v0, v1, QHI: tl.constexpr, SYMMETRIC: tl.constexpr, WORD: tl.constexpr):
+        x0 = tl.where(tl.abs(x0) < float("inf"), x0, 0.0)  # NaN, +-inf -> 0
+        x1 = tl.where(tl.abs(x1) < float("inf"), x1, 0.0)
+        if SYMMETRIC:  # (element-wise first: one cross-thread reduction per row, not two)
+            rng = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=1)
+            zero = tl.zeros_like(rng)
+        else:
+            if WORD:
+                mn = tl.min(tl.where(v0, tl.minimum(x0, x1), float("inf")), axis=1)
+                mx = tl.max(tl.where(v0, tl.maximum(x0, x1), -float("inf")), axis=1)
             else:
-                if WORD:
-                    mn = tl.min(tl.where(v0, tl.minimum(x0, x1), float("inf")), axis=1)
-                    mx = tl.max(tl.where(v0, tl.maximum(x0, x1), -float("inf")), axis=1)
-                else:
-                    mn = tl.min(tl.minimum(tl.where(v0, x0, float("inf")), tl.where(v1, x1, float("inf"))), axis=1)
-                    mx = tl.max(tl.maximum(tl.where(v0, x0, -float("inf")), tl.where(v1, x1, -float("inf"))), axis=1)
-                mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
-                mx = tl.where(mx >= mn, mx, 0.0)
-                rng = mx - mn
-                zero = mn
-                x0 = x0 - mn[:, None]
-                x1 = x1 - mn[:, None]
-            scale, pre, inv = _scale_tl(rng, QHI)
-            return (x0 * pre[:, None]) * inv[:, None], (x1 * pre[:, None]) * inv[:, None], scale, zero
+                mn = tl.min(tl.minimum(tl.where(v0, x0, float("inf")), tl.where(v1, x1, float("inf"))), axis=1)
+                mx = tl.max(tl.maximum(tl.where(v0, x0, -float("inf")), tl.where(v1, x1, -float("inf"))), axis=1)
+            mn = tl.where(mx >= mn, mn, 0.0)  # rows past the end (no valid lane)
+            mx = tl.where(mx >= mn, mx, 0.0)
+            rng = mx - mn
+            zero = mn
+            x0 = x0 - mn[:, None]
+            x1 = x1 - mn[:, None]
+        scale, pre, inv = _scale_tl(rng, QHI)
+        return (x0 * pre[:, None]) * inv[:, None], (x1 * pre[:, None]) * inv[:, None], scale, zero
 
     @triton.jit
     def encode_pack_tl(x, valid, idx, key, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr,

@@ -140,11 +140,6 @@ if HAS_TRITON:
         return _one_plus_u16_tl((h >> ((index & 1) * 16).to(tl.uint32)) & 0xFFFF)
 
     @triton.jit
-    def uniform_tl(key, index):
-        """float32 uniform, equal bit for bit to :func:`hash_uniform`."""
-        return uniform1_tl(key, index) - 1.0
-
-    @triton.jit
     def uniform1_pair_tl(key, pair, FAST: tl.constexpr):
         """``1 + u`` of elements ``2 * pair`` and ``2 * pair + 1``, from one hash. ``FAST & 8``
         (GPU): ``(h << 16) >> 9`` by ``mad.hi`` and ``(h >> 16) << 7`` by ``mad.lo``, each with
