@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 _INSN = re.compile(r"\s+/\*[0-9a-f]{4}\*/")
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible: tuple[str, ...]):
-    """(SASS text, resource line) of ``fn`` compiled for sm_90."""
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible: tuple[str, ...],
+                 maxnreg: int | None = None):
+    """(SASS text, resource line) of ``fn`` compiled for sm_90 (``maxnreg``: ptxas register cap)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,8 +40,10 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisibl
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": num_warps, "enable_fp_fusion": False})
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", help="quant, element path: input type (bf16, fp32)")
     ap.add_argument("--kind", type=int, default=1, help="multi: 0 fp32, 1 bf16, 2 fp16, -1 mixed")
     ap.add_argument("--tpp", type=int, default=1, help="multi: tiles per program")
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap a thread (0: none)")
     a = ap.parse_args(argv)
     qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
     if a.kernel == "quant":
@@ -105,7 +109,7 @@ def main(argv=None) -> int:
         cons = dict(TP=16, KIND=a.kind, GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True,
                     IDX32=True, ALIGNED=True, NATIVE=True, PAIRS=True, FAST=a.fast, TPP=a.tpp, WORDS=True)
         div = ("tab_ptr",)
-    sass, res = compile_sass(fn, sig, cons, a.warps, div)
+    sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None)
     c = counts(sass)
     per = a.rows * 128 * a.tpp / (32 * a.warps)
     print(f"{a.kernel} {cons}  num_warps={a.warps}")

@@ -498,6 +498,149 @@ def tune_forge_paths(log) -> list[dict]:
     return rows
 
 
+def tune_s6(log) -> list[dict]:
+    """Session 6: (1) the state8 encode's tile / warps / register cap at 256 MiB and 2 GiB of
+    fp32; (2) the multi-tensor quantize on an AGoQ-like flush (bf16 4- and 8-bit, fp32 4-bit)
+    with a register cap on mixed launches and/or the word-path rows in a launch of their own;
+    (3) FORGE's split path with dW in L2-sized row chunks, on one stream or with the update of
+    chunk i overlapping the GEMM of chunk i+1 on a second stream. Each variant is checked
+    against the default (exact codes / same weights) before it is timed."""
+    import importlib
+
+    from leantrain import ops
+
+    S8 = importlib.import_module("leantrain.ops.state8")
+    M = importlib.import_module("leantrain.ops.multi")
+    rows: list[dict] = []
+    # (1) state8 encode
+    codec = ops.StateCodec8(signed=True)
+    for mib in (256, 2048):
+        n = mib * (1 << 20) // 4
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+        copy_ms = _bench(lambda: y.copy_(x))
+        copy_gbps = 8 * n / copy_ms / 1e6
+        log(f"copy fp32 {mib} MiB: {copy_ms:.4f} ms {copy_gbps:.0f} GB/s")
+        rows.append({"case": f"copy fp32 {mib} MiB", "ms": copy_ms, "gbps": copy_gbps})
+        rec = _recorder(rows, copy_gbps, log, rep=40, note="exact")
+        xs = x[: 1 << 22]
+        c_r, a_r = codec.encode(xs, backend="torch")
+        for elems, w, mr in ((4096, 4, 0), (2048, 4, 0), (4096, 8, 0), (8192, 8, 0), (2048, 2, 0), (4096, 4, 80),
+                             (8192, 16, 0), (1024, 2, 0)):
+            S8.ENCODE_ELEMS, S8.ENCODE_WARPS, S8.ENCODE_MAXNREG = elems, w, mr
+            c_t, a_t = codec.encode(xs, backend="triton")
+            ok = bool(torch.equal(c_t, c_r) and torch.equal(a_t, a_r))
+            rec(f"state8 encode {mib} MiB elems={elems} warps={w} maxnreg={mr}",
+                lambda: codec.encode(x, backend="triton"), 5 * n + 4 * n // 256, ok)
+        S8.ENCODE_ELEMS, S8.ENCODE_WARPS, S8.ENCODE_MAXNREG = 4096, 4, 0
+        torch.cuda.empty_cache()
+    # (2) multi-tensor quantize, an AGoQ-like flush
+    n_small, n_big = 8192 * 2048, 8192 * 5632
+    xs = [torch.randn(m, device="cuda", dtype=torch.bfloat16) for m in [n_small] * 6 + [n_big] * 4]
+    xs += [torch.randn(n_small, device="cuda") for _ in range(2)]
+    widths = [4, 8, 4, 4, 8, 8, 4, 4, 4, 8, 4, 4]
+    seeds = list(range(len(xs)))
+    nb = sum(t.numel() * (t.element_size() + b / 8) + 4 * t.numel() / 128 for t, b in zip(xs, widths))
+    tot = sum(t.numel() * t.element_size() for t in xs) // 2
+    a = torch.empty(tot, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_ms = _bench(lambda: b.copy_(a))
+    copy_gbps = 4 * tot / copy_ms / 1e6
+    rows.append({"case": "copy (flush bytes)", "ms": copy_ms, "gbps": copy_gbps})
+    rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_default")
+    ref = [t for q in M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds) for t in (q.data, q.scale)]
+    for split, mr in ((False, 0), (False, 128), (False, 112), (False, 96), (True, 0), (True, 128), (True, 96)):
+        M.SPLIT_PATHS, M.MIXED_MAXNREG = split, mr
+        got = [t for q in M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds) for t in (q.data, q.scale)]
+        ok = all(torch.equal(u, v) for u, v in zip(got, ref, strict=True))
+        rec(f"quantize_many AGoQ-like flush (12 tensors, bf16 4/8-bit, fp32 4-bit) split={split} maxnreg={mr}",
+            lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb, ok)
+    M.SPLIT_PATHS, M.MIXED_MAXNREG = False, 0
+    torch.cuda.empty_cache()
+    # (3) FORGE split path in L2-sized row chunks
+    from leantrain.forge.kernel import MODE_UPDATE, launch_forge
+    from leantrain.forge.optimizer import _mm_fp32
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    side = torch.cuda.Stream()
+    for (N, K) in ((2048, 5632), (5632, 2048), (32000, 2048)):
+        for T in (512, 2048):
+            torch.manual_seed(0)
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+            w0 = torch.randn(N, K, device="cuda") * 0.02
+            st = [torch.zeros_like(w0), torch.zeros_like(w0)]
+            buf = torch.empty(N, K, device="cuda")
+            p = torch.nn.Parameter(w0.clone())
+            opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+
+            def base():
+                p.grad = torch.matmul(dy.t(), x).float()
+                opt.step()
+                p.grad = None
+
+            def split(w, m, v):
+                _mm_fp32(dy.t(), x, buf, allow_upcast=True)
+                launch_forge(MODE_UPDATE, g=buf, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
+                             hp=hp, step=10)
+
+            def chunked(w, m, v, rows_per, two):
+                cb = [torch.empty(rows_per, K, device="cuda") for _ in range(2)]
+                ev_mm = [torch.cuda.Event() for _ in range(2)]
+                ev_up = [torch.cuda.Event() for _ in range(2)]
+                main = torch.cuda.current_stream()
+
+                def run():
+                    for i, r0 in enumerate(range(0, N, rows_per)):
+                        r1 = min(N, r0 + rows_per)
+                        j = i % 2
+                        g = cb[j][: r1 - r0]
+                        if two and i >= 2:
+                            main.wait_event(ev_up[j])
+                        _mm_fp32(dy[:, r0:r1].t(), x, g, allow_upcast=True)
+                        s = side if two else main
+                        if two:
+                            ev_mm[j].record(main)
+                            s.wait_event(ev_mm[j])
+                        with torch.cuda.stream(s):
+                            launch_forge(MODE_UPDATE, g=g, w=w[r0:r1], states=[m[r0:r1], v[r0:r1]],
+                                         kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
+                        if two:
+                            ev_up[j].record(s)
+                    if two:
+                        main.wait_stream(side)
+                return run
+
+            row = {"N": N, "K": K, "T": T, "torch_ms": _bench(base)}
+            try:
+                _chunk_rows(row, split, chunked, w0, st)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            log(json.dumps(row))
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _chunk_rows(row, split, chunked, w0, st):
+    """Time the split path and the chunked variants of one shape into ``row`` (tune_s6 (3))."""
+    N = w0.shape[0]
+    split(w0.clone(), st[0].clone(), st[1].clone())
+    row["split_ms"] = _bench(lambda: split(w0, *st))
+    for rows_per in (256, 512, 1024):
+        if rows_per >= N:
+            continue
+        for two in (False, True):
+            # correctness: one chunked update from the same start equals one split update
+            wa, ma, va = w0.clone(), st[0].clone(), st[1].clone()
+            split(wa, ma, va)
+            wb, mb, vb = w0.clone(), st[0].clone(), st[1].clone()
+            chunked(wb, mb, vb, rows_per, two)()
+            torch.cuda.synchronize()
+            ok = bool(torch.equal(wa, wb) and torch.equal(ma, mb) and torch.equal(va, vb))
+            ms = _bench(chunked(w0.clone(), st[0].clone(), st[1].clone(), rows_per, two))
+            row[f"chunk{rows_per}{'_2s' if two else ''}"] = {"ms": ms, "same": ok}
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -514,7 +657,7 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
               "fast2": lambda: tune_fast2(log),
-              "multi": lambda: tune_multi(log),
+              "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
         if name in what:

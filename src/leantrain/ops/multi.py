@@ -25,6 +25,7 @@ per tensor). Bytes moved are those of the per-tensor kernels, plus 88 bytes of t
 
 from __future__ import annotations
 
+import os
 from array import array
 
 import torch
@@ -49,6 +50,14 @@ __all__ = ["quantize_many", "dequantize_many"]
 Q_TILE = (4096, 4, 1)
 DQ_TILE = (2048, 4, 4)
 FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
+# Launches that mix dtype kinds or widths compile both paths into one kernel (145 registers a
+# thread on sm_90 for AGoQ's flushes, against 56 for 4-bit bf16 alone: benchmarks/sass_count.py).
+# MIXED_MAXNREG caps the registers of such launches (0: no cap); SPLIT_PATHS sends the 4-bit
+# 16-bit-float rows (the word path) and the others to two launches instead of one mixed one.
+# Both default to what the H200 measured best (session 6; LEANTRAIN_Q_MAXNREG / LEANTRAIN_Q_SPLIT
+# override them for tuning runs).
+MIXED_MAXNREG = int(os.environ.get("LEANTRAIN_Q_MAXNREG", "0"))
+SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "0") not in ("", "0")
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -351,14 +360,26 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
                 half4 = True
                 words = words and not (n & 1 or xp & 3)
     big = max(gs) * group_size > _IDX32_LIMIT
-    if rows:
-        tab, total = _table(rows, progs, device)
-        mixed = len(set(r[8] for r in rows)) > 1
-        launch(_quantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)), KIND=_kind(rows),
-               GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric,
+    word = half4 and words
+    parts = [(rows, progs)]
+    if SPLIT_PATHS and word:  # the word path's rows (4-bit 16-bit floats) apart from the others
+        sel = [r[8] == 4 and r[9] > 0 for r in rows]
+        parts = [([r for r, s in zip(rows, sel) if s == w], [p for p, s in zip(progs, sel) if s == w])
+                 for w in (True, False)]
+    for prow, pprog in parts:
+        if not prow:
+            continue
+        tab, total = _table(prow, pprog, device)
+        mixed = len(set(r[8] for r in prow)) > 1
+        kind = _kind(prow)
+        extra = {}
+        if MIXED_MAXNREG and (mixed or kind < 0) and not interpreting():
+            extra["maxnreg"] = MIXED_MAXNREG
+        launch(_quantize_many_kernel, (total,), tab, len(prow), TP=next_pow2(len(prow)), KIND=kind,
+               GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else prow[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=ALIGN_HINTS["quantize"] and not low & 15,
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
-               WORDS=half4 and words, num_warps=warps)
+               WORDS=word and any(r[8] == 4 and r[9] > 0 for r in prow), num_warps=warps, **extra)
     return out
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, launch, resolve
+from ._backend import HAS_TRITON, interpreting, launch, resolve
 from .quant import ieee_div
 
 
@@ -182,6 +182,7 @@ if HAS_TRITON:
 
 ENCODE_ELEMS = 4096  # elements per program of the encode kernel (whole blocks)
 ENCODE_WARPS = 4  # measured on an H200: 43 % of copy vs 39 % at 8 warps (tune_s2b)
+ENCODE_MAXNREG = 0  # register cap a thread of the encode kernel (0: none; tuning)
 
 
 class StateCodec8:
@@ -225,8 +226,9 @@ class StateCodec8:
             absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
             if nb:
                 cols, rows = _tile(bs, ENCODE_ELEMS)
+                extra = {"maxnreg": ENCODE_MAXNREG} if ENCODE_MAXNREG and not interpreting() else {}
                 launch(_encode_kernel, (triton.cdiv(nb, rows),), xf, codes, absmax, table, n, nb,
-                       BS=bs, COLS=cols, ROWS=rows, SIGNED=self.signed, num_warps=ENCODE_WARPS)
+                       BS=bs, COLS=cols, ROWS=rows, SIGNED=self.signed, num_warps=ENCODE_WARPS, **extra)
             return codes, absmax
         flat = x.reshape(-1).to(torch.float32)
         xg = torch.zeros(nb * bs, dtype=torch.float32, device=x.device)

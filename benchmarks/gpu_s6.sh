@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 6's GPU calls (each under the device tool's 600 s limit):
+#   OUT=dir bash benchmarks/gpu_s6.sh explore  # tune_kernels --what s6 (state8 encode tiles, mixed-launch register cap /
+#                                              # split launches of the multi-tensor quantize, FORGE chunked split path),
+#                                              # then bench_agoq with the multi-tensor variants (env knobs)
+set -u -o pipefail
+PART=${1:-explore}
+D=$OUT/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+agoqvar() {  # $1 name, $2 time limit, rest: env assignments
+  local name=$1 lim=$2
+  shift 2
+  log "bench agoq (1b, B=8, 16 steps) variant $name: $*"
+  mkdir -p "$D/agoq_$name"
+  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 --out "$D/agoq_$name" 2>&1 | tail -1
+}
+{
+  case "$PART" in
+    explore)
+      gpuinfo
+      log "tune s6"
+      timeout 230 python3 benchmarks/tune_kernels.py --what s6 --out "$D" 2>&1 | grep -v Warn
+      agoqvar default 85 LEANTRAIN_Q_MAXNREG=0
+      agoqvar maxnreg128 85 LEANTRAIN_Q_MAXNREG=128
+      agoqvar split 85 LEANTRAIN_Q_SPLIT=1 ;;
+  esac
+  log done
+} 2>&1 | tee "$D/run.log"
