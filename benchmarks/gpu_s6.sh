@@ -3,6 +3,9 @@
 #   OUT=dir bash benchmarks/gpu_s6.sh explore  # tune_kernels --what s6 (state8 encode tiles, mixed-launch register cap /
 #                                              # split launches of the multi-tensor quantize, FORGE chunked split path),
 #                                              # then bench_agoq with the multi-tensor variants (env knobs)
+#   OUT=dir bash benchmarks/gpu_s6.sh record   # record at the session's kernel code: bench_ops (256 MiB, 2 GiB), bench_agoq
+#                                              # twice (16 steps each: the spread between runs), the changed kernels' tests
+#   OUT=dir bash benchmarks/gpu_s6.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 PART=${1:-explore}
 D=$OUT/$PART
@@ -24,6 +27,19 @@ agoqvar() {  # $1 name, $2 time limit, rest: env assignments
       agoqvar default 85 LEANTRAIN_Q_MAXNREG=0
       agoqvar maxnreg128 85 LEANTRAIN_Q_MAXNREG=128
       agoqvar split 85 LEANTRAIN_Q_SPLIT=1 ;;
+    record)
+      gpuinfo
+      opsbench 110
+      agoqvar run1 85 LEANTRAIN_Q_MAXNREG=0
+      agoqvar run2 85 LEANTRAIN_Q_MAXNREG=0
+      log "gpu tests: state8, multi (both launch modes), kernel paths, forge optimizer"
+      gputest 150 tests/ops/test_state8.py tests/ops/test_multi.py tests/ops/test_kernel_paths.py tests/forge
+      log "gpu tests: multi with the split launches"
+      LEANTRAIN_Q_SPLIT=1 LEANTRAIN_Q_MAXNREG=128 gputest 60 tests/ops/test_multi.py ;;
+    forge)
+      gpuinfo
+      log "bench forge part b"
+      timeout 570 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D" 2>&1 | grep -v Warn ;;
   esac
   log done
 } 2>&1 | tee "$D/run.log"

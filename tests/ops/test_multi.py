@@ -144,9 +144,18 @@ def test_word_path_and_its_fallback(device, dtype, symmetric, monkeypatch):
             assert torch.equal(d, dequantize(q, backend="torch"))
 
 
-def test_mixed_dtypes_in_one_launch(backend, device):
+@pytest.mark.parametrize("split,maxnreg", [(False, 0), (True, 0), (True, 128), (False, 96)])
+def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, monkeypatch):
     """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call, dequantized to their own dtypes
-    or to one asked for: each equals its own quantize / dequantize."""
+    or to one asked for: each equals its own quantize / dequantize; with the word-path rows in
+    a launch of their own (``SPLIT_PATHS``) and a register cap on mixed launches as well."""
+    import leantrain.ops.multi as M
+
+    launches = []
+    real = M.launch
+    monkeypatch.setattr(M, "launch", lambda k, g, *a, **kw: (launches.append(kw), real(k, g, *a, **kw)))
+    monkeypatch.setattr(M, "SPLIT_PATHS", split)
+    monkeypatch.setattr(M, "MIXED_MAXNREG", maxnreg)
     xs = [randn(n, dt, device) for n, dt in ((300, torch.float32), (256, torch.bfloat16), (77, torch.float16),
                                               (1000, torch.bfloat16), (130, torch.float32))]
     bits, seeds = [4, 4, 8, 8, 4], [1, 2, 3, 4, 5]
@@ -154,6 +163,11 @@ def test_mixed_dtypes_in_one_launch(backend, device):
     for x, b, s, q in zip(xs, bits, seeds, qs, strict=True):
         r = quantize(x, bits=b, stochastic=True, seed=s, backend="torch")
         assert q.dtype == x.dtype and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
+    if backend == "triton":  # one launch, or two with the word path's rows (the 4-bit bf16 one) apart
+        words = [kw for kw in launches if kw.get("WORDS")]
+        assert len(launches) == (2 if split and words else 1)
+        if split and words:
+            assert words[0]["KIND"] == 1 and words[0]["BITS"] == 4  # the bf16 4-bit row alone
     for dt in (None, torch.float32):
         for q, d in zip(qs, dequantize_many(qs, dtype=dt, backend=backend), strict=True):
             assert torch.equal(d, dequantize(q, dtype=dt, backend="torch"))
