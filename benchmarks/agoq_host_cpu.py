@@ -10,10 +10,15 @@ number is the minimum over 60 forwards (robust to a noisy machine). Prints one l
 plain; identity saved-tensor hooks; the role module hooks alone; the full packer (batched).
 Caveat: the packer frees the tensors it held at its flush inside the timed forward, where
 with identity hooks autograd frees them later, outside it.
+
+``--real-multi``: the real ``quantize_many`` host path (table, allocations, QTensors) with only
+its kernel launch stubbed (``TRITON_INTERPRET=1``, the batch backend forced to "triton"),
+instead of the stub that only builds the QTensors.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -24,7 +29,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--real-multi", action="store_true", help="the real quantize_many host path, launch stubbed")
+    a = ap.parse_args(argv)
+    if a.real_multi:
+        os.environ["TRITON_INTERPRET"] = "1"
     import leantrain as lt
     from leantrain.config import preset
     from leantrain.model import Llama
@@ -43,7 +53,12 @@ def main() -> int:
         return [QTensor(torch.empty(0, dtype=torch.uint8), torch.empty(0), None, x.shape, x.dtype, b, group_size,
                         symmetric) for x, b in zip(xs, widths)]
 
-    P.quantize_many = stub
+    if a.real_multi:
+        M = importlib.import_module("leantrain.ops.multi")
+        M.launch = lambda *args, **meta: None
+        H.Packer.batch_backend = "triton"
+    else:
+        P.quantize_many = stub
     H.Packer.batch_devices = ("cpu",)
     idx = torch.randint(0, 256, (1, 9))
 

@@ -5,6 +5,8 @@
 #                                              # then bench_agoq with the multi-tensor variants (env knobs)
 #   OUT=dir bash benchmarks/gpu_s6.sh record   # record at the session's kernel code: bench_ops (256 MiB, 2 GiB), bench_agoq
 #                                              # twice (16 steps each: the spread between runs), the changed kernels' tests
+#   OUT=dir bash benchmarks/gpu_s6.sh host     # host time of the multi-tensor calls, launch tables from pageable vs
+#                                              # page-locked memory; bench_agoq with each
 #   OUT=dir bash benchmarks/gpu_s6.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 PART=${1:-explore}
@@ -36,6 +38,13 @@ agoqvar() {  # $1 name, $2 time limit, rest: env assignments
       gputest 150 tests/ops/test_state8.py tests/ops/test_multi.py tests/ops/test_kernel_paths.py tests/forge
       log "gpu tests: multi with the split launches"
       LEANTRAIN_Q_SPLIT=1 LEANTRAIN_Q_MAXNREG=128 gputest 60 tests/ops/test_multi.py ;;
+    host)
+      gpuinfo
+      log "tune host"
+      timeout 120 python3 benchmarks/tune_kernels.py --what host --out "$D" 2>&1 | grep -v Warn
+      agoqvar pageable 85 LEANTRAIN_PINNED_TABLE=0
+      agoqvar pinned1 85 LEANTRAIN_PINNED_TABLE=1
+      agoqvar pinned2 85 LEANTRAIN_PINNED_TABLE=1 ;;
     forge)
       gpuinfo
       log "bench forge part b"

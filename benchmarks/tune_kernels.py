@@ -622,6 +622,62 @@ def tune_s6(log) -> list[dict]:
     return rows
 
 
+def tune_host(log) -> list[dict]:
+    """Session 6: host time of one quantize_many / dequantize_many call on the GPU machine (10
+    tensors of 64K bf16 elements: the kernels are short, the host is what is timed), with the
+    launch table copied from pageable or page-locked memory, and of the bare table copies.
+    Host time = wall time of 200 back-to-back calls without a synchronization, per call."""
+    import importlib
+
+    M = importlib.import_module("leantrain.ops.multi")
+    rows: list[dict] = []
+    xs = [torch.randn(1 << 16, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
+    seeds = list(range(10))
+
+    def host_us(fn, n=200):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t) / n)
+            torch.cuda.synchronize()
+        return best * 1e6
+
+    from array import array
+    flat = array("q", range(128))
+    for pinned in (False, True):
+        M.PINNED_TABLE = pinned
+        qs = M.quantize_many(xs, bits=4, stochastic=True, seeds=seeds)
+        for name, fn in (("quantize_many 10 x 64K bf16 int4", lambda: M.quantize_many(xs, bits=4, stochastic=True,
+                                                                                        seeds=seeds)),
+                         ("dequantize_many 10", lambda: M.dequantize_many(qs))):
+            r = {"case": f"{name} pinned_table={pinned}", "host_us": host_us(fn)}
+            rows.append(r)
+            log(json.dumps(r))
+    M.PINNED_TABLE = False
+    h = torch.frombuffer(flat, dtype=torch.int64)
+    for name, fn in (("table copy, pageable", lambda: h.to("cuda", non_blocking=True)),
+                     ("table copy, pinned (alloc + fill + copy)",
+                      lambda: torch.empty(128, dtype=torch.int64, pin_memory=True).copy_(h).to("cuda", non_blocking=True)),
+                     ("torch.empty cuda x3", lambda: [torch.empty(1 << 16, device="cuda", dtype=torch.uint8)
+                                                      for _ in range(3)])):
+        r = {"case": name, "host_us": host_us(fn)}
+        rows.append(r)
+        log(json.dumps(r))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            M.quantize_many(xs, bits=4, stochastic=True, seeds=seeds)
+        torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return rows
+
+
 def _chunk_rows(row, split, chunked, w0, st):
     """Time the split path and the chunked variants of one shape into ``row`` (tune_s6 (3))."""
     N = w0.shape[0]
@@ -658,6 +714,7 @@ def main(argv=None) -> int:
     tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
               "fast2": lambda: tune_fast2(log),
               "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log),
+              "host": lambda: tune_host(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
         if name in what:

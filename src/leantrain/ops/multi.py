@@ -58,6 +58,8 @@ FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # override them for tuning runs).
 MIXED_MAXNREG = int(os.environ.get("LEANTRAIN_Q_MAXNREG", "0"))
 SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "0") not in ("", "0")
+# The launch tables go to the device from page-locked memory (else from pageable memory).
+PINNED_TABLE = os.environ.get("LEANTRAIN_PINNED_TABLE", "0") not in ("", "0")
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -78,9 +80,13 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
     flat = array("q", [v for r in rows for v in r])
     flat.extend(starts)
     flat.extend([1 << 62] * (tp - len(starts)))
-    # (from an array: a third of torch.tensor(list)'s host time.) From pageable memory the copy
-    # is staged at once and never waits for the device.
-    return torch.frombuffer(flat, dtype=torch.int64).to(device, non_blocking=True), s
+    # (from an array: a third of torch.tensor(list)'s host time.)
+    host = torch.frombuffer(flat, dtype=torch.int64)
+    if PINNED_TABLE and device.type == "cuda":
+        # through page-locked memory from torch's caching host allocator (it keeps the block
+        # until the copy has run): a truly asynchronous copy
+        host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True).copy_(host)
+    return host.to(device, non_blocking=True), s
 
 
 if HAS_TRITON:
