@@ -7,6 +7,8 @@
 #                                              # twice (16 steps each: the spread between runs), the changed kernels' tests
 #   OUT=dir bash benchmarks/gpu_s6.sh host     # host time of the multi-tensor calls, launch tables from pageable vs
 #                                              # page-locked memory; bench_agoq with each
+#   OUT=dir bash benchmarks/gpu_s6.sh final    # page-locked tables by default: host probe, bench_ops, bench_agoq twice each with
+#                                              # and without split launches + register cap, compiled tests
 #   OUT=dir bash benchmarks/gpu_s6.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 PART=${1:-explore}
@@ -45,6 +47,17 @@ agoqvar() {  # $1 name, $2 time limit, rest: env assignments
       agoqvar pageable 85 LEANTRAIN_PINNED_TABLE=0
       agoqvar pinned1 85 LEANTRAIN_PINNED_TABLE=1
       agoqvar pinned2 85 LEANTRAIN_PINNED_TABLE=1 ;;
+    final)
+      gpuinfo
+      log "tune host"
+      timeout 100 python3 benchmarks/tune_kernels.py --what host --out "$D" 2>&1 | grep -v Warn | head -12
+      opsbench 110
+      agoqvar pinned_a 85 LEANTRAIN_PINNED_TABLE=1
+      agoqvar split_cap_a 85 LEANTRAIN_Q_SPLIT=1 LEANTRAIN_Q_MAXNREG=128
+      agoqvar pinned_b 85 LEANTRAIN_PINNED_TABLE=1
+      agoqvar split_cap_b 85 LEANTRAIN_Q_SPLIT=1 LEANTRAIN_Q_MAXNREG=128
+      log "gpu tests: multi, state8, agoq"
+      gputest 130 tests/ops/test_multi.py tests/ops/test_state8.py tests/agoq ;;
     forge)
       gpuinfo
       log "bench forge part b"

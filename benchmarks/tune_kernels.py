@@ -668,6 +668,21 @@ def tune_host(log) -> list[dict]:
         r = {"case": name, "host_us": host_us(fn)}
         rows.append(r)
         log(json.dumps(r))
+    # does the table copy wait for the stream? time it on the host behind ~2 ms of queued GPU work
+    for name, fn in (("table copy, pageable, GPU busy", lambda: h.to("cuda", non_blocking=True)),
+                     ("table copy, pinned, GPU busy",
+                      lambda: torch.empty(128, dtype=torch.int64, pin_memory=True).copy_(h).to("cuda", non_blocking=True))):
+        ts = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(4_000_000)  # ~2 ms at the H200's clock
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        r = {"case": name, "host_us_each": ts}
+        rows.append(r)
+        log(json.dumps(r))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -224,6 +224,12 @@ def _unpack_low(data: Tensor, scale: Tensor, zero: Tensor, bits: int, group_size
     return v.reshape(-1)[:n]
 
 
+def _bit_weights(device) -> Tensor:
+    """``[1, 2, 4, ..., 128]`` (uint8) made on ``device`` (no host-to-device copy, which from
+    pageable memory can wait for the stream)."""
+    return torch.ones(8, dtype=torch.uint8, device=device) << torch.arange(8, dtype=torch.uint8, device=device)
+
+
 def pack_mask(m: Tensor) -> tuple[Tensor, int]:
     """Bool tensor -> uint8 bytes, eight elements per byte (little-endian bits)."""
     flat = m.reshape(-1).to(torch.uint8)
@@ -231,12 +237,12 @@ def pack_mask(m: Tensor) -> tuple[Tensor, int]:
     pad = (-n) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=m.device)
+    w = _bit_weights(m.device)
     return (flat.view(-1, 8) * w).sum(1, dtype=torch.uint8), n
 
 
 def unpack_mask(data: Tensor, n: int, shape) -> Tensor:
-    w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=data.device)
+    w = _bit_weights(data.device)
     bits = (data.unsqueeze(1) & w) != 0
     return bits.reshape(-1)[:n].reshape(shape)
 

@@ -289,15 +289,19 @@ def _split(device, dtype, sizes: list[int], align: int) -> tuple[list[torch.Tens
     """One allocation cut into views of ``sizes`` elements, each starting at a multiple of
     ``align`` elements: (views, their addresses). One allocation and one split for a whole
     call instead of a few tensor ops per tensor (host time)."""
-    cuts, offs, o = [], [], 0
+    cuts, keep, offs, o = [], [], [], 0
     for s in sizes:
         p = -(-s // align) * align
-        cuts += [s, p - s]
+        keep.append(len(cuts))
+        cuts.append(s)
+        if p > s:  # a padding piece only where one is needed (each view costs host time)
+            cuts.append(p - s)
         offs.append(o)
         o += p
     buf = torch.empty(o, dtype=dtype, device=device)
     base, esize = buf.data_ptr(), buf.element_size()
-    return list(buf.split(cuts)[0::2]), [base + esize * off for off in offs]
+    views = buf.split(cuts)
+    return (list(views) if len(cuts) == len(sizes) else [views[i] for i in keep]), [base + esize * off for off in offs]
 
 
 def _same(values, what: str):
