@@ -72,7 +72,12 @@ def _child(args) -> dict:
         loss = fwd()
     loss.backward()
     del loss
-    times = []
+    times, fwd_host = [], []
+    if args.gc_off:  # Python's cyclic collector off in the timed steps (both configurations)
+        import gc
+
+        gc.collect()
+        gc.disable()
     for i in range(args.warmup + args.steps):
         for p in m.parameters():
             p.grad = None
@@ -82,18 +87,21 @@ def _child(args) -> dict:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         loss = fwd()
+        t_fwd = time.perf_counter() - t0  # host time to issue the forward
         if cuda and i == args.warmup:  # what the forward left allocated: the saved activations (and the loss)
             held_after_forward = torch.cuda.memory_allocated() - before
         loss.backward()
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            fwd_host.append(t_fwd)
         del loss
     out = {
         "config": args.child, "preset": args.preset, "batch": B, "seq": T, "dtype": "bf16",
         "params": m.num_params(), "saved_bytes": meter.bytes,
         "saved_by_role": dict(meter.by_role),
-        "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times,
+        "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times, "forward_host_s_all": fwd_host,
+        "gc_off": bool(args.gc_off),
     }
     if cuda:
         out["peak_allocated"] = torch.cuda.max_memory_allocated()
@@ -145,6 +153,8 @@ def _run_child(preset, child, args) -> dict:
         path = f.name
     cmd = [sys.executable, __file__, "--child", child, "--child-out", path, "--preset", preset,
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.gc_off:
+        cmd.append("--gc-off")
     if args.batch:
         cmd += ["--batch", str(args.batch)]
     if args.seq:
@@ -181,6 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--errors", action="store_true", help="CPU: also the per-role gradient-error table")
+    ap.add_argument("--gc-off", action="store_true", help="Python's cyclic garbage collector off in the timed steps")
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

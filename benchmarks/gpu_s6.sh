@@ -9,18 +9,20 @@
 #                                              # page-locked memory; bench_agoq with each
 #   OUT=dir bash benchmarks/gpu_s6.sh final    # page-locked tables by default: host probe, bench_ops, bench_agoq twice each with
 #                                              # and without split launches + register cap, compiled tests
+#   OUT=dir bash benchmarks/gpu_s6.sh gcprobe  # bench_agoq with the forward's host time per step, with and without
+#                                              # Python's garbage collector in the timed steps
 #   OUT=dir bash benchmarks/gpu_s6.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 PART=${1:-explore}
 D=$OUT/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
-agoqvar() {  # $1 name, $2 time limit, rest: env assignments
+agoqvar() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more bench_agoq arguments
   local name=$1 lim=$2
   shift 2
-  log "bench agoq (1b, B=8, 16 steps) variant $name: $*"
+  log "bench agoq (1b, B=8, 16 steps) variant $name: $* ${AGOQ_ARGS:-}"
   mkdir -p "$D/agoq_$name"
-  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 --out "$D/agoq_$name" 2>&1 | tail -1
+  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 ${AGOQ_ARGS:-} --out "$D/agoq_$name" 2>&1 | tail -1
 }
 {
   case "$PART" in
@@ -58,6 +60,11 @@ agoqvar() {  # $1 name, $2 time limit, rest: env assignments
       agoqvar split_cap_b 85 LEANTRAIN_Q_SPLIT=1 LEANTRAIN_Q_MAXNREG=128
       log "gpu tests: multi, state8, agoq"
       gputest 130 tests/ops/test_multi.py tests/ops/test_state8.py tests/agoq ;;
+    gcprobe)
+      gpuinfo
+      agoqvar plain 85 LEANTRAIN_Q_MAXNREG=0
+      AGOQ_ARGS=--gc-off agoqvar gcoff_a 85 LEANTRAIN_Q_MAXNREG=0
+      AGOQ_ARGS=--gc-off agoqvar gcoff_b 85 LEANTRAIN_Q_MAXNREG=0 ;;
     forge)
       gpuinfo
       log "bench forge part b"

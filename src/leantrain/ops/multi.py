@@ -58,12 +58,12 @@ FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # override them for tuning runs).
 MIXED_MAXNREG = int(os.environ.get("LEANTRAIN_Q_MAXNREG", "0"))
 SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "0") not in ("", "0")
-# The launch tables go to the device from page-locked memory. From pageable memory the copy
-# waited for the stream on the H200 machine: under the profiler it took 109 us of host time a
-# call while the GPU was busy against 5 us on an idle GPU, and AGoQ's steps were 1.144x / 1.139x
-# the baseline's with page-locked tables against 1.155x with pageable ones (session 6,
-# benchmarks/results/2026-11-30_H200_tune_s6/). LEANTRAIN_PINNED_TABLE=0 goes back.
-PINNED_TABLE = os.environ.get("LEANTRAIN_PINNED_TABLE", "1") not in ("", "0")
+# LEANTRAIN_PINNED_TABLE=1 sends the launch tables through page-locked memory instead of
+# pageable memory. Measured on the H200 machine (session 6, results/2026-11-30_H200_tune_s6/):
+# the pageable copy does not wait for a busy stream (15-23 us of host time behind 2 ms of queued
+# work, 5-7 us on an idle GPU) and the page-locked one costs more host time (10-13 us idle,
+# 27-32 us busy); AGoQ's step was no faster with it (1.139-1.201x against 1.146-1.235x). Off.
+PINNED_TABLE = os.environ.get("LEANTRAIN_PINNED_TABLE", "0") not in ("", "0")
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
