@@ -11,6 +11,8 @@
 #                                              # and without split launches + register cap, compiled tests
 #   OUT=dir bash benchmarks/gpu_s6.sh gcprobe  # bench_agoq with the forward's host time per step, with and without
 #                                              # Python's garbage collector in the timed steps
+#   OUT=dir bash benchmarks/gpu_s6.sh last     # record at the session's last code: bench_ops (with each call's GPU time)
+#                                              # and bench_agoq
 #   OUT=dir bash benchmarks/gpu_s6.sh forge    # bench_forge part (b): the six configurations at B = 1, 4, 16
 set -u -o pipefail
 PART=${1:-explore}
@@ -65,6 +67,10 @@ agoqvar() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more be
       agoqvar plain 85 LEANTRAIN_Q_MAXNREG=0
       AGOQ_ARGS=--gc-off agoqvar gcoff_a 85 LEANTRAIN_Q_MAXNREG=0
       AGOQ_ARGS=--gc-off agoqvar gcoff_b 85 LEANTRAIN_Q_MAXNREG=0 ;;
+    last)
+      gpuinfo
+      opsbench 170
+      agoqvar last 85 LEANTRAIN_Q_MAXNREG=0 ;;
     forge)
       gpuinfo
       log "bench forge part b"
