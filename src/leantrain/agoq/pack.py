@@ -225,8 +225,7 @@ def _unpack_low(data: Tensor, scale: Tensor, zero: Tensor, bits: int, group_size
 
 
 def _bit_weights(device) -> Tensor:
-    """``[1, 2, 4, ..., 128]`` (uint8) made on ``device`` (no host-to-device copy, which from
-    pageable memory can wait for the stream)."""
+    """``[1, 2, 4, ..., 128]`` (uint8), made on ``device``: no host-to-device copy per call."""
     return torch.ones(8, dtype=torch.uint8, device=device) << torch.arange(8, dtype=torch.uint8, device=device)
 
 

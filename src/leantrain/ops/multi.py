@@ -54,8 +54,9 @@ FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # thread on sm_90 for AGoQ's flushes, against 56 for 4-bit bf16 alone: benchmarks/sass_count.py).
 # MIXED_MAXNREG caps the registers of such launches (0: no cap); SPLIT_PATHS sends the 4-bit
 # 16-bit-float rows (the word path) and the others to two launches instead of one mixed one.
-# Both default to what the H200 measured best (session 6; LEANTRAIN_Q_MAXNREG / LEANTRAIN_Q_SPLIT
-# override them for tuning runs).
+# Both are off: on the H200 they made an AGoQ-like flush 11-24 % faster alone but the AGoQ step
+# no faster (session 6, benchmarks/results/2026-11-30_H200_tune_s6/); LEANTRAIN_Q_MAXNREG /
+# LEANTRAIN_Q_SPLIT turn them on.
 MIXED_MAXNREG = int(os.environ.get("LEANTRAIN_Q_MAXNREG", "0"))
 SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "0") not in ("", "0")
 # LEANTRAIN_PINNED_TABLE=1 sends the launch tables through page-locked memory instead of
@@ -88,7 +89,7 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
     host = torch.frombuffer(flat, dtype=torch.int64)
     if PINNED_TABLE and device.type == "cuda":
         # through page-locked memory from torch's caching host allocator (it keeps the block
-        # until the copy has run): a truly asynchronous copy
+        # until the copy has run)
         host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True).copy_(host)
     return host.to(device, non_blocking=True), s
 
@@ -301,7 +302,9 @@ def _split(device, dtype, sizes: list[int], align: int) -> tuple[list[torch.Tens
     buf = torch.empty(o, dtype=dtype, device=device)
     base, esize = buf.data_ptr(), buf.element_size()
     views = buf.split(cuts)
-    return (list(views) if len(cuts) == len(sizes) else [views[i] for i in keep]), [base + esize * off for off in offs]
+    if len(cuts) != len(sizes):
+        views = [views[i] for i in keep]
+    return list(views), [base + esize * off for off in offs]
 
 
 def _same(values, what: str):
