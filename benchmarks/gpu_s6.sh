@@ -6,7 +6,8 @@
 #   OUT=dir bash benchmarks/gpu_s6.sh record   # record at the session's kernel code: bench_ops (256 MiB, 2 GiB), bench_agoq
 #                                              # twice (16 steps each: the spread between runs), the changed kernels' tests
 #   OUT=dir bash benchmarks/gpu_s6.sh host     # host time of the multi-tensor calls, launch tables from pageable vs
-#                                              # page-locked memory; bench_agoq with each
+#                                              # page-locked memory; bench_agoq with each (host and final set
+#                                              # LEANTRAIN_PINNED_TABLE, a knob removed after them: run them at b90e036)
 #   OUT=dir bash benchmarks/gpu_s6.sh final    # page-locked tables by default: host probe, bench_ops, bench_agoq twice each with
 #                                              # and without split launches + register cap, compiled tests
 #   OUT=dir bash benchmarks/gpu_s6.sh gcprobe  # bench_agoq with the forward's host time per step, with and without

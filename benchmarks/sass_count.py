@@ -80,11 +80,11 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi"])
+    ap.add_argument("kernel", choices=["quant", "multi", "state8"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=32, help="groups of 128 per tile")
+    ap.add_argument("--rows", type=int, default=32, help="groups of 128 per tile (state8: blocks of 256)")
     ap.add_argument("--words", type=int, default=1, help="quant: 1 = bf16 read as 32-bit words, 0 = elements")
     ap.add_argument("--dtype", default="bf16", help="quant, element path: input type (bf16, fp32)")
     ap.add_argument("--kind", type=int, default=1, help="multi: 0 fp32, 1 bf16, 2 fp16, -1 mixed")
@@ -101,6 +101,14 @@ def main(argv=None) -> int:
         cons = dict(GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True, QLO=-qhi, QHI=qhi,
                     IDX32=True, PAIRS=True, FAST=a.fast, WORDS=a.words)
         div = ("x_ptr", "data_ptr", "scale_ptr", "zero_ptr", "n", "n_groups")
+    elif a.kernel == "state8":
+        from leantrain.ops import state8
+
+        fn = state8._encode_kernel
+        sig = {"x_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32", "n": "i64",
+               "n_blocks": "i64"}
+        cons = dict(BS=256, COLS=256, ROWS=a.rows, SIGNED=True)
+        div = tuple(sig)
     else:
         from leantrain.ops import multi
 
@@ -111,7 +119,7 @@ def main(argv=None) -> int:
         div = ("tab_ptr",)
     sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None)
     c = counts(sass)
-    per = a.rows * 128 * a.tpp / (32 * a.warps)
+    per = a.rows * (256 if a.kernel == "state8" else 128) * a.tpp / (32 * a.warps)
     print(f"{a.kernel} {cons}  num_warps={a.warps}")
     print(f"instructions per thread: total {c['total']}, main path {c['main']}, clean path {c['clean']} "
           f"({c['clean'] / per:.1f} an element, {per:.0f} elements a thread)")

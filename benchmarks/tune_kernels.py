@@ -649,8 +649,14 @@ def tune_host(log) -> list[dict]:
 
     from array import array
     flat = array("q", range(128))
+    pageable_table = M._table
+
+    def pinned_table(rows_, progs, device):  # the variant session 6 tried (multi.py kept pageable)
+        tab, s = pageable_table(rows_, progs, torch.device("cpu"))
+        return torch.empty_like(tab, pin_memory=True).copy_(tab).to(device, non_blocking=True), s
+
     for pinned in (False, True):
-        M.PINNED_TABLE = pinned
+        M._table = pinned_table if pinned else pageable_table
         qs = M.quantize_many(xs, bits=4, stochastic=True, seeds=seeds)
         for name, fn in (("quantize_many 10 x 64K bf16 int4", lambda: M.quantize_many(xs, bits=4, stochastic=True,
                                                                                         seeds=seeds)),
@@ -658,7 +664,7 @@ def tune_host(log) -> list[dict]:
             r = {"case": f"{name} pinned_table={pinned}", "host_us": host_us(fn)}
             rows.append(r)
             log(json.dumps(r))
-    M.PINNED_TABLE = False
+    M._table = pageable_table
     h = torch.frombuffer(flat, dtype=torch.int64)
     for name, fn in (("table copy, pageable", lambda: h.to("cuda", non_blocking=True)),
                      ("table copy, pinned (alloc + fill + copy)",

@@ -59,12 +59,6 @@ FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # LEANTRAIN_Q_SPLIT turn them on.
 MIXED_MAXNREG = int(os.environ.get("LEANTRAIN_Q_MAXNREG", "0"))
 SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "0") not in ("", "0")
-# LEANTRAIN_PINNED_TABLE=1 sends the launch tables through page-locked memory instead of
-# pageable memory. Measured on the H200 machine (session 6, results/2026-11-30_H200_tune_s6/):
-# the pageable copy does not wait for a busy stream (15-23 us of host time behind 2 ms of queued
-# work, 5-7 us on an idle GPU) and the page-locked one costs more host time (10-13 us idle,
-# 27-32 us busy); AGoQ's step was no faster with it (1.139-1.201x against 1.146-1.235x). Off.
-PINNED_TABLE = os.environ.get("LEANTRAIN_PINNED_TABLE", "0") not in ("", "0")
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -85,13 +79,11 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
     flat = array("q", [v for r in rows for v in r])
     flat.extend(starts)
     flat.extend([1 << 62] * (tp - len(starts)))
-    # (from an array: a third of torch.tensor(list)'s host time.)
-    host = torch.frombuffer(flat, dtype=torch.int64)
-    if PINNED_TABLE and device.type == "cuda":
-        # through page-locked memory from torch's caching host allocator (it keeps the block
-        # until the copy has run)
-        host = torch.empty(len(flat), dtype=torch.int64, pin_memory=True).copy_(host)
-    return host.to(device, non_blocking=True), s
+    # (from an array: a third of torch.tensor(list)'s host time.) From pageable memory: on the
+    # H200 machine the copy did not wait for a busy stream (15-23 us of host time behind 2 ms of
+    # queued work), and page-locked tables cost more host time and made AGoQ's step no faster
+    # (session 6, benchmarks/results/2026-11-30_H200_tune_s6/).
+    return torch.frombuffer(flat, dtype=torch.int64).to(device, non_blocking=True), s
 
 
 if HAS_TRITON:
@@ -378,12 +370,12 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
                 words = words and not (n & 1 or xp & 3)
     big = max(gs) * group_size > _IDX32_LIMIT
     word = half4 and words
-    parts = [(rows, progs)]
+    parts = [(rows, progs, word)]  # (rows, their programs, WORDS)
     if SPLIT_PATHS and word:  # the word path's rows (4-bit 16-bit floats) apart from the others
         sel = [r[8] == 4 and r[9] > 0 for r in rows]
-        parts = [([r for r, s in zip(rows, sel) if s == w], [p for p, s in zip(progs, sel) if s == w])
+        parts = [([r for r, s in zip(rows, sel) if s == w], [p for p, s in zip(progs, sel) if s == w], w)
                  for w in (True, False)]
-    for prow, pprog in parts:
+    for prow, pprog, pword in parts:
         if not prow:
             continue
         tab, total = _table(prow, pprog, device)
@@ -396,7 +388,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else prow[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=ALIGN_HINTS["quantize"] and not low & 15,
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
-               WORDS=word and any(r[8] == 4 and r[9] > 0 for r in prow), num_warps=warps, **extra)
+               WORDS=pword, num_warps=warps, **extra)
     return out
 
 

@@ -39,8 +39,8 @@ ALU ops and one gather from the 1 KiB midpoint table (the binary search had 16 g
 L1 wavefronts of those gathers, not HBM, bounded the encode kernel on an H200).
 
 Tiling (Triton encode): one program owns ``ROWS`` blocks (a ``[ROWS, next_pow2(bs)]`` tile,
-``ENCODE_ELEMS`` = 1024 elements at 2 warps, 16 a thread; at least one block); 64-bit offsets only in the per-program base pointers. Bytes
-per element: 4 read, 1 written (+ 4 / 256 for absmax); decode the reverse.
+``ENCODE_ELEMS`` = 1024 elements at 2 warps, 16 a thread; at least one block); 64-bit
+offsets only in the per-program base pointers. Bytes per element: 4 read, 1 written (+ 4 / 256 for absmax); decode the reverse.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ if HAS_TRITON:
 # Elements per program of the encode kernel (whole blocks) and its warps. Measured on an H200
 # (tune_kernels --what s6, session 6): 1024 elements at 2 warps 57.9 % / 59.3 % of a copy at
 # 256 MiB / 2 GiB of fp32, against 52.1 % / 52.2 % for session 2's 4096 at 4 warps (121 registers
-# a thread there, 64 at 16 elements a thread); 8192-element tiles 38-40 %.
+# a thread there, 64 at 16 elements a thread: benchmarks/sass_count.py state8, results in
+# 2026-11-30_cpu_sass_s5/); 8192-element tiles 38-40 %.
 ENCODE_ELEMS = 1024
 ENCODE_WARPS = 2
 ENCODE_MAXNREG = 0  # register cap a thread of the encode kernel (0: none; tuning)
