@@ -7,7 +7,8 @@ forward, 334 of them packed) at tiny widths (dim 64, 8 tokens), so every op is a
 what is measured is Python and dispatch: the host work that makes AGoQ's forward host-bound on
 the GPU machine. ``quantize_many`` is replaced by a stub that only builds the QTensors. Each
 number is the minimum over 60 forwards (robust to a noisy machine). Prints one line per setup:
-plain; identity saved-tensor hooks; the role module hooks alone; the full packer (batched).
+plain; identity saved-tensor hooks; the role module hooks alone; the full packer (batched);
+persistent ``apply`` without and with replay (the recorded plan followed, role hooks removed).
 Caveat: the packer frees the tensors it held at its flush inside the timed forward, where
 with identity hooks autograd frees them later, outside it.
 
@@ -92,6 +93,14 @@ def main(argv=None) -> int:
     print(f"role module hooks only       {forward_ms():6.2f} ms")
     print(f"full packer                  {forward_ms(lambda: pk):6.2f} ms")
     print(f"saves per forward: {pk.stats['saved'] // 65}, packed {pk.stats['packed'] // 65}")
+    pk.remove()
+    for replay in (False, True):
+        ap = lt.agoq.apply(model, lt.agoq.Policy(min_numel=0), replay=replay)
+        ms = forward_ms()
+        per = {k: v // 65 for k, v in ap.stats.items() if k in ("saved", "packed", "replay:diverged")}
+        print(f"{'apply, replay' if replay else 'apply, no replay':29s}{ms:6.2f} ms  {per}")
+        lt.agoq.remove(model)
+    pk.install()
     if a.minimal_hook:
         full = H.Packer.pack_hook
         best = {"full packer": float("inf"), "minimal pack hook": float("inf")}

@@ -54,8 +54,10 @@ def _child(args) -> dict:
     idx = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     tgt = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     policy = Policy()
-    if args.child == "agoq":  # persistent, as the trainer uses it
+    if args.child == "agoq":  # persistent, as the trainer uses it (forwards replay their recorded plan)
         apply(m, policy)
+    elif args.child == "agoq_noreplay":  # persistent, every forward through the full path with role hooks
+        apply(m, policy, replay=False)
 
     def fwd():
         if args.child == "agoq_ctx":  # a packer made and its hooks installed per step
@@ -103,6 +105,9 @@ def _child(args) -> dict:
         "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times, "forward_host_s_all": fwd_host,
         "gc_off": bool(args.gc_off),
     }
+    pk = getattr(m, "_agoq_packer", None)
+    if pk is not None:  # every save's fate over all forwards (replay:diverged: forwards that left their plan)
+        out["packer_stats"] = dict(pk.stats)
     if cuda:
         out["peak_allocated"] = torch.cuda.max_memory_allocated()
         out["allocated_before_step"] = before
@@ -222,12 +227,15 @@ def main(argv=None) -> int:
             ctx = _run_child(p, "agoq_ctx", args)
             row["agoq_ctx"] = ctx
             row["ctx_step_time_ratio"] = ctx["step_s_median"] / base["step_s_median"]
+            nr = _run_child(p, "agoq_noreplay", args)
+            row["agoq_noreplay"] = nr
+            row["noreplay_step_time_ratio"] = nr["step_s_median"] / base["step_s_median"]
             row["peak_ratio"] = ago["peak_allocated"] / base["peak_allocated"]
             row["peak_above_static_ratio"] = ago["peak_above_before"] / base["peak_above_before"]
             if "held_after_forward" in ago and "held_after_forward" in base:
                 row["held_after_forward_ratio"] = ago["held_after_forward"] / base["held_after_forward"]
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq", "agoq_ctx")}))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq", "agoq_ctx", "agoq_noreplay")}))
     ver = _versions(args.device)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
     tag = "".join(c if c.isalnum() else "-" for c in ver["device"])[:40].strip("-") or args.device
@@ -240,8 +248,9 @@ def main(argv=None) -> int:
              "| preset | B x T | saved bf16 (GiB) | saved AGoQ (GiB) | ratio | step base (s) | step AGoQ (s) | time ratio |"
              + (" peak base (GiB) | peak AGoQ (GiB) | peak ratio | peak-above-static ratio |"
                 " allocated after forward, base / AGoQ (GiB) | its ratio |"
-                " step, context manager per step (s) | its ratio |" if gpu else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|---|---|" if gpu else "")]
+                " step, context manager per step (s) | its ratio | step, apply without replay (s) | its ratio |"
+                if gpu else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|---|---|---|---|---|---|" if gpu else "")]
     for r in rows:
         b, a = r["baseline"], r["agoq"]  # AGoQ applied persistently (agoq.apply, as the trainer does)
         line = (f"| {r['preset']} | {r['batch']} x {r['seq']} | {b['saved_bytes'] / gib:.3f} | {a['saved_bytes'] / gib:.3f} | "
@@ -251,7 +260,8 @@ def main(argv=None) -> int:
                      f" {r['peak_above_static_ratio']:.3f} |"
                      f" {b['held_after_forward'] / gib:.2f} / {a['held_after_forward'] / gib:.2f} |"
                      f" {r['held_after_forward_ratio']:.3f} |"
-                     f" {r['agoq_ctx']['step_s_median']:.3f} | {r['ctx_step_time_ratio']:.3f} |")
+                     f" {r['agoq_ctx']['step_s_median']:.3f} | {r['ctx_step_time_ratio']:.3f} |"
+                     f" {r['agoq_noreplay']['step_s_median']:.3f} | {r['noreplay_step_time_ratio']:.3f} |")
         lines.append(line)
     if args.errors and not gpu:
         lines += _errors(out, stamp)

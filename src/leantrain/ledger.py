@@ -92,6 +92,11 @@ def _meters() -> list[SavedActivationMeter]:
     return _local.meters
 
 
+def metering() -> bool:
+    """Whether a :class:`SavedActivationMeter` is open on this thread."""
+    return bool(_meters())
+
+
 def note_saved(nbytes: int, key: object | None = None, role: str = "other") -> None:
     """Report ``nbytes`` of saved-for-backward memory to every active meter.
 

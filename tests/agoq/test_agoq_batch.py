@@ -52,7 +52,7 @@ def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
     idx = torch.randint(0, 256, (2, 32), device=DEV)
     tgt = torch.randint(0, 256, (2, 32), device=DEV)
     calls = {"q": 0, "dq": 0}
-    real_q, real_dq = pack_mod.quantize_many, pack_mod.dequantize_many
+    real_q, real_dq = pack_mod.quantize_flat, pack_mod.dequantize_flat
 
     def q(*a, **kw):
         calls["q"] += 1
@@ -62,8 +62,8 @@ def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
         calls["dq"] += 1
         return real_dq(*a, **kw)
 
-    monkeypatch.setattr(pack_mod, "quantize_many", q)
-    monkeypatch.setattr(pack_mod, "dequantize_many", dq)
+    monkeypatch.setattr(pack_mod, "quantize_flat", q)
+    monkeypatch.setattr(pack_mod, "dequantize_flat", dq)
     _reference_ops(monkeypatch)  # the eagerly packed log-softmax: the same RNG in both runs
     pol = Policy(min_numel=16, seed=5)
     hooks_mod = importlib.import_module("leantrain.agoq.hooks")

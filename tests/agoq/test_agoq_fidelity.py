@@ -124,13 +124,13 @@ def test_rounding_noise_is_fresh_every_forward():
     for _ in range(2):
         with quantize_activations(lin, Policy(min_numel=64), record=True) as pk:
             obj = pk.pack_hook(x * 1.0)
-        codes.append(obj.payload.data.clone())
+        codes.append(obj.qtensor().data.clone())
     assert not torch.equal(codes[0], codes[1])
     grads = []
     for seed in (0, 1):  # the policy's seed changes the noise too
         with quantize_activations(lin, Policy(min_numel=64, seed=seed)) as pk:
             obj = pk.pack_hook(x * 1.0)
-        grads.append(obj.payload.data.clone())
+        grads.append(obj.qtensor().data.clone())
     assert not torch.equal(grads[0], grads[1])
 
 

@@ -171,3 +171,32 @@ def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, monkeypatch
     for dt in (None, torch.float32):
         for q, d in zip(qs, dequantize_many(qs, dtype=dt, backend=backend), strict=True):
             assert torch.equal(d, dequantize(q, dtype=dt, backend="torch"))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_flat_buffer_equals_many(backend, device, symmetric, stochastic):
+    """quantize_flat: the codes, scales and zero points of quantize_many in one buffer, at aligned
+    offsets; dequantize_flat of any subset (in any order) equals dequantize_many of those."""
+    from leantrain.ops.multi import dequantize_flat, flat_qtensor, quantize_flat
+
+    dts = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16]
+    xs = [randn(s[0] * s[1] if len(s) == 2 else s[0], d, device).reshape(s) for s, d in zip(SHAPES, dts)]
+    bits, seeds = [4, 8, 4, 4, 8, 4], [3, 2**40 + 1, 5, 7, 11, 13]
+    kw = dict(group_size=128, symmetric=symmetric, stochastic=stochastic)
+    qs = quantize_many(xs, bits=bits, seeds=seeds, backend=backend, **kw)
+    buf, layout = quantize_flat(xs, bits, seeds, backend=backend, **kw)
+    assert buf.dtype == torch.uint8 and len(layout) == len(xs)
+    for x, b, q, lay in zip(xs, bits, qs, layout, strict=True):
+        assert all(o % 16 == 0 for o in lay) and ((lay[2] == lay[1]) == symmetric or not x.numel())
+        f = flat_qtensor(buf, lay, x.shape, x.dtype, b, 128, symmetric)
+        assert f.shape == x.shape and f.dtype == x.dtype and f.nbytes == q.nbytes
+        assert torch.equal(f.data, q.data) and torch.equal(f.scale, q.scale)
+        assert symmetric or torch.equal(f.zero, q.zero)
+    pick = [4, 0, 3, 2]
+    ds = dequantize_flat(buf, [(layout[i], xs[i].shape, xs[i].dtype, bits[i]) for i in pick], group_size=128,
+                         symmetric=symmetric, backend=backend)
+    ref = dequantize_many([qs[i] for i in pick], backend="torch")
+    for d, r in zip(ds, ref, strict=True):
+        assert d.dtype == r.dtype and d.shape == r.shape and torch.equal(d, r)
+    assert quantize_flat([], [], [], backend=backend)[1] == []

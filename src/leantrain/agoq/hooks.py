@@ -24,6 +24,23 @@ A tensor saved twice (same storage, offset, shape, strides and version, still al
 packed once and shared. Every decision is counted in ``Packer.stats``, so nothing is skipped
 silently; every byte kept is reported to the memory ledger through
 :func:`leantrain.ledger.note_saved`.
+
+Replay (persistent :func:`apply`, what the trainer uses): the decisions above cost Python on
+each of the ~940 saves of a 1b forward, and the role module hooks slow every module call; on
+a GPU that host time, not the kernels, set AGoQ's step time. So the first forward with a new
+signature (the tensor arguments' shapes, dtypes and devices, the other arguments, grad and
+training mode, the policy) runs the full path with the role hooks installed and records one
+slot per save: shape, dtype, role, bits. The next forwards with that signature run with the
+role hooks removed and follow the slots: a save whose shape and dtype match its slot is kept
+or packed as recorded (dedup still checked live), without classifying it again; the counts of
+kept tensors are added in bulk at the end of the forward, so ``stats`` and the byte counts
+equal the full path's. A save that does not match its slot (a forward that departs from the
+recorded one) ends the replay: that save and the rest of the forward take the full path with
+the role ``"other"`` (its bits, 8 by default: there is no module context to read), the
+replayed prefix is counted, ``stats["replay:diverged"]`` is incremented, and the plan is
+dropped, so the next forward records anew. Forwards metered by a
+:class:`leantrain.ledger.SavedActivationMeter`, and packers with ``record=True``, always run
+the full path.
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ledger import note_saved
+from ..ledger import metering, note_saved
 from .pack import PackBatch, Packed, pack, unpack
 from .policy import KEEP, Policy
 
@@ -156,15 +173,44 @@ def _active() -> list[Packer]:
     return _local.stack
 
 
+class _Plan:
+    """The saves of one recorded forward: a slot ``(shape, dtype, role, bits, prob, why, nbytes)``
+    per save (``bits`` 0: kept for reason ``why``, ``nbytes`` reported for it; ``prob``: a
+    log-softmax stored as probabilities), and the totals of the kept slots, added in bulk."""
+
+    __slots__ = ("slots", "kept_stats", "kept_bytes")
+
+    def __init__(self, slots: list[tuple], kept_stats: Counter, kept_bytes: dict[str, int]):
+        self.slots, self.kept_stats, self.kept_bytes = slots, kept_stats, kept_bytes
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What a forward's saves depend on, from its arguments: tensors by shape, dtype and device,
+    anything else by value (its type if it cannot be hashed)."""
+    def one(a):
+        if isinstance(a, Tensor):
+            return (a.shape, a.dtype, a.device)
+        try:
+            hash(a)
+            return a
+        except TypeError:
+            return type(a)
+
+    return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items())),
+            torch.is_grad_enabled())
+
+
 class Packer:
     """Packs saved activations of ``model`` by ``policy``; counts every decision in ``stats``.
 
     ``batch_devices`` / ``batch_backend``: where 4/8-bit saves go through :class:`PackBatch`
     (CUDA; tests add "cpu" with the Triton interpreter) and the ops backend the batches use.
+    ``max_plans``: recorded forwards kept for replay (one per signature; see the module docstring).
     """
 
     batch_devices: tuple[str, ...] = ("cuda",)
     batch_backend: str = "auto"
+    max_plans: int = 8
 
     def __init__(self, model: nn.Module, policy: Policy | None = None, *, stage: int = 0,
                  record: bool = False):
@@ -178,7 +224,9 @@ class Packer:
         self.bytes_kept: dict[str, int] = defaultdict(int)  # by role, what is held
         self.numel: dict[str, int] = defaultdict(int)
         self._roles: list[str] = []
-        self._handles: list = []
+        self._base_role = "other"  # the role outside every hooked module
+        self._handles: list = []  # role hooks
+        self._root_handles: list = []  # apply's enter / leave hooks
         self._dedup: dict = {}
         self._static: set[int] = set()
         self._n = 0
@@ -189,12 +237,23 @@ class Packer:
         self._modules: list[nn.Module] | None = None
         self._bits: dict[str, int] = {}
         self._ctx = None
+        self._plans: dict[tuple, _Plan] = {}  # signature -> recorded forward
+        self._replay: _Plan | None = None  # the plan this forward follows
+        self._i = 0  # its next slot
+        self._trace: list[tuple] | None = None  # the slots this forward records
+        self._trace_kept: Counter = Counter()
+        self._trace_bytes: dict[str, int] = defaultdict(int)
+        self._sig: tuple | None = None
 
     # ------------------------------------------------------------------ module hooks
 
-    def install(self, root_role: str = "logits") -> None:
+    def install(self, root_role: str = "logits", *, root: bool = True) -> None:
+        """Role hooks on every module with a role; ``root=False``: not on the model itself (its
+        role is then the base role, see :func:`apply`)."""
         self.remove()
         for name, m in self.model.named_modules():
+            if m is self.model and not root:
+                continue
             role = root_role if m is self.model else role_of_module(name, m)
             if role is None:
                 continue
@@ -217,26 +276,72 @@ class Packer:
 
     @property
     def role(self) -> str:
-        return self._roles[-1] if self._roles else "other"
+        return self._roles[-1] if self._roles else self._base_role
 
     # ------------------------------------------------------------------ saved-tensor hooks
 
-    def begin(self) -> None:
-        """Start of a forward: refresh the storages of parameters and buffers, clear the dedup table.
+    def begin(self, plan: _Plan | None = None, sig: tuple | None = None) -> None:
+        """Start of a forward: clear the dedup table; replay ``plan``, or record one under ``sig``
+        (None: neither), else refresh the storages of parameters and buffers.
 
         The module list is walked once (``named_modules`` recursion costs ~1 ms a forward on a
         1b model); each forward re-reads the modules' parameter and buffer dicts, so replaced
         tensors are seen."""
+        self._dedup.clear()
+        self._bits = {}  # role -> bits this forward (the policy may have been changed between forwards)
+        self._replay, self._i, self._sig = plan, 0, sig
+        self._trace = [] if plan is None and sig is not None else None
+        if self._trace is not None:
+            self._trace_kept, self._trace_bytes = Counter(), defaultdict(int)
+        if plan is None:
+            self._refresh_static()
+
+    def _refresh_static(self) -> None:
         if self._modules is None:
             self._modules = list(self.model.modules())
         self._static = {_storage_ptr(t) for m in self._modules
                         for d in (m._parameters, m._buffers) for t in d.values() if t is not None}
-        self._dedup.clear()
-        self._bits = {}  # role -> bits this forward (the policy may have been changed between forwards)
 
-    def end(self) -> None:
-        self.flush()
-        self._dedup.clear()
+    def end(self, ok: bool = True) -> None:
+        """End of a forward: flush; count a replayed forward's kept slots, or store the recorded plan."""
+        try:
+            self.flush()
+        finally:
+            self._dedup.clear()
+            plan, trace = self._replay, self._trace
+            self._replay = self._trace = None
+            if plan is not None:
+                self._count_prefix(plan, self._i, whole=self._i == len(plan.slots))
+            elif trace is not None and ok:
+                if len(self._plans) >= self.max_plans:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[self._sig] = _Plan(trace, self._trace_kept, dict(self._trace_bytes))
+
+    def _count_prefix(self, plan: _Plan, n: int, whole: bool) -> None:
+        """Add what the first ``n`` replayed slots kept to ``stats`` and the byte counts."""
+        if whole:
+            self.stats.update(plan.kept_stats)
+            for role, nb in plan.kept_bytes.items():
+                self.bytes_raw[role] += nb
+                self.bytes_kept[role] += nb
+            return
+        self.stats["saved"] += n
+        for shape, dtype, role, bits, prob, why, nb in plan.slots[:n]:
+            if not bits:
+                self.stats["kept:" + why] += 1
+                self.bytes_raw[role] += nb
+                self.bytes_kept[role] += nb
+
+    def _diverge(self) -> None:
+        """The forward departed from its plan: count the replayed prefix, drop the plan, and take
+        the full path with the base role ``other`` for the rest of the forward."""
+        plan, self._replay = self._replay, None
+        self._count_prefix(plan, self._i, whole=False)
+        self.stats["replay:diverged"] += 1
+        self._plans.pop(self._sig, None)
+        self._roles.clear()
+        self._base_role = "other"
+        self._refresh_static()
 
     def flush(self) -> None:
         """Pack every waiting tensor (one launch per open batch) and close the batches."""
@@ -245,20 +350,31 @@ class Packer:
             b.flush()
 
     def __enter__(self) -> Packer:
-        self.begin()
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook)
-        self._ctx.__enter__()
-        _active().append(self)
+        self.open()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close(ok=exc[0] is None)
+
+    def open(self, sig: tuple | None = None) -> None:
+        """Start packing (the saved-tensor hooks on); ``sig``: the forward's signature, for replay."""
+        plan = None
+        if sig is not None and not self.record and not metering():
+            plan = self._plans.get(sig)
+        self.begin(plan, sig)
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook)
+        self._ctx.__enter__()
+        _active().append(self)
+
+    def close(self, ok: bool = True) -> None:
         _active().remove(self)
         ctx, self._ctx = self._ctx, None
-        ctx.__exit__(*exc)
-        self.end()
+        ctx.__exit__(None, None, None)
+        self.end(ok)
 
     def _keep(self, t: Tensor, reason: str, role: str, report: bool = True, sp: int | None = None):
         self.stats["kept:" + reason] += 1
+        nb = 0
         if report:
             key = ("raw", str(t.device), _storage_ptr(t) if sp is None else sp)
             nb = t.untyped_storage().nbytes() if t.device.type != "meta" else 0
@@ -267,6 +383,13 @@ class Packer:
                 self._dedup[key] = None
                 self.bytes_raw[role] += nb
                 self.bytes_kept[role] += nb
+            else:
+                nb = 0
+        if self._trace is not None:
+            self._trace.append((t.shape, t.dtype, role, 0, False, reason, nb))
+            self._trace_kept["saved"] += 1
+            self._trace_kept["kept:" + reason] += 1
+            self._trace_bytes[role] += nb
         if self.record:
             self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": None, "why": reason})
         return t
@@ -300,20 +423,48 @@ class Packer:
         return "pack", bits
 
     def pack_hook(self, t: Tensor, explicit: bool = False):
-        stats = self.stats
-        stats["saved"] += 1
+        plan = self._replay
+        if plan is not None:  # follow the recorded forward
+            i = self._i
+            if i < len(plan.slots):
+                shape, dtype, role, bits, prob, _, _ = plan.slots[i]
+                if t.shape == shape and t.dtype is dtype:
+                    if not bits:
+                        self._i = i + 1
+                        return t
+                    base = t._base
+                    if dtype is torch.bool or ((t.requires_grad or explicit)
+                                               and type(t if base is None else base) is not nn.Parameter):
+                        self._i = i + 1
+                        return self._store(t, role, bits, prob, base)
+            self._diverge()
+        return self._full(t, explicit)
+
+    def _full(self, t: Tensor, explicit: bool):
+        """The full path: classify ``t`` by its role and what it is, then keep or pack it."""
+        self.stats["saved"] += 1
         base = t._base
         if type(t if base is None else base) is nn.Parameter:  # fast path: weights, their views
-            if self.record:
+            if self.record or self._trace is not None:
                 return self._keep(t, "param", self.role, report=False)
-            stats["kept:param"] += 1
+            self.stats["kept:param"] += 1
             return t
-        role = (self._roles[-1] if self._roles else "other") if t.dtype != torch.bool else "mask"
+        role = (self._roles[-1] if self._roles else self._base_role) if t.dtype != torch.bool else "mask"
         sp = _storage_ptr(t)
         decision, bits = self.classify(t, role, explicit, sp)
         if decision != "pack":
             return self._keep(t, decision[5:], role, report=decision != "keep:param", sp=sp)
-        key = (sp, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        prob = role == "logits" and self.policy.logits_format == "prob" and _is_log_softmax(t)
+        if self._trace is not None:
+            self._trace.append((t.shape, t.dtype, role, bits, prob, "", 0))
+            self._trace_kept["saved"] += 1
+        return self._store(t, role, bits, prob, base, sp)
+
+    def _store(self, t: Tensor, role: str, bits: int, prob: bool, base: Tensor | None, sp: int | None = None):
+        """Pack ``t`` (``role``, ``bits``; ``prob``: as probabilities), or share the packed copy
+        of the same tensor saved earlier in this forward."""
+        stats = self.stats
+        key = (_storage_ptr(t) if sp is None else sp, t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         hit = self._dedup.get(key)
         if hit is not None and hit[0]() is not None:  # the owner alive: storage not reused
             stats["dedup"] += 1
@@ -328,7 +479,7 @@ class Packer:
         pol = self.policy
         seed = (self._base_seed + self._n * _GOLDEN64) & _M63
         batch = None
-        if role == "logits" and pol.logits_format == "prob" and _is_log_softmax(t):  # (the loss: root role)
+        if prob:
             p = ProbPacked(pack(t.detach().float().exp(), bits, group_size=pol.group_size,
                                 stochastic=pol.stochastic, seed=seed, symmetric=False), t.dtype)
         else:
@@ -376,7 +527,7 @@ def quantize_activations(model: nn.Module, policy: Policy | None = None, *, stag
     """Within the context, every activation ``model``'s forward saves is packed by ``policy``.
 
     Yields the :class:`Packer` (its ``stats`` count every saved tensor and its fate).
-    The backward may run after the context closes.
+    The backward may run after the context closes. (No replay: a packer per forward.)
     """
     pk = Packer(model, policy, stage=stage, record=record)
     pk.install()
@@ -387,21 +538,37 @@ def quantize_activations(model: nn.Module, policy: Policy | None = None, *, stag
         pk.remove()
 
 
-def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0) -> Packer:
+def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0, replay: bool = True) -> Packer:
     """Persistent AGoQ: every forward of ``model`` packs what it saves. Undo with :func:`remove`.
 
     The hooks open at the start of ``model.forward`` and close at its end, so a loss computed
-    outside the model's forward is not packed (leantrain's Llama computes it inside).
+    outside the model's forward is not packed (leantrain's Llama computes it inside). The
+    model's own role (``logits``: the loss) is the base role. ``replay``: forwards with a
+    signature seen before follow its recorded plan without the role hooks (module docstring).
     """
     remove(model)
     pk = Packer(model, policy, stage=stage)
-    def _enter(mod, args):
-        pk.__enter__()  # (a pre-hook's return value would replace the forward's arguments)
 
-    enter = model.register_forward_pre_hook(_enter)
-    pk.install()
-    leave = model.register_forward_hook(lambda m, a, o: pk.__exit__(None, None, None), always_call=True)
-    pk._handles = [enter, *pk._handles, leave]
+    def _enter(mod, args, kwargs):
+        sig = None
+        if replay:
+            sig = (_signature(args, kwargs), mod.training, pk.stage, tuple(vars(pk.policy).values()))
+        replaying = sig is not None and sig in pk._plans and not pk.record and not metering()
+        if replaying and pk._handles:
+            pk.remove()  # role hooks: not needed to follow a plan
+        elif not replaying and not pk._handles:
+            pk.install(root=False)  # (this hook runs before the children: they see their roles)
+        pk._roles.clear()
+        pk._base_role = "logits"
+        pk.open(sig)
+        # (a pre-hook's return value would replace the forward's arguments)
+
+    def _leave(mod, args, out):
+        pk.close(ok=out is not None)  # (None: the forward raised; its partial trace is not kept)
+
+    pk.install(root=False)
+    pk._root_handles = [model.register_forward_pre_hook(_enter, with_kwargs=True),
+                        model.register_forward_hook(_leave, always_call=True)]
     model._agoq_packer = pk
     return pk
 
@@ -411,6 +578,9 @@ def remove(model: nn.Module) -> None:
     pk = model.__dict__.pop("_agoq_packer", None)
     if pk is not None:
         pk.remove()
+        for h in pk._root_handles:
+            h.remove()
+        pk._root_handles.clear()
 
 
 def save(t: Tensor):

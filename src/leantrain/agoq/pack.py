@@ -4,7 +4,7 @@ Formats (all per group of ``group_size`` consecutive elements of the flattened t
 logical order: a non-contiguous view is copied first, so groups run along its last dim):
 
 - 8 and 4 bits: :func:`leantrain.ops.quantize` / ``dequantize`` (the Triton kernels) on CUDA,
-  several tensors per launch through :class:`PackBatch` (``ops.quantize_many``);
+  several tensors per launch through :class:`PackBatch` (``ops.multi.quantize_flat``);
   on CPU an equivalent vectorized torch path writing the same ``QTensor`` layout (the ops
   reference draws its stochastic-rounding noise from a counter hash, ~1 s per 10^6 elements
   on a small CPU, too slow for saved activations; here ``torch.rand`` with a seeded
@@ -41,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover
     from leantrain.ops.qtensor import QTensor
     from leantrain.ops.rng import hash_uniform
-from leantrain.ops.multi import dequantize_many, quantize_many
+from leantrain.ops.multi import dequantize_flat, flat_qtensor, quantize_flat
 
 __all__ = ["Packed", "PackBatch", "pack", "unpack", "pack_mask", "unpack_mask", "quantize_q",
            "dequantize_q", "SUPPORTED_BITS"]
@@ -53,7 +53,7 @@ SUPPORTED_BITS = (1, 2, 3, 4, 8)
 class Packed:
     """A saved activation in packed form. ``nbytes`` is what it holds (codes + scales)."""
 
-    kind: str  # "q" (ops QTensor, 4/8 bits), "low" (2/3 bits), "mask" (1 bit)
+    kind: str  # "q" (ops QTensor, 4/8 bits), "flat" (4/8 bits, in a batch's buffer), "low" (2/3 bits), "mask" (1 bit)
     payload: object
     shape: torch.Size
     dtype: torch.dtype
@@ -63,9 +63,10 @@ class Packed:
     uses: int = 1  # backward nodes holding it (a deduplicated save counts once per node)
     cache: Tensor | None = None  # the unpacked tensor, kept until the last of those nodes took it
     taken: int = 0  # unpacks so far
-    batch: PackBatch | None = None  # packed with others: payload filled at the batch's flush
+    batch: PackBatch | None = None  # packed with others: payload (buffer, offsets) filled at the batch's flush
 
     def tensors(self) -> list[Tensor]:
+        """The tensors holding the codes (a batch member: the batch's whole buffer, shared)."""
         p = self.payload
         if p is None:  # not flushed yet
             return []
@@ -73,16 +74,29 @@ class Packed:
             return [t for t in (p.data, p.scale, p.zero) if t is not None]
         return [t for t in p if isinstance(t, Tensor)]
 
+    def qtensor(self) -> QTensor:
+        """The 4/8-bit codes as a :class:`QTensor` (a batch member: views into the batch's buffer)."""
+        if self.payload is None and self.batch is not None:
+            self.batch.flush()
+        if self.kind == "flat":
+            buf, lay = self.payload
+            b = self.batch
+            return flat_qtensor(buf, lay, self.shape, self.dtype, self.bits, b.group_size, b.symmetric)
+        if self.kind != "q":
+            raise TypeError(f"agoq: a {self.kind!r} packed tensor has no QTensor")
+        return self.payload
+
 
 class PackBatch:
     """Saved activations packed in one kernel launch and unpacked in one (one symmetry; fp32,
     bf16 and fp16, 4 and 8 bits mixed).
 
     :meth:`add` registers a tensor and its (still empty) :class:`Packed`; :meth:`flush`
-    quantizes all of them with :func:`leantrain.ops.multi.quantize_many` (the same codes as
-    one :func:`quantize` per tensor); the first :func:`unpack` of any member dequantizes every
-    member not yet taken with ``dequantize_many`` and caches each result until its backward
-    node takes it. Until the flush the batch holds the tensors (the caller bounds the bytes).
+    quantizes all of them with :func:`leantrain.ops.multi.quantize_flat` (the same codes as
+    one :func:`quantize` per tensor, in one buffer: no view per member, which costs host time
+    on every save); the first :func:`unpack` of any member dequantizes every member not yet
+    taken with ``dequantize_flat`` and caches each result until its backward node takes it.
+    The buffer is freed when the last member is. Until the flush the batch holds the tensors (the caller bounds the bytes).
     A tensor changed in place between its save and the flush is an error: eager packing would
     have kept the old values, autograd without hooks would have refused the backward.
     """
@@ -106,19 +120,23 @@ class PackBatch:
                 raise RuntimeError(
                     "agoq: a saved activation was modified in place after autograd saved it and "
                     "before its batch was packed; pack each tensor at once with Policy(batch_mib=0)")
-        qs = quantize_many([t[0] for t in todo], bits=[t[1].bits for t in todo], group_size=self.group_size,
-                           symmetric=self.symmetric, stochastic=self.stochastic,
-                           seeds=[t[2] for t in todo], backend=self.backend)
-        for (_, p, _, _), q in zip(todo, qs, strict=True):
-            p.payload = q
+        buf, layout = quantize_flat([t[0] for t in todo], [t[1].bits for t in todo], [t[2] for t in todo],
+                                    group_size=self.group_size, symmetric=self.symmetric,
+                                    stochastic=self.stochastic, backend=self.backend)
+        for (_, p, _, _), lay in zip(todo, layout, strict=True):
+            p.kind, p.payload = "flat", (buf, lay)
 
     def unpack_live(self) -> None:
         """Dequantize, in one launch, every member some backward node has still to take."""
         self.flush()
         live = [p for r in self._members if (p := r()) is not None and p.cache is None and p.taken < p.uses]
-        outs = dequantize_many([p.payload for p in live], backend=self.backend)
+        if not live:
+            return
+        buf = live[0].payload[0]  # (one flush per batch: one buffer)
+        outs = dequantize_flat(buf, [(p.payload[1], p.shape, p.dtype, p.bits) for p in live],
+                               group_size=self.group_size, symmetric=self.symmetric, backend=self.backend)
         for p, v in zip(live, outs, strict=True):
-            p.cache = v.reshape(p.shape)
+            p.cache = v
 
 
 def _uniform(seed: int, n_groups: int, group_size: int, device) -> Tensor:
@@ -326,6 +344,10 @@ def _unpack(p: Packed) -> Tensor:
         data, scale, zero, gs = p.payload
         n = math.prod(p.shape)
         return _unpack_low(data, scale, zero, p.bits, gs, n).to(p.dtype).reshape(p.shape)
+    if p.kind == "flat":
+        b = p.batch
+        return dequantize_flat(p.payload[0], [(p.payload[1], p.shape, p.dtype, p.bits)], group_size=b.group_size,
+                               symmetric=b.symmetric, backend=b.backend)[0]
     return dequantize_q(p.payload).reshape(p.shape)
 
 

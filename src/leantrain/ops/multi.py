@@ -20,7 +20,8 @@ compiler cannot know the alignment of a loaded address: the host checks it and s
 (``ALIGN_HINTS``, measured). All tensors of one call share group size, symmetry and rounding;
 every input must be contiguous. The codes (and the scales) of all tensors of a call are views
 of one allocation, freed when the last of them is (host time: one allocation per call, not
-per tensor). Bytes moved are those of the per-tensor kernels, plus 88 bytes of table per tensor.
+per tensor). ``quantize_flat`` / ``dequantize_flat`` (AGoQ's batches) skip even the views: one
+buffer and byte offsets, a tensor's ``QTensor`` made only when asked for. Bytes moved are those of the per-tensor kernels, plus 88 bytes of table per tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .qtensor import QTensor
 from .quant import _check, dequantize_ref, quantize_ref, tile_shape
 from .rng import kernel_key
 
-__all__ = ["quantize_many", "dequantize_many"]
+__all__ = ["quantize_many", "dequantize_many", "quantize_flat", "dequantize_flat", "flat_qtensor"]
 
 # The table: 10 int64 columns per tensor (the kernels' row stride): 4 addresses, n, n_groups, key,
 # first program, bits, dtype kind (_FLOAT_KIND); after the rows, the first-program column again,
@@ -340,8 +341,7 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
             raise ValueError("quantize_many: the torch backend needs seeds (keys cannot be inverted)")
         return [quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
                 for x, b, s in zip(xs, widths, seeds)]
-    cols, rows_per, warps = tile_shape(group_size, Q_TILE[0])
-    warps = Q_TILE[1] or warps
+    _, rows_per, _ = tile_shape(group_size, Q_TILE[0])
     ns = [x.numel() for x in xs]
     gs = [-(-n // group_size) for n in ns]
     # codes, scales (and zero points) of all tensors: one allocation each, 16-byte aligned views
@@ -368,8 +368,18 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
             if b == 4 and kind:
                 half4 = True
                 words = words and not (n & 1 or xp & 3)
-    big = max(gs) * group_size > _IDX32_LIMIT
-    word = half4 and words
+    _launch_quantize(rows, progs, device, group_size, symmetric, stochastic,
+                     max(gs) * group_size > _IDX32_LIMIT, half4 and words, low)
+    return out
+
+
+def _launch_quantize(rows: list[list[int]], progs: list[int], device, group_size: int, symmetric: bool,
+                     stochastic: bool, big: bool, word: bool, low: int) -> None:
+    """Launch the quantize kernel on table ``rows`` (``progs`` programs each). ``big``: a tensor
+    needs 64-bit indices; ``word``: every 4-bit 16-bit-float row can be read as 32-bit words;
+    ``low``: the OR of every address and size (16-byte alignment when its low 4 bits are 0)."""
+    cols, rows_per, warps = tile_shape(group_size, Q_TILE[0])
+    warps = Q_TILE[1] or warps
     parts = [(rows, progs, word)]  # (rows, their programs, WORDS)
     if SPLIT_PATHS and word:  # the word path's rows (4-bit 16-bit floats) apart from the others
         sel = [r[8] == 4 and r[9] > 0 for r in rows]
@@ -389,6 +399,114 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=ALIGN_HINTS["quantize"] and not low & 15,
                NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
                WORDS=pword, num_warps=warps, **extra)
+
+
+def _align16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def quantize_flat(xs: list[torch.Tensor], bits: list[int], seeds: list[int], *, group_size: int = 128,
+                  symmetric: bool = True, stochastic: bool = False,
+                  backend: str = "auto") -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """:func:`quantize_many`'s codes and scales, in one uint8 buffer, without a view or a
+    :class:`QTensor` per tensor (per-tensor host time: AGoQ's flushes, hundreds of tensors a
+    forward). Returns ``(buffer, layout)``: ``layout[i] = (data, scale, zero)``, byte offsets of
+    tensor ``i``'s codes, fp32 scales and zero points (``zero == scale`` when symmetric), each
+    16-byte aligned. :func:`flat_qtensor` makes tensor ``i``'s QTensor on demand;
+    :func:`dequantize_flat` dequantizes members straight from the buffer. Inputs as for
+    :func:`quantize_many` (contiguous fp32 / bf16 / fp16 on one device, 4 or 8 bits).
+    """
+    if not xs:
+        return torch.empty(0, dtype=torch.uint8), []
+    device = xs[0].device
+    layout, off = [], 0
+    for x, b in zip(xs, bits, strict=True):
+        g = -(-x.numel() // group_size)
+        d = off
+        off += _align16(g * group_size * b // 8)
+        sc = off
+        off += _align16(4 * g)
+        z = sc
+        if not symmetric:
+            z = off
+            off += _align16(4 * g)
+        layout.append((d, sc, z))
+    buf = torch.empty(max(off, 16), dtype=torch.uint8, device=device)
+    if resolve(backend, *xs) == "torch":
+        for x, b, s, lay in zip(xs, bits, seeds, layout):
+            q = quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
+            for t, o in ((q.data, lay[0]), (q.scale, lay[1]), (q.zero, lay[2])):
+                if t is not None:
+                    buf[o:o + t.numel() * t.element_size()].copy_(t.view(torch.uint8))
+        return buf, layout
+    for b in set(bits):
+        _check(b, group_size)
+    _, rows_per, _ = tile_shape(group_size, Q_TILE[0])
+    per_prog = rows_per * Q_TILE[2]
+    base = buf.data_ptr()
+    rows, progs = [], []
+    low, words, half4, gmax = base, quant.WORD_PAIRS, False, 0
+    for x, b, s, (d, sc, z) in zip(xs, bits, seeds, layout):
+        if not x.is_contiguous() or x.device != device:
+            raise ValueError("quantize_flat needs contiguous tensors on one device")
+        n = x.numel()
+        if not n:
+            continue
+        g = -(-n // group_size)
+        gmax = max(gmax, g)
+        xp = x.data_ptr()
+        kind = _FLOAT_KIND[x.dtype]
+        rows.append([xp, base + d, base + sc, base + z, n, g, kernel_key(s), 0, b, kind])
+        progs.append(-(-g // per_prog))
+        low |= xp | n
+        if b == 4 and kind:
+            half4 = True
+            words = words and not (n & 1 or xp & 3)
+    if rows:
+        _launch_quantize(rows, progs, device, group_size, symmetric, stochastic,
+                         gmax * group_size > _IDX32_LIMIT, half4 and words, low)
+    return buf, layout
+
+
+def flat_qtensor(buf: torch.Tensor, layout: tuple[int, int, int], shape, dtype: torch.dtype, bits: int,
+                 group_size: int, symmetric: bool) -> QTensor:
+    """The :class:`QTensor` of one member of a :func:`quantize_flat` buffer (views into it)."""
+    n = 1
+    for v in shape:
+        n *= v
+    g = -(-n // group_size)
+    d, sc, z = layout
+    data = buf[d:d + g * group_size * bits // 8]
+    scale = buf[sc:sc + 4 * g].view(torch.float32)
+    zero = None if symmetric else buf[z:z + 4 * g].view(torch.float32)
+    return QTensor(data, scale, zero, torch.Size(shape), dtype, bits, group_size, symmetric)
+
+
+def dequantize_flat(buf: torch.Tensor, members: list[tuple[tuple[int, int, int], torch.Size, torch.dtype, int]], *,
+                    group_size: int = 128, symmetric: bool = True, backend: str = "auto") -> list[torch.Tensor]:
+    """Dequantize members ``(layout, shape, dtype, bits)`` of a :func:`quantize_flat` buffer in one
+    launch, each into its own new tensor (freed one by one)."""
+    if not members:
+        return []
+    if resolve(backend, buf) == "torch":
+        return [dequantize_ref(flat_qtensor(buf, lay, shape, dt, b, group_size, symmetric))
+                for lay, shape, dt, b in members]
+    _, rows_per, _ = tile_shape(group_size, DQ_TILE[0])
+    per_prog = rows_per * DQ_TILE[2]
+    device, base = buf.device, buf.data_ptr()
+    out, rows, progs, low = [], [], [], base
+    for (d, sc, z), shape, dt, b in members:
+        o = torch.empty(shape, dtype=dt, device=device)
+        out.append(o)
+        n = o.numel()
+        if n:
+            g = -(-n // group_size)
+            op = o.data_ptr()
+            rows.append([base + d, base + sc, base + z, op, n, g, 0, 0, b, _FLOAT_KIND[dt]])
+            progs.append(-(-g // per_prog))
+            low |= op
+    if rows:
+        _launch_dequantize(rows, progs, device, group_size, symmetric, low)
     return out
 
 
@@ -410,8 +528,7 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
             raise TypeError(f"dequantize_many writes fp32/bf16/fp16, got {d}")
     if resolve(backend, *(q.data for q in qs)) == "torch":
         return [dequantize_ref(q, d) for q, d in zip(qs, dtypes)]
-    cols, rows_per, warps = tile_shape(gs, DQ_TILE[0])
-    warps = DQ_TILE[1] or warps
+    _, rows_per, _ = tile_shape(gs, DQ_TILE[0])
     out, rows, progs = [], [], []
     per_prog = rows_per * DQ_TILE[2]
     low = 0
@@ -428,10 +545,18 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
             progs.append(-(-g // per_prog))
             low |= dp | sp | zp | op
     if rows:
-        tab, total = _table(rows, progs, device)
-        mixed = len(set(r[8] for r in rows)) > 1
-        launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
-               KIND=_kind(rows), HW_CAST=not interpreting(), GS=gs, COLS=cols, ROWS=rows_per,
-               BITS=0 if mixed else rows[0][8], SYMMETRIC=sym, ALIGNED=ALIGN_HINTS["dequantize"] and not low & 15,
-               FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
+        _launch_dequantize(rows, progs, device, gs, sym, low)
     return out
+
+
+def _launch_dequantize(rows: list[list[int]], progs: list[int], device, group_size: int, symmetric: bool,
+                       low: int) -> None:
+    """Launch the dequantize kernel on table ``rows`` (``progs`` programs each)."""
+    cols, rows_per, warps = tile_shape(group_size, DQ_TILE[0])
+    warps = DQ_TILE[1] or warps
+    tab, total = _table(rows, progs, device)
+    mixed = len(set(r[8] for r in rows)) > 1
+    launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
+           KIND=_kind(rows), HW_CAST=not interpreting(), GS=group_size, COLS=cols, ROWS=rows_per,
+           BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric, ALIGNED=ALIGN_HINTS["dequantize"] and not low & 15,
+           FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)

@@ -1,0 +1,164 @@
+"""Replay (persistent ``apply``): the second forward with a signature follows the first one's
+recorded slots with the role hooks removed; it packs the same tensors at the same widths (the
+same gradients, bit for bit, with round-to-nearest), counts the same, and a forward that departs
+from its plan falls back to the full path, is counted, and is recorded anew."""
+
+import pytest
+import torch
+from torch import nn
+
+from leantrain.agoq import Policy, apply, remove
+from leantrain.config import ModelConfig
+from leantrain.ledger import SavedActivationMeter
+from leantrain.model import Llama
+
+SMALL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+NEAREST = Policy(stochastic=False)
+
+
+def _batch(B=2, T=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g)
+
+
+def _step(m, idx, tgt):
+    for p in m.parameters():
+        p.grad = None
+    loss = m(idx, tgt)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _n_saved(m, *args) -> int:
+    n = [0]
+
+    def count(t):
+        n[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        m(*args)
+    return n[0]
+
+
+def _role_hooks(m) -> int:
+    return sum(len(mod._forward_pre_hooks) for mod in m.modules() if mod is not m)
+
+
+def test_replay_packs_and_counts_as_the_full_path():
+    torch.manual_seed(0)
+    m = Llama(SMALL)
+    idx, tgt = _batch()
+    n_saved = _n_saved(m, idx, tgt)
+    pk = apply(m, NEAREST)
+    assert _role_hooks(m) > 0
+    loss1, g1 = _step(m, idx, tgt)  # records
+    first, raw1, kept1 = dict(pk.stats), dict(pk.bytes_raw), dict(pk.bytes_kept)
+    assert first["saved"] == n_saved and len(pk._plans) == 1
+    loss2, g2 = _step(m, idx, tgt)  # replays, without the role hooks
+    assert _role_hooks(m) == 0
+    assert {k: pk.stats[k] - first.get(k, 0) for k in pk.stats} == first  # every count, once more
+    assert {r: pk.bytes_raw[r] - raw1[r] for r in raw1} == raw1
+    assert {r: pk.bytes_kept[r] - kept1[r] for r in kept1} == kept1
+    assert "replay:diverged" not in pk.stats
+    assert torch.equal(loss1, loss2)
+    for n in g1:  # round-to-nearest: the same codes, the same gradients
+        assert torch.equal(g1[n], g2[n]), n
+
+    # the same against a packer that never replays
+    torch.manual_seed(0)
+    m2 = Llama(SMALL)
+    apply(m2, NEAREST, replay=False)
+    _step(m2, idx, tgt)
+    _, g3 = _step(m2, idx, tgt)
+    assert _role_hooks(m2) > 0
+    for n in g1:
+        assert torch.equal(g2[n], g3[n]), n
+    remove(m)
+    assert not m._forward_pre_hooks and _role_hooks(m) == 0
+
+
+def test_new_signature_records_and_old_plan_is_kept():
+    torch.manual_seed(0)
+    m = Llama(SMALL)
+    a, b = _batch(T=32), _batch(T=16)
+    n_a = _n_saved(m, *a)
+    pk = apply(m, Policy())
+    _step(m, *a)
+    _step(m, *b)  # new shape: recorded with the role hooks back
+    assert len(pk._plans) == 2
+    saved = pk.stats["saved"]
+    _step(m, *a)
+    assert _role_hooks(m) == 0 and pk.stats["saved"] - saved == n_a
+    pk.policy = Policy(attn=4)  # a new policy is a new signature
+    before = pk.stats["bits8"]
+    _step(m, *a)
+    assert len(pk._plans) == 3 and pk.stats["bits8"] - before < 2 * SMALL.n_layers * 4
+    assert "replay:diverged" not in pk.stats
+
+
+class _Toggle(nn.Module):
+    """Saves one more tensor when ``extra`` is set (a change the signature cannot see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.extra = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.extra:
+            y = torch.tanh(y) * 1.5
+        return torch.relu(y).sum()
+
+
+def test_a_departing_forward_falls_back_and_records_again():
+    torch.manual_seed(0)
+    m = _Toggle()
+    x = torch.randn(8, 64, requires_grad=True)
+    m.extra = True
+    n_extra = _n_saved(m, x)  # linear (input, weight), tanh (output), relu (output)
+    m.extra = False
+    assert _n_saved(m, x) == n_extra - 1
+    pk = apply(m, NEAREST.replace(min_numel=0))
+    m(x).backward()
+    m(x).backward()  # replayed
+    before = dict(pk.stats)
+    m.extra = True
+    out = m(x)  # departs after the linear's saves
+    out.backward()
+    assert pk.stats["replay:diverged"] == 1
+    d = {k: pk.stats[k] - before.get(k, 0) for k in pk.stats}
+    assert d["saved"] == n_extra
+    assert d["packed"] + d.get("dedup", 0) + sum(v for k, v in d.items() if k.startswith("kept:")) == d["saved"]
+    assert not pk._plans  # dropped: the next forward records
+    m(x).backward()
+    assert len(pk._plans) == 1 and pk.stats["replay:diverged"] == 1
+    m(x).backward()  # the new plan replays
+    assert pk.stats["replay:diverged"] == 1 and _role_hooks(m) == 0
+    assert torch.isfinite(x.grad).all()
+
+
+def test_metered_forward_takes_the_full_path():
+    torch.manual_seed(0)
+    m = Llama(SMALL)
+    idx, tgt = _batch()
+    pk = apply(m, Policy())
+    _step(m, idx, tgt)
+    with SavedActivationMeter(m.parameters()) as meter:
+        loss = m(idx, tgt)
+    assert _role_hooks(m) > 0 and meter.bytes > 0  # the ledger saw every kept byte
+    loss.backward()
+    with SavedActivationMeter(m.parameters()) as again:
+        m(idx, tgt).backward()
+    assert again.bytes == meter.bytes
+
+
+def test_a_failed_forward_leaves_no_plan():
+    torch.manual_seed(0)
+    m = Llama(SMALL)
+    pk = apply(m, Policy())
+    idx = torch.randint(0, 256, (2, 65))  # longer than max_seq_len: the forward raises
+    with pytest.raises(ValueError):
+        m(idx, idx)
+    assert not pk._plans and not pk._ctx
