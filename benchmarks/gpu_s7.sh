@@ -3,15 +3,20 @@
 #   OUT=dir bash benchmarks/gpu_s7.sh replay   # AGoQ's replayed save path: bench_agoq twice (baseline, apply with replay,
 #                                              # the context manager, apply without replay), a cProfile of the AGoQ
 #                                              # forward + backward, and the AGoQ / multi tests compiled
+#   OUT=dir bash benchmarks/gpu_s7.sh flat     # + flat batch buffers: the host-time variants (agoq_host_gpu.py),
+#                                              # bench_agoq twice as is and twice with the split quantize launches,
+#                                              # the AGoQ / multi tests compiled
 set -u -o pipefail
 PART=${1:-replay}
 D=$OUT/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
-agoqrun() {  # $1 name, $2 time limit
-  log "bench agoq (1b, B=8, 16 steps) $1"
-  mkdir -p "$D/agoq_$1"
-  timeout "$2" python3 benchmarks/bench_agoq.py --steps 16 --out "$D/agoq_$1" 2>&1 | tail -1
+agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more bench_agoq arguments
+  local name=$1 lim=$2
+  shift 2
+  log "bench agoq (1b, B=8, 16 steps) $name: $* ${AGOQ_ARGS:-}"
+  mkdir -p "$D/agoq_$name"
+  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 ${AGOQ_ARGS:-} --out "$D/agoq_$name" 2>&1 | tail -1
 }
 {
   case "$PART" in
@@ -21,6 +26,16 @@ agoqrun() {  # $1 name, $2 time limit
       agoqrun run2 130
       log "profile agoq B=8 forward+backward, cProfile"
       timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --cprofile --out "$D" 2>&1 | grep -v Warn | tail -1
+      log "gpu tests: agoq, multi"
+      gputest 150 tests/agoq tests/ops/test_multi.py ;;
+    flat)
+      gpuinfo
+      log "agoq host variants"
+      timeout 100 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn
+      AGOQ_ARGS="--variants noreplay" agoqrun run1 100
+      AGOQ_ARGS="--variants=" agoqrun split1 80 LEANTRAIN_Q_SPLIT=1
+      AGOQ_ARGS="--variants=" agoqrun run2 80
+      AGOQ_ARGS="--variants=" agoqrun split2 80 LEANTRAIN_Q_SPLIT=1
       log "gpu tests: agoq, multi"
       gputest 150 tests/agoq tests/ops/test_multi.py ;;
   esac

@@ -145,9 +145,11 @@ def test_metered_forward_takes_the_full_path():
     idx, tgt = _batch()
     pk = apply(m, Policy())
     _step(m, idx, tgt)
+    kept = sum(pk.bytes_kept.values())
     with SavedActivationMeter(m.parameters()) as meter:
         loss = m(idx, tgt)
     assert _role_hooks(m) > 0 and meter.bytes > 0  # the ledger saw every kept byte
+    assert meter.bytes == sum(pk.bytes_kept.values()) - kept
     loss.backward()
     with SavedActivationMeter(m.parameters()) as again:
         m(idx, tgt).backward()

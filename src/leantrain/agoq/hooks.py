@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ledger import metering, note_saved
-from .pack import PackBatch, Packed, pack, unpack
+from .pack import PackBatch, Packed, _q_nbytes, _source, pack, unpack
 from .policy import KEEP, Policy
 
 __all__ = ["Packer", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
@@ -326,7 +326,7 @@ class Packer:
                 self.bytes_kept[role] += nb
             return
         self.stats["saved"] += n
-        for shape, dtype, role, bits, prob, why, nb in plan.slots[:n]:
+        for _shape, _dtype, role, bits, _prob, why, nb in plan.slots[:n]:
             if not bits:
                 self.stats["kept:" + why] += 1
                 self.bytes_raw[role] += nb
@@ -489,8 +489,13 @@ class Packer:
                 if batch is None:
                     batch = self._batches[symmetric] = PackBatch(pol.group_size, symmetric, pol.stochastic,
                                                            self.batch_backend)
-            p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
-                     symmetric=symmetric, batch=batch)
+                src = _source(t)  # (pack()'s batch path, without its checks: a float tensor, 4 or 8 bits)
+                p = Packed("q", None, t.shape, t.dtype, t.device, bits,
+                           _q_nbytes(src.numel(), bits, pol.group_size, symmetric), batch=batch)
+                batch.add(src, p, seed)
+            else:
+                p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
+                         symmetric=symmetric)
         n = t.numel()
         nb = n * t.element_size()
         if batch is not None:
