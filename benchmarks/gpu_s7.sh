@@ -6,6 +6,9 @@
 #   OUT=dir bash benchmarks/gpu_s7.sh flat     # + flat batch buffers: the host-time variants (agoq_host_gpu.py),
 #                                              # bench_agoq twice as is and twice with the split quantize launches,
 #                                              # the AGoQ / multi tests compiled
+#   OUT=dir bash benchmarks/gpu_s7.sh launches # split quantize launches by default: bench_agoq with each launch knob
+#                                              # (dequantize split by width and dtype, register cap, no split), the
+#                                              # CUDA-time profile of an AGoQ step, the multi tests compiled
 set -u -o pipefail
 PART=${1:-replay}
 D=$OUT/$PART
@@ -38,5 +41,17 @@ agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more be
       AGOQ_ARGS="--variants=" agoqrun split2 80 LEANTRAIN_Q_SPLIT=1
       log "gpu tests: agoq, multi"
       gputest 150 tests/agoq tests/ops/test_multi.py ;;
+    launches)
+      gpuinfo
+      AGOQ_ARGS="--variants=" agoqrun split_a 80
+      AGOQ_ARGS="--variants=" agoqrun dqsplit_a 80 LEANTRAIN_DQ_SPLIT=1
+      AGOQ_ARGS="--variants=" agoqrun cap128 80 LEANTRAIN_Q_MAXNREG=128
+      AGOQ_ARGS="--variants=" agoqrun nosplit 80 LEANTRAIN_Q_SPLIT=0
+      AGOQ_ARGS="--variants=" agoqrun split_b 80
+      AGOQ_ARGS="--variants=" agoqrun dqsplit_b 80 LEANTRAIN_DQ_SPLIT=1
+      log "profile agoq B=8 forward+backward"
+      timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
+      log "gpu tests: multi"
+      gputest 100 tests/ops/test_multi.py ;;
   esac
 } 2>&1 | tee "$D/run.log"

@@ -144,11 +144,13 @@ def test_word_path_and_its_fallback(device, dtype, symmetric, monkeypatch):
             assert torch.equal(d, dequantize(q, backend="torch"))
 
 
-@pytest.mark.parametrize("split,maxnreg", [(False, 0), (True, 0), (True, 128), (False, 96)])
-def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, monkeypatch):
+@pytest.mark.parametrize("split,maxnreg,dq_split", [(False, 0, False), (True, 0, True), (True, 128, False),
+                                                    (False, 96, True)])
+def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, dq_split, monkeypatch):
     """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call, dequantized to their own dtypes
     or to one asked for: each equals its own quantize / dequantize; with the word-path rows in
-    a launch of their own (``SPLIT_PATHS``) and a register cap on mixed launches as well."""
+    a launch of their own (``SPLIT_PATHS``), a register cap on mixed launches, and dequantize
+    launched once per (bits, dtype) (``DQ_SPLIT``) as well."""
     import leantrain.ops.multi as M
 
     launches = []
@@ -156,6 +158,7 @@ def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, monkeypatch
     monkeypatch.setattr(M, "launch", lambda k, g, *a, **kw: (launches.append(kw), real(k, g, *a, **kw)))
     monkeypatch.setattr(M, "SPLIT_PATHS", split)
     monkeypatch.setattr(M, "MIXED_MAXNREG", maxnreg)
+    monkeypatch.setattr(M, "DQ_SPLIT", dq_split)
     xs = [randn(n, dt, device) for n, dt in ((300, torch.float32), (256, torch.bfloat16), (77, torch.float16),
                                               (1000, torch.bfloat16), (130, torch.float32))]
     bits, seeds = [4, 4, 8, 8, 4], [1, 2, 3, 4, 5]
@@ -168,9 +171,13 @@ def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, monkeypatch
         assert len(launches) == (2 if split and words else 1)
         if split and words:
             assert words[0]["KIND"] == 1 and words[0]["BITS"] == 4  # the bf16 4-bit row alone
-    for dt in (None, torch.float32):
+    for dt, groups in ((None, 4), (torch.float32, 2)):  # distinct (bits, output dtype)
+        launches.clear()
         for q, d in zip(qs, dequantize_many(qs, dtype=dt, backend=backend), strict=True):
             assert torch.equal(d, dequantize(q, dtype=dt, backend="torch"))
+        if backend == "triton":
+            assert len(launches) == (groups if dq_split else 1)
+            assert not dq_split or all(kw["BITS"] and kw["KIND"] >= 0 for kw in launches)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -53,13 +53,17 @@ DQ_TILE = (2048, 4, 4)
 FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # Launches that mix dtype kinds or widths compile both paths into one kernel (145 registers a
 # thread on sm_90 for AGoQ's flushes, against 56 for 4-bit bf16 alone: benchmarks/sass_count.py).
-# MIXED_MAXNREG caps the registers of such launches (0: no cap); SPLIT_PATHS sends the 4-bit
-# 16-bit-float rows (the word path) and the others to two launches instead of one mixed one.
-# Both are off: on the H200 they made an AGoQ-like flush 11-24 % faster alone but the AGoQ step
-# no faster (session 6, benchmarks/results/2026-11-30_H200_tune_s6/); LEANTRAIN_Q_MAXNREG /
-# LEANTRAIN_Q_SPLIT turn them on.
+# MIXED_MAXNREG caps the registers of such launches (0: no cap; LEANTRAIN_Q_MAXNREG); SPLIT_PATHS
+# sends the 4-bit 16-bit-float rows (the word path) and the others to two launches instead of
+# one mixed one (LEANTRAIN_Q_SPLIT=0 turns it off). On the H200, split launches made an
+# AGoQ-like flush 11-24 % faster (session 6, benchmarks/results/2026-11-30_H200_tune_s6/); once
+# the save path's host time no longer hid it (session 7), the AGoQ step was faster with them
+# too (benchmarks/results/2026-11-30_H200_s7/).
 MIXED_MAXNREG = int(os.environ.get("LEANTRAIN_Q_MAXNREG", "0"))
-SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "0") not in ("", "0")
+SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "1") not in ("", "0")
+# DQ_SPLIT: dequantize in one launch per (bits, dtype) instead of one mixed launch
+# (LEANTRAIN_DQ_SPLIT).
+DQ_SPLIT = os.environ.get("LEANTRAIN_DQ_SPLIT", "0") not in ("", "0")
 # Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
 # (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
 # dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
@@ -554,9 +558,19 @@ def _launch_dequantize(rows: list[list[int]], progs: list[int], device, group_si
     """Launch the dequantize kernel on table ``rows`` (``progs`` programs each)."""
     cols, rows_per, warps = tile_shape(group_size, DQ_TILE[0])
     warps = DQ_TILE[1] or warps
-    tab, total = _table(rows, progs, device)
-    mixed = len(set(r[8] for r in rows)) > 1
-    launch(_dequantize_many_kernel, (total,), tab, len(rows), TP=next_pow2(len(rows)),
-           KIND=_kind(rows), HW_CAST=not interpreting(), GS=group_size, COLS=cols, ROWS=rows_per,
-           BITS=0 if mixed else rows[0][8], SYMMETRIC=symmetric, ALIGNED=ALIGN_HINTS["dequantize"] and not low & 15,
-           FAST=quant.fast_bits(), TPP=DQ_TILE[2], num_warps=warps)
+    parts = [(rows, progs)]
+    if DQ_SPLIT:  # one launch per (bits, dtype kind): each compiled for its own path
+        groups: dict[tuple[int, int], tuple[list, list]] = {}
+        for r, p in zip(rows, progs):
+            g = groups.setdefault((r[8], r[9]), ([], []))
+            g[0].append(r)
+            g[1].append(p)
+        parts = list(groups.values())
+    for prow, pprog in parts:
+        tab, total = _table(prow, pprog, device)
+        mixed = len(set(r[8] for r in prow)) > 1
+        launch(_dequantize_many_kernel, (total,), tab, len(prow), TP=next_pow2(len(prow)),
+               KIND=_kind(prow), HW_CAST=not interpreting(), GS=group_size, COLS=cols, ROWS=rows_per,
+               BITS=0 if mixed else prow[0][8], SYMMETRIC=symmetric,
+               ALIGNED=ALIGN_HINTS["dequantize"] and not low & 15, FAST=quant.fast_bits(), TPP=DQ_TILE[2],
+               num_warps=warps)
