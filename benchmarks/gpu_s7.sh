@@ -6,6 +6,9 @@
 #   OUT=dir bash benchmarks/gpu_s7.sh flat     # + flat batch buffers: the host-time variants (agoq_host_gpu.py),
 #                                              # bench_agoq twice as is and twice with the split quantize launches,
 #                                              # the AGoQ / multi tests compiled
+#   OUT=dir bash benchmarks/gpu_s7.sh record   # the session's last code: bench_agoq four times (the first also as a
+#                                              # context manager and without replay), the host-time variants, the
+#                                              # CUDA-time profile, the AGoQ / multi / kernel-path tests compiled
 #   OUT=dir bash benchmarks/gpu_s7.sh launches # split quantize launches by default: bench_agoq with each launch knob
 #                                              # (dequantize split by width and dtype, register cap, no split), the
 #                                              # CUDA-time profile of an AGoQ step, the multi tests compiled
@@ -20,6 +23,9 @@ agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more be
   log "bench agoq (1b, B=8, 16 steps) $name: $* ${AGOQ_ARGS:-}"
   mkdir -p "$D/agoq_$name"
   env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 ${AGOQ_ARGS:-} --out "$D/agoq_$name" 2>&1 | tail -1
+  if [ -n "${FLAT:-}" ]; then  # one file per run (the device tool returns at most 8)
+    mv "$D"/agoq_"$name"/*.json "$D/agoq_$name.json" && rm -r "$D/agoq_$name"
+  fi
 }
 {
   case "$PART" in
@@ -53,5 +59,18 @@ agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more be
       timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
       log "gpu tests: multi"
       gputest 100 tests/ops/test_multi.py ;;
+    record)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants ctx,noreplay" agoqrun r1 110
+      AGOQ_ARGS="--variants=" agoqrun r2 80
+      AGOQ_ARGS="--variants=" agoqrun r3 80
+      AGOQ_ARGS="--variants=" agoqrun r4 80
+      log "agoq host variants"
+      timeout 100 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn
+      log "profile agoq B=8 forward+backward"
+      timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
+      log "gpu tests: agoq, multi, kernel paths"
+      gputest 200 tests/agoq tests/ops/test_multi.py tests/ops/test_kernel_paths.py ;;
   esac
 } 2>&1 | tee "$D/run.log"

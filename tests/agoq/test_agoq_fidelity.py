@@ -72,6 +72,38 @@ def test_log_softmax_stored_as_probabilities_by_default():
     assert ((p_hat - p).view(-1, 128).abs() <= step + 1e-6).all()
 
 
+def test_log_of_probabilities_computed_once_for_the_loss_nodes(monkeypatch):
+    """log_softmax and nll_loss both save the log-probabilities: one ProbPacked (dedup), whose
+    log(p) is computed once and handed to both nodes, then dropped; retain_graph recomputes it."""
+    import leantrain.agoq.hooks as H
+
+    class Loss(nn.Module):
+        def forward(self, z, t):
+            return F.cross_entropy(z * 3, t)
+
+    z = torch.randn(16, 256, requires_grad=True)
+    t = torch.randint(0, 256, (16,))
+    made = []
+    real = H.ProbPacked.unpack
+
+    def spy(self):
+        made.append(self.cache is None)  # a new log(p) is computed when nothing is cached
+        return real(self)
+
+    monkeypatch.setattr(H.ProbPacked, "unpack", spy)
+    with quantize_activations(Loss(), Policy(min_numel=64)) as pk:
+        loss = pk.model(z, t)
+    assert pk.stats["dedup"] == 1
+    loss.backward(retain_graph=True)
+    assert made == [True, False]
+    g1 = z.grad.clone()
+    z.grad = None
+    loss.backward()
+    assert made == [True, False, True, False] and torch.equal(z.grad, g1)
+    exact = torch.autograd.grad(F.cross_entropy(z * 3, t), z)[0]
+    assert (g1 - exact).norm() < 0.2 * exact.norm()
+
+
 class _SharpAttention(nn.Module):
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -130,15 +130,29 @@ class ProbPacked:
 
     packed: Packed
     dtype: torch.dtype
+    uses: int = 1  # backward nodes holding it (log-softmax and the NLL loss after it: 2)
+    taken: int = 0
+    cache: Tensor | None = None  # log(p), kept until the last of those nodes took it
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes
 
     def unpack(self) -> Tensor:
-        p = unpack(self.packed).float()  # may be shared (dequantized once for several nodes):
-        # never in place. p = 0 -> log = -88 (not -inf): exp() gives back 1e-38
-        return p.clamp_min(torch.finfo(torch.float32).tiny).log().to(self.dtype)
+        """``log(p)``, computed once for all ``uses`` (each pass over the logits is a GiB at 1b)."""
+        self.taken += 1
+        more = self.taken % self.uses  # nodes of this backward still to take it (retain_graph: rounds)
+        c = self.cache
+        if c is not None:
+            if not more:
+                self.cache = None
+            return c
+        p = unpack(self.packed)  # (used by this object only: a new tensor, changed in place)
+        p = p.float() if p.dtype != torch.float32 else p
+        out = p.clamp_min_(torch.finfo(torch.float32).tiny).log_().to(self.dtype)  # p = 0 -> -88, not -inf
+        if more:
+            self.cache = out
+        return out
 
 
 def _is_log_softmax(t: Tensor) -> bool:
@@ -472,8 +486,8 @@ class Packer:
                 self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
             if isinstance(hit[1], Packed):  # one more backward node unpacks it: dequantized once for all
                 hit[1].uses += 1
-            elif isinstance(hit[1], ProbPacked):  # log_softmax + nll_loss: p dequantized once
-                hit[1].packed.uses += 1
+            elif isinstance(hit[1], ProbPacked):  # log_softmax + nll_loss: log(p) computed once
+                hit[1].uses += 1
             return hit[1]
         self._n += 1
         pol = self.policy
