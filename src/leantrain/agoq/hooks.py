@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ledger import metering, note_saved
-from .pack import PackBatch, Packed, _q_nbytes, _source, pack, unpack
+from .pack import TINY, PackBatch, Packed, _q_nbytes, _source, dequantize_q, pack, unpack
 from .policy import KEEP, Policy
 
 __all__ = ["Packer", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
@@ -147,9 +147,12 @@ class ProbPacked:
             if not more:
                 self.cache = None
             return c
-        p = unpack(self.packed)  # (used by this object only: a new tensor, changed in place)
-        p = p.float() if p.dtype != torch.float32 else p
-        out = p.clamp_min_(torch.finfo(torch.float32).tiny).log_().to(self.dtype)  # p = 0 -> -88, not -inf
+        pk = self.packed  # (used by this object only)
+        if pk.kind == "q":  # log in the dequantize pass
+            out = dequantize_q(pk.payload, torch.float32, log=True).reshape(pk.shape)
+        else:  # (2/3 bits: a new tensor, changed in place)
+            out = unpack(pk).float().clamp_min_(TINY).log_()  # p = 0 -> -88, not -inf: exp() gives 1e-38
+        out = out.to(self.dtype)
         if more:
             self.cache = out
         return out
@@ -493,9 +496,9 @@ class Packer:
         pol = self.policy
         seed = (self._base_seed + self._n * _GOLDEN64) & _M63
         batch = None
-        if prob:
-            p = ProbPacked(pack(t.detach().float().exp(), bits, group_size=pol.group_size,
-                                stochastic=pol.stochastic, seed=seed, symmetric=False), t.dtype)
+        if prob:  # (exp inside the quantize kernel: no GiB-sized tensor of probabilities at 1b)
+            p = ProbPacked(pack(t.detach(), bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
+                                symmetric=False, exp=True), t.dtype)
         else:
             symmetric = role != "logits"
             if bits in (4, 8) and pol.batch_mib > 0 and t.device.type in self.batch_devices:

@@ -24,12 +24,15 @@ scaling is about ``6.02 b - 10`` dB at group 128; stochastic rounding costs abou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from leantrain.ops.quant import TINY
 
 try:  # the kernels package exports these once its __init__ exists
     from leantrain.ops import dequantize, quantize
@@ -283,10 +286,14 @@ def _q_nbytes(n: int, bits: int, group_size: int, symmetric: bool) -> int:
 
 
 def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True, seed: int = 0,
-         symmetric: bool = True, batch: PackBatch | None = None) -> Packed:
+         symmetric: bool = True, batch: PackBatch | None = None, exp: bool = False) -> Packed:
     """Pack ``x`` to ``bits`` (1: bool masks only; 2/3: asymmetric; 4/8: ``symmetric`` as asked).
 
-    With ``batch`` (4/8 bits), ``x`` is registered there and quantized at the batch's flush."""
+    With ``batch`` (4/8 bits), ``x`` is registered there and quantized at the batch's flush.
+    ``exp``: pack ``exp(x)`` (fp32; 4/8 bits unbatched: inside the quantize kernel, without a
+    tensor of it)."""
+    if exp and (bits not in (4, 8) or batch is not None):
+        x, exp = x.detach().float().exp(), False
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"agoq: bits must be one of {SUPPORTED_BITS}, got {bits}")
     if x.dtype == torch.bool:
@@ -306,8 +313,9 @@ def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True
                    _q_nbytes(src.numel(), bits, group_size, symmetric), batch=batch)
         batch.add(src, p, seed)
         return p
-    q = quantize_q(src.detach(), bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed)
-    return Packed("q", q, x.shape, x.dtype, x.device, bits, q.nbytes)
+    q = quantize_q(src.detach(), bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
+                   exp=exp)
+    return Packed("q", q, x.shape, q.dtype, x.device, bits, q.nbytes)
 
 
 def unpack(p: Packed) -> Tensor:
@@ -352,17 +360,22 @@ def _unpack(p: Packed) -> Tensor:
 
 
 def quantize_q(x: Tensor, bits: int, *, group_size: int = 128, symmetric: bool = True,
-               stochastic: bool = False, seed: int = 0) -> QTensor:
-    """4/8-bit :class:`QTensor`: the ops Triton kernel on CUDA, the vectorized torch path on CPU."""
+               stochastic: bool = False, seed: int = 0, exp: bool = False) -> QTensor:
+    """4/8-bit :class:`QTensor` (of ``exp(x)`` with ``exp``: its dtype then fp32): the ops Triton
+    kernel on CUDA, the vectorized torch path on CPU."""
     if x.is_cuda:
-        return quantize(x, bits=bits, group_size=group_size, symmetric=symmetric,
-                        stochastic=stochastic, seed=seed)
-    return _quantize_torch(x, bits, group_size, symmetric, stochastic, seed)
+        q = quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
+                     exp=exp)
+        return q if not exp or q.dtype == torch.float32 else dataclasses.replace(q, dtype=torch.float32)
+    return _quantize_torch(x.float().exp() if exp else x, bits, group_size, symmetric, stochastic, seed)
 
 
-def dequantize_q(q: QTensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Values of a 4/8-bit :class:`QTensor` (non-stacked), in ``dtype`` or its own dtype."""
+def dequantize_q(q: QTensor, dtype: torch.dtype | None = None, log: bool = False) -> Tensor:
+    """Values of a 4/8-bit :class:`QTensor` (non-stacked), in ``dtype`` or its own dtype;
+    ``log``: ``log(max(v, TINY))`` (fp32 math; on CUDA in the dequantize kernel)."""
     if q.data.is_cuda:
-        return dequantize(q, dtype=dtype)
+        return dequantize(q, dtype=dtype, log=log)
     v = _dequantize_torch(q)
+    if log:
+        v = v.float().clamp_min_(TINY).log_()
     return v if dtype is None else v.to(dtype)

@@ -43,6 +43,7 @@ from .qtensor import QTensor
 from .rng import hash_uniform, kernel_key
 
 _TINY = 2.0**-64
+TINY = torch.finfo(torch.float32).tiny  # dequantize(log=True) clamps here (the kernel's literal)
 _PRE = 2.0**64
 
 
@@ -138,19 +139,21 @@ def unpack_codes(data: torch.Tensor, bits: int, symmetric: bool, group_size: int
     return c.reshape(*data.shape[:-1], -1, group_size)
 
 
-def quantize_ref(x, *, bits=8, group_size=128, symmetric=True, stochastic=False, seed=0) -> QTensor:
-    xg, valid = _pad_groups(x, group_size)
+def quantize_ref(x, *, bits=8, group_size=128, symmetric=True, stochastic=False, seed=0, exp=False) -> QTensor:
+    xg, valid = _pad_groups(x.float().exp() if exp else x, group_size)
     code, scale, zero = encode_groups_ref(xg, valid, bits=bits, symmetric=symmetric,
                                           stochastic=stochastic, seed=seed)
     return QTensor(pack_codes(code, bits), scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
 
 
-def dequantize_ref(q: QTensor, dtype=None) -> torch.Tensor:
-    """fp values of ``q`` (a stacked QTensor gives ``(k, *shape)``)."""
+def dequantize_ref(q: QTensor, dtype=None, log=False) -> torch.Tensor:
+    """fp values of ``q`` (a stacked QTensor gives ``(k, *shape)``); ``log``: ``log(max(v, TINY))``."""
     code = unpack_codes(q.data, q.bits, q.symmetric, q.group_size)
     v = code.to(torch.float32) * q.scale.unsqueeze(-1)
     if q.zero is not None:
         v = v + q.zero.unsqueeze(-1)
+    if log:
+        v = v.clamp_min(TINY).log()
     lead = q.data.shape[:-1]
     v = v.reshape(*lead, -1)[..., : q.numel]
     return v.reshape(*lead, *q.shape).to(dtype or q.dtype)
@@ -532,8 +535,9 @@ if HAS_TRITON:
                          GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, SYMMETRIC: tl.constexpr, STOCHASTIC: tl.constexpr,
                          QLO: tl.constexpr, QHI: tl.constexpr, IDX32: tl.constexpr,
-                         PAIRS: tl.constexpr, FAST: tl.constexpr, WORDS: tl.constexpr):
-        """``WORDS`` (4 bits, bf16 = 1 / fp16 = 2 input): ``x_ptr`` is the input as int32 words."""
+                         PAIRS: tl.constexpr, FAST: tl.constexpr, WORDS: tl.constexpr, EXP: tl.constexpr = False):
+        """``WORDS`` (4 bits, bf16 = 1 / fp16 = 2 input): ``x_ptr`` is the input as int32 words.
+        ``EXP`` (not with WORDS): quantize ``exp(x)``, computed in fp32 registers."""
         row0 = tl.program_id(0).to(tl.int64) * ROWS        # int64 only per program
         if WORDS:
             byts, scale, zero = encode_words_tl(x_ptr, row0, n, key, WORDS, GS, COLS, ROWS, QLO, QHI, SYMMETRIC,
@@ -541,6 +545,8 @@ if HAS_TRITON:
         else:
             base, rem, loc, valid, idx = tile_index_tl(row0, n, GS, COLS, ROWS, IDX32)
             x = tl.load(x_ptr + base + loc, mask=valid, other=0.0).to(tl.float32)
+            if EXP:
+                x = tl.exp(x)
             byts, scale, zero = encode_pack_tl(x, valid, idx, key, ROWS, COLS, BITS, QLO, QHI, SYMMETRIC,
                                                STOCHASTIC, PAIRS, FAST)
         store_packed_tl(data_ptr, scale_ptr, zero_ptr, byts, scale, zero, row0, n_groups, GS, COLS, ROWS,
@@ -549,7 +555,9 @@ if HAS_TRITON:
     @triton.jit
     def _dequantize_kernel(data_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
                            GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr):
+                           BITS: tl.constexpr, SYMMETRIC: tl.constexpr, FAST: tl.constexpr,
+                           LOG: tl.constexpr = False):
+        """``LOG``: write ``log(max(v, TINY))`` (the values are probabilities)."""
         peer = tl.program_id(1).to(tl.int64)
         data_ptr += peer * (n_groups * GS * BITS // 8)
         scale_ptr += peer * n_groups
@@ -558,6 +566,8 @@ if HAS_TRITON:
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         v = dequant_tile_tl(data_ptr, scale_ptr, zero_ptr, rows, rows < n_groups, GS, COLS, ROWS, BITS, SYMMETRIC,
                             FAST)
+        if LOG:
+            v = tl.log(tl.maximum(v, 1.1754943508222875e-38))
         cols = tl.arange(0, COLS)
         idx = rows[:, None] * GS + cols[None, :]
         tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty, FAST), mask=(cols[None, :] < GS) & (idx < n))
@@ -608,12 +618,12 @@ QUANT_WARPS = 0  # quantize's warps per program (0: tile_shape's choice)
 WORD_TILE = (4096, 4)  # (elements, warps) per program of the 4-bit word path: 32 elements a thread
 
 
-def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTensor:
+def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed, exp=False) -> QTensor:
     xf = x.reshape(-1)
     if not xf.is_contiguous():
         xf = xf.contiguous()
     n = xf.numel()
-    words = word_kind(bits, xf.dtype, n, xf.data_ptr())
+    words = 0 if exp else word_kind(bits, xf.dtype, n, xf.data_ptr())
     g = -(-n // group_size)
     data = torch.empty(g * group_size * bits // 8, dtype=torch.uint8, device=x.device)
     scale = torch.empty(g, dtype=torch.float32, device=x.device)
@@ -625,12 +635,12 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed) -> QTenso
         launch(_quantize_kernel, (triton.cdiv(g, rows),), xf.view(torch.int32) if words else xf, data, scale,
                scale if zero is None else zero, n, g, kernel_key(seed), GS=group_size, COLS=cols,
                ROWS=rows, BITS=bits, SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi,
-               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=PAIR_SR, FAST=fast_bits(), WORDS=words,
+               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=PAIR_SR, FAST=fast_bits(), WORDS=words, EXP=exp,
                num_warps=warps)
     return QTensor(data, scale, zero, x.shape, x.dtype, bits, group_size, symmetric)
 
 
-def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
+def _dequantize_triton(q: QTensor, dtype, log=False) -> torch.Tensor:
     k = q.num_peers
     lead = (k,) if q.stacked else ()
     out = torch.empty(*lead, *q.shape, dtype=dtype, device=q.device)
@@ -641,7 +651,7 @@ def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
         zero = scale if q.zero is None else q.zero.contiguous()
         launch(_dequantize_kernel, (triton.cdiv(g, rows), k), data, scale, zero, out, q.numel, g,
                GS=q.group_size, COLS=cols, ROWS=rows, BITS=q.bits, SYMMETRIC=q.symmetric, FAST=fast_bits(),
-               num_warps=warps)
+               LOG=log, num_warps=warps)
     return out
 
 
@@ -649,30 +659,38 @@ def _dequantize_triton(q: QTensor, dtype) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 128, symmetric: bool = True,
-             stochastic: bool = False, seed: int = 0, backend: str = "auto") -> QTensor:
+             stochastic: bool = False, seed: int = 0, exp: bool = False, backend: str = "auto") -> QTensor:
     """Block-wise int8/int4 quantization of the flattened ``x`` (any shape, any numel >= 0).
 
-    See the module docstring for the exact math, rounding and special values.
+    See the module docstring for the exact math, rounding and special values. ``exp``: quantize
+    ``exp(x)`` instead (fp32, inside the kernel: no tensor of it is made; AGoQ stores a
+    log-softmax as probabilities). The Triton kernel's ``exp`` may differ from torch's in the
+    last bits, so a code can differ by one step from the reference's.
     """
     _check(bits, group_size)
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     if resolve(backend, x) == "triton":
-        return _quantize_triton(x, bits, group_size, symmetric, stochastic, seed)
+        return _quantize_triton(x, bits, group_size, symmetric, stochastic, seed, exp)
     return quantize_ref(x, bits=bits, group_size=group_size, symmetric=symmetric,
-                        stochastic=stochastic, seed=seed)
+                        stochastic=stochastic, seed=seed, exp=exp)
 
 
-def dequantize(q: QTensor, *, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+def dequantize(q: QTensor, *, dtype: torch.dtype | None = None, log: bool = False,
+               backend: str = "auto") -> torch.Tensor:
     """Values of ``q`` with its original shape and dtype (or ``dtype``).
 
-    Works for integer and FP8 QTensors; a stacked QTensor gives ``(k, *shape)``.
+    Works for integer and FP8 QTensors; a stacked QTensor gives ``(k, *shape)``. ``log``
+    (integer QTensors): ``log(max(v, TINY))`` of the values, in the same pass (the inverse of
+    ``quantize(..., exp=True)``; ``TINY``, fp32's smallest normal, keeps ``log`` finite).
     """
     if q.fmt != "int":
+        if log:
+            raise ValueError("dequantize(log=True) is for integer QTensors")
         from .fp8 import dequantize_fp8
 
         return dequantize_fp8(q, dtype=dtype, backend=backend)
     dtype = dtype or q.dtype
     if resolve(backend, q.data) == "triton":
-        return _dequantize_triton(q, dtype)
-    return dequantize_ref(q, dtype)
+        return _dequantize_triton(q, dtype, log)
+    return dequantize_ref(q, dtype, log)
