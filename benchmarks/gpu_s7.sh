@@ -9,6 +9,8 @@
 #   OUT=dir bash benchmarks/gpu_s7.sh record   # the session's last code: bench_agoq four times (the first also as a
 #                                              # context manager and without replay), the host-time variants, the
 #                                              # CUDA-time profile, the AGoQ / multi / kernel-path tests compiled
+#   OUT=dir bash benchmarks/gpu_s7.sh final    # + exp / log inside the kernels for the log-softmax: bench_agoq three
+#                                              # times, the CUDA-time profile, the AGoQ / quant / multi tests compiled
 #   OUT=dir bash benchmarks/gpu_s7.sh launches # split quantize launches by default: bench_agoq with each launch knob
 #                                              # (dequantize split by width and dtype, register cap, no split), the
 #                                              # CUDA-time profile of an AGoQ step, the multi tests compiled
@@ -72,5 +74,15 @@ agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more be
       timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
       log "gpu tests: agoq, multi, kernel paths"
       gputest 200 tests/agoq tests/ops/test_multi.py tests/ops/test_kernel_paths.py ;;
+    final)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun f1 80
+      AGOQ_ARGS="--variants=" agoqrun f2 80
+      AGOQ_ARGS="--variants=" agoqrun f3 80
+      log "profile agoq B=8 forward+backward"
+      timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
+      log "gpu tests: agoq, quant, multi"
+      gputest 200 tests/agoq tests/ops/test_quant.py tests/ops/test_multi.py ;;
   esac
 } 2>&1 | tee "$D/run.log"

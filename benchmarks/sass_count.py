@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         sig = {"x_ptr": "*i32" if a.words else f"*{a.dtype}", "data_ptr": "*u8", "scale_ptr": "*fp32",
                "zero_ptr": "*fp32", "n": "i64", "n_groups": "i64", "key": "i32"}
         cons = dict(GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True, QLO=-qhi, QHI=qhi,
-                    IDX32=True, PAIRS=True, FAST=a.fast, WORDS=a.words)
+                    IDX32=True, PAIRS=True, FAST=a.fast, WORDS=a.words, EXP=False)
         div = ("x_ptr", "data_ptr", "scale_ptr", "zero_ptr", "n", "n_groups")
     elif a.kernel == "state8":
         from leantrain.ops import state8
