@@ -17,3 +17,13 @@ opsbench() {  # bench_ops at 256 MiB and 2 GiB ($1: time limit)
   log "bench ops 256, 2048 MiB"
   timeout "$1" python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 --out "$D/ops.json" 2>&1 | tail -3
 }
+agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more bench_agoq arguments
+  local name=$1 lim=$2
+  shift 2
+  log "bench agoq (1b, B=8, 16 steps) $name: $* ${AGOQ_ARGS:-}"
+  mkdir -p "$D/agoq_$name"
+  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 ${AGOQ_ARGS:-} --out "$D/agoq_$name" 2>&1 | tail -1
+  if [ -n "${FLAT:-}" ]; then  # one file per run (the device tool returns at most 8)
+    mv "$D"/agoq_"$name"/*.json "$D/agoq_$name.json" && rm -r "$D/agoq_$name"
+  fi
+}

@@ -20,13 +20,7 @@ PART=${1:-explore}
 D=$OUT/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
-agoqvar() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more bench_agoq arguments
-  local name=$1 lim=$2
-  shift 2
-  log "bench agoq (1b, B=8, 16 steps) variant $name: $* ${AGOQ_ARGS:-}"
-  mkdir -p "$D/agoq_$name"
-  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 ${AGOQ_ARGS:-} --out "$D/agoq_$name" 2>&1 | tail -1
-}
+agoqvar() { agoqrun "$@"; }  # (gpu_lib.sh)
 {
   case "$PART" in
     explore)

@@ -19,16 +19,6 @@ PART=${1:-replay}
 D=$OUT/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
-agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more bench_agoq arguments
-  local name=$1 lim=$2
-  shift 2
-  log "bench agoq (1b, B=8, 16 steps) $name: $* ${AGOQ_ARGS:-}"
-  mkdir -p "$D/agoq_$name"
-  env "$@" timeout "$lim" python3 benchmarks/bench_agoq.py --steps 16 ${AGOQ_ARGS:-} --out "$D/agoq_$name" 2>&1 | tail -1
-  if [ -n "${FLAT:-}" ]; then  # one file per run (the device tool returns at most 8)
-    mv "$D"/agoq_"$name"/*.json "$D/agoq_$name.json" && rm -r "$D/agoq_$name"
-  fi
-}
 {
   case "$PART" in
     replay)
