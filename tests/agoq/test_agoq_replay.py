@@ -5,6 +5,7 @@ from its plan falls back to the full path, is counted, and is recorded anew."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from leantrain.agoq import Policy, apply, remove
@@ -137,6 +138,49 @@ def test_a_departing_forward_falls_back_and_records_again():
     m(x).backward()  # the new plan replays
     assert pk.stats["replay:diverged"] == 1 and _role_hooks(m) == 0
     assert torch.isfinite(x.grad).all()
+    m.extra = False  # fewer saves than the plan (the extra tanh gone): a departure, counted, dropped
+    before = dict(pk.stats)
+    m(x).backward()
+    d = {k: pk.stats[k] - before.get(k, 0) for k in pk.stats}
+    assert pk.stats["replay:diverged"] == 2 and not pk._plans and d["saved"] == n_extra - 1
+    assert d["packed"] + d.get("dedup", 0) + sum(v for k, v in d.items() if k.startswith("kept:")) == d["saved"]
+
+
+class _Loss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 32)
+        self.soft = True
+
+    def forward(self, x, t):
+        z = self.lin(x)
+        if self.soft:
+            return F.cross_entropy(z, t)
+        return F.mse_loss(torch.tanh(z), torch.zeros_like(z)) + 0.0 * t.sum()
+
+
+def test_a_log_softmax_slot_takes_only_a_log_softmax(monkeypatch):
+    """A slot recorded as a log-softmax (stored as probabilities) never packs another tensor."""
+    import leantrain.agoq.hooks as H
+
+    made = []
+
+    class Counted(H.ProbPacked):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self.dtype)
+
+    monkeypatch.setattr(H, "ProbPacked", Counted)
+    torch.manual_seed(0)
+    m = _Loss()
+    x, t = torch.randn(16, 64, requires_grad=True), torch.randint(0, 32, (16,))
+    pk = apply(m, Policy(min_numel=0))
+    m(x, t).backward()
+    assert len(made) == 1
+    m.soft = False  # tanh's output (same shape and dtype) where the log-softmax was
+    m(x, t).backward()
+    assert len(made) == 1  # not stored as probabilities
+    assert pk.stats["replay:diverged"] == 1 and torch.isfinite(x.grad).all()
 
 
 def test_metered_forward_takes_the_full_path():

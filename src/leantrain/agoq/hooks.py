@@ -35,10 +35,14 @@ role hooks removed and follow the slots: a save whose shape and dtype match its 
 or packed as recorded (dedup still checked live), without classifying it again; the counts of
 kept tensors are added in bulk at the end of the forward, so ``stats`` and the byte counts
 equal the full path's. A save that does not match its slot (a forward that departs from the
-recorded one) ends the replay: that save and the rest of the forward take the full path with
+recorded one; a slot recorded as a log-softmax that gets another tensor; fewer saves than
+recorded) ends the replay: that save and the rest of the forward take the full path with
 the role ``"other"`` (its bits, 8 by default: there is no module context to read), the
 replayed prefix is counted, ``stats["replay:diverged"]`` is incremented, and the plan is
-dropped, so the next forward records anew. Forwards metered by a
+dropped, so the next forward records anew. Matching is by shape and dtype: a model whose saves
+change with state the signature does not see (a flag on a module) can have saves packed at
+the widths of the recorded saves of the same shape, until a mismatch shows;
+``apply(..., replay=False)`` avoids it. Forwards metered by a
 :class:`leantrain.ledger.SavedActivationMeter`, and packers with ``record=True``, always run
 the full path.
 """
@@ -328,7 +332,11 @@ class Packer:
             plan, trace = self._replay, self._trace
             self._replay = self._trace = None
             if plan is not None:
-                self._count_prefix(plan, self._i, whole=self._i == len(plan.slots))
+                whole = self._i == len(plan.slots)
+                self._count_prefix(plan, self._i, whole)
+                if not whole:  # fewer saves than recorded: a departure too
+                    self.stats["replay:diverged"] += 1
+                    self._plans.pop(self._sig, None)
             elif trace is not None and ok:
                 if len(self._plans) >= self.max_plans:
                     self._plans.pop(next(iter(self._plans)))
@@ -450,8 +458,9 @@ class Packer:
                         self._i = i + 1
                         return t
                     base = t._base
-                    if dtype is torch.bool or ((t.requires_grad or explicit)
-                                               and type(t if base is None else base) is not nn.Parameter):
+                    if (dtype is torch.bool or ((t.requires_grad or explicit)
+                                                and type(t if base is None else base) is not nn.Parameter)) \
+                            and (not prob or _is_log_softmax(t)):
                         self._i = i + 1
                         return self._store(t, role, bits, prob, base)
             self._diverge()
