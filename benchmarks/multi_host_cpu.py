@@ -6,7 +6,9 @@ AGoQ flushes ~40 saved tensors per call, 32 calls a step on the 1b preset at B =
 forward is host-bound on the H200: the Python around the launch (validation, allocations, the
 launch table) is the cost measured here. ``launch`` is replaced by a no-op under the Triton
 interpreter, so the host path is the GPU's. Prints the minimum over 25 rounds of 20 call pairs
-(robust to a noisy machine).
+(robust to a noisy machine), for ``quantize_many`` given kernel keys, given seeds (what AGoQ's
+batches passed until session 7), and ``quantize_flat`` + ``dequantize_flat`` (AGoQ's batches
+since: one buffer, no view or QTensor per tensor), timed in alternating rounds.
 """
 
 from __future__ import annotations
@@ -36,19 +38,35 @@ def main(argv=None) -> int:
     bits = [4 if i % 4 else 8 for i in range(a.tensors)]
     keys = [kernel_key(i) for i in range(a.tensors)]
 
-    def pair():
+    seeds = list(range(a.tensors))
+
+    def many_keys():
         M.dequantize_many(M.quantize_many(xs, bits=bits, stochastic=True, keys=keys, backend="triton"),
                           backend="triton")
 
-    for _ in range(20):
-        pair()
-    best = float("inf")
-    for _ in range(25):
-        t = time.perf_counter()
+    def many_seeds():
+        M.dequantize_many(M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds, backend="triton"),
+                          backend="triton")
+
+    def flat():
+        buf, lay = M.quantize_flat(xs, bits, seeds, stochastic=True, backend="triton")
+        M.dequantize_flat(buf, [(o, x.shape, x.dtype, b) for o, x, b in zip(lay, xs, bits)], backend="triton")
+
+    cases = {"quantize_many + dequantize_many (keys)": many_keys,
+             "quantize_many + dequantize_many (seeds)": many_seeds,
+             "quantize_flat + dequantize_flat (seeds)": flat}
+    for f in cases.values():
         for _ in range(20):
-            pair()
-        best = min(best, (time.perf_counter() - t) / 20)
-    print(f"quantize_many + dequantize_many host time, {a.tensors} tensors: {best * 1e6:.0f} us")
+            f()
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(25):
+        for name, f in cases.items():
+            t = time.perf_counter()
+            for _ in range(20):
+                f()
+            best[name] = min(best[name], (time.perf_counter() - t) / 20)
+    for name, b in best.items():
+        print(f"{name:42s} host time, {a.tensors} tensors: {b * 1e6:.0f} us")
     return 0
 
 
