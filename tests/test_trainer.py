@@ -131,3 +131,13 @@ def test_agoq_is_applied_once_and_replaced_for_another_policy(corpus, tmp_path):
     tr.train_step()
     assert tr.model._agoq_packer is not pk and tr.model._agoq_packer.policy is tr.agoq_policy
     assert len(tr.model._forward_hooks) + len(tr.model._forward_pre_hooks) == hooks
+    assert tr.model._agoq_packer._plans  # the training forward's plan, replayed by the next steps
+
+
+def test_agoq_replay_can_be_turned_off(corpus, tmp_path):
+    cfg = tiny_config(corpus, **{"train.steps": "2", "train.eval_every": "0", "train.ckpt_every": "0",
+                                 "agoq.enabled": "true", "agoq.replay": "false"})
+    tr = Trainer(cfg, tmp_path / "a")
+    tr.fit()
+    pk = tr.model._agoq_packer
+    assert pk.stats["packed"] > 0 and not pk._plans and "replay:diverged" not in pk.stats

@@ -102,6 +102,7 @@ class AgoqConfig:
     logits_format: Literal["prob", "logp"] = "prob"  # log-softmax stored as exp(logp) or as is
     batch_mib: float = 512.0  # CUDA: saves packed per batch of this many MiB (0 = one launch per tensor)
     seed: int = 0  # stochastic-rounding noise seed
+    replay: bool = True  # forwards with a seen signature follow their recorded save plan (agoq/README.md)
 
 
 @dataclass

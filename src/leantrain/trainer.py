@@ -208,7 +208,7 @@ class Trainer:
         if pk is None or pk.policy is not self.agoq_policy or pk.stage != stage:  # (another trainer's)
             from . import agoq
 
-            agoq.apply(self.model, self.agoq_policy, stage=stage)
+            agoq.apply(self.model, self.agoq_policy, stage=stage, replay=self.cfg.agoq.replay)
 
     def _autocast(self):
         if self.cfg.train.dtype == "bf16" and self.cfg.train.weights == "fp32":

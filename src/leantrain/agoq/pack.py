@@ -99,9 +99,10 @@ class PackBatch:
     one :func:`quantize` per tensor, in one buffer: no view per member, which costs host time
     on every save); the first :func:`unpack` of any member dequantizes every member not yet
     taken with ``dequantize_flat`` and caches each result until its backward node takes it.
-    The buffer is freed when the last member is. Until the flush the batch holds the tensors (the caller bounds the bytes).
-    A tensor changed in place between its save and the flush is an error: eager packing would
-    have kept the old values, autograd without hooks would have refused the backward.
+    The buffer is freed when the last member is. Until the flush the batch holds the tensors
+    (the caller bounds the bytes). A tensor changed in place between its save and the flush is
+    an error: eager packing would have kept the old values, autograd without hooks would have
+    refused the backward.
     """
 
     def __init__(self, group_size: int, symmetric: bool, stochastic: bool, backend: str = "auto"):
