@@ -4,6 +4,7 @@ and the tiny Llama's gradients with AGoQ stay within a stated bound of the exact
 
 import pytest
 import torch
+from _agoqlib import count_saved
 from torch import nn
 
 import leantrain as lt
@@ -20,23 +21,11 @@ def _batch(vocab, B, T, seed=0):
     return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
 
 
-def _count_saved(fn):
-    n = [0]
-
-    def pack(t):
-        n[0] += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return n[0], out
-
-
 def test_hook_sees_every_saved_tensor():
     torch.manual_seed(0)
     m = Llama(SMALL)
     idx, tgt = _batch(512, 2, 64)
-    n_plain, _ = _count_saved(lambda: m(idx, tgt))
+    n_plain, _ = count_saved(lambda: m(idx, tgt))
     with quantize_activations(m, Policy(), record=True) as pk:
         loss = m(idx, tgt)
     st = pk.stats

@@ -6,6 +6,7 @@ from its plan falls back to the full path, is counted, and is recorded anew."""
 import pytest
 import torch
 import torch.nn.functional as F
+from _agoqlib import count_saved
 from torch import nn
 
 from leantrain.agoq import Policy, apply, remove
@@ -31,15 +32,7 @@ def _step(m, idx, tgt):
 
 
 def _n_saved(m, *args) -> int:
-    n = [0]
-
-    def count(t):
-        n[0] += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-        m(*args)
-    return n[0]
+    return count_saved(lambda: m(*args))[0]
 
 
 def _role_hooks(m) -> int:

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ledger import metering, note_saved
-from .pack import TINY, PackBatch, Packed, _q_nbytes, _source, dequantize_q, pack, unpack
+from .pack import TINY, PackBatch, Packed, dequantize_q, pack, unpack
 from .policy import KEEP, Policy
 
 __all__ = ["Packer", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
@@ -475,7 +475,7 @@ class Packer:
                 return self._keep(t, "param", self.role, report=False)
             self.stats["kept:param"] += 1
             return t
-        role = (self._roles[-1] if self._roles else self._base_role) if t.dtype != torch.bool else "mask"
+        role = self.role if t.dtype != torch.bool else "mask"
         sp = _storage_ptr(t)
         decision, bits = self.classify(t, role, explicit, sp)
         if decision != "pack":
@@ -496,10 +496,7 @@ class Packer:
             stats["dedup"] += 1
             if self.record:
                 self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
-            if isinstance(hit[1], Packed):  # one more backward node unpacks it: dequantized once for all
-                hit[1].uses += 1
-            elif isinstance(hit[1], ProbPacked):  # log_softmax + nll_loss: log(p) computed once
-                hit[1].uses += 1
+            hit[1].uses += 1  # one more backward node unpacks it: dequantized (log(p) taken) once for all
             return hit[1]
         self._n += 1
         pol = self.policy
@@ -515,10 +512,7 @@ class Packer:
                 if batch is None:
                     batch = self._batches[symmetric] = PackBatch(pol.group_size, symmetric, pol.stochastic,
                                                            self.batch_backend)
-                src = _source(t)  # (pack()'s batch path, without its checks: a float tensor, 4 or 8 bits)
-                p = Packed("q", None, t.shape, t.dtype, t.device, bits,
-                           _q_nbytes(src.numel(), bits, pol.group_size, symmetric), batch=batch)
-                batch.add(src, p, seed)
+                p = batch.register(t, bits, seed)  # (pack() without its checks: a float tensor, 4 or 8 bits)
             else:
                 p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
                          symmetric=symmetric)
@@ -584,14 +578,13 @@ def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0, rep
         sig = None
         if replay:
             sig = (_signature(args, kwargs), mod.training, pk.stage, tuple(vars(pk.policy).values()))
-        replaying = sig is not None and sig in pk._plans and not pk.record and not metering()
-        if replaying and pk._handles:
-            pk.remove()  # role hooks: not needed to follow a plan
-        elif not replaying and not pk._handles:
-            pk.install(root=False)  # (this hook runs before the children: they see their roles)
         pk._roles.clear()
         pk._base_role = "logits"
         pk.open(sig)
+        if pk._replay is not None:
+            pk.remove()  # role hooks: not needed to follow a plan
+        elif not pk._handles:
+            pk.install(root=False)  # (this hook runs before the children: they see their roles)
         # (a pre-hook's return value would replace the forward's arguments)
 
     def _leave(mod, args, out):

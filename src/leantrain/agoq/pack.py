@@ -24,7 +24,6 @@ scaling is about ``6.02 b - 10`` dB at group 128; stochastic rounding costs abou
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -114,6 +113,15 @@ class PackBatch:
     def add(self, src: Tensor, p: Packed, seed: int) -> None:
         self._todo.append((src, p, seed, src._version))
         self._members.append(weakref.ref(p))
+
+    def register(self, x: Tensor, bits: int, seed: int) -> Packed:
+        """The (still empty) :class:`Packed` of float tensor ``x`` at 4 or 8 bits, quantized at the
+        flush (``x`` in logical order: a permuted view is copied, see :func:`_source`)."""
+        src = _source(x)
+        p = Packed("q", None, x.shape, x.dtype, x.device, bits,
+                   _q_nbytes(src.numel(), bits, self.group_size, self.symmetric), batch=self)
+        self.add(src, p, seed)
+        return p
 
     def flush(self) -> None:
         todo, self._todo = self._todo, []
@@ -308,12 +316,9 @@ def pack(x: Tensor, bits: int, *, group_size: int = 128, stochastic: bool = True
         data, scale, zero = _pack_low(x, bits, group_size, stochastic, seed)
         return Packed("low", (data, scale, zero, group_size), x.shape, x.dtype, x.device, bits,
                       _nbytes(data, scale, zero))
-    src = _source(x)
     if batch is not None:  # only its memory is read, at the flush: no detached alias needed
-        p = Packed("q", None, x.shape, x.dtype, x.device, bits,
-                   _q_nbytes(src.numel(), bits, group_size, symmetric), batch=batch)
-        batch.add(src, p, seed)
-        return p
+        return batch.register(x, bits, seed)
+    src = _source(x)
     q = quantize_q(src.detach(), bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
                    exp=exp)
     return Packed("q", q, x.shape, q.dtype, x.device, bits, q.nbytes)
@@ -362,12 +367,11 @@ def _unpack(p: Packed) -> Tensor:
 
 def quantize_q(x: Tensor, bits: int, *, group_size: int = 128, symmetric: bool = True,
                stochastic: bool = False, seed: int = 0, exp: bool = False) -> QTensor:
-    """4/8-bit :class:`QTensor` (of ``exp(x)`` with ``exp``: its dtype then fp32): the ops Triton
-    kernel on CUDA, the vectorized torch path on CPU."""
+    """4/8-bit :class:`QTensor` (of ``exp(x)`` with ``exp``): the ops Triton kernel on CUDA, the
+    vectorized torch path on CPU."""
     if x.is_cuda:
-        q = quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
-                     exp=exp)
-        return q if not exp or q.dtype == torch.float32 else dataclasses.replace(q, dtype=torch.float32)
+        return quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
+                        exp=exp)
     return _quantize_torch(x.float().exp() if exp else x, bits, group_size, symmetric, stochastic, seed)
 
 

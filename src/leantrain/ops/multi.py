@@ -21,7 +21,8 @@ compiler cannot know the alignment of a loaded address: the host checks it and s
 every input must be contiguous. The codes (and the scales) of all tensors of a call are views
 of one allocation, freed when the last of them is (host time: one allocation per call, not
 per tensor). ``quantize_flat`` / ``dequantize_flat`` (AGoQ's batches) skip even the views: one
-buffer and byte offsets, a tensor's ``QTensor`` made only when asked for. Bytes moved are those of the per-tensor kernels, plus 88 bytes of table per tensor.
+buffer and byte offsets, a tensor's ``QTensor`` made only when asked for. Bytes moved are those
+of the per-tensor kernels, plus 88 bytes of table per tensor.
 """
 
 from __future__ import annotations
@@ -345,36 +346,46 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
             raise ValueError("quantize_many: the torch backend needs seeds (keys cannot be inverted)")
         return [quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
                 for x, b, s in zip(xs, widths, seeds)]
-    _, rows_per, _ = tile_shape(group_size, Q_TILE[0])
-    ns = [x.numel() for x in xs]
-    gs = [-(-n // group_size) for n in ns]
+    gs = [-(-x.numel() // group_size) for x in xs]
     # codes, scales (and zero points) of all tensors: one allocation each, 16-byte aligned views
-    nds = [g * group_size * b // 8 for g, b in zip(gs, widths)]
-    datas, dps = _split(device, torch.uint8, nds, 16)
+    datas, dps = _split(device, torch.uint8, [g * group_size * b // 8 for g, b in zip(gs, widths)], 16)
     scales, sps = _split(device, torch.float32, gs, 4)
-    zeros, zps = (None, sps) if symmetric else _split(device, torch.float32, gs, 4)
-    out, rows, progs = [], [], []
+    zeros, zps = ([None] * len(xs), sps) if symmetric else _split(device, torch.float32, gs, 4)
+    _quantize_rows(xs, widths, keys, list(zip(dps, sps, zps)), device, group_size, symmetric, stochastic)
+    return [QTensor(d, sc, z, x.shape, x.dtype, b, group_size, symmetric)
+            for d, sc, z, x, b in zip(datas, scales, zeros, xs, widths)]
+
+
+def _quantize_rows(xs: list[torch.Tensor], bits: list[int], keys: list[int], addrs: list[tuple[int, int, int]],
+                   device, group_size: int, symmetric: bool, stochastic: bool) -> None:
+    """Quantize ``xs`` into the codes / scales / zero points at ``addrs`` (one table row per
+    non-empty tensor, then :func:`_launch_quantize`): the part :func:`quantize_many` and
+    :func:`quantize_flat` share."""
+    _, rows_per, _ = tile_shape(group_size, Q_TILE[0])
     per_prog = rows_per * Q_TILE[2]
+    rows, progs = [], []
     low = 0  # OR of every address and size: the alignment hint holds when its low 4 bits are 0
     words = quant.WORD_PAIRS  # every 4-bit 16-bit-float input readable as 32-bit words
-    half4 = False
-    for i, (x, b, k, n, g) in enumerate(zip(xs, widths, keys, ns, gs)):
+    half4, gmax = False, 0
+    for x, b, k, (dp, sp, zp) in zip(xs, bits, keys, addrs):
         if not x.is_contiguous():
-            raise ValueError("quantize_many needs contiguous tensors (pass x.contiguous())")
-        out.append(QTensor(datas[i], scales[i], None if symmetric else zeros[i], x.shape, x.dtype, b, group_size,
-                           symmetric))
-        if g:
-            xp, dp, sp, zp = x.data_ptr(), dps[i], sps[i], zps[i]
-            kind = _FLOAT_KIND[x.dtype]
-            rows.append([xp, dp, sp, zp, n, g, k, 0, b, kind])
-            progs.append(-(-g // per_prog))
-            low |= xp | dp | sp | zp | n
-            if b == 4 and kind:
-                half4 = True
-                words = words and not (n & 1 or xp & 3)
-    _launch_quantize(rows, progs, device, group_size, symmetric, stochastic,
-                     max(gs) * group_size > _IDX32_LIMIT, half4 and words, low)
-    return out
+            raise ValueError("quantize_many / quantize_flat need contiguous tensors (pass x.contiguous())")
+        n = x.numel()
+        if not n:
+            continue
+        g = -(-n // group_size)
+        gmax = max(gmax, g)
+        xp = x.data_ptr()
+        kind = _FLOAT_KIND[x.dtype]
+        rows.append([xp, dp, sp, zp, n, g, k, 0, b, kind])
+        progs.append(-(-g // per_prog))
+        low |= xp | dp | sp | zp | n
+        if b == 4 and kind:
+            half4 = True
+            words = words and not (n & 1 or xp & 3)
+    if rows:
+        _launch_quantize(rows, progs, device, group_size, symmetric, stochastic,
+                         gmax * group_size > _IDX32_LIMIT, half4 and words, low)
 
 
 def _launch_quantize(rows: list[list[int]], progs: list[int], device, group_size: int, symmetric: bool,
@@ -445,30 +456,11 @@ def quantize_flat(xs: list[torch.Tensor], bits: list[int], seeds: list[int], *, 
         return buf, layout
     for b in set(bits):
         _check(b, group_size)
-    _, rows_per, _ = tile_shape(group_size, Q_TILE[0])
-    per_prog = rows_per * Q_TILE[2]
+    if any(x.device != device for x in xs):
+        raise ValueError("quantize_flat: all tensors of one call need the same device")
     base = buf.data_ptr()
-    rows, progs = [], []
-    low, words, half4, gmax = base, quant.WORD_PAIRS, False, 0
-    for x, b, s, (d, sc, z) in zip(xs, bits, seeds, layout):
-        if not x.is_contiguous() or x.device != device:
-            raise ValueError("quantize_flat needs contiguous tensors on one device")
-        n = x.numel()
-        if not n:
-            continue
-        g = -(-n // group_size)
-        gmax = max(gmax, g)
-        xp = x.data_ptr()
-        kind = _FLOAT_KIND[x.dtype]
-        rows.append([xp, base + d, base + sc, base + z, n, g, kernel_key(s), 0, b, kind])
-        progs.append(-(-g // per_prog))
-        low |= xp | n
-        if b == 4 and kind:
-            half4 = True
-            words = words and not (n & 1 or xp & 3)
-    if rows:
-        _launch_quantize(rows, progs, device, group_size, symmetric, stochastic,
-                         gmax * group_size > _IDX32_LIMIT, half4 and words, low)
+    _quantize_rows(xs, bits, [kernel_key(s) for s in seeds], [(base + d, base + sc, base + z) for d, sc, z in layout],
+                   device, group_size, symmetric, stochastic)
     return buf, layout
 
 
@@ -495,20 +487,28 @@ def dequantize_flat(buf: torch.Tensor, members: list[tuple[tuple[int, int, int],
     if resolve(backend, buf) == "torch":
         return [dequantize_ref(flat_qtensor(buf, lay, shape, dt, b, group_size, symmetric))
                 for lay, shape, dt, b in members]
+    base = buf.data_ptr()
+    return _dequantize_into([(base + d, base + sc, base + z, shape, dt, b) for (d, sc, z), shape, dt, b in members],
+                            buf.device, group_size, symmetric)
+
+
+def _dequantize_into(srcs: list[tuple[int, int, int, torch.Size, torch.dtype, int]], device, group_size: int,
+                     symmetric: bool) -> list[torch.Tensor]:
+    """The Triton path of :func:`dequantize_many` / :func:`dequantize_flat`: ``srcs`` are (codes,
+    scales, zero points addresses, shape, output dtype, bits); one new tensor each."""
     _, rows_per, _ = tile_shape(group_size, DQ_TILE[0])
     per_prog = rows_per * DQ_TILE[2]
-    device, base = buf.device, buf.data_ptr()
-    out, rows, progs, low = [], [], [], base
-    for (d, sc, z), shape, dt, b in members:
-        o = torch.empty(shape, dtype=dt, device=device)
+    out, rows, progs, low = [], [], [], 0
+    for dp, sp, zp, shape, dt, b in srcs:
+        o = torch.empty(shape, dtype=dt, device=device)  # one allocation each: freed one by one
         out.append(o)
         n = o.numel()
         if n:
-            g = -(-n // group_size)
             op = o.data_ptr()
-            rows.append([base + d, base + sc, base + z, op, n, g, 0, 0, b, _FLOAT_KIND[dt]])
+            g = -(-n // group_size)
+            rows.append([dp, sp, zp, op, n, g, 0, 0, b, _FLOAT_KIND[dt]])
             progs.append(-(-g // per_prog))
-            low |= op
+            low |= dp | sp | zp | op
     if rows:
         _launch_dequantize(rows, progs, device, group_size, symmetric, low)
     return out
@@ -532,25 +532,9 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
             raise TypeError(f"dequantize_many writes fp32/bf16/fp16, got {d}")
     if resolve(backend, *(q.data for q in qs)) == "torch":
         return [dequantize_ref(q, d) for q, d in zip(qs, dtypes)]
-    _, rows_per, _ = tile_shape(gs, DQ_TILE[0])
-    out, rows, progs = [], [], []
-    per_prog = rows_per * DQ_TILE[2]
-    low = 0
-    for q, d in zip(qs, dtypes):
-        o = torch.empty(q.shape, dtype=d, device=device)  # one allocation each: freed one by one
-        out.append(o)
-        n = o.numel()
-        g = -(-n // gs)
-        if g:
-            sp = q.scale.data_ptr()
-            zp = sp if q.zero is None else q.zero.data_ptr()
-            dp, op = q.data.data_ptr(), o.data_ptr()
-            rows.append([dp, sp, zp, op, n, g, 0, 0, q.bits, _FLOAT_KIND[d]])
-            progs.append(-(-g // per_prog))
-            low |= dp | sp | zp | op
-    if rows:
-        _launch_dequantize(rows, progs, device, gs, sym, low)
-    return out
+    srcs = [(q.data.data_ptr(), q.scale.data_ptr(), (q.scale if q.zero is None else q.zero).data_ptr(), q.shape, d,
+             q.bits) for q, d in zip(qs, dtypes)]
+    return _dequantize_into(srcs, device, gs, sym)
 
 
 def _launch_dequantize(rows: list[list[int]], progs: list[int], device, group_size: int, symmetric: bool,
