@@ -46,6 +46,10 @@ def _child(args) -> dict:
     T = args.seq or cfg.data.seq_len
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, T)
     cfg.model.vocab_size = cfg.data.tokenizer_vocab  # what the trainer sets from the tokenizer (1b: 32000)
+    for kv in args.model:  # --model sdpa_gqa=false: a model field set, in both the baseline and AGoQ
+        k, v = kv.split("=", 1)
+        old = getattr(cfg.model, k)
+        setattr(cfg.model, k, v.lower() in ("1", "true") if isinstance(old, bool) else type(old)(v))
     torch.manual_seed(0)
     with torch.device(dev):  # initialize on the device (1.1B parameters on a CPU is slow)
         m = Llama(cfg.model)
@@ -160,6 +164,8 @@ def _run_child(preset, child, args) -> dict:
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.gc_off:
         cmd.append("--gc-off")
+    for kv in args.model:
+        cmd += ["--model", kv]
     if args.batch:
         cmd += ["--batch", str(args.batch)]
     if args.seq:
@@ -199,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="ctx,noreplay",
                     help="GPU: also time AGoQ as a context manager per step (ctx) and applied without replay (noreplay)")
     ap.add_argument("--gc-off", action="store_true", help="Python's cyclic garbage collector off in the timed steps")
+    ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
+                    help="set a ModelConfig field (both configurations), e.g. --model sdpa_gqa=false")
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

@@ -95,7 +95,45 @@ def _gb(x):
 # ----------------------------------------------------------------------------- part (a)
 
 
-def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
+def _product_fns(n: int, k: int, w, x, dy) -> tuple[dict, list]:
+    """Part (a) with ``--product``: FORGE as recommended (bf16 W with stochastic rounding, int8
+    AdamW states) through its per-layer path, split (default) and fused, and torch's pure-bf16
+    AdamW (bf16 W, dW and states; ``fused=True``) on the materialized gradient."""
+    import torch
+
+    from leantrain.forge import attach
+    from leantrain.optim import AdamW
+
+    fns, keep = {}, []
+    for name, split in (("layer_bf16_int8", 1), ("layer_bf16_int8_fused", None)):
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        fopt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), state_dtype="int8",
+                      stochastic_rounding=True, split_tokens=split)
+
+        def run(fopt=fopt, layer=fopt.layers[0]):
+            fopt._update_layer(layer, x, dy)
+            fopt._step_id += 1
+            fopt._pending_sumsq.clear()
+
+        fns[name] = run
+        keep.append((lin, fopt))
+    pb = torch.nn.Parameter(w.to(torch.bfloat16))
+    optb = torch.optim.AdamW([pb], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
+                             capturable=True)
+
+    def torch_bf16():
+        pb.grad = torch.matmul(dy.t(), x)
+        optb.step()
+        pb.grad = None
+
+    fns["torch_bf16"] = torch_bf16
+    keep.append((pb, optb))
+    return fns, keep
+
+
+def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = False) -> dict:
     import torch
     from triton.testing import do_bench
 
@@ -142,7 +180,19 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
         fopt._step_id += 1  # the accumulation guard; step() closes nothing else that matters here
         fopt._pending_sumsq.clear()
 
-    for name, fn in (("fused", fused), ("split", split), ("torch", baseline), ("layer", forge_layer)):
+    cases = {"fused": fused, "split": split, "torch": baseline, "layer": forge_layer}
+    keep = []
+    if product:
+        extra, keep = _product_fns(n, k, w, x, dy)
+        cases.update(extra)
+    for name, fn in cases.items():
+        if name not in ("fused", "split", "torch", "layer"):  # (--product: a failure costs its columns only)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+                product = False
+                continue
         fn()  # compile (fixed tile heuristic: nothing to autotune)
         torch.cuda.synchronize()
         row[f"{name}_ms"] = do_bench(fn, warmup=5 if quick else 10, rep=20 if quick else 40)
@@ -173,21 +223,28 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool) -> dict:
                fused_vs_floor=row["fused_ms"] / floor_ms)
     if row.get("fused_graph_ms") and row.get("torch_graph_ms"):
         row["speedup_fused_graph"] = row["torch_graph_ms"] / row["fused_graph_ms"]
+    if product:  # bf16 W + int8 states (2 + 2 * (1 + 4/256) B an element) read and written, X + dY once
+        nb8 = t * (n + k) * 2 + n * k * (2 + 2 * (1 + 4 / 256)) * 2
+        row.update(bytes_bf16_int8=nb8, floor_bf16_int8_ms=max(nb8 / bw, 2 * t * n * k / 790e12) * 1e3)
+        for name in ("layer_bf16_int8", "layer_bf16_int8_fused"):
+            row[f"torch_over_{name}"] = row["torch_ms"] / row[f"{name}_ms"]
+            row[f"torch_bf16_over_{name}"] = row["torch_bf16_ms"] / row[f"{name}_ms"]
+    del keep
     return row
 
 
-def bench_layer(quick: bool, log) -> dict:
+def bench_layer(quick: bool, log, product: bool = False, tokens: list[int] | None = None) -> dict:
     import torch
 
     bw = _bandwidth()
     log(f"measured copy bandwidth: {bw / 1e12:.2f} TB/s")
     shapes = SHAPES[:2] if quick else SHAPES
-    tokens = [512, 2048, 16384] if quick else TOKENS
+    tokens = tokens or ([512, 2048, 16384] if quick else TOKENS)
     rows = []
     for n, k in shapes:
         for t in tokens:
             try:
-                row = _layer_case(n, k, t, bw, quick)
+                row = _layer_case(n, k, t, bw, quick, product)
             except Exception as e:  # noqa: BLE001
                 row = {"N": n, "K": k, "T": t, "error": f"{type(e).__name__}: {e}"}
                 log(traceback.format_exc())
@@ -336,6 +393,24 @@ def markdown(res: dict) -> str:
                          f"{_f(r.get('layer_ms'))} | {_f(r.get('layer_graph_ms'))} | {_u(r.get('torch_host_us'))} | "
                          f"{_u(r.get('fused_host_us'))} | {_u(r.get('layer_host_us'))} |")
         lines.append("")
+        prod = [r for r in a["rows"] if "torch_over_layer_bf16_int8_fused" in r]
+        if prod:
+            lines += ["### FORGE as recommended: bf16 W + stochastic rounding + int8 AdamW states (`--product`)", "",
+                      "ForgeOptimizer's per-layer path (split = cuBLAS dW + update kernel, the default; fused = the",
+                      "dW + update kernel). torch = matmul + AdamW(fused) with fp32 W/m/v (the table above); torch",
+                      "bf16 = the same with bf16 W, dW and states. Floor: X + dY once, bf16 W and int8 states read",
+                      "and written.", "",
+                      "| N×K | T | torch ms | torch bf16 ms | FORGE split ms | FORGE fused ms | floor ms "
+                      "| torch / split | torch / fused | torch bf16 / split | torch bf16 / fused |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in prod:
+                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {r['torch_ms']:.3f} | {r['torch_bf16_ms']:.3f} | "
+                             f"{r['layer_bf16_int8_ms']:.3f} | {r['layer_bf16_int8_fused_ms']:.3f} | "
+                             f"{r['floor_bf16_int8_ms']:.3f} | {r['torch_over_layer_bf16_int8']:.2f}× | "
+                             f"{r['torch_over_layer_bf16_int8_fused']:.2f}× | "
+                             f"{r['torch_bf16_over_layer_bf16_int8']:.2f}× | "
+                             f"{r['torch_bf16_over_layer_bf16_int8_fused']:.2f}× |")
+            lines.append("")
     b = res.get("steps")
     if b:
         lines += ["## (b) whole training step, 1b preset, T = 1024", "",
@@ -363,6 +438,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="*", help="part (b) batch sizes (default 1 4 16; quick: 1 4)")
     ap.add_argument("--timeout-a", type=float, default=300.0, help="seconds for part (a)")
+    ap.add_argument("--product", action="store_true",
+                    help="part (a): also FORGE bf16 W + SR + int8 states (split and fused) and torch pure-bf16 AdamW")
+    ap.add_argument("--tokens", type=int, nargs="*", help="part (a) token counts (default 512 1024 2048 4096 16384)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--layer-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -385,7 +463,7 @@ def main(argv=None) -> int:
     if args.layer_worker:  # part (a), in a subprocess
         os.environ.pop("TRITON_INTERPRET", None)
         try:
-            r = bench_layer(args.quick, lambda m: print(m, flush=True))
+            r = bench_layer(args.quick, lambda m: print(m, flush=True), args.product, args.tokens)
         except Exception as e:  # noqa: BLE001
             r = {"error": f"{type(e).__name__}: {e}", "rows": []}
             print(traceback.format_exc(), flush=True)
@@ -409,7 +487,9 @@ def main(argv=None) -> int:
     if args.part in ("a", "all"):  # in its own process too (nothing of it stays on the GPU for part (b))
         env_a = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
         try:
-            r = subprocess.run([sys.executable, __file__, "--layer-worker"] + (["--quick"] if args.quick else []),
+            sub = (["--quick"] if args.quick else []) + (["--product"] if args.product else [])
+            sub += ["--tokens", *map(str, args.tokens)] if args.tokens else []
+            r = subprocess.run([sys.executable, __file__, "--layer-worker"] + sub,
                                capture_output=True, text=True, timeout=args.timeout_a, env=env_a)
             for line in r.stdout.splitlines():
                 if not line.startswith("RESULT "):

@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/sass_count.py quant --words 1 --bits 4 --fast 31 --warps 4 --rows 32
     PYTHONPATH=src python3 benchmarks/sass_count.py multi --kind -1 --bits 0 --fast 31 --warps 4 --rows 32
+    PYTHONPATH=src python3 benchmarks/sass_count.py dequant --kind 1 --bits 4 --rows 16 --tpp 4 --aligned 1
 
 Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``, so a kernel compiles for
 sm_90 (the H200) on any machine. Printed per kernel: the static instruction count, the count up
@@ -80,7 +81,7 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi", "state8"])
+    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", type=int, default=1, help="multi: 0 fp32, 1 bf16, 2 fp16, -1 mixed")
     ap.add_argument("--tpp", type=int, default=1, help="multi: tiles per program")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap a thread (0: none)")
+    ap.add_argument("--aligned", type=int, default=1, help="multi, dequant: the ALIGNED constexpr (address / size hints)")
     a = ap.parse_args(argv)
     qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
     if a.kernel == "quant":
@@ -109,13 +111,21 @@ def main(argv=None) -> int:
                "n_blocks": "i64"}
         cons = dict(BS=256, COLS=256, ROWS=a.rows, SIGNED=True)
         div = tuple(sig)
+    elif a.kernel == "dequant":
+        from leantrain.ops import multi
+
+        fn = multi._dequantize_many_kernel
+        sig = {"tab_ptr": "*i64", "n_tensors": "i32"}
+        cons = dict(TP=16, KIND=a.kind, HW_CAST=True, GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True,
+                    ALIGNED=bool(a.aligned), FAST=a.fast, TPP=a.tpp)
+        div = ("tab_ptr",)
     else:
         from leantrain.ops import multi
 
         fn = multi._quantize_many_kernel
         sig = {"tab_ptr": "*i64", "n_tensors": "i32"}
         cons = dict(TP=16, KIND=a.kind, GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True,
-                    IDX32=True, ALIGNED=True, NATIVE=True, PAIRS=True, FAST=a.fast, TPP=a.tpp, WORDS=True)
+                    IDX32=True, ALIGNED=bool(a.aligned), NATIVE=True, PAIRS=True, FAST=a.fast, TPP=a.tpp, WORDS=True)
         div = ("tab_ptr",)
     sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None)
     c = counts(sass)
@@ -125,6 +135,8 @@ def main(argv=None) -> int:
           f"({c['clean'] / per:.1f} an element, {per:.0f} elements a thread)")
     print(f"resources: {res}")
     print("opcodes:", ", ".join(f"{k} {v}" for k, v in c["ops"]))
+    mem = collections.Counter(m.group(0) for m in re.finditer(r"\b(?:STG|LDG)(?:\.\w+)*", sass))
+    print("global loads / stores:", ", ".join(f"{k} {v}" for k, v in sorted(mem.items())))
     return 0
 
 

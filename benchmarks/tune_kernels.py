@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -699,6 +700,115 @@ def tune_host(log) -> list[dict]:
     return rows
 
 
+def _capture_flushes(name: str = "1b", batch: int = 8, seq: int = 1024, device: str = "cuda") -> tuple[list, list]:
+    """The preset's AGoQ flushes at (batch, seq), bf16: for each quantize_flat call of one
+    forward, [(numel, dtype, bits)]; for each dequantize_flat call of its backward, the same of
+    its members."""
+    import importlib
+
+    from leantrain.agoq import Policy, apply
+    from leantrain.config import preset
+    from leantrain.model import Llama
+
+    P = importlib.import_module("leantrain.agoq.pack")
+    cfg = preset(name)
+    cfg.model.vocab_size = cfg.data.tokenizer_vocab
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = Llama(cfg.model)
+    m = m.to(torch.bfloat16)
+    apply(m, Policy())
+    idx = torch.randint(0, cfg.model.vocab_size, (batch, seq), device=device)
+    qcalls, dcalls = [], []
+    real_q, real_d = P.quantize_flat, P.dequantize_flat
+
+    def spy_q(xs, bits, seeds, **kw):
+        qcalls.append([(x.numel(), x.dtype, b) for x, b in zip(xs, bits)])
+        return real_q(xs, bits, seeds, **kw)
+
+    def spy_d(buf, members, **kw):
+        dcalls.append([(math.prod(shape), dt, b) for _, shape, dt, b in members])
+        return real_d(buf, members, **kw)
+
+    P.quantize_flat, P.dequantize_flat = spy_q, spy_d
+    try:
+        for _ in range(2):  # the second forward replays the first's plan (what a training step runs)
+            qcalls.clear()
+            dcalls.clear()
+            m(idx, idx).backward()
+    finally:
+        P.quantize_flat, P.dequantize_flat = real_q, real_d
+    return qcalls, dcalls
+
+
+def tune_s8(log) -> list[dict]:
+    """Session 8: the quantize / dequantize launches of one AGoQ step on the 1b preset (B = 8,
+    T = 1024, the flushes captured from the model, inputs random), timed whole, per launch
+    configuration: the word path's rows apart (default) with the others in one mixed launch or
+    one per (bits, dtype) (``SPLIT_KINDS``), at several tiles (``Q_TILE_OTHER``); dequantize
+    with / without the alignment and size hints, at several tiles, split per (bits, dtype) or
+    not. Each variant's bytes are checked equal to the default's before it is timed."""
+    import importlib
+
+    M = importlib.import_module("leantrain.ops.multi")
+    qcalls, dcalls = _capture_flushes()
+    rows: list[dict] = [{"case": "flushes", "quantize_calls": [[(n, str(d), b) for n, d, b in c] for c in qcalls],
+                         "dequantize_calls": [[(n, str(d), b) for n, d, b in c] for c in dcalls]}]
+    log(f"captured {len(qcalls)} quantize flushes ({sum(map(len, qcalls))} tensors), "
+        f"{len(dcalls)} dequantize calls ({sum(map(len, dcalls))} tensors)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flushes = [[torch.randn(n, device="cuda", generator=g).to(d) for n, d, _ in c] for c in qcalls]
+    widths = [[b for _, _, b in c] for c in qcalls]
+    seeds = [list(range(len(c))) for c in qcalls]
+    q_bytes = sum(x.numel() * (x.element_size() + b / 8) + 4 * x.numel() / 128
+                  for xs, ws in zip(flushes, widths) for x, b in zip(xs, ws))
+    tot = sum(x.numel() * x.element_size() for xs in flushes for x in xs)
+    a = torch.empty(tot // 2, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_ms = _bench(lambda: b.copy_(a))
+    copy_gbps = 2 * tot / copy_ms / 1e6
+    a = b = None
+    rows.append({"case": "copy (the flushes' input bytes)", "ms": copy_ms, "gbps": copy_gbps})
+    log(f"inputs {tot / 2**30:.2f} GiB, copy {copy_ms:.3f} ms {copy_gbps:.0f} GB/s")
+    rec = _recorder(rows, copy_gbps, log, rep=100, note="same_as_default")
+
+    def quantize_all():
+        return [M.quantize_flat(xs, ws, ss, stochastic=True) for xs, ws, ss in zip(flushes, widths, seeds)]
+
+    defaults = M.SPLIT_PATHS, M.SPLIT_KINDS, M.Q_TILE_OTHER, dict(M.ALIGN_HINTS), M.DQ_TILE, M.DQ_SPLIT
+    ref = quantize_all()
+    for kinds, tile in ((False, M.Q_TILE), (True, M.Q_TILE), (True, (2048, 4, 1)), (True, (4096, 8, 1)),
+                        (True, (2048, 2, 1)), (True, (1024, 2, 1)), (True, (8192, 8, 1)), (True, (2048, 4, 2)),
+                        (False, (2048, 4, 1)), (False, (4096, 8, 1))):
+        M.SPLIT_KINDS, M.Q_TILE_OTHER = kinds, tile
+        got = quantize_all()
+        ok = all(torch.equal(u[0], v[0]) for u, v in zip(got, ref))
+        del got
+        rec(f"quantize, one step's flushes: split_kinds={kinds} other_tile={tile}", quantize_all, q_bytes, ok)
+    M.SPLIT_KINDS, M.Q_TILE_OTHER = defaults[1], defaults[2]
+    # dequantize: every flush's members (as the backward takes them: one call per flush here)
+    members = [[(lay, (x.numel(),), x.dtype, w) for lay, x, w in zip(layout, xs, ws)]
+               for (buf, layout), xs, ws in zip(ref, flushes, widths)]
+    bufs = [buf for buf, _ in ref]
+
+    def dequantize_all():
+        return [M.dequantize_flat(buf, mem) for buf, mem in zip(bufs, members)]
+
+    dref = dequantize_all()
+    for align, tile, split in ((False, (2048, 4, 4), False), (True, (2048, 4, 4), False), (True, (4096, 4, 2), False),
+                               (True, (2048, 4, 2), False), (True, (4096, 8, 1), False), (True, (1024, 4, 4), False),
+                               (True, (4096, 4, 4), False), (True, (2048, 4, 4), True), (False, (2048, 4, 4), True),
+                               (True, (8192, 8, 1), False)):
+        M.ALIGN_HINTS = {"quantize": True, "dequantize": align}
+        M.DQ_TILE, M.DQ_SPLIT = tile, split
+        got = dequantize_all()
+        ok = all(torch.equal(u, v) for gu, gv in zip(got, dref) for u, v in zip(gu, gv))
+        del got
+        rec(f"dequantize, one step's flushes: align={align} tile={tile} split={split}", dequantize_all, q_bytes, ok)
+    M.SPLIT_PATHS, M.SPLIT_KINDS, M.Q_TILE_OTHER, M.ALIGN_HINTS, M.DQ_TILE, M.DQ_SPLIT = defaults
+    return rows
+
+
 def _chunk_rows(row, split, chunked, w0, st):
     """Time the split path and the chunked variants of one shape into ``row`` (tune_s6 (3))."""
     N = w0.shape[0]
@@ -734,7 +844,7 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
               "fast2": lambda: tune_fast2(log),
-              "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log),
+              "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log), "s8": lambda: tune_s8(log),
               "host": lambda: tune_host(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():

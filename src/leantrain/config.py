@@ -30,6 +30,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # GQA inside SDPA (enable_gqa): attention saves K/V at n_kv_heads, not repeated to n_heads
+    # (1/8 of the K/V activation bytes at 1b). false: repeat K/V before SDPA (for SDPA backends
+    # without GQA; the same values).
+    sdpa_gqa: bool = True
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Llama, built from a :class:`leantrain.config.ModelConfig`.
 
 RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward, grouped-query
-attention through ``scaled_dot_product_attention``, optional tied embedding /
+attention through ``scaled_dot_product_attention`` (``enable_gqa``: K/V are neither
+repeated nor saved for backward at the query heads' count), optional tied embedding /
 LM head. Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE,
 AGoQ and ChunkFT hook into. ``forward(idx, targets)`` returns the mean
 cross-entropy loss; ``forward(idx)`` returns logits; ``reduction="none"`` gives
@@ -51,6 +52,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
+        self.sdpa_gqa = cfg.sdpa_gqa
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -62,11 +64,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv != self.n_heads:
+        gqa = self.n_kv != self.n_heads
+        if gqa and not self.sdpa_gqa:
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa and self.sdpa_gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -144,19 +144,23 @@ def test_word_path_and_its_fallback(device, dtype, symmetric, monkeypatch):
             assert torch.equal(d, dequantize(q, backend="torch"))
 
 
-@pytest.mark.parametrize("split,maxnreg,dq_split", [(False, 0, False), (True, 0, True), (True, 128, False),
-                                                    (False, 96, True)])
-def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, dq_split, monkeypatch):
+@pytest.mark.parametrize("split,maxnreg,dq_split,kinds", [(False, 0, False, False), (True, 0, True, False),
+                                                          (True, 128, False, False), (False, 96, True, False),
+                                                          (True, 0, False, True)])
+def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, dq_split, kinds, monkeypatch):
     """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call, dequantized to their own dtypes
     or to one asked for: each equals its own quantize / dequantize; with the word-path rows in
-    a launch of their own (``SPLIT_PATHS``), a register cap on mixed launches, and dequantize
-    launched once per (bits, dtype) (``DQ_SPLIT``) as well."""
+    a launch of their own (``SPLIT_PATHS``), the others split per (bits, dtype) with a tile of
+    their own (``SPLIT_KINDS``, ``Q_TILE_OTHER``), a register cap on mixed launches, and
+    dequantize launched once per (bits, dtype) (``DQ_SPLIT``) as well."""
     import leantrain.ops.multi as M
 
     launches = []
     real = M.launch
     monkeypatch.setattr(M, "launch", lambda k, g, *a, **kw: (launches.append(kw), real(k, g, *a, **kw)))
     monkeypatch.setattr(M, "SPLIT_PATHS", split)
+    monkeypatch.setattr(M, "SPLIT_KINDS", kinds)
+    monkeypatch.setattr(M, "Q_TILE_OTHER", (512, 2, 2) if kinds else M.Q_TILE)
     monkeypatch.setattr(M, "MIXED_MAXNREG", maxnreg)
     monkeypatch.setattr(M, "DQ_SPLIT", dq_split)
     xs = [randn(n, dt, device) for n, dt in ((300, torch.float32), (256, torch.bfloat16), (77, torch.float16),
@@ -168,9 +172,12 @@ def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, dq_split, m
         assert q.dtype == x.dtype and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
     if backend == "triton":  # one launch, or two with the word path's rows (the 4-bit bf16 one) apart
         words = [kw for kw in launches if kw.get("WORDS")]
-        assert len(launches) == (2 if split and words else 1)
+        # the others: fp32 4-bit, fp16 8-bit, bf16 8-bit, each alone with SPLIT_KINDS
+        assert len(launches) == (1 + (3 if kinds else 1) if split and words else 1)
         if split and words:
             assert words[0]["KIND"] == 1 and words[0]["BITS"] == 4  # the bf16 4-bit row alone
+        if kinds and words:
+            assert all(kw["BITS"] and kw["KIND"] >= 0 and kw["num_warps"] == 2 for kw in launches if not kw["WORDS"])
     for dt, groups in ((None, 4), (torch.float32, 2)):  # distinct (bits, output dtype)
         launches.clear()
         for q, d in zip(qs, dequantize_many(qs, dtype=dt, backend=backend), strict=True):

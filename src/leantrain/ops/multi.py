@@ -47,10 +47,25 @@ __all__ = ["quantize_many", "dequantize_many", "quantize_flat", "dequantize_flat
 # runs TPP consecutive tiles of one tensor (the table lookup and its dependent loads are paid
 # once per program). Measured on an H200: quantize, with every size hinted divisible by 16
 # (tune_kernels --what multi, session 5), 4096 elements at 4 warps, one tile a program, is the
-# best for 4-bit bf16 (77.6 % of a copy; mixed widths 58-60 % for every tile tried); dequantize
-# 2048 elements at 4 warps (tune_kernels --what agoq), 4 tiles a program (--what fast).
+# best for 4-bit bf16 (77.6 % of a copy; mixed widths 58-60 % for every tile tried). Dequantize:
+# 4096 elements at 4 warps, 2 tiles a program, with the size hints (session 8, tune_kernels --what
+# s8: one 1b AGoQ step's 30 flushes, 15.4 GiB, 5.47 ms = 89 % of a copy; 6.02 ms at session 5's
+# 2048 x 4 warps x 4, 7.84 ms without the hints).
 Q_TILE = (4096, 4, 1)
-DQ_TILE = (2048, 4, 4)
+DQ_TILE = (4096, 4, 2)
+
+
+def _tile_env(name: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A tile from the environment (``"elems,warps,tiles_per_program"``), else ``default``."""
+    v = os.environ.get(name, "")
+    return tuple(int(t) for t in v.split(",")) if v else default
+
+
+# The rows off the word path (fp32 inputs, 8 bits) when split from it: their own tile
+# (LEANTRAIN_Q_TILE_OTHER="elems,warps,tpp"); SPLIT_KINDS launches them per (bits, dtype kind),
+# each compiled for its one path (LEANTRAIN_Q_SPLIT_KINDS).
+Q_TILE_OTHER = _tile_env("LEANTRAIN_Q_TILE_OTHER", Q_TILE)
+SPLIT_KINDS = os.environ.get("LEANTRAIN_Q_SPLIT_KINDS", "0") not in ("", "0")
 FAST_MASK = ~0  # the quant.FAST bits quantize_many launches with
 # Launches that mix dtype kinds or widths compile both paths into one kernel (145 registers a
 # thread on sm_90 for AGoQ's flushes, against 56 for 4-bit bf16 alone: benchmarks/sass_count.py).
@@ -65,10 +80,15 @@ SPLIT_PATHS = os.environ.get("LEANTRAIN_Q_SPLIT", "1") not in ("", "0")
 # DQ_SPLIT: dequantize in one launch per (bits, dtype) instead of one mixed launch
 # (LEANTRAIN_DQ_SPLIT).
 DQ_SPLIT = os.environ.get("LEANTRAIN_DQ_SPLIT", "0") not in ("", "0")
-# Tell the compiler the addresses are 16-byte aligned (when they are): measured on an H200
-# (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs 1.13 ms without, and
-# dequantize_many the reverse, 0.30 ms without vs 1.01 ms with (bf16, one 1b layer's saves).
-ALIGN_HINTS = {"quantize": True, "dequantize": False}
+# Tell the compiler the addresses are 16-byte aligned and the sizes multiples of 16 (when they
+# are): measured on an H200 (tune_kernels.py --what agoq), quantize_many 0.52 ms with the hint vs
+# 1.13 ms without (bf16, one 1b layer's saves). Dequantize was the reverse in session 5 (0.30 ms
+# without vs 1.01 ms with), when only the addresses were hinted: the codes then loaded as vectors
+# but each thread stored its 16 outputs one element at a time, 2 KiB apart across a warp. With
+# the sizes hinted too, the store mask is constant over 16 elements and the stores are 16-byte
+# vectors (8 STG.128 a thread for a 4-bit bf16 tile of 4 x 2048 elements instead of 64 STG.U16:
+# benchmarks/sass_count.py dequant). LEANTRAIN_DQ_ALIGN=0 drops the dequantize hint.
+ALIGN_HINTS = {"quantize": True, "dequantize": os.environ.get("LEANTRAIN_DQ_ALIGN", "1") not in ("", "0")}
 _FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _IDX32_LIMIT = 2**32
 
@@ -239,6 +259,8 @@ if HAS_TRITON:
         zero_ptr = _ptr(tl.load(row + 2), tl.float32, ALIGNED)
         out_ptr = tl.load(row + 3)
         n = tl.load(row + 4)
+        if ALIGNED:  # (and every n a multiple of 16: store masks constant over 16 elements, stores vectorize)
+            n = tl.multiple_of(n, 16)
         n_groups = tl.load(row + 5)
         cols = tl.arange(0, COLS)
         for j in tl.static_range(TPP):
@@ -361,9 +383,7 @@ def _quantize_rows(xs: list[torch.Tensor], bits: list[int], keys: list[int], add
     """Quantize ``xs`` into the codes / scales / zero points at ``addrs`` (one table row per
     non-empty tensor, then :func:`_launch_quantize`): the part :func:`quantize_many` and
     :func:`quantize_flat` share."""
-    _, rows_per, _ = tile_shape(group_size, Q_TILE[0])
-    per_prog = rows_per * Q_TILE[2]
-    rows, progs = [], []
+    rows = []
     low = 0  # OR of every address and size: the alignment hint holds when its low 4 bits are 0
     words = quant.WORD_PAIRS  # every 4-bit 16-bit-float input readable as 32-bit words
     half4, gmax = False, 0
@@ -378,32 +398,36 @@ def _quantize_rows(xs: list[torch.Tensor], bits: list[int], keys: list[int], add
         xp = x.data_ptr()
         kind = _FLOAT_KIND[x.dtype]
         rows.append([xp, dp, sp, zp, n, g, k, 0, b, kind])
-        progs.append(-(-g // per_prog))
         low |= xp | dp | sp | zp | n
         if b == 4 and kind:
             half4 = True
             words = words and not (n & 1 or xp & 3)
     if rows:
-        _launch_quantize(rows, progs, device, group_size, symmetric, stochastic,
-                         gmax * group_size > _IDX32_LIMIT, half4 and words, low)
+        _launch_quantize(rows, device, group_size, symmetric, stochastic, gmax * group_size > _IDX32_LIMIT,
+                         half4 and words, low)
 
 
-def _launch_quantize(rows: list[list[int]], progs: list[int], device, group_size: int, symmetric: bool,
-                     stochastic: bool, big: bool, word: bool, low: int) -> None:
-    """Launch the quantize kernel on table ``rows`` (``progs`` programs each). ``big``: a tensor
-    needs 64-bit indices; ``word``: every 4-bit 16-bit-float row can be read as 32-bit words;
-    ``low``: the OR of every address and size (16-byte alignment when its low 4 bits are 0)."""
-    cols, rows_per, warps = tile_shape(group_size, Q_TILE[0])
-    warps = Q_TILE[1] or warps
-    parts = [(rows, progs, word)]  # (rows, their programs, WORDS)
+def _launch_quantize(rows: list[list[int]], device, group_size: int, symmetric: bool, stochastic: bool, big: bool,
+                     word: bool, low: int) -> None:
+    """Launch the quantize kernel on table ``rows``. ``big``: a tensor needs 64-bit indices;
+    ``word``: every 4-bit 16-bit-float row can be read as 32-bit words; ``low``: the OR of every
+    address and size (16-byte alignment when its low 4 bits are 0)."""
+    parts = [(rows, word, Q_TILE)]  # (rows, WORDS, tile)
     if SPLIT_PATHS and word:  # the word path's rows (4-bit 16-bit floats) apart from the others
         sel = [r[8] == 4 and r[9] > 0 for r in rows]
-        parts = [([r for r, s in zip(rows, sel) if s == w], [p for p, s in zip(progs, sel) if s == w], w)
-                 for w in (True, False)]
-    for prow, pprog, pword in parts:
-        if not prow:
-            continue
-        tab, total = _table(prow, pprog, device)
+        parts = [([r for r, s in zip(rows, sel) if s], True, Q_TILE)]
+        rest = [r for r, s in zip(rows, sel) if not s]
+        if SPLIT_KINDS:  # and those in one launch per (bits, dtype kind)
+            groups: dict[tuple[int, int], list] = {}
+            for r in rest:
+                groups.setdefault((r[8], r[9]), []).append(r)
+            parts += [(g, False, Q_TILE_OTHER) for g in groups.values()]
+        elif rest:
+            parts.append((rest, False, Q_TILE_OTHER))
+    for prow, pword, (elems, pwarps, tpp) in parts:
+        cols, rows_per, warps = tile_shape(group_size, elems)
+        per_prog = rows_per * tpp
+        tab, total = _table(prow, [-(-r[5] // per_prog) for r in prow], device)
         mixed = len(set(r[8] for r in prow)) > 1
         kind = _kind(prow)
         extra = {}
@@ -412,8 +436,8 @@ def _launch_quantize(rows: list[list[int]], progs: list[int], device, group_size
         launch(_quantize_many_kernel, (total,), tab, len(prow), TP=next_pow2(len(prow)), KIND=kind,
                GS=group_size, COLS=cols, ROWS=rows_per, BITS=0 if mixed else prow[0][8], SYMMETRIC=symmetric,
                STOCHASTIC=stochastic, IDX32=not big, ALIGNED=ALIGN_HINTS["quantize"] and not low & 15,
-               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=Q_TILE[2],
-               WORDS=pword, num_warps=warps, **extra)
+               NATIVE=not interpreting(), PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & FAST_MASK, TPP=tpp,
+               WORDS=pword, num_warps=pwarps or warps, **extra)
 
 
 def _align16(n: int) -> int:
@@ -508,7 +532,7 @@ def _dequantize_into(srcs: list[tuple[int, int, int, torch.Size, torch.dtype, in
             g = -(-n // group_size)
             rows.append([dp, sp, zp, op, n, g, 0, 0, b, _FLOAT_KIND[dt]])
             progs.append(-(-g // per_prog))
-            low |= dp | sp | zp | op
+            low |= dp | sp | zp | op | n
     if rows:
         _launch_dequantize(rows, progs, device, group_size, symmetric, low)
     return out

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Session 8's GPU calls (each under the device tool's 600 s limit):
+#   OUT=dir bash benchmarks/gpu_s8.sh explore  # dequantize with size hints (vector stores), K/V not repeated
+#                                              # (sdpa_gqa): one AGoQ step's flushes per launch configuration
+#                                              # (tune_kernels --what s8), bench_agoq twice as is and once with
+#                                              # sdpa_gqa=false, the multi-tensor tests compiled
+#   OUT=dir bash benchmarks/gpu_s8.sh record   # + the dequantize tile 4096 x 4 warps x 2: bench_agoq four times,
+#                                              # the step's flushes again, the CUDA-time profile, FORGE part (a)
+#                                              # with --product (bf16 W + SR + int8 states) at T = 512, 2048,
+#                                              # the AGoQ and multi-tensor tests compiled
+set -u -o pipefail
+PART=${1:-explore}
+D=$OUT/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+{
+  case "$PART" in
+    explore)
+      gpuinfo
+      log "tune s8: one AGoQ step's flushes"
+      timeout 200 python3 benchmarks/tune_kernels.py --what s8 --out "$D" 2>&1 | grep -v '"flushes"' | tail -30
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun a 85
+      AGOQ_ARGS="--variants= --model sdpa_gqa=false" agoqrun nogqa 85
+      AGOQ_ARGS="--variants=" agoqrun b 85
+      log "gpu tests: multi"
+      gputest 100 tests/ops/test_multi.py ;;
+    record)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun r1 85
+      AGOQ_ARGS="--variants=" agoqrun r2 85
+      log "tune s8: one AGoQ step's flushes"
+      timeout 200 python3 benchmarks/tune_kernels.py --what s8 --out "$D" 2>&1 | grep -v '"flushes"' | tail -30
+      AGOQ_ARGS="--variants=" agoqrun r3 85
+      AGOQ_ARGS="--variants=" agoqrun r4 85
+      log "profile agoq B=8 forward+backward"
+      timeout 90 python3 benchmarks/profile_step.py --config agoq --batch 8 --no-opt --out "$D" 2>&1 | grep -v Warn | tail -1
+      log "forge part (a), --product, T = 512, 2048"
+      mkdir -p "$D/forge"
+      timeout 150 python3 benchmarks/bench_forge.py --part a --product --tokens 512 2048 --timeout-a 140 --out "$D/forge" 2>&1 | tail -16
+      rm -f "$D"/forge/*.md; mv "$D"/forge/* "$D"/ && rmdir "$D/forge"  # (at most 8 files come back: the .md is made from the .json)
+      log "gpu tests: agoq, multi"
+      gputest 170 tests/agoq tests/ops/test_multi.py ;;
+  esac
+} 2>&1 | tee "$D/run.log"
