@@ -8,6 +8,9 @@
 #                                              # the step's flushes again, the CUDA-time profile, FORGE part (a)
 #                                              # with --product (bf16 W + SR + int8 states) at T = 512, 2048,
 #                                              # the AGoQ and multi-tensor tests compiled
+#   OUT=dir bash benchmarks/gpu_s8.sh final    # the same code: bench_agoq three more times (the last one also as
+#                                              # a context manager and without replay), FORGE's update-only
+#                                              # kernel per tile with int8 states (tune_kernels --what forge_int8)
 set -u -o pipefail
 PART=${1:-explore}
 D=$OUT/$PART
@@ -42,5 +45,13 @@ source "$(dirname "$0")/gpu_lib.sh"
       rm -f "$D"/forge/*.md; mv "$D"/forge/* "$D"/ && rmdir "$D/forge"  # (at most 8 files come back: the .md is made from the .json)
       log "gpu tests: agoq, multi"
       gputest 170 tests/agoq tests/ops/test_multi.py ;;
+    final)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun f1 85
+      log "tune forge_int8: the update kernel per tile, int8 states"
+      timeout 200 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | tail -50
+      AGOQ_ARGS="--variants=" agoqrun f2 85
+      AGOQ_ARGS="--variants ctx,noreplay" agoqrun f3 130 ;;
   esac
 } 2>&1 | tee "$D/run.log"

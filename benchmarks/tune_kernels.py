@@ -809,6 +809,66 @@ def tune_s8(log) -> list[dict]:
     return rows
 
 
+def tune_forge_int8(log) -> list[dict]:
+    """Session 8: FORGE's update-only kernel (the split path's second half, the default on CUDA)
+    with bf16 W + stochastic rounding + int8 AdamW states, per tile / warps, on 1b shapes; and
+    the fp32-state update for reference. Each tile's W and states are checked equal to the
+    default tile's (the SR hash and the 16 x 16 state blocks do not depend on the tile)."""
+    from leantrain.forge import attach
+    from leantrain.forge.kernel import MODE_UPDATE, heuristic_config, launch_forge
+    from leantrain.optim import AdamW
+
+    rows = []
+    for (N, K) in ((2048, 5632), (32000, 2048)):
+        for sd in ("int8", "fp32"):
+            torch.manual_seed(0)
+            lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+            opt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), state_dtype=sd,
+                         stochastic_rounding=True)
+            layer = opt.layers[0]
+            x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+            opt._update_layer(layer, x, dy)  # states created and filled once
+            opt._step_id += 1
+            opt._pending_sumsq.clear()
+            h = layer.host
+            g = torch.randn(N, K, device="cuda") * 1e-3
+            w = lin.weight.data
+
+            def run(tune, h=h, g=g, w=w):
+                launch_forge(MODE_UPDATE, w=w, states=h.states, kinds=h.kinds, qtables=h.qtables, rule_name="adamw",
+                             hp=h.group, step=5, sr=True, key=123, g=g, tune=tune)
+
+            snap = [w.clone()] + [t.clone() for t in h.states] + [q[1].clone() for q in h.qtables if q is not None]
+
+            def restore(snap=snap, h=h, w=w):
+                for dst, src in zip([w, *h.states, *[q[1] for q in h.qtables if q is not None]], snap):
+                    dst.copy_(src)
+
+            default = heuristic_config(MODE_UPDATE, 0)
+            run(default)
+            ref = [w.clone()] + [t.clone() for t in h.states]
+            nbytes = N * K * (4 + 2 * 2 + (2 * 2 * (1 + 4 / 256) if sd == "int8" else 16))
+            for bn, bk, warps in ((64, 64, 4), (32, 64, 2), (64, 64, 8), (32, 128, 4), (128, 64, 8), (16, 128, 2),
+                                  (32, 32, 1), (64, 128, 8), (16, 64, 1), (32, 256, 8), (128, 128, 8)):
+                tune = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+                case = f"update {N}x{K} bf16 W + SR, {sd} states, tile {bn}x{bk} warps {warps}"
+                try:
+                    restore()
+                    run(tune)
+                    same = all(torch.equal(a, b) for a, b in zip([w, *h.states], ref))
+                    restore()
+                    ms = _bench(lambda tune=tune: run(tune), rep=40)
+                    r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "same_as_default": same}
+                except Exception as e:  # noqa: BLE001
+                    r = {"case": case, "error": f"{type(e).__name__}: {e}"[:300]}
+                log(json.dumps(r))
+                rows.append(r)
+            del opt, lin
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _chunk_rows(row, split, chunked, w0, st):
     """Time the split path and the chunked variants of one shape into ``row`` (tune_s6 (3))."""
     N = w0.shape[0]
@@ -845,6 +905,7 @@ def main(argv=None) -> int:
     tuners = {"ops": lambda: tune_ops(a.mib, log), "agoq": lambda: tune_agoq(log), "fast": lambda: tune_fast(log),
               "fast2": lambda: tune_fast2(log),
               "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log), "s8": lambda: tune_s8(log),
+              "forge_int8": lambda: tune_forge_int8(log),
               "host": lambda: tune_host(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
