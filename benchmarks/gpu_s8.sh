@@ -11,6 +11,8 @@
 #   OUT=dir bash benchmarks/gpu_s8.sh final    # the same code: bench_agoq three more times (the last one also as
 #                                              # a context manager and without replay), FORGE's update-only
 #                                              # kernel per tile with int8 states (tune_kernels --what forge_int8)
+#   OUT=dir bash benchmarks/gpu_s8.sh forge    # the update kernel's new tiles: the FORGE tests compiled, part (a)
+#                                              # with --product at T = 512, 2048, part (b) at B = 1, 4, 16
 set -u -o pipefail
 PART=${1:-explore}
 D=$OUT/$PART
@@ -53,5 +55,22 @@ source "$(dirname "$0")/gpu_lib.sh"
       timeout 200 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | tail -50
       AGOQ_ARGS="--variants=" agoqrun f2 85
       AGOQ_ARGS="--variants ctx,noreplay" agoqrun f3 130 ;;
+    forge)
+      gpuinfo
+      log "gpu tests: forge, state8"
+      gputest 150 tests/forge tests/ops/test_state8.py
+      for part in a b; do
+        log "bench forge part $part"
+        mkdir -p "$D/$part"
+        if [ $part = a ]; then
+          timeout 150 python3 benchmarks/bench_forge.py --part a --product --tokens 512 2048 --timeout-a 140 \
+            --out "$D/a" 2>&1 | grep -v Warn | tail -14
+        else
+          timeout 300 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
+            | grep -v Warn | tail -24
+        fi
+        for f in "$D/$part"/*; do mv "$f" "$D/forge_${part}.${f##*.}"; done
+        rmdir "$D/$part"
+      done ;;
   esac
 } 2>&1 | tee "$D/run.log"

@@ -260,6 +260,8 @@ def test_heuristic_config():
     assert (big["BLOCK_N"], big["BLOCK_K"], big["BLOCK_T"], big["num_warps"]) == (128, 128, 32, 8)
     assert K.heuristic_config(K.MODE_FUSED, 16384, int8=True)["BLOCK_N"] == 64  # 8-bit epilogue: 64 x 64
     assert K.heuristic_config(K.MODE_UPDATE, 0)["BLOCK_T"] == 16
+    upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True)  # whole 16 x 16 blocks of the 8-bit states
+    assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
 
 
 def test_part_buffer_reused():
