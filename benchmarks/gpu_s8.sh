@@ -13,6 +13,10 @@
 #                                              # kernel per tile with int8 states (tune_kernels --what forge_int8)
 #   OUT=dir bash benchmarks/gpu_s8.sh forge    # the update kernel's new tiles: the FORGE tests compiled, part (a)
 #                                              # with --product at T = 512, 2048, part (b) at B = 1, 4, 16
+#   OUT=dir bash benchmarks/gpu_s8.sh nccl     # (nvidia-h200-x2) the NCCL smoke test on 2 GPUs (ShardedOptimizer,
+#                                              # SDP4Bit, FORGE data parallel, FORGE + AGoQ, the int8 DDP hook),
+#                                              # then the trainer under torchrun: FORGE + AGoQ on 2 GPUs and on
+#                                              # one with the same global batch (small preset, 30 steps)
 set -u -o pipefail
 PART=${1:-explore}
 D=$OUT/$PART
@@ -72,5 +76,16 @@ source "$(dirname "$0")/gpu_lib.sh"
         for f in "$D/$part"/*; do mv "$f" "$D/forge_${part}.${f##*.}"; done
         rmdir "$D/$part"
       done ;;
+    nccl)
+      gpuinfo
+      nvidia-smi topo -m | head -4
+      log "torchrun NCCL smoke, 2 GPUs"
+      timeout 240 torchrun --standalone --nproc-per-node 2 tests/dist/torchrun_smoke.py 2>&1 | grep -v Warn | grep -v "^  return" | tail -14
+      ARGS="--preset small --steps 30 --forge --agoq --train.eval-every 10 --train.log-every 5"
+      log "trainer, torchrun 2 GPUs, NCCL: $ARGS --data.batch-size 8"
+      timeout 200 torchrun --standalone --nproc-per-node 2 -m leantrain train $ARGS --data.batch-size 8 --out "$D/ddp2" 2>&1 | grep -v Warn | tail -8
+      log "trainer, one GPU, the same global batch: $ARGS --data.batch-size 16"
+      timeout 120 python3 -m leantrain train $ARGS --data.batch-size 16 --out "$D/one" 2>&1 | grep -v Warn | tail -5
+      for r in ddp2 one; do cp "$D/$r/metrics.jsonl" "$D/metrics_$r.jsonl" 2>/dev/null; rm -rf "$D/$r"; done ;;
   esac
 } 2>&1 | tee "$D/run.log"
