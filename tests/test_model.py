@@ -50,3 +50,28 @@ def test_backward_reaches_every_parameter():
     x = torch.randint(0, 97, (2, 8))
     m(x, x).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_gqa_inside_sdpa_equals_repeated_kv_and_saves_less():
+    """``sdpa_gqa`` (K/V handed to SDPA at n_kv_heads) gives the loss of repeating K/V to the query
+    heads' count, gradients equal up to summation order, and saves fewer bytes for backward (the
+    repeated K/V are what SDPA saved: (n_heads - n_kv_heads) / n_heads of their bytes go)."""
+    from leantrain.ledger import SavedActivationMeter
+
+    torch.manual_seed(0)
+    a = Llama(ModelConfig(**{**CFG.__dict__, "sdpa_gqa": True}))
+    b = Llama(ModelConfig(**{**CFG.__dict__, "sdpa_gqa": False}))
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 97, (3, 16))
+    saved = {}
+    for name, m in (("gqa", a), ("repeat", b)):
+        with SavedActivationMeter(m.parameters()) as meter:
+            loss = m(x, x)
+        loss.backward()
+        saved[name] = (loss.item(), meter.bytes)
+    assert saved["gqa"][0] == saved["repeat"][0]
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), n
+    # per layer: K and V at 6 heads (fp32, 3 x 16 tokens x head_dim 8) in the repeated model, 2 in the other
+    kv = 2 * 3 * 16 * 8 * 4
+    assert saved["repeat"][1] - saved["gqa"][1] == CFG.n_layers * kv * (6 - 2)
