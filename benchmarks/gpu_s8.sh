@@ -17,6 +17,12 @@
 #                                              # SDP4Bit, FORGE data parallel, FORGE + AGoQ, the int8 DDP hook),
 #                                              # then the trainer under torchrun: FORGE + AGoQ on 2 GPUs and on
 #                                              # one with the same global batch (small preset, 30 steps)
+#   OUT=dir bash benchmarks/gpu_s8.sh train1b  # the 1b preset through the trainer, B = 8, 8 steps: the baseline
+#                                              # (torch AdamW, pure bf16), FORGE (bf16 + SR, fp32 states) + AGoQ,
+#                                              # FORGE (bf16 + SR, int8 states) + AGoQ: summary.json of each
+#   OUT=dir bash benchmarks/gpu_s8.sh why      # why FORGE + AGoQ trains at half the baseline's tokens/s in the
+#                                              # trainer: profile_step agoq_forge (B = 8) without and with the
+#                                              # trainer's clip (est_global), and the trainer with --forge.clip none
 set -u -o pipefail
 PART=${1:-explore}
 D=$OUT/$PART
@@ -87,5 +93,26 @@ source "$(dirname "$0")/gpu_lib.sh"
       log "trainer, one GPU, the same global batch: $ARGS --data.batch-size 16"
       timeout 120 python3 -m leantrain train $ARGS --data.batch-size 16 --out "$D/one" 2>&1 | grep -v Warn | tail -5
       for r in ddp2 one; do cp "$D/$r/metrics.jsonl" "$D/metrics_$r.jsonl" 2>/dev/null; rm -rf "$D/$r"; done ;;
+    train1b)
+      gpuinfo
+      COMMON="--preset 1b --steps 8 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+      COMMON="$COMMON --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false"
+      for r in "baseline:--baseline" "forge_agoq:--forge --agoq" "forge_int8_agoq:--forge --forge.state-dtype int8 --agoq"; do
+        name=${r%%:*}
+        log "train 1b $name: $COMMON ${r#*:}"
+        timeout 170 python3 -m leantrain train $COMMON ${r#*:} --out "$D/$name" 2>&1 | grep -v Warn | tail -3
+        cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null; rm -rf "$D/$name"
+      done ;;
+    why)
+      gpuinfo
+      for clip in none est_global; do
+        log "profile agoq_forge B=8 clip=$clip"
+        timeout 100 python3 benchmarks/profile_step.py --config agoq_forge --batch 8 --clip $clip --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      COMMON="--preset 1b --steps 8 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+      COMMON="$COMMON --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false"
+      log "train 1b forge + agoq, --forge.clip none"
+      timeout 150 python3 -m leantrain train $COMMON --forge --agoq --forge.clip none --out "$D/noclip" 2>&1 | grep -v Warn | tail -2
+      cp "$D/noclip/summary.json" "$D/train1b_forge_agoq_noclip.json" 2>/dev/null; rm -rf "$D/noclip" ;;
   esac
 } 2>&1 | tee "$D/run.log"

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-opt", action="store_true", help="forward + backward only (as bench_agoq times it)")
     ap.add_argument("--cprofile", action="store_true", help="also a Python cProfile of 3 steps (host time by function)")
+    ap.add_argument("--clip", default="none", help="forge configs: FORGE's clip mode (est_global: the trainer's default)")
     a = ap.parse_args(argv)
     import leantrain as lt
     from leantrain.config import preset
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         model = Llama(cfg).to(torch.bfloat16)
     kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     if "forge" in a.config:
-        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="fp32", stochastic_rounding=True)
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="fp32", stochastic_rounding=True, clip=a.clip)
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
     if "agoq" in a.config:
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     ka = prof.key_averages()
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}{'_noopt' if a.no_opt else ''}.txt"), "w") as f:
+    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}{'_noopt' if a.no_opt else ''}{'' if a.clip == 'none' else '_' + a.clip}.txt"), "w") as f:
         f.write(f"{a.config} B={a.batch} T={a.seq}: step ms median {statistics.median(times):.1f} all {times}\n"
                 f"host issue ms median {statistics.median(issue):.1f} (a step is host-bound when this is"
                 f" close to the step time); of it the forward {statistics.median(fwd[:5]):.1f}\n\n")
