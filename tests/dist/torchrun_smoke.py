@@ -49,6 +49,19 @@ def identical(w):
     return all(torch.equal(ws[0], v) for v in ws)
 
 
+def fit_fixed_batch(model, opt, x, y, steps=30):
+    """``steps`` steps on one batch: (weights identical on every rank after each step, losses)."""
+    same, losses = True, []
+    for _ in range(steps):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        same &= identical(flat(model))
+        losses.append(loss.item())
+    return same, losses
+
+
 def main() -> int:
     dist.init_process_group(os.environ.get("LT_SMOKE_BACKEND", "nccl"))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -94,16 +107,9 @@ def main() -> int:
             model = Llama(CFG).to(dev, dtype)
             opt = lt.dist.ShardedOptimizer(model, lt.optim.AdamW(lr=3e-3), intra_node_size=intra,
                                            compression=lt.comm.SDP4Bit(pipeline=2), bucket_mb=0.2)
-            same, losses = True, []
             x, y = batch(0, rank, dev)  # one fixed batch: the loss must fall
             with lt.ledger.COMM.capture() as led:
-                for _ in range(30):
-                    loss = model(x, y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    same &= identical(flat(model))
-                    losses.append(loss.item())
+                same, losses = fit_fixed_batch(model, opt, x, y)
             report(f"sdp4bit intra={intra} {dtype}", same and losses[-1] < 0.7 * losses[0],
                    f"identical={same} loss {losses[0]:.3f}->{losses[-1]:.3f} bytes={led.by_scope()}")
     # 3. FORGE data parallel (per-layer all-reduce inside backward) == FORGE on the whole batch
@@ -134,15 +140,7 @@ def main() -> int:
     model = Llama(CFG).to(dev, torch.bfloat16)
     opt = lt.forge.attach(model, lt.optim.AdamW(lr=3e-3), state_dtype="int8", stochastic_rounding=True)
     lt.agoq.apply(model, lt.agoq.Policy())
-    x, y = batch(0, rank, dev)
-    same, losses = True, []
-    for _ in range(30):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        same &= identical(flat(model))
-        losses.append(loss.item())
+    same, losses = fit_fixed_batch(model, opt, *batch(0, rank, dev))
     report("forge (bf16 + SR, int8 states) + agoq data parallel", same and losses[-1] < 0.7 * losses[0],
            f"identical={same} loss {losses[0]:.3f}->{losses[-1]:.3f}")
     lt.agoq.remove(model)
