@@ -95,30 +95,40 @@ def _gb(x):
 # ----------------------------------------------------------------------------- part (a)
 
 
+def _forge_layer_fn(w, x, dy, dtype, **attach_kw):
+    """ForgeOptimizer's whole per-layer path (state lookup, launch arguments, launch, norm sum) on
+    an ``nn.Linear`` of ``dtype`` holding ``w``: (a function running one update, what it holds)."""
+    import torch
+
+    from leantrain.forge import attach
+    from leantrain.optim import AdamW
+
+    n, k = w.shape
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    fopt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), **attach_kw)
+    layer = fopt.layers[0]
+
+    def run():
+        fopt._update_layer(layer, x, dy)
+        fopt._step_id += 1  # the accumulation guard; step() closes nothing else that matters here
+        fopt._pending_sumsq.clear()
+
+    return run, (lin, fopt)
+
+
 def _product_fns(n: int, k: int, w, x, dy) -> tuple[dict, list]:
     """Part (a) with ``--product``: FORGE as recommended (bf16 W with stochastic rounding, int8
     AdamW states) through its per-layer path, split (default) and fused, and torch's pure-bf16
     AdamW (bf16 W, dW and states; ``fused=True``) on the materialized gradient."""
     import torch
 
-    from leantrain.forge import attach
-    from leantrain.optim import AdamW
-
     fns, keep = {}, []
     for name, split in (("layer_bf16_int8", 1), ("layer_bf16_int8_fused", None)):
-        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        fopt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), state_dtype="int8",
-                      stochastic_rounding=True, split_tokens=split)
-
-        def run(fopt=fopt, layer=fopt.layers[0]):
-            fopt._update_layer(layer, x, dy)
-            fopt._step_id += 1
-            fopt._pending_sumsq.clear()
-
-        fns[name] = run
-        keep.append((lin, fopt))
+        fns[name], held = _forge_layer_fn(w, x, dy, torch.bfloat16, split_tokens=split, state_dtype="int8",
+                                          stochastic_rounding=True)
+        keep.append(held)
     pb = torch.nn.Parameter(w.to(torch.bfloat16))
     optb = torch.optim.AdamW([pb], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
                              capturable=True)
@@ -137,10 +147,9 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     import torch
     from triton.testing import do_bench
 
-    from leantrain.forge import attach, detach
+    from leantrain.forge import detach
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
     from leantrain.forge.optimizer import _mm_fp32
-    from leantrain.optim import AdamW
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     row = {"N": n, "K": k, "T": t}
@@ -168,32 +177,21 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         opt.step()
         p.grad = None
 
-    # the whole per-layer path of ForgeOptimizer (state lookup, launch arguments, launch, norm sum)
-    lin = torch.nn.Linear(k, n, bias=False, device="cuda")
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    fopt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), split_tokens=None)
-    layer = fopt.layers[0]
-
-    def forge_layer():
-        fopt._update_layer(layer, x, dy)
-        fopt._step_id += 1  # the accumulation guard; step() closes nothing else that matters here
-        fopt._pending_sumsq.clear()
-
+    forge_layer, (lin, _) = _forge_layer_fn(w, x, dy, torch.float32, split_tokens=None)
     cases = {"fused": fused, "split": split, "torch": baseline, "layer": forge_layer}
     keep = []
     if product:
         extra, keep = _product_fns(n, k, w, x, dy)
         cases.update(extra)
     for name, fn in cases.items():
-        if name not in ("fused", "split", "torch", "layer"):  # (--product: a failure costs its columns only)
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001
-                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                product = False
-                continue
-        fn()  # compile (fixed tile heuristic: nothing to autotune)
+        try:
+            fn()  # compile (fixed tile heuristic: nothing to autotune)
+        except Exception as e:  # noqa: BLE001
+            if name in ("fused", "split", "torch", "layer"):
+                raise
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]  # (--product: costs its columns only)
+            product = False
+            continue
         torch.cuda.synchronize()
         row[f"{name}_ms"] = do_bench(fn, warmup=5 if quick else 10, rep=20 if quick else 40)
         # host time per call: back-to-back calls, no synchronization inside the loop (the GPU

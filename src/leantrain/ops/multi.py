@@ -520,21 +520,17 @@ def _dequantize_into(srcs: list[tuple[int, int, int, torch.Size, torch.dtype, in
                      symmetric: bool) -> list[torch.Tensor]:
     """The Triton path of :func:`dequantize_many` / :func:`dequantize_flat`: ``srcs`` are (codes,
     scales, zero points addresses, shape, output dtype, bits); one new tensor each."""
-    _, rows_per, _ = tile_shape(group_size, DQ_TILE[0])
-    per_prog = rows_per * DQ_TILE[2]
-    out, rows, progs, low = [], [], [], 0
+    out, rows, low = [], [], 0
     for dp, sp, zp, shape, dt, b in srcs:
         o = torch.empty(shape, dtype=dt, device=device)  # one allocation each: freed one by one
         out.append(o)
         n = o.numel()
         if n:
             op = o.data_ptr()
-            g = -(-n // group_size)
-            rows.append([dp, sp, zp, op, n, g, 0, 0, b, _FLOAT_KIND[dt]])
-            progs.append(-(-g // per_prog))
+            rows.append([dp, sp, zp, op, n, -(-n // group_size), 0, 0, b, _FLOAT_KIND[dt]])
             low |= dp | sp | zp | op | n
     if rows:
-        _launch_dequantize(rows, progs, device, group_size, symmetric, low)
+        _launch_dequantize(rows, device, group_size, symmetric, low)
     return out
 
 
@@ -561,21 +557,19 @@ def dequantize_many(qs: list[QTensor], *, dtype: torch.dtype | None = None,
     return _dequantize_into(srcs, device, gs, sym)
 
 
-def _launch_dequantize(rows: list[list[int]], progs: list[int], device, group_size: int, symmetric: bool,
-                       low: int) -> None:
-    """Launch the dequantize kernel on table ``rows`` (``progs`` programs each)."""
+def _launch_dequantize(rows: list[list[int]], device, group_size: int, symmetric: bool, low: int) -> None:
+    """Launch the dequantize kernel on table ``rows`` (``low``: as for :func:`_launch_quantize`)."""
     cols, rows_per, warps = tile_shape(group_size, DQ_TILE[0])
     warps = DQ_TILE[1] or warps
-    parts = [(rows, progs)]
+    per_prog = rows_per * DQ_TILE[2]
+    parts = [rows]
     if DQ_SPLIT:  # one launch per (bits, dtype kind): each compiled for its own path
-        groups: dict[tuple[int, int], tuple[list, list]] = {}
-        for r, p in zip(rows, progs):
-            g = groups.setdefault((r[8], r[9]), ([], []))
-            g[0].append(r)
-            g[1].append(p)
+        groups: dict[tuple[int, int], list] = {}
+        for r in rows:
+            groups.setdefault((r[8], r[9]), []).append(r)
         parts = list(groups.values())
-    for prow, pprog in parts:
-        tab, total = _table(prow, pprog, device)
+    for prow in parts:
+        tab, total = _table(prow, [-(-r[5] // per_prog) for r in prow], device)
         mixed = len(set(r[8] for r in prow)) > 1
         launch(_dequantize_many_kernel, (total,), tab, len(prow), TP=next_pow2(len(prow)),
                KIND=_kind(prow), HW_CAST=not interpreting(), GS=group_size, COLS=cols, ROWS=rows_per,
