@@ -113,7 +113,7 @@ def _forge_layer_fn(w, x, dy, dtype, **attach_kw):
     def run():
         fopt._update_layer(layer, x, dy)
         fopt._step_id += 1  # the accumulation guard; step() closes nothing else that matters here
-        fopt._pending_sumsq.clear()
+        fopt._ran.clear()
 
     return run, (lin, fopt)
 

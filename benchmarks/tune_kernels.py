@@ -830,7 +830,7 @@ def tune_forge_int8(log) -> list[dict]:
             dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16) * 1e-3
             opt._update_layer(layer, x, dy)  # states created and filled once
             opt._step_id += 1
-            opt._pending_sumsq.clear()
+            opt._ran.clear()
             h = layer.host
             g = torch.randn(N, K, device="cuda") * 1e-3
             w = lin.weight.data

@@ -28,6 +28,7 @@ class ForgeLayer:
     bias: nn.Parameter | None
     index: int  # position among all params of the optimizer (stochastic-rounding stream)
     group_index: int = 0
+    slot: int = -1  # position in the optimizer's layer list (its per-layer sums and clip scale)
     tp_group: object = None  # the weight is a tensor-parallel shard (norm sums need a TP all-reduce)
     updated_in: int = -1  # optimizer step id of the last update (gradient accumulation guard)
     opt: object = field(default=None, repr=False)

@@ -33,11 +33,12 @@ from leantrain import collectives
 from leantrain.optim.rules import Rule
 from leantrain.optim.state import StateStorage, qmap_on
 
+from .gradsums import CLIP_EPS as _CLIP_EPS
+from .gradsums import GradSums
 from .linear import ForgeLayer, patch, unpatch
 
 SPLIT_TOKENS = 1  # default of attach(split_tokens=): always the split path on CUDA (measured faster)
 CLIPS = ("none", "layer", "prev_global", "est_global")
-_CLIP_EPS = 1e-6
 # est_global: each unit's predicted sum of squares is the geometric moving average
 # pred <- pred^b * s^(1-b) of its past ones (0: the previous step's). 0.5 measured best on tiny
 # (benchmarks/results/2026-11-29_cpu_convergence_forge_s2).
@@ -148,18 +149,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._workspace = _Workspace()
         self._backends: dict[bool, str] = {}  # w.is_cuda -> resolved backend
         self._step_id = 0
-        self._pending_sumsq: list[tuple[ForgeLayer | None, Tensor]] = []
+        self._ran: list[int] = []  # slots of the layers updated in this backward
         self._last_flags: tuple[list[str], Tensor | None] = ([], None)  # names, non-finite flags
         self._last_norm: Tensor | None = None
         self._clip_scale: Tensor | None = None  # prev_global: min(1, c / previous global norm)
         self._names: dict | None = None  # parameter -> name (metrics), built at the first step
-        # est_global: predicted sum of squares per fused layer (by index; -1: the non-fused
-        # parameters together) and their total, and this step's running sums (S: all layers so
-        # far; C, Q: this step's / predicted sums of the layers so far that have a prediction).
-        # Never non-finite.
-        self._pred_sq: dict[int, Tensor] = {}
-        self._pred_total: Tensor | None = None
-        self._run: tuple[Tensor, Tensor, Tensor] | None = None
+        # each layer's sum of squares of this step, the clip scales, est_global's predictions
+        # (by layer slot; one more slot: the non-fused parameters), on the parameters' device
+        self._sums: GradSums | None = None
 
         layers, fused, others = _find_layers(model)
         params = fused + others
@@ -171,8 +168,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.param_index = index
         self._group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self.layers = layers
-        for layer in layers:
-            layer.index, layer.opt = index[layer.weight], self
+        for slot, layer in enumerate(layers):
+            layer.index, layer.slot, layer.opt = index[layer.weight], slot, self
             layer.tp_group = getattr(layer.module, "tp_group", None)
         self.has_tp = any(layer.tp_group is not None for layer in layers)
         self.dp_group = self._resolve_dp(dp_group)
@@ -284,59 +281,40 @@ class ForgeOptimizer(torch.optim.Optimizer):
             collectives.all_reduce(buf, group=self.dp_group)
         buf.div_(collectives.world_size(self.dp_group))
 
-    def _scale_for(self, sumsq: Tensor, layer: ForgeLayer | None = None) -> Tensor | None:
-        if self.clip == "layer":
-            return torch.clamp(self.clip_value / (sumsq.sqrt() + _CLIP_EPS), max=1.0)
+    def _grad_sums(self, device) -> GradSums:
+        if self._sums is None:
+            self._sums = GradSums(len(self.layers), device, _EST_BETA)
+        return self._sums
+
+    def _scale_torch(self, slot: int) -> Tensor | None:
+        """The clipping scale of a fused layer whose sum of squares is in ``sq[slot]`` (torch ops).
+
+        ``clip="est_global"``: ``min(1, c / N̂)``, N̂ the estimate of this step's global norm from
+        what is known now. S: this step's sum of squares over the layers reduced so far (this one
+        included); C / Q: this step's / the predicted sums over those of them that have a
+        prediction; R = (sum of all predictions) - Q, the predicted rest. ``N̂² = S + R · C / Q``:
+        the layers still to come, predicted, rescaled by how this step's layers so far compare to
+        their prediction (``S`` when nothing is predicted yet). A layer's prediction is a
+        geometric moving average of its past sums of squares (``_EST_BETA``; 0: the previous
+        step's). The non-fused parameters, stepped last, use the exact global norm. The Triton
+        backend computes the same in one launch (:meth:`GradSums.scale_kernel`)."""
+        if self.clip in ("layer", "est_global"):
+            return self._sums.scale_torch(slot, self.clip == "est_global", self.clip_value)
         if self.clip == "prev_global":
             return self._clip_scale
-        if self.clip == "est_global" and layer is not None:
-            return self._est_scale(layer.index, sumsq)
         return None
-
-    def _est_scale(self, index: int, sumsq: Tensor) -> Tensor:
-        """``clip="est_global"``, a fused layer: ``min(1, c / N̂)``, N̂ the estimate of this step's
-        global norm from what is known now. S: this step's sum of squares over the layers reduced
-        so far (this one included); C / Q: this step's / the predicted sums over those of them
-        that have a prediction; R = (sum of all predictions) - Q, the predicted rest.
-        ``N̂² = S + R · C / Q``: the layers still to come, predicted, rescaled by how this step's
-        layers so far compare to their prediction (``S`` when nothing is predicted yet). A
-        layer's prediction is a geometric moving average of its past sums of squares
-        (``_EST_BETA``; 0: the previous step's). The non-fused parameters, stepped last, use the
-        exact global norm."""
-        ok = torch.isfinite(sumsq)
-        cur = torch.where(ok, sumsq, torch.zeros_like(sumsq))  # a skipped layer adds nothing
-        if self._run is None:
-            z = torch.zeros_like(cur)
-            self._run = (z, z, z)
-        s, c, q = self._run
-        s = s + cur
-        pred = self._pred_sq.get(index)
-        if pred is not None:  # a non-finite layer stays in the predicted rest
-            c = c + cur
-            q = q + torch.where(ok, pred, torch.zeros_like(pred))
-        self._run = (s, c, q)
-        est = s
-        if self._pred_total is not None:
-            ratio = torch.where(q > 0, c / q.clamp_min(1e-30), torch.zeros_like(q))
-            est = s + (self._pred_total - q).clamp_min(0) * ratio
-        return torch.clamp(self.clip_value / (est.sqrt() + _CLIP_EPS), max=1.0)
-
-    def _predict(self, key: int, s: Tensor) -> None:
-        """est_global: fold this step's sum of squares ``s`` of a unit into its prediction."""
-        old = self._pred_sq.get(key)
-        new = s
-        if old is not None and _EST_BETA > 0:
-            tiny = torch.finfo(torch.float32).tiny
-            new = torch.exp(_EST_BETA * old.clamp_min(tiny).log() + (1 - _EST_BETA) * s.clamp_min(tiny).log())
-        self._pred_sq[key] = torch.where(torch.isfinite(s), new, old if old is not None else torch.zeros_like(s))
 
     def _update_torch(self, layer, x2, dy2, hp, sw, sb, step):
         w, b = layer.weight, layer.bias
         buf, g, gb = self._materialize(layer, x2, dy2, "torch")
-        sumsq = buf.square().sum() if buf.numel() else buf.new_zeros(())
-        self._pending_sumsq.append((layer, sumsq))
-        bad = ~torch.isfinite(sumsq)
-        scale = self._scale_for(sumsq, layer)
+        sq = self._grad_sums(w.device).sq_views[layer.slot]
+        if buf.numel():
+            sq.copy_(buf.square().sum())
+        else:
+            sq.zero_()
+        self._ran.append(layer.slot)
+        bad = ~torch.isfinite(sq)
+        scale = self._scale_torch(layer.slot)
         if scale is not None:
             buf.mul_(scale)
         self._apply_rule(w, g, sw, hp, step, layer.index, bad)
@@ -386,20 +364,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
         w, b = layer.weight, layer.bias
         h = self._layer_host(layer, sw, sb)
         key = _KERNEL[1](self._seed(layer.index, step))
+        sums = self._sums if self._sums is not None else self._grad_sums(w.device)
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
             buf, g, gb = self._materialize(layer, x2, dy2, "triton")
-            if self.clip in ("layer", "est_global"):  # the scale needs this layer's norm first
-                sumsq = buf.square().sum()
-                scale = self._scale_for(sumsq, layer)
+            if self.clip in ("layer", "est_global"):  # the scale needs this layer's norm first: one launch
+                scale = sums.scale_kernel(layer.slot, buf, self.clip == "est_global", self.clip_value)
             else:  # the kernel's per-tile sums of squares give the norm: no extra pass over dW
-                sumsq, scale = None, self._scale_for(None, layer)
+                scale = self._clip_scale if self.clip == "prev_global" else None
             part = K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates, kinds=h.kinds,
                                   qtables=h.qtables, rule_name=self.rule.name, hp=h.group, step=step,
                                   sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale, part=h.upart)
-            if sumsq is None:
-                h.upart = part  # reused next step, like h.part
-                sumsq = part.sum()
+            h.upart = part  # reused next step, like h.part
+            if self.clip not in ("layer", "est_global"):
+                torch.sum(part, 0, out=sums.sq_views[layer.slot])
             del buf, g, gb
         else:
             if x2.stride(-1) != 1:
@@ -411,8 +389,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                   step=step, sr=self.stochastic_rounding, key=key,
                                   scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part)
             h.part = part  # reused next step (the sum below is stream-ordered before the next launch)
-            sumsq = part.sum()
-        self._pending_sumsq.append((layer, sumsq))
+            torch.sum(part, 0, out=sums.sq_views[layer.slot])
+        self._ran.append(layer.slot)
         torch.autograd.graph.increment_version(w)
         if b is not None:
             torch.autograd.graph.increment_version(b)
@@ -428,12 +406,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fused = {id(layer.weight) for layer in self.layers} | {id(layer.bias) for layer in self.layers if layer.bias is not None}
         rest = [p for g in self.param_groups for p in g["params"] if id(p) not in fused and p.grad is not None]
         self._reduce_grads(rest)
-        sums: list[tuple[str, Tensor]] = []
-        tp_sums: list[Tensor] = []
-        for layer, s in self._pending_sumsq:
-            sums.append((layer.name, s))
-            if layer.tp_group is not None:
-                tp_sums.append(s)
+        # the fused layers' sums of squares: already in one device array (slot order)
+        slots = sorted(self._ran)
+        sums: list[tuple[str, Tensor | None]] = [(self.layers[i].name, None) for i in slots]
+        fused_sq = tp_sq = None
+        if slots:
+            if len(slots) == len(self.layers):
+                fused_sq = self._sums.sq[: len(slots)]
+            else:
+                fused_sq = self._sums.sq[torch.tensor(slots, device=self._sums.sq.device)]
+            tp = [j for j, i in enumerate(slots) if self.layers[i].tp_group is not None]
+            if tp:
+                tp_sq = fused_sq[tp]
         names = self._names
         if names is None:
             names = self._names = {p: n for n, p in self.model.named_parameters()}
@@ -447,13 +431,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             grads.append((p, g, s))
         total, others = None, None
         stacked = finite = None
-        if sums:  # one stack, one isfinite for every layer and parameter (host time: not one per sum)
-            stacked = torch.stack([s for _, s in sums])
+        if sums:  # one array, one isfinite for every layer and parameter (host time: not one per sum)
+            rest_sq = [s for _, _, s in grads]
+            if fused_sq is None:
+                stacked = torch.stack(rest_sq)
+            else:
+                stacked = torch.cat([fused_sq, torch.stack(rest_sq)]) if rest_sq else fused_sq.clone()
             finite = torch.isfinite(stacked)
             total = stacked.sum()
-            if tp_sums and self.clip in ("prev_global", "est_global"):  # TP shards: add the other ranks' shards once
+            if tp_sq is not None and self.clip in ("prev_global", "est_global"):  # TP shards: the other ranks' once
                 group = next(layer.tp_group for layer in self.layers if layer.tp_group is not None)
-                extra = torch.stack(tp_sums).sum()
+                extra = tp_sq.sum()
                 shard = extra.clone()
                 collectives.all_reduce(extra, group=group)
                 others = extra - shard
@@ -495,14 +483,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 old = self._clip_scale if self._clip_scale is not None else torch.ones_like(new)
                 self._clip_scale = torch.where(ok, new, old)  # a non-finite step keeps the old scale
             elif self.clip == "est_global":  # fold this step's sums into the predictions
-                for layer, s in self._pending_sumsq:
-                    self._predict(layer.index, s)
+                units = list(slots)
                 rest_sq = [s for _, _, s in grads] + ([others] if others is not None else [])
                 if rest_sq:  # the non-fused parameters (and other TP ranks' shards) as one unit
-                    self._predict(-1, torch.stack(rest_sq).sum())
-                self._pred_total = torch.stack(list(self._pred_sq.values())).sum()
-        self._run = None
-        self._pending_sumsq = []
+                    sums_dev = self._grad_sums(rest_sq[0].device)
+                    sums_dev.sq_views[len(self.layers)].copy_(torch.stack(rest_sq).sum())
+                    units.append(len(self.layers))
+                self._sums.fold(units)
+        if self._sums is not None and self.clip == "est_global":
+            self._sums.run.zero_()
+        self._ran = []
         self._workspace.release()
         self._step_id += 1
         return loss
@@ -572,8 +562,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["forge"] = {"step_id": self._step_id,
                        "clip_scale": None if self._clip_scale is None else self._clip_scale.detach().cpu().clone(),
-                       "pred_sq": {i: t.cpu().clone() for i, t in self._pred_sq.items()}}
+                       "pred_sq": self._predictions()}
         return sd
+
+    def _predictions(self) -> dict[int, Tensor]:
+        """est_global's predictions by parameter index (-1: the non-fused parameters together)."""
+        if self._sums is None:
+            return {}
+        key = [layer.index for layer in self.layers] + [-1]
+        return {key[slot]: t for slot, t in self._sums.predictions().items()}
 
     def load_state_dict(self, state_dict):
         sd = dict(state_dict)
@@ -592,8 +589,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             cs = extra["clip_scale"]
             dev = params[0].device
             self._clip_scale = None if cs is None else cs.to(dev)
-            self._pred_sq = {int(i): t.to(dev) for i, t in extra.get("pred_sq", {}).items()}
-            self._pred_total = torch.stack(list(self._pred_sq.values())).sum() if self._pred_sq else None
+            preds = extra.get("pred_sq", {})
+            if preds or self._sums is not None:  # keyed by parameter index (-1: the non-fused parameters)
+                slot_of = {layer.index: layer.slot for layer in self.layers}
+                slot_of[-1] = len(self.layers)
+                self._grad_sums(dev).load_predictions({slot_of[int(i)]: t for i, t in preds.items()})
         for layer in self.layers:
             layer.updated_in = -1
 
