@@ -75,3 +75,40 @@ def test_gqa_inside_sdpa_equals_repeated_kv_and_saves_less():
     # per layer: K and V at 6 heads (fp32, 3 x 16 tokens x head_dim 8) in the repeated model, 2 in the other
     kv = 2 * 3 * 16 * 8 * 4
     assert saved["repeat"][1] - saved["gqa"][1] == CFG.n_layers * kv * (6 - 2)
+
+
+def test_chunked_loss_equals_one_piece_and_keeps_chunks_small():
+    """The loss in chunks of ``loss_chunk`` tokens: the same per-token losses and gradients as one
+    ``F.cross_entropy`` over the batch, bit for bit (row-wise math), ignored targets included;
+    backward keeps one log-softmax per chunk, each a chunk's size."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 97, (3, 16))
+    tgt = x.clone()
+    tgt[1] = -100  # a whole chunk ignored
+    tgt[2, :5] = -100
+    out = {}
+    torch.manual_seed(1)
+    state = Llama(CFG).state_dict()
+    for chunk in (0, 16, 7):
+        m = Llama(ModelConfig(**{**CFG.__dict__, "loss_chunk": chunk}))
+        m.load_state_dict(state)
+        sizes = {}
+
+        def pack(t, sizes=sizes):
+            if t.grad_fn is not None and type(t.grad_fn).__name__.startswith("LogSoftmaxBackward"):
+                sizes[t.data_ptr()] = tuple(t.shape)  # saved twice (log-softmax and NLL): once here
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(x, tgt)
+        loss.backward()
+        per = m(x, tgt, reduction="none")
+        out[chunk] = (loss.detach(), per.detach(), [p.grad.clone() for p in m.parameters()], list(sizes.values()))
+    ref = out[0]
+    for chunk in (16, 7):
+        got = out[chunk]
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), chunk
+        for a, b in zip(got[2], ref[2]):
+            assert torch.equal(a, b), chunk
+        assert got[3] == [(chunk, 97)] * (48 // chunk) + ([(48 % chunk, 97)] if 48 % chunk else []), chunk
+    assert ref[3] == [(48, 97)]  # the one-piece form: the batch's log-softmax at once

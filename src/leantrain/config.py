@@ -34,6 +34,10 @@ class ModelConfig:
     # (1/8 of the K/V activation bytes at 1b). false: repeat K/V before SDPA (for SDPA backends
     # without GQA; the same values).
     sdpa_gqa: bool = True
+    # the loss in chunks of this many tokens (0: one piece): each chunk's fp32 logits, log-softmax
+    # and their gradients are a chunk's size, not the batch's (vocab x tokens x 4 B each: 1 GiB at
+    # 1b, B = 8), and the chunks' gradients land in one buffer. Row-wise math: the same values.
+    loss_chunk: int = 1024
 
 
 @dataclass

@@ -3,7 +3,7 @@
 RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward, grouped-query
 attention through ``scaled_dot_product_attention`` (``enable_gqa``: K/V are neither
 repeated nor saved for backward at the query heads' count), optional tied embedding /
-LM head. Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE,
+LM head, the cross-entropy in chunks of ``loss_chunk`` tokens (:func:`chunked_cross_entropy`). Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE,
 AGoQ and ChunkFT hook into. ``forward(idx, targets)`` returns the mean
 cross-entropy loss; ``forward(idx)`` returns logits; ``reduction="none"`` gives
 per-example losses (zeroth-order fine-tuning uses them).
@@ -97,6 +97,46 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class _RowChunks(torch.autograd.Function):
+    """``x.split(rows)`` whose backward writes the chunks' gradients into one new tensor.
+
+    ``split``'s own backward concatenates them, which is the same; written out here so that a
+    chunk with no gradient (every target ignored) costs a zero fill, not a zeros tensor each."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, rows: int):
+        ctx.set_materialize_grads(False)
+        ctx.rows, ctx.shape, ctx.dtype = rows, x.shape, x.dtype
+        return x.split(rows)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=next((g.device for g in grads if g is not None), None))
+        for i, g in enumerate(grads):
+            part = out[i * ctx.rows: (i + 1) * ctx.rows]
+            if g is None:
+                part.zero_()
+            else:
+                part.copy_(g)
+        return out, None
+
+
+def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_index: int = -100) -> Tensor:
+    """Per-token cross-entropy of ``logits [N, V]`` (any float dtype; computed in fp32) against
+    ``targets [N]``, ``chunk`` rows at a time (0: all at once).
+
+    Each chunk is its own ``F.cross_entropy`` node: its fp32 copy, log-softmax (what backward
+    keeps) and gradients are a chunk's size. The whole-batch form holds ~4 such fp32 passes at
+    once (at 1b, B = 8, vocab 32000: 1 GiB each), which is where a step's memory peaks. Every
+    row's math is unchanged, so the loss and the gradient are those of the one-piece form."""
+    n = logits.shape[0]
+    if chunk <= 0 or n <= chunk:
+        return F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=ignore_index)
+    parts = _RowChunks.apply(logits, chunk) if torch.is_grad_enabled() and logits.requires_grad else logits.split(chunk)
+    return torch.cat([F.cross_entropy(x.float(), t, reduction="none", ignore_index=ignore_index)
+                      for x, t in zip(parts, targets.split(chunk), strict=True)])
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -140,7 +180,7 @@ class Llama(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
+        loss = chunked_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.cfg.loss_chunk)
         if reduction == "none":  # per-example mean over its tokens
             mask = (targets != -100).float()
             return (loss.view_as(targets) * mask).sum(1) / mask.sum(1).clamp_min(1.0)

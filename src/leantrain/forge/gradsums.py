@@ -55,7 +55,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
-            x = tl.load(G + idx, mask=idx < end, other=0.0)
+            x = tl.load(G + idx, mask=idx < n, other=0.0)  # chunks are whole blocks: idx < end too
             acc += x * x
         tl.store(PART + pid, tl.sum(acc, axis=0))
         tl.debug_barrier()  # every thread's store before the ticket (released by the atomic)
@@ -65,7 +65,7 @@ if HAS_TRITON:
             ss = tl.sum(tl.load(PART + offs, mask=offs < npart, other=0.0), axis=0)
             tl.store(SQ + slot, ss)
             if EST:
-                ok = (ss == ss) & (tl.abs(ss) < float("inf"))
+                ok = tl.abs(ss) <= 3.4028234663852886e38  # finite (NaN compares false)
                 v = tl.where(ok, ss, 0.0)
                 s = tl.load(RUN) + v
                 c = tl.load(RUN + 1)
@@ -80,7 +80,7 @@ if HAS_TRITON:
                 est = tl.where(have_total != 0, s + tl.maximum(tl.load(TOTAL) - q, 0.0) * ratio, s)
             else:
                 est = ss
-            tl.store(SCALE + slot, _clamp_max1(_recip_times(tl.sqrt_rn(est) + CLIP_EPS, clip)))
+            tl.store(SCALE + slot, _clamp_max1(_recip_times(tl.sqrt_rn(est) + 1e-6, clip)))  # 1e-6: CLIP_EPS
             tl.store(TICKET, 0)  # ready for the next launch (stream-ordered after this one)
 
 
