@@ -5,11 +5,34 @@
 #                                           # agoq_forge B = 8 with clip est_global and none; the 1b preset
 #                                           # through the trainer (baseline, FORGE + AGoQ, FORGE int8 + AGoQ);
 #                                           # bench_agoq three times and once with loss_chunk=0 (the one-piece loss)
+#   OUT=dir bash benchmarks/gpu_s9.sh second  # the loss's chunk gradients written into one buffer as they come:
+#                                           # bench_agoq three times, the 1b trainer (baseline, FORGE + AGoQ);
+#                                           # then 125m, 1000 steps: baseline, AGoQ, FORGE + AGoQ (loss curves)
+# Work goes to /tmp/s9w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
-D=$OUT/$PART
+D=/tmp/s9w/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
+snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s9w "$PART"; }
+train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 8 steps)
+  local name=$1
+  shift
+  local common="--preset 1b --steps 8 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+  common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false"
+  log "train 1b $name: $common $*"
+  timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
+  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null; rm -rf "$D/$name"
+}
+c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the 2026-11-29 curves' settings)
+  local name=$1
+  shift
+  log "125m, 1000 steps: $name: $*"
+  timeout 130 python3 -m leantrain train --preset 125m --steps 1000 "$@" --out "$D/c125_$name" --data.max-corpus-mb 16 \
+    --train.eval-every 200 --train.ckpt-every 0 --train.sample-tokens 0 --train.log-every 50 --train.progress false \
+    2>&1 | grep -v Warn | tail -2
+  find "$D/c125_$name" -mindepth 1 -not -name metrics.jsonl -not -name summary.json -exec rm -rf {} + 2>/dev/null
+}
 {
   case "$PART" in
     main)
@@ -20,19 +43,25 @@ source "$(dirname "$0")/gpu_lib.sh"
         log "profile agoq_forge B=8 clip=$clip"
         timeout 70 python3 benchmarks/profile_step.py --config agoq_forge --batch 8 --clip $clip --out "$D" 2>&1 | grep -v Warn | tail -1
       done
-      COMMON="--preset 1b --steps 8 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
-      COMMON="$COMMON --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false"
-      for r in "baseline:--baseline" "forge_agoq:--forge --agoq" "forge_int8_agoq:--forge --forge.state-dtype int8 --agoq"; do
-        name=${r%%:*}
-        log "train 1b $name: $COMMON ${r#*:}"
-        timeout 80 python3 -m leantrain train $COMMON ${r#*:} --out "$D/$name" 2>&1 | grep -v Warn | tail -3
-        cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null; rm -rf "$D/$name"
-      done
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
       export FLAT=1
       AGOQ_ARGS="--variants=" agoqrun m1 70
       AGOQ_ARGS="--variants= --model loss_chunk=0" agoqrun onepiece 70
       AGOQ_ARGS="--variants=" agoqrun m2 70
       AGOQ_ARGS="--variants=" agoqrun m3 70 ;;
+    second)
+      gpuinfo
+      export FLAT=1
+      for r in s1 s2 s3; do AGOQ_ARGS="--variants=" agoqrun $r 70; snap; done
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      snap
+      for r in "baseline:--baseline" "agoq:--agoq" "agoq_forge:--agoq --forge"; do
+        c125 ${r%%:*} ${r#*:}
+        snap
+      done ;;
   esac
 } 2>&1 | tee "$D/run.log"
-tar czf "$OUT/$PART.tgz" -C "$OUT" "$PART" && rm -rf "$D"
+snap
