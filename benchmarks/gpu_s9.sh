@@ -5,6 +5,10 @@
 #                                           # agoq_forge B = 8 with clip est_global and none; the 1b preset
 #                                           # through the trainer (baseline, FORGE + AGoQ, FORGE int8 + AGoQ);
 #                                           # bench_agoq three times and once with loss_chunk=0 (the one-piece loss)
+#   OUT=dir bash benchmarks/gpu_s9.sh third   # the loss's chunks back to split-like (one concatenation): 125m AGoQ,
+#                                           # 1000 steps, seeds 0 and 1 and with the one-piece loss (is the gap to
+#                                           # the baseline seen in 'second' noise?); the 1b trainer, 16 steps:
+#                                           # FORGE + AGoQ and FORGE int8 + AGoQ (step logs kept)
 #   OUT=dir bash benchmarks/gpu_s9.sh second  # the loss's chunk gradients written into one buffer as they come:
 #                                           # bench_agoq three times, the 1b trainer (baseline, FORGE + AGoQ);
 #                                           # then 125m, 1000 steps: baseline, AGoQ, FORGE + AGoQ (loss curves)
@@ -18,11 +22,13 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s9w "$PART"; }
 train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 8 steps)
   local name=$1
   shift
-  local common="--preset 1b --steps 8 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+  local common="--preset 1b --steps ${STEPS1B:-8} --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
   common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false"
   log "train 1b $name: $common $*"
   timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
-  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null; rm -rf "$D/$name"
+  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null
+  [ -n "${KEEPLOG:-}" ] && cp "$D/$name/metrics.jsonl" "$D/train1b_${name}_metrics.jsonl" 2>/dev/null
+  rm -rf "$D/$name"
 }
 c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the 2026-11-29 curves' settings)
   local name=$1
@@ -62,6 +68,15 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the 2026-11-29 c
         c125 ${r%%:*} ${r#*:}
         snap
       done ;;
+    third)
+      gpuinfo
+      for r in "agoq:--agoq" "agoq_seed1:--agoq --agoq.seed 1" "agoq_onepiece:--agoq --model.loss-chunk 0"; do
+        c125 ${r%%:*} ${r#*:}
+        snap
+      done
+      export STEPS1B=16 KEEPLOG=1
+      train1b forge_agoq --forge --agoq --train.log-every 1
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq --train.log-every 1 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

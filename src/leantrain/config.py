@@ -308,6 +308,7 @@ def validate(cfg: Config) -> None:
         (0.0 < d.val_fraction < 1.0, "data.val_fraction must be in (0, 1)"),
         (t.steps >= 0, "train.steps must be >= 0"),
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
     ]
     for ok, msg in checks:

@@ -97,61 +97,30 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _ChunkGrads:
-    """The gradient of a tensor split into row chunks, written chunk by chunk as each arrives."""
+class _RowChunks(torch.autograd.Function):
+    """``x.split(rows)`` whose backward writes the chunks' gradients into one new tensor.
 
-    __slots__ = ("buf", "done", "shape", "dtype")
-
-    def __init__(self, x: Tensor):
-        self.buf, self.done, self.shape, self.dtype = None, [], x.shape, x.dtype
-
-    def write(self, start: int, g: Tensor) -> None:
-        if self.buf is None:
-            self.buf = torch.empty(self.shape, dtype=self.dtype, device=g.device)
-        self.buf[start: start + g.shape[0]].copy_(g)
-        self.done.append((start, g.shape[0]))
-
-
-class _Gather(torch.autograd.Function):
-    """Identity; its backward returns what the row chunks wrote (zeros where none arrived)."""
+    ``split``'s own backward concatenates them, which is the same; written out here so that a
+    chunk with no gradient (every target ignored) costs a zero fill, not a zeros tensor each.
+    (Writing each chunk's gradient into the result as it arrives, through views of the logits,
+    measured a higher peak on the H200: benchmarks/results/2026-11-30_H200_s9/second.)"""
 
     @staticmethod
-    def forward(ctx, x: Tensor, grads: _ChunkGrads) -> Tensor:
+    def forward(ctx, x: Tensor, rows: int):
         ctx.set_materialize_grads(False)
-        ctx.grads = grads
-        return x.view_as(x)
+        ctx.rows, ctx.shape, ctx.dtype = rows, x.shape, x.dtype
+        return x.split(rows)
 
     @staticmethod
-    def backward(ctx, g):
-        grads, ctx.grads = ctx.grads, None
-        buf = grads.buf
-        if buf is None:
-            return (None if g is None else g), None
-        done = sorted(grads.done)
-        pos = 0
-        for start, n in done + [(buf.shape[0], 0)]:  # rows no chunk wrote: zero
-            if start > pos:
-                buf[pos:start].zero_()
-            pos = max(pos, start + n)
-        if g is not None:  # the whole tensor was also used directly
-            buf += g
-        return buf, None
-
-
-class _Rows(torch.autograd.Function):
-    """``x[start: start + n]`` whose gradient goes into a :class:`_ChunkGrads` at once."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, grads: _ChunkGrads, start: int, n: int) -> Tensor:
-        ctx.set_materialize_grads(False)
-        ctx.grads, ctx.start = grads, start
-        return x.narrow(0, start, n)
-
-    @staticmethod
-    def backward(ctx, g):
-        if g is not None:
-            ctx.grads.write(ctx.start, g)
-        return None, None, None, None
+    def backward(ctx, *grads):
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=next((g.device for g in grads if g is not None), None))
+        for i, g in enumerate(grads):
+            part = out[i * ctx.rows: (i + 1) * ctx.rows]
+            if g is None:
+                part.zero_()
+            else:
+                part.copy_(g)
+        return out, None
 
 
 def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_index: int = -100) -> Tensor:
@@ -159,21 +128,13 @@ def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_in
     ``targets [N]``, ``chunk`` rows at a time (0: all at once).
 
     Each chunk is its own ``F.cross_entropy`` node: its fp32 copy, log-softmax (what backward
-    keeps) and gradients are a chunk's size, and each chunk's gradient goes straight into the
-    logits' gradient. The whole-batch form holds ~4 such fp32 passes at once (at 1b, B = 8,
-    vocab 32000: 1 GiB each), which is where a step's memory peaks. Every row's math is
-    unchanged, so the loss and the gradient are those of the one-piece form."""
+    keeps) and gradients are a chunk's size. The whole-batch form holds ~4 such fp32 passes at
+    once (at 1b, B = 8, vocab 32000: 1 GiB each), which is where a step's memory peaks. Every
+    row's math is unchanged, so the loss and the gradient are those of the one-piece form."""
     n = logits.shape[0]
     if chunk <= 0 or n <= chunk:
         return F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=ignore_index)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        # each chunk's gradient is copied into one [N, V] buffer as soon as it exists and freed:
-        # split's backward would hold every chunk's gradient and then their concatenation
-        grads = _ChunkGrads(logits)
-        whole = _Gather.apply(logits, grads)
-        parts = [_Rows.apply(whole, grads, i, min(chunk, n - i)) for i in range(0, n, chunk)]
-    else:
-        parts = logits.split(chunk)
+    parts = _RowChunks.apply(logits, chunk) if torch.is_grad_enabled() and logits.requires_grad else logits.split(chunk)
     return torch.cat([F.cross_entropy(x.float(), t, reduction="none", ignore_index=ignore_index)
                       for x, t in zip(parts, targets.split(chunk), strict=True)])
 
