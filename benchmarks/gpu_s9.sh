@@ -9,6 +9,9 @@
 #                                           # 1000 steps, seeds 0 and 1 and with the one-piece loss (is the gap to
 #                                           # the baseline seen in 'second' noise?); the 1b trainer, 16 steps:
 #                                           # FORGE + AGoQ and FORGE int8 + AGoQ (step logs kept)
+#   OUT=dir bash benchmarks/gpu_s9.sh fourth  # the clip kernel's per-launch ints no longer specialized (no compile
+#                                           # at step 2): its tests compiled, then the 1b trainer, 16 steps, every
+#                                           # step logged: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
 #   OUT=dir bash benchmarks/gpu_s9.sh second  # the loss's chunk gradients written into one buffer as they come:
 #                                           # bench_agoq three times, the 1b trainer (baseline, FORGE + AGoQ);
 #                                           # then 125m, 1000 steps: baseline, AGoQ, FORGE + AGoQ (loss curves)
@@ -75,6 +78,16 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the 2026-11-29 c
         snap
       done
       export STEPS1B=16 KEEPLOG=1
+      train1b forge_agoq --forge --agoq --train.log-every 1
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq --train.log-every 1 ;;
+    fourth)
+      gpuinfo
+      log "gpu tests: forge clip (the scale kernel compiled), the FORGE kernel's clip test"
+      gputest 90 tests/forge/test_forge_clip.py tests/forge/test_forge_kernel.py -k "clip or scale or est"
+      snap
+      rm -rf "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"  # the trainer runs compile what they use, as a user's would
+      export STEPS1B=16 KEEPLOG=1
+      train1b baseline --baseline --train.log-every 1
       train1b forge_agoq --forge --agoq --train.log-every 1
       train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq --train.log-every 1 ;;
   esac

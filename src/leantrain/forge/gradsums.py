@@ -46,7 +46,9 @@ if HAS_TRITON:
         """``torch.clamp(x, max=1)``: NaN stays NaN."""
         return tl.where(x != x, x, tl.minimum(x, 1.0))
 
-    @triton.jit
+    # slot, the flags and the program count change from launch to launch: not specialized
+    # (an int equal to 1 would compile another kernel at step 2, when predictions first exist)
+    @triton.jit(do_not_specialize=["npart", "slot", "has_pred", "have_total"])
     def _clip_scale_kernel(G, n, chunk, npart, PART, TICKET, SQ, SCALE, RUN, PRED, TOTAL, slot, has_pred,
                            have_total, clip, EST: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
         pid = tl.program_id(0)
