@@ -58,6 +58,10 @@ def _child(args) -> dict:
     idx = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     tgt = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     policy = Policy()
+    for kv in args.policy:  # --policy batch_mib=256: a Policy field set (AGoQ configurations)
+        k, v = kv.split("=", 1)
+        old = getattr(policy, k)
+        setattr(policy, k, v.lower() in ("1", "true") if isinstance(old, bool) else type(old)(v))
     if args.child == "agoq":  # persistent, as the trainer uses it (forwards replay their recorded plan)
         apply(m, policy)
     elif args.child == "agoq_noreplay":  # persistent, every forward through the full path with role hooks
@@ -166,6 +170,8 @@ def _run_child(preset, child, args) -> dict:
         cmd.append("--gc-off")
     for kv in args.model:
         cmd += ["--model", kv]
+    for kv in args.policy:
+        cmd += ["--policy", kv]
     if args.batch:
         cmd += ["--batch", str(args.batch)]
     if args.seq:
@@ -207,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-off", action="store_true", help="Python's cyclic garbage collector off in the timed steps")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a ModelConfig field (both configurations), e.g. --model sdpa_gqa=false")
+    ap.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE",
+                    help="set an agoq.Policy field (AGoQ configurations), e.g. --policy batch_mib=256")
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

@@ -12,6 +12,8 @@
 #   OUT=dir bash benchmarks/gpu_s9.sh fourth  # the clip kernel's per-launch ints no longer specialized (no compile
 #                                           # at step 2): its tests compiled, then the 1b trainer, 16 steps, every
 #                                           # step logged: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
+#   OUT=dir bash benchmarks/gpu_s9.sh fifth   # what sets AGoQ's peak: bench_agoq with loss_chunk 512 and 256, with
+#                                           # policy batch_mib 256, and both (512 + 256)
 #   OUT=dir bash benchmarks/gpu_s9.sh second  # the loss's chunk gradients written into one buffer as they come:
 #                                           # bench_agoq three times, the 1b trainer (baseline, FORGE + AGoQ);
 #                                           # then 125m, 1000 steps: baseline, AGoQ, FORGE + AGoQ (loss curves)
@@ -90,6 +92,13 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the 2026-11-29 c
       train1b baseline --baseline --train.log-every 1
       train1b forge_agoq --forge --agoq --train.log-every 1
       train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq --train.log-every 1 ;;
+    fifth)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants= --model loss_chunk=512" agoqrun chunk512 70; snap
+      AGOQ_ARGS="--variants= --model loss_chunk=256" agoqrun chunk256 70; snap
+      AGOQ_ARGS="--variants= --policy batch_mib=256" agoqrun batch256 70; snap
+      AGOQ_ARGS="--variants= --model loss_chunk=512 --policy batch_mib=256" agoqrun chunk512_batch256 70 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
