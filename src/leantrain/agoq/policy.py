@@ -88,8 +88,10 @@ class Policy:
     # On CUDA, 4/8-bit saves are packed in batches: one quantize launch per batch (flushed when
     # the tensors waiting hold this many MiB, and at the end of the forward) and one dequantize
     # launch at the batch's first unpack. The waiting tensors stay alive until the flush: this
-    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor).
-    batch_mib: float = 512.0
+    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor). 128 MiB
+    # (512 before session 9): the 1b step's peak 0.15 GiB lower at the same step time
+    # (benchmarks/results/2026-11-30_H200_s9/sixth/).
+    batch_mib: float = 128.0
 
     def __post_init__(self):
         for r in ROLES:
