@@ -46,6 +46,8 @@ SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)]
 TOKENS = [512, 1024, 2048, 4096, 16384]
 STEP_CONFIGS = ["torch_fp32_master_autocast", "torch_bf16", "torch_optim_in_backward_bf16", "forge_fp32",
                 "forge_bf16_sr_fp32_states", "forge_bf16_sr_int8_states"]
+# FORGE as it is meant to be used: composed with AGoQ (saved activations at ~4 bits); run on request
+EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq"]
 BATCHES = [1, 4, 16]
 
 
@@ -267,7 +269,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     cfg = preset("1b").model
     cfg.max_seq_len = max(cfg.max_seq_len, seq)
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
-                              "forge_bf16_sr_int8_states")
+                              "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq")
     with torch.device("cuda"):
         model = Llama(cfg)
     if bf16_weights:
@@ -287,8 +289,10 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(hook)
     else:
-        state_dtype = "int8" if config.endswith("int8_states") else "fp32"
+        state_dtype = "int8" if "int8_states" in config else "fp32"
         opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype, stochastic_rounding=True)
+        if config.endswith("_agoq"):
+            lt.agoq.apply(model, lt.agoq.Policy())
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def one_step():
@@ -333,7 +337,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             "final_loss": float(loss)}
 
 
-def bench_steps(quick: bool, log, timeout: float, steps: int, warmup: int, only_batches=None) -> list[dict]:
+def bench_steps(quick: bool, log, timeout: float, steps: int, warmup: int, only_batches=None,
+                configs=None) -> list[dict]:
     out = []
     batches = [1, 4] if quick else BATCHES
     batches = only_batches or batches
@@ -341,7 +346,7 @@ def bench_steps(quick: bool, log, timeout: float, steps: int, warmup: int, only_
            "TRITON_CACHE_AUTOTUNING": "1"}
     env.pop("TRITON_INTERPRET", None)
     for b in batches:
-        for c in STEP_CONFIGS:
+        for c in configs or STEP_CONFIGS:
             row = {"config": c, "B": b, "T": 1024}
             t0 = time.time()
             try:
@@ -435,6 +440,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="*", help="part (b) batch sizes (default 1 4 16; quick: 1 4)")
+    ap.add_argument("--configs", nargs="*", choices=STEP_CONFIGS + EXTRA_CONFIGS,
+                    help="part (b) configurations (default: the six of the issue)")
     ap.add_argument("--timeout-a", type=float, default=300.0, help="seconds for part (a)")
     ap.add_argument("--product", action="store_true",
                     help="part (a): also FORGE bf16 W + SR + int8 states (split and fused) and torch pure-bf16 AdamW")
@@ -503,7 +510,7 @@ def main(argv=None) -> int:
             log(res["layer_error"])
         log(f"part (a) done in {time.time() - t0:.0f}s")
     if args.part in ("b", "all"):
-        res["steps"] = bench_steps(args.quick, log, args.timeout, args.steps, args.warmup, args.batches)
+        res["steps"] = bench_steps(args.quick, log, args.timeout, args.steps, args.warmup, args.batches, args.configs)
     res["wall_s"] = round(time.time() - t0, 1)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     (out / f"{stem}.md").write_text(markdown(res))
