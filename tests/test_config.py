@@ -64,3 +64,11 @@ def test_parse_overrides():
         C.parse_overrides(["--a.b"])
     with pytest.raises(ConfigError, match="unexpected argument"):
         C.parse_overrides(["--verbose"])
+
+
+def test_every_advertised_submodule_imports():
+    """``dir(leantrain)`` lists only submodules that exist (they are imported on first access)."""
+    import leantrain
+
+    for name in leantrain._SUBMODULES:
+        assert getattr(leantrain, name).__name__ == f"leantrain.{name}"

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "config", "model", "data", "trainer", "ledger", "collectives", "ops", "optim",
-    "forge", "agoq", "comm", "dist", "finetune", "cli",
+    "forge", "agoq", "comm", "dist", "cli",
 }
 
 
