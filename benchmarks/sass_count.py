@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/sass_count.py quant --words 1 --bits 4 --fast 31 --warps 4 --rows 32
     PYTHONPATH=src python3 benchmarks/sass_count.py multi --kind -1 --bits 0 --fast 31 --warps 4 --rows 32
     PYTHONPATH=src python3 benchmarks/sass_count.py dequant --kind 1 --bits 4 --rows 16 --tpp 4 --aligned 1
+    PYTHONPATH=src python3 benchmarks/sass_count.py clip --idx64 0
 
 Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``, so a kernel compiles for
 sm_90 (the H200) on any machine. Printed per kernel: the static instruction count, the count up
@@ -81,7 +82,7 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8"])
+    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tpp", type=int, default=1, help="multi: tiles per program")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap a thread (0: none)")
     ap.add_argument("--aligned", type=int, default=1, help="multi, dequant: the ALIGNED constexpr (address / size hints)")
+    ap.add_argument("--idx64", type=int, default=0, help="clip: the layer's size passed as a 64-bit integer")
     a = ap.parse_args(argv)
     qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
     if a.kernel == "quant":
@@ -111,6 +113,15 @@ def main(argv=None) -> int:
                "n_blocks": "i64"}
         cons = dict(BS=256, COLS=256, ROWS=a.rows, SIGNED=True)
         div = tuple(sig)
+    elif a.kernel == "clip":  # FORGE's clip scale (forge/gradsums.py), est_global
+        from leantrain.forge import gradsums
+
+        fn = gradsums._clip_scale_kernel
+        sig = {"G": "*fp32", "n": "i64" if a.idx64 else "i32", "chunk": "i32", "npart": "i32", "PART": "*fp32",
+               "TICKET": "*i32", "SQ": "*fp32", "SCALE": "*fp32", "RUN": "*fp32", "PRED": "*fp32", "TOTAL": "*fp32",
+               "slot": "i32", "has_pred": "i32", "have_total": "i32", "clip": "fp32"}
+        cons = dict(EST=True, BLOCK=gradsums._GPU_BLOCK, PBLOCK=512)
+        div = ("G", "n", "chunk")
     elif a.kernel == "dequant":
         from leantrain.ops import multi
 
@@ -129,7 +140,8 @@ def main(argv=None) -> int:
         div = ("tab_ptr",)
     sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None)
     c = counts(sass)
-    per = a.rows * (256 if a.kernel == "state8" else 128) * a.tpp / (32 * a.warps)
+    per = (gradsums._GPU_BLOCK if a.kernel == "clip" else a.rows * (256 if a.kernel == "state8" else 128) * a.tpp) \
+        / (32 * a.warps)
     print(f"{a.kernel} {cons}  num_warps={a.warps}")
     print(f"instructions per thread: total {c['total']}, main path {c['main']}, clean path {c['clean']} "
           f"({c['clean'] / per:.1f} an element, {per:.0f} elements a thread)")
@@ -137,6 +149,8 @@ def main(argv=None) -> int:
     print("opcodes:", ", ".join(f"{k} {v}" for k, v in c["ops"]))
     mem = collections.Counter(m.group(0) for m in re.finditer(r"\b(?:STG|LDG)(?:\.\w+)*", sass))
     print("global loads / stores:", ", ".join(f"{k} {v}" for k, v in sorted(mem.items())))
+    sync = collections.Counter(m.group(0) for m in re.finditer(r"\b(?:ATOMG|MEMBAR|CCTL|BAR)(?:\.\w+)*", sass))
+    print("atomics / fences / barriers:", ", ".join(f"{k} {v}" for k, v in sorted(sync.items())) or "none")
     return 0
 
 
