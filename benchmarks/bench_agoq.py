@@ -30,6 +30,13 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
 
+def _set_field(obj, kv: str) -> None:
+    """``FIELD=VALUE`` set on a dataclass instance, the value converted to the field's type."""
+    k, v = kv.split("=", 1)
+    old = getattr(obj, k)
+    setattr(obj, k, v.lower() in ("1", "true") if isinstance(old, bool) else type(old)(v))
+
+
 def _child(args) -> dict:
     sys.path.insert(0, str(SRC))
     import torch
@@ -47,9 +54,7 @@ def _child(args) -> dict:
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, T)
     cfg.model.vocab_size = cfg.data.tokenizer_vocab  # what the trainer sets from the tokenizer (1b: 32000)
     for kv in args.model:  # --model sdpa_gqa=false: a model field set, in both the baseline and AGoQ
-        k, v = kv.split("=", 1)
-        old = getattr(cfg.model, k)
-        setattr(cfg.model, k, v.lower() in ("1", "true") if isinstance(old, bool) else type(old)(v))
+        _set_field(cfg.model, kv)
     torch.manual_seed(0)
     with torch.device(dev):  # initialize on the device (1.1B parameters on a CPU is slow)
         m = Llama(cfg.model)
@@ -59,9 +64,7 @@ def _child(args) -> dict:
     tgt = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(dev)
     policy = Policy()
     for kv in args.policy:  # --policy batch_mib=256: a Policy field set (AGoQ configurations)
-        k, v = kv.split("=", 1)
-        old = getattr(policy, k)
-        setattr(policy, k, v.lower() in ("1", "true") if isinstance(old, bool) else type(old)(v))
+        _set_field(policy, kv)
     if args.child == "agoq":  # persistent, as the trainer uses it (forwards replay their recorded plan)
         apply(m, policy)
     elif args.child == "agoq_noreplay":  # persistent, every forward through the full path with role hooks

@@ -36,7 +36,7 @@ class ModelConfig:
     sdpa_gqa: bool = True
     # the loss in chunks of this many tokens (0: one piece): each chunk's fp32 logits, log-softmax
     # and their gradients are a chunk's size, not the batch's (vocab x tokens x 4 B each: 1 GiB at
-    # 1b, B = 8), and the chunks' gradients land in one buffer. Row-wise math: the same values.
+    # 1b, B = 8). Row-wise math: the same values.
     loss_chunk: int = 1024
 
 

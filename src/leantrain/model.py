@@ -3,10 +3,10 @@
 RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward, grouped-query
 attention through ``scaled_dot_product_attention`` (``enable_gqa``: K/V are neither
 repeated nor saved for backward at the query heads' count), optional tied embedding /
-LM head, the cross-entropy in chunks of ``loss_chunk`` tokens (:func:`chunked_cross_entropy`). Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE,
-AGoQ and ChunkFT hook into. ``forward(idx, targets)`` returns the mean
-cross-entropy loss; ``forward(idx)`` returns logits; ``reduction="none"`` gives
-per-example losses (zeroth-order fine-tuning uses them).
+LM head, the cross-entropy in chunks of ``loss_chunk`` tokens (:func:`chunked_cross_entropy`).
+Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
+into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
+logits; ``reduction="none"`` gives per-example losses (zeroth-order fine-tuning uses them).
 """
 
 from __future__ import annotations
@@ -97,32 +97,6 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class _RowChunks(torch.autograd.Function):
-    """``x.split(rows)`` whose backward writes the chunks' gradients into one new tensor.
-
-    ``split``'s own backward concatenates them, which is the same; written out here so that a
-    chunk with no gradient (every target ignored) costs a zero fill, not a zeros tensor each.
-    (Writing each chunk's gradient into the result as it arrives, through views of the logits,
-    measured a higher peak on the H200: benchmarks/results/2026-11-30_H200_s9/second.)"""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, rows: int):
-        ctx.set_materialize_grads(False)
-        ctx.rows, ctx.shape, ctx.dtype = rows, x.shape, x.dtype
-        return x.split(rows)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=next((g.device for g in grads if g is not None), None))
-        for i, g in enumerate(grads):
-            part = out[i * ctx.rows: (i + 1) * ctx.rows]
-            if g is None:
-                part.zero_()
-            else:
-                part.copy_(g)
-        return out, None
-
-
 def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_index: int = -100) -> Tensor:
     """Per-token cross-entropy of ``logits [N, V]`` (any float dtype; computed in fp32) against
     ``targets [N]``, ``chunk`` rows at a time (0: all at once).
@@ -134,9 +108,11 @@ def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_in
     n = logits.shape[0]
     if chunk <= 0 or n <= chunk:
         return F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=ignore_index)
-    parts = _RowChunks.apply(logits, chunk) if torch.is_grad_enabled() and logits.requires_grad else logits.split(chunk)
+    # (split's backward concatenates the chunks' gradients. Writing each into the result as it
+    # arrived, through views of the logits, measured a higher peak on the H200:
+    # benchmarks/results/2026-11-30_H200_s9/second.)
     return torch.cat([F.cross_entropy(x.float(), t, reduction="none", ignore_index=ignore_index)
-                      for x, t in zip(parts, targets.split(chunk), strict=True)])
+                      for x, t in zip(logits.split(chunk), targets.split(chunk), strict=True)])
 
 
 class Llama(nn.Module):

@@ -19,7 +19,9 @@ import torch
 from _forge_util import RULES, Net, batches, max_rel, pair, train
 
 import leantrain as lt
+from leantrain.forge.gradsums import GradSums
 from leantrain.forge.optimizer import _EST_BETA
+from leantrain.ops._backend import HAS_TRITON, interpreting
 
 EPS = 1e-6
 
@@ -116,9 +118,6 @@ def test_est_global_nan_layer_does_not_poison_the_estimate():
 
 
 # ----------------------------------------------------------------------------- the one-launch scale kernel
-
-from leantrain.forge.gradsums import GradSums  # noqa: E402
-from leantrain.ops._backend import HAS_TRITON, interpreting  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.cuda.is_available())),
                                   reason="Triton interpreter or CUDA")

@@ -7,13 +7,13 @@ the non-fused parameters together. :class:`GradSums` keeps, on the device:
   ``opt.step()`` reads the whole array at once for the global norm and the non-finite report;
 - ``scale[slot]``: the clipping scale the slot's update reads (``clip="layer"`` / ``"est_global"``);
 - ``clip="est_global"``'s estimate: the running sums ``run = (S, C, Q)`` of this backward,
-  each slot's prediction ``pred`` and their ``total`` (see ``ForgeOptimizer._est_scale``).
+  each slot's prediction ``pred`` and their ``total`` (see ``ForgeOptimizer._scale_torch``).
 
 Why a kernel. Both clipping modes need a layer's norm before its update. In torch that is
 ~20 small operations a layer (squares, sum, finiteness, the estimate's running sums, clamp)
-and the step of the ``1b`` preset (112 layers) became host-bound: 226 ms against 164 ms
-unclipped on an H200 (benchmarks/results/2026-11-30_H200_s8/why). :func:`clip_scale` does it
-in one launch: each program sums the squares of its chunk of the materialized dW, stores
+and the step of the ``1b`` preset (155 fused layers) became host-bound: 226 ms against 164 ms
+unclipped on an H200 (benchmarks/results/2026-11-30_H200_s8/why). :meth:`GradSums.scale_kernel`
+does it in one launch: each program sums the squares of its chunk of the materialized dW, stores
 the partial, and takes a ticket (an acq_rel atomic); the program holding the last ticket
 adds the partials in a fixed order (deterministic) and does the scalar arithmetic. The
 arithmetic is the torch reference's, operation by operation (``c / x`` as torch computes a
@@ -142,9 +142,6 @@ class GradSums:
                EST=bool(est), BLOCK=block, PBLOCK=next_pow2(programs))
         return self.scale_views[slot]
 
-    def begin_backward(self) -> None:
-        self.run.zero_()
-
     # ------------------------------------------------------------------ end of step
 
     def fold(self, slots: list[int]) -> None:
@@ -157,7 +154,7 @@ class GradSums:
             ran = torch.zeros(self.nslots + 1, dtype=torch.bool)
             ran[list(slots)] = True
             masks = self._masks[key] = ran.to(self.sq.device)
-        has_before = torch.tensor(self.has, dtype=torch.bool).to(self.sq.device)
+        has_before = self._has_mask()
         s, old = self.sq, self.pred
         new = s
         if self.beta > 0:
@@ -168,10 +165,13 @@ class GradSums:
         self.pred.copy_(torch.where(masks, upd, old))
         for i in slots:
             self.has[i] = True
-        self._set_total()
+        self._set_total(has_before | masks)
 
-    def _set_total(self) -> None:
-        has = torch.tensor(self.has, dtype=torch.bool).to(self.pred.device)
+    def _has_mask(self) -> Tensor:
+        return torch.tensor(self.has, dtype=torch.bool).to(self.pred.device)
+
+    def _set_total(self, has: Tensor) -> None:
+        """``total``: the sum of the predictions of the slots that have one (``has``, on the device)."""
         self.total.copy_(torch.where(has, self.pred, torch.zeros_like(self.pred)).sum())
         self.have_total = any(self.has)
 
@@ -187,7 +187,7 @@ class GradSums:
         for i, t in preds.items():
             self.pred[i] = t.to(self.pred.device)
             self.has[i] = True
-        self._set_total()
+        self._set_total(self._has_mask())
 
 
 __all__ = ["GradSums", "CLIP_EPS"]

@@ -364,7 +364,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         w, b = layer.weight, layer.bias
         h = self._layer_host(layer, sw, sb)
         key = _KERNEL[1](self._seed(layer.index, step))
-        sums = self._sums if self._sums is not None else self._grad_sums(w.device)
+        sums = self._grad_sums(w.device)
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
             buf, g, gb = self._materialize(layer, x2, dy2, "triton")
@@ -408,7 +408,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._reduce_grads(rest)
         # the fused layers' sums of squares: already in one device array (slot order)
         slots = sorted(self._ran)
-        sums: list[tuple[str, Tensor | None]] = [(self.layers[i].name, None) for i in slots]
+        flag_names = [self.layers[i].name for i in slots]  # then the non-fused parameters'
         fused_sq = tp_sq = None
         if slots:
             if len(slots) == len(self.layers):
@@ -421,22 +421,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
         names = self._names
         if names is None:
             names = self._names = {p: n for n, p in self.model.named_parameters()}
-        grads = []
+        grads, rest_sq = [], []
         for p in rest:
             if p.grad.is_sparse:
                 raise RuntimeError("FORGE does not support sparse gradients")
             g = p.grad.float()
-            s = g.square().sum()
-            sums.append((names.get(p, "?"), s))
-            grads.append((p, g, s))
+            grads.append((p, g))
+            rest_sq.append(g.square().sum())
+            flag_names.append(names.get(p, "?"))
         total, others = None, None
         stacked = finite = None
-        if sums:  # one array, one isfinite for every layer and parameter (host time: not one per sum)
-            rest_sq = [s for _, _, s in grads]
+        if flag_names:  # one array, one isfinite for every layer and parameter (host time: not one per sum)
             if fused_sq is None:
                 stacked = torch.stack(rest_sq)
-            else:
-                stacked = torch.cat([fused_sq, torch.stack(rest_sq)]) if rest_sq else fused_sq.clone()
+            else:  # (read now: the array is rewritten next step)
+                stacked = torch.cat([fused_sq, torch.stack(rest_sq)]) if rest_sq else fused_sq
             finite = torch.isfinite(stacked)
             total = stacked.sum()
             if tp_sq is not None and self.clip in ("prev_global", "est_global"):  # TP shards: the other ranks' once
@@ -453,7 +452,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 known = known + torch.where(torch.isfinite(others), others, torch.zeros_like(others))
             rest_scale = torch.clamp(self.clip_value / (known.sqrt() + _CLIP_EPS), max=1.0)
         if grads:
-            r0 = len(sums) - len(grads)  # the non-fused parameters' sums come last
+            r0 = len(slots)  # the non-fused parameters' sums come last
             rest_ok = finite[r0:]
             scales = None  # each non-fused parameter's clipping scale (None: not clipped)
             if self.clip == "est_global":
@@ -465,7 +464,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             # the kernel's gate per parameter: its scale (or 1), NaN (store nothing) when not finite
             ones = torch.ones_like(stacked[r0:])
             gates = torch.where(rest_ok, ones if scales is None else scales, torch.full_like(ones, float("nan")))
-        for i, (p, g, _) in enumerate(grads):
+        for i, (p, g) in enumerate(grads):
             state = self._init_state(p)
             state["step"] += 1
             if self._rest_on_kernel(p, state):
@@ -474,7 +473,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if scales is not None:
                 g = g * scales[i]
             self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], ~rest_ok[i])
-        self._last_flags = ([n for n, _ in sums], None if finite is None else ~finite)
+        self._last_flags = (flag_names, None if finite is None else ~finite)
         if total is not None:
             self._last_norm = total.sqrt()
             if self.clip == "prev_global":
@@ -484,10 +483,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self._clip_scale = torch.where(ok, new, old)  # a non-finite step keeps the old scale
             elif self.clip == "est_global":  # fold this step's sums into the predictions
                 units = list(slots)
-                rest_sq = [s for _, _, s in grads] + ([others] if others is not None else [])
-                if rest_sq:  # the non-fused parameters (and other TP ranks' shards) as one unit
-                    sums_dev = self._grad_sums(rest_sq[0].device)
-                    sums_dev.sq_views[len(self.layers)].copy_(torch.stack(rest_sq).sum())
+                unit_sq = rest_sq + ([others] if others is not None else [])
+                if unit_sq:  # the non-fused parameters (and other TP ranks' shards) as one unit
+                    self._grad_sums(unit_sq[0].device).sq_views[len(self.layers)].copy_(torch.stack(unit_sq).sum())
                     units.append(len(self.layers))
                 self._sums.fold(units)
         if self._sums is not None and self.clip == "est_global":
