@@ -151,7 +151,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
 
     from leantrain.forge import detach
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
-    from leantrain.forge.optimizer import _mm_fp32
+    from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     row = {"N": n, "K": k, "T": t}
@@ -171,7 +171,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         launch_forge(MODE_FUSED, x=x, dy=dy, **common)
 
     def split():  # what ForgeOptimizer does from split_tokens on
-        _mm_fp32(dy.t(), x, buf, allow_upcast=True)
+        mm_fp32(dy.t(), x, buf, allow_upcast=True)
         launch_forge(MODE_UPDATE, g=buf, **common)
 
     def baseline():

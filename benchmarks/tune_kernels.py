@@ -399,7 +399,7 @@ def tune_agoq(log) -> list[dict]:
 
 def tune_forge(log) -> list[dict]:
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, launch_forge
-    from leantrain.forge.optimizer import _mm_fp32
+    from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     cfgs = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 32, 8, 3),
@@ -429,7 +429,7 @@ def tune_forge(log) -> list[dict]:
                 torch.matmul(dy.t(), x)
 
             def split():
-                _mm_fp32(dy.t(), x, buf, allow_upcast=True)
+                mm_fp32(dy.t(), x, buf, allow_upcast=True)
                 launch_forge(MODE_UPDATE, g=buf, **common)
 
             ref = torch.matmul(dy.t().float(), x.float())
@@ -459,7 +459,7 @@ def tune_forge(log) -> list[dict]:
 def tune_forge_paths(log) -> list[dict]:
     """Update-only tiles (the split path's second half) and low-stage fused tiles, 2048x5632."""
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
-    from leantrain.forge.optimizer import _mm_fp32
+    from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     N, K = 2048, 5632
@@ -482,7 +482,7 @@ def tune_forge_paths(log) -> list[dict]:
         x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
         buf = torch.empty(N, K, device="cuda")
-        r = {"case": f"mm T={T}", "ms": _bench(lambda: _mm_fp32(dy.t(), x, buf, allow_upcast=True))}
+        r = {"case": f"mm T={T}", "ms": _bench(lambda: mm_fp32(dy.t(), x, buf, allow_upcast=True))}
         log(json.dumps(r))
         rows.append(r)
         for c in ((64, 64, 32, 4, 1), (64, 64, 64, 4, 1), (64, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 128, 32, 4, 2),
@@ -560,7 +560,7 @@ def tune_s6(log) -> list[dict]:
     torch.cuda.empty_cache()
     # (3) FORGE split path in L2-sized row chunks
     from leantrain.forge.kernel import MODE_UPDATE, launch_forge
-    from leantrain.forge.optimizer import _mm_fp32
+    from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     side = torch.cuda.Stream()
@@ -581,7 +581,7 @@ def tune_s6(log) -> list[dict]:
                 p.grad = None
 
             def split(w, m, v):
-                _mm_fp32(dy.t(), x, buf, allow_upcast=True)
+                mm_fp32(dy.t(), x, buf, allow_upcast=True)
                 launch_forge(MODE_UPDATE, g=buf, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
                              hp=hp, step=10)
 
@@ -598,7 +598,7 @@ def tune_s6(log) -> list[dict]:
                         g = cb[j][: r1 - r0]
                         if two and i >= 2:
                             main.wait_event(ev_up[j])
-                        _mm_fp32(dy[:, r0:r1].t(), x, g, allow_upcast=True)
+                        mm_fp32(dy[:, r0:r1].t(), x, g, allow_upcast=True)
                         s = side if two else main
                         if two:
                             ev_mm[j].record(main)

@@ -34,9 +34,14 @@ class ModelConfig:
     # (1/8 of the K/V activation bytes at 1b). false: repeat K/V before SDPA (for SDPA backends
     # without GQA; the same values).
     sdpa_gqa: bool = True
-    # the loss in chunks of this many tokens (0: one piece): each chunk's fp32 logits, log-softmax
-    # and their gradients are a chunk's size, not the batch's (vocab x tokens x 4 B each: 1 GiB at
-    # 1b, B = 8). Row-wise math: the same values.
+    # the LM head and the cross-entropy fused (leantrain.losses): the logits are computed, used and
+    # dropped in vocabulary slices, forward and backward; no logits tensor, no log-softmax saved
+    # (at 1b, B = 8: 0.5 GiB of bf16 logits, 1 GiB of fp32 log-softmax, 0.5 GiB of their gradient).
+    # false: the logits, then the cross-entropy in chunks of loss_chunk tokens.
+    fused_loss: bool = True
+    # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
+    # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
+    # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).
     loss_chunk: int = 1024
 
 

@@ -3,7 +3,9 @@
 RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward, grouped-query
 attention through ``scaled_dot_product_attention`` (``enable_gqa``: K/V are neither
 repeated nor saved for backward at the query heads' count), optional tied embedding /
-LM head, the cross-entropy in chunks of ``loss_chunk`` tokens (:func:`chunked_cross_entropy`).
+LM head, the cross-entropy fused with the LM head in vocabulary slices, no logits tensor
+(``fused_loss``, :class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
+(:func:`chunked_cross_entropy`).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
 logits; ``reduction="none"`` gives per-example losses (zeroth-order fine-tuning uses them).
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .losses import linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -97,6 +100,28 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LMHead(nn.Linear):
+    """The output projection. ``head(h)``: the logits. ``head(h, targets)``: the per-token
+    cross-entropy of those logits, computed in vocabulary slices without the logits tensor
+    (:func:`leantrain.losses.linear_cross_entropy`; ``budget``: logits held at once, in tokens).
+
+    Its matmul goes through ``linear_fn`` (as ``lt.dist.tp``'s layers' does), which FORGE
+    replaces; the fused loss instead hands FORGE its dW slice by slice. Called as a module, so
+    AGoQ sees the saved input under the LM head's role."""
+
+    linear_fn = staticmethod(F.linear)
+
+    def __init__(self, dim: int, vocab: int, budget: int):
+        super().__init__(dim, vocab, bias=False)
+        self.budget = budget
+
+    def forward(self, x: Tensor, targets: Tensor | None = None, ignore_index: int = -100) -> Tensor:
+        if targets is None:
+            return self.linear_fn(x, self.weight, self.bias)
+        return linear_cross_entropy(x, self.weight, targets, bias=self.bias, budget=self.budget,
+                                    ignore_index=ignore_index, forge_layer=self.__dict__.get("_forge_layer"))
+
+
 def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_index: int = -100) -> Tensor:
     """Per-token cross-entropy of ``logits [N, V]`` (any float dtype; computed in fp32) against
     ``targets [N]``, ``chunk`` rows at a time (0: all at once).
@@ -127,7 +152,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.dim, cfg.vocab_size, cfg.loss_chunk)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
@@ -155,10 +180,13 @@ class Llama(nn.Module):
         x = self.embed_tokens(idx)
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
         if targets is None:
-            return logits
-        loss = chunked_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.cfg.loss_chunk)
+            return self.lm_head(h)
+        if self.cfg.fused_loss:
+            loss = self.lm_head(h.flatten(0, 1), targets.flatten())
+        else:
+            loss = chunked_cross_entropy(self.lm_head(h).flatten(0, 1), targets.flatten(), self.cfg.loss_chunk)
         if reduction == "none":  # per-example mean over its tokens
             mask = (targets != -100).float()
             return (loss.view_as(targets) * mask).sum(1) / mask.sum(1).clamp_min(1.0)

@@ -21,9 +21,10 @@ def _batch(vocab, B, T, seed=0):
     return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
 
 
-def test_hook_sees_every_saved_tensor():
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_hook_sees_every_saved_tensor(fused_loss):
     torch.manual_seed(0)
-    m = Llama(SMALL)
+    m = Llama(ModelConfig(**{**SMALL.__dict__, "fused_loss": fused_loss}))
     idx, tgt = _batch(512, 2, 64)
     n_plain, _ = count_saved(lambda: m(idx, tgt))
     with quantize_activations(m, Policy(), record=True) as pk:
@@ -33,9 +34,13 @@ def test_hook_sees_every_saved_tensor():
     decided = st["packed"] + st["dedup"] + sum(v for k, v in st.items() if k.startswith("kept:"))
     assert decided == st["saved"]  # nothing skipped silently
     packed_roles = {e["role"] for e in pk.log if e["why"] == "packed"}
-    assert packed_roles == {"qkv_in", "attn", "o_in", "mlp_in", "gate_up", "down_in", "norm", "head_in", "logits"}
+    # the fused LM head + loss saves no log-softmax: only its input (head_in) and the lse (a stat)
+    assert packed_roles == {"qkv_in", "attn", "o_in", "mlp_in", "gate_up", "down_in", "norm", "head_in"} | (
+        set() if fused_loss else {"logits"})
     kept = {e["why"] for e in pk.log if e["bits"] is None}
     assert {"param", "integer", "stat"} <= kept
+    if fused_loss:  # the lse [N, 1] (no grad, a statistic), kept exact under the LM head's role
+        assert any(e["role"] == "head_in" and e["shape"] == (2 * 64, 1) and e["bits"] is None for e in pk.log)
     for e in pk.log:  # rstd (last dim 1) and the SDPA log-sum-exp are never quantized
         if e["shape"][-1:] == (1,) or (e["role"] == "attn" and len(e["shape"]) == 3):
             assert e["bits"] is None, e

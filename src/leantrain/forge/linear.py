@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leantrain.ops._backend import autocast_dtype
+
 
 @dataclass(eq=False)
 class ForgeLayer:
@@ -35,19 +37,10 @@ class ForgeLayer:
     host: object = field(default=None, repr=False)  # the optimizer's per-layer launch cache
 
 
-def _autocast_dtype(device_type: str):
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError, RuntimeError):  # very old torch: no per-device query
-        pass
-    return None
-
-
 class ForgeLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, layer: ForgeLayer) -> Tensor:
-        cdt = _autocast_dtype(x.device.type)
+        cdt = autocast_dtype(x.device.type)
         if cdt is not None and x.dtype != cdt:
             x = x.to(cdt)
         # every operand in x's dtype: under autocast F.linear then casts nothing (no context switch needed)

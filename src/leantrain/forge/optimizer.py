@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from leantrain import collectives
 from leantrain.optim.rules import Rule
+from leantrain.ops._backend import mm_fp32
 from leantrain.optim.state import StateStorage, qmap_on
 
 from .gradsums import CLIP_EPS as _CLIP_EPS
@@ -75,29 +76,6 @@ class _Workspace:
 
     def release(self) -> None:
         self.buf = None
-
-
-_OUT_DTYPE_OK = [True]
-
-
-def _mm_fp32(a: Tensor, b: Tensor, out: Tensor, allow_upcast: bool) -> bool:
-    """``out = a @ b`` with an fp32 result (bf16 inputs: fp32 accumulation, never rounded to bf16).
-
-    Returns False when that needs an upcast copy and ``allow_upcast`` is off.
-    """
-    if a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-        return True
-    if a.is_cuda and _OUT_DTYPE_OK[0]:
-        try:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-            return True
-        except (TypeError, RuntimeError):
-            _OUT_DTYPE_OK[0] = False
-    if not allow_upcast:
-        return False
-    torch.mm(a.float(), b.float(), out=out)
-    return True
 
 
 _KERNEL = []
@@ -216,13 +194,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the per-layer update
 
-    def _update_layer(self, layer: ForgeLayer, x2: Tensor, dy2: Tensor) -> None:
+    def _update_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill=None) -> None:
+        """Update ``layer`` from ``dW = dy2ᵀ x2``, or, with ``fill``, from the dW that ``fill(g, gb)``
+        writes into the fp32 workspace views ``g [n, k]`` / ``gb [n]`` (``gb`` None without a
+        fused bias): for a caller that computes dW in pieces (the fused LM head + loss,
+        :mod:`leantrain.losses`). Either way the same reduction, clip, NaN gate and rule follow."""
         if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
             with torch.no_grad():
-                return self._update_layer_impl(layer, x2, dy2)
-        return self._update_layer_impl(layer, x2, dy2)
+                return self._update_layer_impl(layer, x2, dy2, fill)
+        return self._update_layer_impl(layer, x2, dy2, fill)
 
-    def _update_layer_impl(self, layer: ForgeLayer, x2: Tensor, dy2: Tensor) -> None:
+    def _update_layer_impl(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
         if layer.updated_in == self._step_id:
             raise RuntimeError(
                 f"FORGE: layer {layer.name!r} got a second gradient before opt.step(). FORGE applies the "
@@ -245,14 +227,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
             sb["step"] = step
         is_cuda = w.is_cuda
         backend = self._backend_for(w)
-        materialize = (backend == "torch" or self.dp_group is not None or self.clip in ("layer", "est_global")
+        materialize = (fill is not None or backend == "torch" or self.dp_group is not None
+                       or self.clip in ("layer", "est_global")
                        or (is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
         if backend == "triton":
-            self._update_triton(layer, x2, dy2, sw, sb, step, materialize)
+            self._update_triton(layer, x2, dy2, sw, sb, step, materialize, fill)
         else:
-            self._update_torch(layer, x2, dy2, self._hp(w), sw, sb, step)
+            self._update_torch(layer, x2, dy2, self._hp(w), sw, sb, step, fill)
 
-    def _materialize(self, layer, x2, dy2, backend):
+    def _materialize(self, layer, x2, dy2, backend, fill=None):
         """dW (and db) of one layer in the reused workspace, reduced over the DP group."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
@@ -260,8 +243,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         g = buf[: n * k].view(n, k)
         gb = buf[n * k:] if b is not None else None
         done = False
-        if backend == "torch" or x2.is_cuda:  # cuBLAS (or CPU BLAS)
-            done = _mm_fp32(dy2.t(), x2, g, allow_upcast=backend == "torch")
+        if fill is not None:
+            fill(g, gb)
+            done = True
+        elif backend == "torch" or x2.is_cuda:  # cuBLAS (or CPU BLAS)
+            done = mm_fp32(dy2.t(), x2, g, allow_upcast=backend == "torch")
             if done and gb is not None:
                 torch.sum(dy2, 0, dtype=torch.float32, out=gb)
         if not done:  # the kernel in "write dW" mode: fp32 accumulation, no upcast copies
@@ -304,9 +290,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return self._clip_scale
         return None
 
-    def _update_torch(self, layer, x2, dy2, hp, sw, sb, step):
+    def _update_torch(self, layer, x2, dy2, hp, sw, sb, step, fill=None):
         w, b = layer.weight, layer.bias
-        buf, g, gb = self._materialize(layer, x2, dy2, "torch")
+        buf, g, gb = self._materialize(layer, x2, dy2, "torch", fill)
         sq = self._grad_sums(w.device).sq_views[layer.slot]
         if buf.numel():
             sq.copy_(buf.square().sum())
@@ -359,7 +345,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         layer.host = h
         return h
 
-    def _update_triton(self, layer, x2, dy2, sw, sb, step, materialize):
+    def _update_triton(self, layer, x2, dy2, sw, sb, step, materialize, fill=None):
         K = _KERNEL[0] if _KERNEL else _kernel()
         w, b = layer.weight, layer.bias
         h = self._layer_host(layer, sw, sb)
@@ -367,7 +353,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sums = self._grad_sums(w.device)
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
-            buf, g, gb = self._materialize(layer, x2, dy2, "triton")
+            buf, g, gb = self._materialize(layer, x2, dy2, "triton", fill)
             if self.clip in ("layer", "est_global"):  # the scale needs this layer's norm first: one launch
                 scale = sums.scale_kernel(layer.slot, buf, self.clip == "est_global", self.clip_value)
             else:  # the kernel's per-tile sums of squares give the norm: no extra pass over dW

@@ -131,3 +131,36 @@ def launch(kernel, grid, *args, **meta) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_OUT_DTYPE_OK = [True]
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, allow_upcast: bool) -> bool:
+    """``out = a @ b`` with an fp32 result (bf16 inputs: fp32 accumulation, never rounded to bf16).
+
+    Returns False when that needs an upcast copy and ``allow_upcast`` is off.
+    """
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+        return True
+    if a.is_cuda and _OUT_DTYPE_OK[0]:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            return True
+        except (TypeError, RuntimeError):
+            _OUT_DTYPE_OK[0] = False
+    if not allow_upcast:
+        return False
+    torch.mm(a.float(), b.float(), out=out)
+    return True
+
+
+def autocast_dtype(device_type: str):
+    """The autocast dtype when autocast is on for ``device_type``, else None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # very old torch: no per-device query
+        pass
+    return None

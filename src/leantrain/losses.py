@@ -1,0 +1,163 @@
+"""The language-model loss without the logits tensor: the LM head and the cross-entropy fused.
+
+At 1b (vocabulary 32000) and B = 8, T = 1024, the logits are 0.5 GiB in bf16; cross-entropy
+then keeps their fp32 log-softmax for backward (1 GiB) and backward makes a gradient of the
+logits' size (0.5 GiB) that the head's matmuls need whole. :func:`linear_cross_entropy`
+computes ``F.cross_entropy(h @ W.T + b, targets, reduction="none")`` in slices of the
+vocabulary instead:
+
+- forward, per slice ``j`` of ``cols`` vocabulary rows: ``z_j = h @ W_j.T`` (the compute
+  dtype, fp32 accumulation), its fp32 copy, the targets' logits gathered from it, and a running
+  log-sum-exp. Saved for backward: ``h``, ``W`` (a parameter: no copy), the targets and the
+  log-sum-exp per token (fp32, ``[N, 1]``). Nothing of the vocabulary's size.
+- backward, per slice: ``z_j`` again (one more matmul of the head's forward size),
+  ``dz_j = g · (exp(z_j - lse) - onehot_j)`` rounded to the compute dtype (as the ``.float()``
+  cast of the unfused form rounds it), then ``dW_j = dz_jᵀ h`` into rows ``j`` of dW (fp32
+  accumulation; complete over every token: no accumulation across slices) and
+  ``dh += dz_j W_j`` (an fp32 accumulator of ``h``'s size).
+
+A slice holds ``ceil(budget · V / N)`` columns rounded up to a multiple of 128 (of 8 below 128;
+``budget``: ``ModelConfig.loss_chunk`` tokens' worth of logits), so its fp32 logits are about
+``budget × V × 4`` bytes whatever the batch: 125 MiB at 1b with the default 1024.
+
+FORGE (``forge_layer``): the head's weight is updated inside this backward. The slices write
+dW into FORGE's fp32 workspace (:meth:`ForgeOptimizer._update_layer` with ``fill``) and the
+layer's data-parallel reduction, clip, NaN gate and rule follow as for any fused layer; ``dh``
+is computed with the old W (the slices run before the update). AGoQ: ``h`` is saved with
+``ctx.save_for_backward`` under the LM head's module (role ``head_in``); the log-sum-exp
+(``[N, 1]``: a reduced statistic) and the integer targets are kept exact.
+
+The per-token losses equal the unfused ones up to fp32 rounding of the log-sum-exp's summation
+order (the slices'); gradients are the unfused form's with one rounding of ``dz`` each
+(tested: ``tests/test_losses.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops._backend import autocast_dtype, mm_fp32
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyFn", "slice_cols"]
+
+_ALIGN = 128
+
+
+def slice_cols(n_rows: int, vocab: int, budget: int) -> int:
+    """Vocabulary columns per slice: about ``budget`` rows' worth of logits (0: one slice)."""
+    if budget <= 0 or n_rows <= budget:
+        return vocab
+    cols = -(-budget * vocab // n_rows)
+    align = _ALIGN if cols >= _ALIGN else 8  # whole 128-column tiles for the matmuls; small vocabularies: 8
+    return min(-(-cols // align) * align, vocab)
+
+
+def _slice_logits(h: Tensor, weight: Tensor, bias: Tensor | None, j0: int, j1: int) -> Tensor:
+    """fp32 ``h @ W[j0:j1].T (+ b)``, the matmul in ``h``'s dtype (rounded to it, as F.linear's output)."""
+    w = weight[j0:j1]
+    if w.dtype != h.dtype:
+        w = w.to(h.dtype)
+    b = None
+    if bias is not None:
+        b = bias[j0:j1] if bias.dtype == h.dtype else bias[j0:j1].to(h.dtype)
+    return F.linear(h, w, b).float()
+
+
+class LinearCrossEntropyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, cols: int,
+                ignore_index: int, layer) -> Tensor:
+        cdt = autocast_dtype(h.device.type) or h.dtype
+        if h.dtype != cdt:
+            h = h.to(cdt)
+        n, vocab = h.shape[0], weight.shape[0]
+        lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
+        zt = torch.zeros(n, dtype=torch.float32, device=h.device)
+        valid = targets != ignore_index
+        for j0 in range(0, vocab, cols):
+            j1 = min(vocab, j0 + cols)
+            z = _slice_logits(h, weight, bias, j0, j1)
+            inside = valid & (targets >= j0) & (targets < j1)
+            idx = torch.where(inside, targets - j0, 0).unsqueeze(1)
+            zt += torch.where(inside, z.gather(1, idx).squeeze(1), 0.0)
+            m = z.amax(1)
+            m = torch.where(torch.isfinite(m), m, 0.0)  # a row of -inf: exp gives 0, lse -inf
+            part = z.sub_(m.unsqueeze(1)).exp_().sum(1).log_().add_(m)
+            del z
+            lse = torch.logaddexp(lse, part)
+        # a target outside [0, V) (other than ignore_index) gives a NaN loss, not a host sync
+        bad = valid & ((targets < 0) | (targets >= vocab))
+        loss = torch.where(valid, lse - zt, 0.0).masked_fill_(bad, float("nan"))
+        ctx.save_for_backward(h, weight, bias, targets, lse.unsqueeze(1))
+        ctx.cols, ctx.ignore_index, ctx.layer = cols, ignore_index, layer
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        layer, cols = ctx.layer, ctx.cols
+        n, vocab = h.shape[0], weight.shape[0]
+        valid = targets != ctx.ignore_index
+        gs = torch.where(valid, grad.float(), 0.0).unsqueeze(1)
+        need_h = ctx.needs_input_grad[0]
+        need_w = layer is None and ctx.needs_input_grad[1]
+        need_b = layer is None and bias is not None and ctx.needs_input_grad[2]
+        dh = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
+        tmp = torch.empty_like(dh) if need_h and vocab > cols else None
+
+        def fill(gw: Tensor | None, gb: Tensor | None) -> None:
+            for j0 in range(0, vocab, cols):
+                j1 = min(vocab, j0 + cols)
+                z = _slice_logits(h, weight, bias, j0, j1)
+                p = z.sub_(lse).exp_()  # softmax over the whole row, this slice's columns
+                del z
+                inside = valid & (targets >= j0) & (targets < j1)  # minus the one-hot (no host sync)
+                p.scatter_add_(1, torch.where(inside, targets - j0, 0).unsqueeze(1), inside.float().neg_().unsqueeze(1))
+                dz = p.mul_(gs).to(h.dtype)
+                del p
+                if gb is not None:
+                    torch.sum(dz, 0, dtype=torch.float32, out=gb[j0:j1])
+                if gw is not None:
+                    if gw.dtype == torch.float32:
+                        mm_fp32(dz.t(), h, gw[j0:j1], allow_upcast=True)
+                    else:
+                        torch.mm(dz.t(), h, out=gw[j0:j1])
+                if dh is not None:  # the old W: FORGE updates it only after fill returns
+                    w = weight[j0:j1] if weight.dtype == dz.dtype else weight[j0:j1].to(dz.dtype)
+                    if tmp is None:
+                        mm_fp32(dz, w, dh, allow_upcast=True)
+                    else:
+                        mm_fp32(dz, w, tmp, allow_upcast=True)
+                        dh.add_(tmp)
+
+        dw = db = None
+        if layer is not None:
+            layer.opt._update_layer(layer, h, None, fill=fill)
+        else:
+            if need_w:
+                dw = torch.empty_like(weight, dtype=torch.float32 if weight.dtype == torch.float32 else h.dtype)
+            if need_b:
+                db = torch.empty(vocab, dtype=torch.float32, device=h.device)
+            fill(dw, db)
+        return (dh.to(h.dtype) if dh is not None else None), dw, db, None, None, None, None
+
+
+def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
+                         budget: int = 1024, ignore_index: int = -100, forge_layer=None) -> Tensor:
+    """Per-token ``F.cross_entropy(h @ weight.T + bias, targets, reduction="none")`` without the
+    logits tensor (module docstring). ``h [N, D]``, ``weight [V, D]``, ``targets [N]`` (``ignore_index``:
+    loss 0, no gradient). ``budget``: logits held at once, in rows of ``V`` (0: all at once).
+    ``forge_layer``: the head is a FORGE layer; its weight (and bias) are updated in backward."""
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: h {tuple(h.shape)} and weight {tuple(weight.shape)} "
+                         "must be [N, D] and [V, D]")
+    if targets.shape != h.shape[:1]:
+        raise ValueError(f"linear_cross_entropy: targets {tuple(targets.shape)} must be [{h.shape[0]}]")
+    if budget < 0:
+        raise ValueError(f"linear_cross_entropy: budget must be >= 0, got {budget}")
+    if forge_layer is not None and not torch.is_grad_enabled():
+        forge_layer = None
+    cols = slice_cols(h.shape[0], weight.shape[0], budget)
+    return LinearCrossEntropyFn.apply(h, weight, bias, targets, cols, ignore_index, forge_layer)
