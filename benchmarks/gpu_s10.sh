@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Session 10's GPU calls (under the device tool's 600 s limit; one tarball comes back):
+#   OUT=dir bash benchmarks/gpu_s10.sh main    # the LM head + loss fused (leantrain/losses.py): its tests and the
+#                                            # clip kernel's (64-bit offsets) compiled; the torchrun NCCL smoke test
+#                                            # when 2 GPUs are there (FORGE data parallel now updates the head from
+#                                            # the slices); bench_agoq twice fused, once unfused (fused_loss=false);
+#                                            # the 1b trainer, 16 steps: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
+#   OUT=dir bash benchmarks/gpu_s10.sh second  # 125m, 1000 steps: baseline and AGoQ (loss curves, the fused loss);
+#                                            # profile_step agoq_forge B = 8, clip est_global
+# Work goes to /tmp/s10w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+PART=${1:-main}
+D=/tmp/s10w/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s10w "$PART"; }
+train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step logged)
+  local name=$1
+  shift
+  local common="--preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+  common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false --train.log-every 1"
+  log "train 1b $name: $common $*"
+  timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
+  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null
+  cp "$D/$name/metrics.jsonl" "$D/train1b_${name}_metrics.jsonl" 2>/dev/null
+  rm -rf "$D/$name"
+}
+c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curves' settings)
+  local name=$1
+  shift
+  log "125m, 1000 steps: $name: $*"
+  timeout 140 python3 -m leantrain train --preset 125m --steps 1000 "$@" --out "$D/c125_$name" --data.max-corpus-mb 16 \
+    --train.eval-every 200 --train.ckpt-every 0 --train.sample-tokens 0 --train.log-every 50 --train.progress false \
+    2>&1 | grep -v Warn | tail -2
+  find "$D/c125_$name" -mindepth 1 -not -name metrics.jsonl -not -name summary.json -exec rm -rf {} + 2>/dev/null
+}
+{
+  case "$PART" in
+    main)
+      gpuinfo
+      log "gpu tests: the fused loss, the clip kernel (64-bit offsets), the model, AGoQ's save path"
+      gputest 150 tests/test_losses.py tests/forge/test_forge_clip.py tests/test_model.py tests/agoq/test_agoq_hooks.py
+      snap
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        log "torchrun NCCL smoke test (2 GPUs)"
+        timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node=2 tests/dist/torchrun_smoke.py 2>&1 \
+          | grep -v Warn | tail -14
+        snap
+      fi
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun fused1 70
+      AGOQ_ARGS="--variants=" agoqrun fused2 70
+      AGOQ_ARGS="--variants= --model fused_loss=false" agoqrun unfused 70
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
+    second)
+      gpuinfo
+      for r in "baseline:--baseline" "agoq:--agoq"; do
+        c125 ${r%%:*} ${r#*:}
+        snap
+      done
+      log "profile agoq_forge B=8 clip=est_global"
+      timeout 70 python3 benchmarks/profile_step.py --config agoq_forge --batch 8 --clip est_global --out "$D" 2>&1 \
+        | grep -v Warn | tail -1 ;;
+  esac
+} 2>&1 | tee "$D/run.log"
+snap
