@@ -5,7 +5,11 @@
 #                                            # when 2 GPUs are there (FORGE data parallel now updates the head from
 #                                            # the slices); bench_agoq twice fused, once unfused (fused_loss=false);
 #                                            # the 1b trainer, 16 steps: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
-#   OUT=dir bash benchmarks/gpu_s10.sh second  # 125m, 1000 steps: baseline and AGoQ (loss curves, the fused loss);
+#   OUT=dir bash benchmarks/gpu_s10.sh second  # the fused loss's logits in fp32 from the GEMM (no bf16 rounding, no bf16
+#                                            # copy) and dh by addmm with beta = 1: its GPU tests; bench_agoq twice, and
+#                                            # with loss_chunk=512; peak_trace.py (where the peak is) for AGoQ and the
+#                                            # baseline; the 1b trainer again: baseline, FORGE + AGoQ
+#   OUT=dir bash benchmarks/gpu_s10.sh third   # 125m, 1000 steps: baseline and AGoQ (loss curves, the fused loss);
 #                                            # profile_step agoq_forge B = 8, clip est_global
 # Work goes to /tmp/s10w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
@@ -56,6 +60,23 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       train1b forge_agoq --forge --agoq
       train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
     second)
+      gpuinfo
+      log "gpu tests: the fused loss"
+      gputest 120 tests/test_losses.py
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun fused3 70
+      AGOQ_ARGS="--variants=" agoqrun fused4 70
+      AGOQ_ARGS="--variants= --model loss_chunk=512" agoqrun fused_chunk512 70
+      snap
+      for c in agoq baseline; do
+        log "peak_trace $c"
+        timeout 70 python3 benchmarks/peak_trace.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -12
+      done
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq ;;
+    third)
       gpuinfo
       for r in "baseline:--baseline" "agoq:--agoq"; do
         c125 ${r%%:*} ${r#*:}

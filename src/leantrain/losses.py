@@ -6,15 +6,16 @@ logits' size (0.5 GiB) that the head's matmuls need whole. :func:`linear_cross_e
 computes ``F.cross_entropy(h @ W.T + b, targets, reduction="none")`` in slices of the
 vocabulary instead:
 
-- forward, per slice ``j`` of ``cols`` vocabulary rows: ``z_j = h @ W_j.T`` (the compute
-  dtype, fp32 accumulation), its fp32 copy, the targets' logits gathered from it, and a running
-  log-sum-exp. Saved for backward: ``h``, ``W`` (a parameter: no copy), the targets and the
-  log-sum-exp per token (fp32, ``[N, 1]``). Nothing of the vocabulary's size.
+- forward, per slice ``j`` of ``cols`` vocabulary rows: ``z_j = h @ W_j.T`` in fp32 (fp32
+  accumulation of the compute dtype's products; unlike ``F.linear``'s bf16 output, never
+  rounded to bf16), the targets' logits gathered from it, and a running log-sum-exp. Saved for
+  backward: ``h``, ``W`` (a parameter: no copy), the targets and the log-sum-exp per token
+  (fp32, ``[N, 1]``). Nothing of the vocabulary's size.
 - backward, per slice: ``z_j`` again (one more matmul of the head's forward size),
   ``dz_j = g · (exp(z_j - lse) - onehot_j)`` rounded to the compute dtype (as the ``.float()``
   cast of the unfused form rounds it), then ``dW_j = dz_jᵀ h`` into rows ``j`` of dW (fp32
   accumulation; complete over every token: no accumulation across slices) and
-  ``dh += dz_j W_j`` (an fp32 accumulator of ``h``'s size).
+  ``dh += dz_j W_j`` (an fp32 accumulator of ``h``'s size; on CUDA one GEMM with beta = 1).
 
 A slice holds ``ceil(budget · V / N)`` columns rounded up to a multiple of 128 (of 8 below 128;
 ``budget``: ``ModelConfig.loss_chunk`` tokens' worth of logits), so its fp32 logits are about
@@ -27,9 +28,9 @@ is computed with the old W (the slices run before the update). AGoQ: ``h`` is sa
 ``ctx.save_for_backward`` under the LM head's module (role ``head_in``); the log-sum-exp
 (``[N, 1]``: a reduced statistic) and the integer targets are kept exact.
 
-The per-token losses equal the unfused ones up to fp32 rounding of the log-sum-exp's summation
-order (the slices'); gradients are the unfused form's with one rounding of ``dz`` each
-(tested: ``tests/test_losses.py``).
+In fp32 the per-token losses and gradients equal the unfused form's up to the summation order
+(≤ 2e-6 relative, tested); in bf16 they differ by the unfused form's rounding of the logits to
+bf16, which this form does not do (``tests/test_losses.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops._backend import autocast_dtype, mm_fp32
+from .ops._backend import addmm_fp32, autocast_dtype, mm_fp32
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFn", "slice_cols"]
 
@@ -54,15 +55,16 @@ def slice_cols(n_rows: int, vocab: int, budget: int) -> int:
     return min(-(-cols // align) * align, vocab)
 
 
-def _slice_logits(h: Tensor, weight: Tensor, bias: Tensor | None, j0: int, j1: int) -> Tensor:
-    """fp32 ``h @ W[j0:j1].T (+ b)``, the matmul in ``h``'s dtype (rounded to it, as F.linear's output)."""
+def _slice_logits(h: Tensor, weight: Tensor, bias: Tensor | None, j0: int, j1: int, buf: Tensor) -> Tensor:
+    """fp32 ``h @ W[j0:j1].T (+ b)`` into ``buf`` (fp32 accumulation, never rounded to ``h``'s dtype)."""
     w = weight[j0:j1]
     if w.dtype != h.dtype:
         w = w.to(h.dtype)
-    b = None
+    z = buf.view(-1)[: h.shape[0] * (j1 - j0)].view(h.shape[0], j1 - j0)
+    mm_fp32(h, w.t(), z, allow_upcast=True)
     if bias is not None:
-        b = bias[j0:j1] if bias.dtype == h.dtype else bias[j0:j1].to(h.dtype)
-    return F.linear(h, w, b).float()
+        z += bias[j0:j1].to(h.dtype).float()
+    return z
 
 
 class LinearCrossEntropyFn(torch.autograd.Function):
@@ -76,17 +78,18 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
         zt = torch.zeros(n, dtype=torch.float32, device=h.device)
         valid = targets != ignore_index
+        buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
         for j0 in range(0, vocab, cols):
             j1 = min(vocab, j0 + cols)
-            z = _slice_logits(h, weight, bias, j0, j1)
+            z = _slice_logits(h, weight, bias, j0, j1, buf)
             inside = valid & (targets >= j0) & (targets < j1)
             idx = torch.where(inside, targets - j0, 0).unsqueeze(1)
             zt += torch.where(inside, z.gather(1, idx).squeeze(1), 0.0)
             m = z.amax(1)
             m = torch.where(torch.isfinite(m), m, 0.0)  # a row of -inf: exp gives 0, lse -inf
             part = z.sub_(m.unsqueeze(1)).exp_().sum(1).log_().add_(m)
-            del z
             lse = torch.logaddexp(lse, part)
+        del buf, z
         # a target outside [0, V) (other than ignore_index) gives a NaN loss, not a host sync
         bad = valid & ((targets < 0) | (targets >= vocab))
         loss = torch.where(valid, lse - zt, 0.0).masked_fill_(bad, float("nan"))
@@ -105,18 +108,15 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         need_w = layer is None and ctx.needs_input_grad[1]
         need_b = layer is None and bias is not None and ctx.needs_input_grad[2]
         dh = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
-        tmp = torch.empty_like(dh) if need_h and vocab > cols else None
 
         def fill(gw: Tensor | None, gb: Tensor | None) -> None:
+            buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
             for j0 in range(0, vocab, cols):
                 j1 = min(vocab, j0 + cols)
-                z = _slice_logits(h, weight, bias, j0, j1)
-                p = z.sub_(lse).exp_()  # softmax over the whole row, this slice's columns
-                del z
+                p = _slice_logits(h, weight, bias, j0, j1, buf).sub_(lse).exp_()  # the row's softmax, these columns
                 inside = valid & (targets >= j0) & (targets < j1)  # minus the one-hot (no host sync)
                 p.scatter_add_(1, torch.where(inside, targets - j0, 0).unsqueeze(1), inside.float().neg_().unsqueeze(1))
                 dz = p.mul_(gs).to(h.dtype)
-                del p
                 if gb is not None:
                     torch.sum(dz, 0, dtype=torch.float32, out=gb[j0:j1])
                 if gw is not None:
@@ -125,12 +125,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
                     else:
                         torch.mm(dz.t(), h, out=gw[j0:j1])
                 if dh is not None:  # the old W: FORGE updates it only after fill returns
-                    w = weight[j0:j1] if weight.dtype == dz.dtype else weight[j0:j1].to(dz.dtype)
-                    if tmp is None:
-                        mm_fp32(dz, w, dh, allow_upcast=True)
-                    else:
-                        mm_fp32(dz, w, tmp, allow_upcast=True)
-                        dh.add_(tmp)
+                    addmm_fp32(dh, dz, weight[j0:j1] if weight.dtype == dz.dtype else weight[j0:j1].to(dz.dtype))
+                del dz
 
         dw = db = None
         if layer is not None:

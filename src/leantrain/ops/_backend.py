@@ -156,6 +156,25 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, allow_upcast: b
     return True
 
 
+_ADDMM_DTYPE_OK = [True]
+
+
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32 ``acc`` (bf16 inputs: fp32 accumulation, the product never
+    rounded to bf16). On CUDA one GEMM with beta = 1 (``addmm`` with ``out_dtype``); elsewhere,
+    and where that overload is missing, an upcast product added in."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _ADDMM_DTYPE_OK[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            _ADDMM_DTYPE_OK[0] = False
+    acc.addmm_(a.float(), b.float())
+
+
 def autocast_dtype(device_type: str):
     """The autocast dtype when autocast is on for ``device_type``, else None."""
     try:
