@@ -9,8 +9,10 @@
 #                                            # copy) and dh by addmm with beta = 1: its GPU tests; bench_agoq twice, and
 #                                            # with loss_chunk=512; peak_trace.py (where the peak is) for AGoQ and the
 #                                            # baseline; the 1b trainer again: baseline, FORGE + AGoQ
-#   OUT=dir bash benchmarks/gpu_s10.sh third   # 125m, 1000 steps: baseline and AGoQ (loss curves, the fused loss);
-#                                            # profile_step agoq_forge B = 8, clip est_global
+#   OUT=dir bash benchmarks/gpu_s10.sh third   # the fused loss's element-wise passes as Triton kernels (ops/xent.py):
+#                                            # their tests and the fused loss's compiled; bench_agoq fused twice and
+#                                            # unfused once (the same host); the 1b trainer: baseline, FORGE + AGoQ,
+#                                            # and baseline unfused; 125m, 1000 steps: baseline and AGoQ (loss curves)
 # Work goes to /tmp/s10w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
@@ -78,13 +80,22 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       train1b forge_agoq --forge --agoq ;;
     third)
       gpuinfo
+      log "gpu tests: the fused loss and its kernels"
+      gputest 120 tests/test_losses.py tests/ops/test_xent.py
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun fused5 70
+      AGOQ_ARGS="--variants= --model fused_loss=false" agoqrun unfused2 70
+      AGOQ_ARGS="--variants=" agoqrun fused6 70
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b baseline_unfused --baseline --model.fused-loss false
+      snap
       for r in "baseline:--baseline" "agoq:--agoq"; do
         c125 ${r%%:*} ${r#*:}
         snap
-      done
-      log "profile agoq_forge B=8 clip=est_global"
-      timeout 70 python3 benchmarks/profile_step.py --config agoq_forge --batch 8 --clip est_global --out "$D" 2>&1 \
-        | grep -v Warn | tail -1 ;;
+      done ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

@@ -236,12 +236,14 @@ def test_cuda_equals_fp32_math(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_forge_head_triton():
     """On CUDA, FORGE's compiled Triton update of the head from the slices, bf16 weights + SR and
-    est_global: the weights follow the unfused loss's run (the same kernel on a one-GEMM dW)."""
+    est_global: the weights follow the unfused loss's run (the same kernel on a one-GEMM dW).
+    SGD + momentum: linear in the gradient (Adam's first steps are sign-like: a gradient's
+    rounding difference flips near-zero elements by 2 lr)."""
     torch.manual_seed(0)
     m0 = Llama(_cfg(vocab_size=4000, dim=64, loss_chunk=8, fused_loss=False)).cuda().bfloat16()
     m1 = copy.deepcopy(m0)
     m1.cfg = _cfg(vocab_size=4000, dim=64, loss_chunk=8)
-    rule = lt.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    rule = lt.optim.SGD(lr=0.1, momentum=0.9, weight_decay=0.01)
     o0 = lt.forge.attach(m0, rule, clip="est_global", clip_value=1.0)
     o1 = lt.forge.attach(m1, rule, clip="est_global", clip_value=1.0)
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,8 @@ vocabulary instead:
   accumulation of the compute dtype's products; unlike ``F.linear``'s bf16 output, never
   rounded to bf16), the targets' logits gathered from it, and a running log-sum-exp. Saved for
   backward: ``h``, ``W`` (a parameter: no copy), the targets and the log-sum-exp per token
-  (fp32, ``[N, 1]``). Nothing of the vocabulary's size.
+  (fp32, ``[N, 1]``). Nothing of the vocabulary's size. (The element-wise passes over a
+  slice are one kernel each on CUDA: :mod:`leantrain.ops.xent`.)
 - backward, per slice: ``z_j`` again (one more matmul of the head's forward size),
   ``dz_j = g · (exp(z_j - lse) - onehot_j)`` rounded to the compute dtype (as the ``.float()``
   cast of the unfused form rounds it), then ``dW_j = dz_jᵀ h`` into rows ``j`` of dW (fp32
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops._backend import addmm_fp32, autocast_dtype, mm_fp32
+from .ops.xent import slice_lse, softmax_grad
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFn", "slice_cols"]
 
@@ -81,15 +83,10 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
         for j0 in range(0, vocab, cols):
             j1 = min(vocab, j0 + cols)
-            z = _slice_logits(h, weight, bias, j0, j1, buf)
-            inside = valid & (targets >= j0) & (targets < j1)
-            idx = torch.where(inside, targets - j0, 0).unsqueeze(1)
-            zt += torch.where(inside, z.gather(1, idx).squeeze(1), 0.0)
-            m = z.amax(1)
-            m = torch.where(torch.isfinite(m), m, 0.0)  # a row of -inf: exp gives 0, lse -inf
-            part = z.sub_(m.unsqueeze(1)).exp_().sum(1).log_().add_(m)
+            part, zt_j = slice_lse(_slice_logits(h, weight, bias, j0, j1, buf), targets, j0, ignore_index)
+            zt += zt_j
             lse = torch.logaddexp(lse, part)
-        del buf, z
+        del buf
         # a target outside [0, V) (other than ignore_index) gives a NaN loss, not a host sync
         bad = valid & ((targets < 0) | (targets >= vocab))
         loss = torch.where(valid, lse - zt, 0.0).masked_fill_(bad, float("nan"))
@@ -102,8 +99,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         h, weight, bias, targets, lse = ctx.saved_tensors
         layer, cols = ctx.layer, ctx.cols
         n, vocab = h.shape[0], weight.shape[0]
-        valid = targets != ctx.ignore_index
-        gs = torch.where(valid, grad.float(), 0.0).unsqueeze(1)
+        gs = torch.where(targets != ctx.ignore_index, grad.float(), 0.0)
+        lse = lse.view(-1)
         need_h = ctx.needs_input_grad[0]
         need_w = layer is None and ctx.needs_input_grad[1]
         need_b = layer is None and bias is not None and ctx.needs_input_grad[2]
@@ -113,10 +110,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
             buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
             for j0 in range(0, vocab, cols):
                 j1 = min(vocab, j0 + cols)
-                p = _slice_logits(h, weight, bias, j0, j1, buf).sub_(lse).exp_()  # the row's softmax, these columns
-                inside = valid & (targets >= j0) & (targets < j1)  # minus the one-hot (no host sync)
-                p.scatter_add_(1, torch.where(inside, targets - j0, 0).unsqueeze(1), inside.float().neg_().unsqueeze(1))
-                dz = p.mul_(gs).to(h.dtype)
+                dz = softmax_grad(_slice_logits(h, weight, bias, j0, j1, buf), lse, gs, targets, j0, h.dtype)
                 if gb is not None:
                     torch.sum(dz, 0, dtype=torch.float32, out=gb[j0:j1])
                 if gw is not None:
