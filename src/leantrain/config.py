@@ -116,6 +116,7 @@ class AgoqConfig:
     batch_mib: float = 128.0  # CUDA: saves packed per batch of this many MiB (0 = one launch per tensor)
     seed: int = 0  # stochastic-rounding noise seed
     replay: bool = True  # forwards with a seen signature follow their recorded save plan (agoq/README.md)
+    derive: str = "silu,mul"  # saves recomputed from other saves instead of stored: "silu,mul", "silu", "" (agoq/README.md)
 
 
 @dataclass

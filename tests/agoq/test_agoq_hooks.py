@@ -31,11 +31,13 @@ def test_hook_sees_every_saved_tensor(fused_loss):
         loss = m(idx, tgt)
     st = pk.stats
     assert st["saved"] == n_plain == len(pk.log)
-    decided = st["packed"] + st["dedup"] + sum(v for k, v in st.items() if k.startswith("kept:"))
+    decided = st["packed"] + st["dedup"] + st["derived"] + sum(v for k, v in st.items() if k.startswith("kept:"))
     assert decided == st["saved"]  # nothing skipped silently
+    # recomputed, not stored (policy.derive "silu,mul"): silu(g) and the down projection's input
+    assert [e["role"] for e in pk.log if e["why"] == "derived"] == ["gate_up", "down_in"] * SMALL.n_layers
     packed_roles = {e["role"] for e in pk.log if e["why"] == "packed"}
     # the fused LM head + loss saves no log-softmax: only its input (head_in) and the lse (a stat)
-    assert packed_roles == {"qkv_in", "attn", "o_in", "mlp_in", "gate_up", "down_in", "norm", "head_in"} | (
+    assert packed_roles == {"qkv_in", "attn", "o_in", "mlp_in", "gate_up", "norm", "head_in"} | (
         set() if fused_loss else {"logits"})
     kept = {e["why"] for e in pk.log if e["bits"] is None}
     assert {"param", "integer", "stat"} <= kept

@@ -63,7 +63,7 @@ from ..ledger import metering, note_saved
 from .pack import TINY, PackBatch, Packed, dequantize_q, pack, unpack
 from .policy import KEEP, Policy
 
-__all__ = ["Packer", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
+__all__ = ["Packer", "Derived", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
 
 _QKV = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "query", "key", "value")
 _OUT = ("o_proj", "out_proj", "dense", "c_proj")
@@ -167,10 +167,63 @@ def _is_log_softmax(t: Tensor) -> bool:
     return t.grad_fn is not None and type(t.grad_fn).__name__.startswith("LogSoftmaxBackward")
 
 
+class Derived:
+    """A saved tensor not stored at all: recomputed in backward by ``fn`` from other saves'
+    packed copies (0 bytes held). ``silu``: SwiGLU's product saves ``silu(g)`` while SiLU's
+    backward saves ``g``; AGoQ keeps ``g`` only and gives the product ``silu(ĝ)``, no less exact
+    than ``silu(g)`` packed on its own (SiLU's slope is within [-0.1, 1.1]). ``mul``: a product
+    of two saves (the down projection's input ``silu(g)·u``, through the view ``F.linear`` takes
+    of it) as ``silu(ĝ)·û``. ``uses``: the unpacks one backward will make; every one of them
+    unpacks each source once, so a consumer added here adds one use to every source below it
+    (a packed source's dequantized copy is then made once for all of them)."""
+
+    __slots__ = ("fn", "srcs", "uses")
+    nbytes = 0
+
+    def __init__(self, fn, srcs: tuple):
+        self.fn, self.srcs, self.uses = fn, srcs, 0
+
+    def add_use(self) -> None:
+        self.uses += 1
+        for s in self.srcs:
+            _add_use(s)
+
+    def unpack(self) -> Tensor:
+        return self.fn(*(_unpack_any(s) for s in self.srcs))
+
+
+def _add_use(obj) -> None:
+    if isinstance(obj, Derived):
+        obj.add_use()
+    else:
+        obj.uses += 1
+
+
+def _mul(a: Tensor, b: Tensor) -> Tensor:
+    return a * b
+
+
+class _Reshape:
+    __slots__ = ("shape",)
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return x.reshape(self.shape)
+
+
+# autograd node of a saved tensor -> (derivation name, its function of the node's inputs)
+_DERIVE = {"SiluBackward0": ("silu", torch.nn.functional.silu), "MulBackward0": ("mul", _mul)}
+# views of one input (F.linear flattens its input to 2-D: the down projection saves such a view)
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+DERIVATIONS = ("silu", "mul")
+
+
 def _unpack_any(obj):
     if isinstance(obj, Packed):
         return unpack(obj)
-    if isinstance(obj, ProbPacked):
+    if isinstance(obj, (ProbPacked, Derived)):
         return obj.unpack()
     return obj
 
@@ -265,6 +318,10 @@ class Packer:
         self._trace_kept: Counter = Counter()
         self._trace_bytes: dict[str, int] = defaultdict(int)
         self._sig: tuple | None = None
+        # this forward's packed (or derived) saves by autograd identity (grad_fn, output_nr):
+        # the sources of derived saves (policy.derive)
+        self._by_node: dict[tuple[int, int], tuple] = {}
+        self._derive = frozenset(x for x in self.policy.derive.split(",") if x)
 
     # ------------------------------------------------------------------ module hooks
 
@@ -309,6 +366,8 @@ class Packer:
         1b model); each forward re-reads the modules' parameter and buffer dicts, so replaced
         tensors are seen."""
         self._dedup.clear()
+        self._by_node.clear()
+        self._derive = frozenset(x for x in self.policy.derive.split(",") if x)
         self._bits = {}  # role -> bits this forward (the policy may have been changed between forwards)
         self._replay, self._i, self._sig = plan, 0, sig
         self._trace = [] if plan is None and sig is not None else None
@@ -329,6 +388,7 @@ class Packer:
             self.flush()
         finally:
             self._dedup.clear()
+            self._by_node.clear()
             plan, trace = self._replay, self._trace
             self._replay = self._trace = None
             if plan is not None:
@@ -496,8 +556,13 @@ class Packer:
             stats["dedup"] += 1
             if self.record:
                 self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
-            hit[1].uses += 1  # one more backward node unpacks it: dequantized (log(p) taken) once for all
+            _add_use(hit[1])  # one more backward node unpacks it: dequantized (log(p) taken) once for all
             return hit[1]
+        gf = t.grad_fn if self._derive else None
+        if gf is not None:
+            d = self._derived(t, gf)
+            if d is not None:
+                return self._store_derived(t, role, key, base, gf, d)
         self._n += 1
         pol = self.policy
         seed = (self._base_seed + self._n * _GOLDEN64) & _M63
@@ -525,6 +590,8 @@ class Packer:
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
         self._dedup[key] = (weakref.ref(t if base is None else base), p)
+        if gf is not None:  # a possible source of a later derived save
+            self._by_node[(id(gf), t.output_nr)] = (gf, p, t.shape, t.dtype)
         stats["packed"] += 1
         stats[_BITS_KEY[bits]] += 1
         self.numel[role] += n
@@ -534,6 +601,58 @@ class Packer:
         if self.record:
             self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "packed"})
         return p
+
+    def _derived(self, t: Tensor, gf) -> Derived | None:
+        """A :class:`Derived` for ``t`` when the policy recomputes it (``policy.derive``) from saves
+        already made in this forward: ``t`` is the output of SiLU (``silu``) or of a product
+        (``mul``), or a view of one, whose inputs are such saves, or outputs derivable in turn
+        (``t``'s dtype; a product's inputs of its shape). None otherwise (``t`` is then packed)."""
+        name = type(gf).__name__
+        if name in _VIEWS:
+            if not t.is_contiguous():
+                return None
+            (node, nr), = gf.next_functions
+            src = self._source(node, nr, t.dtype, t.numel(), 1)
+            return None if src is None else Derived(_Reshape(t.shape), (src[0],))
+        how = _DERIVE.get(name)
+        if how is None or how[0] not in self._derive:
+            return None
+        srcs = [self._source(node, nr, t.dtype, t.numel(), 1) for node, nr in gf.next_functions]
+        if any(x is None or x[1] != t.shape for x in srcs):
+            return None
+        return Derived(how[1], tuple(x[0] for x in srcs))
+
+    def _source(self, node, nr: int, dtype, numel: int, depth: int) -> tuple | None:
+        """(save, shape): the packed or derived save giving output ``nr`` of autograd ``node``,
+        made derivable here if the policy allows (registered, so later saves share it)."""
+        if node is None:
+            return None
+        hit = self._by_node.get((id(node), nr))
+        if hit is not None:
+            ok = hit[0] is node and hit[3] == dtype and hit[2].numel() == numel
+            return (hit[1], hit[2]) if ok else None
+        how = _DERIVE.get(type(node).__name__)
+        if how is None or how[0] not in self._derive or depth > 2:
+            return None
+        srcs = [self._source(n, k, dtype, numel, depth + 1) for n, k in node.next_functions]
+        if any(x is None for x in srcs) or len({x[1] for x in srcs}) != 1:
+            return None
+        d = Derived(how[1], tuple(x[0] for x in srcs))
+        self._by_node[(id(node), nr)] = (node, d, srcs[0][1], dtype)
+        return d, srcs[0][1]
+
+    def _store_derived(self, t: Tensor, role: str, key: tuple, base: Tensor | None, gf, d: Derived) -> Derived:
+        d.add_use()
+        self._dedup[key] = (weakref.ref(t if base is None else base), d)
+        self._by_node[(id(gf), t.output_nr)] = (gf, d, t.shape, t.dtype)
+        nb = t.numel() * t.element_size()
+        self.stats["derived"] += 1
+        self.numel[role] += t.numel()
+        self.bytes_raw[role] += nb
+        note_saved(0, ("agoq", id(d)), role)
+        if self.record:
+            self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": 0, "why": "derived"})
+        return d
 
     @staticmethod
     def unpack_hook(obj):

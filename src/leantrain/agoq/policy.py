@@ -92,6 +92,11 @@ class Policy:
     # (512 before session 9): the 1b step's peak 0.15 GiB lower at the same step time
     # (benchmarks/results/2026-11-30_H200_s9/sixth/).
     batch_mib: float = 128.0
+    # saves recomputed in backward from other saves' packed copies instead of stored (comma list,
+    # "" = none): "silu" (SwiGLU's silu(g) from SiLU's saved input g: no more error than storing
+    # it), "mul" (the down projection's input silu(g)·u from those two: two 4-bit errors in the
+    # product instead of one). See agoq/README.md for the measured memory and gradient error.
+    derive: str = "silu,mul"
 
     def __post_init__(self):
         for r in ROLES:
@@ -108,6 +113,10 @@ class Policy:
             raise ValueError(f"agoq.Policy.batch_mib={self.batch_mib}: use >= 0 (0 packs each tensor at once)")
         if self.logits_format not in ("prob", "logp"):
             raise ValueError(f"agoq.Policy.logits_format={self.logits_format!r}: use 'prob' or 'logp'")
+        unknown = [x for x in self.derive.split(",") if x and x not in ("silu", "mul")]
+        if unknown:
+            raise ValueError(f"agoq.Policy.derive={self.derive!r}: {unknown} unknown; use a comma list of "
+                             "'silu', 'mul' ('' for none)")
 
     # ------------------------------------------------------------------ stage rule
 
@@ -162,7 +171,8 @@ class Policy:
         return cls(**kw, group_size=cfg.group_size, stochastic=cfg.stochastic,
                    pipeline_stages=max(1, cfg.pipeline_stages),
                    logits_format=getattr(cfg, "logits_format", base.logits_format),
-                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib), seed=getattr(cfg, "seed", base.seed))
+                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib), seed=getattr(cfg, "seed", base.seed),
+                   derive=getattr(cfg, "derive", base.derive))
 
 
 def parse_roles(spec: str) -> dict[str, int]:

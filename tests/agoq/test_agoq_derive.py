@@ -1,0 +1,124 @@
+"""Saves AGoQ recomputes instead of storing (``Policy.derive``): SwiGLU's ``silu(g)`` from its input's
+packed copy, the down projection's input ``silu(g)·u`` from those two (through the 2-D view
+``F.linear`` saves). The gradients equal a hand-written backward that reads the dequantized
+``ĝ``, ``û``, ``x̂`` (round to nearest: no seeds involved); the bytes held drop by exactly the
+two tensors' packed sizes; replay and the trainer's persistent ``apply`` derive the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leantrain.agoq import Policy, apply, quantize_activations
+from leantrain.agoq.pack import pack, unpack
+
+D, H = 32, 256  # every tensor a multiple of the group size (128)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, H, bias=False)
+        self.up_proj = nn.Linear(D, H, bias=False)
+        self.down_proj = nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+        self.register_buffer("c", torch.randn(D))  # loss = sum(y * c): dY = c, nothing else saved
+
+    def forward(self, x):
+        return (self.mlp(x) * self.c).sum()
+
+
+def _rtn(t):
+    return unpack(pack(t.detach(), 4, group_size=128, stochastic=False, symmetric=True))
+
+
+def _manual(net, x):
+    """The backward with every saved tensor read back as AGoQ stores it under derive="silu,mul"."""
+    m = net.mlp
+    wg, wu, wd = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+    with torch.no_grad():
+        x2 = x.reshape(-1, D)
+        g, u = x2 @ wg.T, x2 @ wu.T
+        xh, gh, uh = _rtn(x2), _rtn(g), _rtn(u)
+        sg = F.silu(gh)
+        dy = net.c.expand(x2.shape[0], D)
+        dwd = dy.T @ (sg * uh)
+        da = dy @ wd
+        du = da * sg
+        dg = da * uh * torch.sigmoid(gh) * (1 + gh * (1 - torch.sigmoid(gh)))  # silu'(ĝ)
+        return {"gate": dg.T @ xh, "up": du.T @ xh, "down": dwd, "x": (dg @ wg + du @ wu).reshape(x.shape)}
+
+
+def _grads(net, x, policy):
+    x = x.clone().requires_grad_(True)
+    for p in net.parameters():
+        p.grad = None
+    with quantize_activations(net, policy, record=True) as pk:
+        loss = net(x)
+    loss.backward()
+    m = net.mlp
+    return {"gate": m.gate_proj.weight.grad, "up": m.up_proj.weight.grad, "down": m.down_proj.weight.grad,
+            "x": x.grad}, pk
+
+
+@pytest.mark.parametrize("shape", [(64, D), (2, 32, D)], ids=["2d", "3d-view"])
+def test_derived_gradients_equal_hand_backward(shape):
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(*shape)
+    got, pk = _grads(net, x, Policy(stochastic=False, mlp_in=4))
+    assert pk.stats["derived"] == 2  # silu(g); the down projection's input (or its 2-D view)
+    ref = _manual(net, x)
+    for k in ref:
+        assert torch.allclose(got[k], ref[k], rtol=1e-5, atol=1e-5), k
+
+
+def test_bytes_drop_by_the_two_packed_tensors():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(64, D)
+    _, pk0 = _grads(net, x, Policy(stochastic=False, derive=""))
+    _, pk1 = _grads(net, x, Policy(stochastic=False, derive="silu"))
+    _, pk2 = _grads(net, x, Policy(stochastic=False))
+    one = pack(torch.randn(64, H), 4, group_size=128, stochastic=False, symmetric=True).nbytes
+    kept = [p.summary()["bytes_kept"] for p in (pk0, pk1, pk2)]
+    assert kept[0] - kept[1] == one and kept[1] - kept[2] == one
+    assert [p.stats.get("derived", 0) for p in (pk0, pk1, pk2)] == [0, 1, 2]
+    assert pk0.summary()["bytes_raw"] == pk2.summary()["bytes_raw"]  # what the model saved is unchanged
+
+
+def test_nothing_derived_without_a_packed_source():
+    """silu's input kept as is (its role at 16 bits): silu(g) is packed, never recomputed."""
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(64, D)
+    _, pk = _grads(net, x, Policy(gate_up=16))
+    assert pk.stats.get("derived", 0) == 0
+
+
+def test_replay_derives_the_same():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 32, D)
+    pk = apply(net, Policy(stochastic=False))
+    out = []
+    for _ in range(3):  # the first forward records its plan, the next follow it
+        for p in net.parameters():
+            p.grad = None
+        net(x).backward()
+        out.append([p.grad.clone() for p in net.parameters()])
+    assert pk.stats["derived"] == 6 and pk.stats.get("replay:diverged", 0) == 0
+    for a, b in zip(out[0], out[2]):
+        assert torch.equal(a, b)
+
+
+def test_policy_rejects_unknown_derivation():
+    with pytest.raises(ValueError, match="derive"):
+        Policy(derive="silu,gelu")
