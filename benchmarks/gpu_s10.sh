@@ -13,6 +13,10 @@
 #                                            # their tests and the fused loss's compiled; bench_agoq fused twice and
 #                                            # unfused once (the same host); the 1b trainer: baseline, FORGE + AGoQ,
 #                                            # and baseline unfused; 125m, 1000 steps: baseline and AGoQ (loss curves)
+#   OUT=dir bash benchmarks/gpu_s10.sh fourth  # AGoQ derives silu(g) and the down projection's input (Policy.derive):
+#                                            # its tests on CUDA; bench_agoq twice, and once with derive= (off);
+#                                            # peak_trace agoq; the 1b trainer: baseline, FORGE + AGoQ, FORGE int8 +
+#                                            # AGoQ; 125m, 1000 steps, AGoQ (its curve against third's baseline)
 # Work goes to /tmp/s10w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
@@ -96,6 +100,24 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
         c125 ${r%%:*} ${r#*:}
         snap
       done ;;
+    fourth)
+      gpuinfo
+      log "gpu tests: AGoQ's derived saves, the save path"
+      gputest 120 tests/agoq/test_agoq_derive.py tests/agoq/test_agoq_hooks.py
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun derive1 70
+      AGOQ_ARGS="--variants= --policy derive=" agoqrun noderive 70
+      AGOQ_ARGS="--variants=" agoqrun derive2 70
+      snap
+      log "peak_trace agoq"
+      timeout 70 python3 benchmarks/peak_trace.py --config agoq --out "$D" 2>&1 | grep -v Warn | tail -12
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+      snap
+      c125 agoq --agoq ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

@@ -122,3 +122,18 @@ def test_replay_derives_the_same():
 def test_policy_rejects_unknown_derivation():
     with pytest.raises(ValueError, match="derive"):
         Policy(derive="silu,gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_derived_on_cuda_batches():
+    """On CUDA the sources are packed in batches (one launch) and dequantized per batch: the
+    derived saves read them the same way (the hand backward, round to nearest)."""
+    torch.manual_seed(0)
+    net = Net().cuda()
+    x = torch.randn(4, 64, D, device="cuda")
+    got, pk = _grads(net, x, Policy(stochastic=False, mlp_in=4))
+    assert pk.stats["derived"] == 2
+    ref = _manual(net, x)
+    for k in ref:
+        assert torch.allclose(got[k], ref[k], rtol=1e-4, atol=1e-4), k
