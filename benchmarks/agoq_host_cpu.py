@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--real-multi", action="store_true", help="the real quantize_many host path, launch stubbed")
     ap.add_argument("--minimal-hook", action="store_true", help="also time a stripped-down pack hook (lower bound)")
+    ap.add_argument("--derive", default=None, help="agoq.Policy.derive (default: the policy's)")
     a = ap.parse_args(argv)
     if a.real_multi:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -88,14 +89,15 @@ def main(argv=None) -> int:
 
     print(f"plain                        {forward_ms():6.2f} ms")
     print(f"identity saved-tensor hooks  {forward_ms(identity):6.2f} ms")
-    pk = H.Packer(model, lt.agoq.Policy(min_numel=0))
+    pol = lt.agoq.Policy(min_numel=0, **({} if a.derive is None else {"derive": a.derive}))
+    pk = H.Packer(model, pol)
     pk.install()
     print(f"role module hooks only       {forward_ms():6.2f} ms")
     print(f"full packer                  {forward_ms(lambda: pk):6.2f} ms")
     print(f"saves per forward: {pk.stats['saved'] // 65}, packed {pk.stats['packed'] // 65}")
     pk.remove()
     for replay in (False, True):
-        ap = lt.agoq.apply(model, lt.agoq.Policy(min_numel=0), replay=replay)
+        ap = lt.agoq.apply(model, pol, replay=replay)
         ms = forward_ms()
         per = {k: v // 65 for k, v in ap.stats.items() if k in ("saved", "packed", "replay:diverged")}
         print(f"{'apply, replay' if replay else 'apply, no replay':29s}{ms:6.2f} ms  {per}")

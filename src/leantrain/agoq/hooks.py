@@ -322,6 +322,8 @@ class Packer:
         # the sources of derived saves (policy.derive)
         self._by_node: dict[tuple[int, int], tuple] = {}
         self._derive = frozenset(x for x in self.policy.derive.split(",") if x)
+        self._slot_of: dict[int, int] = {}  # recording: id(packed or derived save) -> its slot
+        self._objs: list = []  # replay: this forward's save objects by slot (derived saves' sources)
 
     # ------------------------------------------------------------------ module hooks
 
@@ -367,6 +369,8 @@ class Packer:
         tensors are seen."""
         self._dedup.clear()
         self._by_node.clear()
+        self._slot_of.clear()
+        self._objs = [None] * len(plan.slots) if plan is not None else []
         self._derive = frozenset(x for x in self.policy.derive.split(",") if x)
         self._bits = {}  # role -> bits this forward (the policy may have been changed between forwards)
         self._replay, self._i, self._sig = plan, 0, sig
@@ -389,6 +393,8 @@ class Packer:
         finally:
             self._dedup.clear()
             self._by_node.clear()
+            self._slot_of.clear()
+            self._objs = []
             plan, trace = self._replay, self._trace
             self._replay = self._trace = None
             if plan is not None:
@@ -512,7 +518,7 @@ class Packer:
         if plan is not None:  # follow the recorded forward
             i = self._i
             if i < len(plan.slots):
-                shape, dtype, role, bits, prob, _, _ = plan.slots[i]
+                shape, dtype, role, bits, prob, why, _ = plan.slots[i]
                 if t.shape == shape and t.dtype is dtype:
                     if not bits:
                         self._i = i + 1
@@ -521,8 +527,16 @@ class Packer:
                     if (dtype is torch.bool or ((t.requires_grad or explicit)
                                                 and type(t if base is None else base) is not nn.Parameter)) \
                             and (not prob or _is_log_softmax(t)):
-                        self._i = i + 1
-                        return self._store(t, role, bits, prob, base)
+                        if type(why) is tuple:  # derived: rebuilt from this forward's saves, by slot
+                            d = self._rebuild(why)
+                            if d is not None:
+                                self._i = i + 1
+                                self._objs[i] = obj = self._store_derived(t, role, base, d)
+                                return obj
+                        else:
+                            self._i = i + 1
+                            self._objs[i] = obj = self._store(t, role, bits, prob, base)
+                            return obj
             self._diverge()
         return self._full(t, explicit)
 
@@ -558,11 +572,16 @@ class Packer:
                 self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "dedup"})
             _add_use(hit[1])  # one more backward node unpacks it: dequantized (log(p) taken) once for all
             return hit[1]
-        gf = t.grad_fn if self._derive else None
+        # (replay rebuilds derived saves from its plan: no autograd graph walk there)
+        gf = t.grad_fn if self._derive and self._replay is None else None
         if gf is not None:
             d = self._derived(t, gf)
             if d is not None:
-                return self._store_derived(t, role, key, base, gf, d)
+                self._by_node[(id(gf), t.output_nr)] = (gf, d, t.shape, t.dtype)
+                if self._trace is not None:  # the slot records how to rebuild it
+                    self._trace[-1] = (*self._trace[-1][:5], self._recipe(d), 0)
+                    self._slot_of[id(d)] = len(self._trace) - 1
+                return self._store_derived(t, role, base, d, key)
         self._n += 1
         pol = self.policy
         seed = (self._base_seed + self._n * _GOLDEN64) & _M63
@@ -592,6 +611,8 @@ class Packer:
         self._dedup[key] = (weakref.ref(t if base is None else base), p)
         if gf is not None:  # a possible source of a later derived save
             self._by_node[(id(gf), t.output_nr)] = (gf, p, t.shape, t.dtype)
+            if self._trace is not None:
+                self._slot_of[id(p)] = len(self._trace) - 1
         stats["packed"] += 1
         stats[_BITS_KEY[bits]] += 1
         self.numel[role] += n
@@ -641,10 +662,27 @@ class Packer:
         self._by_node[(id(node), nr)] = (node, d, srcs[0][1], dtype)
         return d, srcs[0][1]
 
-    def _store_derived(self, t: Tensor, role: str, key: tuple, base: Tensor | None, gf, d: Derived) -> Derived:
+    def _recipe(self, d: Derived) -> tuple:
+        """How to rebuild ``d`` from saves of a forward with the same plan: ``(fn, parts)`` with a
+        part ``("slot", i)`` for a save of slot ``i`` and a nested recipe for an intermediate."""
+        return (d.fn, tuple(("slot", self._slot_of[id(s)]) if id(s) in self._slot_of else self._recipe(s)
+                            for s in d.srcs))
+
+    def _rebuild(self, recipe: tuple) -> Derived | None:
+        fn, parts = recipe
+        srcs = []
+        for part in parts:
+            src = self._objs[part[1]] if part[0] == "slot" else self._rebuild(part)
+            if src is None:  # (a source slot this forward did not pack: take the full path)
+                return None
+            srcs.append(src)
+        return Derived(fn, tuple(srcs))
+
+    def _store_derived(self, t: Tensor, role: str, base: Tensor | None, d: Derived, key: tuple | None = None) -> Derived:
         d.add_use()
+        if key is None:
+            key = (_storage_ptr(t), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
         self._dedup[key] = (weakref.ref(t if base is None else base), d)
-        self._by_node[(id(gf), t.output_nr)] = (gf, d, t.shape, t.dtype)
         nb = t.numel() * t.element_size()
         self.stats["derived"] += 1
         self.numel[role] += t.numel()
