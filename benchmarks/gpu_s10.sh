@@ -17,6 +17,9 @@
 #                                            # its tests on CUDA; bench_agoq twice, and once with derive= (off);
 #                                            # peak_trace agoq; the 1b trainer: baseline, FORGE + AGoQ, FORGE int8 +
 #                                            # AGoQ; 125m, 1000 steps, AGoQ (its curve against third's baseline)
+#   OUT=dir bash benchmarks/gpu_s10.sh fifth   # derived saves rebuilt from the replay plan (no graph walk): bench_agoq
+#                                            # derive on, off, on; the 1b trainer: baseline, FORGE + AGoQ, FORGE int8
+#                                            # + AGoQ (every step logged)
 # Work goes to /tmp/s10w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
@@ -118,6 +121,16 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
       snap
       c125 agoq --agoq ;;
+    fifth)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun derive3 70
+      AGOQ_ARGS="--variants= --policy derive=" agoqrun noderive2 70
+      AGOQ_ARGS="--variants=" agoqrun derive4 70
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
