@@ -316,6 +316,8 @@ def validate(cfg: Config) -> None:
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
+        (all(x in ("silu", "mul") for x in cfg.agoq.derive.split(",") if x),
+         f"agoq.derive must be a comma list of silu, mul ('' for none), got {cfg.agoq.derive!r}"),
     ]
     for ok, msg in checks:
         if not ok:
