@@ -20,6 +20,8 @@
 #   OUT=dir bash benchmarks/gpu_s10.sh fifth   # derived saves rebuilt from the replay plan (no graph walk): bench_agoq
 #                                            # derive on, off, on; the 1b trainer: baseline, FORGE + AGoQ, FORGE int8
 #                                            # + AGoQ (every step logged)
+#   OUT=dir bash benchmarks/gpu_s10.sh sixth   # the final code: GPU tests of AGoQ, FORGE, the fused loss and its kernels,
+#                                            # the model; bench_agoq three more times (the step-time spread)
 # Work goes to /tmp/s10w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
@@ -131,6 +133,13 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       train1b baseline --baseline
       train1b forge_agoq --forge --agoq
       train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
+    sixth)
+      gpuinfo
+      log "gpu tests: agoq, forge, losses, xent, model (compiled)"
+      gputest 170 tests/agoq tests/forge tests/test_losses.py tests/ops/test_xent.py tests/test_model.py
+      snap
+      export FLAT=1
+      for r in final1 final2 final3; do AGOQ_ARGS="--variants=" agoqrun $r 50; done ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
