@@ -104,6 +104,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         need_h = ctx.needs_input_grad[0]
         need_w = layer is None and ctx.needs_input_grad[1]
         need_b = layer is None and bias is not None and ctx.needs_input_grad[2]
+        if not (need_h or need_w or need_b or layer is not None):
+            return None, None, None, None, None, None, None
         dh = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
 
         def fill(gw: Tensor | None, gb: Tensor | None) -> None:
