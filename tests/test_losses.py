@@ -256,3 +256,41 @@ def test_cuda_forge_head_triton():
     assert m1.lm_head.weight.grad is None
     for (n, a), (_, b) in zip(m1.named_parameters(), m0.named_parameters()):
         assert _rel(a, b) <= 2e-2, n  # bf16 weights, SR: the same seeds; dW's rounding differs
+
+
+def _dp_head_worker(rank, world):
+    torch.manual_seed(0)
+    m = Llama(_cfg())
+    opt = lt.forge.attach(m, lt.optim.SGD(lr=0.1, momentum=0.9), backend="torch")
+    assert opt.dp_group is not None and any(layer.name == "lm_head" for layer in opt.layers)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        idx = torch.randint(0, 96, (4, 16), generator=g).chunk(world)[rank]
+        m(idx[:, :-1], idx[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.distributed
+def test_forge_head_data_parallel_equals_single_process():
+    """2 gloo ranks, each on half the batch: the fused head's dW, filled slice by slice into
+    FORGE's workspace, is all-reduced with the layer's other gradients before the update; the
+    weights equal one process on the whole batch."""
+    from dist_utils import run_distributed
+
+    torch.manual_seed(0)
+    ref = Llama(_cfg())
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = lt.forge.attach(ref, lt.optim.SGD(lr=0.1, momentum=0.9), backend="torch")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        idx = torch.randint(0, 96, (4, 16), generator=g)
+        ref(idx[:, :-1], idx[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    for sd in run_distributed(_dp_head_worker, 2):
+        for k, v in ref.state_dict().items():
+            got = torch.from_numpy(sd[k])
+            moved = (v - start[k]).abs().max()
+            assert (got - v).abs().max() <= 1e-5 * moved + 1e-6 * v.abs().max(), k
