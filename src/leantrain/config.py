@@ -306,6 +306,8 @@ def from_dict(d: dict) -> Config:
 
 
 def validate(cfg: Config) -> None:
+    from leantrain.agoq.policy import DERIVATIONS
+
     m, d, t = cfg.model, cfg.data, cfg.train
     checks = [
         (d.seq_len >= 2, "data.seq_len must be at least 2"),
@@ -316,8 +318,8 @@ def validate(cfg: Config) -> None:
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
-        (all(x in ("silu", "mul") for x in cfg.agoq.derive.split(",") if x),
-         f"agoq.derive must be a comma list of silu, mul ('' for none), got {cfg.agoq.derive!r}"),
+        (all(x in DERIVATIONS for x in cfg.agoq.derive.split(",") if x),
+         f"agoq.derive must be a comma list of {', '.join(DERIVATIONS)} ('' for none), got {cfg.agoq.derive!r}"),
     ]
     for ok, msg in checks:
         if not ok:

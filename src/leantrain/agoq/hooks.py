@@ -217,7 +217,6 @@ class _Reshape:
 _DERIVE = {"SiluBackward0": ("silu", torch.nn.functional.silu), "MulBackward0": ("mul", _mul)}
 # views of one input (F.linear flattens its input to 2-D: the down projection saves such a view)
 _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-DERIVATIONS = ("silu", "mul")
 
 
 def _unpack_any(obj):

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 ROLES = ("qkv_in", "attn", "o_in", "mlp_in", "gate_up", "down_in", "norm", "head_in", "logits",
          "linear_in", "other")
 ALLOWED_BITS = (2, 3, 4, 8)
+DERIVATIONS = ("silu", "mul")  # saves AGoQ can recompute instead of storing (Policy.derive)
 KEEP = 16  # a role given 16 (or more) bits is not quantized
 
 
@@ -121,7 +122,7 @@ class Policy:
             raise ValueError(f"agoq.Policy.batch_mib={self.batch_mib}: use >= 0 (0 packs each tensor at once)")
         if self.logits_format not in ("prob", "logp"):
             raise ValueError(f"agoq.Policy.logits_format={self.logits_format!r}: use 'prob' or 'logp'")
-        unknown = [x for x in self.derive.split(",") if x and x not in ("silu", "mul")]
+        unknown = [x for x in self.derive.split(",") if x and x not in DERIVATIONS]
         if unknown:
             raise ValueError(f"agoq.Policy.derive={self.derive!r}: {unknown} unknown; use a comma list of "
                              "'silu', 'mul' ('' for none)")
