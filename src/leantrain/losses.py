@@ -37,7 +37,6 @@ bf16, which this form does not do (``tests/test_losses.py``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .ops._backend import addmm_fp32, autocast_dtype, mm_fp32
@@ -57,15 +56,18 @@ def slice_cols(n_rows: int, vocab: int, budget: int) -> int:
     return min(-(-cols // align) * align, vocab)
 
 
-def _slice_logits(h: Tensor, weight: Tensor, bias: Tensor | None, j0: int, j1: int, buf: Tensor) -> Tensor:
-    """fp32 ``h @ W[j0:j1].T (+ b)`` into ``buf`` (fp32 accumulation, never rounded to ``h``'s dtype)."""
+def _weight_slice(weight: Tensor, j0: int, j1: int, dtype) -> Tensor:
+    """Rows ``j0:j1`` of the weight in the compute dtype (cast once a slice, used by every matmul of it)."""
     w = weight[j0:j1]
-    if w.dtype != h.dtype:
-        w = w.to(h.dtype)
-    z = buf.view(-1)[: h.shape[0] * (j1 - j0)].view(h.shape[0], j1 - j0)
+    return w if w.dtype == dtype else w.to(dtype)
+
+
+def _slice_logits(h: Tensor, w: Tensor, bias: Tensor | None, j0: int, buf: Tensor) -> Tensor:
+    """fp32 ``h @ w.T (+ b[j0:])`` into ``buf`` (fp32 accumulation, never rounded to ``h``'s dtype)."""
+    z = buf.view(-1)[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])
     mm_fp32(h, w.t(), z, allow_upcast=True)
     if bias is not None:
-        z += bias[j0:j1].to(h.dtype).float()
+        z += bias[j0:j0 + w.shape[0]].to(h.dtype).float()
     return z
 
 
@@ -83,7 +85,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
         for j0 in range(0, vocab, cols):
             j1 = min(vocab, j0 + cols)
-            part, zt_j = slice_lse(_slice_logits(h, weight, bias, j0, j1, buf), targets, j0, ignore_index)
+            z = _slice_logits(h, _weight_slice(weight, j0, j1, h.dtype), bias, j0, buf)
+            part, zt_j = slice_lse(z, targets, j0, ignore_index)
             zt += zt_j
             lse = torch.logaddexp(lse, part)
         del buf
@@ -112,7 +115,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
             buf = torch.empty(n * cols, dtype=torch.float32, device=h.device)
             for j0 in range(0, vocab, cols):
                 j1 = min(vocab, j0 + cols)
-                dz = softmax_grad(_slice_logits(h, weight, bias, j0, j1, buf), lse, gs, targets, j0, h.dtype)
+                w = _weight_slice(weight, j0, j1, h.dtype)
+                dz = softmax_grad(_slice_logits(h, w, bias, j0, buf), lse, gs, targets, j0, h.dtype)
                 if gb is not None:
                     torch.sum(dz, 0, dtype=torch.float32, out=gb[j0:j1])
                 if gw is not None:
@@ -121,7 +125,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
                     else:
                         torch.mm(dz.t(), h, out=gw[j0:j1])
                 if dh is not None:  # the old W: FORGE updates it only after fill returns
-                    addmm_fp32(dh, dz, weight[j0:j1] if weight.dtype == dz.dtype else weight[j0:j1].to(dz.dtype))
+                    addmm_fp32(dh, dz, w)
                 del dz
 
         dw = db = None

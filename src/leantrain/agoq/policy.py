@@ -125,7 +125,7 @@ class Policy:
         unknown = [x for x in self.derive.split(",") if x and x not in DERIVATIONS]
         if unknown:
             raise ValueError(f"agoq.Policy.derive={self.derive!r}: {unknown} unknown; use a comma list of "
-                             "'silu', 'mul' ('' for none)")
+                             f"{', '.join(DERIVATIONS)} ('' for none)")
 
     # ------------------------------------------------------------------ stage rule
 

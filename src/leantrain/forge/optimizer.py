@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from leantrain import collectives
-from leantrain.optim.rules import Rule
 from leantrain.ops._backend import mm_fp32
+from leantrain.optim.rules import Rule
 from leantrain.optim.state import StateStorage, qmap_on
 
 from .gradsums import CLIP_EPS as _CLIP_EPS
