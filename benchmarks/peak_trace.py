@@ -4,8 +4,8 @@ module boundaries, forward and backward.
     PYTHONPATH=src python3 benchmarks/peak_trace.py --config agoq --out DIR     # 1b, B = 8, T = 1024, bf16
     PYTHONPATH=src python3 benchmarks/peak_trace.py --config baseline --model fused_loss=false --out DIR
 
-Forward: pre/post hooks on every module of depth <= 3 (blocks, attention, MLP, norms, linears,
-the LM head). Backward: a gradient hook on each such module's output fires when its backward
+Forward: pre/post hooks on every module named with at most four levels (``layers.0.mlp.up_proj``:
+blocks, attention, MLP, norms, linears, the LM head). Backward: a gradient hook on each such module's output fires when its backward
 starts. At each event the allocator's allocated bytes and its peak since the previous event
 are read, then the peak is reset. The step is forward + backward of the bf16 model (as
 ``bench_agoq.py``), after two untraced steps. Writes ``peak_trace_<config>.json`` (every
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         return hook
 
     for name, mod in m.named_modules():
-        if 0 < name.count(".") + 1 <= 4 and name:
+        if name and name.count(".") < 4:
             mod.register_forward_pre_hook(pre(name))
             mod.register_forward_hook(post(name))
 
