@@ -39,6 +39,11 @@ class ModelConfig:
     # (at 1b, B = 8: 0.5 GiB of bf16 logits, 1 GiB of fp32 log-softmax, 0.5 GiB of their gradient).
     # false: the logits, then the cross-entropy in chunks of loss_chunk tokens.
     fused_loss: bool = True
+    # RMSNorm as one autograd function (leantrain.ops.norm; Triton kernels on CUDA): saves x and
+    # rstd only, where the op-by-op form saves an fp32 copy of x and the normalized x as well (at 1b,
+    # B = 8: 6 bytes instead of 2 per element of the residual stream, 45 norms). false: op by op
+    # (the same forward values; backward gradients equal up to rounding).
+    fused_norm: bool = True
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
     # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).

@@ -1,8 +1,9 @@
 """Llama, built from a :class:`leantrain.config.ModelConfig`.
 
-RMSNorm, rotary position embeddings (RoPE), SwiGLU feed-forward, grouped-query
-attention through ``scaled_dot_product_attention`` (``enable_gqa``: K/V are neither
-repeated nor saved for backward at the query heads' count), optional tied embedding /
+RMSNorm (one autograd function, ``fused_norm``), rotary position embeddings (RoPE), SwiGLU
+feed-forward, grouped-query attention through ``scaled_dot_product_attention``
+(``enable_gqa``: K/V are neither repeated nor saved for backward at the query heads' count),
+optional tied embedding /
 LM head, the cross-entropy fused with the LM head in vocabulary slices, no logits tensor
 (``fused_loss``, :class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
 (:func:`chunked_cross_entropy`).
@@ -21,15 +22,23 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .losses import linear_cross_entropy
+from .ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """``round_x(x · rstd) · weight``, normalized in fp32. ``fused``: one autograd function that
+    saves ``x`` and ``rstd`` only (:func:`leantrain.ops.norm.rms_norm`; Triton on CUDA);
+    otherwise op by op (autograd keeps an fp32 copy of ``x`` and the normalized ``x`` too)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, fused: bool = True):
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
@@ -90,9 +99,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_norm)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_norm)
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -151,7 +160,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_norm)
         self.lm_head = LMHead(cfg.dim, cfg.vocab_size, cfg.loss_chunk)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -11,9 +11,9 @@ attention body -> ``attn``, ...; see :func:`role_of_module`), so the packer know
 is packing, including tensors a custom Function saves inside a Linear-like module.
 
 Per saved tensor, in order: parameter/buffer (or a view of one) -> kept, not counted (it is
-not an activation); integer -> kept; bool -> 1-bit mask; no grad required (RoPE tables,
-constants) -> kept; reduced statistic (last dim 1: RMSNorm rstd; fp32 of rank <= 3 in
-attention: log-sum-exp) -> kept; fewer than ``min_numel`` elements -> kept; otherwise
+not an activation); integer -> kept; bool -> 1-bit mask; reduced statistic (last dim 1:
+RMSNorm's rstd) -> kept; no grad required (RoPE tables, constants) -> kept; fp32 of rank <= 3
+in attention (SDPA's log-sum-exp) -> kept as a statistic; fewer than ``min_numel`` elements -> kept; otherwise
 quantized to ``policy.bits_for(role, stage)`` (a log-softmax output, which cross-entropy
 saves, as ``p = exp(logp)`` when ``policy.logits_format == "prob"``: :class:`ProbPacked`;
 stochastic-rounding noise is fresh for every tensor of every forward: tensor ``n`` of a
@@ -498,10 +498,10 @@ class Packer:
             return "pack", 1
         if not t.is_floating_point():
             return "keep:integer", 0
+        if t.dim() >= 1 and t.shape[-1] == 1:  # (RMSNorm's rstd: made without grad inside its function)
+            return "keep:stat", 0
         if not t.requires_grad and not explicit:
             return "keep:no_grad", 0
-        if t.dim() >= 1 and t.shape[-1] == 1:
-            return "keep:stat", 0
         if role == "attn" and t.dtype == torch.float32 and t.dim() <= 3:
             return "keep:stat", 0
         if t.numel() < self.policy.min_numel:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Session 11's GPU calls (under the device tool's 600 s limit; one tarball comes back):
+#   OUT=dir bash benchmarks/gpu_s11.sh main    # RMSNorm as one function (ops/norm.py, ModelConfig.fused_norm): its tests
+#                                            # compiled, with the model's, AGoQ's save path and the fused loss's;
+#                                            # bench_norm (1b shape: ours, op by op, F.rms_norm); bench_agoq twice,
+#                                            # and once with fused_norm=false (the same host); FORGE part (b)
+#   OUT=dir bash benchmarks/gpu_s11.sh second  # the 1b trainer, 16 steps: baseline, FORGE + AGoQ, FORGE int8 + AGoQ;
+#                                            # bench_agoq twice more (the step-time spread)
+# Work goes to /tmp/s11w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+PART=${1:-main}
+D=/tmp/s11w/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s11w "$PART"; }
+train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step logged)
+  local name=$1
+  shift
+  local common="--preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+  common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false --train.log-every 1"
+  log "train 1b $name: $common $*"
+  timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
+  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null
+  cp "$D/$name/metrics.jsonl" "$D/train1b_${name}_metrics.jsonl" 2>/dev/null
+  rm -rf "$D/$name"
+}
+{
+  case "$PART" in
+    main)
+      gpuinfo
+      log "gpu tests: the norm, the model, AGoQ's save path, the fused loss"
+      gputest 130 tests/ops/test_norm.py tests/test_model.py tests/agoq/test_agoq_hooks.py tests/test_losses.py
+      snap
+      log "bench_norm (1b shape, bf16)"
+      timeout 60 python3 benchmarks/bench_norm.py --out "$D" 2>&1 | grep -v Warn | tail -5
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun norm1 70
+      AGOQ_ARGS="--variants= --model fused_norm=false" agoqrun plainnorm 70
+      AGOQ_ARGS="--variants=" agoqrun norm2 70
+      snap
+      log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
+      timeout 200 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
+        | grep -v Warn | tail -24
+      for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
+      rmdir "$D/b" ;;
+    second)
+      gpuinfo
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun norm3 70
+      AGOQ_ARGS="--variants=" agoqrun norm4 70 ;;
+  esac
+} 2>&1 | tee "$D/run.log"
+snap
