@@ -44,6 +44,9 @@ class ModelConfig:
     # B = 8: 6 bytes instead of 2 per element of the residual stream, 45 norms). false: op by op
     # (the same forward values; backward gradients equal up to rounding).
     fused_norm: bool = True
+    # RoPE as one autograd function (leantrain.ops.rope; a Triton kernel on CUDA): one launch each
+    # for q and k forward and backward instead of ~9 ops each; the same forward bit for bit.
+    fused_rope: bool = True
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
     # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).

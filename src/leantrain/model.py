@@ -1,11 +1,11 @@
 """Llama, built from a :class:`leantrain.config.ModelConfig`.
 
-RMSNorm (one autograd function, ``fused_norm``), rotary position embeddings (RoPE), SwiGLU
-feed-forward, grouped-query attention through ``scaled_dot_product_attention``
-(``enable_gqa``: K/V are neither repeated nor saved for backward at the query heads' count),
-optional tied embedding /
-LM head, the cross-entropy fused with the LM head in vocabulary slices, no logits tensor
-(``fused_loss``, :class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
+RMSNorm (one autograd function, ``fused_norm``), rotary position embeddings (RoPE; one
+function, ``fused_rope``), SwiGLU feed-forward, grouped-query attention through
+``scaled_dot_product_attention`` (``enable_gqa``: K/V are neither repeated nor saved for
+backward at the query heads' count), optional tied embedding / LM head, the cross-entropy
+fused with the LM head in vocabulary slices, no logits tensor (``fused_loss``,
+:class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
 (:func:`chunked_cross_entropy`).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .losses import linear_cross_entropy
 from .ops.norm import rms_norm
+from .ops.rope import rope, rope_ref
 
 
 class RMSNorm(nn.Module):
@@ -52,11 +53,9 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, hd); rotate pairs (x[..., :hd/2], x[..., hd/2:]) (the Hugging Face layout)."""
-    T = x.shape[-2]
-    cos, sin = cos[:T].to(x.dtype), sin[:T].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: (B, H, T, hd); rotate pairs (x[..., :hd/2], x[..., hd/2:]) (the Hugging Face layout), op
+    by op (``fused_rope=False``; :func:`leantrain.ops.rope.rope` is the one-function form)."""
+    return rope_ref(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -65,6 +64,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.sdpa_gqa = cfg.sdpa_gqa
+        self.rope = rope if cfg.fused_rope else apply_rope
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         gqa = self.n_kv != self.n_heads
         if gqa and not self.sdpa_gqa:
             rep = self.n_heads // self.n_kv
