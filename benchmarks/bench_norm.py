@@ -1,5 +1,6 @@
-"""RMSNorm forward + backward at the 1b preset's shape: leantrain's one-function norm
-(``ops.norm``, Triton), the op-by-op module (``fused_norm=false``), and torch's ``F.rms_norm``.
+"""RMSNorm and RoPE forward + backward at the 1b preset's shapes: leantrain's one-function
+norm (``ops.norm``, Triton), the op-by-op module (``fused_norm=false``), torch's ``F.rms_norm``;
+RoPE (``ops.rope``) against the op-by-op form (``fused_rope=false``) on q of 32 heads of 64.
 
     PYTHONPATH=src python3 benchmarks/bench_norm.py --out DIR        # CUDA
 
@@ -99,6 +100,22 @@ def main(argv=None) -> int:
                 print(f"sweep R={r:2d} warps={w:2d}: fwd {sweep[-1]['forward_ms']:.3f} ms, "
                       f"fwd+bwd {sweep[-1]['forward_backward_ms']:.3f} ms")
         N._rows, N._warps = rows0, warps0
+    from leantrain.model import rope_tables
+    from leantrain.ops.rope import rope, rope_ref
+
+    B, H, hd = max(1, a.tokens // 1024), a.dim // 64, 64
+    T = a.tokens // B
+    cos, sin = (t.cuda() for t in rope_tables(hd, T, 10000.0))
+    q = torch.randn(B, T, H * hd, device="cuda", dtype=dt, requires_grad=True)
+    gq = torch.randn(B, H, T, hd, device="cuda", dtype=dt)
+    for name, f in {"rope: leantrain (ops.rope)": lambda: rope(q.view(B, T, H, hd).transpose(1, 2), cos, sin),
+                    "rope: op by op (fused_rope=false)": lambda: rope_ref(q.view(B, T, H, hd).transpose(1, 2), cos, sin)
+                    }.items():
+        for _ in range(5):
+            f().backward(gq)
+        rows.append({"impl": name, "forward_ms": timed(f, a.reps),
+                     "forward_backward_ms": timed(lambda f=f: f().backward(gq), a.reps),
+                     "saved_bytes": saved_bytes(f), "grad_fn": type(f().grad_fn).__name__})
     with torch.no_grad():
         ref = plain(x).float()
         diff = (fused(x).float() - ref).abs().max().item() / ref.abs().max().item()
@@ -106,13 +123,13 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "tokens": a.tokens, "dim": a.dim, "dtype": a.dtype,
            "command": "PYTHONPATH=src python3 benchmarks/bench_norm.py " + " ".join(argv or sys.argv[1:]),
            "max_rel_diff_forward_vs_op_by_op": diff, "rows": rows, "sweep": sweep}
-    print(f"{'impl':30s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'saved MiB':>10s}  grad_fn")
+    print(f"{'impl':34s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'saved MiB':>10s}  grad_fn")
     for r in rows:
-        print(f"{r['impl']:30s} {r['forward_ms']:8.3f} {r['forward_backward_ms']:11.3f} "
+        print(f"{r['impl']:34s} {r['forward_ms']:8.3f} {r['forward_backward_ms']:11.3f} "
               f"{r['saved_bytes'] / 2**20:10.1f}  {r['grad_fn']}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"norm_{res['date']}.json"), "w") as fh:
+        with open(os.path.join(a.out, f"norm_{a.tokens}_{res['date']}.json"), "w") as fh:
             json.dump(res, fh, indent=1)
     return 0
 

@@ -4,8 +4,12 @@
 #                                            # compiled, with the model's, AGoQ's save path and the fused loss's;
 #                                            # bench_norm (1b shape: ours, op by op, F.rms_norm); bench_agoq twice,
 #                                            # and once with fused_norm=false (the same host); FORGE part (b)
-#   OUT=dir bash benchmarks/gpu_s11.sh second  # the 1b trainer, 16 steps: baseline, FORGE + AGoQ, FORGE int8 + AGoQ;
-#                                            # bench_agoq twice more (the step-time spread)
+#   OUT=dir bash benchmarks/gpu_s11.sh second  # the norm's kernels on 2-D tiles, RoPE as one function (ops/rope.py): the
+#                                            # tests compiled; bench_norm (norm and RoPE) at 8192 and 65536 tokens;
+#                                            # bench_agoq three times, once with both fusions off; the 1b trainer,
+#                                            # 16 steps: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
+#   OUT=dir bash benchmarks/gpu_s11.sh third   # AGoQ's dequantize groups bounded on their own (Policy.unpack_mib): bench_agoq
+#                                            # at batch_mib 128 (the default), 512, 1024; FORGE part (b), final model
 # Work goes to /tmp/s11w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
@@ -46,13 +50,36 @@ train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step
       rmdir "$D/b" ;;
     second)
       gpuinfo
-      train1b baseline --baseline
-      train1b forge_agoq --forge --agoq
-      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+      log "gpu tests: the norm, RoPE, the model, AGoQ's save path, the fused loss"
+      gputest 130 tests/ops/test_norm.py tests/ops/test_rope.py tests/test_model.py tests/agoq/test_agoq_hooks.py \
+        tests/test_losses.py
+      snap
+      for n in 8192 65536; do
+        log "bench_norm (1b shapes, bf16, $n tokens)"
+        timeout 60 python3 benchmarks/bench_norm.py --tokens $n --out "$D" 2>&1 | grep -v Warn | tail -6
+      done
       snap
       export FLAT=1
-      AGOQ_ARGS="--variants=" agoqrun norm3 70
-      AGOQ_ARGS="--variants=" agoqrun norm4 70 ;;
+      AGOQ_ARGS="--variants=" agoqrun fused1 70
+      AGOQ_ARGS="--variants= --model fused_norm=false --model fused_rope=false" agoqrun plain 70
+      AGOQ_ARGS="--variants=" agoqrun fused2 70
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
+    third)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun b128 70
+      AGOQ_ARGS="--variants= --policy batch_mib=512" agoqrun b512 70
+      AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024 70
+      AGOQ_ARGS="--variants= --policy batch_mib=512" agoqrun b512_2 70
+      snap
+      log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
+      timeout 200 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
+        | grep -v Warn | tail -24
+      for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
+      rmdir "$D/b" ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

@@ -164,3 +164,36 @@ def test_permuted_view_is_packed_in_logical_order(batched):
     # each group holds one head's values: the small heads keep their own scale
     small = (x[:, 0] - v[:, 0]).abs().max() / x[:, 0].abs().max()
     assert small < 1 / 127
+
+
+def test_unpack_dequantizes_at_most_unpack_bytes(batching, monkeypatch):
+    """A member's first unpack dequantizes it and the members saved before it (backward's next
+    ones) up to ``unpack_bytes`` of results, in one launch; the others wait for their own."""
+    calls = []
+    real_dq = pack_mod.dequantize_flat
+
+    def dq(buf, members, **kw):
+        calls.append(len(members))
+        return real_dq(buf, members, **kw)
+
+    monkeypatch.setattr(pack_mod, "dequantize_flat", dq)
+    xs = [torch.randn(64, 128, device=DEV) for _ in range(5)]  # 32 KiB each in fp32
+    results = {}
+    for cap in (0, 70 * 1024):
+        b = PackBatch(128, True, False, "triton", unpack_bytes=cap)
+        ps = [b.register(x, 4, seed=i) for i, x in enumerate(xs)]
+        b.flush()
+        calls.clear()
+        out = [None] * 5
+        out[4] = unpack(ps[4])
+        if cap:
+            assert calls == [2] and ps[3].cache is not None and ps[2].cache is None and ps[1].cache is None
+        else:
+            assert calls == [5]
+        for i in (3, 2, 1, 0):
+            out[i] = unpack(ps[i])
+        assert calls == ([2, 2, 1] if cap else [5])
+        assert all(p.cache is None for p in ps)
+        results[cap] = out
+    for a, b_ in zip(results[0], results[70 * 1024], strict=True):
+        assert torch.equal(a, b_)

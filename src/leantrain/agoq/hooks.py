@@ -595,7 +595,7 @@ class Packer:
                 batch = self._batches.get(symmetric)  # (dtypes and widths mix in one launch)
                 if batch is None:
                     batch = self._batches[symmetric] = PackBatch(pol.group_size, symmetric, pol.stochastic,
-                                                           self.batch_backend)
+                                                           self.batch_backend, int(pol.unpack_mib * 2**20))
                 p = batch.register(t, bits, seed)  # (pack() without its checks: a float tensor, 4 or 8 bits)
             else:
                 p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,

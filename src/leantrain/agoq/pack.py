@@ -90,23 +90,26 @@ class Packed:
 
 
 class PackBatch:
-    """Saved activations packed in one kernel launch and unpacked in one (one symmetry; fp32,
-    bf16 and fp16, 4 and 8 bits mixed).
+    """Saved activations packed in one kernel launch (one symmetry; fp32, bf16 and fp16, 4 and 8
+    bits mixed) and unpacked in a few.
 
     :meth:`add` registers a tensor and its (still empty) :class:`Packed`; :meth:`flush`
     quantizes all of them with :func:`leantrain.ops.multi.quantize_flat` (the same codes as
     one :func:`quantize` per tensor, in one buffer: no view per member, which costs host time
-    on every save); the first :func:`unpack` of any member dequantizes every member not yet
-    taken with ``dequantize_flat`` and caches each result until its backward node takes it.
+    on every save); the first :func:`unpack` of a member dequantizes it and the members saved
+    before it that are not taken yet, up to ``unpack_bytes`` of results (:meth:`unpack_live`),
+    with ``dequantize_flat``, and caches each result until its backward node takes it.
     The buffer is freed when the last member is. Until the flush the batch holds the tensors
     (the caller bounds the bytes). A tensor changed in place between its save and the flush is
     an error: eager packing would have kept the old values, autograd without hooks would have
     refused the backward.
     """
 
-    def __init__(self, group_size: int, symmetric: bool, stochastic: bool, backend: str = "auto"):
+    def __init__(self, group_size: int, symmetric: bool, stochastic: bool, backend: str = "auto",
+                 unpack_bytes: int = 0):
         self.group_size, self.symmetric, self.stochastic = group_size, symmetric, stochastic
         self.backend = backend
+        self.unpack_bytes = unpack_bytes  # dequantized bytes made at once (0: every live member)
         self._todo: list[tuple[Tensor, Packed, int, int]] = []  # (source, packed, seed, version)
         self._members: list[weakref.ref] = []
 
@@ -138,10 +141,22 @@ class PackBatch:
         for (_, p, _, _), lay in zip(todo, layout, strict=True):
             p.kind, p.payload = "flat", (buf, lay)
 
-    def unpack_live(self) -> None:
-        """Dequantize, in one launch, every member some backward node has still to take."""
+    def unpack_live(self, want: Packed | None = None) -> None:
+        """Dequantize, in one launch, ``want`` and the members saved before it that some backward
+        node has still to take (backward takes saves in about reverse order), up to
+        ``unpack_bytes`` of dequantized tensors (0, or no ``want``: every such member)."""
         self.flush()
         live = [p for r in self._members if (p := r()) is not None and p.cache is None and p.taken < p.uses]
+        if want is not None and self.unpack_bytes > 0 and len(live) > 1:
+            i = next((k for k, p in enumerate(live) if p is want), None)
+            if i is not None:
+                pick, total = [want], _out_bytes(want)
+                for p in reversed(live[:i]):
+                    total += _out_bytes(p)
+                    if total > self.unpack_bytes:
+                        break
+                    pick.append(p)
+                live = pick
         if not live:
             return
         buf = live[0].payload[0]  # (one flush per batch: one buffer)
@@ -149,6 +164,10 @@ class PackBatch:
                                group_size=self.group_size, symmetric=self.symmetric, backend=self.backend)
         for p, v in zip(live, outs, strict=True):
             p.cache = v
+
+
+def _out_bytes(p: Packed) -> int:
+    return math.prod(p.shape) * p.dtype.itemsize
 
 
 def _uniform(seed: int, n_groups: int, group_size: int, device) -> Tensor:
@@ -335,7 +354,7 @@ def unpack(p: Packed) -> Tensor:
     the batch's other live members in one launch.
     """
     if p.cache is None and p.batch is not None and p.taken < p.uses:
-        p.batch.unpack_live()
+        p.batch.unpack_live(p)
     p.taken += 1
     c = p.cache
     if c is not None:

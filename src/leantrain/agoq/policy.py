@@ -101,6 +101,10 @@ class Policy:
     # (512 before session 9): the 1b step's peak 0.15 GiB lower at the same step time
     # (benchmarks/results/2026-11-30_H200_s9/sixth/).
     batch_mib: float = 128.0
+    # In backward, a batch member's first unpack dequantizes, in the same launch, the members saved
+    # before it (the next ones backward takes), up to this many MiB of dequantized tensors: this
+    # bounds the copies alive at once, whatever the batch's size. 0: every live member at once.
+    unpack_mib: float = 128.0
     # saves recomputed in backward from other saves' packed copies instead of stored (comma list,
     # "" = none): "silu" (SwiGLU's silu(g) from SiLU's saved input g: no more error than storing
     # it), "mul" (the down projection's input silu(g)·u from those two: two 4-bit errors in the
@@ -120,6 +124,8 @@ class Policy:
             raise ValueError(f"agoq.Policy.min_bits must be one of {ALLOWED_BITS}")
         if self.batch_mib < 0:
             raise ValueError(f"agoq.Policy.batch_mib={self.batch_mib}: use >= 0 (0 packs each tensor at once)")
+        if self.unpack_mib < 0:
+            raise ValueError(f"agoq.Policy.unpack_mib={self.unpack_mib}: use >= 0 (0 dequantizes a batch at once)")
         if self.logits_format not in ("prob", "logp"):
             raise ValueError(f"agoq.Policy.logits_format={self.logits_format!r}: use 'prob' or 'logp'")
         unknown = [x for x in self.derive.split(",") if x and x not in DERIVATIONS]
@@ -180,7 +186,8 @@ class Policy:
         return cls(**kw, group_size=cfg.group_size, stochastic=cfg.stochastic,
                    pipeline_stages=max(1, cfg.pipeline_stages),
                    logits_format=getattr(cfg, "logits_format", base.logits_format),
-                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib), seed=getattr(cfg, "seed", base.seed),
+                   batch_mib=getattr(cfg, "batch_mib", base.batch_mib),
+                   unpack_mib=getattr(cfg, "unpack_mib", base.unpack_mib), seed=getattr(cfg, "seed", base.seed),
                    derive=getattr(cfg, "derive", base.derive))
 
 
