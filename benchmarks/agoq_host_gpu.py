@@ -6,7 +6,7 @@
 Each forward starts on an idle device (synchronized before) and is timed twice: the host time
 to issue it, and the wall time until the device finished it. A forward is host-bound when the
 two are close. Variants: no hooks; identity saved-tensor hooks; AGoQ applied (replay, as the
-trainer runs it); AGoQ without replay; AGoQ with larger batches (fewer flushes); AGoQ with the
+trainer runs it); AGoQ without replay; AGoQ with larger batches (fewer flushes); derive off; AGoQ with the
 quantize kernel's launch stubbed (the host cost of the rest); AGoQ with each batch's whole
 quantize call stubbed (the host cost of the hooks alone). Stubbed variants make no backward.
 Writes ``agoq_host_<device>.json`` into ``--out``; prints one line per variant.
@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny widths (dim 64, 8 tokens): Python and dispatch only")
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also cProfile 8 replayed forwards (host time by function): cprofile_agoq_forward.txt")
     a = ap.parse_args(argv)
     import leantrain as lt
     from leantrain.config import preset
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
     run("identity saved-tensor hooks", ident.__enter__, lambda: ident.__exit__(None, None, None))
     run("agoq apply (replay)", lambda: lt.agoq.apply(model, lt.agoq.Policy()))
     run("agoq apply, no replay", lambda: lt.agoq.apply(model, lt.agoq.Policy(), replay=False))
-    run("agoq replay, batch_mib=2048", lambda: lt.agoq.apply(model, lt.agoq.Policy(batch_mib=2048)))
+    run("agoq replay, batch_mib=1024", lambda: lt.agoq.apply(model, lt.agoq.Policy(batch_mib=1024)))
+    run("agoq replay, derive off", lambda: lt.agoq.apply(model, lt.agoq.Policy(derive="")))
     launch = M.launch
     M.launch = lambda *args, **kw: None
     run("agoq replay, quantize launch stubbed", lambda: lt.agoq.apply(model, lt.agoq.Policy()),
@@ -115,8 +118,33 @@ def main(argv=None) -> int:
     P.PackBatch.flush = lambda self: setattr(self, "_todo", [])
     run("agoq replay, quantize call stubbed", lambda: lt.agoq.apply(model, lt.agoq.Policy()), backward=False)
     P.PackBatch.flush = flush
-    dname = torch.cuda.get_device_name(0) if cuda else "cpu-tiny"
     os.makedirs(a.out, exist_ok=True)
+    if a.cprofile:  # where a replayed forward's host time goes
+        import cProfile
+        import io
+        import pstats
+
+        lt.agoq.apply(model, lt.agoq.Policy())
+        measure(backward=True)
+        prof = cProfile.Profile()
+        for _ in range(8):
+            sync()
+            prof.enable()
+            loss = model(idx[:, :-1], idx[:, 1:])
+            prof.disable()
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+            del loss
+        lt.agoq.remove(model)
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(35)
+        with open(os.path.join(a.out, "cprofile_agoq_forward.txt"), "w") as f:
+            f.write("8 replayed AGoQ forwards (1b, B = 8, T = 1024), host time by function\n")
+            f.write(buf.getvalue().replace(os.path.dirname(torch.__file__.rsplit("/torch/", 1)[0] + "/"), "<site>"))
+    dname = torch.cuda.get_device_name(0) if cuda else "cpu-tiny"
     tag = "".join(c if c.isalnum() else "-" for c in dname)[:40]
     doc = {"device": dname, "torch": torch.__version__, "B": B, "T": T, "tiny": a.tiny, "rows": rows,
            "command": "PYTHONPATH=src python3 benchmarks/agoq_host_gpu.py " + " ".join(argv or sys.argv[1:])}

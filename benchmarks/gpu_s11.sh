@@ -10,6 +10,9 @@
 #                                            # 16 steps: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
 #   OUT=dir bash benchmarks/gpu_s11.sh third   # AGoQ's dequantize groups bounded on their own (Policy.unpack_mib): bench_agoq
 #                                            # at batch_mib 128 (the default), 512, 1024; FORGE part (b), final model
+#   OUT=dir bash benchmarks/gpu_s11.sh final   # the final code (batch_mib 512): its new GPU tests; bench_agoq three
+#                                            # times; the 1b trainer: baseline, FORGE + AGoQ, FORGE int8 + AGoQ;
+#                                            # FORGE part (b)
 # Work goes to /tmp/s11w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-main}
@@ -77,6 +80,23 @@ train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step
       snap
       log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
       timeout 200 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
+        | grep -v Warn | tail -24
+      for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
+      rmdir "$D/b" ;;
+    final)
+      gpuinfo
+      log "gpu tests: AGoQ's batches (bounded unpack), the norm, RoPE (compiled)"
+      gputest 90 tests/agoq/test_agoq_batch.py tests/ops/test_norm.py tests/ops/test_rope.py
+      snap
+      export FLAT=1
+      for r in final1 final2 final3; do AGOQ_ARGS="--variants=" agoqrun $r 60; done
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq
+      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+      snap
+      log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
+      timeout 230 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
         | grep -v Warn | tail -24
       for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
       rmdir "$D/b" ;;

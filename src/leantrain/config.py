@@ -121,7 +121,7 @@ class AgoqConfig:
     pipeline_stages: int = 1
     roles: str = ""  # per-role bits over the default policy, e.g. "attn=4,norm=8" (16 = keep)
     logits_format: Literal["prob", "logp"] = "prob"  # log-softmax stored as exp(logp) or as is
-    batch_mib: float = 128.0  # CUDA: saves packed per batch of this many MiB (0 = one launch per tensor)
+    batch_mib: float = 512.0  # CUDA: saves packed per batch of this many MiB (0 = one launch per tensor)
     unpack_mib: float = 128.0  # CUDA: dequantized copies made at once in backward (0 = a whole batch)
     seed: int = 0  # stochastic-rounding noise seed
     replay: bool = True  # forwards with a seen signature follow their recorded save plan (agoq/README.md)

@@ -97,10 +97,11 @@ class Policy:
     # On CUDA, 4/8-bit saves are packed in batches: one quantize launch per batch (flushed when
     # the tensors waiting hold this many MiB, and at the end of the forward) and one dequantize
     # launch at the batch's first unpack. The waiting tensors stay alive until the flush: this
-    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor). 128 MiB
-    # (512 before session 9): the 1b step's peak 0.15 GiB lower at the same step time
-    # (benchmarks/results/2026-11-30_H200_s9/sixth/).
-    batch_mib: float = 128.0
+    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor). 512 MiB
+    # (128 in sessions 9-10, when one unpack dequantized the whole batch): fewer flushes, each
+    # ~0.1-0.2 ms of host time, on a forward that is host-bound (session 11,
+    # benchmarks/results/2026-12-01_H200_s11/third/).
+    batch_mib: float = 512.0
     # In backward, a batch member's first unpack dequantizes, in the same launch, the members saved
     # before it (the next ones backward takes), up to this many MiB of dequantized tensors: this
     # bounds the copies alive at once, whatever the batch's size. 0: every live member at once.
