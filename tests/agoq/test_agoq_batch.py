@@ -69,8 +69,8 @@ def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
     hooks_mod = importlib.import_module("leantrain.agoq.hooks")
     monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
     pk, loss_b, g_b = _grads(m, idx, tgt, pol)
-    n_packed = pk.stats["packed"] - 1  # the log-softmax is packed on its own
-    assert n_packed > 20
+    n_packed = pk.stats["packed"]  # (the fused loss saves no log-softmax)
+    assert n_packed > 10  # (18 on CUDA, where SDPA's fused backends save q, k, v and out; more on the CPU)
     assert calls["q"] == 1  # one flush at the end of the forward: one batch (4 and 8 bits)
     assert calls["dq"] == 1  # one dequantize launch for the batch
     # eager packing with the same seeds and the same rounding math gives the same codes
