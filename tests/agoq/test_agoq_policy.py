@@ -45,6 +45,11 @@ def test_calibrate_meets_budget_and_saves_bits():
     assert rep["measured_error"] <= budget
     assert set(rep["chosen"]) <= set(ROLES)
     assert rep["average_bits"] < 8  # cheaper than 8 bits everywhere
+    # derived saves (the default derive "silu,mul") hold nothing: counted at 0 bits, apart
+    assert set(rep["derived_numel"]) == {"gate_up", "down_in"}
+    stored = sum(rep["numel"].values())
+    by_width = sum(rep["numel"][r] * b for r, b in rep["chosen"].items())
+    assert rep["average_bits"] == pytest.approx(by_width / (stored + sum(rep["derived_numel"].values())))
     assert gradient_error(m, batches, pol)["total"] <= budget * 1.05  # re-measured independently
     for r, errs in rep["errors"].items():  # more bits, less error
         assert errs[8] <= errs[2], (r, errs)

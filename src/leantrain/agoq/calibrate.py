@@ -76,8 +76,10 @@ def gradient_error(model: nn.Module, batches, policy: Policy, *, reference=None,
     return {"total": math.sqrt(num / den) if den else 0.0, "per_param": per}
 
 
-def _role_numel(model, batches, loss_fn) -> dict[str, int]:
-    pol = Policy(**{r: 8 for r in ROLES})
+def _role_numel(model, batches, loss_fn, base: Policy) -> tuple[dict[str, int], dict[str, int]]:
+    """Elements saved per role with every role packed (at 8 bits): (stored, derived). Derived
+    saves (``base.derive``) hold no bytes whatever the width, so they weigh nothing in the cost."""
+    pol = base.replace(**{r: 8 for r in ROLES})
     pk = Packer(model, pol)
     pk.install()
     try:
@@ -86,7 +88,7 @@ def _role_numel(model, batches, loss_fn) -> dict[str, int]:
     finally:
         pk.remove()
     del loss
-    return {r: n for r, n in pk.numel.items() if n}
+    return ({r: n for r, n in pk.numel.items() if n}, {r: n for r, n in pk.derived_numel.items() if n})
 
 
 def _bits_cost(b: int, group_size: int) -> float:
@@ -102,7 +104,7 @@ def calibrate(model: nn.Module, batches, candidate_bits=(2, 3, 4, 8), error_budg
     cands = sorted(set(candidate_bits))
     base = base or Policy()
     ref = param_grads(model, batches, None, loss_fn)
-    numel = _role_numel(model, batches, loss_fn)
+    numel, derived = _role_numel(model, batches, loss_fn, base)
     roles = [r for r in ROLES if r in numel]
     keep_all = base.replace(**{r: KEEP for r in ROLES})
     err: dict[str, dict[int, float]] = {}
@@ -149,13 +151,15 @@ def calibrate(model: nn.Module, batches, candidate_bits=(2, 3, 4, 8), error_budg
     pol = policy_of(idx)
     if not return_report:
         return pol
-    tot_n = sum(numel.values())
+    tot_n = sum(numel.values()) + sum(derived.values())
     report = {
         "errors": err,
         "numel": numel,
+        "derived_numel": derived,
         "chosen": {r: cands[i] for r, i in idx.items()},
         "predicted_error": total(idx),
         "measured_error": measured,
+        # over every saved element, derived ones at 0 bits (they hold nothing)
         "average_bits": sum(numel[r] * cands[idx[r]] for r in roles) / tot_n,
         "budget": error_budget,
     }

@@ -296,7 +296,8 @@ class Packer:
         self.stats: Counter = Counter()
         self.bytes_raw: dict[str, int] = defaultdict(int)  # by role, before packing (dedup'd)
         self.bytes_kept: dict[str, int] = defaultdict(int)  # by role, what is held
-        self.numel: dict[str, int] = defaultdict(int)
+        self.numel: dict[str, int] = defaultdict(int)  # by role, elements packed (stored)
+        self.derived_numel: dict[str, int] = defaultdict(int)  # by role, elements derived (0 bytes)
         self._roles: list[str] = []
         self._base_role = "other"  # the role outside every hooked module
         self._handles: list = []  # role hooks
@@ -685,7 +686,7 @@ class Packer:
         self._dedup[key] = (weakref.ref(t if base is None else base), d)
         nb = t.numel() * t.element_size()
         self.stats["derived"] += 1
-        self.numel[role] += t.numel()
+        self.derived_numel[role] += t.numel()
         self.bytes_raw[role] += nb
         note_saved(0, ("agoq", id(d)), role)
         if self.record:
