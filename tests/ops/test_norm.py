@@ -139,3 +139,14 @@ def test_cuda_llama_shapes(dt):
     rdx, rdw = N.rms_norm_bwd_ref(dout, x, rrstd, w)
     assert _close(dx, rdx, 1e-5 if dt == F32 else 2 ** -7)
     assert _close(dw, rdw, 1e-5 if dt == F32 else 2 ** -7)
+
+
+def test_double_backward_raises():
+    """The backward is a kernel, not differentiable again: asked for, it raises instead of
+    silently returning zeros."""
+    x, w, dout = _inputs((3, 16), F32, F32)
+    x.requires_grad_()
+    y = N.rms_norm(x, w)
+    (gx,) = torch.autograd.grad(y, x, dout, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()

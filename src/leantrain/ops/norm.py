@@ -29,6 +29,7 @@ backward by the formulas above; the Triton kernels differ from it by summation o
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
 
@@ -93,7 +94,7 @@ def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str =
         block = next_pow2(d)
         r = _rows(block)
         launch(_fwd_kernel, (-(-n // r),), x2, w.contiguous(), out, rstd, n, d, float(eps), R=r, BLOCK=block,
-               HW=not interpreting(), num_warps=_warps(block * r))
+               FAST=0 if interpreting() else 4, num_warps=_warps(block * r))
     return out, rstd
 
 
@@ -115,7 +116,7 @@ def rms_norm_bwd(dout: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, w: tor
     progs = min(tiles, _programs(x.device))
     part = torch.empty(progs, d, dtype=torch.float32, device=x.device)
     launch(_bwd_kernel, (progs,), g2, x2, w.contiguous(), rstd, dx, part, n, d, tiles, R=r, BLOCK=block,
-           HW=not interpreting(), num_warps=_warps(block * r))
+           FAST=0 if interpreting() else 4, num_warps=_warps(block * r))
     return dx, part.sum(0).to(w.dtype)
 
 
@@ -141,6 +142,7 @@ class RMSNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (the kernels are not differentiable: a double backward raises)
     def backward(ctx, dout: torch.Tensor):
         x, rstd, w = ctx.saved_tensors
         dx, dw = rms_norm_bwd(dout, x, rstd, w, backend=ctx.backend)
@@ -159,20 +161,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _round(v, DTYPE: tl.constexpr, HW: tl.constexpr):
-        """fp32 -> ``DTYPE``, round to nearest even: the hardware conversion (``HW``), else bf16
-        on the integer bits (the interpreter's fp32 -> bf16 cast truncates)."""
-        if HW or DTYPE != tl.bfloat16:
-            return v.to(DTYPE)
-        else:
-            b = v.to(tl.int32, bitcast=True)
-            r = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
-            return tl.where(v != v, v, r.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    from .quant import cast_out_tl  # (round to nearest even, under the interpreter too)
 
     @triton.jit(do_not_specialize=["eps"])
     def _fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, D, eps, R: tl.constexpr, BLOCK: tl.constexpr,
-                    HW: tl.constexpr):
+                    FAST: tl.constexpr):
         rows = tl.program_id(0) * R + tl.arange(0, R)
         cols = tl.arange(0, BLOCK)
         live = rows < N
@@ -180,14 +173,14 @@ if HAS_TRITON:
         off = rows.to(tl.int64)[:, None] * D + cols[None, :]
         x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
-        y = _round(x * r[:, None], x_ptr.dtype.element_ty, HW).to(tl.float32)
+        y = cast_out_tl(x * r[:, None], x_ptr.dtype.element_ty, FAST).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(out_ptr + off, _round(y * w[None, :], out_ptr.dtype.element_ty, HW), mask=m)
+        tl.store(out_ptr + off, cast_out_tl(y * w[None, :], out_ptr.dtype.element_ty, FAST), mask=m)
         tl.store(rstd_ptr + rows, r, mask=live)
 
     @triton.jit
     def _bwd_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, N, D, TILES, R: tl.constexpr,
-                    BLOCK: tl.constexpr, HW: tl.constexpr):
+                    BLOCK: tl.constexpr, FAST: tl.constexpr):
         pid = tl.program_id(0)
         progs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
@@ -202,10 +195,10 @@ if HAS_TRITON:
             x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
             g0 = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
             r = tl.load(rstd_ptr + rows, mask=live, other=0.0)[:, None]
-            y = _round(x * r, x_ptr.dtype.element_ty, HW).to(tl.float32)
+            y = cast_out_tl(x * r, x_ptr.dtype.element_ty, FAST).to(tl.float32)
             dw += tl.sum(g0 * y, axis=0)
             g = g0 * w[None, :]
             c = tl.sum(g * x, axis=1)[:, None] / D
             dx = r * (g - x * (r * r) * c)
-            tl.store(dx_ptr + off, _round(dx, dx_ptr.dtype.element_ty, HW), mask=m)
+            tl.store(dx_ptr + off, cast_out_tl(dx, dx_ptr.dtype.element_ty, FAST), mask=m)
         tl.store(part_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)

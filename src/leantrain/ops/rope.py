@@ -23,6 +23,7 @@ output addresses from its (b, h, t) and the strides. The torch reference is the 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
 
@@ -94,6 +95,7 @@ class RopeFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # (the kernels are not differentiable: a double backward raises)
     def backward(ctx, dy: torch.Tensor):
         cos, sin = ctx.saved_tensors
         if dy.stride(-1) != 1:
@@ -115,6 +117,7 @@ class RopeRefFn(torch.autograd.Function):
         return rope_ref(x, cos, sin)
 
     @staticmethod
+    @once_differentiable  # (the kernels are not differentiable: a double backward raises)
     def backward(ctx, dy: torch.Tensor):
         cos, sin = ctx.saved_tensors
         return _rope_bwd_ref(dy, cos, sin, ctx.layout), None, None
