@@ -27,3 +27,26 @@ agoqrun() {  # $1 name, $2 time limit, rest: env assignments; AGOQ_ARGS: more be
     mv "$D"/agoq_"$name"/*.json "$D/agoq_$name.json" && rm -r "$D/agoq_$name"
   fi
 }
+train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step logged)
+  local name=$1
+  shift
+  local common="--preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
+  common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false --train.log-every 1"
+  log "train 1b $name: $common $*"
+  timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
+  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null
+  cp "$D/$name/metrics.jsonl" "$D/train1b_${name}_metrics.jsonl" 2>/dev/null
+  rm -rf "$D/$name"
+}
+train1b_trio() {  # the 1b trainer: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
+  train1b baseline --baseline
+  train1b forge_agoq --forge --agoq
+  train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+}
+forgeb() {  # bench_forge part (b): 1b, T = 1024, B = 1, 4, 16, each configuration in a fresh process ($1: time limit)
+  log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
+  timeout "$1" python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
+    | grep -v Warn | tail -24
+  for f in "$D/b"/*; do [ -e "$f" ] && mv "$f" "$D/forge_b.${f##*.}"; done
+  rmdir "$D/b" 2>/dev/null
+}

@@ -29,17 +29,6 @@ D=/tmp/s10w/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
 snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s10w "$PART"; }
-train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step logged)
-  local name=$1
-  shift
-  local common="--preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
-  common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false --train.log-every 1"
-  log "train 1b $name: $common $*"
-  timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
-  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null
-  cp "$D/$name/metrics.jsonl" "$D/train1b_${name}_metrics.jsonl" 2>/dev/null
-  rm -rf "$D/$name"
-}
 c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curves' settings)
   local name=$1
   shift
@@ -67,9 +56,7 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       AGOQ_ARGS="--variants=" agoqrun fused2 70
       AGOQ_ARGS="--variants= --model fused_loss=false" agoqrun unfused 70
       snap
-      train1b baseline --baseline
-      train1b forge_agoq --forge --agoq
-      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
+      train1b_trio ;;
     second)
       gpuinfo
       log "gpu tests: the fused loss"
@@ -118,9 +105,7 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       log "peak_trace agoq"
       timeout 70 python3 benchmarks/peak_trace.py --config agoq --out "$D" 2>&1 | grep -v Warn | tail -12
       snap
-      train1b baseline --baseline
-      train1b forge_agoq --forge --agoq
-      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+      train1b_trio
       snap
       c125 agoq --agoq ;;
     fifth)
@@ -130,9 +115,7 @@ c125() {  # $1 name, rest: trainer arguments (125m, 1000 steps, the earlier curv
       AGOQ_ARGS="--variants= --policy derive=" agoqrun noderive2 70
       AGOQ_ARGS="--variants=" agoqrun derive4 70
       snap
-      train1b baseline --baseline
-      train1b forge_agoq --forge --agoq
-      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
+      train1b_trio ;;
     sixth)
       gpuinfo
       log "gpu tests: agoq, forge, losses, xent, model (compiled)"

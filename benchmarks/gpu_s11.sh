@@ -20,17 +20,6 @@ D=/tmp/s11w/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
 snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s11w "$PART"; }
-train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step logged)
-  local name=$1
-  shift
-  local common="--preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 --train.eval-every 0 --train.ckpt-every 0"
-  common="$common --optim.warmup-steps 2 --train.sample-tokens 0 --train.progress false --train.log-every 1"
-  log "train 1b $name: $common $*"
-  timeout 80 python3 -m leantrain train $common "$@" --out "$D/$name" 2>&1 | grep -v Warn | tail -3
-  cp "$D/$name/summary.json" "$D/train1b_$name.json" 2>/dev/null
-  cp "$D/$name/metrics.jsonl" "$D/train1b_${name}_metrics.jsonl" 2>/dev/null
-  rm -rf "$D/$name"
-}
 {
   case "$PART" in
     main)
@@ -46,11 +35,7 @@ train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step
       AGOQ_ARGS="--variants= --model fused_norm=false" agoqrun plainnorm 70
       AGOQ_ARGS="--variants=" agoqrun norm2 70
       snap
-      log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
-      timeout 200 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
-        | grep -v Warn | tail -24
-      for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
-      rmdir "$D/b" ;;
+      forgeb 200 ;;
     second)
       gpuinfo
       log "gpu tests: the norm, RoPE, the model, AGoQ's save path, the fused loss"
@@ -67,9 +52,7 @@ train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step
       AGOQ_ARGS="--variants= --model fused_norm=false --model fused_rope=false" agoqrun plain 70
       AGOQ_ARGS="--variants=" agoqrun fused2 70
       snap
-      train1b baseline --baseline
-      train1b forge_agoq --forge --agoq
-      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq ;;
+      train1b_trio ;;
     third)
       gpuinfo
       export FLAT=1
@@ -78,11 +61,7 @@ train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step
       AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024 70
       AGOQ_ARGS="--variants= --policy batch_mib=512" agoqrun b512_2 70
       snap
-      log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
-      timeout 200 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
-        | grep -v Warn | tail -24
-      for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
-      rmdir "$D/b" ;;
+      forgeb 200 ;;
     final)
       gpuinfo
       log "gpu tests: AGoQ's batches (bounded unpack), the norm, RoPE (compiled)"
@@ -91,15 +70,9 @@ train1b() {  # $1 name, rest: trainer arguments (1b, B = 8, 16 steps, every step
       export FLAT=1
       for r in final1 final2 final3; do AGOQ_ARGS="--variants=" agoqrun $r 60; done
       snap
-      train1b baseline --baseline
-      train1b forge_agoq --forge --agoq
-      train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+      train1b_trio
       snap
-      log "forge part (b): 1b, T = 1024, B = 1, 4, 16"
-      timeout 230 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 45 --out "$D/b" 2>&1 \
-        | grep -v Warn | tail -24
-      for f in "$D/b"/*; do mv "$f" "$D/forge_b.${f##*.}"; done
-      rmdir "$D/b" ;;
+      forgeb 230 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
