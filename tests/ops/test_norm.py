@@ -150,3 +150,14 @@ def test_double_backward_raises():
     (gx,) = torch.autograd.grad(y, x, dout, create_graph=True)
     with pytest.raises(RuntimeError):
         gx.sum().backward()
+
+
+def test_rows_wider_than_the_kernels_take_the_reference(monkeypatch):
+    monkeypatch.setattr(N, "MAX_DIM", 32)
+    x, w, _ = _inputs((3, 48), F32, F32)
+    out, rstd = N.rms_norm_fwd(x, w, 1e-5)  # auto: the torch reference
+    rout, rrstd = N.rms_norm_fwd_ref(x, w, 1e-5)
+    assert torch.equal(out, rout) and torch.equal(rstd, rrstd)
+    if triton_runnable():
+        with pytest.raises(ValueError, match="MAX_DIM|D <="):
+            N.rms_norm_fwd(x, w, 1e-5, backend="triton")
