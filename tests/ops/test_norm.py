@@ -29,7 +29,7 @@ def _close(a, b, rel):
 
 
 @needs_triton
-@pytest.mark.parametrize("shape", [(5, 33), (3, 7, 100), (2, 300), (21, 64), (300, 64)])
+@pytest.mark.parametrize("shape", [(1, 127), (5, 33), (3, 7, 100), (2, 300), (21, 64), (300, 64), (3, 4097)])
 @pytest.mark.parametrize("dt,wdt", [(F32, F32), (BF16, BF16), (BF16, F32), (F32, BF16)])
 def test_kernels_match_reference(shape, dt, wdt):
     x, w, dout = _inputs(shape, dt, wdt)

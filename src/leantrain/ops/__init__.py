@@ -13,6 +13,9 @@ behind one dispatcher (``backend="auto" | "torch" | "triton"``; auto = Triton on
 | ``reduce``    | dequantize -> fp32 sum over peers -> requantize                      |
 | ``bits``      | boolean mask <-> 1 bit per element                                   |
 | ``rng``       | the counter-based hash RNG shared by torch and Triton                |
+| ``xent``      | the fused LM head + loss's passes (log-sum-exp, softmax gradient)    |
+| ``norm``      | RMSNorm forward / backward in one pass each (saves x and rstd only)  |
+| ``rope``      | rotary position embedding in one pass each way                       |
 """
 
 from ._backend import HAS_TRITON

@@ -21,7 +21,9 @@ is taken as the identity in backward, as autograd does.
 Kernels: tiles of ``R`` rows × ``BLOCK`` columns (whole rows in registers, ``BLOCK`` the next
 power of two ≥ D, ``R · BLOCK`` ≈ 8192); forward, one program per tile; backward, two
 programs per SM striding over the tiles, each accumulating its share of ``dw`` in registers and
-writing it to a ``[programs, D]`` fp32 buffer summed by torch. The torch
+writing it to a ``[programs, D]`` fp32 buffer summed by torch. Bytes (N rows, element size
+s): forward reads ``x`` and writes ``out`` (2·N·D·s) and ``rstd`` (4N); backward reads ``x`` and
+``dout`` and writes ``dx`` (3·N·D·s), plus ``4·programs·D`` for ``dw``'s partial sums. The torch
 reference computes the forward exactly as the op-by-op module (bit-identical on CPU) and the
 backward by the formulas above; the Triton kernels differ from it by summation order.
 """

@@ -17,7 +17,9 @@ layer (casts, two halves, four products, a sum, a difference, ``cat``), each a l
 time; this is one each. Nothing is saved but the two tables (buffers).
 
 Kernel: tiles of ``R`` rows (a row: one ``(b, h, t)``) × the half width; the row's input and
-output addresses from its (b, h, t) and the strides. The torch reference is the op-by-op form.
+output addresses from its (b, h, t) and the strides. Bytes: ``x`` read and ``y`` written once
+(2·B·H·T·hd·s each way), the tables' rows read per row (from L2: T·hd·4 distinct bytes). The
+torch reference is the op-by-op form.
 """
 
 from __future__ import annotations
