@@ -28,6 +28,7 @@ def test_overrides_are_typed():
     ("optim.betas", "0.9", "2 comma-separated"),
     ("model.loss-chunk", "-1", "loss_chunk must be >= 0"),
     ("agoq.derive", "silu,gelu", "agoq.derive must be a comma list"),
+    ("agoq.unpack-mib", "-1", "unpack_mib must be >= 0"),
 ])
 def test_bad_keys_and_values_name_the_valid_choices(key, value, match):
     with pytest.raises(ConfigError, match=match):

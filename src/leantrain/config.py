@@ -327,6 +327,8 @@ def validate(cfg: Config) -> None:
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
+        (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,
+         "agoq.batch_mib and agoq.unpack_mib must be >= 0 (0: pack each save at once / dequantize a whole batch)"),
         (all(x in DERIVATIONS for x in cfg.agoq.derive.split(",") if x),
          f"agoq.derive must be a comma list of {', '.join(DERIVATIONS)} ('' for none), got {cfg.agoq.derive!r}"),
     ]
