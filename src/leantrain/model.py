@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .losses import linear_cross_entropy
-from .ops.norm import rms_norm
+from .ops.norm import rms_norm, rms_norm_fwd_ref
 from .ops.rope import rope, rope_ref
 
 
@@ -40,9 +40,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:
             return rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        return rms_norm_fwd_ref(x, self.weight, self.eps)[0]  # (the same ops, through autograd)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[Tensor, Tensor]:

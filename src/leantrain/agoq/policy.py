@@ -95,12 +95,12 @@ class Policy:
     # exp(logp): stochastic rounding of p is unbiased in what backward reads); "logp": as is
     logits_format: str = "prob"
     # On CUDA, 4/8-bit saves are packed in batches: one quantize launch per batch (flushed when
-    # the tensors waiting hold this many MiB, and at the end of the forward) and one dequantize
-    # launch at the batch's first unpack. The waiting tensors stay alive until the flush: this
+    # the tensors waiting hold this many MiB, and at the end of the forward) and dequantize
+    # launches of up to unpack_mib each in backward. The waiting tensors stay alive until the flush: this
     # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor). 512 MiB
     # (128 in sessions 9-10, when one unpack dequantized the whole batch): fewer flushes, each
-    # ~0.1-0.2 ms of host time, on a forward that is host-bound (session 11,
-    # benchmarks/results/2026-12-01_H200_s11/third/).
+    # ~0.27 ms of host time under the profiler, on a forward that is host-bound (session 11,
+    # benchmarks/results/2026-12-01_H200_s11/host/ and third/).
     batch_mib: float = 512.0
     # In backward, a batch member's first unpack dequantizes, in the same launch, the members saved
     # before it (the next ones backward takes), up to this many MiB of dequantized tensors: this
