@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 12's GPU calls (under the device tool's 600 s limit; one tarball comes back):
+#   OUT=dir bash benchmarks/gpu_s12.sh first   # session 11's unverified commits compiled (norm / RoPE / AGoQ batch /
+#                                            # model tests); the CUDA-time profile of the 1b step, torch bf16 and
+#                                            # AGoQ (where AGoQ's time goes); bench_agoq twice; one forward's host time
+# Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+PART=${1:-first}
+D=/tmp/s12w/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "gpu tests: norm, RoPE, AGoQ batches, the model (compiled)"
+      gputest 150 tests/ops/test_norm.py tests/ops/test_rope.py tests/agoq/test_agoq_batch.py tests/test_model.py
+      snap
+      profiles
+      snap
+      export FLAT=1
+      for r in a1 a2; do AGOQ_ARGS="--variants=" agoqrun $r 60; done
+      snap
+      log "one forward's host time"
+      timeout 90 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
+  esac
+} 2>&1 | tee "$D/run.log"
+snap
