@@ -3,6 +3,8 @@
 #   OUT=dir bash benchmarks/gpu_s12.sh first   # session 11's unverified commits compiled (norm / RoPE / AGoQ batch /
 #                                            # model tests); the CUDA-time profile of the 1b step, torch bf16 and
 #                                            # AGoQ (where AGoQ's time goes); bench_agoq twice; one forward's host time
+#   OUT=dir bash benchmarks/gpu_s12.sh trace   # trace_step.py: the GPU's idle gaps in one step, torch bf16 and AGoQ (and
+#                                            # AGoQ's Chrome trace); profile_step --cprofile of AGoQ (host time by function)
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -24,6 +26,18 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       snap
       log "one forward's host time"
       timeout 90 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
+    trace)
+      gpuinfo
+      for c in torch_bf16 agoq; do
+        log "trace $c"
+        timeout 90 python3 benchmarks/trace_step.py --config $c --chrome --out "$D" 2>&1 | grep -v Warn | tail -2
+        snap
+      done
+      log "trace agoq, batch_mib 1024"
+      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 \
+        | grep -v Warn | tail -2
+      snap
+      profiles --cprofile ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
