@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--real-multi", action="store_true", help="the real quantize_many host path, launch stubbed")
     ap.add_argument("--minimal-hook", action="store_true", help="also time a stripped-down pack hook (lower bound)")
     ap.add_argument("--derive", default=None, help="agoq.Policy.derive (default: the policy's)")
+    ap.add_argument("--bf16", action="store_true", help="the model in bf16 (as on the GPU: 4-bit rows on the word path)")
+    ap.add_argument("--flushes", type=int, default=0,
+                    help="batch_mib set for about this many flushes a forward (the 1b step on the GPU: ~17 at 512 MiB; "
+                         "0: the policy's batch_mib, one flush a forward at these widths)")
     a = ap.parse_args(argv)
     if a.real_multi:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -54,6 +58,8 @@ def main(argv=None) -> int:
     cfg = preset("1b").model
     cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size = 64, 4, 2, 128, 256
     model = Llama(cfg)
+    if a.bf16:
+        model = model.to(torch.bfloat16)
 
     def stub(xs, bits=8, group_size=128, symmetric=True, **_):
         widths = bits if isinstance(bits, list) else [bits] * len(xs)
@@ -89,12 +95,21 @@ def main(argv=None) -> int:
 
     print(f"plain                        {forward_ms():6.2f} ms")
     print(f"identity saved-tensor hooks  {forward_ms(identity):6.2f} ms")
-    pol = lt.agoq.Policy(min_numel=0, **({} if a.derive is None else {"derive": a.derive}))
+    kw = {} if a.derive is None else {"derive": a.derive}
+    if a.flushes:  # the bytes one forward registers in batches (fp32 at these widths), over the flushes
+        probe = H.Packer(model, lt.agoq.Policy(min_numel=0, **kw))
+        probe.install()
+        with probe:
+            model(idx[:, :-1], idx[:, 1:])
+        probe.remove()
+        raw = sum(probe.numel.values()) * (2 if a.bf16 else 4)
+        kw["batch_mib"] = raw / a.flushes / 2**20
+    pol = lt.agoq.Policy(min_numel=0, **kw)
     pk = H.Packer(model, pol)
     pk.install()
     print(f"role module hooks only       {forward_ms():6.2f} ms")
     print(f"full packer                  {forward_ms(lambda: pk):6.2f} ms")
-    print(f"saves per forward: {pk.stats['saved'] // 65}, packed {pk.stats['packed'] // 65}")
+    print(f"saves per forward: {pk.stats['saved'] // 65}, packed {pk.stats['packed'] // 65}, batch_mib {pol.batch_mib:.4g}")
     pk.remove()
     for replay in (False, True):
         ap = lt.agoq.apply(model, pol, replay=replay)

@@ -82,6 +82,35 @@ def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
         assert torch.equal(g_b[name], g_e[name]), name
 
 
+def test_bf16_word_path_batched_apart(batching, monkeypatch):
+    """bf16 saves at 4 bits (the quantize kernel's word path) and the others (8-bit attention
+    saves) go to two batches: each flush is one launch of one path; the gradients equal eager
+    packing."""
+    torch.manual_seed(0)
+    m = Llama(TINY).to(DEV).to(torch.bfloat16)
+    idx = torch.randint(0, 256, (2, 32), device=DEV)
+    calls = []
+    real_q = pack_mod.quantize_flat
+
+    def q(xs, bits, *a, **kw):
+        calls.append({(b, x.dtype) for x, b in zip(xs, bits)})
+        return real_q(xs, bits, *a, **kw)
+
+    monkeypatch.setattr(pack_mod, "quantize_flat", q)
+    _reference_ops(monkeypatch)
+    pol = Policy(min_numel=16, seed=5)
+    hooks_mod = importlib.import_module("leantrain.agoq.hooks")
+    monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
+    pk, loss_b, g_b = _grads(m, idx, idx, pol)
+    assert sorted(map(sorted, calls), key=str) == sorted([[(4, torch.bfloat16)], [(8, torch.bfloat16)]], key=str)
+    monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
+    monkeypatch.setattr(Packer, "batch_devices", ())
+    _, loss_e, g_e = _grads(m, idx, idx, pol)
+    assert torch.equal(loss_b, loss_e)
+    for name in g_b:
+        assert torch.equal(g_b[name], g_e[name]), name
+
+
 def test_batch_bytes_bound_the_waiting_tensors(batching, monkeypatch):
     torch.manual_seed(0)
     m = Llama(TINY).to(DEV)
@@ -100,7 +129,7 @@ def test_batch_bytes_bound_the_waiting_tensors(batching, monkeypatch):
     loss.backward()
     waiting = [b for b in flushes if b]
     assert len(waiting) > 3
-    # a flush starts when the waiting bytes reach the limit: at most the limit plus one tensor
+    # a batch is flushed when its waiting bytes reach the limit: at most the limit plus one tensor
     biggest = 2 * 32 * TINY.ffn_dim * 4
     assert max(waiting) <= limit + biggest
     assert pk.stats["packed"] > 0

@@ -119,6 +119,71 @@ def test_replay_derives_the_same():
         assert torch.equal(a, b)
 
 
+def test_silu_computed_once_a_backward(monkeypatch):
+    """``silu(ĝ)`` feeds two backward nodes (the product's and, through ``silu(ĝ)·û``, the down
+    projection's): computed once a backward, its cache and every dequantized source released by
+    the end; with ``retain_graph`` the second backward computes it again, the same."""
+    import leantrain.agoq.hooks as H
+
+    calls = []
+
+    def silu(t):
+        calls.append(1)
+        return F.silu(t)
+
+    monkeypatch.setitem(H._DERIVE, "SiluBackward0", ("silu", silu))
+    held = []  # every packed and derived save of the forward
+    def keeping(f):
+        def keep(self, *a, **k):
+            out = f(self, *a, **k)
+            held.append(out)
+            return out
+        return keep
+
+    for name in ("_store", "_store_derived"):
+        monkeypatch.setattr(H.Packer, name, keeping(getattr(H.Packer, name)))
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(64, D, requires_grad=True)
+    with quantize_activations(net, Policy(stochastic=False)) as pk:
+        loss = net(x)
+    assert pk.stats["derived"] == 2 and len(held) >= 5
+    grads = []
+    for _ in range(2):
+        x.grad = None
+        loss.backward(retain_graph=True)
+        grads.append(x.grad.clone())
+        assert len(calls) == 1, len(calls)
+        calls.clear()
+        assert all(h.cache is None for h in held)
+    assert torch.equal(grads[0], grads[1])
+    ref = _manual(net, x.detach())
+    assert torch.allclose(grads[0], ref["x"], rtol=1e-5, atol=1e-5)
+
+
+def test_derived_cache_counts():
+    """A :class:`Derived` with two consumers: one computation a round, its source used once."""
+    from leantrain.agoq.hooks import Derived
+
+    src = pack(torch.randn(256), 4, group_size=128, stochastic=False, symmetric=True)
+    n = []
+
+    def fn(t):
+        n.append(1)
+        return t * 2
+
+    d = Derived(fn, (src,))
+    d.add_use()
+    d.add_use()
+    assert d.uses == 2 and src.uses == 2  # (pack's own use, and the derivation's one)
+    a, b = d.unpack(), d.unpack()
+    assert a is b and len(n) == 1 and d.cache is None
+    c = d.unpack()
+    assert len(n) == 2 and d.cache is not None and torch.equal(c, a)
+    d.unpack()
+    assert d.cache is None
+
+
 def test_policy_rejects_unknown_derivation():
     with pytest.raises(ValueError, match="derive"):
         Policy(derive="silu,gelu")

@@ -174,23 +174,39 @@ class Derived:
     is within [-0.1, 1.1], so ``ĝ``'s error passes through at most 1.1×; the measured gradient
     error is lower than with ``silu(g)`` packed on its own: agoq/README.md). ``mul``: a product
     of two saves (the down projection's input ``silu(g)·u``, through the view ``F.linear`` takes
-    of it) as ``silu(ĝ)·û``. ``uses``: the unpacks one backward will make; every one of them
-    unpacks each source once, so a consumer added here adds one use to every source below it
-    (a packed source's dequantized copy is then made once for all of them)."""
+    of it) as ``silu(ĝ)·û``. ``uses``: the unpacks one backward will make. The result is
+    computed once a backward, at the first of them, and kept until the last (:meth:`unpack`), so
+    it unpacks each source once: the first consumer adds one use to every source below it, the
+    others none."""
 
-    __slots__ = ("fn", "srcs", "uses")
+    __slots__ = ("fn", "srcs", "uses", "taken", "cache")
     nbytes = 0
 
     def __init__(self, fn, srcs: tuple):
-        self.fn, self.srcs, self.uses = fn, srcs, 0
+        self.fn, self.srcs, self.uses, self.taken, self.cache = fn, srcs, 0, 0, None
 
     def add_use(self) -> None:
         self.uses += 1
-        for s in self.srcs:
-            _add_use(s)
+        if self.uses == 1:
+            for s in self.srcs:
+                _add_use(s)
 
     def unpack(self) -> Tensor:
-        return self.fn(*(_unpack_any(s) for s in self.srcs))
+        """``fn`` of the sources, computed once for all ``uses`` of one backward (``silu(ĝ)``: the
+        product's backward and the down projection's input both take it) and kept until the last
+        of them took it (as :meth:`ProbPacked.unpack`)."""
+        if self.uses <= 1:
+            return self.fn(*(_unpack_any(s) for s in self.srcs))
+        self.taken += 1
+        more = self.taken % self.uses
+        c = self.cache
+        if c is None:
+            c = self.fn(*(_unpack_any(s) for s in self.srcs))
+            if more:
+                self.cache = c
+        elif not more:
+            self.cache = None
+        return c
 
 
 def _add_use(obj) -> None:
@@ -239,6 +255,7 @@ def _storage_ptr(t: Tensor) -> int:
 
 _local = threading.local()
 _BITS_KEY = {b: f"bits{b}" for b in (1, 2, 3, 4, 8)}
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _active() -> list[Packer]:
@@ -307,8 +324,12 @@ class Packer:
         self._n = 0
         self._salt = next(_PACKERS)
         self._base_seed = _mix(self.policy.seed, self._salt)  # tensor n: base + n * golden (mod 2**63)
-        self._batches: dict[bool, PackBatch] = {}  # by symmetry
-        self._waiting = 0  # bytes of tensors registered in the open batches
+        # open batches by (symmetry, word path): 4-bit 16-bit floats apart from the rest (8-bit, fp32),
+        # so each flush is one launch of one compiled path (a mixed batch launched two); each
+        # batch's waiting bytes, flushed at policy.batch_mib
+        self._batches: dict[tuple[bool, bool], PackBatch] = {}
+        self._waiting: dict[tuple[bool, bool], int] = {}
+        self._batch_cuda = False  # batches on CUDA only (the default): a cheaper device test per save
         self._modules: list[nn.Module] | None = None
         self._bits: dict[str, int] = {}
         self._ctx = None
@@ -437,7 +458,7 @@ class Packer:
 
     def flush(self) -> None:
         """Pack every waiting tensor (one launch per open batch) and close the batches."""
-        batches, self._batches, self._waiting = self._batches, {}, 0
+        batches, self._batches, self._waiting = self._batches, {}, {}
         for b in batches.values():
             b.flush()
 
@@ -592,11 +613,13 @@ class Packer:
                                 symmetric=False, exp=True), t.dtype)
         else:
             symmetric = role != "logits"
-            if bits in (4, 8) and pol.batch_mib > 0 and t.device.type in self.batch_devices:
-                batch = self._batches.get(symmetric)  # (dtypes and widths mix in one launch)
+            if bits in (4, 8) and pol.batch_mib > 0 and (t.is_cuda if self.batch_devices == ("cuda",)
+                                                         else t.device.type in self.batch_devices):
+                bkey = (symmetric, bits == 4 and t.dtype in _HALF)
+                batch = self._batches.get(bkey)
                 if batch is None:
-                    batch = self._batches[symmetric] = PackBatch(pol.group_size, symmetric, pol.stochastic,
-                                                           self.batch_backend, int(pol.unpack_mib * 2**20))
+                    batch = self._batches[bkey] = PackBatch(pol.group_size, symmetric, pol.stochastic,
+                                                        self.batch_backend, int(pol.unpack_mib * 2**20))
                 p = batch.register(t, bits, seed)  # (pack() without its checks: a float tensor, 4 or 8 bits)
             else:
                 p = pack(t, bits, group_size=pol.group_size, stochastic=pol.stochastic, seed=seed,
@@ -604,9 +627,10 @@ class Packer:
         n = t.numel()
         nb = n * t.element_size()
         if batch is not None:
-            self._waiting += nb
-            if self._waiting >= pol.batch_mib * 2**20:
-                self.flush()
+            w = self._waiting[bkey] = self._waiting.get(bkey, 0) + nb
+            if w >= pol.batch_mib * 2**20:  # this batch only: the other keeps filling
+                del self._batches[bkey], self._waiting[bkey]
+                batch.flush()
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
         self._dedup[key] = (weakref.ref(t if base is None else base), p)

@@ -51,7 +51,7 @@ __all__ = ["Packed", "PackBatch", "pack", "unpack", "pack_mask", "unpack_mask", 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 
 
-@dataclass
+@dataclass(slots=True, weakref_slot=True)  # (slots: built once per packed save, ~250 a 1b forward)
 class Packed:
     """A saved activation in packed form. ``nbytes`` is what it holds (codes + scales)."""
 
