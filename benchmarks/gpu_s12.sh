@@ -5,6 +5,9 @@
 #                                            # AGoQ (where AGoQ's time goes); bench_agoq twice; one forward's host time
 #   OUT=dir bash benchmarks/gpu_s12.sh trace   # trace_step.py: the GPU's idle gaps in one step, torch bf16 and AGoQ (and
 #                                            # AGoQ's Chrome trace); profile_step --cprofile of AGoQ (host time by function)
+#   OUT=dir bash benchmarks/gpu_s12.sh second  # derived saves cached, per-path batches: their tests compiled; trace_step
+#                                            # (torch, AGoQ at batch_mib 512 and 1024); bench_agoq at 512 twice, 1024
+#                                            # once; one forward's host time
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -38,6 +41,24 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
         | grep -v Warn | tail -2
       snap
       profiles --cprofile ;;
+    second)
+      gpuinfo
+      log "gpu tests: AGoQ batches, derived saves (compiled)"
+      gputest 100 tests/agoq/test_agoq_batch.py tests/agoq/test_agoq_derive.py
+      snap
+      for c in torch_bf16 agoq; do
+        log "trace $c"
+        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      log "trace agoq, batch_mib 1024"
+      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
+      snap
+      export FLAT=1
+      for r in a1 a2; do AGOQ_ARGS="--variants=" agoqrun $r 60; done
+      AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024 60
+      snap
+      log "one forward's host time"
+      timeout 90 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
