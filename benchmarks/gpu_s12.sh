@@ -8,6 +8,9 @@
 #   OUT=dir bash benchmarks/gpu_s12.sh second  # derived saves cached, per-path batches: their tests compiled; trace_step
 #                                            # (torch, AGoQ at batch_mib 512 and 1024); bench_agoq at 512 twice, 1024
 #                                            # once; one forward's host time
+#   OUT=dir bash benchmarks/gpu_s12.sh third   # the two batches flushed by their total waiting bytes (the fullest one):
+#                                            # bench_agoq at batch_mib 512 and 1024, twice each, alternating; trace_step;
+#                                            # one forward's host time with its cProfile
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -29,6 +32,26 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       snap
       log "one forward's host time"
       timeout 90 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
+    third)
+      gpuinfo
+      log "gpu tests: AGoQ batches (compiled)"
+      gputest 60 tests/agoq/test_agoq_batch.py
+      snap
+      export FLAT=1
+      for r in 1 2; do
+        AGOQ_ARGS="--variants=" agoqrun b512_$r 60
+        AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_$r 60
+      done
+      snap
+      for c in torch_bf16 agoq; do
+        log "trace $c"
+        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      log "trace agoq, batch_mib 1024"
+      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
+      snap
+      log "one forward's host time"
+      timeout 120 python3 benchmarks/agoq_host_gpu.py --cprofile --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
     trace)
       gpuinfo
       for c in torch_bf16 agoq; do
@@ -59,6 +82,26 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       snap
       log "one forward's host time"
       timeout 90 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
+    third)
+      gpuinfo
+      log "gpu tests: AGoQ batches (compiled)"
+      gputest 60 tests/agoq/test_agoq_batch.py
+      snap
+      export FLAT=1
+      for r in 1 2; do
+        AGOQ_ARGS="--variants=" agoqrun b512_$r 60
+        AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_$r 60
+      done
+      snap
+      for c in torch_bf16 agoq; do
+        log "trace $c"
+        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      log "trace agoq, batch_mib 1024"
+      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
+      snap
+      log "one forward's host time"
+      timeout 120 python3 benchmarks/agoq_host_gpu.py --cprofile --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

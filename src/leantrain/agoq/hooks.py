@@ -326,7 +326,7 @@ class Packer:
         self._base_seed = _mix(self.policy.seed, self._salt)  # tensor n: base + n * golden (mod 2**63)
         # open batches by (symmetry, word path): 4-bit 16-bit floats apart from the rest (8-bit, fp32),
         # so each flush is one launch of one compiled path (a mixed batch launched two); each
-        # batch's waiting bytes, flushed at policy.batch_mib
+        # batch's waiting bytes: when they sum to policy.batch_mib, the fullest batch is flushed
         self._batches: dict[tuple[bool, bool], PackBatch] = {}
         self._waiting: dict[tuple[bool, bool], int] = {}
         self._batch_cuda = False  # batches on CUDA only (the default): a cheaper device test per save
@@ -627,10 +627,12 @@ class Packer:
         n = t.numel()
         nb = n * t.element_size()
         if batch is not None:
-            w = self._waiting[bkey] = self._waiting.get(bkey, 0) + nb
-            if w >= pol.batch_mib * 2**20:  # this batch only: the other keeps filling
-                del self._batches[bkey], self._waiting[bkey]
-                batch.flush()
+            wait = self._waiting
+            wait[bkey] = wait.get(bkey, 0) + nb
+            if sum(wait.values()) >= pol.batch_mib * 2**20:  # the fullest batch only: the other keeps filling
+                full = max(wait, key=wait.get)
+                del wait[full]
+                self._batches.pop(full).flush()
         # A view made on the fly (F.linear flattens its input) dies at once; its base holds the
         # storage, so a weak reference to the base proves the memory was not reused.
         self._dedup[key] = (weakref.ref(t if base is None else base), p)
@@ -643,7 +645,8 @@ class Packer:
         self.numel[role] += n
         self.bytes_raw[role] += nb
         self.bytes_kept[role] += p.nbytes
-        note_saved(p.nbytes, ("agoq", id(p)), role)
+        if self._replay is None:  # (a replayed forward is never metered: open() replays only then)
+            note_saved(p.nbytes, ("agoq", id(p)), role)
         if self.record:
             self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "packed"})
         return p
