@@ -11,6 +11,7 @@
 #   OUT=dir bash benchmarks/gpu_s12.sh third   # the two batches flushed by their total waiting bytes (the fullest one):
 #                                            # bench_agoq at batch_mib 512 and 1024, twice each, alternating; trace_step;
 #                                            # one forward's host time with its cProfile
+#   OUT=dir bash benchmarks/gpu_s12.sh fourth  # bench_agoq with the back-to-back timing: batch_mib 512 twice, 1024 once
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -52,6 +53,12 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       snap
       log "one forward's host time"
       timeout 120 python3 benchmarks/agoq_host_gpu.py --cprofile --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
+    fourth)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun b512_1 70
+      AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_1 70
+      AGOQ_ARGS="--variants=" agoqrun b512_2 70 ;;
     trace)
       gpuinfo
       for c in torch_bf16 agoq; do
@@ -102,6 +109,12 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       snap
       log "one forward's host time"
       timeout 120 python3 benchmarks/agoq_host_gpu.py --cprofile --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
+    fourth)
+      gpuinfo
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun b512_1 70
+      AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_1 70
+      AGOQ_ARGS="--variants=" agoqrun b512_2 70 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
