@@ -95,6 +95,10 @@ def _child(args) -> dict:
         gc.collect()
         gc.disable()
     for i in range(args.warmup + args.steps):
+        if args.gc_freeze and i == args.warmup:
+            import gc
+
+            gc.freeze()
         for p in m.parameters():
             p.grad = None
         sync()
@@ -131,7 +135,7 @@ def _child(args) -> dict:
         "params": m.num_params(), "saved_bytes": meter.bytes,
         "saved_by_role": dict(meter.by_role),
         "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times, "forward_host_s_all": fwd_host,
-        "gc_off": bool(args.gc_off),
+        "gc_off": bool(args.gc_off), "gc_freeze": bool(args.gc_freeze),
     }
     pk = getattr(m, "_agoq_packer", None)
     if pk is not None:  # every save's fate over all forwards (replay:diverged: forwards that left their plan)
@@ -188,6 +192,8 @@ def _run_child(preset, child, args) -> dict:
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.gc_off:
         cmd.append("--gc-off")
+    if args.gc_freeze:
+        cmd.append("--gc-freeze")
     for kv in args.model:
         cmd += ["--model", kv]
     for kv in args.policy:
@@ -231,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="ctx,noreplay",
                     help="GPU: also time AGoQ as a context manager per step (ctx) and applied without replay (noreplay)")
     ap.add_argument("--gc-off", action="store_true", help="Python's cyclic garbage collector off in the timed steps")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() before the timed steps (the objects alive then leave the collector's view)")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a ModelConfig field (both configurations), e.g. --model sdpa_gqa=false")
     ap.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE",

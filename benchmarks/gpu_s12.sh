@@ -12,6 +12,8 @@
 #                                            # bench_agoq at batch_mib 512 and 1024, twice each, alternating; trace_step;
 #                                            # one forward's host time with its cProfile
 #   OUT=dir bash benchmarks/gpu_s12.sh fourth  # bench_agoq with the back-to-back timing: batch_mib 512 twice, 1024 once
+#   OUT=dir bash benchmarks/gpu_s12.sh fifth   # Python's garbage collector: trace_step with its collections counted (torch,
+#                                            # AGoQ, AGoQ after gc.freeze); bench_agoq with and without --gc-off, --gc-freeze
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -59,6 +61,21 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       AGOQ_ARGS="--variants=" agoqrun b512_1 70
       AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_1 70
       AGOQ_ARGS="--variants=" agoqrun b512_2 70 ;;
+    fifth)
+      gpuinfo
+      for c in torch_bf16 agoq; do
+        log "trace $c"
+        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      log "trace agoq, gc.freeze() after the warm-up"
+      timeout 90 python3 benchmarks/trace_step.py --config agoq --gc-freeze --out "$D/freeze" 2>&1 | tail -1
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun gc_on_1 70
+      AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_1 70
+      AGOQ_ARGS="--variants= --gc-freeze" agoqrun gc_freeze_1 70
+      AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_2 70
+      AGOQ_ARGS="--variants=" agoqrun gc_on_2 70 ;;
     trace)
       gpuinfo
       for c in torch_bf16 agoq; do
@@ -115,6 +132,21 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       AGOQ_ARGS="--variants=" agoqrun b512_1 70
       AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_1 70
       AGOQ_ARGS="--variants=" agoqrun b512_2 70 ;;
+    fifth)
+      gpuinfo
+      for c in torch_bf16 agoq; do
+        log "trace $c"
+        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      log "trace agoq, gc.freeze() after the warm-up"
+      timeout 90 python3 benchmarks/trace_step.py --config agoq --gc-freeze --out "$D/freeze" 2>&1 | tail -1
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--variants=" agoqrun gc_on_1 70
+      AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_1 70
+      AGOQ_ARGS="--variants= --gc-freeze" agoqrun gc_freeze_1 70
+      AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_2 70
+      AGOQ_ARGS="--variants=" agoqrun gc_on_2 70 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

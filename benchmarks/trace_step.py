@@ -13,6 +13,7 @@ Chrome trace.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--chrome", action="store_true", help="also write the gzipped Chrome trace")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up steps (the objects alive then leave the collector's view)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
@@ -110,12 +113,29 @@ def main(argv=None) -> int:
     for _ in range(4):
         step()
     torch.cuda.synchronize()
+    if a.gc_freeze:
+        gc.freeze()
+    gcs: dict[int, list[float]] = {0: [], 1: [], 2: []}  # Python's cyclic collections in the timed steps, ms
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gcs[info["generation"]].append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     walls = []
     for _ in range(5):
         t = time.perf_counter()
         step()
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t) * 1e3)
+    gc.callbacks.remove(on_gc)
+    marks["gc_in_5_steps"] = {f"gen{g}": {"count": len(v), "total_ms": sum(v), "max_ms": max(v, default=0.0)}
+                              for g, v in gcs.items()}
+    marks["gc_frozen"] = bool(a.gc_freeze)
+    marks["gc_tracked_objects"] = len(gc.get_objects())
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         step()
@@ -140,7 +160,8 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     print(a.config, "step", f"{res['step_ms_unprofiled']:.1f} ms;", "forward busy/idle",
           f"{res['forward']['busy_ms']:.1f}/{res['forward']['idle_ms']:.1f};", "backward busy/idle",
-          f"{res['backward']['busy_ms']:.1f}/{res['backward']['idle_ms']:.1f} ms")
+          f"{res['backward']['busy_ms']:.1f}/{res['backward']['idle_ms']:.1f} ms; gc in 5 steps",
+          {g: (v["count"], round(v["total_ms"], 2)) for g, v in res["gc_in_5_steps"].items()})
     return 0
 
 
