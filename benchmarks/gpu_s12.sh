@@ -14,6 +14,7 @@
 #   OUT=dir bash benchmarks/gpu_s12.sh fourth  # bench_agoq with the back-to-back timing: batch_mib 512 twice, 1024 once
 #   OUT=dir bash benchmarks/gpu_s12.sh fifth   # Python's garbage collector: trace_step with its collections counted (torch,
 #                                            # AGoQ, AGoQ after gc.freeze); bench_agoq with and without --gc-off, --gc-freeze
+#   OUT=dir bash benchmarks/gpu_s12.sh sixth   # flush_host_gpu.py: one batch flush's host time, GPU idle and busy
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -76,6 +77,10 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       AGOQ_ARGS="--variants= --gc-freeze" agoqrun gc_freeze_1 70
       AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_2 70
       AGOQ_ARGS="--variants=" agoqrun gc_on_2 70 ;;
+    sixth)
+      gpuinfo
+      log "one flush's host time"
+      timeout 100 python3 benchmarks/flush_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -5 ;;
     trace)
       gpuinfo
       for c in torch_bf16 agoq; do
@@ -147,6 +152,10 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       AGOQ_ARGS="--variants= --gc-freeze" agoqrun gc_freeze_1 70
       AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_2 70
       AGOQ_ARGS="--variants=" agoqrun gc_on_2 70 ;;
+    sixth)
+      gpuinfo
+      log "one flush's host time"
+      timeout 100 python3 benchmarks/flush_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -5 ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
