@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny widths (dim 64, 8 tokens): Python and dispatch only")
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--quick", action="store_true",
+                    help="only: no hooks, AGoQ (replay), AGoQ with the quantize call stubbed")
     ap.add_argument("--cprofile", action="store_true",
                     help="also cProfile 8 replayed forwards (host time by function): cprofile_agoq_forward.txt")
     a = ap.parse_args(argv)
@@ -86,7 +88,11 @@ def main(argv=None) -> int:
 
     rows = {}
 
+    quick = {"no hooks", "agoq apply (replay)", "agoq replay, quantize call stubbed"}
+
     def run(name, setup=None, undo=None, backward=True):
+        if a.quick and name not in quick:
+            return
         if setup:
             setup()
         try:

@@ -15,6 +15,9 @@
 #   OUT=dir bash benchmarks/gpu_s12.sh fifth   # Python's garbage collector: trace_step with its collections counted (torch,
 #                                            # AGoQ, AGoQ after gc.freeze); bench_agoq with and without --gc-off, --gc-freeze
 #   OUT=dir bash benchmarks/gpu_s12.sh sixth   # flush_host_gpu.py: one batch flush's host time, GPU idle and busy
+#   OUT=dir bash benchmarks/gpu_s12.sh seventh # FlatLayout (a batch's buffer laid out as saves come): its tests compiled; one
+#                                            # forward's host time, this code and the previous commit's (benchmarks/
+#                                            # _old_tree.tgz, made by git archive, not committed) alternating; bench_agoq x2
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -81,6 +84,22 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       gpuinfo
       log "one flush's host time"
       timeout 100 python3 benchmarks/flush_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -5 ;;
+    seventh)
+      gpuinfo
+      log "gpu tests: flat buffers, AGoQ batches (compiled)"
+      gputest 90 tests/ops/test_multi.py tests/agoq/test_agoq_batch.py -k "flat or batch"
+      snap
+      OLD=/tmp/s12old; mkdir -p $OLD && tar xzf benchmarks/_old_tree.tgz -C $OLD
+      for r in 1 2; do
+        log "host time, this code ($r)"
+        timeout 70 python3 benchmarks/agoq_host_gpu.py --quick --out "$D/host_new_$r" 2>&1 | grep -v Warn | tail -3
+        log "host time, the previous commit ($r)"
+        (cd $OLD && PYTHONPATH=$OLD/src timeout 70 python3 benchmarks/agoq_host_gpu.py --quick --out "$D/host_old_$r" 2>&1 \
+          | grep -v Warn | tail -3)
+      done
+      snap
+      export FLAT=1
+      for r in 1 2; do AGOQ_ARGS="--variants=" agoqrun new_$r 70; done ;;
     trace)
       gpuinfo
       for c in torch_bf16 agoq; do
@@ -156,6 +175,22 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       gpuinfo
       log "one flush's host time"
       timeout 100 python3 benchmarks/flush_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -5 ;;
+    seventh)
+      gpuinfo
+      log "gpu tests: flat buffers, AGoQ batches (compiled)"
+      gputest 90 tests/ops/test_multi.py tests/agoq/test_agoq_batch.py -k "flat or batch"
+      snap
+      OLD=/tmp/s12old; mkdir -p $OLD && tar xzf benchmarks/_old_tree.tgz -C $OLD
+      for r in 1 2; do
+        log "host time, this code ($r)"
+        timeout 70 python3 benchmarks/agoq_host_gpu.py --quick --out "$D/host_new_$r" 2>&1 | grep -v Warn | tail -3
+        log "host time, the previous commit ($r)"
+        (cd $OLD && PYTHONPATH=$OLD/src timeout 70 python3 benchmarks/agoq_host_gpu.py --quick --out "$D/host_old_$r" 2>&1 \
+          | grep -v Warn | tail -3)
+      done
+      snap
+      export FLAT=1
+      for r in 1 2; do AGOQ_ARGS="--variants=" agoqrun new_$r 70; done ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap

@@ -214,3 +214,17 @@ def test_flat_buffer_equals_many(backend, device, symmetric, stochastic):
     for d, r in zip(ds, ref, strict=True):
         assert d.dtype == r.dtype and d.shape == r.shape and torch.equal(d, r)
     assert quantize_flat([], [], [], backend=backend)[1] == []
+    if backend == "triton":  # a layout built tensor by tensor (AGoQ's batches) gives the same buffer
+        from leantrain.ops.multi import FlatLayout
+
+        lay = FlatLayout(128, symmetric)
+        for x, b, s in zip(xs, bits, seeds):
+            lay.add(x, b, s)
+        buf2, layout2 = quantize_flat(xs, bits, seeds, backend=backend, layout=lay, **kw)
+        assert layout2 == layout
+        for x, b, o in zip(xs, bits, layout):  # (the padding between members is not written)
+            f, f2 = (flat_qtensor(bb, o, x.shape, x.dtype, b, 128, symmetric) for bb in (buf, buf2))
+            assert torch.equal(f.data, f2.data) and torch.equal(f.scale, f2.scale)
+            assert symmetric or torch.equal(f.zero, f2.zero)
+        with pytest.raises(ValueError, match="layout"):
+            quantize_flat(xs[:2], bits[:2], seeds[:2], backend=backend, layout=lay, **kw)

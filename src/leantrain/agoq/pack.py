@@ -43,7 +43,8 @@ try:
 except ImportError:  # pragma: no cover
     from leantrain.ops.qtensor import QTensor
     from leantrain.ops.rng import hash_uniform
-from leantrain.ops.multi import dequantize_flat, flat_qtensor, quantize_flat
+from leantrain.ops._backend import resolve
+from leantrain.ops.multi import FlatLayout, dequantize_flat, flat_qtensor, quantize_flat
 
 __all__ = ["Packed", "PackBatch", "pack", "unpack", "pack_mask", "unpack_mask", "quantize_q",
            "dequantize_q", "SUPPORTED_BITS"]
@@ -112,10 +113,18 @@ class PackBatch:
         self.unpack_bytes = unpack_bytes  # dequantized bytes made at once (0: every live member)
         self._todo: list[tuple[Tensor, Packed, int, int]] = []  # (source, packed, seed, version)
         self._members: list[weakref.ref] = []
+        self._layout: FlatLayout | None = None  # the flush's buffer laid out as members come (Triton)
+        self._kernels: bool | None = None  # the backend resolves to the kernels (decided at the first member)
 
     def add(self, src: Tensor, p: Packed, seed: int) -> None:
         self._todo.append((src, p, seed, src._version))
         self._members.append(weakref.ref(p))
+        if self._kernels is None:
+            self._kernels = resolve(self.backend, src) == "triton"
+        if self._kernels:
+            if self._layout is None:
+                self._layout = FlatLayout(self.group_size, self.symmetric)
+            self._layout.add(src, p.bits, seed)
 
     def register(self, x: Tensor, bits: int, seed: int) -> Packed:
         """The (still empty) :class:`Packed` of float tensor ``x`` at 4 or 8 bits, quantized at the
@@ -128,6 +137,7 @@ class PackBatch:
 
     def flush(self) -> None:
         todo, self._todo = self._todo, []
+        lay, self._layout = self._layout, None
         if not todo:
             return
         for src, _, _, version in todo:
@@ -137,7 +147,7 @@ class PackBatch:
                     "before its batch was packed; pack each tensor at once with Policy(batch_mib=0)")
         buf, layout = quantize_flat([t[0] for t in todo], [t[1].bits for t in todo], [t[2] for t in todo],
                                     group_size=self.group_size, symmetric=self.symmetric,
-                                    stochastic=self.stochastic, backend=self.backend)
+                                    stochastic=self.stochastic, backend=self.backend, layout=lay)
         for (_, p, _, _), lay in zip(todo, layout, strict=True):
             p.kind, p.payload = "flat", (buf, lay)
 

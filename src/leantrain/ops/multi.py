@@ -38,7 +38,7 @@ from .qtensor import QTensor
 from .quant import _check, dequantize_ref, quantize_ref, tile_shape
 from .rng import kernel_key
 
-__all__ = ["quantize_many", "dequantize_many", "quantize_flat", "dequantize_flat", "flat_qtensor"]
+__all__ = ["quantize_many", "dequantize_many", "quantize_flat", "dequantize_flat", "flat_qtensor", "FlatLayout"]
 
 # The table: 10 int64 columns per tensor (the kernels' row stride): 4 addresses, n, n_groups, key,
 # first program, bits, dtype kind (_FLOAT_KIND); after the rows, the first-program column again,
@@ -444,9 +444,67 @@ def _align16(n: int) -> int:
     return (n + 15) & ~15
 
 
+class FlatLayout:
+    """The layout of a :func:`quantize_flat` buffer, built one tensor at a time, and the rows of
+    its launch table (all but the buffer's address): AGoQ's batches add each save as it comes,
+    so a flush only allocates, adds the address, and launches (its host time was the forward's).
+
+    ``offsets[i] = (data, scale, zero)``: byte offsets of tensor ``i``'s codes, fp32 scales and
+    zero points (``zero == scale`` when symmetric), each 16-byte aligned."""
+
+    __slots__ = ("group_size", "symmetric", "size", "offsets", "rows", "low", "words", "half4", "gmax")
+
+    def __init__(self, group_size: int, symmetric: bool):
+        self.group_size, self.symmetric = group_size, symmetric
+        self.size = 0  # bytes so far
+        self.offsets: list[tuple[int, int, int]] = []
+        self.rows: list[list[int]] = []  # table rows of the non-empty tensors, offsets not yet based
+        self.low = 0  # OR of the tensors' addresses and sizes (the alignment hint)
+        self.words = quant.WORD_PAIRS  # every 4-bit 16-bit-float tensor readable as 32-bit words
+        self.half4 = False
+        self.gmax = 0
+
+    def add(self, x: torch.Tensor, bits: int, seed: int) -> tuple[int, int, int]:
+        """Place contiguous ``x`` at ``bits`` (its stochastic-rounding ``seed``); its offsets."""
+        gs = self.group_size
+        n = x.numel()
+        g = -(-n // gs)
+        d = self.size
+        sc = d + _align16(g * gs * bits // 8)
+        z = end = sc + _align16(4 * g)
+        if self.symmetric:
+            z = sc
+        else:
+            end += _align16(4 * g)
+        self.size = end
+        lay = (d, sc, z)
+        self.offsets.append(lay)
+        if n:
+            xp = x.data_ptr()
+            kind = _FLOAT_KIND[x.dtype]
+            self.rows.append([xp, d, sc, z, n, g, kernel_key(seed), 0, bits, kind])
+            self.low |= xp | n
+            if g > self.gmax:
+                self.gmax = g
+            if bits == 4 and kind:
+                self.half4 = True
+                self.words = self.words and not (n & 1 or xp & 3)
+        return lay
+
+    def launch(self, device, stochastic: bool) -> torch.Tensor:
+        """Allocate the buffer and quantize every tensor added into it (one launch per path)."""
+        buf = torch.empty(max(self.size, 16), dtype=torch.uint8, device=device)
+        if self.rows:
+            base = buf.data_ptr()
+            rows = [[r[0], r[1] + base, r[2] + base, r[3] + base, *r[4:]] for r in self.rows]
+            _launch_quantize(rows, device, self.group_size, self.symmetric, stochastic,
+                             self.gmax * self.group_size > _IDX32_LIMIT, self.half4 and self.words, self.low | base)
+        return buf
+
+
 def quantize_flat(xs: list[torch.Tensor], bits: list[int], seeds: list[int], *, group_size: int = 128,
-                  symmetric: bool = True, stochastic: bool = False,
-                  backend: str = "auto") -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+                  symmetric: bool = True, stochastic: bool = False, backend: str = "auto",
+                  layout: FlatLayout | None = None) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """:func:`quantize_many`'s codes and scales, in one uint8 buffer, without a view or a
     :class:`QTensor` per tensor (per-tensor host time: AGoQ's flushes, hundreds of tensors a
     forward). Returns ``(buffer, layout)``: ``layout[i] = (data, scale, zero)``, byte offsets of
@@ -454,38 +512,36 @@ def quantize_flat(xs: list[torch.Tensor], bits: list[int], seeds: list[int], *, 
     16-byte aligned. :func:`flat_qtensor` makes tensor ``i``'s QTensor on demand;
     :func:`dequantize_flat` dequantizes members straight from the buffer. Inputs as for
     :func:`quantize_many` (contiguous fp32 / bf16 / fp16 on one device, 4 or 8 bits).
+    ``layout``: the :class:`FlatLayout` of exactly these tensors, widths and seeds, built as they
+    came (the caller vouches for it; its table rows are used as they are).
     """
     if not xs:
         return torch.empty(0, dtype=torch.uint8), []
     device = xs[0].device
-    layout, off = [], 0
-    for x, b in zip(xs, bits, strict=True):
-        g = -(-x.numel() // group_size)
-        d = off
-        off += _align16(g * group_size * b // 8)
-        sc = off
-        off += _align16(4 * g)
-        z = sc
-        if not symmetric:
-            z = off
-            off += _align16(4 * g)
-        layout.append((d, sc, z))
-    buf = torch.empty(max(off, 16), dtype=torch.uint8, device=device)
     if resolve(backend, *xs) == "torch":
-        for x, b, s, lay in zip(xs, bits, seeds, layout):
+        lay = FlatLayout(group_size, symmetric)
+        offsets = [lay.add(x, b, s) for x, b, s in zip(xs, bits, seeds, strict=True)]
+        buf = torch.empty(max(lay.size, 16), dtype=torch.uint8, device=device)
+        for x, b, s, o3 in zip(xs, bits, seeds, offsets):
             q = quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
-            for t, o in ((q.data, lay[0]), (q.scale, lay[1]), (q.zero, lay[2])):
+            for t, o in ((q.data, o3[0]), (q.scale, o3[1]), (q.zero, o3[2])):
                 if t is not None:
                     buf[o:o + t.numel() * t.element_size()].copy_(t.view(torch.uint8))
-        return buf, layout
+        return buf, offsets
     for b in set(bits):
         _check(b, group_size)
     if any(x.device != device for x in xs):
         raise ValueError("quantize_flat: all tensors of one call need the same device")
-    base = buf.data_ptr()
-    _quantize_rows(xs, bits, [kernel_key(s) for s in seeds], [(base + d, base + sc, base + z) for d, sc, z in layout],
-                   device, group_size, symmetric, stochastic)
-    return buf, layout
+    if layout is None:
+        for x in xs:
+            if not x.is_contiguous():
+                raise ValueError("quantize_many / quantize_flat need contiguous tensors (pass x.contiguous())")
+        layout = FlatLayout(group_size, symmetric)
+        for x, b, s in zip(xs, bits, seeds, strict=True):
+            layout.add(x, b, s)
+    elif len(layout.offsets) != len(xs) or layout.group_size != group_size or layout.symmetric != symmetric:
+        raise ValueError("quantize_flat: the layout given was not built for these tensors")
+    return layout.launch(device, stochastic), layout.offsets
 
 
 def flat_qtensor(buf: torch.Tensor, layout: tuple[int, int, int], shape, dtype: torch.dtype, bits: int,
