@@ -17,7 +17,8 @@
 #   OUT=dir bash benchmarks/gpu_s12.sh sixth   # flush_host_gpu.py: one batch flush's host time, GPU idle and busy
 #   OUT=dir bash benchmarks/gpu_s12.sh seventh # FlatLayout (a batch's buffer laid out as saves come): its tests compiled; one
 #                                            # forward's host time, this code and the previous commit's (benchmarks/
-#                                            # _old_tree.tgz, made by git archive, not committed) alternating; bench_agoq x2
+#                                            # _old_tree.tgz, made by git archive, not committed) alternating (that half
+#                                            # failed: the archived script had no --quick); bench_agoq x2
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -39,67 +40,6 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       snap
       log "one forward's host time"
       timeout 90 python3 benchmarks/agoq_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
-    third)
-      gpuinfo
-      log "gpu tests: AGoQ batches (compiled)"
-      gputest 60 tests/agoq/test_agoq_batch.py
-      snap
-      export FLAT=1
-      for r in 1 2; do
-        AGOQ_ARGS="--variants=" agoqrun b512_$r 60
-        AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_$r 60
-      done
-      snap
-      for c in torch_bf16 agoq; do
-        log "trace $c"
-        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
-      done
-      log "trace agoq, batch_mib 1024"
-      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
-      snap
-      log "one forward's host time"
-      timeout 120 python3 benchmarks/agoq_host_gpu.py --cprofile --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
-    fourth)
-      gpuinfo
-      export FLAT=1
-      AGOQ_ARGS="--variants=" agoqrun b512_1 70
-      AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_1 70
-      AGOQ_ARGS="--variants=" agoqrun b512_2 70 ;;
-    fifth)
-      gpuinfo
-      for c in torch_bf16 agoq; do
-        log "trace $c"
-        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
-      done
-      log "trace agoq, gc.freeze() after the warm-up"
-      timeout 90 python3 benchmarks/trace_step.py --config agoq --gc-freeze --out "$D/freeze" 2>&1 | tail -1
-      snap
-      export FLAT=1
-      AGOQ_ARGS="--variants=" agoqrun gc_on_1 70
-      AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_1 70
-      AGOQ_ARGS="--variants= --gc-freeze" agoqrun gc_freeze_1 70
-      AGOQ_ARGS="--variants= --gc-off" agoqrun gc_off_2 70
-      AGOQ_ARGS="--variants=" agoqrun gc_on_2 70 ;;
-    sixth)
-      gpuinfo
-      log "one flush's host time"
-      timeout 100 python3 benchmarks/flush_host_gpu.py --out "$D" 2>&1 | grep -v Warn | tail -5 ;;
-    seventh)
-      gpuinfo
-      log "gpu tests: flat buffers, AGoQ batches (compiled)"
-      gputest 90 tests/ops/test_multi.py tests/agoq/test_agoq_batch.py -k "flat or batch"
-      snap
-      OLD=/tmp/s12old; mkdir -p $OLD && tar xzf benchmarks/_old_tree.tgz -C $OLD
-      for r in 1 2; do
-        log "host time, this code ($r)"
-        timeout 70 python3 benchmarks/agoq_host_gpu.py --quick --out "$D/host_new_$r" 2>&1 | grep -v Warn | tail -3
-        log "host time, the previous commit ($r)"
-        (cd $OLD && PYTHONPATH=$OLD/src timeout 70 python3 benchmarks/agoq_host_gpu.py --quick --out "$D/host_old_$r" 2>&1 \
-          | grep -v Warn | tail -3)
-      done
-      snap
-      export FLAT=1
-      for r in 1 2; do AGOQ_ARGS="--variants=" agoqrun new_$r 70; done ;;
     trace)
       gpuinfo
       for c in torch_bf16 agoq; do

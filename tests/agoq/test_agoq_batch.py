@@ -46,6 +46,17 @@ def _grads(model, idx, tgt, policy):
     return pk, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _assert_eager_equal(monkeypatch, m, idx, tgt, pol, loss_b, g_b):
+    """Eager packing (no batches) with the same seeds and rounding math: the same loss and
+    gradients, bit for bit, as the batched run that gave ``loss_b``, ``g_b``."""
+    monkeypatch.setattr(importlib.import_module("leantrain.agoq.hooks"), "_PACKERS", iter(range(100, 200)))
+    monkeypatch.setattr(Packer, "batch_devices", ())
+    _, loss_e, g_e = _grads(m, idx, tgt, pol)
+    assert torch.equal(loss_b, loss_e)
+    for name in g_b:
+        assert torch.equal(g_b[name], g_e[name]), name
+
+
 def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
     torch.manual_seed(0)
     m = Llama(TINY).to(DEV)
@@ -73,13 +84,7 @@ def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
     assert n_packed > 10  # (18 on CUDA, where SDPA's fused backends save q, k, v and out; more on the CPU)
     assert calls["q"] == 1  # one flush at the end of the forward: one batch (4 and 8 bits)
     assert calls["dq"] == 1  # one dequantize launch for the batch
-    # eager packing with the same seeds and the same rounding math gives the same codes
-    monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
-    monkeypatch.setattr(Packer, "batch_devices", ())
-    _, loss_e, g_e = _grads(m, idx, tgt, pol)
-    assert torch.equal(loss_b, loss_e)
-    for name in g_b:
-        assert torch.equal(g_b[name], g_e[name]), name
+    _assert_eager_equal(monkeypatch, m, idx, tgt, pol, loss_b, g_b)
 
 
 def test_bf16_word_path_batched_apart(batching, monkeypatch):
@@ -103,12 +108,7 @@ def test_bf16_word_path_batched_apart(batching, monkeypatch):
     monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
     pk, loss_b, g_b = _grads(m, idx, idx, pol)
     assert sorted(map(sorted, calls), key=str) == sorted([[(4, torch.bfloat16)], [(8, torch.bfloat16)]], key=str)
-    monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
-    monkeypatch.setattr(Packer, "batch_devices", ())
-    _, loss_e, g_e = _grads(m, idx, idx, pol)
-    assert torch.equal(loss_b, loss_e)
-    for name in g_b:
-        assert torch.equal(g_b[name], g_e[name]), name
+    _assert_eager_equal(monkeypatch, m, idx, idx, pol, loss_b, g_b)
 
 
 def test_batch_bytes_bound_the_waiting_tensors(batching, monkeypatch):
