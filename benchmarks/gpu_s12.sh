@@ -26,6 +26,14 @@ D=/tmp/s12w/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
 snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
+traces() {  # trace_step: torch bf16, AGoQ, AGoQ at batch_mib 1024
+  for c in torch_bf16 agoq; do
+    log "trace $c"
+    timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
+  done
+  log "trace agoq, batch_mib 1024"
+  timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
+}
 {
   case "$PART" in
     first)
@@ -57,12 +65,7 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
       log "gpu tests: AGoQ batches, derived saves (compiled)"
       gputest 100 tests/agoq/test_agoq_batch.py tests/agoq/test_agoq_derive.py
       snap
-      for c in torch_bf16 agoq; do
-        log "trace $c"
-        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
-      done
-      log "trace agoq, batch_mib 1024"
-      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
+      traces
       snap
       export FLAT=1
       for r in a1 a2; do AGOQ_ARGS="--variants=" agoqrun $r 60; done
@@ -81,12 +84,7 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s12w "$PART"; }
         AGOQ_ARGS="--variants= --policy batch_mib=1024" agoqrun b1024_$r 60
       done
       snap
-      for c in torch_bf16 agoq; do
-        log "trace $c"
-        timeout 90 python3 benchmarks/trace_step.py --config $c --out "$D" 2>&1 | grep -v Warn | tail -1
-      done
-      log "trace agoq, batch_mib 1024"
-      timeout 90 python3 benchmarks/trace_step.py --config agoq --policy batch_mib=1024 --out "$D/b1024" 2>&1 | tail -1
+      traces
       snap
       log "one forward's host time"
       timeout 120 python3 benchmarks/agoq_host_gpu.py --cprofile --out "$D" 2>&1 | grep -v Warn | tail -12 ;;
