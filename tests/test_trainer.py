@@ -19,6 +19,11 @@ def test_trains_logs_and_writes_every_artifact(corpus, tmp_path):
         assert (out / f).exists(), f
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 30 and {"step", "loss", "lr", "tokens_per_second"} <= rows[0].keys()
+    # (a row is written once the next step is issued, or before an evaluation / checkpoint)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30]
+    assert all(isinstance(r["loss"], float) and r["tokens_per_second"] > 0 for r in rows)
+    assert s["final_loss"] == sum(r["loss"] for r in rows[-10:]) / 10
     for key in ("final_loss", "val_loss", "steps", "tokens_per_second", "peak_memory_bytes", "memory", "comm_bytes_per_step"):
         assert key in s
     assert set(s["memory"]) == {"weights", "grads", "optimizer_states", "activations"}
@@ -82,6 +87,8 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pat
     with pytest.raises(NonFiniteLoss, match="last good checkpoint"):
         tr.fit()
     assert checkpoint.latest(tmp_path / "r").name == "step_0000005"
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 8))  # every step before the non-finite one
 
 
 def test_cli_train_and_errors(corpus, tmp_path, capsys):

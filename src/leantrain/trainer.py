@@ -221,7 +221,7 @@ class Trainer:
         c = self.cfg
         d = c.data
         meter = SavedActivationMeter(self.model.parameters()) if measure else None
-        total = 0.0
+        total = None  # the loss, on the device: read when the step is logged (fit), not here
         for micro in range(d.grad_accum):
             x, y = self.data.batch("train", d.seq_len, d.batch_size, seed=c.train.seed, step=self.step, micro=micro,
                                    rank=self.rank, world=self.world, device=self.device)
@@ -244,29 +244,34 @@ class Trainer:
                 loss.backward()
             if self.grad_acc is not None:
                 self.grad_acc.accumulate()
-            total += loss.item()
+            total = loss.detach() if total is None else total + loss.detach()
         if self.grad_acc is not None:
             self.grad_acc.finalize()
         if self.world > 1:  # log the global-batch loss (a 4-byte control message, not counted as traffic)
-            t = torch.tensor([total], device=self.device)
+            t = total.float().reshape(1).clone()
             dist.all_reduce(t)
-            total = t.item() / self.world
+            total = t[0] / self.world
         info = {"loss": total}
         # FORGE clips per layer inside backward (forge.clip); the sharded optimizer clips the
         # reduced gradient itself (max_grad_norm), since its hooks may already have sent .grad
         if c.optim.grad_clip > 0 and not c.forge.enabled and c.dist.mode != "sharded":
-            info["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip))
+            info["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
         if measure:
             self.last_memory = MemoryLedger.measure(self.model, self.opt, activations=meter.bytes,
                                                     grad_buffers=self.grad_acc.tensors() if self.grad_acc else ())
         self.opt.step()
         if getattr(self.opt, "grad_norm", None) is not None:
-            info["grad_norm"] = float(self.opt.grad_norm)
+            info["grad_norm"] = self.opt.grad_norm
         if measure:  # optimizer state may be created lazily by the first step: count it after
             self.last_memory.optimizer_states = MemoryLedger.measure(self.model, self.opt).optimizer_states
-        nonfinite = getattr(self.opt, "last_nonfinite", None)
-        if nonfinite:
-            info["nonfinite_layers"] = nonfinite if isinstance(nonfinite, int) else len(nonfinite)
+        if hasattr(self.opt, "nonfinite_flags"):  # FORGE: a device tensor, counted when the step is logged
+            flags = self.opt.nonfinite_flags()
+            if flags is not None:
+                info["nonfinite_layers"] = flags.sum()
+        else:
+            nonfinite = getattr(self.opt, "last_nonfinite", None)
+            if nonfinite:
+                info["nonfinite_layers"] = nonfinite if isinstance(nonfinite, int) else len(nonfinite)
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         COMM.step()
@@ -350,37 +355,77 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         if self.step == 0 and t.eval_every > 0:
             first_val = self.evaluate()
+        t_start = time.perf_counter()
         COMM.reset()
+        # A step's loss (and grad norm, non-finite count) stay on the device; its row is written
+        # once the next step has been issued, when they are ready: the host does not wait for
+        # each backward to finish, and issues the next step while the GPU runs it. Evaluation
+        # and checkpoints write the pending row first.
+        pending: list = []  # [step, info, lr] of the step not logged yet
         t_last = time.perf_counter()
+        t_first = None  # when the warm-up step was done (the GPU included)
+        paused = 0.0  # time in evaluation and checkpoints, not training
+
+        def log_pending() -> None:
+            nonlocal t_last
+            if not pending:
+                return
+            step, info, lr = pending.pop()
+            info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
+            if not info.get("nonfinite_layers", 1):
+                del info["nonfinite_layers"]
+            losses.append(info["loss"])
+            now = time.perf_counter()
+            row = {"step": step, "loss": info["loss"], "lr": lr,
+                   "tokens_per_second": tokens_per_step / max(now - t_last, 1e-9)}
+            t_last = now
+            row.update({k: v for k, v in info.items() if k not in row})
+            rows_val = val_at.pop(step, None)
+            if rows_val is not None:
+                row["val_loss"] = rows_val
+            if mfile:
+                mfile.write(json.dumps(row) + "\n")
+                mfile.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{row['tokens_per_second']:.0f}",
+                                mem=_fmt_bytes(self._peak()))
+            elif is0 and (step % t.log_every == 0 or step == t.steps):
+                print(f"step {step}/{t.steps} loss {info['loss']:.4f} tok/s {row['tokens_per_second']:.0f}", flush=True)
+
+        val_at: dict[int, float] = {}
         try:
             while self.step < last:
-                t0 = time.perf_counter()
-                info = self.train_step(measure=self.step == start_step)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
+                try:
+                    info = self.train_step(measure=self.step == start_step)
+                except NonFiniteLoss:  # (the steps before it are logged)
+                    log_pending()
+                    raise
                 self.step += 1
-                if self.step > start_step + 1 or last - start_step == 1:  # the first step is warm-up
-                    run_tokens += tokens_per_step
-                    train_time += time.perf_counter() - t0
-                losses.append(info["loss"])
-                now = time.perf_counter()
-                row = {"step": self.step, "loss": info["loss"], "lr": self.sched.get_last_lr()[0],
-                       "tokens_per_second": tokens_per_step / max(now - t_last, 1e-9)}
-                t_last = now
-                row.update({k: v for k, v in info.items() if k not in row})
-                if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps):
-                    val_loss = row["val_loss"] = self.evaluate()
-                if mfile:
-                    mfile.write(json.dumps(row) + "\n")
-                    mfile.flush()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{row['tokens_per_second']:.0f}",
-                                    mem=_fmt_bytes(self._peak()))
-                elif is0 and (self.step % t.log_every == 0 or self.step == t.steps):
-                    print(f"step {self.step}/{t.steps} loss {info['loss']:.4f} tok/s {row['tokens_per_second']:.0f}", flush=True)
-                if t.ckpt_every > 0 and (self.step % t.ckpt_every == 0 or self.step == last):
-                    self.save_checkpoint()
+                log_pending()  # the last step's row: its values are ready once this step was issued
+                pending.append([self.step, info, self.sched.get_last_lr()[0]])
+                if t_first is None:  # the first step is warm-up: timed from its end
+                    self._sync()
+                    t_first = time.perf_counter()
+                evaluate = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
+                ckpt = t.ckpt_every > 0 and (self.step % t.ckpt_every == 0 or self.step == last)
+                if evaluate or ckpt:
+                    p0 = time.perf_counter()
+                    if evaluate:
+                        val_loss = val_at[self.step] = self.evaluate()
+                    log_pending()
+                    if ckpt:
+                        self.save_checkpoint()
+                    paused += time.perf_counter() - p0
+            log_pending()
+            self._sync()
+            if t_first is not None:
+                n_timed = self.step - start_step - 1
+                if n_timed > 0:
+                    run_tokens = n_timed * tokens_per_step
+                    train_time = time.perf_counter() - t_first - paused
+                else:  # one step: it is timed whole
+                    run_tokens, train_time = tokens_per_step, time.perf_counter() - t_start - paused
         finally:
             if bar is not None:
                 bar.close()
@@ -391,6 +436,10 @@ class Trainer:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
         return summary
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _peak(self) -> int:
         if self.device.type == "cuda":

@@ -535,6 +535,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return []
         return [n for n, f in zip(names, flags.cpu().tolist(), strict=True) if f]
 
+    def nonfinite_flags(self) -> Tensor | None:
+        """The last step's non-finite flags, one per layer / parameter of :attr:`last_nonfinite`,
+        as a bool tensor on the device (no sync: the trainer counts them when it logs the step)."""
+        return self._last_flags[1]
+
     @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm of the last step, before clipping (syncs)."""
