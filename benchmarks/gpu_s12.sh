@@ -19,6 +19,9 @@
 #                                            # forward's host time, this code and the previous commit's (benchmarks/
 #                                            # _old_tree.tgz, made by git archive, not committed) alternating (that half
 #                                            # failed: the archived script had no --quick); bench_agoq x2
+#   OUT=dir bash benchmarks/gpu_s12.sh eighth  # the trainer without a sync per step: 1b, B = 8, 16 steps: baseline, AGoQ,
+#                                            # FORGE + AGoQ; AGoQ with the previous commit's trainer (benchmarks/_old_tree.tgz,
+#                                            # git archive HEAD~1 src, not committed)
 # Work goes to /tmp/s12w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -129,6 +132,14 @@ traces() {  # trace_step: torch bf16, AGoQ, AGoQ at batch_mib 1024
       snap
       export FLAT=1
       for r in 1 2; do AGOQ_ARGS="--variants=" agoqrun new_$r 70; done ;;
+    eighth)
+      gpuinfo
+      OLD=/tmp/s12old; mkdir -p $OLD && tar xzf benchmarks/_old_tree.tgz -C $OLD
+      train1b agoq --agoq
+      PYTHONPATH=$OLD/src train1b agoq_old_trainer --agoq
+      snap
+      train1b baseline --baseline
+      train1b forge_agoq --forge --agoq ;;
   esac
 } 2>&1 | tee "$D/run.log"
 snap
