@@ -23,6 +23,8 @@ def test_trains_logs_and_writes_every_artifact(corpus, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30]
     assert all(isinstance(r["loss"], float) and r["tokens_per_second"] > 0 for r in rows)
+    rates = sorted(r["tokens_per_second"] for r in rows[1:])  # (each a step's own interval: none near zero)
+    assert rates[-1] < 20 * rates[len(rates) // 2]
     assert s["final_loss"] == sum(r["loss"] for r in rows[-10:]) / 10
     for key in ("final_loss", "val_loss", "steps", "tokens_per_second", "peak_memory_bytes", "memory", "comm_bytes_per_step"):
         assert key in s

@@ -361,8 +361,8 @@ class Trainer:
         # once the next step has been issued, when they are ready: the host does not wait for
         # each backward to finish, and issues the next step while the GPU runs it. Evaluation
         # and checkpoints write the pending row first.
-        pending: list = []  # [step, info, lr] of the step not logged yet
-        t_last = time.perf_counter()
+        pending: list = []  # [step, info, lr, when its train_step returned] of the step not logged yet
+        t_last = time.perf_counter()  # when the last logged step's train_step returned
         t_first = None  # when the warm-up step was done (the GPU included)
         paused = 0.0  # time in evaluation and checkpoints, not training
 
@@ -370,15 +370,15 @@ class Trainer:
             nonlocal t_last
             if not pending:
                 return
-            step, info, lr = pending.pop()
+            step, info, lr, done = pending.pop()
             info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
             if not info.get("nonfinite_layers", 1):
                 del info["nonfinite_layers"]
             losses.append(info["loss"])
-            now = time.perf_counter()
+            # (steps are paced by the GPU: each waits for its forward before its backward)
             row = {"step": step, "loss": info["loss"], "lr": lr,
-                   "tokens_per_second": tokens_per_step / max(now - t_last, 1e-9)}
-            t_last = now
+                   "tokens_per_second": tokens_per_step / max(done - t_last, 1e-9)}
+            t_last = done
             row.update({k: v for k, v in info.items() if k not in row})
             rows_val = val_at.pop(step, None)
             if rows_val is not None:
@@ -403,7 +403,7 @@ class Trainer:
                     raise
                 self.step += 1
                 log_pending()  # the last step's row: its values are ready once this step was issued
-                pending.append([self.step, info, self.sched.get_last_lr()[0]])
+                pending.append([self.step, info, self.sched.get_last_lr()[0], time.perf_counter()])
                 if t_first is None:  # the first step is warm-up: timed from its end
                     self._sync()
                     t_first = time.perf_counter()
@@ -416,7 +416,9 @@ class Trainer:
                     log_pending()
                     if ckpt:
                         self.save_checkpoint()
-                    paused += time.perf_counter() - p0
+                    pause = time.perf_counter() - p0
+                    paused += pause
+                    t_last += pause  # (the next row's rate counts training only)
             log_pending()
             self._sync()
             if t_first is not None:
