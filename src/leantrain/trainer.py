@@ -15,6 +15,10 @@ that the config asks for, composing the techniques:
 
 It logs ``metrics.jsonl``, writes ``config.json``, ``summary.json``, a loss
 plot and atomic checkpoints, and ``resume=True`` continues bit-identically.
+The host does not wait for a step's backward: its loss (and grad norm, FORGE's
+non-finite count) stay on the device and its row is written once the next step
+has been issued (before an evaluation or a checkpoint at once). Each forward's
+loss is still checked for non-finite values before its backward.
 """
 
 from __future__ import annotations
