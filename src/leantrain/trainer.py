@@ -384,9 +384,9 @@ class Trainer:
                    "tokens_per_second": tokens_per_step / max(done - t_last, 1e-9)}
             t_last = done
             row.update({k: v for k, v in info.items() if k not in row})
-            rows_val = val_at.pop(step, None)
-            if rows_val is not None:
-                row["val_loss"] = rows_val
+            v = val_at.pop(step, None)
+            if v is not None:
+                row["val_loss"] = v
             if mfile:
                 mfile.write(json.dumps(row) + "\n")
                 mfile.flush()

@@ -329,7 +329,6 @@ class Packer:
         # batch's waiting bytes: when they sum to policy.batch_mib, the fullest batch is flushed
         self._batches: dict[tuple[bool, bool], PackBatch] = {}
         self._waiting: dict[tuple[bool, bool], int] = {}
-        self._batch_cuda = False  # batches on CUDA only (the default): a cheaper device test per save
         self._modules: list[nn.Module] | None = None
         self._bits: dict[str, int] = {}
         self._ctx = None
@@ -645,7 +644,7 @@ class Packer:
         self.numel[role] += n
         self.bytes_raw[role] += nb
         self.bytes_kept[role] += p.nbytes
-        if self._replay is None:  # (a replayed forward is never metered: open() replays only then)
+        if self._replay is None:  # (no meter is open during a replay: see open())
             note_saved(p.nbytes, ("agoq", id(p)), role)
         if self.record:
             self.log.append({"role": role, "shape": tuple(t.shape), "dtype": str(t.dtype), "bits": bits, "why": "packed"})

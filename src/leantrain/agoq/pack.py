@@ -97,7 +97,8 @@ class PackBatch:
     :meth:`add` registers a tensor and its (still empty) :class:`Packed`; :meth:`flush`
     quantizes all of them with :func:`leantrain.ops.multi.quantize_flat` (the same codes as
     one :func:`quantize` per tensor, in one buffer: no view per member, which costs host time
-    on every save); the first :func:`unpack` of a member dequantizes it and the members saved
+    on every save; the buffer's :class:`~leantrain.ops.multi.FlatLayout` is built by :meth:`add`,
+    so the flush only allocates and launches); the first :func:`unpack` of a member dequantizes it and the members saved
     before it that are not taken yet, up to ``unpack_bytes`` of results (:meth:`unpack_live`),
     with ``dequantize_flat``, and caches each result until its backward node takes it.
     The buffer is freed when the last member is. Until the flush the batch holds the tensors
@@ -137,7 +138,7 @@ class PackBatch:
 
     def flush(self) -> None:
         todo, self._todo = self._todo, []
-        lay, self._layout = self._layout, None
+        flat, self._layout = self._layout, None
         if not todo:
             return
         for src, _, _, version in todo:
@@ -147,7 +148,7 @@ class PackBatch:
                     "before its batch was packed; pack each tensor at once with Policy(batch_mib=0)")
         buf, layout = quantize_flat([t[0] for t in todo], [t[1].bits for t in todo], [t[2] for t in todo],
                                     group_size=self.group_size, symmetric=self.symmetric,
-                                    stochastic=self.stochastic, backend=self.backend, layout=lay)
+                                    stochastic=self.stochastic, backend=self.backend, layout=flat)
         for (_, p, _, _), lay in zip(todo, layout, strict=True):
             p.kind, p.payload = "flat", (buf, lay)
 
