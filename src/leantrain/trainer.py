@@ -248,11 +248,12 @@ class Trainer:
                 loss.backward()
             if self.grad_acc is not None:
                 self.grad_acc.accumulate()
-            total = loss.detach() if total is None else total + loss.detach()
+            lv = loss.detach().float()
+            total = lv if total is None else total + lv
         if self.grad_acc is not None:
             self.grad_acc.finalize()
         if self.world > 1:  # log the global-batch loss (a 4-byte control message, not counted as traffic)
-            t = total.float().reshape(1).clone()
+            t = total.reshape(1).clone()
             dist.all_reduce(t)
             total = t[0] / self.world
         info = {"loss": total}
