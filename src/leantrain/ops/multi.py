@@ -373,38 +373,54 @@ def quantize_many(xs: list[torch.Tensor], *, bits: int | list[int] = 8, group_si
     datas, dps = _split(device, torch.uint8, [g * group_size * b // 8 for g, b in zip(gs, widths)], 16)
     scales, sps = _split(device, torch.float32, gs, 4)
     zeros, zps = ([None] * len(xs), sps) if symmetric else _split(device, torch.float32, gs, 4)
-    _quantize_rows(xs, widths, keys, list(zip(dps, sps, zps)), device, group_size, symmetric, stochastic)
+    table = _QuantRows()
+    for x, b, k, dp, sp, zp in zip(xs, widths, keys, dps, sps, zps):
+        table.add(x, b, k, dp, sp, zp, group_size)
+    table.launch(device, group_size, symmetric, stochastic)
     return [QTensor(d, sc, z, x.shape, x.dtype, b, group_size, symmetric)
             for d, sc, z, x, b in zip(datas, scales, zeros, xs, widths)]
 
 
-def _quantize_rows(xs: list[torch.Tensor], bits: list[int], keys: list[int], addrs: list[tuple[int, int, int]],
-                   device, group_size: int, symmetric: bool, stochastic: bool) -> None:
-    """Quantize ``xs`` into the codes / scales / zero points at ``addrs`` (one table row per
-    non-empty tensor, then :func:`_launch_quantize`): the part :func:`quantize_many` and
-    :func:`quantize_flat` share."""
-    rows = []
-    low = 0  # OR of every address and size: the alignment hint holds when its low 4 bits are 0
-    words = quant.WORD_PAIRS  # every 4-bit 16-bit-float input readable as 32-bit words
-    half4, gmax = False, 0
-    for x, b, k, (dp, sp, zp) in zip(xs, bits, keys, addrs):
+class _QuantRows:
+    """A quantize launch table being built, one row per non-empty tensor (:func:`quantize_many`
+    with each tensor's own addresses; :class:`FlatLayout` with offsets into a buffer not yet
+    allocated, its address added at the launch)."""
+
+    __slots__ = ("rows", "low", "words", "half4", "gmax")
+
+    def __init__(self):
+        self.rows: list[list[int]] = []
+        self.low = 0  # OR of every address and size: the alignment hint holds when its low 4 bits are 0
+        self.words = quant.WORD_PAIRS  # every 4-bit 16-bit-float input readable as 32-bit words
+        self.half4 = False
+        self.gmax = 0
+
+    def add(self, x: torch.Tensor, bits: int, key: int, dp: int, sp: int, zp: int, group_size: int) -> None:
+        """The row of contiguous ``x`` quantized to ``bits`` into codes / scales / zero points at
+        ``dp`` / ``sp`` / ``zp``."""
         if not x.is_contiguous():
             raise ValueError("quantize_many / quantize_flat need contiguous tensors (pass x.contiguous())")
         n = x.numel()
         if not n:
-            continue
+            return
         g = -(-n // group_size)
-        gmax = max(gmax, g)
+        if g > self.gmax:
+            self.gmax = g
         xp = x.data_ptr()
         kind = _FLOAT_KIND[x.dtype]
-        rows.append([xp, dp, sp, zp, n, g, k, 0, b, kind])
-        low |= xp | dp | sp | zp | n
-        if b == 4 and kind:
-            half4 = True
-            words = words and not (n & 1 or xp & 3)
-    if rows:
-        _launch_quantize(rows, device, group_size, symmetric, stochastic, gmax * group_size > _IDX32_LIMIT,
-                         half4 and words, low)
+        self.rows.append([xp, dp, sp, zp, n, g, key, 0, bits, kind])
+        self.low |= xp | dp | sp | zp | n
+        if bits == 4 and kind:
+            self.half4 = True
+            self.words = self.words and not (n & 1 or xp & 3)
+
+    def launch(self, device, group_size: int, symmetric: bool, stochastic: bool, base: int = 0) -> None:
+        """Quantize every row (``base`` added to the three output addresses of each)."""
+        if not self.rows:
+            return
+        rows = self.rows if not base else [[r[0], r[1] + base, r[2] + base, r[3] + base, *r[4:]] for r in self.rows]
+        _launch_quantize(rows, device, group_size, symmetric, stochastic, self.gmax * group_size > _IDX32_LIMIT,
+                         self.half4 and self.words, self.low | base)
 
 
 def _launch_quantize(rows: list[list[int]], device, group_size: int, symmetric: bool, stochastic: bool, big: bool,
@@ -452,25 +468,19 @@ class FlatLayout:
     ``offsets[i] = (data, scale, zero)``: byte offsets of tensor ``i``'s codes, fp32 scales and
     zero points (``zero == scale`` when symmetric), each 16-byte aligned."""
 
-    __slots__ = ("group_size", "symmetric", "size", "offsets", "rows", "low", "words", "half4", "gmax")
+    __slots__ = ("group_size", "symmetric", "size", "offsets", "table")
 
     def __init__(self, group_size: int, symmetric: bool):
         self.group_size, self.symmetric = group_size, symmetric
         self.size = 0  # bytes so far
         self.offsets: list[tuple[int, int, int]] = []
-        self.rows: list[list[int]] = []  # table rows of the non-empty tensors, offsets not yet based
-        self.low = 0  # OR of the tensors' addresses and sizes (the alignment hint)
-        self.words = quant.WORD_PAIRS  # every 4-bit 16-bit-float tensor readable as 32-bit words
-        self.half4 = False
-        self.gmax = 0
+        self.table = _QuantRows()  # output addresses as offsets into the buffer
 
-    def add(self, x: torch.Tensor, bits: int, seed: int) -> tuple[int, int, int]:
-        """Place contiguous ``x`` at ``bits`` (its stochastic-rounding ``seed``); its offsets."""
-        gs = self.group_size
-        n = x.numel()
-        g = -(-n // gs)
+    def place(self, x: torch.Tensor, bits: int) -> tuple[int, int, int]:
+        """Room for ``x`` at ``bits``: its offsets (no launch-table row)."""
+        g = -(-x.numel() // self.group_size)
         d = self.size
-        sc = d + _align16(g * gs * bits // 8)
+        sc = d + _align16(g * self.group_size * bits // 8)
         z = end = sc + _align16(4 * g)
         if self.symmetric:
             z = sc
@@ -479,26 +489,18 @@ class FlatLayout:
         self.size = end
         lay = (d, sc, z)
         self.offsets.append(lay)
-        if n:
-            xp = x.data_ptr()
-            kind = _FLOAT_KIND[x.dtype]
-            self.rows.append([xp, d, sc, z, n, g, kernel_key(seed), 0, bits, kind])
-            self.low |= xp | n
-            if g > self.gmax:
-                self.gmax = g
-            if bits == 4 and kind:
-                self.half4 = True
-                self.words = self.words and not (n & 1 or xp & 3)
+        return lay
+
+    def add(self, x: torch.Tensor, bits: int, seed: int) -> tuple[int, int, int]:
+        """Place contiguous ``x`` at ``bits`` and add its row (its stochastic-rounding ``seed``)."""
+        d, sc, z = lay = self.place(x, bits)
+        self.table.add(x, bits, kernel_key(seed), d, sc, z, self.group_size)
         return lay
 
     def launch(self, device, stochastic: bool) -> torch.Tensor:
         """Allocate the buffer and quantize every tensor added into it (one launch per path)."""
         buf = torch.empty(max(self.size, 16), dtype=torch.uint8, device=device)
-        if self.rows:
-            base = buf.data_ptr()
-            rows = [[r[0], r[1] + base, r[2] + base, r[3] + base, *r[4:]] for r in self.rows]
-            _launch_quantize(rows, device, self.group_size, self.symmetric, stochastic,
-                             self.gmax * self.group_size > _IDX32_LIMIT, self.half4 and self.words, self.low | base)
+        self.table.launch(device, self.group_size, self.symmetric, stochastic, base=buf.data_ptr())
         return buf
 
 
@@ -520,7 +522,7 @@ def quantize_flat(xs: list[torch.Tensor], bits: list[int], seeds: list[int], *, 
     device = xs[0].device
     if resolve(backend, *xs) == "torch":
         lay = FlatLayout(group_size, symmetric)
-        offsets = [lay.add(x, b, s) for x, b, s in zip(xs, bits, seeds, strict=True)]
+        offsets = [lay.place(x, b) for x, b in zip(xs, bits, strict=True)]
         buf = torch.empty(max(lay.size, 16), dtype=torch.uint8, device=device)
         for x, b, s, o3 in zip(xs, bits, seeds, offsets):
             q = quantize_ref(x, bits=b, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=s)
@@ -533,9 +535,6 @@ def quantize_flat(xs: list[torch.Tensor], bits: list[int], seeds: list[int], *, 
     if any(x.device != device for x in xs):
         raise ValueError("quantize_flat: all tensors of one call need the same device")
     if layout is None:
-        for x in xs:
-            if not x.is_contiguous():
-                raise ValueError("quantize_many / quantize_flat need contiguous tensors (pass x.contiguous())")
         layout = FlatLayout(group_size, symmetric)
         for x, b, s in zip(xs, bits, seeds, strict=True):
             layout.add(x, b, s)
