@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -90,14 +91,10 @@ def _child(args) -> dict:
     del loss
     times, fwd_host = [], []
     if args.gc_off:  # Python's cyclic collector off in the timed steps (both configurations)
-        import gc
-
         gc.collect()
         gc.disable()
     for i in range(args.warmup + args.steps):
         if args.gc_freeze and i == args.warmup:
-            import gc
-
             gc.freeze()
         for p in m.parameters():
             p.grad = None
