@@ -56,7 +56,7 @@ def analyse(events: list[dict], t_bwd: float) -> dict:
             # the innermost CPU op running when the GPU went idle (what the host was doing)
             running = [op for op in cpu_ops if op[0] <= e0 <= op[1]]
             inner = min(running, key=lambda op: op[1] - op[0])[2] if running else "-"
-            launched = [op for op in cpu_ops if op[0] <= s1 - 0 and op[0] >= e0]
+            launched = [op for op in cpu_ops if e0 <= op[0] <= s1]
             gaps.append({"at_ms": (e0 - t0) / 1e3, "gap_us": g, "phase": "forward" if e0 < t_bwd else "backward",
                          "host_in": inner, "next_op": launched[0][2] if launched else "-"})
     res["gaps_over_20us"] = len(gaps)
