@@ -126,8 +126,9 @@ def _child(args) -> dict:
             del loss
         sync()
         back_to_back = (time.perf_counter() - t0) / args.steps
+    graphed = _graphed(args, m, idx, tgt, sync) if cuda and args.graph and args.child != "agoq_ctx" else None
     out = {
-        "config": args.child, "preset": args.preset, "batch": B, "seq": T, "dtype": "bf16",
+        "config": args.child, "preset": args.preset, "batch": B, "seq": T, "dtype": "bf16", "graph": graphed,
         "step_s_back_to_back": back_to_back,
         "params": m.num_params(), "saved_bytes": meter.bytes,
         "saved_by_role": dict(meter.by_role),
@@ -143,6 +144,48 @@ def _child(args) -> dict:
         out["peak_above_before"] = out["peak_allocated"] - before
         out["held_after_forward"] = held_after_forward
     return out
+
+
+def _graphed(args, m, idx, tgt, sync) -> dict:
+    """The same step captured as one CUDA graph (leantrain.graphs.GraphedStep) and replayed:
+    median of replays timed alone, mean of replays back to back, the graph pool's peak; and a
+    check that a replay on a new batch gives the eager step's loss on it (the forward is exact
+    under AGoQ too: only what backward reads is packed)."""
+    import torch
+
+    from leantrain.graphs import GraphedStep
+
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    step = GraphedStep(lambda i, t: m(i, t), m.parameters(), idx, tgt)
+    capture_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(1)
+    idx2 = torch.randint(0, m.cfg.vocab_size, tuple(idx.shape), generator=g).to(idx.device)
+    tgt2 = torch.randint(0, m.cfg.vocab_size, tuple(tgt.shape), generator=g).to(idx.device)
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        step(idx, tgt)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step(idx, tgt)
+    sync()
+    b2b = (time.perf_counter() - t0) / args.steps
+    peak = torch.cuda.max_memory_allocated()
+    graph_loss = step(idx2, tgt2).float().item()
+    graph_grads = [p.grad.float().clone() for p in step.params]
+    with torch.no_grad():
+        eager_loss = m(idx2, tgt2).float().item()
+    return {"step_s_median": sorted(times)[len(times) // 2], "step_s_all": times, "step_s_back_to_back": b2b,
+            "capture_s": capture_s, "peak_allocated": peak, "allocated_before": before,
+            "peak_above_before": peak - before, "new_batch_loss": graph_loss, "new_batch_eager_loss": eager_loss,
+            "grad_norm": float(torch.stack([x.norm() for x in graph_grads]).norm())}
 
 
 def _errors(out: Path, stamp: str) -> list[str]:
@@ -191,6 +234,8 @@ def _run_child(preset, child, args) -> dict:
         cmd.append("--gc-off")
     if args.gc_freeze:
         cmd.append("--gc-freeze")
+    if args.graph:
+        cmd.append("--graph")
     for kv in args.model:
         cmd += ["--model", kv]
     for kv in args.policy:
@@ -236,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-off", action="store_true", help="Python's cyclic garbage collector off in the timed steps")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() before the timed steps (the objects alive then leave the collector's view)")
+    ap.add_argument("--graph", action="store_true",
+                    help="GPU: also time the step captured as one CUDA graph (baseline and AGoQ applied)")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="set a ModelConfig field (both configurations), e.g. --model sdpa_gqa=false")
     ap.add_argument("--policy", action="append", default=[], metavar="FIELD=VALUE",
@@ -274,6 +321,11 @@ def main(argv=None) -> int:
                 r = _run_child(p, "agoq_" + v, args)
                 row["agoq_" + v] = r
                 row[v + "_step_time_ratio"] = r["step_s_median"] / base["step_s_median"]
+            if args.graph:
+                gb, ga = base["graph"], ago["graph"]
+                row["graph_step_time_ratio"] = ga["step_s_median"] / gb["step_s_median"]
+                row["graph_back_to_back_step_time_ratio"] = ga["step_s_back_to_back"] / gb["step_s_back_to_back"]
+                row["graph_peak_above_ratio"] = ga["peak_above_before"] / gb["peak_above_before"]
             row["peak_ratio"] = ago["peak_allocated"] / base["peak_allocated"]
             row["peak_above_static_ratio"] = ago["peak_above_before"] / base["peak_above_before"]
             if "held_after_forward" in ago and "held_after_forward" in base:
@@ -311,6 +363,18 @@ def main(argv=None) -> int:
                 line += (f" {r['agoq_' + v]['step_s_median']:.3f} | {r[v + '_step_time_ratio']:.3f} |"
                          if "agoq_" + v in r else " - | - |")
         lines.append(line)
+    if gpu and args.graph:
+        lines += ["", "The step captured as one CUDA graph (`leantrain.graphs.GraphedStep`), baseline and AGoQ (applied):", "",
+                  "| preset | step base / AGoQ (s) | ratio | back to back base / AGoQ (s) | ratio |"
+                  " graph pool peak above the weights, base / AGoQ (GiB) | ratio | new-batch loss, graph / eager (AGoQ) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            gb, ga = r["baseline"]["graph"], r["agoq"]["graph"]
+            lines.append(f"| {r['preset']} | {gb['step_s_median']:.4f} / {ga['step_s_median']:.4f} | "
+                         f"{r['graph_step_time_ratio']:.3f} | {gb['step_s_back_to_back']:.4f} / "
+                         f"{ga['step_s_back_to_back']:.4f} | {r['graph_back_to_back_step_time_ratio']:.3f} | "
+                         f"{gb['peak_above_before'] / gib:.2f} / {ga['peak_above_before'] / gib:.2f} | "
+                         f"{r['graph_peak_above_ratio']:.3f} | {ga['new_batch_loss']:.5f} / {ga['new_batch_eager_loss']:.5f} |")
     if args.errors and not gpu:
         lines += _errors(out, stamp)
     (out / f"agoq_{stamp}_{tag}.md").write_text("\n".join(lines) + "\n")

@@ -109,7 +109,17 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
     # H200 machine the copy did not wait for a busy stream (15-23 us of host time behind 2 ms of
     # queued work), and page-locked tables cost more host time and made AGoQ's step no faster
     # (session 6, benchmarks/results/2026-11-30_H200_tune_s6/).
-    return torch.frombuffer(flat, dtype=torch.int64).to(device, non_blocking=True), s
+    host = torch.frombuffer(flat, dtype=torch.int64)
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Captured into a CUDA graph, the copy is a memcpy node that reads the host buffer at every
+        # replay: page-locked (a pageable copy cannot be captured) and kept for the process's life.
+        host = host.pin_memory()
+        _CAPTURED_TABLES.append(host)
+    return host.to(device, non_blocking=True), s
+
+
+# Host launch tables read by captured CUDA graphs' copies (see _table); a few KiB per graph.
+_CAPTURED_TABLES: list[torch.Tensor] = []
 
 
 if HAS_TRITON:

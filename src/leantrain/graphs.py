@@ -1,0 +1,77 @@
+"""A training step's forward + backward captured once as a CUDA graph, then replayed.
+
+A step issued op by op costs host time per kernel launch (and AGoQ adds its save path's Python
+per saved tensor); when the host needs longer to issue a step than the GPU to run it, the GPU
+waits. A CUDA graph replays every kernel of the step from one host call::
+
+    step = GraphedStep(lambda idx, tgt: model(idx, tgt), model.parameters(), idx, tgt)
+    for idx, tgt in batches:
+        loss = step(idx, tgt)       # new batch copied into the static inputs, graph replayed
+        opt.step()                  # p.grad are the graph's gradient tensors
+
+What is captured runs exactly as it did at capture: same shapes, same memory, same kernel
+arguments. So (a) every batch must have the capture's shape; (b) gradients are *written*, not
+accumulated (each replay overwrites ``p.grad``: no gradient accumulation across replays);
+(c) host-side decisions made during the forward are frozen, including AGoQ's stochastic-rounding
+seeds (each replay rounds with the same per-position noise pattern; rounding stays unbiased for
+the activation values of any one step, but the noise no longer changes from step to step);
+(d) nothing in the step may synchronize the host (``.item()``, data-dependent shapes).
+The memory the step allocates lives in the graph's private pool for as long as the graph does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+
+class GraphedStep:
+    """``fn(*inputs) -> loss`` and ``loss.backward()`` captured as one CUDA graph.
+
+    ``inputs`` are copied into static tensors owned by the step; each call copies its arguments
+    into them and replays. ``warmup`` eager steps run first on a side stream (kernels compile,
+    AGoQ records its plan, cuBLAS picks its algorithms), as capture requires.
+    """
+
+    def __init__(self, fn: Callable[..., Tensor], params: Iterable[torch.nn.Parameter], *inputs: Tensor,
+                 warmup: int = 2):
+        if not torch.cuda.is_available():
+            raise RuntimeError("GraphedStep needs a CUDA device (CUDA graphs)")
+        if not inputs or any(not isinstance(x, Tensor) or x.device.type != "cuda" for x in inputs):
+            raise ValueError("GraphedStep: pass the step's input tensors, on the CUDA device")
+        self.params = [p for p in params if p.requires_grad]
+        self.inputs = [x.detach().clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._zero()
+                fn(*self.inputs).backward()
+        torch.cuda.current_stream().wait_stream(side)
+        self._zero()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            loss = fn(*self.inputs)
+            loss.backward()
+        self.loss = loss.detach()
+        self.grads = [p.grad for p in self.params]
+
+    def _zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        """Copy ``inputs`` in, replay; returns the loss tensor (the same tensor every call)."""
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"GraphedStep: {len(inputs)} inputs given, captured with {len(self.inputs)}")
+        for s, x in zip(self.inputs, inputs):
+            if x.shape != s.shape:
+                raise ValueError(f"GraphedStep: input of shape {tuple(x.shape)}, captured with {tuple(s.shape)}")
+            if x.data_ptr() != s.data_ptr():
+                s.copy_(x, non_blocking=True)
+        self.graph.replay()
+        for p, g in zip(self.params, self.grads):  # (in case something set p.grad = None in between)
+            p.grad = g
+        return self.loss

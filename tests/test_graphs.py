@@ -1,0 +1,57 @@
+"""GraphedStep: a captured forward + backward gives the eager step's loss and gradients."""
+
+import pytest
+import torch
+
+from leantrain.agoq import Policy, apply
+from leantrain.config import preset
+from leantrain.graphs import GraphedStep
+from leantrain.model import Llama
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU error path")
+def test_needs_cuda():
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
+
+
+def _grads(m):
+    return [p.grad.float().clone() for p in m.parameters()]
+
+
+def _rel(a, b):
+    return max(((x - y).norm() / y.norm().clamp_min(1e-30)).item() for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("agoq", [False, True])
+def test_graph_replay_equals_eager(agoq):
+    """Replays on two new batches: each batch's loss and gradients equal an eager step's on it.
+    AGoQ rounds to nearest here (its stochastic seeds are frozen at capture, eager ones are not):
+    the captured save path must pack and unpack exactly what the eager one does."""
+    cfg = preset("tiny").model
+    torch.manual_seed(0)
+    m = Llama(cfg).cuda().to(torch.bfloat16)
+    if agoq:
+        apply(m, Policy(stochastic=False))
+    g = torch.Generator().manual_seed(0)
+    batch = lambda: [torch.randint(0, cfg.vocab_size, (4, 128), generator=g).cuda() for _ in range(2)]
+    step = GraphedStep(lambda i, t: m(i, t), m.parameters(), *batch())
+    for _ in range(2):
+        b = batch()
+        got_loss = step(*b).float().item()
+        got = _grads(m)
+        for p in m.parameters():
+            p.grad = None
+        loss = m(*b)
+        loss.backward()
+        assert got_loss == pytest.approx(loss.float().item(), rel=1e-4)
+        assert _rel(got, _grads(m)) < 2e-2
+    if agoq:
+        from leantrain.ops.multi import _CAPTURED_TABLES
+
+        assert _CAPTURED_TABLES, "AGoQ's launch tables were not taken from page-locked memory in capture"
+    with pytest.raises(ValueError, match="shape"):
+        step(torch.zeros(2, 128, dtype=torch.long, device="cuda"), b[1])
