@@ -155,6 +155,8 @@ def _graphed(args, m, idx, tgt, sync) -> dict:
 
     from leantrain.graphs import GraphedStep
 
+    for p in m.parameters():  # (the eager steps' gradients: not counted in "before", as in the eager steps)
+        p.grad = None
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()

@@ -3,6 +3,9 @@
 #   OUT=dir bash benchmarks/gpu_s13.sh first   # CUDA graphs: tests/test_graphs.py compiled (a replay equals the eager
 #                                            # step, baseline and AGoQ); bench_agoq --graph three times (1b, B = 8):
 #                                            # the step eager and captured as one graph, baseline and AGoQ
+#   OUT=dir bash benchmarks/gpu_s13.sh second  # the trainer with train.cuda_graph: tests/test_graphs.py compiled; 1b, B = 8,
+#                                            # 16 steps: baseline and AGoQ, eager and graphed; bench_agoq --graph once
+#                                            # (the graph's memory now counted without the eager steps' gradients)
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -19,6 +22,19 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
       snap
       export FLAT=1
       for r in g1 g2 g3; do AGOQ_ARGS="--graph --variants=" agoqrun $r 120; snap; done ;;
+    second)
+      gpuinfo
+      log "gpu tests: graphs (compiled)"
+      gputest 200 tests/test_graphs.py
+      snap
+      train1b baseline --baseline
+      train1b baseline_graph --baseline --train.cuda-graph true
+      snap
+      train1b agoq --agoq
+      train1b agoq_graph --agoq --train.cuda-graph true
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--graph --variants=" agoqrun g4 120 ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"

@@ -1,12 +1,16 @@
 """GraphedStep: a captured forward + backward gives the eager step's loss and gradients."""
 
+import json
+
 import pytest
 import torch
 
+from helpers import tiny_config
 from leantrain.agoq import Policy, apply
-from leantrain.config import preset
+from leantrain.config import ConfigError, preset
 from leantrain.graphs import GraphedStep
 from leantrain.model import Llama
+from leantrain.trainer import Trainer
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU error path")
@@ -55,3 +59,28 @@ def test_graph_replay_equals_eager(agoq):
         assert _CAPTURED_TABLES, "AGoQ's launch tables were not taken from page-locked memory in capture"
     with pytest.raises(ValueError, match="shape"):
         step(torch.zeros(2, 128, dtype=torch.long, device="cuda"), b[1])
+
+
+def test_trainer_says_what_cuda_graph_needs(corpus, tmp_path):
+    cfg = tiny_config(corpus, **{"train.cuda_graph": "true", "train.device": "cpu", "forge.enabled": "true"})
+    with pytest.raises(ConfigError, match="cuda_graph needs a CUDA device; .*no FORGE"):
+        Trainer(cfg, tmp_path / "run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", [{}, {"agoq.enabled": "true", "agoq.stochastic": "false"}])
+def test_trainer_cuda_graph_follows_the_eager_run(corpus, tmp_path, extra):
+    """The trainer with train.cuda_graph: its loss curve equals the eager trainer's (step 1 runs
+    eagerly, the graph is captured at step 2 and replayed from then on)."""
+    curves = []
+    for graph in ("false", "true"):
+        cfg = tiny_config(corpus, **{"train.steps": "8", "train.eval_every": "0", "train.ckpt_every": "0",
+                                     "train.device": "cuda", "train.cuda_graph": graph, **extra})
+        out = tmp_path / f"g{graph}"
+        tr = Trainer(cfg, out)
+        tr.fit()
+        assert (tr.graph is not None) == (graph == "true")
+        curves.append([json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()])
+    assert len(curves[1]) == 8
+    assert curves[1] == pytest.approx(curves[0], rel=2e-3)

@@ -95,6 +95,9 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     progress: bool = True
     threads: int = 0  # torch CPU threads (0 = leave torch's default)
+    # forward + backward captured once as a CUDA graph and replayed (leantrain/graphs.py): one host
+    # call a step instead of a launch per kernel; one device, no FORGE, no gradient accumulation
+    cuda_graph: bool = False
 
 
 @dataclass

@@ -115,6 +115,7 @@ class Trainer:
         self.ddp = None
         self.grad_acc = None
         self.agoq_policy = None
+        self.graph = None  # train.cuda_graph: the captured forward + backward (made at the first unmeasured step)
         self.opt = self._build_optimizer()
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         if resume:
@@ -135,6 +136,17 @@ class Trainer:
             raise ConfigError("dist.comm=sdp4bit needs dist.mode=sharded")
         if c.dist.comm == "int8" and c.dist.mode != "ddp":
             raise ConfigError("dist.comm=int8 is a DDP all-reduce hook: use it with dist.mode=ddp")
+        if c.train.cuda_graph:
+            why = [w for bad, w in (
+                (self.device.type != "cuda", "a CUDA device"),
+                (self.world > 1, "one process (DDP's reducer is not captured)"),
+                (c.forge.enabled, "no FORGE (its update inside backward reads the step's learning rate, "
+                                  "which a replay would freeze)"),
+                (c.data.grad_accum > 1, "data.grad_accum 1 (a replay overwrites the gradients)"),
+                (c.agoq.grad_bits == 8, "no agoq.grad_bits 8"),
+                (c.dist.mode != "ddp", "dist.mode ddp")) if bad]
+            if why:
+                raise ConfigError("train.cuda_graph needs " + "; ".join(why))
 
     def _build_optimizer(self):
         c, model = self.cfg, self.model
@@ -239,13 +251,19 @@ class Trainer:
             # packer, entered by the model's forward when on) sees each tensor and reports what
             # it keeps to the meter
             self._apply_agoq()
-            with sync, meter if (meter is not None and micro == 0) else contextlib.nullcontext():
-                with self._autocast():
-                    loss = self.forward_module(x, y) / d.grad_accum
-                if not torch.isfinite(loss.detach()).item():
+            if c.train.cuda_graph and meter is None:  # (the measured step runs eagerly: the meter sees its saves)
+                loss = self._graph_step(x, y)
+                if not torch.isfinite(loss).item():
                     self._nonfinite(loss)
                     return {"loss": float("nan"), "skipped": True}
-                loss.backward()
+            else:
+                with sync, meter if (meter is not None and micro == 0) else contextlib.nullcontext():
+                    with self._autocast():
+                        loss = self.forward_module(x, y) / d.grad_accum
+                    if not torch.isfinite(loss.detach()).item():
+                        self._nonfinite(loss)
+                        return {"loss": float("nan"), "skipped": True}
+                    loss.backward()
             if self.grad_acc is not None:
                 self.grad_acc.accumulate()
             lv = loss.detach().float()
@@ -281,6 +299,19 @@ class Trainer:
         self.sched.step()
         COMM.step()
         return info
+
+    def _graph_step(self, x, y):
+        """Forward + backward replayed from the CUDA graph (captured at the first call); the
+        loss is copied out of the graph's tensor, which the next replay overwrites."""
+        if self.graph is None:
+            from .graphs import GraphedStep
+
+            def fwd(x, y):
+                with self._autocast():
+                    return self.model(x, y)
+
+            self.graph = GraphedStep(fwd, self.model.parameters(), x, y)
+        return self.graph(x, y).clone()
 
     def _nonfinite(self, loss) -> None:
         self.opt.zero_grad(set_to_none=True)
