@@ -126,6 +126,7 @@ def _child(args) -> dict:
             del loss
         sync()
         back_to_back = (time.perf_counter() - t0) / args.steps
+    peak = torch.cuda.max_memory_allocated() if cuda else 0  # (before the graph's run resets it)
     graphed = _graphed(args, m, idx, tgt, sync) if cuda and args.graph and args.child != "agoq_ctx" else None
     out = {
         "config": args.child, "preset": args.preset, "batch": B, "seq": T, "dtype": "bf16", "graph": graphed,
@@ -139,7 +140,7 @@ def _child(args) -> dict:
     if pk is not None:  # every save's fate over all forwards (replay:diverged: forwards that left their plan)
         out["packer_stats"] = dict(pk.stats)
     if cuda:
-        out["peak_allocated"] = torch.cuda.max_memory_allocated()
+        out["peak_allocated"] = peak
         out["allocated_before_step"] = before
         out["peak_above_before"] = out["peak_allocated"] - before
         out["held_after_forward"] = held_after_forward

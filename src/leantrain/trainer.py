@@ -399,8 +399,9 @@ class Trainer:
         # and checkpoints write the pending row first.
         pending: list = []  # [step, info, lr, when its train_step returned] of the step not logged yet
         t_last = time.perf_counter()  # when the last logged step's train_step returned
-        t_first = None  # when the warm-up step was done (the GPU included)
-        paused = 0.0  # time in evaluation and checkpoints, not training
+        t_first = None  # when the warm-up steps were done (the GPU included)
+        n_warm = 2 if t.cuda_graph else 1
+        paused = paused_all = 0.0  # time in evaluation and checkpoints, not training (after the warm-up; all)
 
         def log_pending() -> None:
             nonlocal t_last
@@ -440,7 +441,8 @@ class Trainer:
                 self.step += 1
                 log_pending()  # the last step's row: its values are ready once this step was issued
                 pending.append([self.step, info, self.sched.get_last_lr()[0], time.perf_counter()])
-                if t_first is None:  # the first step is warm-up: timed from its end
+                if t_first is None and self.step - start_step >= min(n_warm, last - start_step):
+                    # warm-up steps are not timed: the first (and with a CUDA graph the second, its capture)
                     self._sync()
                     t_first = time.perf_counter()
                 evaluate = t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.steps)
@@ -453,17 +455,20 @@ class Trainer:
                     if ckpt:
                         self.save_checkpoint()
                     pause = time.perf_counter() - p0
-                    paused += pause
+                    paused_all += pause
+                    if t_first is not None:  # (a pause inside the warm-up is not in the timed span)
+                        paused += pause
                     t_last += pause  # (the next row's rate counts training only)
             log_pending()
             self._sync()
             if t_first is not None:
-                n_timed = self.step - start_step - 1
+                n_timed = self.step - start_step - n_warm
                 if n_timed > 0:
                     run_tokens = n_timed * tokens_per_step
                     train_time = time.perf_counter() - t_first - paused
-                else:  # one step: it is timed whole
-                    run_tokens, train_time = tokens_per_step, time.perf_counter() - t_start - paused
+                else:  # only warm-up steps: timed whole
+                    run_tokens = (self.step - start_step) * tokens_per_step
+                    train_time = time.perf_counter() - t_start - paused_all
         finally:
             if bar is not None:
                 bar.close()
