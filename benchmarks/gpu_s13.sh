@@ -6,6 +6,10 @@
 #   OUT=dir bash benchmarks/gpu_s13.sh second  # the trainer with train.cuda_graph: tests/test_graphs.py compiled; 1b, B = 8,
 #                                            # 16 steps: baseline and AGoQ, eager and graphed; bench_agoq --graph once
 #                                            # (the graph's memory now counted without the eager steps' gradients)
+#   OUT=dir bash benchmarks/gpu_s13.sh third   # lt.optim.Optimizer on FORGE's update-only kernel (optim.backend auto):
+#                                            # tests/test_optim.py + test_graphs.py compiled; the 1b trainer, B = 8:
+#                                            # AGoQ (kernel optimizer), AGoQ graphed, AGoQ with optim.backend torch
+#                                            # (the op-by-op step), baseline, baseline graphed; bench_agoq --graph x2
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -35,6 +39,20 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
       snap
       export FLAT=1
       AGOQ_ARGS="--graph --variants=" agoqrun g4 120 ;;
+    third)
+      gpuinfo
+      log "gpu tests: optimizer kernel backend, graphs (compiled)"
+      gputest 200 tests/test_optim.py tests/test_graphs.py
+      snap
+      train1b agoq --agoq
+      train1b agoq_graph --agoq --train.cuda-graph true
+      train1b agoq_torch_opt --agoq --optim.backend torch
+      snap
+      train1b baseline --baseline
+      train1b baseline_graph --baseline --train.cuda-graph true
+      snap
+      export FLAT=1
+      for r in g5 g6; do AGOQ_ARGS="--graph --variants=" agoqrun $r 120; snap; done ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"

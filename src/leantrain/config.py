@@ -77,6 +77,9 @@ class OptimConfig:
     momentum: float = 0.9  # SGD only
     nesterov: bool = False  # SGD only
     grad_clip: float = 1.0  # global-norm clipping (0 = off); see forge.clip for FORGE
+    # lt.optim.Optimizer's step: auto = FORGE's update-only kernel per parameter on CUDA (one
+    # launch each), the rule op by op elsewhere; torch = op by op always (the reference)
+    backend: Literal["auto", "torch", "triton"] = "auto"
 
 
 @dataclass

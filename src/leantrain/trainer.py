@@ -192,7 +192,8 @@ class Trainer:
             from . import agoq
 
             self.grad_acc = agoq.Int8GradAccumulator(list(model.parameters()))
-        return Optimizer(model.parameters(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed)
+        return Optimizer(model.parameters(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed,
+                         backend=c.optim.backend)
 
     def _wrap_ddp(self) -> None:
         if self.world == 1:

@@ -8,6 +8,12 @@ tested against.
 Parameters may be fp32 or bf16. For bf16 parameters the update is computed in
 fp32 and written back either with round-to-nearest or, with
 ``stochastic_rounding=True``, with unbiased stochastic rounding.
+
+``backend="triton"`` (or ``"auto"`` on a CUDA device) steps each 1-D / 2-D parameter with fp32
+or bf16 states in one launch of FORGE's update-only kernel instead of ~15 torch ops: the same
+rule in fp32 registers (within 1e-6 relative of the reference in fp32, tested), far less host
+time a step. Stochastic rounding then draws from the kernel's counter hash, not from
+``bf16_stochastic_round``'s stream: unbiased either way, not the same bits.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from ..ops._backend import HAS_TRITON
 from .rules import Rule
 from .state import StateStorage
 
@@ -33,16 +40,26 @@ class Optimizer(torch.optim.Optimizer):
         seed: seed of the stochastic-rounding stream (reproducible runs).
         state_dtype: how optimizer state is kept between steps: ``"fp32"``, ``"bf16"`` or
             ``"int8"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
+        backend: ``"torch"`` (the rule op by op, any device: the reference), ``"triton"``
+            (FORGE's update-only kernel for each parameter it takes: 1-D or 2-D, fp32 or bf16,
+            fp32 or bf16 states; the others op by op) or ``"auto"`` (triton for CUDA parameters
+            when Triton is installed).
     """
 
     def __init__(self, params: Iterable, rule: Rule, *, stochastic_rounding: bool = False, seed: int = 0,
-                 state_dtype: str = "fp32"):
+                 state_dtype: str = "fp32", backend: str = "torch"):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
+        if backend not in ("torch", "triton", "auto"):
+            raise ValueError(f"backend must be 'torch', 'triton' or 'auto', got {backend!r}")
+        if backend == "triton" and not HAS_TRITON:
+            raise RuntimeError("backend='triton' needs Triton installed (or use backend='torch')")
         self.rule = rule
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
+        self.backend = backend
         self.storage = StateStorage(state_dtype)
+        self._index: dict[Tensor, int] = {}  # parameter -> its position (the kernel's rounding seed)
         super().__init__(params, rule.hyper())
 
     @torch.no_grad()
@@ -63,6 +80,9 @@ class Optimizer(torch.optim.Optimizer):
                     state["step"] = 0
                     state.update(self.storage.init(self.rule, p))
                 state["step"] += 1
+                if self._on_kernel(p, state):
+                    self._step_kernel(p, state, hp)
+                    continue
                 signed = self.rule.signed_states
                 tensors = {k: self.storage.read(state, k, k in signed, p.shape) for k in self.rule.state_names}
                 p_new, new_state = self.rule.update(p, p.grad, tensors, step=state["step"], **hp)
@@ -70,6 +90,37 @@ class Optimizer(torch.optim.Optimizer):
                     self.storage.write(state, k, v, k in signed)
                 write_param(p, p_new, stochastic=self.stochastic_rounding, seed=self.seed + state["step"])
         return loss
+
+    def _on_kernel(self, p: Tensor, state: dict) -> bool:
+        if self.backend == "torch" or (self.backend == "auto" and (p.device.type != "cuda" or not HAS_TRITON)):
+            return False
+        return (p.dim() in (1, 2) and p.dtype in (torch.float32, torch.bfloat16)
+                and p.grad.dtype in (torch.float32, torch.bfloat16) and self.rule.name in _KERNEL_RULES
+                and all(state[k].dtype in (torch.float32, torch.bfloat16) for k in self.rule.state_names))
+
+    def _step_kernel(self, p: Tensor, state: dict, hp: dict) -> None:
+        """One launch of FORGE's update-only kernel: reads W, the gradient (fp32) and the
+        states, applies the rule in fp32, stores W (stochastic rounding for bf16 W when asked)
+        and the states."""
+        from leantrain.forge import kernel as K
+        from leantrain.ops.rng import kernel_key
+
+        as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(1, -1))
+        names = self.rule.state_names
+        step = state["step"]
+        g = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+        index = self._index.get(p)
+        if index is None:  # (a param group added since)
+            self._index = {q: i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
+            index = self._index[p]
+        key = kernel_key((self.seed * 0x9E3779B1 + index * 0x10001 + step * 0x5BD1E995) & 0xFFFFFFFFFFFF)
+        K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=[as2d(state[k]) for k in names],
+                       kinds=[StateStorage.kind_of(state, k) for k in names], qtables=[None] * len(names),
+                       rule_name=self.rule.name, hp=hp, step=step,
+                       sr=self.stochastic_rounding and p.dtype == torch.bfloat16, key=key, g=as2d(g.contiguous()))
+
+
+_KERNEL_RULES = ("sgd", "adamw", "lion", "adams")  # (leantrain.forge.kernel.RULE_IDS; imported on first use)
 
 
 def write_param(p: Tensor, value: Tensor, *, stochastic: bool, seed: int) -> None:
