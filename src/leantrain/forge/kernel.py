@@ -161,8 +161,8 @@ if HAS_TRITON:
         bias_here = (tl.zeros([BLOCK_N], dtype=tl.int32) + pid_k) == 0  # a tensor: the interpreter
         # cannot combine scalar and tensor booleans
 
-        if MODE == 2:
-            acc = tl.load(G + offs, mask=mask, other=0.0)
+        if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
+            acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0)
         else:

@@ -99,8 +99,8 @@ class Optimizer(torch.optim.Optimizer):
                 and all(state[k].dtype in (torch.float32, torch.bfloat16) for k in self.rule.state_names))
 
     def _step_kernel(self, p: Tensor, state: dict, hp: dict) -> None:
-        """One launch of FORGE's update-only kernel: reads W, the gradient (fp32) and the
-        states, applies the rule in fp32, stores W (stochastic rounding for bf16 W when asked)
+        """One launch of FORGE's update-only kernel: reads W, the gradient (fp32 or bf16, as
+        stored) and the states, applies the rule in fp32, stores W (stochastic rounding for bf16 W when asked)
         and the states."""
         from leantrain.forge import kernel as K
         from leantrain.ops.rng import kernel_key
@@ -108,7 +108,7 @@ class Optimizer(torch.optim.Optimizer):
         as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(1, -1))
         names = self.rule.state_names
         step = state["step"]
-        g = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+        g = p.grad  # fp32 or bf16: the kernel reads either in fp32
         index = self._index.get(p)
         if index is None:  # (a param group added since)
             self._index = {q: i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
