@@ -47,7 +47,9 @@ TOKENS = [512, 1024, 2048, 4096, 16384]
 STEP_CONFIGS = ["torch_fp32_master_autocast", "torch_bf16", "torch_optim_in_backward_bf16", "forge_fp32",
                 "forge_bf16_sr_fp32_states", "forge_bf16_sr_int8_states"]
 # FORGE as it is meant to be used: composed with AGoQ (saved activations at ~4 bits); run on request
-EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq"]
+EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
+                 # the state precision of torch's pure-bf16 AdamW (its states take the weights' dtype)
+                 "forge_bf16_sr_bf16_states"]
 BATCHES = [1, 4, 16]
 
 
@@ -269,7 +271,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     cfg = preset("1b").model
     cfg.max_seq_len = max(cfg.max_seq_len, seq)
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
-                              "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq")
+                              "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
+                              "forge_bf16_sr_bf16_states")
     with torch.device("cuda"):
         model = Llama(cfg)
     if bf16_weights:
@@ -289,7 +292,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(hook)
     else:
-        state_dtype = "int8" if "int8_states" in config else "fp32"
+        state_dtype = "int8" if "int8_states" in config else "bf16" if "bf16_states" in config else "fp32"
         opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype, stochastic_rounding=True)
         if config.endswith("_agoq"):
             lt.agoq.apply(model, lt.agoq.Policy())

@@ -10,6 +10,10 @@
 #                                            # tests/test_optim.py + test_graphs.py compiled; the 1b trainer, B = 8:
 #                                            # AGoQ (kernel optimizer), AGoQ graphed, AGoQ with optim.backend torch
 #                                            # (the op-by-op step), baseline, baseline graphed; bench_agoq --graph x2
+#   OUT=dir bash benchmarks/gpu_s13.sh fourth  # the kernel step reads bf16 gradients as stored: test_optim, the FORGE kernel
+#                                            # and update-only tests compiled; the 1b trainer: AGoQ, AGoQ graphed;
+#                                            # bench_forge part (b) at B = 16: torch bf16, FORGE bf16 + SR with bf16
+#                                            # states (torch's state precision) and with fp32 states, twice, alternating
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -53,6 +57,20 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
       snap
       export FLAT=1
       for r in g5 g6; do AGOQ_ARGS="--graph --variants=" agoqrun $r 120; snap; done ;;
+    fourth)
+      gpuinfo
+      log "gpu tests: optimizer kernel backend, FORGE kernel and update-only kernel (compiled)"
+      gputest 240 tests/test_optim.py tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py
+      snap
+      train1b agoq --agoq
+      train1b agoq_graph --agoq --train.cuda-graph true
+      snap
+      for r in 1 2; do
+        log "forge part (b), B = 16, run $r"
+        timeout 200 python3 benchmarks/bench_forge.py --part b --batches 16 --timeout 60 --configs torch_bf16 \
+          forge_bf16_sr_bf16_states forge_bf16_sr_fp32_states --out "$D/b16_$r" 2>&1 | grep -v Warn | tail -6
+        snap
+      done ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"
