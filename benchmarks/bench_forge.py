@@ -49,7 +49,9 @@ STEP_CONFIGS = ["torch_fp32_master_autocast", "torch_bf16", "torch_optim_in_back
 # FORGE as it is meant to be used: composed with AGoQ (saved activations at ~4 bits); run on request
 EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  # the state precision of torch's pure-bf16 AdamW (its states take the weights' dtype)
-                 "forge_bf16_sr_bf16_states"]
+                 "forge_bf16_sr_bf16_states",
+                 # and torch's gradient precision too: the split path's dW in bf16 (grad_dtype="bf16")
+                 "forge_bf16_sr_bf16_states_bf16_dw"]
 BATCHES = [1, 4, 16]
 
 
@@ -272,7 +274,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     cfg.max_seq_len = max(cfg.max_seq_len, seq)
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
-                              "forge_bf16_sr_bf16_states")
+                              "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw")
     with torch.device("cuda"):
         model = Llama(cfg)
     if bf16_weights:
@@ -293,7 +295,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             p.register_post_accumulate_grad_hook(hook)
     else:
         state_dtype = "int8" if "int8_states" in config else "bf16" if "bf16_states" in config else "fp32"
-        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype, stochastic_rounding=True)
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype, stochastic_rounding=True,
+                              grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32")
         if config.endswith("_agoq"):
             lt.agoq.apply(model, lt.agoq.Policy())
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -14,6 +14,10 @@
 #                                            # and update-only tests compiled; the 1b trainer: AGoQ, AGoQ graphed;
 #                                            # bench_forge part (b) at B = 16: torch bf16, FORGE bf16 + SR with bf16
 #                                            # states (torch's state precision) and with fp32 states, twice, alternating
+#   OUT=dir bash benchmarks/gpu_s13.sh fifth   # FORGE grad_dtype="bf16" (the split path's dW in bf16): its tests and the
+#                                            # FORGE kernel tests compiled; bench_forge part (b): torch bf16, FORGE bf16 +
+#                                            # SR with bf16 states, with bf16 states and bf16 dW, at B = 16 twice, B = 1, 4
+#                                            # once; the 1b trainer with FORGE + AGoQ, fp32 and bf16 dW
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -71,6 +75,23 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
           forge_bf16_sr_bf16_states forge_bf16_sr_fp32_states --out "$D/b16_$r" 2>&1 | grep -v Warn | tail -6
         snap
       done ;;
+    fifth)
+      gpuinfo
+      log "gpu tests: FORGE grad_dtype, kernel (compiled)"
+      gputest 200 tests/forge/test_forge_grad_dtype.py tests/forge/test_forge_kernel.py
+      snap
+      for r in 1 2; do
+        log "forge part (b), B = 16, run $r"
+        timeout 200 python3 benchmarks/bench_forge.py --part b --batches 16 --timeout 60 --configs torch_bf16 \
+          forge_bf16_sr_bf16_states forge_bf16_sr_bf16_states_bf16_dw --out "$D/b16_$r" 2>&1 | grep -v Warn | tail -6
+        snap
+      done
+      log "forge part (b), B = 1, 4"
+      timeout 200 python3 benchmarks/bench_forge.py --part b --batches 1 4 --timeout 60 --configs torch_bf16 \
+        forge_bf16_sr_bf16_states forge_bf16_sr_bf16_states_bf16_dw --out "$D/b14" 2>&1 | grep -v Warn | tail -9
+      snap
+      train1b forge_agoq --forge --agoq
+      train1b forge_agoq_bf16dw --forge --agoq --forge.grad-dtype bf16 ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"

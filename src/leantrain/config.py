@@ -114,6 +114,9 @@ class ForgeConfig:
     # forge/README.md); layer / prev_global / est_global clip at clip_value (0: optim.grad_clip)
     clip: Literal["auto", "none", "layer", "prev_global", "est_global"] = "auto"
     clip_value: float = 0.0  # 0: use optim.grad_clip
+    # a materialized dW (the split path) in fp32, or for bf16 layers in bf16 as torch's bf16
+    # backward gives it (half its traffic; see forge/README.md)
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
 @dataclass

@@ -179,7 +179,8 @@ class Trainer:
 
                 allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
             return forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
-                                backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce)
+                                backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce,
+                                grad_dtype=f.grad_dtype)
         if c.dist.mode == "sharded":
             from . import comm
             from . import dist as ltdist

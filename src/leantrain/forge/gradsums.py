@@ -57,7 +57,7 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
-            x = tl.load(G + idx, mask=idx < n, other=0.0)  # chunks are whole blocks: idx < end too
+            x = tl.load(G + idx, mask=idx < n, other=0.0).to(tl.float32)  # (chunks are whole blocks: idx < end too)
             acc += x * x
         tl.store(PART + pid, tl.sum(acc, axis=0))
         tl.debug_barrier()  # every thread's store before the ticket (released by the atomic)

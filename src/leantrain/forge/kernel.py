@@ -164,7 +164,7 @@ if HAS_TRITON:
         if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
             acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0)
+                accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0).to(tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             accb = tl.zeros([BLOCK_N], dtype=tl.float32)

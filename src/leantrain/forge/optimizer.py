@@ -63,19 +63,20 @@ def _check_clip(clip: str, clip_value: float) -> None:
 
 
 class _Workspace:
-    """One reused fp32 buffer for a materialized dW (+ db): grows to the largest layer."""
+    """One reused buffer per dtype for a materialized dW (+ db): grows to the largest layer."""
 
     def __init__(self):
-        self.buf: Tensor | None = None
+        self.bufs: dict[torch.dtype, Tensor] = {}
 
-    def get(self, numel: int, device) -> Tensor:
-        if self.buf is None or self.buf.numel() < numel or self.buf.device != torch.device(device):
-            self.buf = None
-            self.buf = torch.empty(numel, dtype=torch.float32, device=device)
-        return self.buf[:numel]
+    def get(self, numel: int, device, dtype=torch.float32) -> Tensor:
+        buf = self.bufs.get(dtype)
+        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
+            self.bufs.pop(dtype, None)
+            buf = self.bufs[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
     def release(self) -> None:
-        self.buf = None
+        self.bufs.clear()
 
 
 _KERNEL = []
@@ -109,12 +110,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None):
+                 allreduce=None, grad_dtype="fp32"):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if grad_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"grad_dtype must be 'fp32' or 'bf16', got {grad_dtype!r}")
         if getattr(model, "_forge_optimizer", None) is not None:
             raise RuntimeError("FORGE is already attached to this model; call lt.forge.detach(model) first")
         self.rule = rule
@@ -123,6 +126,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.clip, self.clip_value = clip, float(clip_value)
         self.split_tokens = split_tokens
+        self.grad_dtype = grad_dtype
         self.seed = int(seed)
         self._workspace = _Workspace()
         self._backends: dict[bool, str] = {}  # w.is_cuda -> resolved backend
@@ -239,12 +243,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """dW (and db) of one layer in the reused workspace, reduced over the DP group."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
-        buf = self._workspace.get(n * k + (n if b is not None else 0), w.device)
+        # grad_dtype="bf16": dW of bf16 inputs as the bf16 matmul gives it (torch's bf16 backward's
+        # precision), half the workspace traffic; the Triton update reads it in fp32
+        low = (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
+               and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
+        buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
+                                  torch.bfloat16 if low else torch.float32)
         g = buf[: n * k].view(n, k)
         gb = buf[n * k:] if b is not None else None
         done = False
         if fill is not None:
             fill(g, gb)
+            done = True
+        elif low:
+            torch.mm(dy2.t(), x2, out=g)
+            if gb is not None:
+                torch.sum(dy2, 0, out=gb)
             done = True
         elif backend == "torch" or x2.is_cuda:  # cuBLAS (or CPU BLAS)
             done = mm_fp32(dy2.t(), x2, g, allow_upcast=backend == "torch")
@@ -615,7 +629,8 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
-           split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None) -> ForgeOptimizer:
+           split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
+           grad_dtype: str = "fp32") -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -650,10 +665,15 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             data-parallel gradient reductions instead of the plain all-reduce (the trainer passes
             ``lt.comm.int8_all_reduce`` for ``--dist.comm int8``). FORGE does not import it:
             techniques are composed by the caller.
+        grad_dtype: ``"fp32"`` (a materialized dW is accumulated and stored in fp32: the exactness
+            statement of forge/README.md) or ``"bf16"`` (on the Triton backend, a layer whose
+            inputs are bf16 gets its split-path dW from the bf16 matmul, rounded to bf16 as torch's
+            bf16 backward rounds it: 4 bytes a parameter less traffic; not with data parallelism
+            or a ``fill`` caller, which keep fp32).
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
-                          split_tokens=split_tokens, seed=seed, allreduce=allreduce)
+                          split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype)
 
 
 def detach(model: nn.Module) -> None:
