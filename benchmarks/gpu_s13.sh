@@ -18,6 +18,8 @@
 #                                            # FORGE kernel tests compiled; bench_forge part (b): torch bf16, FORGE bf16 +
 #                                            # SR with bf16 states, with bf16 states and bf16 dW, at B = 16 twice, B = 1, 4
 #                                            # once; the 1b trainer with FORGE + AGoQ, fp32 and bf16 dW
+#   OUT=dir bash benchmarks/gpu_s13.sh sixth   # tests/test_graphs.py compiled (with the trainer's evaluation, checkpoints and
+#                                            # resume between replays)
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -92,6 +94,10 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
       snap
       train1b forge_agoq --forge --agoq
       train1b forge_agoq_bf16dw --forge --agoq --forge.grad-dtype bf16 ;;
+    sixth)
+      gpuinfo
+      log "gpu tests: graphs (compiled)"
+      gputest 240 tests/test_graphs.py ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"

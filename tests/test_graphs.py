@@ -84,3 +84,22 @@ def test_trainer_cuda_graph_follows_the_eager_run(corpus, tmp_path, extra):
         curves.append([json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()])
     assert len(curves[1]) == 8
     assert curves[1] == pytest.approx(curves[0], rel=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trainer_cuda_graph_with_eval_checkpoint_and_resume(corpus, tmp_path):
+    """Evaluation and checkpoints between replays, then a resumed run (a new capture): the loss
+    curve of the interrupted + resumed run follows the straight one."""
+    extra = {"train.steps": "10", "train.eval_every": "3", "train.ckpt_every": "5", "train.device": "cuda",
+             "train.cuda_graph": "true"}
+    Trainer(tiny_config(corpus, **extra), tmp_path / "a").fit()
+    Trainer(tiny_config(corpus, **extra), tmp_path / "b").fit(until=5)
+    resumed = Trainer(tiny_config(corpus, **extra), tmp_path / "b", resume=True)
+    assert resumed.step == 5
+    resumed.fit()
+    assert resumed.graph is not None
+    rows = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"}
+    assert [r["step"] for r in rows["b"]] == list(range(1, 11))
+    assert [r["step"] for r in rows["a"] if "val_loss" in r] == [3, 6, 9, 10]
+    assert [r["loss"] for r in rows["b"]] == pytest.approx([r["loss"] for r in rows["a"]], rel=2e-3)
