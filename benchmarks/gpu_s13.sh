@@ -20,6 +20,8 @@
 #                                            # once; the 1b trainer with FORGE + AGoQ, fp32 and bf16 dW
 #   OUT=dir bash benchmarks/gpu_s13.sh sixth   # tests/test_graphs.py compiled (with the trainer's evaluation, checkpoints and
 #                                            # resume between replays)
+#   OUT=dir bash benchmarks/gpu_s13.sh seventh # each replay rounds with new noise (the salt XORed into AGoQ's keys in the
+#                                            # graph): tests/test_graphs.py compiled; bench_agoq --graph once
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -98,6 +100,13 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
       gpuinfo
       log "gpu tests: graphs (compiled)"
       gputest 240 tests/test_graphs.py ;;
+    seventh)
+      gpuinfo
+      log "gpu tests: graphs (compiled)"
+      gputest 240 tests/test_graphs.py
+      snap
+      export FLAT=1
+      AGOQ_ARGS="--graph --variants=" agoqrun g7 120 ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"

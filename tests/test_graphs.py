@@ -1,5 +1,6 @@
 """GraphedStep: a captured forward + backward gives the eager step's loss and gradients."""
 
+import copy
 import json
 
 import pytest
@@ -59,6 +60,31 @@ def test_graph_replay_equals_eager(agoq):
         assert _CAPTURED_TABLES, "AGoQ's launch tables were not taken from page-locked memory in capture"
     with pytest.raises(ValueError, match="shape"):
         step(torch.zeros(2, 128, dtype=torch.long, device="cuda"), b[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replays_round_with_new_noise():
+    """AGoQ with stochastic rounding: two replays on one batch give the same loss and different
+    gradients (each replay's salt changes the rounding keys), each within AGoQ's error bound of
+    the unquantized gradient (tests/agoq/test_agoq_hooks.py: TOTAL_BOUND)."""
+    cfg = preset("tiny").model
+    torch.manual_seed(0)
+    m = Llama(cfg).cuda().to(torch.bfloat16)
+    plain = copy.deepcopy(m)
+    apply(m, Policy())
+    g = torch.Generator().manual_seed(0)
+    b = [torch.randint(0, cfg.vocab_size, (4, 128), generator=g).cuda() for _ in range(2)]
+    plain(*b).backward()
+    ref = _grads(plain)
+    step = GraphedStep(lambda i, t: m(i, t), m.parameters(), *b)
+    l1, g1 = step(*b).item(), _grads(m)
+    l2, g2 = step(*b).item(), _grads(m)
+    assert l1 == l2
+    assert any(not torch.equal(x, y) for x, y in zip(g1, g2))
+    for got in (g1, g2):
+        err = (sum(((x - y) ** 2).sum() for x, y in zip(got, ref)) / sum((y ** 2).sum() for y in ref)).sqrt()
+        assert err.item() < 0.2
 
 
 def test_trainer_says_what_cuda_graph_needs(corpus, tmp_path):

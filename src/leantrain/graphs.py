@@ -12,10 +12,12 @@ waits. A CUDA graph replays every kernel of the step from one host call::
 What is captured runs exactly as it did at capture: same shapes, same memory, same kernel
 arguments. So (a) every batch must have the capture's shape; (b) gradients are *written*, not
 accumulated (each replay overwrites ``p.grad``: no gradient accumulation across replays);
-(c) host-side decisions made during the forward are frozen, including AGoQ's stochastic-rounding
-seeds (each replay rounds with the same per-position noise pattern; rounding stays unbiased for
-the activation values of any one step, but the noise no longer changes from step to step);
-(d) nothing in the step may synchronize the host (``.item()``, data-dependent shapes).
+(c) host-side decisions made during the forward are frozen. Random numbers are not: every replay
+first advances a device salt (:func:`replay_salt`), and AGoQ's batched quantize launches XOR it
+into their stochastic-rounding keys inside the graph, so each replay rounds with new noise
+(a save AGoQ packs alone, outside a batch, keeps its capture-time key: log-softmax
+probabilities and 2/3-bit saves); (d) nothing in the step may synchronize the host (``.item()``,
+data-dependent shapes).
 The memory the step allocates lives in the graph's private pool for as long as the graph does.
 """
 
@@ -25,6 +27,26 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
+
+_SALTS: dict[torch.device, Tensor] = {}
+_GOLDEN31 = 0x9E3779B1
+
+
+def _cuda_device(device) -> torch.device:
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.index is None else d
+
+
+def replay_salt(device, *, create: bool = True) -> Tensor | None:
+    """A device int64 scalar in [0, 2**31): 0 until a :class:`GraphedStep` on ``device`` is
+    captured, then advanced at the start of every replay, inside the graph. Captured code that
+    draws random numbers from integer keys XORs it into them so that replays differ.
+    ``create=False``: None when no GraphedStep made it (a graph captured some other way)."""
+    d = _cuda_device(device)
+    t = _SALTS.get(d)
+    if t is None and create:
+        t = _SALTS[d] = torch.zeros((), dtype=torch.int64, device=d)
+    return t
 
 
 class GraphedStep:
@@ -51,8 +73,10 @@ class GraphedStep:
                 fn(*self.inputs).backward()
         torch.cuda.current_stream().wait_stream(side)
         self._zero()
+        salt = replay_salt(self.inputs[0].device)  # (made outside the graph's memory)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
+            salt.add_(_GOLDEN31).bitwise_and_(0x7FFFFFFF)  # a new salt every replay (a Weyl sequence)
             loss = fn(*self.inputs)
             loss.backward()
         self.loss = loss.detach()

@@ -93,9 +93,10 @@ _FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _IDX32_LIMIT = 2**32
 
 
-def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tensor, int]:
+def _table(rows: list[list[int]], progs: list[int], device, keyed: bool = False) -> tuple[torch.Tensor, int]:
     """The rows (first program filled in) plus the padded first-program column, as one int64
-    device tensor; copied without waiting for the stream (a blocking copy would)."""
+    device tensor; copied without waiting for the stream (a blocking copy would). ``keyed``: the
+    rows' column 6 holds stochastic-rounding keys (see the capture case below)."""
     starts, s = [], 0
     for r, p in zip(rows, progs):
         r[7] = s  # the row's first program, also read by the program that owns a tile of it
@@ -115,6 +116,14 @@ def _table(rows: list[list[int]], progs: list[int], device) -> tuple[torch.Tenso
         # replay: page-locked (a pageable copy cannot be captured) and kept for the process's life.
         host = host.pin_memory()
         _CAPTURED_TABLES.append(host)
+        dev = host.to(device, non_blocking=True)
+        if keyed:  # each replay rounds with new noise: the keys XOR the replay's salt, in the graph
+            from ..graphs import replay_salt
+
+            salt = replay_salt(device, create=False)
+            if salt is not None:
+                dev[6: len(rows) * 10: 10].bitwise_xor_(salt)
+        return dev, s
     return host.to(device, non_blocking=True), s
 
 
@@ -453,7 +462,7 @@ def _launch_quantize(rows: list[list[int]], device, group_size: int, symmetric: 
     for prow, pword, (elems, pwarps, tpp) in parts:
         cols, rows_per, warps = tile_shape(group_size, elems)
         per_prog = rows_per * tpp
-        tab, total = _table(prow, [-(-r[5] // per_prog) for r in prow], device)
+        tab, total = _table(prow, [-(-r[5] // per_prog) for r in prow], device, keyed=stochastic)
         mixed = len(set(r[8] for r in prow)) > 1
         kind = _kind(prow)
         extra = {}
