@@ -93,6 +93,34 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pat
     assert [r["step"] for r in rows] == list(range(1, 8))  # every step before the non-finite one
 
 
+def test_nonfinite_loss_skipped_when_asked(corpus, tmp_path, monkeypatch):
+    """train.on_nonfinite=skip: the poisoned step is checked before its update (weights unchanged
+    by it), logged as skipped, and training goes on."""
+    cfg = tiny_config(corpus, **{"train.steps": "6", "train.ckpt_every": "0", "train.eval_every": "0",
+                                 "train.on_nonfinite": "skip"})
+    tr = Trainer(cfg, tmp_path / "r")
+    real_forward = tr.model.forward
+    seen = {}
+
+    def poisoned(idx, targets=None, reduction="mean"):
+        out = real_forward(idx, targets, reduction)
+        if tr.step == 3:  # (step 4)
+            seen["before"] = [p.detach().clone() for p in tr.model.parameters()]
+            return out * float("nan")
+        if tr.step == 4:
+            seen["after"] = [p.detach().clone() for p in tr.model.parameters()]
+        return out
+
+    monkeypatch.setattr(tr.model, "forward", poisoned)
+    s = tr.fit()
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[3]["skipped"] is True and rows[3]["loss"] != rows[3]["loss"]
+    assert all(r["loss"] == r["loss"] for i, r in enumerate(rows) if i != 3)
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["after"]))
+    assert s["steps"] == 6
+
+
 def test_cli_train_and_errors(corpus, tmp_path, capsys):
     args = ["train", "--preset", "tiny", "--steps", "4", "--out", str(tmp_path / "c"), "--data", str(corpus)]
     small = []

@@ -253,17 +253,21 @@ class Trainer:
             # packer, entered by the model's forward when on) sees each tensor and reports what
             # it keeps to the meter
             self._apply_agoq()
+            # A non-finite loss: with train.on_nonfinite=skip the step is checked here (a sync: the
+            # update must not happen); with stop (the default) fit() finds it when it logs the step,
+            # without a sync per step, and stops before any later checkpoint is written.
+            skip = c.train.on_nonfinite == "skip"
             if c.train.cuda_graph and meter is None:  # (the measured step runs eagerly: the meter sees its saves)
                 loss = self._graph_step(x, y)
-                if not torch.isfinite(loss).item():
-                    self._nonfinite(loss)
+                if skip and not torch.isfinite(loss).item():
+                    self._skip(loss)
                     return {"loss": float("nan"), "skipped": True}
             else:
                 with sync, meter if (meter is not None and micro == 0) else contextlib.nullcontext():
                     with self._autocast():
                         loss = self.forward_module(x, y) / d.grad_accum
-                    if not torch.isfinite(loss.detach()).item():
-                        self._nonfinite(loss)
+                    if skip and not torch.isfinite(loss.detach()).item():
+                        self._skip(loss)
                         return {"loss": float("nan"), "skipped": True}
                     loss.backward()
             if self.grad_acc is not None:
@@ -315,13 +319,13 @@ class Trainer:
             self.graph = GraphedStep(fwd, self.model.parameters(), x, y)
         return self.graph(x, y).clone()
 
-    def _nonfinite(self, loss) -> None:
+    def _skip(self, loss) -> None:
         self.opt.zero_grad(set_to_none=True)
-        if self.cfg.train.on_nonfinite == "skip":
-            log0(f"step {self.step}: non-finite loss ({loss.item()}); update skipped (train.on_nonfinite=skip)")
-            return
-        raise NonFiniteLoss(
-            f"step {self.step}: the loss is {loss.item()}; training stopped. The last good checkpoint is kept in "
+        log0(f"step {self.step + 1}: non-finite loss ({loss.item()}); update skipped (train.on_nonfinite=skip)")
+
+    def _stop(self, step: int, loss: float) -> NonFiniteLoss:
+        return NonFiniteLoss(
+            f"step {step}: the loss is {loss}; training stopped. The last good checkpoint is kept in "
             f"{self.out / 'checkpoints'}. Lower optim.lr, or pass --train.on_nonfinite skip to skip such steps."
         )
 
@@ -411,6 +415,9 @@ class Trainer:
                 return
             step, info, lr, done = pending.pop()
             info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
+            if not math.isfinite(info["loss"]) and not info.get("skipped"):  # (train.on_nonfinite=stop)
+                # (this model stepped on it, and the next step may be issued: resume from the checkpoint)
+                raise self._stop(step, info["loss"])
             if not info.get("nonfinite_layers", 1):
                 del info["nonfinite_layers"]
             losses.append(info["loss"])
@@ -435,11 +442,7 @@ class Trainer:
         val_at: dict[int, float] = {}
         try:
             while self.step < last:
-                try:
-                    info = self.train_step(measure=self.step == start_step)
-                except NonFiniteLoss:  # (the steps before it are logged)
-                    log_pending()
-                    raise
+                info = self.train_step(measure=self.step == start_step)
                 self.step += 1
                 log_pending()  # the last step's row: its values are ready once this step was issued
                 pending.append([self.step, info, self.sched.get_last_lr()[0], time.perf_counter()])
