@@ -22,6 +22,8 @@
 #                                            # resume between replays)
 #   OUT=dir bash benchmarks/gpu_s13.sh seventh # each replay rounds with new noise (the salt XORed into AGoQ's keys in the
 #                                            # graph): tests/test_graphs.py compiled; bench_agoq --graph once
+#   OUT=dir bash benchmarks/gpu_s13.sh eighth  # the trainer without the per-step non-finite check (a sync): 1b, B = 8:
+#                                            # baseline, AGoQ, AGoQ graphed, FORGE + AGoQ
 # Work goes to /tmp/s13w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -107,6 +109,13 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s13w "$PART"; }
       snap
       export FLAT=1
       AGOQ_ARGS="--graph --variants=" agoqrun g7 120 ;;
+    eighth)
+      gpuinfo
+      train1b baseline --baseline
+      train1b agoq --agoq
+      snap
+      train1b agoq_graph --agoq --train.cuda-graph true
+      train1b forge_agoq --forge --agoq ;;
     *) echo "unknown part $PART" ;;
   esac
 } 2>&1 | tee "$D/log.txt"
