@@ -21,6 +21,18 @@ def test_needs_cuda():
         GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
 
 
+def test_forge_is_refused_and_detach_clears_it():
+    import leantrain as lt
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    lt.forge.attach(m, lt.optim.AdamW(lr=1e-3), backend="torch")
+    assert m[0].weight._lt_forge and not getattr(m[1].weight, "_lt_forge", False)
+    with pytest.raises(ValueError, match="FORGE"):  # (checked before anything needs CUDA)
+        GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
+    lt.forge.detach(m)
+    assert not hasattr(m[0].weight, "_lt_forge")
+
+
 def _grads(m):
     return [p.grad.float().clone() for p in m.parameters()]
 

@@ -59,11 +59,15 @@ class GraphedStep:
 
     def __init__(self, fn: Callable[..., Tensor], params: Iterable[torch.nn.Parameter], *inputs: Tensor,
                  warmup: int = 2):
+        self.params = [p for p in params if p.requires_grad]
+        if any(getattr(p, "_lt_forge", False) for p in self.params):
+            raise ValueError("GraphedStep: FORGE is attached (lt.forge.attach); its update inside backward reads "
+                             "the learning rate, step and rounding keys from the host, which a replay would "
+                             "freeze. Capture without FORGE (lt.forge.detach) or run FORGE eagerly")
         if not torch.cuda.is_available():
             raise RuntimeError("GraphedStep needs a CUDA device (CUDA graphs)")
         if not inputs or any(not isinstance(x, Tensor) or x.device.type != "cuda" for x in inputs):
             raise ValueError("GraphedStep: pass the step's input tensors, on the CUDA device")
-        self.params = [p for p in params if p.requires_grad]
         self.inputs = [x.detach().clone() for x in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -106,9 +106,13 @@ def patch(layer: ForgeLayer) -> None:
     else:
         m.forward = _LinearForward(layer)
     m._forge_layer = layer
+    layer.weight._lt_forge = True  # (updated inside backward: what leantrain.graphs refuses to capture)
 
 
 def unpatch(m: nn.Module) -> None:
+    layer = m.__dict__.get("_forge_layer")
+    if layer is not None and "_lt_forge" in layer.weight.__dict__:
+        del layer.weight._lt_forge
     for attr in ("linear_fn", "forward", "_forge_layer"):
         if attr in m.__dict__:
             delattr(m, attr)
