@@ -243,6 +243,16 @@ def test_triton_backend_bf16_params_round_stochastically():
     assert (q == 1).all()
 
 
-def test_backend_is_checked():
+def test_backend_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="backend"):
         lt.optim.Optimizer([torch.nn.Parameter(torch.ones(2))], lt.optim.SGD(lr=0.1), backend="cuda")
+    # "triton" on a CPU tensor without the interpreter: said at the first step, as the ops say it
+    monkeypatch.setattr(lt.ops._backend, "interpreting", lambda: False)
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = lt.optim.Optimizer([p], lt.optim.SGD(lr=0.1), backend="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        opt.step()
+    auto = lt.optim.Optimizer([p], lt.optim.SGD(lr=0.1), backend="auto")  # (CPU: the reference)
+    auto.step()
+    assert torch.allclose(p, torch.full((2,), 0.9))

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from ..ops._backend import HAS_TRITON
+from ..ops._backend import resolve
 from .rules import Rule
 from .state import StateStorage
 
@@ -52,14 +52,13 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         if backend not in ("torch", "triton", "auto"):
             raise ValueError(f"backend must be 'torch', 'triton' or 'auto', got {backend!r}")
-        if backend == "triton" and not HAS_TRITON:
-            raise RuntimeError("backend='triton' needs Triton installed (or use backend='torch')")
         self.rule = rule
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.backend = backend
         self.storage = StateStorage(state_dtype)
         self._index: dict[Tensor, int] = {}  # parameter -> its position (the kernel's rounding seed)
+        self._backends: dict[bool, str] = {}  # p.is_cuda -> the resolved backend
         super().__init__(params, rule.hyper())
 
     @torch.no_grad()
@@ -92,11 +91,14 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def _on_kernel(self, p: Tensor, state: dict) -> bool:
-        if self.backend == "torch" or (self.backend == "auto" and (p.device.type != "cuda" or not HAS_TRITON)):
+        if self.backend == "torch":
             return False
-        return (p.dim() in (1, 2) and p.dtype in (torch.float32, torch.bfloat16)
-                and p.grad.dtype in (torch.float32, torch.bfloat16) and self.rule.name in _KERNEL_RULES
-                and all(state[k].dtype in (torch.float32, torch.bfloat16) for k in self.rule.state_names))
+        backend = self._backends.get(p.is_cuda)
+        if backend is None:  # (errors as the ops' backends say them: no Triton, a CPU tensor without the interpreter)
+            backend = self._backends[p.is_cuda] = resolve(self.backend, p)
+        floats = (torch.float32, torch.bfloat16)
+        return (backend == "triton" and p.dim() in (1, 2) and p.dtype in floats and p.grad.dtype in floats
+                and self.rule.name in _KERNEL_RULES and all(state[k].dtype in floats for k in self.rule.state_names))
 
     def _step_kernel(self, p: Tensor, state: dict, hp: dict) -> None:
         """One launch of FORGE's update-only kernel: reads W, the gradient (fp32 or bf16, as
