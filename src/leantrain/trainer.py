@@ -17,8 +17,9 @@ It logs ``metrics.jsonl``, writes ``config.json``, ``summary.json``, a loss
 plot and atomic checkpoints, and ``resume=True`` continues bit-identically.
 The host does not wait for a step's backward: its loss (and grad norm, FORGE's
 non-finite count) stay on the device and its row is written once the next step
-has been issued (before an evaluation or a checkpoint at once). Each forward's
-loss is still checked for non-finite values before its backward.
+has been issued (before an evaluation or a checkpoint at once). A non-finite
+loss stops the run when its row is written (``train.on_nonfinite=stop``), or is
+checked before its update and skipped (``skip``: a sync a step).
 """
 
 from __future__ import annotations
@@ -421,7 +422,6 @@ class Trainer:
             if not info.get("nonfinite_layers", 1):
                 del info["nonfinite_layers"]
             losses.append(info["loss"])
-            # (steps are paced by the GPU: each waits for its forward before its backward)
             row = {"step": step, "loss": info["loss"], "lr": lr,
                    "tokens_per_second": tokens_per_step / max(done - t_last, 1e-9)}
             t_last = done

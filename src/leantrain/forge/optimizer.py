@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from leantrain import collectives
 from leantrain.ops._backend import mm_fp32
+from leantrain.ops.rng import step_seed
 from leantrain.optim.rules import Rule
 from leantrain.optim.state import StateStorage, qmap_on
 
@@ -194,7 +195,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return {k: v for k, v in group.items() if k != "params"}
 
     def _seed(self, index: int, step: int) -> int:
-        return (self.seed * 0x9E3779B1 + index * 0x10001 + step * 0x5BD1E995) & 0xFFFFFFFFFFFF
+        return step_seed(self.seed, index, step)
 
     # ------------------------------------------------------------------ the per-layer update
 

@@ -57,6 +57,12 @@ def seed_key(seed: int) -> int:
     return _fmix32_int((s & MASK32) ^ _fmix32_int((s >> 32) ^ 0x5BD1E995))
 
 
+def step_seed(seed: int, index: int, step: int) -> int:
+    """The stochastic-rounding seed of parameter ``index`` at optimizer step ``step`` of a run
+    seeded ``seed`` (48 bits; FORGE and ``lt.optim.Optimizer``'s kernel step)."""
+    return (seed * 0x9E3779B1 + index * 0x10001 + step * 0x5BD1E995) & 0xFFFFFFFFFFFF
+
+
 def kernel_key(seed: int) -> int:
     """``seed_key(seed)`` as a signed int32, the form Triton kernels take (``key`` argument).
 

@@ -95,17 +95,23 @@ class Optimizer(torch.optim.Optimizer):
             return False
         backend = self._backends.get(p.is_cuda)
         if backend is None:  # (errors as the ops' backends say them: no Triton, a CPU tensor without the interpreter)
-            backend = self._backends[p.is_cuda] = resolve(self.backend, p)
+            backend = resolve(self.backend, p)
+            if backend == "triton":
+                from leantrain.forge.kernel import RULE_IDS
+
+                if self.rule.name not in RULE_IDS:  # (a rule the kernel does not have: op by op)
+                    backend = "torch"
+            self._backends[p.is_cuda] = backend
         floats = (torch.float32, torch.bfloat16)
         return (backend == "triton" and p.dim() in (1, 2) and p.dtype in floats and p.grad.dtype in floats
-                and self.rule.name in _KERNEL_RULES and all(state[k].dtype in floats for k in self.rule.state_names))
+                and all(state[k].dtype in floats for k in self.rule.state_names))
 
     def _step_kernel(self, p: Tensor, state: dict, hp: dict) -> None:
         """One launch of FORGE's update-only kernel: reads W, the gradient (fp32 or bf16, as
         stored) and the states, applies the rule in fp32, stores W (stochastic rounding for bf16 W when asked)
         and the states."""
         from leantrain.forge import kernel as K
-        from leantrain.ops.rng import kernel_key
+        from leantrain.ops.rng import kernel_key, step_seed
 
         as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(1, -1))
         names = self.rule.state_names
@@ -115,14 +121,12 @@ class Optimizer(torch.optim.Optimizer):
         if index is None:  # (a param group added since)
             self._index = {q: i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
             index = self._index[p]
-        key = kernel_key((self.seed * 0x9E3779B1 + index * 0x10001 + step * 0x5BD1E995) & 0xFFFFFFFFFFFF)
+        key = kernel_key(step_seed(self.seed, index, step))
         K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=[as2d(state[k]) for k in names],
                        kinds=[StateStorage.kind_of(state, k) for k in names], qtables=[None] * len(names),
                        rule_name=self.rule.name, hp=hp, step=step,
                        sr=self.stochastic_rounding and p.dtype == torch.bfloat16, key=key, g=as2d(g.contiguous()))
 
-
-_KERNEL_RULES = ("sgd", "adamw", "lion", "adams")  # (leantrain.forge.kernel.RULE_IDS; imported on first use)
 
 
 def write_param(p: Tensor, value: Tensor, *, stochastic: bool, seed: int) -> None:
