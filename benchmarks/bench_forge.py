@@ -20,6 +20,9 @@
     come from FORGE's fixed heuristic (no autotuning), so warm-up is compilation only
     (reported per configuration as ``warmup_s``). Reports peak memory,
     memory held between steps, peak above it, median step time; OOM is caught and reported.
+    ``--configs ..._graph``: the same step with forward + backward (and FORGE's update) replayed
+    from a CUDA graph (``lt.graphs.GraphedStep``), captured after the eager warm-up; its peak
+    includes the graph's pool and, for torch, the gradients the graph keeps.
 
 Writes ``forge_<date>_<gpu>.json`` and ``.md`` into ``--out``. Every configuration is
 guarded: a failure is recorded with its error and the run continues.
@@ -51,7 +54,11 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  # the state precision of torch's pure-bf16 AdamW (its states take the weights' dtype)
                  "forge_bf16_sr_bf16_states",
                  # and torch's gradient precision too: the split path's dW in bf16 (grad_dtype="bf16")
-                 "forge_bf16_sr_bf16_states_bf16_dw"]
+                 "forge_bf16_sr_bf16_states_bf16_dw",
+                 # forward + backward captured as one CUDA graph (lt.graphs.GraphedStep; FORGE's update
+                 # inside it), then opt.step() for the rest: the host-bound small batches
+                 "torch_bf16_graph", "forge_bf16_sr_fp32_states_graph", "forge_bf16_sr_bf16_states_graph",
+                 "forge_bf16_sr_int8_states_graph", "forge_bf16_sr_bf16_states_bf16_dw_graph"]
 BATCHES = [1, 4, 16]
 
 
@@ -272,6 +279,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     torch.manual_seed(0)
     cfg = preset("1b").model
     cfg.max_seq_len = max(cfg.max_seq_len, seq)
+    graphed = config.endswith("_graph")
+    config = config.removesuffix("_graph")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
                               "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw")
@@ -301,11 +310,19 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             lt.agoq.apply(model, lt.agoq.Policy())
     g = torch.Generator(device="cuda").manual_seed(0)
 
+    def fwd(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return model(x, y)
+
+    graph = []  # the GraphedStep, made after the eager warm-up
+
     def one_step():
         idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
+        if graph:
+            loss = graph[0](idx[:, :-1], idx[:, 1:])
+        else:
+            loss = fwd(idx[:, :-1], idx[:, 1:])
+            loss.backward()
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -315,9 +332,17 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     for _ in range(warmup):  # includes Triton compilation (fixed tile heuristic: no autotuning)
         one_step()
     torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - t_warm
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    if graphed:  # captured after the eager warm-up (optimizer states exist); its pool counts in the peak
+        from leantrain.graphs import GraphedStep
+
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda", generator=g)
+        graph.append(GraphedStep(fwd, model.parameters(), idx[:, :-1], idx[:, 1:]))
+        for _ in range(2):
+            one_step()
+        torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t_warm
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

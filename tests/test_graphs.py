@@ -21,13 +21,13 @@ def test_needs_cuda():
         GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
 
 
-def test_forge_is_refused_and_detach_clears_it():
+def test_forge_on_torch_backend_is_refused_and_detach_clears_the_mark():
     import leantrain as lt
 
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    lt.forge.attach(m, lt.optim.AdamW(lr=1e-3), backend="torch")
-    assert m[0].weight._lt_forge and not getattr(m[1].weight, "_lt_forge", False)
-    with pytest.raises(ValueError, match="FORGE"):  # (checked before anything needs CUDA)
+    opt = lt.forge.attach(m, lt.optim.AdamW(lr=1e-3), backend="torch")
+    assert m[0].weight._lt_forge() is opt and not hasattr(m[1].weight, "_lt_forge")
+    with pytest.raises(ValueError, match="FORGE needs the Triton backend"):  # (checked before anything needs CUDA)
         GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
     lt.forge.detach(m)
     assert not hasattr(m[0].weight, "_lt_forge")
@@ -99,15 +99,67 @@ def test_replays_round_with_new_noise():
         assert err.item() < 0.2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_graphed_forge_equals_eager_forge(state_dtype):
+    """FORGE captured in the graph (bf16 weights with stochastic rounding, AdamW, clip by the
+    estimated global norm): three replays, each followed by opt.step(), give the eager FORGE
+    run's losses, weights and step counts (same rounding keys: the device table holds the
+    eager launch arguments' values)."""
+    import leantrain as lt
+
+    cfg = preset("tiny").model
+    torch.manual_seed(0)
+    ref_model = Llama(cfg).cuda().to(torch.bfloat16)
+    model = copy.deepcopy(ref_model)
+    kw = dict(state_dtype=state_dtype, clip="est_global", clip_value=1.0, seed=5)
+    ref = lt.forge.attach(ref_model, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), **kw)
+    opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), **kw)
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randint(0, cfg.vocab_size, (4, 128), generator=g).cuda() for _ in range(2)] for _ in range(4)]
+    ref_losses, losses = [], []
+    for i, b in enumerate(data):
+        ref_loss = ref_model(*b)
+        ref_loss.backward()
+        ref_losses.append(ref_loss.detach().float())
+        ref.step()
+        ref.zero_grad(set_to_none=True)
+        if i == 0:  # est_global: one eager step before the capture
+            loss = model(*b)
+            loss.backward()
+            step = None
+        else:
+            if step is None:
+                step = GraphedStep(lambda x, y: model(x, y), model.parameters(), *b)
+            loss = step(*b)
+        losses.append(loss.detach().float().clone())  # (an eager graph kept alive breaks the capture)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert torch.stack(losses).tolist() == pytest.approx(torch.stack(ref_losses).tolist(), rel=1e-3)
+    worst = max(((p.float() - q.float()).abs().max() / q.float().abs().max()).item()
+                for p, q in zip(model.parameters(), ref_model.parameters()))
+    print(f"graphed vs eager FORGE ({state_dtype}): max relative weight difference {worst:.3e}")
+    assert worst < 1e-2
+    assert opt.state[model.layers[0].self_attn.q_proj.weight]["step"] == len(data)
+    with pytest.raises(RuntimeError, match="replayed twice"):
+        step(*data[0])
+        step(*data[0])
+
+
 def test_trainer_says_what_cuda_graph_needs(corpus, tmp_path):
-    cfg = tiny_config(corpus, **{"train.cuda_graph": "true", "train.device": "cpu", "forge.enabled": "true"})
-    with pytest.raises(ConfigError, match="cuda_graph needs a CUDA device; .*no FORGE"):
+    cfg = tiny_config(corpus, **{"train.cuda_graph": "true", "train.device": "cpu", "forge.enabled": "true",
+                                 "forge.backend": "torch"})
+    with pytest.raises(ConfigError, match="cuda_graph needs a CUDA device; .*FORGE on its Triton backend"):
         Trainer(cfg, tmp_path / "run")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("extra", [{}, {"agoq.enabled": "true", "agoq.stochastic": "false"}])
+@pytest.mark.parametrize("extra", [{}, {"agoq.enabled": "true", "agoq.stochastic": "false"},
+                                   {"forge.enabled": "true"},
+                                   {"forge.enabled": "true", "forge.state_dtype": "int8", "agoq.enabled": "true",
+                                    "agoq.stochastic": "false"}])
 def test_trainer_cuda_graph_follows_the_eager_run(corpus, tmp_path, extra):
     """The trainer with train.cuda_graph: its loss curve equals the eager trainer's (step 1 runs
     eagerly, the graph is captured at step 2 and replayed from then on)."""

@@ -17,8 +17,18 @@ first advances a device salt (:func:`replay_salt`), and AGoQ's batched quantize 
 into their stochastic-rounding keys inside the graph, so each replay rounds with new noise
 (a save AGoQ packs alone, outside a batch, keeps its capture-time key: log-softmax
 probabilities and 2/3-bit saves); (d) nothing in the step may synchronize the host (``.item()``,
-data-dependent shapes).
+data-dependent shapes); (e) no tensor may keep an earlier eager step's autograd graph alive (a
+loss kept without ``.detach()``): its gradient-accumulation nodes would run on the wrong stream
+and invalidate the capture.
 The memory the step allocates lives in the graph's private pool for as long as the graph does.
+
+FORGE (``lt.forge.attach``) is captured too: its in-backward update is part of the graph. The
+optimizer reads each step's scalars (lr, bias corrections, stochastic-rounding keys) from a device
+table (:meth:`ForgeOptimizer.set_device_scalars`) that every call refills, with the step counts,
+before the replay; the warm-up passes run its kernels with a NaN gate, so they store nothing;
+``opt.step()`` after each call steps the other parameters as usual. Needs the Triton backend on
+CUDA, no data or tensor parallelism; ``clip="prev_global"`` / ``"est_global"`` need one eager step
+before the capture. A ``load_state_dict`` of the optimizer afterwards needs a new GraphedStep.
 """
 
 from __future__ import annotations
@@ -60,10 +70,12 @@ class GraphedStep:
     def __init__(self, fn: Callable[..., Tensor], params: Iterable[torch.nn.Parameter], *inputs: Tensor,
                  warmup: int = 2):
         self.params = [p for p in params if p.requires_grad]
-        if any(getattr(p, "_lt_forge", False) for p in self.params):
-            raise ValueError("GraphedStep: FORGE is attached (lt.forge.attach); its update inside backward reads "
-                             "the learning rate, step and rounding keys from the host, which a replay would "
-                             "freeze. Capture without FORGE (lt.forge.detach) or run FORGE eagerly")
+        forge = {id(o): o for o in (p.__dict__.get("_lt_forge", lambda: None)() for p in self.params) if o is not None}
+        if len(forge) > 1:
+            raise ValueError("GraphedStep: the parameters belong to more than one FORGE optimizer")
+        self.forge = next(iter(forge.values()), None)
+        if self.forge is not None:
+            self.forge._graph_check()  # (before anything needs CUDA: says what FORGE needs)
         if not torch.cuda.is_available():
             raise RuntimeError("GraphedStep needs a CUDA device (CUDA graphs)")
         if not inputs or any(not isinstance(x, Tensor) or x.device.type != "cuda" for x in inputs):
@@ -72,19 +84,29 @@ class GraphedStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
+            for _ in range(max(warmup, 1 if self.forge is not None else 0)):
                 self._zero()
+                self._forge_phase("dry")  # FORGE's kernels run and store nothing
                 fn(*self.inputs).backward()
+                self._forge_phase(None)
         torch.cuda.current_stream().wait_stream(side)
         self._zero()
         salt = replay_salt(self.inputs[0].device)  # (made outside the graph's memory)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            salt.add_(_GOLDEN31).bitwise_and_(0x7FFFFFFF)  # a new salt every replay (a Weyl sequence)
-            loss = fn(*self.inputs)
-            loss.backward()
+        self._forge_phase("capture")
+        try:
+            with torch.cuda.graph(self.graph):
+                salt.add_(_GOLDEN31).bitwise_and_(0x7FFFFFFF)  # a new salt every replay (a Weyl sequence)
+                loss = fn(*self.inputs)
+                loss.backward()
+        finally:
+            self._forge_phase(None)
         self.loss = loss.detach()
         self.grads = [p.grad for p in self.params]
+
+    def _forge_phase(self, phase) -> None:
+        if self.forge is not None:
+            self.forge._graph_phase(phase)
 
     def _zero(self) -> None:
         for p in self.params:
@@ -99,6 +121,8 @@ class GraphedStep:
                 raise ValueError(f"GraphedStep: input of shape {tuple(x.shape)}, captured with {tuple(s.shape)}")
             if x.data_ptr() != s.data_ptr():
                 s.copy_(x, non_blocking=True)
+        if self.forge is not None:  # this step's scalars into the device table, the step counts
+            self.forge._graph_prepare()
         self.graph.replay()
         for p, g in zip(self.params, self.grads):  # (in case something set p.grad = None in between)
             p.grad = g

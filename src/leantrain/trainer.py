@@ -141,8 +141,8 @@ class Trainer:
             why = [w for bad, w in (
                 (self.device.type != "cuda", "a CUDA device"),
                 (self.world > 1, "one process (DDP's reducer is not captured)"),
-                (c.forge.enabled, "no FORGE (its update inside backward reads the step's learning rate, "
-                                  "which a replay would freeze)"),
+                (c.forge.enabled and c.forge.backend == "torch", "FORGE on its Triton backend (forge.backend "
+                                                                 "auto or triton; the torch backend syncs)"),
                 (c.data.grad_accum > 1, "data.grad_accum 1 (a replay overwrites the gradients)"),
                 (c.agoq.grad_bits == 8, "no agoq.grad_bits 8"),
                 (c.dist.mode != "ddp", "dist.mode ddp")) if bad]
@@ -179,9 +179,12 @@ class Trainer:
                 from . import comm
 
                 allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
-            return forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
-                                backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce,
-                                grad_dtype=f.grad_dtype)
+            opt = forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
+                               backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce,
+                               grad_dtype=f.grad_dtype)
+            if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
+                opt.set_device_scalars(True)
+            return opt
         if c.dist.mode == "sharded":
             from . import comm
             from . import dist as ltdist

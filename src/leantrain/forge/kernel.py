@@ -21,6 +21,11 @@ same accumulation, for bit-exact tests and for paths that must reduce dW first);
 from a materialized gradient ``G`` (after a data-parallel all-reduce, a per-layer norm clip,
 or a cuBLAS dW for large T): the same epilogue without the token loop.
 
+With ``HAS_DYN`` the per-step scalars (lr, bias corrections, rounding key, ...) are read from a
+row of the device array ``DYN`` (``DYN_COLS`` fp32 columns, the key's bits in column 12) instead of
+the launch arguments, so a captured launch (CUDA graph) takes each replay's values; column 11 is
+a gate multiplied into the gradient (1), or NaN to store nothing (a graph's warm-up run).
+
 Every program also writes the sum of squares of its (unscaled) gradient tile to
 ``PART[pid]``: the layer's gradient norm (clipping by the previous step's global norm,
 metrics) and its non-finite flag. A tile whose sum of squares is not finite (NaN/Inf in
@@ -46,6 +51,7 @@ from leantrain.ops._backend import HAS_TRITON, interpreting
 RULE_IDS = {"sgd": 0, "adamw": 1, "lion": 2, "adams": 3}
 STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2}
 MODE_FUSED, MODE_WRITE_DW, MODE_UPDATE = 0, 1, 2
+DYN_COLS = 16  # a row of the device scalars: lr .. mom (11), gate, key bits, padding
 
 
 if HAS_TRITON:
@@ -131,15 +137,15 @@ if HAS_TRITON:
         return p, s1, s2
 
     @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
-                                   "omb2", "lerp_c", "eps", "mom"])
+                                   "omb2", "lerp_c", "eps", "mom", "dyn_off"])
     def _forge_kernel(
-        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE,
+        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE, DYN,
         T, N, K, stride_x, stride_dy,
-        lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+        lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key, dyn_off,
         MODE: tl.constexpr, RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
         NSTATE: tl.constexpr, W_BF16: tl.constexpr, SR: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr,
-        HAS_SCALE: tl.constexpr, PREC: tl.constexpr,
+        HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -194,6 +200,23 @@ if HAS_TRITON:
         else:
             smask = mask & ok
             g = acc
+            if HAS_DYN:  # the step's scalars from device memory (DYN_COLS): what a CUDA graph replays
+                row = DYN + dyn_off
+                lr = tl.load(row + 0)
+                decay = tl.load(row + 1)
+                step_size = tl.load(row + 2)
+                bc2_sqrt = tl.load(row + 3)
+                b1 = tl.load(row + 4)
+                b2 = tl.load(row + 5)
+                omb1 = tl.load(row + 6)
+                omb2 = tl.load(row + 7)
+                lerp_c = tl.load(row + 8)
+                eps = tl.load(row + 9)
+                mom = tl.load(row + 10)
+                gate = tl.load(row + 11)  # 1, or NaN: store nothing (a dry run)
+                key = tl.load(row + 12).to(tl.int32, bitcast=True)
+                g = g * gate
+                smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + gate) < float("inf"))
             if HAS_SCALE:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
                 sc = tl.load(SCALE)
                 g = g * sc
@@ -229,6 +252,8 @@ if HAS_TRITON:
                 gb = accb
                 if HAS_SCALE:
                     gb = gb * tl.load(SCALE)
+                if HAS_DYN:
+                    gb = gb * gate
                 wb = tl.load(B + offs_n, mask=bmask, other=0.0).to(tl.float32)
                 t1 = tl.zeros_like(gb)
                 t2 = tl.zeros_like(gb)
@@ -437,9 +462,9 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
     each pointer's dtype and 16-byte alignment, each specialized integer's (== 1, % 16 == 0,
     32-bit range), the 32-bit range of T and key, the constexprs (in ``pkey``) and the device."""
     if _DIRECT[0] or (_DIRECT[0] is None and _direct_ok()):
-        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:16]],
+        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:17]],
                 *[(v == 1, not v & 15, -_I32 <= v < _I32) for v in ints],
-                -_I32 <= args[16] < _I32, -_I32 <= args[-1] < _I32)
+                -_I32 <= args[17] < _I32, -_I32 <= args[-2] < _I32, -_I32 <= args[-1] < _I32)
         ck = _FAST.get(gkey)
         if ck is not None:
             try:
@@ -459,7 +484,7 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
 
 def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
                  qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
-                 sr=True, key=0, tune=None, part=None):
+                 sr=True, key=0, tune=None, part=None, dyn=None):
     """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
@@ -470,6 +495,9 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     ``tune``: a tile configuration dict (``BLOCK_N, BLOCK_K, BLOCK_T, GROUP_N, num_warps[, num_stages]``).
     ``part``: optional reused fp32 buffer for the per-tile sums; used when its size is exactly
     the launch's tile count (else a new one is allocated). The returned tensor is the one written.
+    ``dyn``: ``(table, row)``: read the step's scalars from row ``row`` of the fp32 device array
+    ``table [rows, DYN_COLS]`` (:func:`dyn_row`) instead of ``hp`` / ``step`` / ``key`` (a launch
+    captured in a CUDA graph then takes each replay's values).
     """
     dummy = w if w is not None else g
     N, K = dummy.shape
@@ -487,6 +515,9 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         x = dy = dummy
     if mode == MODE_WRITE_DW:
         scal, flags = _WRITE_DW_SCALARS
+        dyn = None
+    elif dyn is not None:  # the values come from the table; the flags (constexprs) from hp
+        scal, flags = _WRITE_DW_SCALARS[0], _scalars(rule_name, hp or {}, step)[1]
     else:
         scal, flags = _scalars(rule_name, hp or {}, step)
     nstate = len(states)
@@ -496,12 +527,12 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias,
-            scale is not None, prec, flags, on_gpu, None if tune is None else tuple(sorted(tune.items())),
+            scale is not None, prec, flags, on_gpu, dyn is not None, None if tune is None else tuple(sorted(tune.items())),
             os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV))
     plan = _PLANS.get(pkey)
     if plan is None:
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
-                    SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec,
+                    SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, 2 in (kind1, kind2), tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
@@ -517,7 +548,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
     args = (x, dy, dummy if w is None else w, dummy if b is None else b, s1, s2, a1, a2, bs1, bs2, q1, q2,
             dummy if g is None else g, dummy if gb is None else gb, part, part if scale is None else scale,
-            T, N, K, sx, sdy, *scal, int(key))
+            part if dyn is None else dyn[0], T, N, K, sx, sdy, *scal, 0 if dyn is not None else int(key),
+            0 if dyn is None else dyn[1] * DYN_COLS)
     if on_gpu and not plan.tuned:
         _launch_gpu(plan, pkey, args, (N, K, sx, sdy))
     else:
@@ -525,5 +557,16 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     return part
 
 
-__all__ = ["launch_forge", "rule_scalars", "heuristic_config", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE",
+def dyn_row(rule_name: str, hp: dict, step: int, key: int, gate: float = 1.0) -> np.ndarray:
+    """One row of the device scalar table (``launch_forge(dyn=...)``): the launch arguments
+    ``lr .. mom`` as fp32 (the values the kernel would get as arguments), the gate, the key's bits."""
+    scal, _ = _scalars(rule_name, hp, step)
+    row = np.zeros(DYN_COLS, dtype=np.float32)
+    row[:11] = scal
+    row[11] = gate
+    row[12:13].view(np.int32)[0] = key
+    return row
+
+
+__all__ = ["launch_forge", "rule_scalars", "dyn_row", "DYN_COLS", "heuristic_config", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE",
            "RULE_IDS"]

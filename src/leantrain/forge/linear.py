@@ -11,6 +11,7 @@ The weight's gradient returned to autograd is ``None``: nothing accumulates in `
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -106,7 +107,8 @@ def patch(layer: ForgeLayer) -> None:
     else:
         m.forward = _LinearForward(layer)
     m._forge_layer = layer
-    layer.weight._lt_forge = True  # (updated inside backward: what leantrain.graphs refuses to capture)
+    # updated inside backward: leantrain.graphs finds the optimizer through this mark
+    layer.weight._lt_forge = weakref.ref(layer.opt)
 
 
 def unpatch(m: nn.Module) -> None:

@@ -94,6 +94,31 @@ def _kernel():
     return _KERNEL[0]
 
 
+class _DynTable:
+    """The device table of each fused layer's per-step kernel scalars (``kernel.dyn_row``), one
+    row per layer slot, and two page-locked staging copies (CUDA): the whole table goes up in one
+    copy per step, issued on the current stream before the step's backward (or graph replay)."""
+
+    def __init__(self, rows: int, device):
+        from .kernel import DYN_COLS
+
+        self.dev = torch.zeros(rows, DYN_COLS, dtype=torch.float32, device=device)
+        pin = self.dev.is_cuda
+        self.host = [torch.zeros(rows, DYN_COLS, dtype=torch.float32, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self.events: list = [None] * len(self.host)
+        self.i = 0
+
+    def upload(self, rows) -> None:
+        i = self.i = (self.i + 1) % len(self.host)
+        if self.events[i] is not None:  # the copy that last read this staging buffer is done
+            self.events[i].synchronize()
+        self.host[i].numpy()[:] = rows
+        self.dev.copy_(self.host[i], non_blocking=self.dev.is_cuda)
+        if self.dev.is_cuda:
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record()
+
+
 class _LayerHost:
     """Per-layer host cache of the Triton path: state tensors, kinds, 8-bit tables, the param
     group, the reused per-tile sum buffer. Rebuilt when the state dict or a tensor in it is replaced
@@ -140,6 +165,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # each layer's sum of squares of this step, the clip scales, est_global's predictions
         # (by layer slot; one more slot: the non-fused parameters), on the parameters' device
         self._sums: GradSums | None = None
+        # device scalars (set_device_scalars): the table, whether it holds this step's rows, the
+        # graph phase (None; "dry": a warm-up pass that stores nothing; "capture": recording), and
+        # the slots the captured backward updates
+        self._dyn: _DynTable | None = None
+        self._dyn_ready = False
+        self._phase: str | None = None
+        self._graph_slots: list[int] = []
 
         layers, fused, others = _find_layers(model)
         params = fused + others
@@ -210,6 +242,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return self._update_layer_impl(layer, x2, dy2, fill)
 
     def _update_layer_impl(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
+        if self._phase is not None:
+            return self._update_layer_graph(layer, x2, dy2, fill)
         if layer.updated_in == self._step_id:
             raise RuntimeError(
                 f"FORGE: layer {layer.name!r} got a second gradient before opt.step(). FORGE applies the "
@@ -217,6 +251,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 "momentum), so gradient accumulation over micro-batches is not supported: use one larger "
                 "micro-batch, call opt.step() after every backward, or train with lt.optim.Optimizer."
             )
+        if self._dyn is not None and not self._dyn_ready:  # (each layer's rows at its next step: before the += 1)
+            self._upload_dyn(1.0)
         layer.updated_in = self._step_id
         w, b = layer.weight, layer.bias
         sw = self.state[w]
@@ -230,15 +266,117 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if not sb:
                 sb = self._init_state(b, fp32=True)
             sb["step"] = step
-        is_cuda = w.is_cuda
         backend = self._backend_for(w)
-        materialize = (fill is not None or backend == "torch" or self.dp_group is not None
-                       or self.clip in ("layer", "est_global")
-                       or (is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
         if backend == "triton":
-            self._update_triton(layer, x2, dy2, sw, sb, step, materialize, fill)
+            self._update_triton(layer, x2, dy2, sw, sb, step, self._materializes(layer, x2, fill, backend), fill)
+            self._ran.append(layer.slot)
         else:
             self._update_torch(layer, x2, dy2, self._hp(w), sw, sb, step, fill)
+
+    def _materializes(self, layer, x2, fill, backend) -> bool:
+        return (fill is not None or backend == "torch" or self.dp_group is not None
+                or self.clip in ("layer", "est_global")
+                or (layer.weight.is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
+
+    # ------------------------------------------------------------------ device scalars, CUDA graphs
+
+    def set_device_scalars(self, enabled: bool = True) -> None:
+        """Read each step's kernel scalars (lr, bias corrections, rounding keys) from a device
+        table filled by one host-to-device copy per step, instead of launch arguments: the same
+        bits, and what lets :class:`leantrain.graphs.GraphedStep` capture the fused update (a
+        replay reads the table, which is refilled before it). Triton backend only."""
+        if not enabled:
+            self._dyn, self._dyn_ready = None, False
+            return
+        if self._backend_for(self.layers[0].weight if self.layers else self.param_groups[0]["params"][0]) != "triton":
+            raise ValueError("FORGE: device scalars need the Triton backend (backend='triton', or 'auto' on CUDA)")
+        if self._dyn is None:
+            self._dyn = _DynTable(max(1, len(self.layers)), self.param_groups[0]["params"][0].device)
+        self._dyn_ready = False
+
+    def _upload_dyn(self, gate: float) -> None:
+        """This step's rows (each layer at its next step) into the device table, in one copy."""
+        import numpy as np
+
+        from .kernel import DYN_COLS, dyn_row
+
+        if not _KERNEL:
+            _kernel()
+        rows = np.zeros((len(self.layers), DYN_COLS), dtype=np.float32)
+        name = self.rule.name
+        for slot, layer in enumerate(self.layers):
+            st = self.state[layer.weight]
+            step = (st["step"] if st else 0) + 1
+            group = self.param_groups[self._group_of[id(layer.weight)]]
+            rows[slot] = dyn_row(name, group, step, _KERNEL[1](self._seed(layer.index, step)), gate)
+        self._dyn.upload(rows)
+        self._dyn_ready = True
+
+    def _update_layer_graph(self, layer, x2, dy2, fill) -> None:
+        """A GraphedStep's warm-up ("dry": the kernels run and store nothing) or capture pass:
+        the launches of an eager step on the device table, without the host bookkeeping (step
+        counts, the accumulation guard), which :meth:`_graph_prepare` does before each replay."""
+        w, b = layer.weight, layer.bias
+        sw = self.state[w]
+        sb = self.state[b] if b is not None else None
+        if not sw or (b is not None and not sb):
+            if self._phase == "capture":
+                raise RuntimeError("FORGE: a layer's optimizer state would be created inside a CUDA graph "
+                                   "capture; GraphedStep runs a warm-up pass first")
+            sw = sw or self._init_state(w)
+            if b is not None and not sb:
+                sb = self._init_state(b, fp32=True)
+        if self._phase == "dry" and not self._dyn_ready:
+            self._upload_dyn(float("nan"))
+        backend = self._backend_for(w)
+        self._update_triton(layer, x2, dy2, sw, sb, sw["step"] + 1, self._materializes(layer, x2, fill, backend), fill)
+        if self._phase == "capture":
+            self._graph_slots.append(layer.slot)
+
+    def _graph_check(self) -> None:
+        """What a captured FORGE step needs; raises otherwise (GraphedStep calls it)."""
+        why = []
+        if not self.layers or self._backend_for(self.layers[0].weight) != "triton":
+            why.append("the Triton backend (backend='triton', or 'auto' on CUDA)")
+        if self.dp_group is not None or self.has_tp:
+            why.append("no data or tensor parallelism (their collectives run from the host)")
+        if self.clip == "prev_global" and self._clip_scale is None:
+            why.append("clip='prev_global': one eager step first (its scale tensor is made by the first step)")
+        if self.clip == "est_global" and not (self._sums is not None and all(self._sums.has[:len(self.layers)])):
+            why.append("clip='est_global': one eager step first (the captured estimate needs every layer's prediction)")
+        if why:
+            raise ValueError("GraphedStep with FORGE needs " + "; ".join(why))
+        if self._dyn is None:
+            self.set_device_scalars(True)
+
+    def _graph_phase(self, phase: str | None) -> None:
+        """Enter ("dry", "capture") or leave (None) a GraphedStep pass."""
+        if phase is None and self._phase == "dry":  # the warm-up's traces: nothing happened
+            if self._sums is not None:
+                self._sums.run.zero_()
+            self._workspace.release()
+        if phase == "capture":
+            self._graph_slots = []
+        if phase is None:
+            self._dyn_ready = False
+            self._ran = []
+        self._phase = phase
+
+    def _graph_prepare(self) -> None:
+        """Before a replay: this step's table rows, and the bookkeeping the captured backward skipped."""
+        for slot in self._graph_slots:
+            if self.layers[slot].updated_in == self._step_id:
+                raise RuntimeError("FORGE: the graphed step was replayed twice without opt.step() in between "
+                                   "(gradient accumulation is not supported; see forge/README.md)")
+        self._upload_dyn(1.0)
+        for slot in self._graph_slots:
+            layer = self.layers[slot]
+            sw = self.state[layer.weight]
+            sw["step"] += 1
+            if layer.bias is not None:
+                self.state[layer.bias]["step"] = sw["step"]
+            layer.updated_in = self._step_id
+        self._ran = list(self._graph_slots)
 
     def _materialize(self, layer, x2, dy2, backend, fill=None):
         """dW (and db) of one layer in the reused workspace, reduced over the DP group."""
@@ -364,7 +502,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         K = _KERNEL[0] if _KERNEL else _kernel()
         w, b = layer.weight, layer.bias
         h = self._layer_host(layer, sw, sb)
-        key = _KERNEL[1](self._seed(layer.index, step))
+        dyn = None if self._dyn is None else (self._dyn.dev, layer.slot)
+        key = 0 if dyn is not None else _KERNEL[1](self._seed(layer.index, step))
         sums = self._grad_sums(w.device)
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
@@ -375,7 +514,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 scale = self._clip_scale if self.clip == "prev_global" else None
             part = K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates, kinds=h.kinds,
                                   qtables=h.qtables, rule_name=self.rule.name, hp=h.group, step=step,
-                                  sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale, part=h.upart)
+                                  sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale, part=h.upart,
+                                  dyn=dyn)
             h.upart = part  # reused next step, like h.part
             if self.clip not in ("layer", "est_global"):
                 torch.sum(part, 0, out=sums.sq_views[layer.slot])
@@ -388,10 +528,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
                                   kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                   step=step, sr=self.stochastic_rounding, key=key,
-                                  scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part)
+                                  scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part,
+                                  dyn=dyn)
             h.part = part  # reused next step (the sum below is stream-ordered before the next launch)
             torch.sum(part, 0, out=sums.sq_views[layer.slot])
-        self._ran.append(layer.slot)
         torch.autograd.graph.increment_version(w)
         if b is not None:
             torch.autograd.graph.increment_version(b)
@@ -481,7 +621,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 ok = torch.isfinite(self._last_norm)
                 new = torch.clamp(self.clip_value / (self._last_norm + _CLIP_EPS), max=1.0)
                 old = self._clip_scale if self._clip_scale is not None else torch.ones_like(new)
-                self._clip_scale = torch.where(ok, new, old)  # a non-finite step keeps the old scale
+                new = torch.where(ok, new, old)  # a non-finite step keeps the old scale
+                if self._clip_scale is None:
+                    self._clip_scale = new
+                else:  # in place: a captured launch holds this tensor
+                    self._clip_scale.copy_(new)
             elif self.clip == "est_global":  # fold this step's sums into the predictions
                 units = list(slots)
                 unit_sq = rest_sq + ([others] if others is not None else [])
@@ -492,6 +636,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._sums is not None and self.clip == "est_global":
             self._sums.run.zero_()
         self._ran = []
+        self._dyn_ready = False
         self._workspace.release()
         self._step_id += 1
         return loss
@@ -592,7 +737,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._step_id = int(extra["step_id"])
             cs = extra["clip_scale"]
             dev = params[0].device
-            self._clip_scale = None if cs is None else cs.to(dev)
+            if cs is None:
+                self._clip_scale = None
+            elif self._clip_scale is not None and self._clip_scale.device == dev:
+                self._clip_scale.copy_(cs)  # in place: a captured launch holds this tensor
+            else:
+                self._clip_scale = cs.to(dev)
             preds = extra.get("pred_sq", {})
             if preds or self._sums is not None:  # keyed by parameter index (-1: the non-fused parameters)
                 slot_of = {layer.index: layer.slot for layer in self.layers}

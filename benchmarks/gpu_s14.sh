@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Session 14's GPU calls (under the device tool's 600 s limit; one tarball comes back):
+#   OUT=dir bash benchmarks/gpu_s14.sh first   # FORGE captured in a CUDA graph (device scalars): tests/test_graphs.py,
+#                                            # test_forge_device_scalars.py and the FORGE kernel tests compiled;
+#                                            # bench_forge part (b) at B = 1 and 4: torch bf16 and FORGE bf16 + SR with
+#                                            # bf16 states, each eager and graphed
+#   OUT=dir bash benchmarks/gpu_s14.sh second  # the graphed-FORGE tests again (a test kept an eager graph alive); the 1b
+#                                            # trainer, B = 8: baseline and FORGE, eager and graphed; bench_forge part (b)
+#                                            # graphed: bf16 dW, int8 and fp32 states at B = 1, 4; B = 16: torch bf16 eager
+#                                            # and graphed, FORGE bf16 states graphed (fp32 and bf16 dW)
+#   OUT=dir bash benchmarks/gpu_s14.sh third   # the 1b trainer, B = 8: FORGE + AGoQ eager and graphed
+# Work goes to /tmp/s14w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+PART=${1:-first}
+D=/tmp/s14w/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s14w "$PART"; }
+forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurations
+  local name=$1 lim=$2 batches=$3
+  shift 3
+  log "forge part (b) $name: B = $batches: $*"
+  timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
+    --out "$D/$name" 2>&1 | grep -v Warn | tail -12
+}
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "gpu tests: graphs with FORGE, device scalars, FORGE kernel (compiled)"
+      gputest 240 tests/test_graphs.py tests/forge/test_forge_device_scalars.py tests/forge/test_forge_kernel.py
+      snap
+      forgeb_cfg b14 300 "1 4" torch_bf16 torch_bf16_graph forge_bf16_sr_bf16_states forge_bf16_sr_bf16_states_graph
+      snap ;;
+    second)
+      gpuinfo
+      log "gpu tests: graphed FORGE (compiled)"
+      gputest 120 tests/test_graphs.py -k forge
+      snap
+      train1b baseline --baseline
+      train1b baseline_graph --baseline --train.cuda-graph true
+      train1b forge --forge
+      train1b forge_graph --forge --train.cuda-graph true
+      snap
+      forgeb_cfg b14g 150 "1 4" forge_bf16_sr_bf16_states_bf16_dw_graph forge_bf16_sr_int8_states_graph \
+        forge_bf16_sr_fp32_states_graph
+      snap
+      forgeb_cfg b16 150 16 torch_bf16 torch_bf16_graph forge_bf16_sr_bf16_states_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap ;;
+    third)
+      gpuinfo
+      train1b forge_agoq --forge --agoq
+      train1b forge_agoq_graph --forge --agoq --train.cuda-graph true
+      snap ;;
+    *) echo "unknown part $PART" ;;
+  esac
+} 2>&1 | tee "$D/log.txt"
+snap

@@ -1,0 +1,139 @@
+"""FORGE with device scalars (what a CUDA graph captures): the step's lr, bias corrections and
+rounding keys read from a device table give the same bits as launch arguments; the warm-up pass
+stores nothing; prepare-then-run (a replay's order) equals the eager step. On CPU through the
+Triton interpreter; the captured graph itself: tests/test_graphs.py (GPU)."""
+
+import copy
+
+import pytest
+import torch
+from _forge_util import RULES, Net, batches
+
+import leantrain as lt
+from leantrain.ops._backend import HAS_TRITON, interpreting
+
+needs_triton = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.cuda.is_available())),
+                                  reason="needs Triton (the interpreter on CPU)")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = {  # name: (rule, weight dtype, attach kwargs)
+    "adamw_fp32": ("adamw", torch.float32, {}),
+    "adamw_bf16_sr_int8": ("adamw", torch.bfloat16, {"state_dtype": "int8"}),
+    "lion_bf16_sr": ("lion", torch.bfloat16, {}),
+    "sgd_nesterov_layer_clip": ("sgd_nesterov", torch.float32, {"clip": "layer", "clip_value": 0.05}),
+    "adams_prev_global": ("adams", torch.float32, {"clip": "prev_global", "clip_value": 0.05}),
+}
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return Net(k=40, h=48, n=24).to(DEV, dtype)
+
+
+def _attach(model, case):
+    rule, _, kw = CASES[case]
+    return lt.forge.attach(model, RULES[rule](), backend="triton", seed=3, **kw)
+
+
+def _loss(model, x):
+    return model(x).float().square().mean()
+
+
+def _same(a_model, a_opt, b_model, b_opt):
+    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.equal(p, q), name
+        sa, sb = a_opt.state[p], b_opt.state[q]
+        assert sa.keys() == sb.keys(), name
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), (name, k)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+def test_device_scalars_give_the_argument_bits(case):
+    """3 steps with the scalars from the device table == 3 steps with them as launch arguments."""
+    dtype = CASES[case][1]
+    ref_model = _model(dtype)
+    model = copy.deepcopy(ref_model)
+    ref, opt = _attach(ref_model, case), _attach(model, case)
+    opt.set_device_scalars(True)
+    for x in batches(3, shape=(2, 12, 40), dtype=dtype):
+        for m, o in ((ref_model, ref), (model, opt)):
+            _loss(m, x.to(DEV)).backward()
+            o.step()
+            o.zero_grad()
+    _same(model, opt, ref_model, ref)
+    assert opt.state[model.fc1.weight]["step"] == 3
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["adamw_fp32", "adamw_bf16_sr_int8", "sgd_nesterov_layer_clip"])
+def test_replay_order_equals_the_eager_step(case):
+    """What GraphedStep does, with the graph replaced by running the same code again (on CPU the
+    "captured" launches run at once): a warm-up pass (NaN gate: nothing stored, no step
+    counted), a capture pass (the table still gated: nothing stored; the layer slots recorded),
+    then per step: prepare (table rows, step counts), the captured backward, opt.step(). The
+    weights, states and steps equal eager FORGE's bit for bit."""
+    dtype = CASES[case][1]
+    ref_model = _model(dtype)
+    model = copy.deepcopy(ref_model)
+    ref, opt = _attach(ref_model, case), _attach(model, case)
+    data = [x.to(DEV) for x in batches(4, shape=(2, 12, 40), dtype=dtype)]
+    opt._graph_check()
+    before = copy.deepcopy(model)
+    for phase in ("dry", "capture"):
+        opt._graph_phase(phase)
+        _loss(model, data[0]).backward()
+        if phase == "dry":
+            opt._graph_phase(None)
+        for p in model.parameters():
+            p.grad = None
+    for p, q in zip(model.parameters(), before.parameters()):
+        assert torch.equal(p, q)  # neither pass stored anything
+    assert all(not s or s["step"] == 0 for s in opt.state.values())  # (states made by the warm-up)
+    slots = list(opt._graph_slots)
+    assert slots == [1, 0]  # fc2 then fc1: backward order
+    for x in data:
+        opt._graph_prepare()
+        _loss(model, x).backward()  # the "replay"
+        opt._graph_slots = list(slots)  # (a real replay runs no Python: nothing re-recorded)
+        opt.step()
+        opt.zero_grad()
+        _loss(ref_model, x).backward()
+        ref.step()
+        ref.zero_grad()
+    opt._graph_phase(None)
+    _same(model, opt, ref_model, ref)
+    assert opt.state[model.fc1.weight]["step"] == len(data)
+
+
+@needs_triton
+def test_replayed_twice_without_step_is_an_error():
+    model = _model(torch.float32)
+    opt = _attach(model, "adamw_fp32")
+    opt._graph_check()
+    x = batches(1, shape=(2, 12, 40))[0].to(DEV)
+    opt._graph_phase("capture")
+    with pytest.raises(RuntimeError, match="created inside a CUDA graph capture"):
+        _loss(model, x).backward()  # no warm-up pass: the states do not exist yet
+    opt._graph_phase("dry")
+    _loss(model, x).backward()
+    opt._graph_phase("capture")
+    _loss(model, x).backward()
+    opt._graph_prepare()
+    with pytest.raises(RuntimeError, match="replayed twice"):
+        opt._graph_prepare()
+
+
+def test_graph_check_says_what_is_missing():
+    model = Net()
+    opt = lt.forge.attach(model, RULES["adamw"](), backend="torch")
+    with pytest.raises(ValueError, match="Triton backend"):
+        opt.set_device_scalars(True)
+    with pytest.raises(ValueError, match="GraphedStep with FORGE needs the Triton backend"):
+        opt._graph_check()
+    lt.forge.detach(model)
+    if HAS_TRITON and interpreting():
+        opt = lt.forge.attach(model, RULES["adamw"](), backend="triton", clip="prev_global")
+        with pytest.raises(ValueError, match="prev_global': one eager step first"):
+            opt._graph_check()
