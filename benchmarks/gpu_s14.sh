@@ -8,7 +8,13 @@
 #                                            # trainer, B = 8: baseline and FORGE, eager and graphed; bench_forge part (b)
 #                                            # graphed: bf16 dW, int8 and fp32 states at B = 1, 4; B = 16: torch bf16 eager
 #                                            # and graphed, FORGE bf16 states graphed (fp32 and bf16 dW)
-#   OUT=dir bash benchmarks/gpu_s14.sh third   # the 1b trainer, B = 8: FORGE + AGoQ eager and graphed
+#   OUT=dir bash benchmarks/gpu_s14.sh third   # the graphed-FORGE tests (the test now drops its eager loss); profile_step
+#                                            # at B = 1, torch bf16 and FORGE (GPU time by kernel); the 1b trainer, B = 8:
+#                                            # FORGE + AGoQ eager and graphed
+#   OUT=dir bash benchmarks/gpu_s14.sh fourth  # the host's table upload vectorized: graphed-FORGE tests (fp32 weights, lr
+#                                            # changed every step); bench_forge part (b) at B = 1, 4: torch bf16 eager and
+#                                            # graphed, FORGE bf16 states graphed (fp32 / bf16 dW); at B = 16 twice; the
+#                                            # 1b trainer with FORGE eager and graphed again
 # Work goes to /tmp/s14w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -50,8 +56,31 @@ forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurati
       snap ;;
     third)
       gpuinfo
+      log "gpu tests: graphed FORGE (compiled)"
+      gputest 120 tests/test_graphs.py -k forge
+      snap
+      for c in torch_bf16 forge_bf16; do
+        log "profile $c B=1 (GPU time by kernel)"
+        timeout 90 python3 benchmarks/profile_step.py --config $c --batch 1 --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      snap
       train1b forge_agoq --forge --agoq
       train1b forge_agoq_graph --forge --agoq --train.cuda-graph true
+      snap ;;
+    fourth)
+      gpuinfo
+      log "gpu tests: graphed FORGE (compiled)"
+      gputest 150 tests/test_graphs.py -k forge
+      snap
+      forgeb_cfg b14 150 "1 4" torch_bf16 torch_bf16_graph forge_bf16_sr_bf16_states_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      for r in 1 2; do
+        forgeb_cfg b16_$r 120 16 torch_bf16 torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
+        snap
+      done
+      train1b forge --forge
+      train1b forge_graph --forge --train.cuda-graph true
       snap ;;
     *) echo "unknown part $PART" ;;
   esac

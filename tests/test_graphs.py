@@ -101,25 +101,33 @@ def test_replays_round_with_new_noise():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
-def test_graphed_forge_equals_eager_forge(state_dtype):
-    """FORGE captured in the graph (bf16 weights with stochastic rounding, AdamW, clip by the
-    estimated global norm): three replays, each followed by opt.step(), give the eager FORGE
-    run's losses, weights and step counts (same rounding keys: the device table holds the
-    eager launch arguments' values)."""
+@pytest.mark.parametrize("case", ["fp32_weights", "bf16_sr_fp32_states", "bf16_sr_int8_states"])
+def test_graphed_forge_equals_eager_forge(case):
+    """FORGE captured in the graph (AdamW, clip by the estimated global norm, the learning rate
+    changed before every step): replays, each followed by opt.step(), give the eager FORGE run's
+    losses, weights and step counts. The graph's kernels are not the eager ones bit for bit (cuBLAS
+    and SDPA choose under capture), so the bound is a tolerance: fp32 weights within 1e-3 of the
+    largest weight (a replay with a stale lr, step or bias correction is off by more: the lr
+    alternates 1e-3 / 3e-3); bf16 weights with stochastic rounding (same keys) within 1e-2."""
     import leantrain as lt
 
     cfg = preset("tiny").model
     torch.manual_seed(0)
-    ref_model = Llama(cfg).cuda().to(torch.bfloat16)
+    ref_model = Llama(cfg).cuda()
+    if case != "fp32_weights":
+        ref_model = ref_model.to(torch.bfloat16)
     model = copy.deepcopy(ref_model)
-    kw = dict(state_dtype=state_dtype, clip="est_global", clip_value=1.0, seed=5)
-    ref = lt.forge.attach(ref_model, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), **kw)
-    opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), **kw)
+    kw = dict(state_dtype="int8" if case.endswith("int8_states") else "fp32", clip="est_global", clip_value=1.0,
+              seed=5)
+    rule = lambda: lt.optim.AdamW(lr=1e-3, eps=1e-3, weight_decay=0.1)  # noqa: E731
+    ref, opt = lt.forge.attach(ref_model, rule(), **kw), lt.forge.attach(model, rule(), **kw)
     g = torch.Generator().manual_seed(0)
-    data = [[torch.randint(0, cfg.vocab_size, (4, 128), generator=g).cuda() for _ in range(2)] for _ in range(4)]
+    data = [[torch.randint(0, cfg.vocab_size, (4, 128), generator=g).cuda() for _ in range(2)] for _ in range(5)]
     ref_losses, losses = [], []
+    step = None
     for i, b in enumerate(data):
+        for o in (ref, opt):
+            o.param_groups[0]["lr"] = 1e-3 if i % 2 else 3e-3
         ref_loss = ref_model(*b)
         ref_loss.backward()
         ref_losses.append(ref_loss.detach().float())
@@ -128,19 +136,18 @@ def test_graphed_forge_equals_eager_forge(state_dtype):
         if i == 0:  # est_global: one eager step before the capture
             loss = model(*b)
             loss.backward()
-            step = None
         else:
             if step is None:
                 step = GraphedStep(lambda x, y: model(x, y), model.parameters(), *b)
             loss = step(*b)
-        losses.append(loss.detach().float().clone())  # (an eager graph kept alive breaks the capture)
+        losses.append(loss.detach().float().clone())
+        del loss  # (an eager step's autograd graph kept alive through the capture would invalidate it)
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert torch.stack(losses).tolist() == pytest.approx(torch.stack(ref_losses).tolist(), rel=1e-3)
     worst = max(((p.float() - q.float()).abs().max() / q.float().abs().max()).item()
                 for p, q in zip(model.parameters(), ref_model.parameters()))
-    print(f"graphed vs eager FORGE ({state_dtype}): max relative weight difference {worst:.3e}")
-    assert worst < 1e-2
+    assert worst < (1e-3 if case == "fp32_weights" else 1e-2), worst
     assert opt.state[model.layers[0].self_attn.q_proj.weight]["step"] == len(data)
     with pytest.raises(RuntimeError, match="replayed twice"):
         step(*data[0])

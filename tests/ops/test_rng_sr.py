@@ -98,3 +98,17 @@ def test_gpu_sr_full_size():
     a = bf16_stochastic_round(x, seed=2, backend="triton")
     b = bf16_stochastic_round(x, seed=2, backend="torch")
     assert torch.equal(a, b)
+
+
+def test_step_kernel_keys_match_the_scalar_keys():
+    """The vectorized host keys (FORGE's device table) equal kernel_key(step_seed(...)) one by one."""
+    import numpy as np
+
+    from leantrain.ops.rng import step_kernel_keys, step_seed
+
+    rng = np.random.default_rng(0)
+    index, step = rng.integers(0, 10**6, 200), rng.integers(1, 10**7, 200)
+    for seed in (0, 3, 2**40 + 7, 2**63 + 11):
+        got = step_kernel_keys(seed, index, step)
+        assert got.dtype == np.int32
+        assert got.tolist() == [kernel_key(step_seed(seed, int(i), int(s))) for i, s in zip(index, step)]

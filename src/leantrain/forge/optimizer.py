@@ -169,6 +169,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # graph phase (None; "dry": a warm-up pass that stores nothing; "capture": recording), and
         # the slots the captured backward updates
         self._dyn: _DynTable | None = None
+        self._dyn_meta = None  # (layer indices, param group of each layer) as numpy arrays
         self._dyn_ready = False
         self._phase: str | None = None
         self._graph_slots: list[int] = []
@@ -295,20 +296,34 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._dyn_ready = False
 
     def _upload_dyn(self, gate: float) -> None:
-        """This step's rows (each layer at its next step) into the device table, in one copy."""
+        """This step's rows (each layer at its next step) into the device table, in one copy.
+        Host cost: one row per distinct (param group, step), the keys in one numpy pass."""
         import numpy as np
+
+        from leantrain.ops.rng import step_kernel_keys
 
         from .kernel import DYN_COLS, dyn_row
 
-        if not _KERNEL:
-            _kernel()
-        rows = np.zeros((len(self.layers), DYN_COLS), dtype=np.float32)
-        name = self.rule.name
-        for slot, layer in enumerate(self.layers):
-            st = self.state[layer.weight]
-            step = (st["step"] if st else 0) + 1
-            group = self.param_groups[self._group_of[id(layer.weight)]]
-            rows[slot] = dyn_row(name, group, step, _KERNEL[1](self._seed(layer.index, step)), gate)
+        layers = self.layers
+        if self._dyn_meta is None:
+            self._dyn_meta = (np.array([layer.index for layer in layers], dtype=np.int64),
+                              np.array([self._group_of[id(layer.weight)] for layer in layers], dtype=np.int64))
+        index, gidx = self._dyn_meta
+        state = self.state
+        steps = np.fromiter(((st["step"] if (st := state[layer.weight]) else 0) + 1 for layer in layers),
+                            dtype=np.int64, count=len(layers))
+        rows = np.empty((len(layers), DYN_COLS), dtype=np.float32)
+        name, groups = self.rule.name, self.param_groups
+        if len(layers) and (steps == steps[0]).all() and (gidx == gidx[0]).all():  # the usual case: one row
+            rows[:] = dyn_row(name, groups[int(gidx[0])], int(steps[0]), 0, gate)
+        else:
+            made: dict = {}
+            for slot, (gi, st) in enumerate(zip(gidx.tolist(), steps.tolist())):
+                r = made.get((gi, st))
+                if r is None:
+                    r = made[(gi, st)] = dyn_row(name, groups[gi], st, 0, gate)
+                rows[slot] = r
+        rows[:, 12].view(np.int32)[:] = step_kernel_keys(self.seed, index, steps)
         self._dyn.upload(rows)
         self._dyn_ready = True
 

@@ -72,6 +72,29 @@ def kernel_key(seed: int) -> int:
     return k - (1 << 32) if k >= (1 << 31) else k
 
 
+def step_kernel_keys(seed: int, index, step):
+    """``kernel_key(step_seed(seed, index[i], step[i]))`` for numpy integer arrays ``index`` and
+    ``step`` at once, as an int32 array (a host table of many parameters' keys per step)."""
+    import numpy as np
+
+    m32 = np.uint64(MASK32)
+    base = np.uint64((seed * 0x9E3779B1) & 0xFFFFFFFFFFFF)
+    s = (base + np.asarray(index, dtype=np.uint64) * np.uint64(0x10001)
+         + np.asarray(step, dtype=np.uint64) * np.uint64(0x5BD1E995)) & np.uint64(0xFFFFFFFFFFFF)
+
+    def fmix(x):
+        x = x & m32
+        x ^= x >> np.uint64(16)
+        x = (x * np.uint64(_M1)) & m32
+        x ^= x >> np.uint64(13)
+        x = (x * np.uint64(_M2)) & m32
+        x ^= x >> np.uint64(16)
+        return x
+
+    k = fmix((s & m32) ^ fmix((s >> np.uint64(32)) ^ np.uint64(0x5BD1E995)))
+    return k.astype(np.uint32).view(np.int32)
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
     lo = x * (c & 0xFFFF)
