@@ -15,6 +15,10 @@
 #                                            # changed every step); bench_forge part (b) at B = 1, 4: torch bf16 eager and
 #                                            # graphed, FORGE bf16 states graphed (fp32 / bf16 dW); at B = 16 twice; the
 #                                            # 1b trainer with FORGE eager and graphed again
+#   OUT=dir bash benchmarks/gpu_s14.sh fifth   # each FORGE launch's last program sums its tiles (no reduction launch a
+#                                            # layer): FORGE kernel, clip, graph and optimizer tests compiled; part (b) at
+#                                            # B = 1, 4, 16 eager / graphed; the 1b trainer: FORGE eager and graphed,
+#                                            # FORGE + AGoQ graphed
 # Work goes to /tmp/s14w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -81,6 +85,21 @@ forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurati
       done
       train1b forge --forge
       train1b forge_graph --forge --train.cuda-graph true
+      snap ;;
+    fifth)
+      gpuinfo
+      log "gpu tests: FORGE kernel (its last program sums the tiles), rest kernel, clip, graphs, optimizer (compiled)"
+      gputest 200 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py tests/forge/test_forge_clip.py \
+        tests/forge/test_forge_device_scalars.py tests/test_graphs.py tests/test_optim.py
+      snap
+      forgeb_cfg b14 140 "1 4" torch_bf16 torch_bf16_graph forge_bf16_sr_bf16_states_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      forgeb_cfg b16 90 16 torch_bf16 torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      train1b forge --forge
+      train1b forge_graph --forge --train.cuda-graph true
+      train1b forge_agoq_graph --forge --agoq --train.cuda-graph true
       snap ;;
     *) echo "unknown part $PART" ;;
   esac

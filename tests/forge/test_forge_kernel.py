@@ -324,3 +324,33 @@ def test_direct_launch_equals_jit_launch():
     K._DIRECT[0] = None
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["fused", "update"])
+def test_the_last_program_sums_the_tiles(mode):
+    """``sq`` / ``ticket``: the launch's last program writes the sum of the per-tile sums of
+    squares (the layer's squared gradient norm) and resets the ticket; three launches in a row
+    on one ticket, each equal to the sum of the returned partials (fp32, another order: 1e-6)."""
+    K = _kernel()
+    g = torch.Generator().manual_seed(0)
+    n, k, t = 70, 50, 40  # several tiles (tile 32 x 32 on CUDA, 16 x 16 in the interpreter)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEV)
+    rule = RULES["adamw"]()
+    st = StateStorage("fp32").init(rule, w)
+    sq = torch.zeros((), device=DEV)
+    ticket = torch.zeros((), dtype=torch.int32, device=DEV)
+    for step in range(1, 4):
+        x, dy = torch.randn(t, k, generator=g).to(DEV), torch.randn(t, n, generator=g).to(DEV)
+        kw = dict(w=w, states=[st[s] for s in rule.state_names], kinds=["fp32", "fp32"], rule_name="adamw",
+                  hp=_hp(rule), step=step, key=step, sq=sq, ticket=ticket)
+        if mode == "fused":
+            part = K.launch_forge(K.MODE_FUSED, x=x, dy=dy, **kw)
+            ref = (dy.t().double() @ x.double()).square().sum()
+        else:
+            gw = torch.randn(n, k, generator=g).to(DEV)
+            part = K.launch_forge(K.MODE_UPDATE, g=gw, **kw)
+            ref = gw.double().square().sum()
+        assert part.numel() > 1
+        assert float(sq) == pytest.approx(float(part.sum()), rel=1e-6)
+        assert float(sq) == pytest.approx(float(ref), rel=1e-5)
+        assert int(ticket) == 0

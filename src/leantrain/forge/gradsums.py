@@ -97,6 +97,9 @@ class GradSums:
         self.run = torch.zeros(3, **f32)
         self.pred = torch.zeros(nslots + 1, **f32)
         self.total = torch.zeros((), **f32)
+        # one ticket per slot for FORGE kernels that sum their own tiles (kernel.launch_forge(sq=...))
+        self.tickets = torch.zeros(nslots + 1, dtype=torch.int32, device=device)
+        self.ticket_views = [self.tickets[i] for i in range(nslots + 1)]
         self.has = [False] * (nslots + 1)  # host: a slot has a prediction (a step folded it)
         self.have_total = False  # host: some slot has
         # 0-d views made once: a layer's launch passes its own (no view op per layer)

@@ -139,13 +139,13 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
                                    "omb2", "lerp_c", "eps", "mom", "dyn_off"])
     def _forge_kernel(
-        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE, DYN,
+        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE, DYN, SQ, TICKET,
         T, N, K, stride_x, stride_dy,
         lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key, dyn_off,
         MODE: tl.constexpr, RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
         NSTATE: tl.constexpr, W_BF16: tl.constexpr, SR: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr,
-        HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr,
+        HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -274,6 +274,18 @@ if HAS_TRITON:
                     tl.store(BS1 + offs_n, t1, mask=bmask)
                 if NSTATE >= 2:
                     tl.store(BS2 + offs_n, t2, mask=bmask)
+
+        if SUM_OUT:  # the last program to finish sums every tile's partial into SQ (no launch of its own)
+            tl.debug_barrier()  # every thread's PART store before the ticket (released by the atomic)
+            ticket = tl.atomic_add(TICKET, 1, sem="acq_rel")
+            nprog = tl.num_programs(0)
+            if ticket == nprog - 1:  # every partial is visible (acquired); summed in a fixed order
+                tot = tl.zeros([1024], dtype=tl.float32)
+                for i in range(0, nprog, 1024):
+                    offs_p = i + tl.arange(0, 1024)
+                    tot += tl.load(PART + offs_p, mask=offs_p < nprog, other=0.0)
+                tl.store(SQ, tl.sum(tot, axis=0))
+                tl.store(TICKET, 0)  # ready for the next launch (stream-ordered after this one)
 
     # -------------------------------------------------------------- tile configurations (H200)
     # research/forge.md §8: 64x64 tiles at 4 warps win at T <= 1024; 128x128x32 at 8 warps at
@@ -462,9 +474,9 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
     each pointer's dtype and 16-byte alignment, each specialized integer's (== 1, % 16 == 0,
     32-bit range), the 32-bit range of T and key, the constexprs (in ``pkey``) and the device."""
     if _DIRECT[0] or (_DIRECT[0] is None and _direct_ok()):
-        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:17]],
+        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:19]],
                 *[(v == 1, not v & 15, -_I32 <= v < _I32) for v in ints],
-                -_I32 <= args[17] < _I32, -_I32 <= args[-2] < _I32, -_I32 <= args[-1] < _I32)
+                -_I32 <= args[19] < _I32, -_I32 <= args[-2] < _I32, -_I32 <= args[-1] < _I32)
         ck = _FAST.get(gkey)
         if ck is not None:
             try:
@@ -484,7 +496,7 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
 
 def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
                  qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
-                 sr=True, key=0, tune=None, part=None, dyn=None):
+                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None):
     """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
@@ -498,6 +510,9 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     ``dyn``: ``(table, row)``: read the step's scalars from row ``row`` of the fp32 device array
     ``table [rows, DYN_COLS]`` (:func:`dyn_row`) instead of ``hp`` / ``step`` / ``key`` (a launch
     captured in a CUDA graph then takes each replay's values).
+    ``sq`` / ``ticket``: a 0-d fp32 tensor and a 0-d int32 tensor holding 0: the launch's last
+    program writes the sum of the per-tile sums of squares to ``sq`` (fixed order) and resets
+    ``ticket``, so no reduction launch has to follow.
     """
     dummy = w if w is not None else g
     N, K = dummy.shape
@@ -527,12 +542,13 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias,
-            scale is not None, prec, flags, on_gpu, dyn is not None, None if tune is None else tuple(sorted(tune.items())),
+            scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
             os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV))
     plan = _PLANS.get(pkey)
     if plan is None:
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
                     SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
+                    SUM_OUT=sq is not None,
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, 2 in (kind1, kind2), tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
@@ -548,7 +564,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
     args = (x, dy, dummy if w is None else w, dummy if b is None else b, s1, s2, a1, a2, bs1, bs2, q1, q2,
             dummy if g is None else g, dummy if gb is None else gb, part, part if scale is None else scale,
-            part if dyn is None else dyn[0], T, N, K, sx, sdy, *scal, 0 if dyn is not None else int(key),
+            part if dyn is None else dyn[0], part if sq is None else sq, part if ticket is None else ticket,
+            T, N, K, sx, sdy, *scal, 0 if dyn is not None else int(key),
             0 if dyn is None else dyn[1] * DYN_COLS)
     if on_gpu and not plan.tuned:
         _launch_gpu(plan, pkey, args, (N, K, sx, sdy))

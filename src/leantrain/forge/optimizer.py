@@ -525,15 +525,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             buf, g, gb = self._materialize(layer, x2, dy2, "triton", fill)
             if self.clip in ("layer", "est_global"):  # the scale needs this layer's norm first: one launch
                 scale = sums.scale_kernel(layer.slot, buf, self.clip == "est_global", self.clip_value)
+                own = None
             else:  # the kernel's per-tile sums of squares give the norm: no extra pass over dW
                 scale = self._clip_scale if self.clip == "prev_global" else None
+                own = (sums.sq_views[layer.slot], sums.ticket_views[layer.slot])  # summed by its last program
             part = K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates, kinds=h.kinds,
                                   qtables=h.qtables, rule_name=self.rule.name, hp=h.group, step=step,
                                   sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale, part=h.upart,
-                                  dyn=dyn)
+                                  dyn=dyn, sq=None if own is None else own[0],
+                                  ticket=None if own is None else own[1])
             h.upart = part  # reused next step, like h.part
-            if self.clip not in ("layer", "est_global"):
-                torch.sum(part, 0, out=sums.sq_views[layer.slot])
             del buf, g, gb
         else:
             if x2.stride(-1) != 1:
@@ -544,9 +545,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                   kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                   step=step, sr=self.stochastic_rounding, key=key,
                                   scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part,
-                                  dyn=dyn)
-            h.part = part  # reused next step (the sum below is stream-ordered before the next launch)
-            torch.sum(part, 0, out=sums.sq_views[layer.slot])
+                                  dyn=dyn, sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot])
+            h.part = part  # reused next step (its last program has summed it, stream-ordered)
         torch.autograd.graph.increment_version(w)
         if b is not None:
             torch.autograd.graph.increment_version(b)
