@@ -22,7 +22,8 @@
     memory held between steps, peak above it, median step time; OOM is caught and reported.
     ``--configs ..._graph``: the same step with forward + backward (and FORGE's update) replayed
     from a CUDA graph (``lt.graphs.GraphedStep``), captured after the eager warm-up; its peak
-    includes the graph's pool and, for torch, the gradients the graph keeps.
+    includes the graph's pool and, for torch, the gradients the graph keeps. ``..._ckpt``: with
+    activation checkpointing per block (``model.activation_checkpointing``).
 
 Writes ``forge_<date>_<gpu>.json`` and ``.md`` into ``--out``. Every configuration is
 guarded: a failure is recorded with its error and the run continues.
@@ -58,7 +59,10 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  # forward + backward captured as one CUDA graph (lt.graphs.GraphedStep; FORGE's update
                  # inside it), then opt.step() for the rest: the host-bound small batches
                  "torch_bf16_graph", "forge_bf16_sr_fp32_states_graph", "forge_bf16_sr_bf16_states_graph",
-                 "forge_bf16_sr_int8_states_graph", "forge_bf16_sr_bf16_states_bf16_dw_graph"]
+                 "forge_bf16_sr_int8_states_graph", "forge_bf16_sr_bf16_states_bf16_dw_graph",
+                 # with activation checkpointing (model.activation_checkpointing): only the blocks'
+                 # inputs kept, so what a step adds is the gradients (torch) or nothing (FORGE)
+                 "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt"]
 BATCHES = [1, 4, 16]
 
 
@@ -281,6 +285,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     cfg.max_seq_len = max(cfg.max_seq_len, seq)
     graphed = config.endswith("_graph")
     config = config.removesuffix("_graph")
+    cfg.activation_checkpointing = config.endswith("_ckpt")
+    config = config.removesuffix("_ckpt")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
                               "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw")

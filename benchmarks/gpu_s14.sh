@@ -19,6 +19,8 @@
 #                                            # layer): FORGE kernel, clip, graph and optimizer tests compiled; part (b) at
 #                                            # B = 1, 4, 16 eager / graphed; the 1b trainer: FORGE eager and graphed,
 #                                            # FORGE + AGoQ graphed
+#   OUT=dir bash benchmarks/gpu_s14.sh sixth   # activation checkpointing: bench_forge part (b) at B = 1, 4, 16: torch bf16
+#                                            # without and with it, FORGE bf16 + SR (bf16 / int8 states) with it
 # Work goes to /tmp/s14w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -100,6 +102,11 @@ forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurati
       train1b forge --forge
       train1b forge_graph --forge --train.cuda-graph true
       train1b forge_agoq_graph --forge --agoq --train.cuda-graph true
+      snap ;;
+    sixth)
+      gpuinfo
+      forgeb_cfg ck 230 "1 4 16" torch_bf16 torch_bf16_ckpt forge_bf16_sr_bf16_states_ckpt \
+        forge_bf16_sr_int8_states_ckpt
       snap ;;
     *) echo "unknown part $PART" ;;
   esac

@@ -51,6 +51,12 @@ class ModelConfig:
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
     # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).
     loss_chunk: int = 1024
+    # activation checkpointing: each block's forward runs again in backward (torch.utils.checkpoint,
+    # non-reentrant), so across the step only the blocks' inputs are kept (at 1b: 4 KiB a token a
+    # block instead of ~100 KiB), for ~1/3 more compute. Composes with FORGE (a block's weights
+    # change in its own backward, after the recompute that reads them); not with AGoQ (which
+    # compresses exactly the saved activations that checkpointing drops).
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -6,7 +6,8 @@ function, ``fused_rope``), SwiGLU feed-forward, grouped-query attention through
 backward at the query heads' count), optional tied embedding / LM head, the cross-entropy
 fused with the LM head in vocabulary slices, no logits tensor (``fused_loss``,
 :class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
-(:func:`chunked_cross_entropy`).
+(:func:`chunked_cross_entropy`); optional activation checkpointing per block
+(``activation_checkpointing``).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
 logits; ``reduction="none"`` gives per-example losses (zeroth-order fine-tuning uses them).
@@ -19,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .losses import linear_cross_entropy
@@ -185,8 +187,12 @@ class Llama(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         x = self.embed_tokens(idx)
+        ckpt = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            if ckpt:  # (the blocks draw no random numbers: no RNG state to save and restore)
+                x = checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False, preserve_rng_state=False)
+            else:
+                x = layer(x, self.rope_cos, self.rope_sin)
         h = self.norm(x)
         if targets is None:
             return self.lm_head(h)

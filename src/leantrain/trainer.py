@@ -133,6 +133,10 @@ class Trainer:
         if c.forge.enabled and c.data.grad_accum > 1:
             raise ConfigError("FORGE updates weights inside backward, so data.grad_accum must be 1 "
                               "(raise data.batch_size instead; see forge/README.md)")
+        if c.model.activation_checkpointing and c.agoq.enabled:
+            raise ConfigError("model.activation_checkpointing and agoq.enabled: checkpointing keeps no activations "
+                              "inside the blocks for AGoQ to compress; choose one (AGoQ: ~0.3x the activation "
+                              "bytes at ~1.1x the step; checkpointing: the blocks' inputs only, ~1.33x the compute)")
         if c.dist.comm == "sdp4bit" and c.dist.mode != "sharded":
             raise ConfigError("dist.comm=sdp4bit needs dist.mode=sharded")
         if c.dist.comm == "int8" and c.dist.mode != "ddp":

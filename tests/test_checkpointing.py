@@ -1,0 +1,99 @@
+"""Activation checkpointing (model.activation_checkpointing): the same loss, gradients and FORGE
+updates as without it, bit for bit on the CPU, with only the blocks' inputs saved across the step."""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import leantrain as lt
+from helpers import tiny_config
+from leantrain.config import ConfigError, preset
+from leantrain.model import Llama
+from leantrain.ops._backend import HAS_TRITON, interpreting
+from leantrain.trainer import Trainer
+
+
+def _models(small=False):
+    cfg = preset("tiny").model
+    if small:  # (the Triton interpreter runs every kernel program in Python)
+        cfg = dataclasses.replace(cfg, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=128,
+                                  max_seq_len=64)
+    torch.manual_seed(0)
+    plain = Llama(cfg)
+    ck = copy.deepcopy(plain)
+    ck.cfg = dataclasses.replace(cfg, activation_checkpointing=True)
+    return cfg, plain, ck
+
+
+def _batch(cfg, seed=0, b=2, t=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab_size, (b, t), generator=g) for _ in range(2)]
+
+
+def _saved_bytes(model, batch):
+    """Bytes of the tensors saved for backward that reach a hook outside the model."""
+    seen = []
+
+    def pack(t):
+        seen.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*batch)
+    return loss, sum(seen)
+
+
+def test_same_loss_and_gradients_with_fewer_saved_bytes():
+    cfg, plain, ck = _models()
+    batch = _batch(cfg)
+    l0, b0 = _saved_bytes(plain, batch)
+    l1, b1 = _saved_bytes(ck, batch)
+    assert torch.equal(l0, l1)
+    l0.backward()
+    l1.backward()
+    for (name, p), q in zip(plain.named_parameters(), ck.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert b1 < 0.5 * b0, (b1, b0)
+    with torch.no_grad():  # evaluation: no checkpoint, the same values
+        assert torch.equal(plain(*batch), ck(*batch))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forge_with_checkpointing_equals_forge(backend):
+    """Each block's recompute reads its weights before its own backward updates them: three FORGE
+    steps with checkpointing give the weights and states of three without, bit for bit."""
+    if backend == "triton" and not (HAS_TRITON and interpreting()):
+        pytest.skip("the Triton interpreter")
+    cfg, plain, ck = _models(small=True)
+    opts = [lt.forge.attach(m, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), backend=backend, clip="prev_global",
+                            clip_value=1.0) for m in (plain, ck)]
+    for s in range(3):
+        batch = _batch(cfg, seed=s, t=16)
+        for m, o in zip((plain, ck), opts):
+            m(*batch).backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(plain.named_parameters(), ck.parameters()):
+        assert torch.equal(p, q), name
+        for k, v in opts[0].state[p].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(opts[1].state[q][k])), (name, k)
+
+
+def test_trainer_refuses_checkpointing_with_agoq(corpus, tmp_path):
+    cfg = tiny_config(corpus, **{"model.activation_checkpointing": "true", "agoq.enabled": "true"})
+    with pytest.raises(ConfigError, match="activation_checkpointing and agoq"):
+        Trainer(cfg, tmp_path / "run")
+
+
+def test_trainer_with_checkpointing_follows_the_plain_run(corpus, tmp_path):
+    curves = []
+    for ck in ("false", "true"):
+        cfg = tiny_config(corpus, **{"train.steps": "3", "train.eval_every": "0", "train.ckpt_every": "0",
+                                     "model.activation_checkpointing": ck, "forge.enabled": "true"})
+        tr = Trainer(cfg, tmp_path / f"c{ck}")
+        tr.fit()
+        curves.append([json.loads(x)["loss"] for x in (tmp_path / f"c{ck}" / "metrics.jsonl").read_text().splitlines()])
+    assert curves[0] == curves[1]
