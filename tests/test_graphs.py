@@ -159,6 +159,9 @@ def test_trainer_says_what_cuda_graph_needs(corpus, tmp_path):
                                  "forge.backend": "torch"})
     with pytest.raises(ConfigError, match="cuda_graph needs a CUDA device; .*FORGE on its Triton backend"):
         Trainer(cfg, tmp_path / "run")
+    cfg = tiny_config(corpus, **{"train.cuda_graph": "true", "forge.enabled": "true", "train.on_nonfinite": "skip"})
+    with pytest.raises(ConfigError, match="on_nonfinite stop with FORGE"):
+        Trainer(cfg, tmp_path / "run2")
 
 
 @pytest.mark.gpu

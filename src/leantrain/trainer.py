@@ -147,6 +147,9 @@ class Trainer:
                 (self.world > 1, "one process (DDP's reducer is not captured)"),
                 (c.forge.enabled and c.forge.backend == "torch", "FORGE on its Triton backend (forge.backend "
                                                                  "auto or triton; the torch backend syncs)"),
+                (c.forge.enabled and c.train.on_nonfinite == "skip",
+                 "train.on_nonfinite stop with FORGE (its update runs inside the replay, before the loss can be "
+                 "checked; non-finite gradient tiles are still never stored)"),
                 (c.data.grad_accum > 1, "data.grad_accum 1 (a replay overwrites the gradients)"),
                 (c.agoq.grad_bits == 8, "no agoq.grad_bits 8"),
                 (c.dist.mode != "ddp", "dist.mode ddp")) if bad]
