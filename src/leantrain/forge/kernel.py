@@ -574,14 +574,14 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     return part
 
 
-def dyn_row(rule_name: str, hp: dict, step: int, key: int, gate: float = 1.0) -> np.ndarray:
+def dyn_row(rule_name: str, hp: dict, step: int, gate: float = 1.0) -> np.ndarray:
     """One row of the device scalar table (``launch_forge(dyn=...)``): the launch arguments
-    ``lr .. mom`` as fp32 (the values the kernel would get as arguments), the gate, the key's bits."""
+    ``lr .. mom`` as fp32 (the values the kernel would get as arguments) and the gate. Column 12,
+    the rounding key's int32 bits, differs per layer: the caller writes it (0 here)."""
     scal, _ = _scalars(rule_name, hp, step)
     row = np.zeros(DYN_COLS, dtype=np.float32)
     row[:11] = scal
     row[11] = gate
-    row[12:13].view(np.int32)[0] = key
     return row
 
 

@@ -315,15 +315,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         rows = np.empty((len(layers), DYN_COLS), dtype=np.float32)
         name, groups = self.rule.name, self.param_groups
         if len(layers) and (steps == steps[0]).all() and (gidx == gidx[0]).all():  # the usual case: one row
-            rows[:] = dyn_row(name, groups[int(gidx[0])], int(steps[0]), 0, gate)
+            rows[:] = dyn_row(name, groups[int(gidx[0])], int(steps[0]), gate)
         else:
             made: dict = {}
             for slot, (gi, st) in enumerate(zip(gidx.tolist(), steps.tolist())):
                 r = made.get((gi, st))
                 if r is None:
-                    r = made[(gi, st)] = dyn_row(name, groups[gi], st, 0, gate)
+                    r = made[(gi, st)] = dyn_row(name, groups[gi], st, gate)
                 rows[slot] = r
-        rows[:, 12].view(np.int32)[:] = step_kernel_keys(self.seed, index, steps)
+        rows[:, 12].view(np.int32)[:] = step_kernel_keys(self.seed, index, steps)  # the keys' bits
         self._dyn.upload(rows)
         self._dyn_ready = True
 

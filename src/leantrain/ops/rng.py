@@ -57,10 +57,13 @@ def seed_key(seed: int) -> int:
     return _fmix32_int((s & MASK32) ^ _fmix32_int((s >> 32) ^ 0x5BD1E995))
 
 
+_SEED_MUL, _INDEX_MUL, _STEP_MUL, _MASK48 = 0x9E3779B1, 0x10001, 0x5BD1E995, 0xFFFFFFFFFFFF
+
+
 def step_seed(seed: int, index: int, step: int) -> int:
     """The stochastic-rounding seed of parameter ``index`` at optimizer step ``step`` of a run
     seeded ``seed`` (48 bits; FORGE and ``lt.optim.Optimizer``'s kernel step)."""
-    return (seed * 0x9E3779B1 + index * 0x10001 + step * 0x5BD1E995) & 0xFFFFFFFFFFFF
+    return (seed * _SEED_MUL + index * _INDEX_MUL + step * _STEP_MUL) & _MASK48
 
 
 def kernel_key(seed: int) -> int:
@@ -78,11 +81,11 @@ def step_kernel_keys(seed: int, index, step):
     import numpy as np
 
     m32 = np.uint64(MASK32)
-    base = np.uint64((seed * 0x9E3779B1) & 0xFFFFFFFFFFFF)
-    s = (base + np.asarray(index, dtype=np.uint64) * np.uint64(0x10001)
-         + np.asarray(step, dtype=np.uint64) * np.uint64(0x5BD1E995)) & np.uint64(0xFFFFFFFFFFFF)
+    base = np.uint64((seed * _SEED_MUL) & _MASK48)
+    s = (base + np.asarray(index, dtype=np.uint64) * np.uint64(_INDEX_MUL)
+         + np.asarray(step, dtype=np.uint64) * np.uint64(_STEP_MUL)) & np.uint64(_MASK48)
 
-    def fmix(x):
+    def fmix(x):  # _fmix32_int on uint64 arrays (every product below 2**64)
         x = x & m32
         x ^= x >> np.uint64(16)
         x = (x * np.uint64(_M1)) & m32
