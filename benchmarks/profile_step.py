@@ -3,7 +3,10 @@
     PYTHONPATH=src python3 benchmarks/profile_step.py --config forge_bf16 --batch 4 --out DIR
 
 configs: torch_bf16 (AdamW fused, pure bf16), forge_bf16 (FORGE bf16+SR, fp32 states),
-agoq (bf16, AdamW fused, AGoQ default policy), agoq_forge. Writes ``profile_<config>.txt``:
+forge_bf16_states (bf16 states), forge_bf16_states_bf16_dw (and bf16 dW), agoq (bf16, AdamW fused,
+AGoQ default policy), agoq_forge. ``--graph``: forward + backward (and FORGE's update) replayed
+from a CUDA graph (``lt.graphs.GraphedStep``, captured after the eager warm-up), ``opt.step()``
+after it, as ``bench_forge.py``'s ``*_graph`` configurations. Writes ``profile_<config>.txt``:
 wall time per step (median of 5), then the top operators by CUDA and by CPU time; with
 ``--cprofile`` also ``cprofile_<config>_b<B>.txt``, the host's Python time by function.
 """
@@ -30,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-opt", action="store_true", help="forward + backward only (as bench_agoq times it)")
     ap.add_argument("--cprofile", action="store_true", help="also a Python cProfile of 3 steps (host time by function)")
+    ap.add_argument("--graph", action="store_true", help="replay forward + backward from a CUDA graph")
     ap.add_argument("--clip", default="none", help="forge configs: FORGE's clip mode (est_global: the trainer's default)")
     a = ap.parse_args(argv)
     import leantrain as lt
@@ -43,7 +47,9 @@ def main(argv=None) -> int:
         model = Llama(cfg).to(torch.bfloat16)
     kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     if "forge" in a.config:
-        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="fp32", stochastic_rounding=True, clip=a.clip)
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="bf16" if "bf16_states" in a.config else "fp32",
+                              stochastic_rounding=True, clip=a.clip,
+                              grad_dtype="bf16" if a.config.endswith("_bf16_dw") else "fp32")
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
     if "agoq" in a.config:
@@ -51,13 +57,18 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
 
     fwd = []
+    graph = []
 
     def step():
         idx = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device="cuda", generator=g)
         t0 = time.perf_counter()
-        loss = model(idx[:, :-1], idx[:, 1:])
-        fwd.append((time.perf_counter() - t0) * 1e3)
-        loss.backward()
+        if graph:
+            graph[0](idx[:, :-1], idx[:, 1:])
+            fwd.append((time.perf_counter() - t0) * 1e3)
+        else:
+            loss = model(idx[:, :-1], idx[:, 1:])
+            fwd.append((time.perf_counter() - t0) * 1e3)
+            loss.backward()
         if not a.no_opt:
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -65,6 +76,14 @@ def main(argv=None) -> int:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if a.graph:
+        from leantrain.graphs import GraphedStep
+
+        idx = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device="cuda", generator=g)
+        graph.append(GraphedStep(model, model.parameters(), idx[:, :-1], idx[:, 1:]))
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
     times, issue = [], []
     fwd.clear()
     for _ in range(5):
@@ -80,8 +99,13 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     ka = prof.key_averages()
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}{'_noopt' if a.no_opt else ''}{'' if a.clip == 'none' else '_' + a.clip}.txt"), "w") as f:
-        f.write(f"{a.config} B={a.batch} T={a.seq}: step ms median {statistics.median(times):.1f} all {times}\n"
+    tag = f"{'_graph' if a.graph else ''}{'_noopt' if a.no_opt else ''}{'' if a.clip == 'none' else '_' + a.clip}"
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3  # ms, the step's kernels and copies back to back
+    with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}{tag}.txt"), "w") as f:
+        f.write(f"{a.config}{' (graphed)' if a.graph else ''} B={a.batch} T={a.seq}: step ms median "
+                f"{statistics.median(times):.1f} all {times}\n"
+                f"device ms in the profiled step: {busy:.2f} over {len(kernels)} kernels / copies\n"
                 f"host issue ms median {statistics.median(issue):.1f} (a step is host-bound when this is"
                 f" close to the step time); of it the forward {statistics.median(fwd[:5]):.1f}\n\n")
         f.write(ka.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))

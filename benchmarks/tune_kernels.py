@@ -499,6 +499,73 @@ def tune_forge_paths(log) -> list[dict]:
     return rows
 
 
+def tune_forge_prefetch(log) -> list[dict]:
+    """Session 15: the fused kernel with W and its state read before the token loop (PREFETCH)
+    against the same tiles without, the split path (fp32 and bf16 dW) and torch (part (a)'s
+    baseline: bf16 matmul, fp32 copy, fused AdamW), AdamW, fp32 W/m/v and bf16 W + bf16 states."""
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+    from leantrain.ops._backend import mm_fp32
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    cfgs = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 64, 32, 4, 4), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3),
+            (128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (128, 64, 64, 4, 3)]
+    rows = []
+    for prec in ("fp32", "bf16"):
+        for (N, K) in ((2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)):
+            for T in (512, 1024, 2048):
+                torch.manual_seed(0)
+                x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+                dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+                wdt = torch.float32 if prec == "fp32" else torch.bfloat16
+                w = (torch.randn(N, K, device="cuda") * 0.02).to(wdt)
+                m, v = torch.zeros_like(w), torch.zeros_like(w)
+                common = dict(w=w, states=[m, v], kinds=[prec, prec], rule_name="adamw", hp=hp, step=10, sr=True)
+                p = torch.nn.Parameter(w.clone())
+                opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+                buf = torch.empty(N, K, device="cuda")
+                buf16 = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
+
+                def base():
+                    g = torch.matmul(dy.t(), x)
+                    p.grad = g.float() if prec == "fp32" else g
+                    opt.step()
+                    p.grad = None
+
+                def split():
+                    mm_fp32(dy.t(), x, buf, allow_upcast=True)
+                    launch_forge(MODE_UPDATE, g=buf, **common)
+
+                def split16():
+                    torch.mm(dy.t(), x, out=buf16)
+                    launch_forge(MODE_UPDATE, g=buf16, **common)
+
+                row = {"prec": prec, "N": N, "K": K, "T": T, "torch_ms": _bench(base), "split_ms": _bench(split),
+                       "split_bf16dw_ms": _bench(split16),
+                       "mm_ms": _bench(lambda: torch.mm(dy.t(), x, out=buf16)),
+                       "update_ms": _bench(lambda: launch_forge(MODE_UPDATE, g=buf16, **common))}
+                for c in cfgs:
+                    for pf in (False, True):
+                        tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
+                                "num_stages": c[4], "PREFETCH": pf}
+                        name = "x".join(map(str, c)) + ("p" if pf else "")
+                        try:
+                            row[name] = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common),
+                                               rep=40)
+                        except Exception as e:  # noqa: BLE001
+                            row[name] = f"{type(e).__name__}: {e}"[:160]
+                fused = {k: v for k, v in row.items() if "x" in k and isinstance(v, float)}
+                best = min(fused, key=fused.get) if fused else None
+                row["best"] = best
+                if best:
+                    row["torch/best"] = row["torch_ms"] / fused[best]
+                row["torch/split"] = row["torch_ms"] / row["split_ms"]
+                row["torch/split_bf16dw"] = row["torch_ms"] / row["split_bf16dw_ms"]
+                log(json.dumps(row))
+                rows.append(row)
+                torch.cuda.empty_cache()
+    return rows
+
+
 def tune_s6(log) -> list[dict]:
     """Session 6: (1) the state8 encode's tile / warps / register cap at 256 MiB and 2 GiB of
     fp32; (2) the multi-tensor quantize on an AGoQ-like flush (bf16 4- and 8-bit, fp32 4-bit)
@@ -907,7 +974,7 @@ def main(argv=None) -> int:
               "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log), "s8": lambda: tune_s8(log),
               "forge_int8": lambda: tune_forge_int8(log),
               "host": lambda: tune_host(log),
-              "forge_paths": lambda: tune_forge_paths(log), "forge": lambda: tune_forge(log)}
+              "forge_paths": lambda: tune_forge_paths(log), "forge_prefetch": lambda: tune_forge_prefetch(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
         if name in what:
             extra = {"mib": a.mib} if name == "ops" else {}

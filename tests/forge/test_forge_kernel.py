@@ -42,7 +42,12 @@ def _hp(rule):
     return {k: v for k, v in rule.hyper().items()}
 
 
-def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", wdtype=torch.float32, seed=0):
+_PREFETCH_TILE = {"BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 4, "num_stages": 2,
+                  "PREFETCH": True}  # (the interpreter keeps its own tiles and takes only PREFETCH)
+
+
+def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", wdtype=torch.float32, seed=0,
+              prefetch=False):
     """Return ((W, b, states) fused, (W, b, states) write-dW + torch rule) after ``steps`` steps."""
     K = _kernel()
     from leantrain.ops.rng import kernel_key
@@ -75,7 +80,8 @@ def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", 
               for s, kd in zip(names, kinds)]
         K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, b=b, states=[st[s] for s in names],
                        bias_states=[bst[s] for s in names] if bias else [], kinds=kinds, qtables=qt,
-                       rule_name=rule.name, hp=hp, step=step, sr=True, key=key)
+                       rule_name=rule.name, hp=hp, step=step, sr=True, key=key,
+                       tune=_PREFETCH_TILE if prefetch else None)
         # write dW, then the torch rule
         w, b, st, bst = sides[1]
         gw = torch.empty(n, k, device=DEV)
@@ -141,6 +147,15 @@ def test_bf16_states_bitwise():
 def test_bf16_weights_stochastic_rounding_bitwise():
     """bf16 W: the kernel's stochastic rounding draws the same bits as ops.bf16_stochastic_round."""
     _assert_same(_run_pair("adamw", bias=True, n=20, k=33, steps=3, wdtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rule,state_dtype,wdtype", [("adamw", "fp32", torch.float32), ("sgd_mom", "fp32", torch.float32),
+                                                     ("adamw", "int8", torch.float32), ("adams", "bf16", torch.float32),
+                                                     ("lion", "fp32", torch.bfloat16)])
+def test_prefetched_epilogue_bitwise(rule, state_dtype, wdtype):
+    """PREFETCH (W and state read before the token loop) changes when the tile is read, not what."""
+    _assert_same(_run_pair(rule, bias=True, n=40, k=33, steps=3, state_dtype=state_dtype, wdtype=wdtype,
+                           prefetch=True))
 
 
 def test_update_mode_equals_fused():

@@ -147,6 +147,7 @@ if HAS_TRITON:
         HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr,
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -166,6 +167,20 @@ if HAS_TRITON:
         offs = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
         bias_here = (tl.zeros([BLOCK_N], dtype=tl.int32) + pid_k) == 0  # a tensor: the interpreter
         # cannot combine scalar and tensor booleans
+        blk_n = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+        blk_k = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        kb = tl.cdiv(K, 16)
+        nb = tl.cdiv(N, 16)
+        am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
+        code_offs = am_offs.to(tl.int64) * 256 + (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
+        if PREFETCH:  # W and its state read before the token loop: their HBM traffic overlaps the GEMM
+            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            s2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if NSTATE >= 1:
+                s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
+            if NSTATE >= 2:
+                s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
 
         if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
             acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
@@ -221,19 +236,14 @@ if HAS_TRITON:
                 sc = tl.load(SCALE)
                 g = g * sc
                 smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
-            blk_n = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-            blk_k = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-            kb = tl.cdiv(K, 16)
-            nb = tl.cdiv(N, 16)
-            am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
-            code_offs = am_offs.to(tl.int64) * 256 + (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
-            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.zeros_like(g)
-            s2 = tl.zeros_like(g)
-            if NSTATE >= 1:
-                s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
-            if NSTATE >= 2:
-                s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
+            if not PREFETCH:
+                w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+                s1 = tl.zeros_like(g)
+                s2 = tl.zeros_like(g)
+                if NSTATE >= 1:
+                    s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
+                if NSTATE >= 2:
+                    s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
@@ -293,7 +303,8 @@ if HAS_TRITON:
     # (no autotuning, nothing to benchmark at warm-up); LEANTRAIN_FORGE_AUTOTUNE=1 autotunes
     # over these configurations per (N, K, T, mode, dtypes) instead.
     def _cfg(bn, bk, bt, w, s):
-        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8}, num_warps=w, num_stages=s)
+        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "PREFETCH": False},
+                             num_warps=w, num_stages=s)
 
     TUNE_CONFIGS = [
         _cfg(64, 64, 64, 4, 3), _cfg(64, 64, 32, 4, 4),
@@ -327,7 +338,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # plain Python: triton.cdiv is a ConstexprFunction (slow to call from the host)
 
 
-_INTERP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}
+_INTERP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "PREFETCH": False, "num_warps": 1}
 
 
 def _interp_config(mode: int) -> dict:
@@ -342,7 +353,7 @@ LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tile
 
 def _parse_fixed(v: str) -> dict:
     bn, bk, bt, w, s = (int(x) for x in v.split(","))
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "num_warps": w, "num_stages": s}
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "PREFETCH": False, "num_warps": w, "num_stages": s}
 
 
 def _fixed_config():
@@ -363,11 +374,11 @@ def heuristic_config(mode: int, T: int, int8: bool = False) -> dict:
     """
     if mode == MODE_UPDATE:
         if int8:
-            return {"BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 1, "num_stages": 1}
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 8, "num_stages": 1}
+            return {"BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "PREFETCH": False, "num_warps": 1, "num_stages": 1}
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "PREFETCH": False, "num_warps": 8, "num_stages": 1}
     if T <= LARGE_T or int8:
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "PREFETCH": False, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "PREFETCH": False, "num_warps": 8, "num_stages": 3}
 
 
 _RULE_CACHE: dict = {}
@@ -432,6 +443,8 @@ _DIRECT = [None]  # None: not decided yet; False: off
 def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
     if not on_gpu:
         cfg = _interp_config(mode)
+        if tune is not None and "PREFETCH" in tune:  # (the interpreter runs its own small tiles)
+            cfg["PREFETCH"] = tune["PREFETCH"]
     elif tune is not None:
         cfg = dict(tune)
     else:
@@ -446,6 +459,8 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
         return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
                      _cdiv(N, 64) * _cdiv(K, 64), True)
+    cfg = dict(cfg)
+    cfg["PREFETCH"] = bool(cfg.get("PREFETCH", False)) and mode == MODE_FUSED  # (only the fused mode reads W early)
     meta = dict(flags_meta, **cfg)
     consts = tuple(meta[n] for n in _CONST_NAMES) if on_gpu else None
     grid = _cdiv(N, cfg["BLOCK_N"]) * _cdiv(K, cfg["BLOCK_K"])
