@@ -4,6 +4,11 @@
 #                                            # torch bf16 and FORGE bf16 states + bf16 dW (GPU time by kernel under the
 #                                            # graph); tune_kernels --what forge_prefetch (the fused kernel reading W and
 #                                            # state before its token loop, against split paths and torch)
+#   OUT=dir bash benchmarks/gpu_s15.sh second  # update kernel: 32-bit offsets + one hash round, hardware bf16 rounding:
+#                                            # FORGE kernel / rest / device-scalar / graph tests compiled; tune_kernels
+#                                            # --what forge_update16 (bf16 update tiles on the 1b shapes vs torch's fused
+#                                            # AdamW); bench_forge part (b) graphed at B = 1, 4 with the default tile and
+#                                            # the sweep's best (LEANTRAIN_FORGE_TILE); profile_step --graph at B = 1
 # Work goes to /tmp/s15w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -11,6 +16,13 @@ D=/tmp/s15w/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
 snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s15w "$PART"; }
+forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurations
+  local name=$1 lim=$2 batches=$3
+  shift 3
+  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_TILE:-}"
+  timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
+    --out "$D/$name" 2>&1 | grep -v Warn | tail -12
+}
 prof() {  # $1 config, $2 batch, rest: more profile_step arguments
   log "profile_step $1 B=$2 ${*:3}"
   timeout 120 python3 benchmarks/profile_step.py --config "$1" --batch "$2" "${@:3}" --out "$D/prof" 2>&1 | grep -v Warn | tail -2
@@ -29,6 +41,25 @@ prof() {  # $1 config, $2 batch, rest: more profile_step arguments
       done
       log "tune forge_prefetch"
       timeout 280 python3 benchmarks/tune_kernels.py --what forge_prefetch --out "$D" 2>&1 | grep -v Warn | tail -30
+      snap ;;
+    second)
+      gpuinfo
+      log "gpu tests: FORGE kernel, rest kernel, device scalars, graphs (compiled)"
+      gputest 240 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/test_graphs.py
+      snap
+      log "tune forge_update16"
+      timeout 150 python3 benchmarks/tune_kernels.py --what forge_update16 --out "$D" 2>&1 | grep -v Warn | tail -8
+      snap
+      best=$(python3 -c "
+import json; t = json.load(open('$D/tune_forge_update16.json'))['rows'][-1]['per_step_ms_1b_fused_layers']
+t.pop('torch'); bn, bk, w = min(t, key=t.get).split('x'); print(f'{bn},{bk},16,{w},1')")
+      log "best update tile over the 1b layers: $best"
+      forgeb_cfg b_default 200 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      LEANTRAIN_FORGE_TILE=$best forgeb_cfg b_best 120 "1 4" forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      LEANTRAIN_FORGE_TILE=$best prof forge_bf16_states_bf16_dw 1 --graph
       snap ;;
   esac
   log done

@@ -499,16 +499,16 @@ def tune_forge_paths(log) -> list[dict]:
     return rows
 
 
-def tune_forge_prefetch(log) -> list[dict]:
-    """Session 15: the fused kernel with W and its state read before the token loop (PREFETCH)
-    against the same tiles without, the split path (fp32 and bf16 dW) and torch (part (a)'s
-    baseline: bf16 matmul, fp32 copy, fused AdamW), AdamW, fp32 W/m/v and bf16 W + bf16 states."""
+def tune_forge_split(log) -> list[dict]:
+    """Session 15: part (a)'s comparison at the 1b shapes, T = 512 / 1024 / 2048, with fp32 W/m/v
+    and with bf16 W + bf16 states: torch (bf16 matmul, fp32 copy of dW for fp32 weights, fused
+    AdamW), the split path with fp32 and with bf16 dW, its two halves alone, and the fused kernel
+    at a few tiles (AdamW, SR)."""
     from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    cfgs = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 64, 32, 4, 4), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3),
-            (128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (128, 64, 64, 4, 3)]
+    cfgs = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 64, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 64, 4, 3)]
     rows = []
     for prec in ("fp32", "bf16"):
         for (N, K) in ((2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)):
@@ -544,25 +544,93 @@ def tune_forge_prefetch(log) -> list[dict]:
                        "mm_ms": _bench(lambda: torch.mm(dy.t(), x, out=buf16)),
                        "update_ms": _bench(lambda: launch_forge(MODE_UPDATE, g=buf16, **common))}
                 for c in cfgs:
-                    for pf in (False, True):
-                        tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
-                                "num_stages": c[4], "PREFETCH": pf}
-                        name = "x".join(map(str, c)) + ("p" if pf else "")
-                        try:
-                            row[name] = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common),
-                                               rep=40)
-                        except Exception as e:  # noqa: BLE001
-                            row[name] = f"{type(e).__name__}: {e}"[:160]
-                fused = {k: v for k, v in row.items() if "x" in k and isinstance(v, float)}
-                best = min(fused, key=fused.get) if fused else None
-                row["best"] = best
-                if best:
-                    row["torch/best"] = row["torch_ms"] / fused[best]
+                    tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
+                            "num_stages": c[4]}
+                    name = "fused " + "x".join(map(str, c))
+                    try:
+                        row[name] = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common),
+                                           rep=40)
+                    except Exception as e:  # noqa: BLE001
+                        row[name] = f"{type(e).__name__}: {e}"[:160]
                 row["torch/split"] = row["torch_ms"] / row["split_ms"]
                 row["torch/split_bf16dw"] = row["torch_ms"] / row["split_bf16dw_ms"]
                 log(json.dumps(row))
                 rows.append(row)
                 torch.cuda.empty_cache()
+    return rows
+
+
+# the 1b preset's fused layers (N, K, count): q / o, k / v, gate / up, down, the LM head
+SHAPES_1B = ((2048, 2048, 44), (256, 2048, 44), (5632, 2048, 44), (2048, 5632, 22), (32000, 2048, 1))
+
+
+def tune_forge_update16(log) -> list[dict]:
+    """Session 15: the update-only kernel with bf16 W + SR and bf16 states (FORGE at torch bf16's
+    precisions, bf16 dW, device scalars and the in-kernel sum, as a graphed step runs it) at each
+    tile, on the 1b shapes, against torch's fused AdamW on a bf16 parameter with a bf16 gradient.
+    Every tile must give the same W / m / v bits (checked against the first tile)."""
+    import numpy as np
+
+    from leantrain.forge.kernel import DYN_COLS, MODE_UPDATE, dyn_row, launch_forge
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    tiles = [(64, 64, 8), (64, 64, 4), (64, 128, 8), (64, 128, 4), (128, 128, 8), (128, 64, 8), (64, 256, 8),
+             (32, 256, 4), (128, 256, 8), (32, 128, 4), (128, 128, 16), (256, 128, 8)]
+    row_np = dyn_row("adamw", hp, 10)
+    row_np[12] = np.int32(12345).view(np.float32)
+    dyn = torch.tensor(np.stack([row_np]), device="cuda")
+    assert dyn.shape[1] == DYN_COLS
+    rows = []
+    for (N, K, count) in SHAPES_1B:
+        torch.manual_seed(0)
+        g = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 1e-3
+        w0 = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+        m0 = (torch.randn(N, K, device="cuda") * 1e-3).to(torch.bfloat16)
+        v0 = (torch.rand(N, K, device="cuda") * 1e-6).to(torch.bfloat16)
+        w, m, v = w0.clone(), m0.clone(), v0.clone()
+        sq = torch.zeros((), device="cuda")
+        ticket = torch.zeros((), dtype=torch.int32, device="cuda")
+        p = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+        p.grad = g.clone()
+        opt.step()
+
+        def torch_step():
+            opt.step()
+
+        row = {"N": N, "K": K, "count": count, "torch_adamw_ms": _bench(torch_step)}
+        nbytes = N * K * 14  # g read, W / m / v read and written, bf16
+        row["torch_tbps"] = nbytes / row["torch_adamw_ms"] / 1e9
+        ref = None
+        for (bn, bk, nw) in tiles:
+            tune = {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": nw, "num_stages": 1}
+            name = f"{bn}x{bk}x{nw}"
+
+            def run(tune=tune):
+                launch_forge(MODE_UPDATE, g=g, w=w, states=[m, v], kinds=["bf16", "bf16"], rule_name="adamw", hp=hp,
+                             step=10, sr=True, tune=tune, dyn=(dyn, 0), sq=sq, ticket=ticket)
+            try:
+                w.copy_(w0), m.copy_(m0), v.copy_(v0)
+                run()
+                out = (w.clone(), m.clone(), v.clone())
+                if ref is None:
+                    ref = out
+                same = all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+                ms = _bench(run)
+                row[name] = {"ms": ms, "tbps": nbytes / ms / 1e9, "same_bits": same}
+            except Exception as e:  # noqa: BLE001
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:160]}
+        log(json.dumps(row))
+        rows.append(row)
+        torch.cuda.empty_cache()
+    totals = {}
+    for r in rows:
+        for k, val in r.items():
+            if isinstance(val, dict) and "ms" in val:
+                totals[k] = totals.get(k, 0.0) + r["count"] * val["ms"]
+    totals["torch"] = sum(r["count"] * r["torch_adamw_ms"] for r in rows)
+    log(json.dumps({"per_step_ms_1b_fused_layers": totals}))
+    rows.append({"per_step_ms_1b_fused_layers": totals})
     return rows
 
 
@@ -974,7 +1042,8 @@ def main(argv=None) -> int:
               "multi": lambda: tune_multi(log), "s6": lambda: tune_s6(log), "s8": lambda: tune_s8(log),
               "forge_int8": lambda: tune_forge_int8(log),
               "host": lambda: tune_host(log),
-              "forge_paths": lambda: tune_forge_paths(log), "forge_prefetch": lambda: tune_forge_prefetch(log), "forge": lambda: tune_forge(log)}
+              "forge_paths": lambda: tune_forge_paths(log), "forge_split": lambda: tune_forge_split(log),
+              "forge_update16": lambda: tune_forge_update16(log), "forge": lambda: tune_forge(log)}
     for name, tuner in tuners.items():
         if name in what:
             extra = {"mib": a.mib} if name == "ops" else {}

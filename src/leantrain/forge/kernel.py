@@ -63,11 +63,23 @@ if HAS_TRITON:
     from leantrain.ops.state8 import state8_decode, state8_encode
 
     @triton.jit
-    def _rtn_bf16(x):
-        """fp32 -> bf16, round to nearest even, in integer ops (the interpreter's cast truncates)."""
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
-        y = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
+    def _draw(key, offs, IDX32: tl.constexpr):
+        """The rounding bits of element ``offs``: ``hash_u32_tl(key, offs)``; below 2**32 the
+        index's high word is 0 and the uint32 path gives the same bits in one hash round."""
+        if IDX32:
+            return hash_u32_tl(key, offs.to(tl.uint32))
+        return hash_u32_tl(key, offs)
+
+    @triton.jit
+    def _rtn_bf16(x, NATIVE: tl.constexpr):
+        """fp32 -> bf16, round to nearest even: the hardware conversion (``NATIVE``, compiled), or
+        integer ops (the interpreter's cast truncates). The same bits; NaN stays NaN."""
+        if NATIVE:
+            y = x
+        else:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
+            y = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
         return y.to(tl.bfloat16)
 
     @triton.jit
@@ -81,7 +93,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
-                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr):
         if KIND == 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
             x = tl.where(mask, x, 0.0)
             a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
@@ -94,7 +106,7 @@ if HAS_TRITON:
             am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
             tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
         elif KIND == 1:
-            tl.store(ptr + offs, _rtn_bf16(x), mask=mask)
+            tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask)
         else:
             tl.store(ptr + offs, x, mask=mask)
 
@@ -147,7 +159,7 @@ if HAS_TRITON:
         HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr,
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
-        PREFETCH: tl.constexpr,
+        IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -164,7 +176,12 @@ if HAS_TRITON:
         mn = offs_n < N
         mk = offs_k < K
         mask = mn[:, None] & mk[None, :]
-        offs = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        if IDX32:  # N * K + N < 2**31: 32-bit element offsets, one hash round per rounding draw
+            offs = offs_n[:, None] * K + offs_k[None, :]
+            boffs = offs_n + N * K  # the bias's rounding counters follow W's
+        else:
+            offs = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+            boffs = offs_n.to(tl.int64) + N * K
         bias_here = (tl.zeros([BLOCK_N], dtype=tl.int32) + pid_k) == 0  # a tensor: the interpreter
         # cannot combine scalar and tensor booleans
         blk_n = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
@@ -173,14 +190,6 @@ if HAS_TRITON:
         nb = tl.cdiv(N, 16)
         am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
         code_offs = am_offs.to(tl.int64) * 256 + (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
-        if PREFETCH:  # W and its state read before the token loop: their HBM traffic overlaps the GEMM
-            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            s2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            if NSTATE >= 1:
-                s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
-            if NSTATE >= 2:
-                s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
 
         if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
             acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
@@ -236,27 +245,26 @@ if HAS_TRITON:
                 sc = tl.load(SCALE)
                 g = g * sc
                 smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
-            if not PREFETCH:
-                w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-                s1 = tl.zeros_like(g)
-                s2 = tl.zeros_like(g)
-                if NSTATE >= 1:
-                    s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
-                if NSTATE >= 2:
-                    s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
+            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.zeros_like(g)
+            s2 = tl.zeros_like(g)
+            if NSTATE >= 1:
+                s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
+            if NSTATE >= 2:
+                s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
                 if SR:
-                    tl.store(W + offs, sr_bf16(p, hash_u32_tl(key, offs)), mask=smask)
+                    tl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
                 else:
-                    tl.store(W + offs, _rtn_bf16(p), mask=smask)
+                    tl.store(W + offs, _rtn_bf16(p, NATIVE_CVT), mask=smask)
             else:
                 tl.store(W + offs, p, mask=smask)
             if NSTATE >= 1:
-                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K)
+                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K, NATIVE_CVT)
             if NSTATE >= 2:
-                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K)
+                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K, NATIVE_CVT)
             if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
                 bmask = mn & bias_here & (tl.max(smask.to(tl.int32), axis=1) > 0)
                 gb = accb
@@ -275,9 +283,9 @@ if HAS_TRITON:
                                    eps, mom, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
                 if W_BF16:
                     if SR:
-                        tl.store(B + offs_n, sr_bf16(pb, hash_u32_tl(key, offs_n.to(tl.int64) + N * K)), mask=bmask)
+                        tl.store(B + offs_n, sr_bf16(pb, _draw(key, boffs, IDX32)), mask=bmask)
                     else:
-                        tl.store(B + offs_n, _rtn_bf16(pb), mask=bmask)
+                        tl.store(B + offs_n, _rtn_bf16(pb, NATIVE_CVT), mask=bmask)
                 else:
                     tl.store(B + offs_n, pb, mask=bmask)
                 if NSTATE >= 1:
@@ -303,7 +311,7 @@ if HAS_TRITON:
     # (no autotuning, nothing to benchmark at warm-up); LEANTRAIN_FORGE_AUTOTUNE=1 autotunes
     # over these configurations per (N, K, T, mode, dtypes) instead.
     def _cfg(bn, bk, bt, w, s):
-        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "PREFETCH": False},
+        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8},
                              num_warps=w, num_stages=s)
 
     TUNE_CONFIGS = [
@@ -338,7 +346,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # plain Python: triton.cdiv is a ConstexprFunction (slow to call from the host)
 
 
-_INTERP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "PREFETCH": False, "num_warps": 1}
+_INTERP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}
 
 
 def _interp_config(mode: int) -> dict:
@@ -353,7 +361,7 @@ LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tile
 
 def _parse_fixed(v: str) -> dict:
     bn, bk, bt, w, s = (int(x) for x in v.split(","))
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "PREFETCH": False, "num_warps": w, "num_stages": s}
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "num_warps": w, "num_stages": s}
 
 
 def _fixed_config():
@@ -374,11 +382,11 @@ def heuristic_config(mode: int, T: int, int8: bool = False) -> dict:
     """
     if mode == MODE_UPDATE:
         if int8:
-            return {"BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "PREFETCH": False, "num_warps": 1, "num_stages": 1}
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "PREFETCH": False, "num_warps": 8, "num_stages": 1}
+            return {"BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 1, "num_stages": 1}
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 8, "num_stages": 1}
     if T <= LARGE_T or int8:
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "PREFETCH": False, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "PREFETCH": False, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
 
 
 _RULE_CACHE: dict = {}
@@ -443,8 +451,6 @@ _DIRECT = [None]  # None: not decided yet; False: off
 def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
     if not on_gpu:
         cfg = _interp_config(mode)
-        if tune is not None and "PREFETCH" in tune:  # (the interpreter runs its own small tiles)
-            cfg["PREFETCH"] = tune["PREFETCH"]
     elif tune is not None:
         cfg = dict(tune)
     else:
@@ -459,8 +465,6 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
         return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
                      _cdiv(N, 64) * _cdiv(K, 64), True)
-    cfg = dict(cfg)
-    cfg["PREFETCH"] = bool(cfg.get("PREFETCH", False)) and mode == MODE_FUSED  # (only the fused mode reads W early)
     meta = dict(flags_meta, **cfg)
     consts = tuple(meta[n] for n in _CONST_NAMES) if on_gpu else None
     grid = _cdiv(N, cfg["BLOCK_N"]) * _cdiv(K, cfg["BLOCK_K"])
@@ -563,7 +567,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     if plan is None:
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
                     SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
-                    SUM_OUT=sq is not None,
+                    SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, 2 in (kind1, kind2), tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
