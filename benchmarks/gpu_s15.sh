@@ -9,6 +9,8 @@
 #                                            # --what forge_update16 (bf16 update tiles on the 1b shapes vs torch's fused
 #                                            # AdamW); bench_forge part (b) graphed at B = 1, 4 with the default tile and
 #                                            # the sweep's best (LEANTRAIN_FORGE_TILE); profile_step --graph at B = 1
+#   OUT=dir bash benchmarks/gpu_s15.sh third   # update tiles with fewer registers a thread (forge_update16 again); part (b)
+#                                            # graphed at B = 1, 4, 16: torch bf16 and FORGE with the sweep's best tile
 # Work goes to /tmp/s15w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -60,6 +62,20 @@ t.pop('torch'); bn, bk, w = min(t, key=t.get).split('x'); print(f'{bn},{bk},16,{
       LEANTRAIN_FORGE_TILE=$best forgeb_cfg b_best 120 "1 4" forge_bf16_sr_bf16_states_bf16_dw_graph
       snap
       LEANTRAIN_FORGE_TILE=$best prof forge_bf16_states_bf16_dw 1 --graph
+      snap ;;
+    third)
+      gpuinfo
+      log "tune forge_update16: smaller tiles / more warps (fewer registers a thread)"
+      TUNE_UPDATE16_TILES="64,64,8;64,64,16;32,64,8;32,64,4;16,64,4;16,64,2;16,128,4;32,128,8;32,128,16;64,128,16;64,64,8,80;64,64,8,64" \
+        timeout 150 python3 benchmarks/tune_kernels.py --what forge_update16 --out "$D" 2>&1 | grep -v Warn | tail -3
+      snap
+      best=$(python3 -c "
+import json; t = json.load(open('$D/tune_forge_update16.json'))['rows'][-1]['per_step_ms_1b_fused_layers']
+t.pop('torch'); v = min(t, key=t.get).split('x'); print(','.join(v[:2] + ['16', v[2], '1'] + v[3:]))")
+      log "best update tile over the 1b layers: $best"
+      forgeb_cfg b_torch 200 "1 4 16" torch_bf16_graph
+      snap
+      LEANTRAIN_FORGE_TILE=$best forgeb_cfg b_best 200 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph
       snap ;;
   esac
   log done

@@ -576,6 +576,8 @@ def tune_forge_update16(log) -> list[dict]:
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     tiles = [(64, 64, 8), (64, 64, 4), (64, 128, 8), (64, 128, 4), (128, 128, 8), (128, 64, 8), (64, 256, 8),
              (32, 256, 4), (128, 256, 8), (32, 128, 4), (128, 128, 16), (256, 128, 8)]
+    if os.environ.get("TUNE_UPDATE16_TILES"):  # "bn,bk,warps[,maxnreg];...": another sweep
+        tiles = [tuple(int(v) for v in t.split(",")) for t in os.environ["TUNE_UPDATE16_TILES"].split(";")]
     row_np = dyn_row("adamw", hp, 10)
     row_np[12] = np.int32(12345).view(np.float32)
     dyn = torch.tensor(np.stack([row_np]), device="cuda")
@@ -602,9 +604,12 @@ def tune_forge_update16(log) -> list[dict]:
         nbytes = N * K * 14  # g read, W / m / v read and written, bf16
         row["torch_tbps"] = nbytes / row["torch_adamw_ms"] / 1e9
         ref = None
-        for (bn, bk, nw) in tiles:
+        for (bn, bk, nw, *reg) in tiles:
             tune = {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": nw, "num_stages": 1}
             name = f"{bn}x{bk}x{nw}"
+            if reg:
+                tune["maxnreg"] = reg[0]
+                name += f"x{reg[0]}"
 
             def run(tune=tune):
                 launch_forge(MODE_UPDATE, g=g, w=w, states=[m, v], kinds=["bf16", "bf16"], rule_name="adamw", hp=hp,

@@ -360,8 +360,11 @@ LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tile
 
 
 def _parse_fixed(v: str) -> dict:
-    bn, bk, bt, w, s = (int(x) for x in v.split(","))
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "num_warps": w, "num_stages": s}
+    bn, bk, bt, w, s, *reg = (int(x) for x in v.split(","))
+    cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "num_warps": w, "num_stages": s}
+    if reg:  # a sixth number: the register cap per thread (ptxas maxnreg)
+        cfg["maxnreg"] = reg[0]
+    return cfg
 
 
 def _fixed_config():
