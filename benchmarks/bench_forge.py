@@ -56,6 +56,8 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "forge_bf16_sr_bf16_states",
                  # and torch's gradient precision too: the split path's dW in bf16 (grad_dtype="bf16")
                  "forge_bf16_sr_bf16_states_bf16_dw",
+                 # and torch's rounding: bf16 weights rounded to nearest (no SR): torch bf16's numerics exactly
+                 "forge_bf16_rtn_bf16_states_bf16_dw", "forge_bf16_rtn_bf16_states_bf16_dw_graph",
                  # forward + backward captured as one CUDA graph (lt.graphs.GraphedStep; FORGE's update
                  # inside it), then opt.step() for the rest: the host-bound small batches
                  "torch_bf16_graph", "forge_bf16_sr_fp32_states_graph", "forge_bf16_sr_bf16_states_graph",
@@ -289,7 +291,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     config = config.removesuffix("_ckpt")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
-                              "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw")
+                              "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",
+                              "forge_bf16_rtn_bf16_states_bf16_dw")
     with torch.device("cuda"):
         model = Llama(cfg)
     if bf16_weights:
@@ -310,7 +313,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             p.register_post_accumulate_grad_hook(hook)
     else:
         state_dtype = "int8" if "int8_states" in config else "bf16" if "bf16_states" in config else "fp32"
-        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype, stochastic_rounding=True,
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype,
+                              stochastic_rounding="_rtn_" not in config,
                               grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32")
         if config.endswith("_agoq"):
             lt.agoq.apply(model, lt.agoq.Policy())

@@ -11,6 +11,9 @@
 #                                            # the sweep's best (LEANTRAIN_FORGE_TILE); profile_step --graph at B = 1
 #   OUT=dir bash benchmarks/gpu_s15.sh third   # update tiles with fewer registers a thread (forge_update16 again); part (b)
 #                                            # graphed at B = 1, 4, 16: torch bf16 and FORGE with the sweep's best tile
+#   OUT=dir bash benchmarks/gpu_s15.sh fourth  # the rest step reads bf16 gradients as stored (one norm launch): rest /
+#                                            # clip / graph tests compiled; update tiles around 32 x 64 (bf16), and for
+#                                            # fp32 states; part (b) graphed at B = 1, 4, 16: torch bf16, FORGE SR and RTN
 # Work goes to /tmp/s15w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -76,6 +79,29 @@ t.pop('torch'); v = min(t, key=t.get).split('x'); print(','.join(v[:2] + ['16', 
       forgeb_cfg b_torch 200 "1 4 16" torch_bf16_graph
       snap
       LEANTRAIN_FORGE_TILE=$best forgeb_cfg b_best 200 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap ;;
+    fourth)
+      gpuinfo
+      log "gpu tests: rest kernel (bf16 gradients as stored, one norm launch), clip, graphs (compiled)"
+      gputest 200 tests/forge/test_forge_rest_kernel.py tests/forge/test_forge_clip.py tests/test_graphs.py
+      snap
+      log "tune forge_update16 around 32 x 64 (bf16 W, bf16 states)"
+      TUNE_UPDATE16_TILES="32,64,8;32,64,16;16,64,8;16,128,8;32,32,4;64,32,8;16,64,4;32,64,8,48;32,128,16;16,256,8;64,64,16" \
+        timeout 120 python3 benchmarks/tune_kernels.py --what forge_update16 --out "$D" 2>&1 | grep -v Warn | tail -1
+      for prec in wbf16_sfp32 wfp32_sfp32; do
+        log "tune forge_update16 $prec"
+        TUNE_TAG=_$prec TUNE_UPDATE16_PREC=$prec TUNE_UPDATE16_TILES="64,64,8;32,64,8;64,64,16;16,64,4;32,128,16;32,64,16" \
+          timeout 100 python3 benchmarks/tune_kernels.py --what forge_update16 --out "$D" 2>&1 | grep -v Warn | tail -1
+      done
+      snap
+      best=$(python3 -c "
+import json; t = json.load(open('$D/tune_forge_update16.json'))['rows'][-1]['per_step_ms_1b_fused_layers']
+t.pop('torch'); v = min(t, key=t.get).split('x'); print(','.join(v[:2] + ['16', v[2], '1'] + v[3:]))")
+      log "best update tile over the 1b layers: $best"
+      forgeb_cfg b_torch 150 "1 4 16" torch_bf16_graph
+      snap
+      LEANTRAIN_FORGE_TILE=$best forgeb_cfg b_best 240 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_rtn_bf16_states_bf16_dw_graph
       snap ;;
   esac
   log done

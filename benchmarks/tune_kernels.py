@@ -582,26 +582,30 @@ def tune_forge_update16(log) -> list[dict]:
     row_np[12] = np.int32(12345).view(np.float32)
     dyn = torch.tensor(np.stack([row_np]), device="cuda")
     assert dyn.shape[1] == DYN_COLS
+    prec = os.environ.get("TUNE_UPDATE16_PREC", "wbf16_sbf16")  # or wbf16_sfp32, wfp32_sfp32 (the gradient: bf16)
+    wdt = torch.bfloat16 if prec.startswith("wbf16") else torch.float32
+    skind = prec.split("_s")[1]
+    sdt = torch.bfloat16 if skind == "bf16" else torch.float32
     rows = []
     for (N, K, count) in SHAPES_1B:
         torch.manual_seed(0)
         g = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 1e-3
-        w0 = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
-        m0 = (torch.randn(N, K, device="cuda") * 1e-3).to(torch.bfloat16)
-        v0 = (torch.rand(N, K, device="cuda") * 1e-6).to(torch.bfloat16)
+        w0 = (torch.randn(N, K, device="cuda") * 0.02).to(wdt)
+        m0 = (torch.randn(N, K, device="cuda") * 1e-3).to(sdt)
+        v0 = (torch.rand(N, K, device="cuda") * 1e-6).to(sdt)
         w, m, v = w0.clone(), m0.clone(), v0.clone()
         sq = torch.zeros((), device="cuda")
         ticket = torch.zeros((), dtype=torch.int32, device="cuda")
-        p = torch.nn.Parameter(w0.clone())
+        p = torch.nn.Parameter(w0.to(sdt))  # torch: W in the states' dtype (pure bf16, or fp32)
         opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-        p.grad = g.clone()
+        p.grad = g.to(sdt)
         opt.step()
 
         def torch_step():
             opt.step()
 
         row = {"N": N, "K": K, "count": count, "torch_adamw_ms": _bench(torch_step)}
-        nbytes = N * K * 14  # g read, W / m / v read and written, bf16
+        nbytes = N * K * (2 + 2 * (w0.element_size() + 2 * m0.element_size()))  # g read, W / m / v read and written
         row["torch_tbps"] = nbytes / row["torch_adamw_ms"] / 1e9
         ref = None
         for (bn, bk, nw, *reg) in tiles:
@@ -612,7 +616,7 @@ def tune_forge_update16(log) -> list[dict]:
                 name += f"x{reg[0]}"
 
             def run(tune=tune):
-                launch_forge(MODE_UPDATE, g=g, w=w, states=[m, v], kinds=["bf16", "bf16"], rule_name="adamw", hp=hp,
+                launch_forge(MODE_UPDATE, g=g, w=w, states=[m, v], kinds=[skind, skind], rule_name="adamw", hp=hp,
                              step=10, sr=True, tune=tune, dyn=(dyn, 0), sq=sq, ticket=ticket)
             try:
                 w.copy_(w0), m.copy_(m0), v.copy_(v0)
@@ -634,8 +638,8 @@ def tune_forge_update16(log) -> list[dict]:
             if isinstance(val, dict) and "ms" in val:
                 totals[k] = totals.get(k, 0.0) + r["count"] * val["ms"]
     totals["torch"] = sum(r["count"] * r["torch_adamw_ms"] for r in rows)
-    log(json.dumps({"per_step_ms_1b_fused_layers": totals}))
-    rows.append({"per_step_ms_1b_fused_layers": totals})
+    log(json.dumps({"prec": prec, "per_step_ms_1b_fused_layers": totals}))
+    rows.append({"prec": prec, "per_step_ms_1b_fused_layers": totals})
     return rows
 
 
@@ -1052,7 +1056,8 @@ def main(argv=None) -> int:
     for name, tuner in tuners.items():
         if name in what:
             extra = {"mib": a.mib} if name == "ops" else {}
-            json.dump({**env, **extra, "rows": tuner()}, open(os.path.join(a.out, f"tune_{name}.json"), "w"), indent=1)
+            fname = f"tune_{name}{os.environ.get('TUNE_TAG', '')}.json"
+            json.dump({**env, **extra, "rows": tuner()}, open(os.path.join(a.out, fname), "w"), indent=1)
     return 0
 
 

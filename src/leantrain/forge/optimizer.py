@@ -577,21 +577,23 @@ class ForgeOptimizer(torch.optim.Optimizer):
         names = self._names
         if names is None:
             names = self._names = {p: n for n, p in self.model.named_parameters()}
-        grads, rest_sq = [], []
+        grads = []
         for p in rest:
             if p.grad.is_sparse:
                 raise RuntimeError("FORGE does not support sparse gradients")
-            g = p.grad.float()
-            grads.append((p, g))
-            rest_sq.append(g.square().sum())
+            # bf16 / fp32 gradients as stored (the update kernel reads either; _apply_rule upcasts)
+            grads.append((p, p.grad if p.grad.dtype in (torch.float32, torch.bfloat16) else p.grad.float()))
             flag_names.append(names.get(p, "?"))
+        rest_sq = None  # the non-fused parameters' sums of squares: one multi-tensor norm launch, fp32
+        if grads:
+            rest_sq = torch.stack(torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float32)).square()
         total, others = None, None
         stacked = finite = None
         if flag_names:  # one array, one isfinite for every layer and parameter (host time: not one per sum)
             if fused_sq is None:
-                stacked = torch.stack(rest_sq)
+                stacked = rest_sq
             else:  # (read now: the array is rewritten next step)
-                stacked = torch.cat([fused_sq, torch.stack(rest_sq)]) if rest_sq else fused_sq
+                stacked = torch.cat([fused_sq, rest_sq]) if rest_sq is not None else fused_sq
             finite = torch.isfinite(stacked)
             total = stacked.sum()
             if tp_sq is not None and self.clip in ("prev_global", "est_global"):  # TP shards: the other ranks' once
@@ -626,6 +628,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if self._rest_on_kernel(p, state):
                 self._step_rest_kernel(p, g, state, gates[i])
                 continue
+            g = g.float()
             if scales is not None:
                 g = g * scales[i]
             self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], ~rest_ok[i])
@@ -643,9 +646,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     self._clip_scale.copy_(new)
             elif self.clip == "est_global":  # fold this step's sums into the predictions
                 units = list(slots)
-                unit_sq = rest_sq + ([others] if others is not None else [])
+                unit_sq = ([rest_sq.sum()] if rest_sq is not None else []) + ([others] if others is not None else [])
                 if unit_sq:  # the non-fused parameters (and other TP ranks' shards) as one unit
-                    self._grad_sums(unit_sq[0].device).sq_views[len(self.layers)].copy_(torch.stack(unit_sq).sum())
+                    self._grad_sums(unit_sq[0].device).sq_views[len(self.layers)].copy_(sum(unit_sq))
                     units.append(len(self.layers))
                 self._sums.fold(units)
         if self._sums is not None and self.clip == "est_global":
