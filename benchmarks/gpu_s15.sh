@@ -14,6 +14,9 @@
 #   OUT=dir bash benchmarks/gpu_s15.sh fourth  # the rest step reads bf16 gradients as stored (one norm launch): rest /
 #                                            # clip / graph tests compiled; update tiles around 32 x 64 (bf16), and for
 #                                            # fp32 states; part (b) graphed at B = 1, 4, 16: torch bf16, FORGE SR and RTN
+#   OUT=dir bash benchmarks/gpu_s15.sh fifth   # the update tiles by W / state bytes (heuristic_config): tests compiled;
+#                                            # part (b) graphed at B = 1, 4, 16 (torch bf16, FORGE SR / RTN); the 1b
+#                                            # trainer graphed (baseline, FORGE); tune_kernels forge_split
 # Work goes to /tmp/s15w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -102,6 +105,21 @@ t.pop('torch'); v = min(t, key=t.get).split('x'); print(','.join(v[:2] + ['16', 
       snap
       LEANTRAIN_FORGE_TILE=$best forgeb_cfg b_best 240 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph \
         forge_bf16_rtn_bf16_states_bf16_dw_graph
+      snap ;;
+    fifth)
+      gpuinfo
+      log "gpu tests: rest kernel, device scalars, graphs, FORGE model tests (compiled, the new update tiles)"
+      gputest 150 tests/forge/test_forge_rest_kernel.py tests/forge/test_forge_device_scalars.py tests/test_graphs.py \
+        tests/forge/test_forge_kernel.py -k "model or update or last or direct or 32_bit"
+      snap
+      forgeb_cfg b_default 200 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_rtn_bf16_states_bf16_dw_graph
+      snap
+      train1b baseline_graph --baseline --train.cuda-graph true
+      train1b forge_graph --forge --train.cuda-graph true
+      snap
+      log "tune forge_split (part (a)'s comparison, T = 512 / 1024 / 2048)"
+      timeout 120 python3 benchmarks/tune_kernels.py --what forge_split --out "$D" 2>&1 | grep -v Warn | tail -1 | cut -c1-300
       snap ;;
   esac
   log done

@@ -260,6 +260,10 @@ def test_heuristic_config():
     assert (big["BLOCK_N"], big["BLOCK_K"], big["BLOCK_T"], big["num_warps"]) == (128, 128, 32, 8)
     assert K.heuristic_config(K.MODE_FUSED, 16384, int8=True)["BLOCK_N"] == 64  # 8-bit epilogue: 64 x 64
     assert K.heuristic_config(K.MODE_UPDATE, 0)["BLOCK_T"] == 16
+    # update-only: smaller tiles the fewer bytes W and its states take (more warps resident)
+    tiles = [K.heuristic_config(K.MODE_UPDATE, 0, w_bf16=w, states_bf16=s) for w, s in ((False, False), (True, False), (True, True))]
+    sizes = [c["BLOCK_N"] * c["BLOCK_K"] // (32 * c["num_warps"]) for c in tiles]
+    assert sizes == [8, 8, 8]  # elements a thread
     upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True)  # whole 16 x 16 blocks of the 8-bit states
     assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
 

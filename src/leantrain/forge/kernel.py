@@ -372,21 +372,34 @@ def _fixed_config():
     return _parse_fixed(v) if v else None
 
 
-def heuristic_config(mode: int, T: int, int8: bool = False) -> dict:
+def _update_cfg(bn: int, bk: int, warps: int) -> dict:
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": warps, "num_stages": 1}
+
+
+def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False) -> dict:
     """The fixed tile configuration used without autotuning (research/forge.md §8, H200).
 
     Fused / write-dW: 64 x 64 tiles, 64-token steps, 4 warps, 3 stages up to ``LARGE_T`` tokens
     (and always with 8-bit states: the 16 x 16 block requantization needs the registers);
-    128 x 128 x 32 at 8 warps above. Update-only, no pipelining: 64 x 64 tiles at 8 warps; with
-    8-bit states 16 x 64 tiles at one warp (session 8, ``tune_kernels.py --what forge_int8`` on
-    the H200, bf16 W + SR, AdamW: 2048 x 5632 in 0.086 ms against 0.102 at session 2's 64 x 64 x
-    4 warps with fp32 states, 0.144 against 0.171 with int8 states; 32000 x 2048 0.438 / 0.521
-    and 0.754 / 0.889; the same bits at every tile).
+    128 x 128 x 32 at 8 warps above.
+
+    Update-only (no pipelining), by the bytes of W and its states: 8 elements a thread, where the
+    kernel is bound by its instructions (IEEE division and square root, the rounding hash, the
+    tile's sum) more than by HBM, and small tiles keep more warps resident (session 15,
+    ``tune_kernels.py --what forge_update16`` on the 1b shapes, bf16 gradient, the same bits at
+    every tile; ``benchmarks/results/2026-12-01_H200_s15/``, calls ``third/`` and ``fourth/``):
+    bf16 W and states 16 x 128 at 8 warps (2.70 / 3.06 TB/s on 2048 x 5632 / 32000 x 2048,
+    against 2.18 / 2.51 at session 8's 64 x 64 x 8 in ``third/``); bf16 W with fp32 states 32 x 64
+    at 8 warps (3.20 / 3.52 against 2.82 / 3.14); fp32 W and states 32 x 128 at 16 warps (3.29 /
+    3.65 against 3.12 / 3.48). 8-bit states: 16 x 64 at one warp (session 8, ``--what
+    forge_int8``: 2048 x 5632 in 0.144 ms against 0.171 at 64 x 64 x 4 warps).
     """
     if mode == MODE_UPDATE:
         if int8:
-            return {"BLOCK_N": 16, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 1, "num_stages": 1}
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 8, "num_stages": 1}
+            return _update_cfg(16, 64, 1)
+        if w_bf16:
+            return _update_cfg(16, 128, 8) if states_bf16 else _update_cfg(32, 64, 8)
+        return _update_cfg(32, 128, 16)
     if T <= LARGE_T or int8:
         return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
@@ -452,6 +465,8 @@ _DIRECT = [None]  # None: not decided yet; False: off
 
 
 def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
+    """The launch plan: tiles (interpreter, ``tune``, ``LEANTRAIN_FORGE_TILE``, autotuning or
+    :func:`heuristic_config`), grid and the constexpr arguments."""
     if not on_gpu:
         cfg = _interp_config(mode)
     elif tune is not None:
@@ -463,7 +478,8 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
         elif os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0"):
             cfg = None
         else:
-            cfg = heuristic_config(mode, T, int8)
+            kinds = [flags_meta["KIND1"], flags_meta["KIND2"]][: flags_meta["NSTATE"]]
+            cfg = heuristic_config(mode, T, int8, flags_meta["W_BF16"], all(k == STATE_KIND["bf16"] for k in kinds))
     if cfg is None:  # autotuned: PART sized for the smallest tile (64 x 64), the launched tiles report
         return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
