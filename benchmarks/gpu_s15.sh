@@ -17,6 +17,10 @@
 #   OUT=dir bash benchmarks/gpu_s15.sh fifth   # the update tiles by W / state bytes (heuristic_config): tests compiled;
 #                                            # part (b) graphed at B = 1, 4, 16 (torch bf16, FORGE SR / RTN); the 1b
 #                                            # trainer graphed (baseline, FORGE); tune_kernels forge_split
+#   OUT=dir bash benchmarks/gpu_s15.sh sixth   # 8-bit epilogue: scales per block, encoder compiled per map sign: tests
+#                                            # compiled; tune_kernels forge_int8; part (b) eager at B = 16 (torch bf16,
+#                                            # FORGE bf16 / fp32 / int8 states); int8 graphed at B = 1, 4; the 1b trainer
+#                                            # with FORGE eager
 # Work goes to /tmp/s15w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -120,6 +124,21 @@ t.pop('torch'); v = min(t, key=t.get).split('x'); print(','.join(v[:2] + ['16', 
       snap
       log "tune forge_split (part (a)'s comparison, T = 512 / 1024 / 2048)"
       timeout 120 python3 benchmarks/tune_kernels.py --what forge_split --out "$D" 2>&1 | grep -v Warn | tail -1 | cut -c1-300
+      snap ;;
+    sixth)
+      gpuinfo
+      log "gpu tests: FORGE kernel, rest kernel, device scalars, graphs (compiled; 8-bit encoder per map sign)"
+      gputest 200 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/test_graphs.py
+      snap
+      log "tune forge_int8 (update tiles, int8 and fp32 states)"
+      timeout 100 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | tail -1 | cut -c1-200
+      snap
+      forgeb_cfg b16 150 16 torch_bf16 forge_bf16_sr_bf16_states_bf16_dw forge_bf16_sr_fp32_states forge_bf16_sr_int8_states
+      snap
+      forgeb_cfg b14_int8 80 "1 4" forge_bf16_sr_int8_states_graph
+      snap
+      train1b forge --forge
       snap ;;
   esac
   log done

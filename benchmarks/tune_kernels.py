@@ -994,7 +994,8 @@ def tune_forge_int8(log) -> list[dict]:
             ref = [w.clone()] + [t.clone() for t in h.states]
             nbytes = N * K * (4 + 2 * 2 + (2 * 2 * (1 + 4 / 256) if sd == "int8" else 16))
             for bn, bk, warps in ((64, 64, 4), (32, 64, 2), (64, 64, 8), (32, 128, 4), (128, 64, 8), (16, 128, 2),
-                                  (32, 32, 1), (64, 128, 8), (16, 64, 1), (32, 256, 8), (128, 128, 8)):
+                                  (32, 32, 1), (64, 128, 8), (16, 64, 1), (32, 256, 8), (128, 128, 8),
+                                  (16, 64, 2), (16, 64, 4), (32, 64, 8), (16, 128, 4)):  # (session 15's)
                 tune = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
                 case = f"update {N}x{K} bf16 W + SR, {sd} states, tile {bn}x{bk} warps {warps}"
                 try:

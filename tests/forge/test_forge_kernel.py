@@ -375,3 +375,31 @@ def test_32_bit_offsets_draw_the_64_bit_bits(monkeypatch):
     for k in s0:
         if torch.is_tensor(s0[k]):
             assert torch.equal(s0[k], s1[k]), k
+
+
+def test_int8_encoder_compiled_for_the_map_sign_equals_the_generic_one():
+    """The 8-bit epilogue compiles the closed-form encoder for the map's sign when the table is
+    ``qmap_on``'s; any other table (here a copy) takes the generic encoder: the same codes."""
+    K = _kernel()
+    rule = RULES["adamw"]()
+    storage = StateStorage("int8", min_numel=0)
+    g = torch.Generator().manual_seed(5)
+    w0 = (torch.randn(40, 33, generator=g) * 0.1).to(DEV)
+    grad = (torch.randn(40, 33, generator=g) * 0.1).to(DEV)
+    outs = []
+    for copy in (False, True):
+        w = w0.clone()
+        st = storage.init(rule, w)
+        for s in rule.state_names:  # non-zero states: codes and scales to decode and re-encode
+            storage.write(st, s, torch.randn(40, 33, generator=torch.Generator().manual_seed(1)).abs().to(DEV) * 1e-2,
+                          s in rule.signed_states)
+        qt = []
+        for s in rule.state_names:
+            q = qmap_on(s in rule.signed_states, w.device)
+            qt.append((q.clone() if copy else q, st[s + "_absmax"]))
+        assert [K._map_sign(q) for q, _ in qt] == ([-1, -1] if copy else [1, 0])
+        K.launch_forge(K.MODE_UPDATE, g=grad, w=w, states=[st[s] for s in rule.state_names], kinds=["int8", "int8"],
+                       qtables=qt, rule_name="adamw", hp=_hp(rule), step=3)
+        outs.append([w] + [st[k] for k in sorted(st) if torch.is_tensor(st[k])])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

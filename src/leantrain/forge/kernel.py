@@ -60,7 +60,7 @@ if HAS_TRITON:
 
     from leantrain.ops.rng import hash_u32_tl
     from leantrain.ops.sr import sr_bf16
-    from leantrain.ops.state8 import state8_decode, state8_encode
+    from leantrain.ops.state8 import state8_encode, state8_encode_finite
 
     @triton.jit
     def _draw(key, offs, IDX32: tl.constexpr):
@@ -83,24 +83,36 @@ if HAS_TRITON:
         return y.to(tl.bfloat16)
 
     @triton.jit
-    def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, am_offs, mask, KIND: tl.constexpr):
-        if KIND == 2:
+    def _blocks_to_tile(v, BN: tl.constexpr, BK: tl.constexpr):
+        """``[BN/16, BK/16]`` per-block values -> ``[BN, BK]`` (each block's value on its 256 elements)."""
+        return tl.reshape(tl.broadcast_to(v[:, None, :, None], [BN // 16, 16, BK // 16, 16]), [BN, BK])
+
+    @triton.jit
+    def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                    KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        if KIND == 2:  # qmap[code] * absmax, the absmax read once per 16 x 16 block
             code = tl.load(ptr + code_offs, mask=mask, other=0)
-            am = tl.load(am_ptr + am_offs, mask=mask, other=0.0)
-            return state8_decode(code, am, qmap_ptr)
+            am = tl.load(am_ptr + blk_n[:, None] * kb + blk_k[None, :],
+                         mask=(blk_n[:, None] < nb) & (blk_k[None, :] < kb), other=0.0)
+            return tl.load(qmap_ptr + code.to(tl.int32)) * _blocks_to_tile(am, BN, BK)
         else:
             return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
-                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr):
+                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
+                     SIGN: tl.constexpr):
         if KIND == 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
             x = tl.where(mask, x, 0.0)
             a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
             am = tl.max(tl.max(a4, axis=3), axis=1)  # [BN/16, BK/16]
-            amf = tl.reshape(tl.broadcast_to(am[:, None, :, None], [BN // 16, 16, BK // 16, 16]), [BN, BK])
-            inv = tl.where(amf > 0, tl.div_rn(tl.zeros_like(amf) + 1.0, tl.where(amf > 0, amf, 1.0)), 0.0)
-            code = state8_encode(x * inv, qmap_ptr)
+            inv = tl.where(am > 0, tl.div_rn(tl.zeros_like(am) + 1.0, tl.where(am > 0, am, 1.0)), 0.0)  # per block
+            xn = x * _blocks_to_tile(inv, BN, BK)
+            if SIGN >= 0:  # the map's sign known at compile time: the closed form without its selects
+                code = state8_encode_finite(xn, tl.abs(xn), qmap_ptr, SIGN == 1)
+                code = tl.where(xn == xn, code, 0)  # (NaN -> 0, as state8_encode)
+            else:
+                code = state8_encode(xn, qmap_ptr)
             tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
             any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
             am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
@@ -159,7 +171,7 @@ if HAS_TRITON:
         HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr,
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
-        IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr,
+        IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -249,9 +261,9 @@ if HAS_TRITON:
             s1 = tl.zeros_like(g)
             s2 = tl.zeros_like(g)
             if NSTATE >= 1:
-                s1 = _load_state(S1, A1, Q1, offs, code_offs, am_offs, mask, KIND1)
+                s1 = _load_state(S1, A1, Q1, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K)
             if NSTATE >= 2:
-                s2 = _load_state(S2, A2, Q2, offs, code_offs, am_offs, mask, KIND2)
+                s2 = _load_state(S2, A2, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
@@ -262,9 +274,9 @@ if HAS_TRITON:
             else:
                 tl.store(W + offs, p, mask=smask)
             if NSTATE >= 1:
-                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K, NATIVE_CVT)
+                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K, NATIVE_CVT, SIGN1)
             if NSTATE >= 2:
-                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K, NATIVE_CVT)
+                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K, NATIVE_CVT, SIGN2)
             if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
                 bmask = mn & bias_here & (tl.max(smask.to(tl.int32), axis=1) > 0)
                 gb = accb
@@ -403,6 +415,17 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
     if T <= LARGE_T or int8:
         return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
+
+
+def _map_sign(qmap) -> int:
+    """1 / 0: ``qmap`` is the signed / unsigned 8-bit map's device table (``optim.state.qmap_on``),
+    whose closed-form encoder is then compiled for that sign; -1: another table (the generic
+    encoder, which reads the sign from the table)."""
+    from leantrain.optim.state import qmap_on
+
+    if qmap is qmap_on(True, qmap.device):
+        return 1
+    return 0 if qmap is qmap_on(False, qmap.device) else -1
 
 
 _RULE_CACHE: dict = {}
@@ -579,7 +602,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     kind1, kind2 = STATE_KIND[k1], STATE_KIND[k2]
     has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
-    pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias,
+    signs = (_map_sign(qtables[0][0]) if kind1 == 2 else -1, _map_sign(qtables[1][0]) if kind2 == 2 else -1)
+    pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
             scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
             os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV))
     plan = _PLANS.get(pkey)
@@ -587,6 +611,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
                     SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
                     SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
+                    SIGN1=signs[0], SIGN2=signs[1],
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, 2 in (kind1, kind2), tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
