@@ -608,12 +608,16 @@ def tune_forge_update16(log) -> list[dict]:
         nbytes = N * K * (2 + 2 * (w0.element_size() + 2 * m0.element_size()))  # g read, W / m / v read and written
         row["torch_tbps"] = nbytes / row["torch_adamw_ms"] / 1e9
         ref = None
-        for (bn, bk, nw, *reg) in tiles:
-            tune = {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": nw, "num_stages": 1}
+        early_too = os.environ.get("TUNE_UPDATE16_EARLY", "0") != "0"  # each tile also with EARLY_LOADS
+        for (bn, bk, nw, *reg), early in [(t, e) for t in tiles for e in ((False, True) if early_too else (False,))]:
+            tune = {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": nw, "num_stages": 1,
+                    "EARLY_LOADS": early}
             name = f"{bn}x{bk}x{nw}"
             if reg:
                 tune["maxnreg"] = reg[0]
                 name += f"x{reg[0]}"
+            if early:
+                name += "e"
 
             def run(tune=tune):
                 launch_forge(MODE_UPDATE, g=g, w=w, states=[m, v], kinds=[skind, skind], rule_name="adamw", hp=hp,

@@ -403,3 +403,45 @@ def test_int8_encoder_compiled_for_the_map_sign_equals_the_generic_one():
         outs.append([w] + [st[k] for k in sorted(st) if torch.is_tensor(st[k])])
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("state_dtype,wdtype,dyn", [("fp32", torch.float32, False), ("bf16", torch.bfloat16, True),
+                                                     ("int8", torch.bfloat16, True)])
+def test_early_loads_change_when_the_tile_is_read_not_what(state_dtype, wdtype, dyn):
+    """``EARLY_LOADS`` (update-only: W, state and the step's scalars read before the tile's sum)
+    gives the same W / state bits and tile sums as the default order, with a bias and SR."""
+    import numpy as np
+
+    K = _kernel()
+    rule = RULES["adamw"]()
+    hp = _hp(rule)
+    storage = StateStorage(state_dtype, min_numel=0)
+    g = torch.Generator().manual_seed(7)
+    w0 = (torch.randn(40, 33, generator=g) * 0.1).to(wdtype).to(DEV)
+    b0 = (torch.randn(40, generator=g) * 0.1).to(wdtype).to(DEV)
+    grad, gbias = torch.randn(40, 33, generator=g).to(DEV), torch.randn(40, generator=g).to(DEV)
+    table = None
+    if dyn:
+        row = K.dyn_row("adamw", hp, 4)
+        row[12] = np.int32(4242).view(np.float32)
+        table = torch.tensor(np.stack([row]), device=DEV)
+    outs = []
+    for early in (False, True):
+        w, b = w0.clone(), b0.clone()
+        st = storage.init(rule, w)
+        for s in rule.state_names:
+            storage.write(st, s, torch.rand(40, 33, generator=torch.Generator().manual_seed(2)).to(DEV) * 1e-2,
+                          s in rule.signed_states)
+        bst = StateStorage("fp32").init(rule, b)
+        kinds = [storage.kind_of(st, s) for s in rule.state_names]
+        qt = [(qmap_on(s in rule.signed_states, w.device), st[s + "_absmax"]) if kd == "int8" else None
+              for s, kd in zip(rule.state_names, kinds)]
+        tune = {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 4, "num_stages": 1,
+                "EARLY_LOADS": early}
+        part = K.launch_forge(K.MODE_UPDATE, g=grad, gb=gbias, w=w, b=b, states=[st[s] for s in rule.state_names],
+                              bias_states=[bst[s] for s in rule.state_names], kinds=kinds, qtables=qt, rule_name="adamw",
+                              hp=hp, step=4, sr=True, key=4242, tune=tune, dyn=None if table is None else (table, 0))
+        outs.append([w, b, part] + [st[k] for k in sorted(st) if torch.is_tensor(st[k])]
+                    + [bst[k] for k in sorted(bst) if torch.is_tensor(bst[k])])
+    for a, c in zip(*outs, strict=True):
+        assert torch.equal(a, c)

@@ -99,6 +99,28 @@ if HAS_TRITON:
             return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                      NSTATE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
+        """A tile's W and optimizer state, in fp32."""
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.zeros([BN, BK], dtype=tl.float32)
+        s2 = tl.zeros([BN, BK], dtype=tl.float32)
+        if NSTATE >= 1:
+            s1 = _load_state(S1, A1, Q1, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND1, BN, BK)
+        if NSTATE >= 2:
+            s2 = _load_state(S2, A2, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND2, BN, BK)
+        return w, s1, s2
+
+    @triton.jit
+    def _dyn_scalars(DYN, dyn_off):
+        """Row ``dyn_off / DYN_COLS`` of the device scalar table: lr .. mom, the gate, the key's bits."""
+        row = DYN + dyn_off
+        return (tl.load(row + 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4),
+                tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8), tl.load(row + 9),
+                tl.load(row + 10), tl.load(row + 11), tl.load(row + 12).to(tl.int32, bitcast=True))
+
+    @triton.jit
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
@@ -172,6 +194,7 @@ if HAS_TRITON:
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
         IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
+        EARLY_LOADS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -207,6 +230,14 @@ if HAS_TRITON:
             acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0).to(tl.float32)
+            if EARLY_LOADS:  # every read of the tile issued before its sum of squares, whose block-wide
+                # reduction (a barrier) the compiler does not move loads across: one memory round
+                # trip a tile instead of two (the gradient's, then W's and the state's)
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                                          NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
+                if HAS_DYN:
+                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
+                        _dyn_scalars(DYN, dyn_off)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             accb = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -237,33 +268,18 @@ if HAS_TRITON:
             smask = mask & ok
             g = acc
             if HAS_DYN:  # the step's scalars from device memory (DYN_COLS): what a CUDA graph replays
-                row = DYN + dyn_off
-                lr = tl.load(row + 0)
-                decay = tl.load(row + 1)
-                step_size = tl.load(row + 2)
-                bc2_sqrt = tl.load(row + 3)
-                b1 = tl.load(row + 4)
-                b2 = tl.load(row + 5)
-                omb1 = tl.load(row + 6)
-                omb2 = tl.load(row + 7)
-                lerp_c = tl.load(row + 8)
-                eps = tl.load(row + 9)
-                mom = tl.load(row + 10)
-                gate = tl.load(row + 11)  # 1, or NaN: store nothing (a dry run)
-                key = tl.load(row + 12).to(tl.int32, bitcast=True)
+                if not EARLY_LOADS:  # (the gate: 1, or NaN to store nothing: a dry run)
+                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
+                        _dyn_scalars(DYN, dyn_off)
                 g = g * gate
                 smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + gate) < float("inf"))
             if HAS_SCALE:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
                 sc = tl.load(SCALE)
                 g = g * sc
                 smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
-            w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.zeros_like(g)
-            s2 = tl.zeros_like(g)
-            if NSTATE >= 1:
-                s1 = _load_state(S1, A1, Q1, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K)
-            if NSTATE >= 2:
-                s2 = _load_state(S2, A2, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K)
+            if not EARLY_LOADS:
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                                          NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
@@ -323,7 +339,7 @@ if HAS_TRITON:
     # (no autotuning, nothing to benchmark at warm-up); LEANTRAIN_FORGE_AUTOTUNE=1 autotunes
     # over these configurations per (N, K, T, mode, dtypes) instead.
     def _cfg(bn, bk, bt, w, s):
-        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8},
+        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": bt, "GROUP_N": 8, "EARLY_LOADS": False},
                              num_warps=w, num_stages=s)
 
     TUNE_CONFIGS = [
@@ -368,6 +384,7 @@ def _interp_config(mode: int) -> dict:
 FIXED_CONFIG_ENV = "LEANTRAIN_FORGE_TILE"  # e.g. "64,64,64,4,3": pin one tile configuration
 AUTOTUNE_ENV = "LEANTRAIN_FORGE_AUTOTUNE"  # "1": autotune over TUNE_CONFIGS / UPDATE_CONFIGS
 DIRECT_LAUNCH_ENV = "LEANTRAIN_FORGE_DIRECT_LAUNCH"  # "0": always launch through kernel[grid](...)
+EARLY_LOADS_ENV = "LEANTRAIN_FORGE_EARLY_LOADS"  # "1": the update-only kernel reads W / state before the tile sum
 LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tiles at 8 warps
 
 
@@ -493,6 +510,8 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
     :func:`heuristic_config`), grid and the constexpr arguments."""
     if not on_gpu:
         cfg = _interp_config(mode)
+        if tune is not None and "EARLY_LOADS" in tune:  # (the interpreter keeps its own tiles)
+            cfg["EARLY_LOADS"] = tune["EARLY_LOADS"]
     elif tune is not None:
         cfg = dict(tune)
     else:
@@ -508,6 +527,9 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
         return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
                      _cdiv(N, 64) * _cdiv(K, 64), True)
+    cfg = dict(cfg)
+    early = cfg.get("EARLY_LOADS", os.environ.get(EARLY_LOADS_ENV, "0") not in ("", "0"))
+    cfg["EARLY_LOADS"] = bool(early) and mode == MODE_UPDATE  # (an update-only option; not measured yet)
     meta = dict(flags_meta, **cfg)
     consts = tuple(meta[n] for n in _CONST_NAMES) if on_gpu else None
     grid = _cdiv(N, cfg["BLOCK_N"]) * _cdiv(K, cfg["BLOCK_K"])
@@ -606,7 +628,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     signs = (_map_sign(qtables[0][0]) if kind1 == 2 else -1, _map_sign(qtables[1][0]) if kind2 == 2 else -1)
     pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
             scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
-            os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV))
+            os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(EARLY_LOADS_ENV))
     plan = _PLANS.get(pkey)
     if plan is None:
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The next GPU calls (written in session 15, when no device time was left to run them):
+#   OUT=dir bash benchmarks/gpu_s16.sh first   # FORGE kernel / rest / device-scalar / graph tests compiled (EARLY_LOADS
+#                                            # bit for bit); tune_kernels forge_update16 with and without EARLY_LOADS for
+#                                            # bf16 / fp32 states and fp32 W
+#   OUT=dir bash benchmarks/gpu_s16.sh second  # part (b) graphed at B = 1, 4, 16: torch bf16, FORGE bf16 / int8 states,
+#                                            # with and without LEANTRAIN_FORGE_EARLY_LOADS=1; the 1b trainer graphed
+# Work goes to /tmp/s16w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+PART=${1:-first}
+D=/tmp/s16w/$PART
+mkdir -p "$D"
+source "$(dirname "$0")/gpu_lib.sh"
+snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
+forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurations
+  local name=$1 lim=$2 batches=$3
+  shift 3
+  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_EARLY_LOADS:-}"
+  timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
+    --out "$D/$name" 2>&1 | grep -v Warn | tail -12
+}
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "gpu tests: FORGE kernel, rest kernel, device scalars, graphs (compiled)"
+      gputest 200 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/test_graphs.py
+      snap
+      for prec in wbf16_sbf16 wbf16_sfp32 wfp32_sfp32; do
+        log "tune forge_update16 $prec, each tile with and without EARLY_LOADS"
+        TUNE_TAG=_$prec TUNE_UPDATE16_PREC=$prec TUNE_UPDATE16_EARLY=1 \
+          TUNE_UPDATE16_TILES="16,128,8;32,64,8;32,128,16;16,64,4;64,64,8" \
+          timeout 100 python3 benchmarks/tune_kernels.py --what forge_update16 --out "$D" 2>&1 | grep -v Warn | tail -1
+        snap
+      done ;;
+    second)
+      gpuinfo
+      forgeb_cfg b_default 200 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_int8_states_graph
+      snap
+      LEANTRAIN_FORGE_EARLY_LOADS=1 forgeb_cfg b_early 150 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_int8_states_graph
+      snap
+      train1b forge_graph --forge --train.cuda-graph true
+      LEANTRAIN_FORGE_EARLY_LOADS=1 train1b forge_graph_early --forge --train.cuda-graph true
+      snap ;;
+  esac
+  log done
+} 2>&1 | tee "$D/log.txt"
+snap
