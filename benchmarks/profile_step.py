@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     ka = prof.key_averages()
     os.makedirs(a.out, exist_ok=True)
     tag = f"{'_graph' if a.graph else ''}{'_noopt' if a.no_opt else ''}{'' if a.clip == 'none' else '_' + a.clip}"
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]  # (GPU-side ranges such as Optimizer.step: not work)
     busy = sum(e.device_time for e in kernels) / 1e3  # ms, the step's kernels and copies back to back
     with open(os.path.join(a.out, f"profile_{a.config}_b{a.batch}{tag}.txt"), "w") as f:
         f.write(f"{a.config}{' (graphed)' if a.graph else ''} B={a.batch} T={a.seq}: step ms median "
