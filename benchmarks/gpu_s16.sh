@@ -12,13 +12,6 @@ D=/tmp/s16w/$PART
 mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
 snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
-forgeb_cfg() {  # $1 name, $2 limit, $3 batches (quoted list), rest: configurations
-  local name=$1 lim=$2 batches=$3
-  shift 3
-  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_EARLY_LOADS:-}"
-  timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
-    --out "$D/$name" 2>&1 | grep -v Warn | tail -12
-}
 {
   case "$PART" in
     first)
