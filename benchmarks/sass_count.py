@@ -4,6 +4,7 @@
     PYTHONPATH=src python3 benchmarks/sass_count.py multi --kind -1 --bits 0 --fast 31 --warps 4 --rows 32
     PYTHONPATH=src python3 benchmarks/sass_count.py dequant --kind 1 --bits 4 --rows 16 --tpp 4 --aligned 1
     PYTHONPATH=src python3 benchmarks/sass_count.py clip --idx64 0
+    PYTHONPATH=src python3 benchmarks/sass_count.py forge --bn 16 --bk 128 --warps 8 --sdtype bf16 --early 1
 
 Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``, so a kernel compiles for
 sm_90 (the H200) on any machine. Printed per kernel: the static instruction count, the count up
@@ -28,7 +29,7 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)  # (a compiled kernel, not the interpreter's)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-_INSN = re.compile(r"\s+/\*[0-9a-f]{4}\*/")
+_INSN = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # (addresses past 0xffff take five digits)
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible: tuple[str, ...],
@@ -82,7 +83,7 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip"])
+    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
@@ -94,6 +95,12 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap a thread (0: none)")
     ap.add_argument("--aligned", type=int, default=1, help="multi, dequant: the ALIGNED constexpr (address / size hints)")
     ap.add_argument("--idx64", type=int, default=0, help="clip: the layer's size passed as a 64-bit integer")
+    ap.add_argument("--bn", type=int, default=16, help="forge: BLOCK_N")
+    ap.add_argument("--bk", type=int, default=128, help="forge: BLOCK_K")
+    ap.add_argument("--wdtype", default="bf16", help="forge: W's dtype (bf16 with SR, or fp32)")
+    ap.add_argument("--sdtype", default="bf16", help="forge: the AdamW states' kind (fp32, bf16, int8)")
+    ap.add_argument("--early", type=int, default=0, help="forge: EARLY_LOADS")
+    ap.add_argument("--sr", type=int, default=1, help="forge: stochastic rounding of bf16 W")
     a = ap.parse_args(argv)
     qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
     if a.kernel == "quant":
@@ -122,6 +129,25 @@ def main(argv=None) -> int:
                "slot": "i32", "has_pred": "i32", "have_total": "i32", "clip": "fp32"}
         cons = dict(EST=True, BLOCK=gradsums._GPU_BLOCK, PBLOCK=512)
         div = ("G", "n", "chunk")
+    elif a.kernel == "forge":  # FORGE's update-only mode (the split path's second half), AdamW, a graph's launch
+        from leantrain.forge import kernel as fk
+
+        fn = fk._forge_kernel
+        kind = fk.STATE_KIND[a.sdtype]
+        sdt = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*u8"}[a.sdtype]
+        sig = {n: "*fp32" for n in ("X", "DY", "W", "B", "S1", "S2", "A1", "A2", "BS1", "BS2", "Q1", "Q2", "G", "GB",
+                                    "PART", "SCALE", "DYN", "SQ", "TICKET")}
+        sig.update(W=f"*{a.wdtype}", S1=sdt, S2=sdt, G="*bf16", TICKET="*i32")
+        sig.update({n: "i32" for n in ("T", "N", "K", "stride_x", "stride_dy")})
+        sig.update({n: "fp32" for n in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
+                                        "eps", "mom")})
+        sig.update(key="i32", dyn_off="i32")
+        cons = dict(MODE=fk.MODE_UPDATE, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2,
+                    W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
+                    NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="ieee", HAS_DYN=True, SUM_OUT=True,
+                    BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
+                    SIGN1=1 if kind == 2 else -1, SIGN2=0 if kind == 2 else -1, EARLY_LOADS=bool(a.early))
+        div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K")
     elif a.kernel == "dequant":
         from leantrain.ops import multi
 
@@ -140,8 +166,12 @@ def main(argv=None) -> int:
         div = ("tab_ptr",)
     sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None)
     c = counts(sass)
-    per = (gradsums._GPU_BLOCK if a.kernel == "clip" else a.rows * (256 if a.kernel == "state8" else 128) * a.tpp) \
-        / (32 * a.warps)
+    if a.kernel == "clip":
+        per = gradsums._GPU_BLOCK / (32 * a.warps)
+    elif a.kernel == "forge":
+        per = a.bn * a.bk / (32 * a.warps)
+    else:
+        per = a.rows * (256 if a.kernel == "state8" else 128) * a.tpp / (32 * a.warps)
     print(f"{a.kernel} {cons}  num_warps={a.warps}")
     print(f"instructions per thread: total {c['total']}, main path {c['main']}, clean path {c['clean']} "
           f"({c['clean'] / per:.1f} an element, {per:.0f} elements a thread)")
