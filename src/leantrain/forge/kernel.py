@@ -436,14 +436,11 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
 
 
 def _map_sign(qmap) -> int:
-    """1 / 0: ``qmap`` is the signed / unsigned 8-bit map's device table (``optim.state.qmap_on``),
-    whose closed-form encoder is then compiled for that sign; -1: another table (the generic
-    encoder, which reads the sign from the table)."""
-    from leantrain.optim.state import qmap_on
-
-    if qmap is qmap_on(True, qmap.device):
-        return 1
-    return 0 if qmap is qmap_on(False, qmap.device) else -1
+    """1 / 0: ``qmap`` is a :class:`~leantrain.ops.state8.StateCodec8` device table of the signed /
+    unsigned dynamic map (the codec marks the tables it makes), whose closed-form encoder is then
+    compiled for that sign; -1: another table (the generic encoder, which reads the sign from it)."""
+    signed = getattr(qmap, "_lt_signed", None)
+    return -1 if signed is None else int(signed)
 
 
 _RULE_CACHE: dict = {}

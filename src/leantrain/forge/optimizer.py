@@ -254,25 +254,27 @@ class ForgeOptimizer(torch.optim.Optimizer):
             )
         if self._dyn is not None and not self._dyn_ready:  # (each layer's rows at its next step: before the += 1)
             self._upload_dyn(1.0)
-        layer.updated_in = self._step_id
-        w, b = layer.weight, layer.bias
-        sw = self.state[w]
-        if not sw:
-            sw = self._init_state(w)
-        sw["step"] += 1
-        step = sw["step"]
-        sb = None
-        if b is not None:
-            sb = self.state[b]
-            if not sb:
-                sb = self._init_state(b, fp32=True)
-            sb["step"] = step
-        backend = self._backend_for(w)
+        sw, sb = self._layer_states(layer)
+        step = self._advance(layer, sw, sb)
+        backend = self._backend_for(layer.weight)
         if backend == "triton":
             self._update_triton(layer, x2, dy2, sw, sb, step, self._materializes(layer, x2, fill, backend), fill)
             self._ran.append(layer.slot)
         else:
-            self._update_torch(layer, x2, dy2, self._hp(w), sw, sb, step, fill)
+            self._update_torch(layer, x2, dy2, self._hp(layer.weight), sw, sb, step, fill)
+
+    def _layer_states(self, layer: ForgeLayer):
+        """The layer's weight and bias state dicts, made on first use (bias state: fp32)."""
+        b = layer.bias
+        return self._init_state(layer.weight), None if b is None else self._init_state(b, fp32=True)
+
+    def _advance(self, layer: ForgeLayer, sw: dict, sb: dict | None) -> int:
+        """Count the layer's step (its bias shares it) and mark it updated in this step."""
+        sw["step"] += 1
+        if sb is not None:
+            sb["step"] = sw["step"]
+        layer.updated_in = self._step_id
+        return sw["step"]
 
     def _materializes(self, layer, x2, fill, backend) -> bool:
         return (fill is not None or backend == "torch" or self.dp_group is not None
@@ -332,15 +334,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         the launches of an eager step on the device table, without the host bookkeeping (step
         counts, the accumulation guard), which :meth:`_graph_prepare` does before each replay."""
         w, b = layer.weight, layer.bias
-        sw = self.state[w]
-        sb = self.state[b] if b is not None else None
-        if not sw or (b is not None and not sb):
-            if self._phase == "capture":
-                raise RuntimeError("FORGE: a layer's optimizer state would be created inside a CUDA graph "
-                                   "capture; GraphedStep runs a warm-up pass first")
-            sw = sw or self._init_state(w)
-            if b is not None and not sb:
-                sb = self._init_state(b, fp32=True)
+        if self._phase == "capture" and (not self.state[w] or (b is not None and not self.state[b])):
+            raise RuntimeError("FORGE: a layer's optimizer state would be created inside a CUDA graph "
+                               "capture; GraphedStep runs a warm-up pass first")
+        sw, sb = self._layer_states(layer)
         if self._phase == "dry" and not self._dyn_ready:
             self._upload_dyn(float("nan"))
         backend = self._backend_for(w)
@@ -386,11 +383,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._upload_dyn(1.0)
         for slot in self._graph_slots:
             layer = self.layers[slot]
-            sw = self.state[layer.weight]
-            sw["step"] += 1
-            if layer.bias is not None:
-                self.state[layer.bias]["step"] = sw["step"]
-            layer.updated_in = self._step_id
+            self._advance(layer, *self._layer_states(layer))
         self._ran = list(self._graph_slots)
 
     def _materialize(self, layer, x2, dy2, backend, fill=None):
@@ -646,9 +639,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     self._clip_scale.copy_(new)
             elif self.clip == "est_global":  # fold this step's sums into the predictions
                 units = list(slots)
-                unit_sq = ([rest_sq.sum()] if rest_sq is not None else []) + ([others] if others is not None else [])
-                if unit_sq:  # the non-fused parameters (and other TP ranks' shards) as one unit
-                    self._grad_sums(unit_sq[0].device).sq_views[len(self.layers)].copy_(sum(unit_sq))
+                unit = [t for t in (None if rest_sq is None else rest_sq.sum(), others) if t is not None]
+                if unit:  # the non-fused parameters (and other TP ranks' shards) as one unit
+                    self._grad_sums(unit[0].device).sq_views[len(self.layers)].copy_(sum(unit))
                     units.append(len(self.layers))
                 self._sums.fold(units)
         if self._sums is not None and self.clip == "est_global":

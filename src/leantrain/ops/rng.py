@@ -51,10 +51,15 @@ def _fmix32_int(x: int) -> int:
     return x
 
 
+def _mix64(s):
+    """The 32-bit key of a 64-bit value: a Python int, or a numpy uint64 array (elementwise; every
+    product in ``_fmix32_int`` stays below 2**64)."""
+    return _fmix32_int((s & MASK32) ^ _fmix32_int((s >> 32) ^ 0x5BD1E995))
+
+
 def seed_key(seed: int) -> int:
     """Mix a Python int seed (any size, taken mod 2**64) into the 32-bit kernel key."""
-    s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return _fmix32_int((s & MASK32) ^ _fmix32_int((s >> 32) ^ 0x5BD1E995))
+    return _mix64(int(seed) & 0xFFFFFFFFFFFFFFFF)
 
 
 _SEED_MUL, _INDEX_MUL, _STEP_MUL, _MASK48 = 0x9E3779B1, 0x10001, 0x5BD1E995, 0xFFFFFFFFFFFF
@@ -80,22 +85,10 @@ def step_kernel_keys(seed: int, index, step):
     ``step`` at once, as an int32 array (a host table of many parameters' keys per step)."""
     import numpy as np
 
-    m32 = np.uint64(MASK32)
     base = np.uint64((seed * _SEED_MUL) & _MASK48)
     s = (base + np.asarray(index, dtype=np.uint64) * np.uint64(_INDEX_MUL)
          + np.asarray(step, dtype=np.uint64) * np.uint64(_STEP_MUL)) & np.uint64(_MASK48)
-
-    def fmix(x):  # _fmix32_int on uint64 arrays (every product below 2**64)
-        x = x & m32
-        x ^= x >> np.uint64(16)
-        x = (x * np.uint64(_M1)) & m32
-        x ^= x >> np.uint64(13)
-        x = (x * np.uint64(_M2)) & m32
-        x ^= x >> np.uint64(16)
-        return x
-
-    k = fmix((s & m32) ^ fmix((s >> np.uint64(32)) ^ np.uint64(0x5BD1E995)))
-    return k.astype(np.uint32).view(np.int32)
+    return _mix64(s).astype(np.uint32).view(np.int32)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

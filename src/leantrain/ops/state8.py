@@ -214,6 +214,7 @@ class StateCodec8:
     def _maps(self, device: torch.device):
         if device not in self._on:
             table = torch.cat([self.qmap, self.midpoints]).to(device)
+            table._lt_signed = self.signed  # (FORGE's epilogue compiles its encoder for this map's sign)
             self._on[device] = (table[:256], table[256:], table)
         return self._on[device]
 
