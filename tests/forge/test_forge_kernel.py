@@ -264,8 +264,35 @@ def test_heuristic_config():
     tiles = [K.heuristic_config(K.MODE_UPDATE, 0, w_bf16=w, states_bf16=s) for w, s in ((False, False), (True, False), (True, True))]
     sizes = [c["BLOCK_N"] * c["BLOCK_K"] // (32 * c["num_warps"]) for c in tiles]
     assert sizes == [8, 8, 8]  # elements a thread
+    assert [c.get("EARLY_LOADS", False) for c in tiles] == [False, False, True]  # measured: only bf16/bf16 gains
     upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True)  # whole 16 x 16 blocks of the 8-bit states
     assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
+
+
+def test_early_loads_default_and_override(monkeypatch):
+    """The GPU plan turns ``EARLY_LOADS`` on for bf16 W with bf16 states only (what was measured
+    faster); ``LEANTRAIN_FORGE_EARLY_LOADS`` forces it either way, an explicit ``tune`` dict wins."""
+    K = _kernel()
+    if not hasattr(K, "_CONST_NAMES"):
+        pytest.skip("needs triton")
+
+    def early(kind, w_bf16, tune=None, mode=None):
+        meta = dict(MODE=K.MODE_UPDATE if mode is None else mode, KIND1=kind, KIND2=kind, NSTATE=2, W_BF16=w_bf16)
+        meta.update((n, 0) for n in K._CONST_NAMES if n not in meta and n not in ("BLOCK_N", "BLOCK_K", "BLOCK_T",
+                                                                                  "GROUP_N", "EARLY_LOADS"))
+        return K._plan(meta["MODE"], 64, 64, 0, kind == 2, tune, True, meta).meta["EARLY_LOADS"]
+
+    bf16, fp32 = K.STATE_KIND["bf16"], K.STATE_KIND["fp32"]
+    monkeypatch.delenv(K.EARLY_LOADS_ENV, raising=False)
+    monkeypatch.delenv(K.FIXED_CONFIG_ENV, raising=False)  # (set by this file's fixture)
+    assert early(bf16, True) and not early(fp32, True) and not early(fp32, False)
+    assert not early(bf16, True, mode=K.MODE_FUSED)  # an update-only option
+    monkeypatch.setenv(K.EARLY_LOADS_ENV, "0")
+    assert not early(bf16, True)
+    monkeypatch.setenv(K.EARLY_LOADS_ENV, "1")
+    assert early(fp32, False)
+    tile = dict(K.heuristic_config(K.MODE_UPDATE, 0), EARLY_LOADS=False)
+    assert not early(fp32, False, tune=tile)
 
 
 def test_part_buffer_reused():

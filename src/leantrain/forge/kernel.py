@@ -384,7 +384,7 @@ def _interp_config(mode: int) -> dict:
 FIXED_CONFIG_ENV = "LEANTRAIN_FORGE_TILE"  # e.g. "64,64,64,4,3": pin one tile configuration
 AUTOTUNE_ENV = "LEANTRAIN_FORGE_AUTOTUNE"  # "1": autotune over TUNE_CONFIGS / UPDATE_CONFIGS
 DIRECT_LAUNCH_ENV = "LEANTRAIN_FORGE_DIRECT_LAUNCH"  # "0": always launch through kernel[grid](...)
-EARLY_LOADS_ENV = "LEANTRAIN_FORGE_EARLY_LOADS"  # "1": the update-only kernel reads W / state before the tile sum
+EARLY_LOADS_ENV = "LEANTRAIN_FORGE_EARLY_LOADS"  # "1" / "0": force the update kernel's early reads on / off
 LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tiles at 8 warps
 
 
@@ -416,19 +416,21 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
     kernel is bound by its instructions (IEEE division and square root, the rounding hash, the
     tile's sum) more than by HBM, and small tiles keep more warps resident (session 15,
     ``tune_kernels.py --what forge_update16`` on the 1b shapes, bf16 gradient, the same bits at
-    every tile; ``benchmarks/results/2026-12-01_H200_s15/``, calls ``third/`` and ``fourth/``):
-    bf16 W and states 16 x 128 at 8 warps (2.70 / 3.06 TB/s on 2048 x 5632 / 32000 x 2048,
-    against 2.18 / 2.51 at session 8's 64 x 64 x 8 in ``third/``); bf16 W with fp32 states 32 x 64
-    at 8 warps (3.20 / 3.52 against 2.82 / 3.14); fp32 W and states 32 x 128 at 16 warps (3.29 /
-    3.65 against 3.12 / 3.48). 8-bit states: 16 x 64 at two warps (``--what forge_int8``, call
+    every tile; ``benchmarks/results/2026-12-01_H200_s15/``, calls ``third/`` and ``fourth/``, and
+    ``2026-12-01_H200_s16/first/``): bf16 W 16 x 128 at 8 warps (bf16 states: 2.70 / 3.06 TB/s on
+    2048 x 5632 / 32000 x 2048, against 2.18 / 2.51 at session 8's 64 x 64 x 8 in s15 ``third/``;
+    fp32 states: the 1b layers in 7.36 ms a step against 7.55 at 32 x 64 x 8 in s16 ``first/``),
+    with bf16 states also ``EARLY_LOADS`` (W and state read before the tile's sum: 5.60 ms against
+    5.83, s16 ``first/``; with fp32 states or fp32 W it was slower); fp32 W and states 32 x 128 at
+    16 warps (3.29 / 3.65 TB/s against 3.12 / 3.48). 8-bit states: 16 x 64 at two warps (``--what forge_int8``, call
     ``sixth/``, fp32 gradient: 2048 x 5632 in 0.114 ms and 32000 x 2048 in 0.590, against 0.136 and
     0.704 at session 8's 16 x 64 x 1 warp; the 8-bit epilogue is bound by its encoder's arithmetic).
     """
     if mode == MODE_UPDATE:
         if int8:
             return _update_cfg(16, 64, 2)
-        if w_bf16:
-            return _update_cfg(16, 128, 8) if states_bf16 else _update_cfg(32, 64, 8)
+        if w_bf16:  # bf16 states: W / state reads issued before the tile's sum (EARLY_LOADS)
+            return dict(_update_cfg(16, 128, 8), EARLY_LOADS=states_bf16)
         return _update_cfg(32, 128, 16)
     if T <= LARGE_T or int8:
         return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
@@ -525,8 +527,11 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
                      _cdiv(N, 64) * _cdiv(K, 64), True)
     cfg = dict(cfg)
-    early = cfg.get("EARLY_LOADS", os.environ.get(EARLY_LOADS_ENV, "0") not in ("", "0"))
-    cfg["EARLY_LOADS"] = bool(early) and mode == MODE_UPDATE  # (an update-only option; not measured yet)
+    forced = os.environ.get(EARLY_LOADS_ENV, "")  # "0" / "1" override the tile's choice, not ``tune``'s
+    early = cfg.get("EARLY_LOADS", False)
+    if forced and (tune is None or "EARLY_LOADS" not in tune):
+        early = forced != "0"
+    cfg["EARLY_LOADS"] = bool(early) and mode == MODE_UPDATE  # (an update-only option)
     meta = dict(flags_meta, **cfg)
     consts = tuple(meta[n] for n in _CONST_NAMES) if on_gpu else None
     grid = _cdiv(N, cfg["BLOCK_N"]) * _cdiv(K, cfg["BLOCK_K"])
