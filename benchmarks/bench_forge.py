@@ -64,7 +64,9 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "forge_bf16_sr_int8_states_graph", "forge_bf16_sr_bf16_states_bf16_dw_graph",
                  # with activation checkpointing (model.activation_checkpointing): only the blocks'
                  # inputs kept, so what a step adds is the gradients (torch) or nothing (FORGE)
-                 "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt"]
+                 "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt",
+                 # 8-bit states with each block's absmax packed into its codes' low bits (1 byte an element)
+                 "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph"]
 BATCHES = [1, 4, 16]
 
 
@@ -291,7 +293,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     config = config.removesuffix("_ckpt")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
-                              "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",
+                              "forge_bf16_sr_int8p_states", "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",
                               "forge_bf16_rtn_bf16_states_bf16_dw")
     with torch.device("cuda"):
         model = Llama(cfg)
@@ -312,7 +314,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(hook)
     else:
-        state_dtype = "int8" if "int8_states" in config else "bf16" if "bf16_states" in config else "fp32"
+        state_dtype = ("int8" if "int8_states" in config else "int8p" if "int8p_states" in config
+                       else "bf16" if "bf16_states" in config else "fp32")
         opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype,
                               stochastic_rounding="_rtn_" not in config,
                               grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32")
@@ -467,7 +470,7 @@ def markdown(res: dict) -> str:
                 continue
             lines.append(f"| {r['config']} | {r['B']} | {r['step_ms']:.1f} | {_gb(r['peak_bytes'])} | "
                          f"{_gb(r['held_bytes'])} | {_gb(r['above_held_bytes'])} | "
-                         f"{r['persistent_bytes_per_param']:.2f} | {r.get('warmup_s', 0):.1f} | {r.get('wall_s', '')} | ok |")
+                         f"{r['persistent_bytes_per_param']:.4f} | {r.get('warmup_s', 0):.1f} | {r.get('wall_s', '')} | ok |")
         lines.append("")
     return "\n".join(lines)
 

@@ -40,6 +40,8 @@ RESUME_RECIPES = {
     "forge": {"forge.enabled": "true"},
     "forge-bf16-int8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8",
                         "model.dim": "64", "model.ffn_dim": "128"},
+    "forge-bf16-int8p": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8p",
+                         "model.dim": "64", "model.ffn_dim": "128"},
 }
 
 

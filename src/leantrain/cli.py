@@ -26,6 +26,7 @@ RECIPES: dict[str, dict] = {
     "forge": {"forge.enabled": "true"},
     "forge-bf16": {"forge.enabled": "true", "train.weights": "bf16"},
     "forge-bf16-int8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8"},
+    "forge-bf16-int8p": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8p"},
     "agoq": {"agoq.enabled": "true"},
     "agoq+forge": {"agoq.enabled": "true", "forge.enabled": "true"},
 }

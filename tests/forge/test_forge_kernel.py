@@ -42,6 +42,12 @@ def _hp(rule):
     return {k: v for k, v in rule.hyper().items()}
 
 
+def _qtable(st, name, kind, signed, device):
+    if kind == "int8":
+        return qmap_on(signed, device), st[name + "_absmax"]
+    return (qmap_on(signed, device), None) if kind == "int8p" else None
+
+
 def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", wdtype=torch.float32, seed=0):
     """Return ((W, b, states) fused, (W, b, states) write-dW + torch rule) after ``steps`` steps."""
     K = _kernel()
@@ -71,8 +77,7 @@ def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", 
         # fused
         w, b, st, bst = sides[0]
         kinds = [storage.kind_of(st, s) for s in names]
-        qt = [(qmap_on(s in signed, w.device), st[s + "_absmax"]) if kd == "int8" else None
-              for s, kd in zip(names, kinds)]
+        qt = [_qtable(st, s, kd, s in signed, w.device) for s, kd in zip(names, kinds)]
         K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, b=b, states=[st[s] for s in names],
                        bias_states=[bst[s] for s in names] if bias else [], kinds=kinds, qtables=qt,
                        rule_name=rule.name, hp=hp, step=step, sr=True, key=key)
@@ -132,6 +137,17 @@ def test_odd_shapes_bitwise(shape):
 def test_int8_states_bitwise():
     """The epilogue's 8-bit requantization equals StateStorage (StateCodec8 on 16 x 16 blocks)."""
     _assert_same(_run_pair("adamw", bias=True, n=40, k=33, steps=3, state_dtype="int8"))
+
+
+@pytest.mark.parametrize("rule,n,k", [("adamw", 40, 33), ("sgd_mom", 17, 50)])
+def test_int8p_states_bitwise(rule, n, k):
+    """Packed 8-bit states (the absmax in the codes' low bits): the epilogue's codes, padding
+    blocks included, equal StateStorage's ``quantize8p`` (odd shapes: partial 16 x 16 blocks)."""
+    sides = _run_pair(rule, bias=True, n=n, k=k, steps=3, state_dtype="int8p", wdtype=torch.bfloat16)
+    _assert_same(sides)
+    st = sides[0][2]
+    assert all(StateStorage.kind_of(st, s) == "int8p" for s in RULES[rule]().state_names)
+    assert not any(k.endswith("_absmax") for k in st)
 
 
 def test_bf16_states_bitwise():

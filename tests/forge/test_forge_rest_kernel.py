@@ -64,3 +64,44 @@ def test_nonfinite_gradient_leaves_the_whole_rest_parameter_unchanged():
     assert torch.equal(m.norm.weight, before["norm.weight"])  # one NaN element: nothing of it stepped
     assert not torch.equal(m.norm.bias, before["norm.bias"])  # its finite neighbour did step
     assert "norm.weight" in opt.last_nonfinite
+
+
+class WideEmbNet(EmbNet):
+    """EmbNet with 272 features: the norm's 1-D states are packed 8-bit (two flat blocks, the
+    second partial), run on the kernel as a [17, 16] view."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.emb = nn.Embedding(40, 272)
+        self.norm = nn.LayerNorm(272)
+        self.fc = nn.Linear(272, 40)
+
+
+def test_rest_params_with_packed_int8_states_on_the_kernel_match_the_torch_rule(monkeypatch):
+    calls = []
+    real = lt.forge.ForgeOptimizer._step_rest_kernel
+    monkeypatch.setattr(lt.forge.ForgeOptimizer, "_step_rest_kernel",
+                        lambda self, p, *a: calls.append(tuple(p.shape)) or real(self, p, *a))
+    torch.manual_seed(0)
+    base = WideEmbNet().to(DEV)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 40, (3, 7), generator=g).to(DEV) for _ in range(3)]
+    out, states = {}, {}
+    for backend in ("torch", "triton"):
+        m = copy.deepcopy(base)
+        opt = lt.forge.attach(m, RULES["adamw"](), backend=backend, state_dtype="int8p")
+        for idx in data:
+            loss = nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[backend] = {n: p.detach().clone() for n, p in m.named_parameters()}
+        states[backend] = opt.state[m.norm.weight]
+    assert set(calls) == {(40, 272), (272,)} and len(calls) == 3 * len(data)
+    st = states["triton"]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg"].shape == (512,) and "exp_avg_absmax" not in st
+    for k in ("exp_avg", "exp_avg_sq"):  # the same codes but a few (the rule's last bits differ by path,
+        # as the fp32 test's 1e-6), the absmax bits in them included
+        assert (st[k] != states["torch"][k]).float().mean() < 0.01, k
+    for n in ("emb.weight", "norm.weight", "norm.bias"):
+        torch.testing.assert_close(out["triton"][n], out["torch"][n], rtol=1e-4, atol=1e-6, msg=n)

@@ -49,7 +49,7 @@ import torch
 from leantrain.ops._backend import HAS_TRITON, interpreting
 
 RULE_IDS = {"sgd": 0, "adamw": 1, "lion": 2, "adams": 3}
-STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2}
+STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2, "int8p": 3}
 MODE_FUSED, MODE_WRITE_DW, MODE_UPDATE = 0, 1, 2
 DYN_COLS = 16  # a row of the device scalars: lr .. mom (11), gate, key bits, padding
 
@@ -88,9 +88,30 @@ if HAS_TRITON:
         return tl.reshape(tl.broadcast_to(v[:, None, :, None], [BN // 16, 16, BK // 16, 16]), [BN, BK])
 
     @triton.jit
+    def _per_block_sum(v, BN: tl.constexpr, BK: tl.constexpr):
+        """``[BN, BK]`` -> ``[BN/16, BK/16]``: the sum over each 16 x 16 block."""
+        return tl.sum(tl.sum(tl.reshape(v, [BN // 16, 16, BK // 16, 16]), axis=3), axis=1)
+
+    @triton.jit
+    def _packed_pos(code_offs):
+        """Position of each element's code in its 256-code block (``"int8p"``: the first 32 carry
+        the block absmax's bits in their low bit)."""
+        return (code_offs % 256).to(tl.int32)
+
+    @triton.jit
     def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        if KIND == 2:  # qmap[code] * absmax, the absmax read once per 16 x 16 block
+        if KIND == 3:  # int8p: the absmax from the low bits of the block's first 32 codes (two
+            # 16-bit halves, sums that cannot overflow), those codes decoding the odd entry
+            code = tl.load(ptr + code_offs, mask=_blocks_to_tile((blk_n[:, None] < nb) & (blk_k[None, :] < kb), BN, BK),
+                           other=0).to(tl.int32)
+            j = _packed_pos(code_offs)
+            bit = code & 1
+            lo = _per_block_sum(tl.where(j < 16, bit << (j & 15), 0), BN, BK)
+            hi = _per_block_sum(tl.where((j >= 16) & (j < 32), bit << (j & 15), 0), BN, BK)
+            am = (lo | (hi << 16)).to(tl.float32, bitcast=True)
+            return tl.load(qmap_ptr + tl.where(j < 32, code | 1, code)) * _blocks_to_tile(am, BN, BK)
+        elif KIND == 2:  # qmap[code] * absmax, the absmax read once per 16 x 16 block
             code = tl.load(ptr + code_offs, mask=mask, other=0)
             am = tl.load(am_ptr + blk_n[:, None] * kb + blk_k[None, :],
                          mask=(blk_n[:, None] < nb) & (blk_k[None, :] < kb), other=0.0)
@@ -124,7 +145,7 @@ if HAS_TRITON:
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
-        if KIND == 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
+        if KIND >= 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
             x = tl.where(mask, x, 0.0)
             a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
             am = tl.max(tl.max(a4, axis=3), axis=1)  # [BN/16, BK/16]
@@ -135,10 +156,19 @@ if HAS_TRITON:
                 code = tl.where(xn == xn, code, 0)  # (NaN -> 0, as state8_encode)
             else:
                 code = state8_encode(xn, qmap_ptr)
-            tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
             any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
             am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
-            tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
+            if KIND == 3:  # int8p: the first 32 codes of a block move to an odd entry and carry the
+                # absmax's bits; the whole block is stored, its zero padding included (as to_tiles)
+                j = _packed_pos(code_offs)
+                up = (code == 0) | (xn >= tl.load(qmap_ptr + code))
+                odd = tl.where((code & 1) == 1, code, tl.where(up, code + 1, code - 1))
+                bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (j & 31)) & 1
+                code = tl.where(j < 32, (odd & 0xFE) | bits, code)
+                tl.store(ptr + code_offs, code.to(tl.uint8), mask=_blocks_to_tile(am_mask, BN, BK))
+            else:
+                tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
+                tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
         elif KIND == 1:
             tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask)
         else:
@@ -356,7 +386,7 @@ if HAS_TRITON:
 
         mode = arg("MODE")
         out = [c for c in configs if (c.kwargs["BLOCK_T"] == 16) == (mode == 2)]
-        if 2 in (arg("KIND1"), arg("KIND2")):  # 8-bit epilogue: 64 x 64 tiles (compile time, registers)
+        if max(arg("KIND1"), arg("KIND2")) >= 2:  # 8-bit epilogue: 64 x 64 tiles (compile time, registers)
             out = [c for c in out if c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 64] or out
         return out
 
@@ -587,8 +617,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
     ``states`` the stored state tensors of W (codes ``[RB, CB, 16, 16]`` for int8) and ``kinds``
-    their kinds (``"fp32" | "bf16" | "int8"``);
-    ``qtables`` one ``(qmap, absmax)`` per int8 state (None otherwise); ``bias_states`` fp32 tensors. ``g``/``gb``: dW/db (written in mode 1, read in mode 2).
+    their kinds (``"fp32" | "bf16" | "int8" | "int8p"``);
+    ``qtables`` one ``(qmap, absmax)`` per int8 state, ``(qmap, None)`` per int8p state (None otherwise); ``bias_states`` fp32 tensors. ``g``/``gb``: dW/db (written in mode 1, read in mode 2).
     ``scale``: optional fp32 scalar tensor multiplied into the gradient before the rule.
     ``tune``: a tile configuration dict (``BLOCK_N, BLOCK_K, BLOCK_T, GROUP_N, num_warps[, num_stages]``).
     ``part``: optional reused fp32 buffer for the per-tile sums; used when its size is exactly
@@ -627,7 +657,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     kind1, kind2 = STATE_KIND[k1], STATE_KIND[k2]
     has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
-    signs = (_map_sign(qtables[0][0]) if kind1 == 2 else -1, _map_sign(qtables[1][0]) if kind2 == 2 else -1)
+    signs = (_map_sign(qtables[0][0]) if kind1 >= 2 else -1, _map_sign(qtables[1][0]) if kind2 >= 2 else -1)
     pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
             scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
             os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(EARLY_LOADS_ENV))
@@ -638,14 +668,15 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
                     SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
                     SIGN1=signs[0], SIGN2=signs[1],
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
-        plan = _PLANS[pkey] = _plan(mode, N, K, T, 2 in (kind1, kind2), tune, on_gpu, meta)
+        plan = _PLANS[pkey] = _plan(mode, N, K, T, max(kind1, kind2) >= 2, tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
     s2 = states[1] if nstate > 1 else dummy
     nb = len(bias_states)
     bs1 = bias_states[0] if nb > 0 else dummy
     bs2 = bias_states[1] if nb > 1 else dummy
-    q1, a1 = qtables[0] if kind1 == 2 else (dummy, dummy)
-    q2, a2 = qtables[1] if kind2 == 2 else (dummy, dummy)
+    q1, a1 = qtables[0] if kind1 >= 2 else (dummy, dummy)
+    q2, a2 = qtables[1] if kind2 >= 2 else (dummy, dummy)
+    a1, a2 = dummy if a1 is None else a1, dummy if a2 is None else a2  # (int8p: no absmax tensor)
     if plan.tuned:
         part = torch.zeros(plan.nparts, dtype=torch.float32, device=dev)
     elif part is None or part.numel() != plan.nparts or part.device != dev:

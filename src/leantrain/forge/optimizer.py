@@ -499,6 +499,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if kind == "int8":
                 qt.append((qmap_on(k in self.rule.signed_states, w.device), sw[k + "_absmax"]))
                 checks.append((k + "_absmax", sw[k + "_absmax"]))
+            elif kind == "int8p":  # (the absmax rides in the codes)
+                qt.append((qmap_on(k in self.rule.signed_states, w.device), None))
             else:
                 qt.append(None)
         h = _LayerHost(sw, sb, tuple(checks), [sw[k] for k in names], kinds, qt,
@@ -655,12 +657,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _rest_on_kernel(self, p: Tensor, state: dict) -> bool:
         """A non-fused parameter is stepped by the kernel's update-only mode (one launch instead
         of ~20 small torch ops: the host time of ``step()``) on the Triton backend, when its
-        states are stored as the kernel reads them (8-bit states only for 2-D parameters)."""
+        states are stored as the kernel reads them (8-bit states: 2-D parameters, or 1-D ones of
+        a multiple of 16 elements with packed states, viewed as ``[n / 16, 16]``: then the kernel's
+        16 x 16 blocks are the flat blocks of 256)."""
         if p.dim() not in (1, 2) or p.dtype not in (torch.float32, torch.bfloat16):
             return False
         if self._backend_for(p) != "triton":
             return False
-        return p.dim() == 2 or all(self.storage.kind_of(state, k) != "int8" for k in self.rule.state_names)
+        kinds = [self.storage.kind_of(state, k) for k in self.rule.state_names]
+        return p.dim() == 2 or "int8" not in kinds and ("int8p" not in kinds or p.numel() % 16 == 0)
 
     def _step_rest_kernel(self, p: Tensor, g: Tensor, state: dict, gate: Tensor) -> None:
         """The rule on a whole non-fused parameter in the kernel's update-only mode. ``gate``
@@ -670,11 +675,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
         K = _KERNEL[0] if _KERNEL else _kernel()
         names = self.rule.state_names
         kinds = [self.storage.kind_of(state, k) for k in names]
-        as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(1, -1))
+        packed = p.dim() == 1 and "int8p" in kinds  # [n / 16, 16]: 16 x 16 blocks = flat blocks of 256
+        as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(-1, 16)) if packed else (lambda t: t.view(1, -1))
         states, qt = [], []
         for k, kind in zip(names, kinds, strict=True):
-            states.append(state[k] if kind == "int8" else as2d(state[k]))
-            qt.append((qmap_on(k in self.rule.signed_states, p.device), state[k + "_absmax"]) if kind == "int8" else None)
+            if kind == "int8p" and packed:
+                states.append(state[k].view(-1, 1, 16, 16))
+            else:
+                states.append(state[k] if kind in ("int8", "int8p") else as2d(state[k]))
+            qt.append((qmap_on(k in self.rule.signed_states, p.device), state.get(k + "_absmax"))
+                      if kind in ("int8", "int8p") else None)
         step = state["step"]
         K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=states, kinds=kinds, qtables=qt,
                        rule_name=self.rule.name, hp=self.param_groups[self._group_of[id(p)]], step=step,
@@ -800,7 +810,9 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             Shared weights (tied embedding / LM head) are left to ``step()``, where the
             embedding's and the head's contributions are already summed in ``.grad``.
         rule: ``lt.optim.SGD / AdamW / Lion / AdamS``; its fields become the param-group defaults.
-        state_dtype: ``"fp32"``, ``"bf16"`` or ``"int8"`` (256-element blocks; < 4096 elements: fp32).
+        state_dtype: ``"fp32"``, ``"bf16"``, ``"int8"`` (256-element blocks with an fp32 absmax each;
+            < 4096 elements: fp32) or ``"int8p"`` (the absmax packed into the codes' low bits: exactly
+            1 byte an element; < 256 elements: fp32; :mod:`leantrain.optim.state`).
         stochastic_rounding: bf16 weights are stored with unbiased stochastic rounding (else nearest).
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         clip: ``"none"``, ``"layer"`` (each layer's gradient, weight and bias together, scaled by

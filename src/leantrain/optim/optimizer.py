@@ -38,8 +38,8 @@ class Optimizer(torch.optim.Optimizer):
         stochastic_rounding: round bf16/fp16 parameters stochastically after the
             fp32 update (unbiased); otherwise round to nearest.
         seed: seed of the stochastic-rounding stream (reproducible runs).
-        state_dtype: how optimizer state is kept between steps: ``"fp32"``, ``"bf16"`` or
-            ``"int8"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
+        state_dtype: how optimizer state is kept between steps: ``"fp32"``, ``"bf16"``,
+            ``"int8"`` or ``"int8p"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
         backend: ``"torch"`` (the rule op by op, any device: the reference), ``"triton"``
             (FORGE's update-only kernel for each parameter it takes: 1-D or 2-D, fp32 or bf16,
             fp32 or bf16 states; the others op by op) or ``"auto"`` (triton for CUDA parameters

@@ -16,6 +16,16 @@ and ``torch.save`` see exactly what is held) and converts them to and from fp32:
   blocks and requantize on their own; for any other tensor 256 consecutive elements.
   Tensors with fewer than 4096 elements stay fp32 (``MIN_NUMEL``), as in bitsandbytes and
   torchao.
+- ``"int8p"``: the same codes and blocks, with each block's fp32 absmax *packed into its codes*:
+  bit ``j`` of the absmax is the low bit of the block's code ``j`` (``j < 32``, storage order:
+  the first two rows of a 16 x 16 tile). Those 32 codes keep 7 bits of value: they decode the
+  odd map entry ``qmap[code | 1]`` (odd entries hold 0 and 1.0 of the signed map, 1.0 of the
+  unsigned one); the encoder gives them the nearest code ``c`` and, where ``c`` is even, moves
+  it to ``c + 1`` if ``x >= qmap[c]`` (or ``c == 0``), else to ``c - 1``. The other 224 codes of
+  a block are the ``"int8"`` codes bit for bit. Exactly 1 byte an element, nothing else held
+  (flat tensors are zero-padded to whole blocks: codes ``[blocks * 256]``); tensors of fewer
+  than 256 elements stay fp32 (``MIN_NUMEL_PACKED``). So bf16 weights with two int8p states hold
+  2 + 1 + 1 = 4 bytes a parameter.
 
 Error of 8-bit storage: relative to the block absmax, the dynamic map's step is at most
 ~1.4 % near 1 and finer toward 0 (log-spaced); see ``tests/forge/test_state.py`` for the
@@ -29,10 +39,13 @@ import functools
 import torch
 from torch import Tensor
 
+from leantrain.ops.quant import ieee_div
 from leantrain.ops.state8 import StateCodec8
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_DTYPES = ("fp32", "bf16", "int8", "int8p")
 MIN_NUMEL = 4096  # smaller tensors keep fp32 state
+MIN_NUMEL_PACKED = 256  # "int8p": one whole block at least
+PACKED_BITS = 32  # "int8p": the absmax's bits ride in the low bits of a block's first 32 codes
 TILE = 16  # 2-D blocks are TILE x TILE = 256 elements
 FLAT_BLOCK = 256
 
@@ -86,6 +99,53 @@ def dequantize8(codes: Tensor, absmax: Tensor, signed: bool, shape) -> Tensor:
     return v if codes.dim() != 4 else from_tiles(v, shape)
 
 
+def _head_bits(device) -> tuple[Tensor, Tensor]:
+    """``(j, 1 << j)`` for the packed positions ``j < 32`` of a block (int64)."""
+    j = torch.arange(PACKED_BITS, device=device)
+    return j, torch.ones_like(j) << j
+
+
+def quantize8p(x: Tensor, signed: bool) -> Tensor:
+    """fp32 ``x`` -> uint8 codes with the block absmax packed in (``"int8p"``, module docstring).
+
+    2-D tensors: codes ``[RB, CB, 16, 16]`` as :func:`quantize8`; other shapes: flat
+    ``[blocks * 256]`` (zero-padded)."""
+    if tile_blocks(x.shape) is None:
+        n = x.numel()
+        x = torch.nn.functional.pad(x.reshape(-1).float(), (0, -(-n // FLAT_BLOCK) * FLAT_BLOCK - n))
+    else:
+        x = to_tiles(x.float())
+    codes, absmax = codec(signed).encode(x)
+    blocks = x.reshape(-1, FLAT_BLOCK)[:, :PACKED_BITS]
+    blocks = torch.where(torch.isfinite(blocks), blocks, 0.0)  # (as the codec)
+    am = absmax.reshape(-1, 1)
+    inv = torch.where(am > 0, ieee_div(1.0, torch.where(am > 0, am, 1.0)), 0.0)
+    xn = blocks * inv
+    head = codes.reshape(-1, FLAT_BLOCK)[:, :PACKED_BITS].long()
+    qmap = codec(signed).qmap.to(x.device)
+    up = (head == 0) | (xn >= qmap[head])
+    odd = torch.where(head % 2 == 1, head, torch.where(up, head + 1, head - 1))
+    j, _ = _head_bits(x.device)
+    bits = (am.view(torch.int32).long() >> j) & 1
+    out = codes.reshape(-1, FLAT_BLOCK).clone()
+    out[:, :PACKED_BITS] = ((odd & 0xFE) | bits).to(torch.uint8)
+    return out.view(codes.shape)
+
+
+def dequantize8p(codes: Tensor, signed: bool, shape) -> Tensor:
+    """``"int8p"`` codes -> fp32 tensor of ``shape``."""
+    blocks = codes.reshape(-1, FLAT_BLOCK).long()
+    j, w = _head_bits(codes.device)
+    bits = ((blocks[:, :PACKED_BITS] & 1) * w).sum(1)  # < 2**32: exact in int64
+    absmax = bits.to(torch.int64).where(bits < 2**31, bits - 2**32).to(torch.int32).view(torch.float32)
+    idx = blocks.clone()
+    idx[:, :PACKED_BITS] |= 1
+    v = codec(signed).qmap.to(codes.device)[idx] * absmax[:, None]
+    if codes.dim() == 4:
+        return from_tiles(v.view(codes.shape), shape)
+    return v.reshape(-1)[: int(torch.Size(shape).numel())].view(shape)
+
+
 class StateStorage:
     """How a rule's state tensors are stored: ``StateStorage("fp32" | "bf16" | "int8")``."""
 
@@ -100,6 +160,8 @@ class StateStorage:
             return "fp32"
         if self.dtype == "int8" and p.numel() < self.min_numel:
             return "fp32"
+        if self.dtype == "int8p" and p.numel() < min(self.min_numel, MIN_NUMEL_PACKED):
+            return "fp32"
         return self.dtype
 
     def init(self, rule, p: Tensor, *, force_fp32: bool = False) -> dict[str, Tensor]:
@@ -111,6 +173,8 @@ class StateStorage:
                 out[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             elif kind == "bf16":
                 out[name] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+            elif kind == "int8p":
+                out[name] = quantize8p(torch.zeros(p.shape, device=p.device), name in rule.signed_states)
             else:
                 signed = name in rule.signed_states
                 codes, absmax = quantize8(torch.zeros(p.shape, device=p.device), signed)
@@ -120,7 +184,9 @@ class StateStorage:
     @staticmethod
     def kind_of(state: dict, name: str) -> str:
         t = state[name]
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "int8"}[t.dtype]
+        if t.dtype == torch.uint8:
+            return "int8" if name + "_absmax" in state else "int8p"
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}[t.dtype]
 
     @staticmethod
     def read(state: dict, name: str, signed: bool, shape=None) -> Tensor:
@@ -133,12 +199,18 @@ class StateStorage:
             return t
         if t.dtype == torch.bfloat16:
             return t.float()
+        if name + "_absmax" not in state:
+            return dequantize8p(t, signed, t.shape if shape is None else shape)
         return dequantize8(t, state[name + "_absmax"], signed, shape)
 
     @staticmethod
     def write(state: dict, name: str, value: Tensor, signed: bool, keep_old: Tensor | None = None) -> None:
         """Store the fp32 ``value``; where the bool scalar ``keep_old`` is True the old bits stay."""
         t = state[name]
+        if t.dtype == torch.uint8 and name + "_absmax" not in state:  # int8p
+            codes = quantize8p(value, signed)
+            t.copy_(codes if keep_old is None else torch.where(keep_old, t, codes))
+            return
         if t.dtype == torch.uint8:
             codes, absmax = quantize8(value, signed)
             if keep_old is not None:
@@ -153,5 +225,6 @@ class StateStorage:
         t.copy_(new)
 
 
-__all__ = ["StateStorage", "STATE_DTYPES", "MIN_NUMEL", "codec", "qmap_on", "quantize8", "dequantize8", "to_tiles",
+__all__ = ["StateStorage", "STATE_DTYPES", "MIN_NUMEL", "codec", "qmap_on", "quantize8", "dequantize8", "quantize8p",
+           "dequantize8p", "to_tiles",
            "from_tiles", "tile_blocks"]
