@@ -449,7 +449,8 @@ def test_int8_encoder_compiled_for_the_map_sign_equals_the_generic_one():
 
 
 @pytest.mark.parametrize("state_dtype,wdtype,dyn", [("fp32", torch.float32, False), ("bf16", torch.bfloat16, True),
-                                                     ("int8", torch.bfloat16, True)])
+                                                     ("int8", torch.bfloat16, True),
+                                                     ("int8p", torch.bfloat16, True)])
 def test_early_loads_change_when_the_tile_is_read_not_what(state_dtype, wdtype, dyn):
     """``EARLY_LOADS`` (update-only: W, state and the step's scalars read before the tile's sum)
     gives the same W / state bits and tile sums as the default order, with a bias and SR."""
@@ -477,8 +478,7 @@ def test_early_loads_change_when_the_tile_is_read_not_what(state_dtype, wdtype, 
                           s in rule.signed_states)
         bst = StateStorage("fp32").init(rule, b)
         kinds = [storage.kind_of(st, s) for s in rule.state_names]
-        qt = [(qmap_on(s in rule.signed_states, w.device), st[s + "_absmax"]) if kd == "int8" else None
-              for s, kd in zip(rule.state_names, kinds)]
+        qt = [_qtable(st, s, kd, s in rule.signed_states, w.device) for s, kd in zip(rule.state_names, kinds)]
         tune = {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 4, "num_stages": 1,
                 "EARLY_LOADS": early}
         part = K.launch_forge(K.MODE_UPDATE, g=grad, gb=gbias, w=w, b=b, states=[st[s] for s in rule.state_names],

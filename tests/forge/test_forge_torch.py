@@ -101,7 +101,7 @@ def test_lr_scheduler_read_at_backward_time():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int8p"])
 def test_state_dict_resume_bit_identical(state_dtype):
     torch.manual_seed(5)
     data = batches(6, shape=(2, 12, 33))
@@ -113,7 +113,7 @@ def test_state_dict_resume_bit_identical(state_dtype):
     train(m1, o1, data[:3])
     sd = copy.deepcopy(o1.state_dict())
     msd = copy.deepcopy(m1.state_dict())
-    if state_dtype == "int8":
+    if state_dtype != "fp32":
         assert o1.state[m1.fc1.weight]["exp_avg"].dtype == torch.uint8
     m2 = Net(33, 160, 40)
     m2.load_state_dict(msd)
@@ -260,14 +260,16 @@ def test_bf16_stochastic_rounding_unbiased():
     assert outs.std(0).max() > 0  # it really rounded stochastically
 
 
-def test_int8_states_track_fp32():
-    """AdamW with 8-bit states: after 10 steps the weights differ from the fp32-state run by < 5 % of
-    the distance travelled, and the dequantized first moment by < 5 % (relative L2)."""
+@pytest.mark.parametrize("state_dtype", ["int8", "int8p"])
+def test_int8_states_track_fp32(state_dtype):
+    """AdamW with 8-bit states (packed or not): after 10 steps the weights differ from the
+    fp32-state run by < 5 % of the distance travelled, and the dequantized first moment by < 5 %
+    (relative L2)."""
     torch.manual_seed(10)
     m0, m1 = pair(Net(33, 160, 40))
     w_init = m0.fc1.weight.detach().clone()
     o0 = lt.forge.attach(m0, RULES["adamw"](), backend="torch", state_dtype="fp32")
-    o1 = lt.forge.attach(m1, RULES["adamw"](), backend="torch", state_dtype="int8")
+    o1 = lt.forge.attach(m1, RULES["adamw"](), backend="torch", state_dtype=state_dtype)
     data = batches(10)
     train(m0, o0, data)
     train(m1, o1, data)

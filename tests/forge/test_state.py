@@ -33,7 +33,7 @@ def test_tile_blocks_are_local():
     assert absmax[0, 0] == 100.0 and (absmax.flatten()[1:] < 1).all()
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int8p"])
 def test_reference_optimizer_state_dtype(state_dtype):
     torch.manual_seed(0)
     lin32, linq = torch.nn.Linear(80, 64), torch.nn.Linear(80, 64)
@@ -49,10 +49,76 @@ def test_reference_optimizer_state_dtype(state_dtype):
             o.zero_grad()
     kind = StateStorage.kind_of(oq.state[linq.weight], "exp_avg")
     assert kind == state_dtype
-    assert StateStorage.kind_of(oq.state[linq.bias], "exp_avg") == ("fp32" if state_dtype == "int8" else "bf16")
+    assert StateStorage.kind_of(oq.state[linq.bias], "exp_avg") == ("bf16" if state_dtype == "bf16" else "fp32")
     assert (linq.weight - lin32.weight).norm() / (lin32.weight - w0).norm() < 0.05
 
 
 def test_bad_state_dtype():
     with pytest.raises(ValueError, match="state_dtype must be one of"):
         StateStorage("fp8")
+
+
+@pytest.mark.parametrize("shape", [(127, 65), (1, 4097), (4097,), (3, 5, 300), (256,)])
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize8p_packs_the_absmax_into_the_codes(shape, signed):
+    """``int8p``: the absmax comes back bit for bit from the first 32 codes' low bits; those codes
+    decode odd map entries, within twice the 8-bit step; the other codes are int8's exactly."""
+    from leantrain.optim.state import codec, dequantize8p, quantize8p
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g) * 1e-3
+    x = x if signed else x.abs()
+    c8, absmax = quantize8(x, signed)
+    c = quantize8p(x, signed)
+    nblocks = absmax.numel()
+    assert c.dtype == torch.uint8 and c.numel() == 256 * nblocks  # whole blocks: 1 byte an element
+    blocks, blocks8 = c.reshape(-1, 256).long(), c8.reshape(-1).long()
+    if c8.dim() == 4:
+        blocks8 = blocks8.view(-1, 256)
+    else:  # (flat int8 codes are not padded)
+        blocks8 = torch.nn.functional.pad(blocks8, (0, 256 * nblocks - blocks8.numel()), value=-1).view(-1, 256)
+    tail = blocks8[:, 32:] >= 0
+    assert torch.equal(blocks[:, 32:][tail], blocks8[:, 32:][tail])
+    bits = ((blocks[:, :32] & 1) << torch.arange(32)).sum(1)
+    assert torch.equal(bits.to(torch.int32).view(torch.float32), absmax.reshape(-1))
+    y = dequantize8p(c, signed, x.shape)
+    y8 = dequantize8(c8, absmax, signed, x.shape)
+    assert y.shape == x.shape
+    # head codes: every other map entry (step <= 0.0141 near 1); the worst case is -absmax itself:
+    # the signed map has no -1, its lowest odd entry is -0.979 (2.11 %)
+    assert ((y - x).abs() <= 0.0212 * x.abs().max()).all()
+    assert 10 * torch.log10(x.square().sum() / (y - x).square().sum()) > 33  # SQNR (dB), int8: > 35
+    if len(shape) != 2 or shape[0] >= 16:  # (a 1-row tensor is all head codes)
+        assert (y != y8).float().mean() <= 32 / 256  # only the head codes moved
+    qmap = codec(signed).qmap
+    head_vals = qmap[blocks[:, :32] | 1]
+    assert (head_vals != 0).any() or not x.any()
+
+
+def test_quantize8p_zero_and_nonfinite():
+    from leantrain.optim.state import dequantize8p, quantize8p
+
+    z = quantize8p(torch.zeros(512), True)
+    assert torch.equal(dequantize8p(z, True, (512,)), torch.zeros(512))  # signed: 0 is an odd entry
+    x = torch.randn(300)
+    x[7], x[40] = float("nan"), float("inf")
+    y = dequantize8p(quantize8p(x, True), True, x.shape)
+    assert torch.isfinite(y).all() and y[7] == 0 and y[40] == 0
+
+
+def test_storage_int8p_kinds_and_bytes():
+    rule = lt.optim.AdamW()
+    sto = StateStorage("int8p")
+    big, mid, small = torch.zeros(64, 80), torch.zeros(300), torch.zeros(200)
+    sb, sm, ss = sto.init(rule, big), sto.init(rule, mid), sto.init(rule, small)
+    assert StateStorage.kind_of(sb, "exp_avg") == "int8p" and sb["exp_avg"].numel() == 64 * 80
+    assert set(sb) == {"exp_avg", "exp_avg_sq"}  # no absmax tensors: the bytes held are the codes
+    assert StateStorage.kind_of(sm, "exp_avg") == "int8p" and sm["exp_avg"].shape == (512,)  # padded flat
+    assert StateStorage.kind_of(ss, "exp_avg") == "fp32"  # below one block
+    v = torch.randn(64, 80)
+    sto.write(sb, "exp_avg", v, True)
+    assert (sto.read(sb, "exp_avg", True, v.shape) - v).abs().max() <= 0.0212 * v.abs().max()
+    keep = torch.tensor(True)
+    before = sb["exp_avg"].clone()
+    sto.write(sb, "exp_avg", v * 3, True, keep_old=keep)
+    assert torch.equal(sb["exp_avg"], before)
