@@ -57,3 +57,7 @@ forgeb_cfg() {  # bench_forge part (b): $1 name, $2 time limit, $3 batches (quot
   timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
     --out "$D/$name" 2>&1 | grep -v Warn | tail -12
 }
+prof() {  # profile_step: $1 config, $2 batch, rest: more profile_step arguments (into $D/prof)
+  log "profile_step $1 B=$2 ${*:3}"
+  timeout 120 python3 benchmarks/profile_step.py --config "$1" --batch "$2" "${@:3}" --out "$D/prof" 2>&1 | grep -v Warn | tail -2
+}

@@ -5,6 +5,10 @@
 #                                            # bf16 / fp32 states and fp32 W
 #   OUT=dir bash benchmarks/gpu_s16.sh second  # part (b) graphed at B = 1, 4, 16: torch bf16, FORGE bf16 / int8 states,
 #                                            # with and without LEANTRAIN_FORGE_EARLY_LOADS=1; the 1b trainer graphed
+#   OUT=dir bash benchmarks/gpu_s16.sh third   # int8p (packed 8-bit states): FORGE / state tests compiled; the update
+#                                            # kernel's int8 / int8p tiles (tune_kernels forge_int8)
+#   OUT=dir bash benchmarks/gpu_s16.sh fourth  # part (b) at B = 1, 4, 16: torch bf16, FORGE bf16 (the new default tiles),
+#                                            # int8, int8p, graphed and eager; the graphed step profiled at B = 1
 # Work goes to /tmp/s16w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -37,6 +41,26 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
       snap
       train1b forge_graph --forge --train.cuda-graph true
       LEANTRAIN_FORGE_EARLY_LOADS=1 train1b forge_graph_early --forge --train.cuda-graph true
+      snap ;;
+    third)
+      gpuinfo
+      log "gpu tests: FORGE kernel, rest kernel, device scalars, torch backend, states, graphs (compiled)"
+      gputest 240 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/forge/test_forge_torch.py tests/forge/test_state.py tests/test_graphs.py
+      snap
+      log "tune forge_int8: int8 and int8p states"
+      TUNE_INT8_KINDS=int8,int8p TUNE_INT8_TILES="16,64,2;16,64,4;32,64,4;16,128,4;32,64,2;16,128,8" \
+        timeout 150 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | grep -v '"case"' | tail -3
+      snap ;;
+    fourth)
+      gpuinfo
+      forgeb_cfg b_graph 300 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
+      snap
+      forgeb_cfg b_eager 150 "16" torch_bf16 forge_bf16_sr_bf16_states_bf16_dw forge_bf16_sr_int8_states \
+        forge_bf16_sr_int8p_states
+      snap
+      prof forge_bf16_states_bf16_dw 1 --graph
       snap ;;
   esac
   log done

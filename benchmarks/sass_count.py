@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bn", type=int, default=16, help="forge: BLOCK_N")
     ap.add_argument("--bk", type=int, default=128, help="forge: BLOCK_K")
     ap.add_argument("--wdtype", default="bf16", help="forge: W's dtype (bf16 with SR, or fp32)")
-    ap.add_argument("--sdtype", default="bf16", help="forge: the AdamW states' kind (fp32, bf16, int8)")
+    ap.add_argument("--sdtype", default="bf16", help="forge: the AdamW states' kind (fp32, bf16, int8, int8p)")
     ap.add_argument("--early", type=int, default=0, help="forge: EARLY_LOADS")
     ap.add_argument("--sr", type=int, default=1, help="forge: stochastic rounding of bf16 W")
     a = ap.parse_args(argv)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
 
         fn = fk._forge_kernel
         kind = fk.STATE_KIND[a.sdtype]
-        sdt = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*u8"}[a.sdtype]
+        sdt = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*u8", "int8p": "*u8"}[a.sdtype]
         sig = {n: "*fp32" for n in ("X", "DY", "W", "B", "S1", "S2", "A1", "A2", "BS1", "BS2", "Q1", "Q2", "G", "GB",
                                     "PART", "SCALE", "DYN", "SQ", "TICKET")}
         sig.update(W=f"*{a.wdtype}", S1=sdt, S2=sdt, G="*bf16", TICKET="*i32")
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="ieee", HAS_DYN=True, SUM_OUT=True,
                     BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
-                    SIGN1=1 if kind == 2 else -1, SIGN2=0 if kind == 2 else -1, EARLY_LOADS=bool(a.early))
+                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early))
         div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K")
     elif a.kernel == "dequant":
         from leantrain.ops import multi

@@ -967,8 +967,12 @@ def tune_forge_int8(log) -> list[dict]:
     from leantrain.optim import AdamW
 
     rows = []
+    kinds = os.environ.get("TUNE_INT8_KINDS", "int8,fp32").split(",")  # int8p: the absmax packed in the codes
+    tiles = [tuple(int(v) for v in t.split(",")) for t in os.environ.get("TUNE_INT8_TILES", "").split(";") if t] or [
+        (64, 64, 4), (32, 64, 2), (64, 64, 8), (32, 128, 4), (128, 64, 8), (16, 128, 2), (32, 32, 1), (64, 128, 8),
+        (16, 64, 1), (32, 256, 8), (128, 128, 8), (16, 64, 2), (16, 64, 4), (32, 64, 8), (16, 128, 4)]
     for (N, K) in ((2048, 5632), (32000, 2048)):
-        for sd in ("int8", "fp32"):
+        for sd in kinds:
             torch.manual_seed(0)
             lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
             opt = attach(lin, AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), state_dtype=sd,
@@ -987,19 +991,18 @@ def tune_forge_int8(log) -> list[dict]:
                 launch_forge(MODE_UPDATE, w=w, states=h.states, kinds=h.kinds, qtables=h.qtables, rule_name="adamw",
                              hp=h.group, step=5, sr=True, key=123, g=g, tune=tune)
 
-            snap = [w.clone()] + [t.clone() for t in h.states] + [q[1].clone() for q in h.qtables if q is not None]
+            absmax = [q[1] for q in h.qtables if q is not None and q[1] is not None]
+            snap = [w.clone()] + [t.clone() for t in h.states] + [t.clone() for t in absmax]
 
-            def restore(snap=snap, h=h, w=w):
-                for dst, src in zip([w, *h.states, *[q[1] for q in h.qtables if q is not None]], snap):
+            def restore(snap=snap, h=h, w=w, absmax=absmax):
+                for dst, src in zip([w, *h.states, *absmax], snap):
                     dst.copy_(src)
 
-            default = heuristic_config(MODE_UPDATE, 0)
+            default = heuristic_config(MODE_UPDATE, 0, int8=sd != "fp32")
             run(default)
             ref = [w.clone()] + [t.clone() for t in h.states]
-            nbytes = N * K * (4 + 2 * 2 + (2 * 2 * (1 + 4 / 256) if sd == "int8" else 16))
-            for bn, bk, warps in ((64, 64, 4), (32, 64, 2), (64, 64, 8), (32, 128, 4), (128, 64, 8), (16, 128, 2),
-                                  (32, 32, 1), (64, 128, 8), (16, 64, 1), (32, 256, 8), (128, 128, 8),
-                                  (16, 64, 2), (16, 64, 4), (32, 64, 8), (16, 128, 4)):  # (session 15's)
+            nbytes = N * K * (4 + 2 * 2 + {"int8": 2 * 2 * (1 + 4 / 256), "int8p": 2 * 2}.get(sd, 16))
+            for bn, bk, warps in tiles:
                 tune = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
                 case = f"update {N}x{K} bf16 W + SR, {sd} states, tile {bn}x{bk} warps {warps}"
                 try:

@@ -161,7 +161,7 @@ if HAS_TRITON:
             if KIND == 3:  # int8p: the first 32 codes of a block move to an odd entry and carry the
                 # absmax's bits; the whole block is stored, its zero padding included (as to_tiles)
                 j = _packed_pos(code_offs)
-                up = (code == 0) | (xn >= tl.load(qmap_ptr + code))
+                up = (code == 0) | (xn >= tl.load(qmap_ptr + code, mask=j < 32, other=0.0))
                 odd = tl.where((code & 1) == 1, code, tl.where(up, code + 1, code - 1))
                 bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (j & 31)) & 1
                 code = tl.where(j < 32, (odd & 0xFE) | bits, code)
