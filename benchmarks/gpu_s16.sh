@@ -7,7 +7,7 @@
 #                                            # with and without LEANTRAIN_FORGE_EARLY_LOADS=1; the 1b trainer graphed
 #   OUT=dir bash benchmarks/gpu_s16.sh third   # int8p (packed 8-bit states): FORGE / state tests compiled; the update
 #                                            # kernel's int8 / int8p tiles (tune_kernels forge_int8)
-#   OUT=dir bash benchmarks/gpu_s16.sh fourth  # part (b) at B = 1, 4, 16: torch bf16, FORGE bf16 (the new default tiles),
+#   OUT=dir bash benchmarks/gpu_s16.sh fourth  # int8p's cheaper absmax read: tests, tiles; part (b) at B = 1, 4, 16: torch bf16, FORGE bf16 (the new default tiles),
 #                                            # int8, int8p, graphed and eager; the graphed step profiled at B = 1
 # Work goes to /tmp/s16w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
@@ -54,6 +54,13 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
       snap ;;
     fourth)
       gpuinfo
+      log "gpu tests: int8p (compiled)"
+      gputest 120 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py -k "int8p or packed"
+      log "tune forge_int8: int8p states (the absmax read from 32 codes, not the tile)"
+      TUNE_INT8_KINDS=int8p TUNE_INT8_TILES="16,64,2;16,64,4;32,64,4" \
+        timeout 100 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | grep -v '"case"' | tail -3
+      snap
       forgeb_cfg b_graph 300 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
         forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
       snap

@@ -88,28 +88,34 @@ if HAS_TRITON:
         return tl.reshape(tl.broadcast_to(v[:, None, :, None], [BN // 16, 16, BK // 16, 16]), [BN, BK])
 
     @triton.jit
-    def _per_block_sum(v, BN: tl.constexpr, BK: tl.constexpr):
-        """``[BN, BK]`` -> ``[BN/16, BK/16]``: the sum over each 16 x 16 block."""
-        return tl.sum(tl.sum(tl.reshape(v, [BN // 16, 16, BK // 16, 16]), axis=3), axis=1)
-
-    @triton.jit
     def _packed_pos(code_offs):
         """Position of each element's code in its 256-code block (``"int8p"``: the first 32 carry
         the block absmax's bits in their low bit)."""
-        return (code_offs % 256).to(tl.int32)
+        return code_offs.to(tl.int32) & 255  # (the low bits of the 64-bit offset)
+
+    @triton.jit
+    def _packed_absmax(ptr, blk_n, blk_k, kb, nb):
+        """``"int8p"``: the absmax of each of the tile's 16 x 16 blocks, ``[BN/16, BK/16]``, from the
+        low bits of the block's first 32 codes (read again as a ``[.., 2, 16]`` tensor: a small
+        sum per block in two 16-bit halves, which cannot overflow)."""
+        r = tl.arange(0, 2)
+        c = tl.arange(0, 16)
+        base = (blk_n[:, None] * kb + blk_k[None, :]).to(tl.int64) * 256
+        valid = (blk_n[:, None] < nb) & (blk_k[None, :] < kb)
+        offs = base[:, :, None, None] + (r[:, None] * 16 + c[None, :])[None, None, :, :]
+        code = tl.load(ptr + offs, mask=valid[:, :, None, None], other=0).to(tl.int32)
+        half = tl.sum((code & 1) << c[None, None, None, :], axis=3)  # [BN/16, BK/16, 2]
+        lo = tl.sum(tl.where(r[None, None, :] == 0, half, 0), axis=2)
+        hi = tl.sum(tl.where(r[None, None, :] == 1, half, 0), axis=2)
+        return (lo | (hi << 16)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        if KIND == 3:  # int8p: the absmax from the low bits of the block's first 32 codes (two
-            # 16-bit halves, sums that cannot overflow), those codes decoding the odd entry
-            code = tl.load(ptr + code_offs, mask=_blocks_to_tile((blk_n[:, None] < nb) & (blk_k[None, :] < kb), BN, BK),
-                           other=0).to(tl.int32)
+        if KIND == 3:  # int8p: the codes as int8's, the first 32 of a block decoding the odd entry
+            code = tl.load(ptr + code_offs, mask=mask, other=0).to(tl.int32)
+            am = _packed_absmax(ptr, blk_n, blk_k, kb, nb)
             j = _packed_pos(code_offs)
-            bit = code & 1
-            lo = _per_block_sum(tl.where(j < 16, bit << (j & 15), 0), BN, BK)
-            hi = _per_block_sum(tl.where((j >= 16) & (j < 32), bit << (j & 15), 0), BN, BK)
-            am = (lo | (hi << 16)).to(tl.float32, bitcast=True)
             return tl.load(qmap_ptr + tl.where(j < 32, code | 1, code)) * _blocks_to_tile(am, BN, BK)
         elif KIND == 2:  # qmap[code] * absmax, the absmax read once per 16 x 16 block
             code = tl.load(ptr + code_offs, mask=mask, other=0)
