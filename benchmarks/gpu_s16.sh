@@ -9,6 +9,8 @@
 #                                            # kernel's int8 / int8p tiles (tune_kernels forge_int8)
 #   OUT=dir bash benchmarks/gpu_s16.sh fourth  # int8p's cheaper absmax read: tests, tiles; part (b) at B = 1, 4, 16: torch bf16, FORGE bf16 (the new default tiles),
 #                                            # int8, int8p, graphed and eager; the graphed step profiled at B = 1
+#   OUT=dir bash benchmarks/gpu_s16.sh fifth   # int8p's store without block reductions, four warps: tests, tiles,
+#                                            # part (b) int8 / int8p graphed at B = 1, 4, 16 and eager at 16
 # Work goes to /tmp/s16w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -68,6 +70,20 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
         forge_bf16_sr_int8p_states
       snap
       prof forge_bf16_states_bf16_dw 1 --graph
+      snap ;;
+    fifth)
+      gpuinfo
+      log "gpu tests: FORGE kernel, rest kernel, device scalars, states, graphs (compiled; int8p's store mask)"
+      gputest 200 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/forge/test_state.py tests/test_graphs.py
+      snap
+      log "tune forge_int8: int8p"
+      TUNE_INT8_KINDS=int8p TUNE_INT8_TILES="16,64,4;16,64,2;32,64,4;16,128,8" \
+        timeout 100 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | grep -v '"case"' | tail -3
+      snap
+      forgeb_cfg b_graph 200 "1 4 16" torch_bf16_graph forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
+      snap
+      forgeb_cfg b_eager 60 "16" forge_bf16_sr_int8p_states
       snap ;;
   esac
   log done

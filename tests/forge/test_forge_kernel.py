@@ -139,6 +139,30 @@ def test_int8_states_bitwise():
     _assert_same(_run_pair("adamw", bias=True, n=40, k=33, steps=3, state_dtype="int8"))
 
 
+def test_int8p_nonfinite_tile_keeps_its_codes():
+    """A tile whose gradient is not finite stores nothing of its packed codes (absmax bits
+    included); the other tiles are stepped."""
+    K = _kernel()
+    rule = RULES["adamw"]()
+    storage = StateStorage("int8p", min_numel=0)
+    w = (torch.randn(40, 33, generator=torch.Generator().manual_seed(0)) * 0.1).to(DEV)
+    st = storage.init(rule, w)
+    for s in rule.state_names:
+        storage.write(st, s, torch.rand(40, 33, generator=torch.Generator().manual_seed(1)).to(DEV) * 1e-2,
+                      s in rule.signed_states)
+    before = {s: st[s].clone() for s in rule.state_names}
+    grad = torch.randn(40, 33, generator=torch.Generator().manual_seed(2)).to(DEV)
+    grad[3, 5] = float("nan")  # in the tile of rows 0-15, columns 0-15 (16 x 16 tiles here)
+    tune = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 1, "num_stages": 1}
+    kinds = [storage.kind_of(st, s) for s in rule.state_names]
+    K.launch_forge(K.MODE_UPDATE, g=grad, w=w, states=[st[s] for s in rule.state_names], kinds=kinds,
+                   qtables=[_qtable(st, s, kd, s in rule.signed_states, w.device) for s, kd in zip(rule.state_names, kinds)],
+                   rule_name="adamw", hp=_hp(rule), step=3, sr=False, key=0, tune=tune)
+    for s in rule.state_names:  # codes [RB, CB, 16, 16]: block (0, 0) kept, block (0, 1) stepped
+        assert torch.equal(st[s][0, 0], before[s][0, 0]), s
+        assert not torch.equal(st[s][0, 1], before[s][0, 1]), s
+
+
 @pytest.mark.parametrize("rule,n,k", [("adamw", 40, 33), ("sgd_mom", 17, 50)])
 def test_int8p_states_bitwise(rule, n, k):
     """Packed 8-bit states (the absmax in the codes' low bits): the epilogue's codes, padding
@@ -281,8 +305,9 @@ def test_heuristic_config():
     sizes = [c["BLOCK_N"] * c["BLOCK_K"] // (32 * c["num_warps"]) for c in tiles]
     assert sizes == [8, 8, 8]  # elements a thread
     assert [c.get("EARLY_LOADS", False) for c in tiles] == [False, False, True]  # measured: only bf16/bf16 gains
-    upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True)  # whole 16 x 16 blocks of the 8-bit states
-    assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
+    for packed in (False, True):
+        upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True, packed=packed)  # whole 16 x 16 blocks of the 8-bit states
+        assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
 
 
 def test_early_loads_default_and_override(monkeypatch):

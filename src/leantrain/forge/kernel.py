@@ -148,7 +148,7 @@ if HAS_TRITON:
                 tl.load(row + 10), tl.load(row + 11), tl.load(row + 12).to(tl.int32, bitcast=True))
 
     @triton.jit
-    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, pmask, blk_n, blk_k, kb, nb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
         if KIND >= 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
@@ -162,17 +162,18 @@ if HAS_TRITON:
                 code = tl.where(xn == xn, code, 0)  # (NaN -> 0, as state8_encode)
             else:
                 code = state8_encode(xn, qmap_ptr)
-            any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
-            am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
-            if KIND == 3:  # int8p: the first 32 codes of a block move to an odd entry and carry the
-                # absmax's bits; the whole block is stored, its zero padding included (as to_tiles)
+            if KIND == 3:  # int8p: the first 32 codes of a block move to an odd entry (c even: c + 1 if
+                # x >= qmap[c] or c == 0, else c - 1; stored without the low bit) and carry the absmax's
+                # bits; every code of the tile's blocks is stored, their zero padding included (pmask)
                 j = _packed_pos(code_offs)
                 up = (code == 0) | (xn >= tl.load(qmap_ptr + code, mask=j < 32, other=0.0))
-                odd = tl.where((code & 1) == 1, code, tl.where(up, code + 1, code - 1))
+                base = tl.where((code & 1) == 1, code - 1, tl.where(up, code, code - 2))
                 bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (j & 31)) & 1
-                code = tl.where(j < 32, (odd & 0xFE) | bits, code)
-                tl.store(ptr + code_offs, code.to(tl.uint8), mask=_blocks_to_tile(am_mask, BN, BK))
+                code = tl.where(j < 32, base | bits, code)
+                tl.store(ptr + code_offs, code.to(tl.uint8), mask=pmask)
             else:
+                any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
+                am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
                 tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
                 tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
         elif KIND == 1:
@@ -301,18 +302,22 @@ if HAS_TRITON:
             if HAS_BIAS:
                 tl.store(GB + offs_n, accb, mask=mn & bias_here)
         else:
-            smask = mask & ok
+            gok = ok  # the tile-wide conditions to store anything
             g = acc
             if HAS_DYN:  # the step's scalars from device memory (DYN_COLS): what a CUDA graph replays
                 if not EARLY_LOADS:  # (the gate: 1, or NaN to store nothing: a dry run)
                     lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
                         _dyn_scalars(DYN, dyn_off)
                 g = g * gate
-                smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + gate) < float("inf"))
+                gok = gok & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + gate) < float("inf"))
             if HAS_SCALE:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
                 sc = tl.load(SCALE)
                 g = g * sc
-                smask = smask & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
+                gok = gok & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
+            smask = mask & gok
+            pmask = smask  # int8p: every code of the tile's 16 x 16 blocks, their zero padding included
+            if KIND1 == 3 or KIND2 == 3:
+                pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & gok
             if not EARLY_LOADS:
                 w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                                           NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
@@ -326,9 +331,11 @@ if HAS_TRITON:
             else:
                 tl.store(W + offs, p, mask=smask)
             if NSTATE >= 1:
-                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K, NATIVE_CVT, SIGN1)
+                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K,
+                             NATIVE_CVT, SIGN1)
             if NSTATE >= 2:
-                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K, NATIVE_CVT, SIGN2)
+                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, pmask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K,
+                             NATIVE_CVT, SIGN2)
             if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
                 bmask = mn & bias_here & (tl.max(smask.to(tl.int32), axis=1) > 0)
                 gb = accb
@@ -441,7 +448,8 @@ def _update_cfg(bn: int, bk: int, warps: int) -> dict:
     return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": warps, "num_stages": 1}
 
 
-def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False) -> dict:
+def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False,
+                     packed: bool = False) -> dict:
     """The fixed tile configuration used without autotuning (research/forge.md §8, H200).
 
     Fused / write-dW: 64 x 64 tiles, 64-token steps, 4 warps, 3 stages up to ``LARGE_T`` tokens
@@ -463,8 +471,8 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
     0.704 at session 8's 16 x 64 x 1 warp; the 8-bit epilogue is bound by its encoder's arithmetic).
     """
     if mode == MODE_UPDATE:
-        if int8:
-            return _update_cfg(16, 64, 2)
+        if int8:  # packed ("int8p"): four warps (s16 ``fourth/``: 0.185 / 0.995 ms against 0.228 / 1.241 at two)
+            return _update_cfg(16, 64, 4 if packed else 2)
         if w_bf16:  # bf16 states: W / state reads issued before the tile's sum (EARLY_LOADS)
             return dict(_update_cfg(16, 128, 8), EARLY_LOADS=states_bf16)
         return _update_cfg(32, 128, 16)
@@ -557,7 +565,8 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
             cfg = None
         else:
             kinds = [flags_meta["KIND1"], flags_meta["KIND2"]][: flags_meta["NSTATE"]]
-            cfg = heuristic_config(mode, T, int8, flags_meta["W_BF16"], all(k == STATE_KIND["bf16"] for k in kinds))
+            cfg = heuristic_config(mode, T, int8, flags_meta["W_BF16"], all(k == STATE_KIND["bf16"] for k in kinds),
+                                   STATE_KIND["int8p"] in kinds)
     if cfg is None:  # autotuned: PART sized for the smallest tile (64 x 64), the launched tiles report
         return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
