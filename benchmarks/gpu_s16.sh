@@ -11,6 +11,8 @@
 #                                            # int8, int8p, graphed and eager; the graphed step profiled at B = 1
 #   OUT=dir bash benchmarks/gpu_s16.sh fifth   # int8p's store without block reductions, four warps: tests, tiles,
 #                                            # part (b) int8 / int8p graphed at B = 1, 4, 16 and eager at 16
+#   OUT=dir bash benchmarks/gpu_s16.sh sixth   # int8p back at two warps (fifth/'s sweep): its tests, part (b) graphed
+#                                            # at B = 1, 4, 16 against torch bf16, eager at 16
 # Work goes to /tmp/s16w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 PART=${1:-first}
@@ -82,6 +84,16 @@ snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
         timeout 100 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | grep -v '"case"' | tail -3
       snap
       forgeb_cfg b_graph 200 "1 4 16" torch_bf16_graph forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
+      snap
+      forgeb_cfg b_eager 60 "16" forge_bf16_sr_int8p_states
+      snap ;;
+    sixth)
+      gpuinfo
+      log "gpu tests: int8p (compiled), the final kernel"
+      gputest 120 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py -k "int8p or packed or heuristic"
+      snap
+      forgeb_cfg b_graph 150 "1 4 16" torch_bf16_graph forge_bf16_sr_int8p_states_graph
       snap
       forgeb_cfg b_eager 60 "16" forge_bf16_sr_int8p_states
       snap ;;

@@ -305,9 +305,8 @@ def test_heuristic_config():
     sizes = [c["BLOCK_N"] * c["BLOCK_K"] // (32 * c["num_warps"]) for c in tiles]
     assert sizes == [8, 8, 8]  # elements a thread
     assert [c.get("EARLY_LOADS", False) for c in tiles] == [False, False, True]  # measured: only bf16/bf16 gains
-    for packed in (False, True):
-        upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True, packed=packed)  # whole 16 x 16 blocks of the 8-bit states
-        assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
+    upd8 = K.heuristic_config(K.MODE_UPDATE, 0, int8=True)  # whole 16 x 16 blocks of the 8-bit states
+    assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
 
 
 def test_early_loads_default_and_override(monkeypatch):

@@ -448,8 +448,7 @@ def _update_cfg(bn: int, bk: int, warps: int) -> dict:
     return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": warps, "num_stages": 1}
 
 
-def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False,
-                     packed: bool = False) -> dict:
+def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False) -> dict:
     """The fixed tile configuration used without autotuning (research/forge.md §8, H200).
 
     Fused / write-dW: 64 x 64 tiles, 64-token steps, 4 warps, 3 stages up to ``LARGE_T`` tokens
@@ -471,8 +470,8 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
     0.704 at session 8's 16 x 64 x 1 warp; the 8-bit epilogue is bound by its encoder's arithmetic).
     """
     if mode == MODE_UPDATE:
-        if int8:  # packed ("int8p"): four warps (s16 ``fourth/``: 0.185 / 0.995 ms against 0.228 / 1.241 at two)
-            return _update_cfg(16, 64, 4 if packed else 2)
+        if int8:  # also packed ("int8p"): 0.175 / 0.966 ms at two warps, 0.190 / 1.016 at four (s16 ``fifth/``)
+            return _update_cfg(16, 64, 2)
         if w_bf16:  # bf16 states: W / state reads issued before the tile's sum (EARLY_LOADS)
             return dict(_update_cfg(16, 128, 8), EARLY_LOADS=states_bf16)
         return _update_cfg(32, 128, 16)
@@ -565,8 +564,7 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
             cfg = None
         else:
             kinds = [flags_meta["KIND1"], flags_meta["KIND2"]][: flags_meta["NSTATE"]]
-            cfg = heuristic_config(mode, T, int8, flags_meta["W_BF16"], all(k == STATE_KIND["bf16"] for k in kinds),
-                                   STATE_KIND["int8p"] in kinds)
+            cfg = heuristic_config(mode, T, int8, flags_meta["W_BF16"], all(k == STATE_KIND["bf16"] for k in kinds))
     if cfg is None:  # autotuned: PART sized for the smallest tile (64 x 64), the launched tiles report
         return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
