@@ -11,7 +11,8 @@ tokens in steps of ``BLOCK_T`` (``acc += dY_tᵀ X_t``, fp32 accumulator; no spl
 a dW tile is only a gradient after the whole sum). Programs with ``pid_k == 0`` also sum
 ``dY`` over tokens for the bias rows of their tile. The epilogue then loads the tile's
 ``W`` (fp32 or bf16), its state (fp32, bf16, or uint8 codes + one absmax per 16 x 16 block:
-tiles are multiples of 16, so they own whole 8-bit blocks and requantize on their own),
+tiles are multiples of 16, so they own whole 8-bit blocks and requantize on their own; "int8p"
+keeps each block's absmax in the low bits of its first 32 codes, see :mod:`leantrain.optim.state`),
 applies the rule in registers and stores ``W`` (fp32; bf16 rounded stochastically with the
 counter-based hash of :mod:`leantrain.ops.rng` keyed by (seed, element index), or to
 nearest) and the state. The gradient tile is never written to memory.
@@ -34,7 +35,8 @@ keep their old bits. Other tiles of the same layer are updated (see forge/README
 
 Bytes per tile (fused mode): reads ``T·(BLOCK_N + BLOCK_K)·sizeof(x)`` of dY and X, then
 ``BLOCK_N·BLOCK_K·(sizeof(W) + Σ sizeof(state))`` read and written once (fp32 AdamW: 12 B
-read + 12 B written per weight element; bf16 W + int8 states: 4 B + 4/256 B each way).
+read + 12 B written per weight element; bf16 W + int8 states: 4 B + 4/256 B each way; int8p:
+4 B each way, plus the 32 head codes of each block read a second time, from L1).
 Layer total: ``T·(N·⌈K/BK⌉ + K·⌈N/BN⌉)·sizeof(x)`` (X and dY are re-read by every tile row
 / column; L2 absorbs most of it) plus the W/state traffic; no dW write or read.
 """
