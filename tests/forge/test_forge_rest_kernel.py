@@ -28,27 +28,34 @@ class EmbNet(nn.Module):
         return self.fc(self.norm(self.emb(idx)))
 
 
-@pytest.mark.parametrize("rule", ["adamw", "sgd_mom", "lion"])
-def test_rest_params_on_the_kernel_match_the_torch_rule(rule, monkeypatch):
+def _torch_and_triton(base, rule, steps, monkeypatch, **attach_kw):
+    """Train copies of ``base`` with FORGE on the torch and the Triton backend on the same data.
+    Returns (shapes stepped by the rest kernel, parameters by backend, norm weight's state by backend)."""
     calls = []
     real = lt.forge.ForgeOptimizer._step_rest_kernel
     monkeypatch.setattr(lt.forge.ForgeOptimizer, "_step_rest_kernel",
-                        lambda self, p, *a: calls.append(p.shape) or real(self, p, *a))
-    torch.manual_seed(0)
-    base = EmbNet().to(DEV)
+                        lambda self, p, *a: calls.append(tuple(p.shape)) or real(self, p, *a))
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 40, (3, 7), generator=g).to(DEV) for _ in range(4)]
-    out = {}
+    data = [torch.randint(0, 40, (3, 7), generator=g).to(DEV) for _ in range(steps)]
+    out, states = {}, {}
     for backend in ("torch", "triton"):
         m = copy.deepcopy(base)
-        opt = lt.forge.attach(m, RULES[rule](), backend=backend)
+        opt = lt.forge.attach(m, RULES[rule](), backend=backend, **attach_kw)
         for idx in data:
             loss = nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         out[backend] = {n: p.detach().clone() for n, p in m.named_parameters()}
-    assert len(calls) == 3 * len(data)  # emb, norm weight, norm bias: on the kernel (triton only)
+        states[backend] = opt.state[m.norm.weight]
+    return calls, out, states
+
+
+@pytest.mark.parametrize("rule", ["adamw", "sgd_mom", "lion"])
+def test_rest_params_on_the_kernel_match_the_torch_rule(rule, monkeypatch):
+    torch.manual_seed(0)
+    calls, out, _ = _torch_and_triton(EmbNet().to(DEV), rule, 4, monkeypatch)
+    assert len(calls) == 3 * 4  # emb, norm weight, norm bias: on the kernel (triton only)
     for n in ("emb.weight", "norm.weight", "norm.bias"):
         torch.testing.assert_close(out["triton"][n], out["torch"][n], rtol=1e-6, atol=1e-7, msg=n)
 
@@ -78,26 +85,9 @@ class WideEmbNet(EmbNet):
 
 
 def test_rest_params_with_packed_int8_states_on_the_kernel_match_the_torch_rule(monkeypatch):
-    calls = []
-    real = lt.forge.ForgeOptimizer._step_rest_kernel
-    monkeypatch.setattr(lt.forge.ForgeOptimizer, "_step_rest_kernel",
-                        lambda self, p, *a: calls.append(tuple(p.shape)) or real(self, p, *a))
     torch.manual_seed(0)
-    base = WideEmbNet().to(DEV)
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 40, (3, 7), generator=g).to(DEV) for _ in range(3)]
-    out, states = {}, {}
-    for backend in ("torch", "triton"):
-        m = copy.deepcopy(base)
-        opt = lt.forge.attach(m, RULES["adamw"](), backend=backend, state_dtype="int8p")
-        for idx in data:
-            loss = nn.functional.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        out[backend] = {n: p.detach().clone() for n, p in m.named_parameters()}
-        states[backend] = opt.state[m.norm.weight]
-    assert set(calls) == {(40, 272), (272,)} and len(calls) == 3 * len(data)
+    calls, out, states = _torch_and_triton(WideEmbNet().to(DEV), "adamw", 3, monkeypatch, state_dtype="int8p")
+    assert set(calls) == {(40, 272), (272,)} and len(calls) == 3 * 3
     st = states["triton"]
     assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg"].shape == (512,) and "exp_avg_absmax" not in st
     for k in ("exp_avg", "exp_avg_sq"):  # the same codes but a few (the rule's last bits differ by path,
