@@ -1,4 +1,5 @@
-# Shared steps of the benchmarks/gpu_s*.sh device scripts (sourced; needs D, the output folder).
+# Shared steps of the benchmarks/gpu_s*.sh device scripts (sourced; needs D, the output folder,
+# which gpu_part sets).
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/ltc
 log() { echo "=== $(date +%T) $*"; }
 gpuinfo() { log env; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; }
@@ -60,4 +61,10 @@ forgeb_cfg() {  # bench_forge part (b): $1 name, $2 time limit, $3 batches (quot
 prof() {  # profile_step: $1 config, $2 batch, rest: more profile_step arguments (into $D/prof)
   log "profile_step $1 B=$2 ${*:3}"
   timeout 120 python3 benchmarks/profile_step.py --config "$1" --batch "$2" "${@:3}" --out "$D/prof" 2>&1 | grep -v Warn | tail -2
+}
+gpu_part() {  # $1 the session's scratch root (/tmp/sNw), $2 the part: sets PART and D (made), and snap,
+  # which rewrites $OUT/PART.tgz from D (call it after each stage: what a time-out leaves comes back)
+  SCRATCH=$1 PART=$2 D=$1/$2
+  mkdir -p "$D"
+  snap() { tar czf "$OUT/$PART.tgz" -C "$SCRATCH" "$PART"; }
 }

@@ -15,11 +15,8 @@
 #                                            # at B = 1, 4, 16 against torch bf16, eager at 16
 # Work goes to /tmp/s16w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
-PART=${1:-first}
-D=/tmp/s16w/$PART
-mkdir -p "$D"
 source "$(dirname "$0")/gpu_lib.sh"
-snap() { tar czf "$OUT/$PART.tgz" -C /tmp/s16w "$PART"; }
+gpu_part /tmp/s16w "${1:-first}"
 {
   case "$PART" in
     first)

@@ -42,12 +42,6 @@ def _hp(rule):
     return {k: v for k, v in rule.hyper().items()}
 
 
-def _qtable(st, name, kind, signed, device):
-    if kind == "int8":
-        return qmap_on(signed, device), st[name + "_absmax"]
-    return (qmap_on(signed, device), None) if kind == "int8p" else None
-
-
 def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", wdtype=torch.float32, seed=0):
     """Return ((W, b, states) fused, (W, b, states) write-dW + torch rule) after ``steps`` steps."""
     K = _kernel()
@@ -77,7 +71,7 @@ def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", 
         # fused
         w, b, st, bst = sides[0]
         kinds = [storage.kind_of(st, s) for s in names]
-        qt = [_qtable(st, s, kd, s in signed, w.device) for s, kd in zip(names, kinds)]
+        qt = [StateStorage.kernel_table(st, s, s in signed, w.device) for s in names]
         K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, b=b, states=[st[s] for s in names],
                        bias_states=[bst[s] for s in names] if bias else [], kinds=kinds, qtables=qt,
                        rule_name=rule.name, hp=hp, step=step, sr=True, key=key)
@@ -156,7 +150,7 @@ def test_int8p_nonfinite_tile_keeps_its_codes():
     tune = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 1, "num_stages": 1}
     kinds = [storage.kind_of(st, s) for s in rule.state_names]
     K.launch_forge(K.MODE_UPDATE, g=grad, w=w, states=[st[s] for s in rule.state_names], kinds=kinds,
-                   qtables=[_qtable(st, s, kd, s in rule.signed_states, w.device) for s, kd in zip(rule.state_names, kinds)],
+                   qtables=[StateStorage.kernel_table(st, s, s in rule.signed_states, w.device) for s in rule.state_names],
                    rule_name="adamw", hp=_hp(rule), step=3, sr=False, key=0, tune=tune)
     for s in rule.state_names:  # codes [RB, CB, 16, 16]: block (0, 0) kept, block (0, 1) stepped
         assert torch.equal(st[s][0, 0], before[s][0, 0]), s
@@ -502,7 +496,7 @@ def test_early_loads_change_when_the_tile_is_read_not_what(state_dtype, wdtype, 
                           s in rule.signed_states)
         bst = StateStorage("fp32").init(rule, b)
         kinds = [storage.kind_of(st, s) for s in rule.state_names]
-        qt = [_qtable(st, s, kd, s in rule.signed_states, w.device) for s, kd in zip(rule.state_names, kinds)]
+        qt = [StateStorage.kernel_table(st, s, s in rule.signed_states, w.device) for s in rule.state_names]
         tune = {"BLOCK_N": 32, "BLOCK_K": 64, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 4, "num_stages": 1,
                 "EARLY_LOADS": early}
         part = K.launch_forge(K.MODE_UPDATE, g=grad, gb=gbias, w=w, b=b, states=[st[s] for s in rule.state_names],

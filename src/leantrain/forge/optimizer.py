@@ -33,7 +33,7 @@ from leantrain import collectives
 from leantrain.ops._backend import mm_fp32
 from leantrain.ops.rng import step_seed
 from leantrain.optim.rules import Rule
-from leantrain.optim.state import StateStorage, qmap_on
+from leantrain.optim.state import StateStorage
 
 from .gradsums import CLIP_EPS as _CLIP_EPS
 from .gradsums import GradSums
@@ -493,16 +493,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return h
         names = self.rule.state_names
         kinds = [self.storage.kind_of(sw, k) for k in names]
-        qt = []
-        checks = [(k, sw[k]) for k in names]
-        for k, kind in zip(names, kinds, strict=True):
-            if kind == "int8":
-                qt.append((qmap_on(k in self.rule.signed_states, w.device), sw[k + "_absmax"]))
-                checks.append((k + "_absmax", sw[k + "_absmax"]))
-            elif kind == "int8p":  # (the absmax rides in the codes)
-                qt.append((qmap_on(k in self.rule.signed_states, w.device), None))
-            else:
-                qt.append(None)
+        qt = [self.storage.kernel_table(sw, k, k in self.rule.signed_states, w.device) for k in names]
+        checks = [(k, sw[k]) for k in names] + [(k + "_absmax", sw[k + "_absmax"]) for k in names if k + "_absmax" in sw]
         h = _LayerHost(sw, sb, tuple(checks), [sw[k] for k in names], kinds, qt,
                        [sb[k] for k in names] if b is not None else [], group)
         layer.host = h
@@ -677,14 +669,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         kinds = [self.storage.kind_of(state, k) for k in names]
         packed = p.dim() == 1 and "int8p" in kinds  # [n / 16, 16]: 16 x 16 blocks = flat blocks of 256
         as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(-1, 16)) if packed else (lambda t: t.view(1, -1))
-        states, qt = [], []
-        for k, kind in zip(names, kinds, strict=True):
-            if kind == "int8p" and packed:
-                states.append(state[k].view(-1, 1, 16, 16))
-            else:
-                states.append(state[k] if kind in ("int8", "int8p") else as2d(state[k]))
-            qt.append((qmap_on(k in self.rule.signed_states, p.device), state.get(k + "_absmax"))
-                      if kind in ("int8", "int8p") else None)
+        states = [state[k].view(-1, 1, 16, 16) if packed and kind == "int8p"
+                  else state[k] if kind in ("int8", "int8p") else as2d(state[k]) for k, kind in zip(names, kinds, strict=True)]
+        qt = [self.storage.kernel_table(state, k, k in self.rule.signed_states, p.device) for k in names]
         step = state["step"]
         K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=states, kinds=kinds, qtables=qt,
                        rule_name=self.rule.name, hp=self.param_groups[self._group_of[id(p)]], step=step,

@@ -180,6 +180,11 @@ if HAS_TRITON:
         tl.store(out_ptr + idx, state8_decode(code, amax[:, None], qmap_ptr), mask=m)
 
 
+def block_inverse(absmax: torch.Tensor) -> torch.Tensor:
+    """``1 / absmax`` rounded as IEEE division (0 where absmax is 0): the codec's normalization."""
+    return torch.where(absmax > 0, ieee_div(1.0, torch.where(absmax > 0, absmax, 1.0)), 0.0)
+
+
 # Elements per program of the encode kernel (whole blocks) and its warps. Measured on an H200
 # (tune_kernels --what s6, session 6): 1024 elements at 2 warps 57.9 % / 59.3 % of a copy at
 # 256 MiB / 2 GiB of fp32, against 52.1 % / 52.2 % for session 2's 4096 at 4 warps (121 registers
@@ -241,7 +246,7 @@ class StateCodec8:
         xg[:n] = flat
         xg = torch.where(torch.isfinite(xg), xg, 0.0).view(nb, bs)
         absmax = xg.abs().amax(1) if nb else xg.new_zeros(0)
-        inv = torch.where(absmax > 0, ieee_div(1.0, torch.where(absmax > 0, absmax, 1.0)), 0.0)
+        inv = block_inverse(absmax)
         codes = torch.searchsorted(mids, (xg * inv[:, None]).contiguous(), right=False)
         return codes.reshape(-1)[:n].to(torch.uint8).view(x.shape), absmax
 

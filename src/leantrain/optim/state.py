@@ -39,8 +39,7 @@ import functools
 import torch
 from torch import Tensor
 
-from leantrain.ops.quant import ieee_div
-from leantrain.ops.state8 import StateCodec8
+from leantrain.ops.state8 import StateCodec8, block_inverse
 
 STATE_DTYPES = ("fp32", "bf16", "int8", "int8p")
 MIN_NUMEL = 4096  # smaller tensors keep fp32 state
@@ -99,12 +98,6 @@ def dequantize8(codes: Tensor, absmax: Tensor, signed: bool, shape) -> Tensor:
     return v if codes.dim() != 4 else from_tiles(v, shape)
 
 
-def _head_bits(device) -> tuple[Tensor, Tensor]:
-    """``(j, 1 << j)`` for the packed positions ``j < 32`` of a block (int64)."""
-    j = torch.arange(PACKED_BITS, device=device)
-    return j, torch.ones_like(j) << j
-
-
 def quantize8p(x: Tensor, signed: bool) -> Tensor:
     """fp32 ``x`` -> uint8 codes with the block absmax packed in (``"int8p"``, module docstring).
 
@@ -119,14 +112,11 @@ def quantize8p(x: Tensor, signed: bool) -> Tensor:
     blocks = x.reshape(-1, FLAT_BLOCK)[:, :PACKED_BITS]
     blocks = torch.where(torch.isfinite(blocks), blocks, 0.0)  # (as the codec)
     am = absmax.reshape(-1, 1)
-    inv = torch.where(am > 0, ieee_div(1.0, torch.where(am > 0, am, 1.0)), 0.0)
-    xn = blocks * inv
+    xn = blocks * block_inverse(am)
     head = codes.reshape(-1, FLAT_BLOCK)[:, :PACKED_BITS].long()
-    qmap = codec(signed).qmap.to(x.device)
-    up = (head == 0) | (xn >= qmap[head])
+    up = (head == 0) | (xn >= qmap_on(signed, x.device)[head])  # (the table's first 256 entries: the map)
     odd = torch.where(head % 2 == 1, head, torch.where(up, head + 1, head - 1))
-    j, _ = _head_bits(x.device)
-    bits = (am.view(torch.int32).long() >> j) & 1
+    bits = (am.view(torch.int32).long() >> torch.arange(PACKED_BITS, device=x.device)) & 1
     out = codes.reshape(-1, FLAT_BLOCK).clone()
     out[:, :PACKED_BITS] = ((odd & 0xFE) | bits).to(torch.uint8)
     return out.view(codes.shape)
@@ -135,12 +125,11 @@ def quantize8p(x: Tensor, signed: bool) -> Tensor:
 def dequantize8p(codes: Tensor, signed: bool, shape) -> Tensor:
     """``"int8p"`` codes -> fp32 tensor of ``shape``."""
     blocks = codes.reshape(-1, FLAT_BLOCK).long()
-    j, w = _head_bits(codes.device)
-    bits = ((blocks[:, :PACKED_BITS] & 1) * w).sum(1)  # < 2**32: exact in int64
-    absmax = bits.to(torch.int64).where(bits < 2**31, bits - 2**32).to(torch.int32).view(torch.float32)
+    bits = ((blocks[:, :PACKED_BITS] & 1) << torch.arange(PACKED_BITS, device=codes.device)).sum(1)  # < 2**32
+    absmax = torch.where(bits < 2**31, bits, bits - 2**32).to(torch.int32).view(torch.float32)
     idx = blocks.clone()
     idx[:, :PACKED_BITS] |= 1
-    v = codec(signed).qmap.to(codes.device)[idx] * absmax[:, None]
+    v = qmap_on(signed, codes.device)[idx] * absmax[:, None]
     if codes.dim() == 4:
         return from_tiles(v.view(codes.shape), shape)
     return v.reshape(-1)[: int(torch.Size(shape).numel())].view(shape)
@@ -189,17 +178,28 @@ class StateStorage:
         return {torch.float32: "fp32", torch.bfloat16: "bf16"}[t.dtype]
 
     @staticmethod
+    def kernel_table(state: dict, name: str, signed: bool, device):
+        """What FORGE's kernel takes for state ``name`` (``launch_forge``'s ``qtables``): ``(map
+        table, absmax)`` for int8, ``(map table, None)`` for int8p (the absmax is in the codes),
+        None for fp32 / bf16."""
+        kind = StateStorage.kind_of(state, name)
+        if kind not in ("int8", "int8p"):
+            return None
+        return qmap_on(signed, device), state.get(name + "_absmax")
+
+    @staticmethod
     def read(state: dict, name: str, signed: bool, shape=None) -> Tensor:
         """The fp32 value of state ``name`` (the stored tensor itself for fp32 storage).
 
         ``shape``: the parameter's shape (needed for 8-bit states of 2-D parameters).
         """
         t = state[name]
-        if t.dtype == torch.float32:
+        kind = StateStorage.kind_of(state, name)
+        if kind == "fp32":
             return t
-        if t.dtype == torch.bfloat16:
+        if kind == "bf16":
             return t.float()
-        if name + "_absmax" not in state:
+        if kind == "int8p":
             return dequantize8p(t, signed, t.shape if shape is None else shape)
         return dequantize8(t, state[name + "_absmax"], signed, shape)
 
@@ -207,7 +207,7 @@ class StateStorage:
     def write(state: dict, name: str, value: Tensor, signed: bool, keep_old: Tensor | None = None) -> None:
         """Store the fp32 ``value``; where the bool scalar ``keep_old`` is True the old bits stay."""
         t = state[name]
-        if t.dtype == torch.uint8 and name + "_absmax" not in state:  # int8p
+        if StateStorage.kind_of(state, name) == "int8p":
             codes = quantize8p(value, signed)
             t.copy_(codes if keep_old is None else torch.where(keep_old, t, codes))
             return
