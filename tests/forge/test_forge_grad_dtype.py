@@ -50,9 +50,9 @@ def test_workspace_dtype_follows_the_inputs(dtype):
                           grad_dtype="bf16")
     seen, real_get = [], opt._workspace.get
 
-    def get(numel, device, dt=torch.float32):
+    def get(numel, device, dt=torch.float32, ring=1):
         seen.append(dt)
-        return real_get(numel, device, dt)
+        return real_get(numel, device, dt, ring)
 
     opt._workspace.get = get
     model(batches(1, dtype=dtype)[0].to(dev)).float().square().mean().backward()

@@ -23,7 +23,9 @@ No host synchronization: flags and norms stay on the device until someone reads
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -39,12 +41,25 @@ from .gradsums import CLIP_EPS as _CLIP_EPS
 from .gradsums import GradSums
 from .linear import ForgeLayer, patch, unpatch
 
+OVERLAP_RING = 2  # dW workspaces per dtype when the updates run on a side stream (env LEANTRAIN_FORGE_RING)
 SPLIT_TOKENS = 1  # default of attach(split_tokens=): always the split path on CUDA (measured faster)
 CLIPS = ("none", "layer", "prev_global", "est_global")
 # est_global: each unit's predicted sum of squares is the geometric moving average
 # pred <- pred^b * s^(1-b) of its past ones (0: the previous step's). 0.5 measured best on tiny
 # (benchmarks/results/2026-11-29_cpu_convergence_forge_s2).
 _EST_BETA = 0.5
+
+
+def _env_overlap(overlap) -> bool:
+    """``attach(overlap=...)``, unless ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it (benchmarks)."""
+    env = os.environ.get("LEANTRAIN_FORGE_OVERLAP")
+    if env not in (None, ""):
+        if env not in ("0", "1"):
+            raise ValueError(f"LEANTRAIN_FORGE_OVERLAP must be 0 or 1, got {env!r}")
+        return env == "1"
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    return overlap
 
 
 def _check_clip(clip: str, clip_value: float) -> None:
@@ -64,23 +79,49 @@ def _check_clip(clip: str, clip_value: float) -> None:
 
 
 class _Workspace:
-    """One reused buffer per dtype for a materialized dW (+ db): grows to the largest layer."""
+    """The reused buffers of a materialized dW (+ db), per dtype, each grown to the largest layer.
+
+    With ``ring > 1`` (the updates run on a side stream, ``attach(overlap=True)``) consecutive
+    layers take turns over ``ring`` buffers per dtype, so one layer's dW is written while the
+    previous layer's update still reads its own. A buffer handed to a side-stream launch
+    (:meth:`read_on`) carries that stream's event; the next :meth:`get` of the same buffer makes the
+    current stream wait for it before anything writes (or frees) it."""
 
     def __init__(self):
-        self.bufs: dict[torch.dtype, Tensor] = {}
+        self.bufs: dict[tuple, Tensor] = {}
+        self.events: dict[tuple, torch.cuda.Event] = {}
+        self.turn = 0
+        self.last: tuple | None = None
 
-    def get(self, numel: int, device, dtype=torch.float32) -> Tensor:
-        buf = self.bufs.get(dtype)
+    def get(self, numel: int, device, dtype=torch.float32, ring: int = 1) -> Tensor:
+        if ring > 1:
+            self.turn = (self.turn + 1) % ring
+        key = self.last = (dtype, self.turn if ring > 1 else 0)
+        done = self.events.pop(key, None)
+        if done is not None:  # the side stream's update that last read this buffer
+            torch.cuda.current_stream(device).wait_event(done)
+        buf = self.bufs.get(key)
         if buf is None or buf.numel() < numel or buf.device != torch.device(device):
-            self.bufs.pop(dtype, None)
-            buf = self.bufs[dtype] = torch.empty(numel, dtype=dtype, device=device)
+            self.bufs.pop(key, None)
+            buf = self.bufs[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
+
+    def read_on(self, stream) -> None:
+        """The buffer :meth:`get` handed out last is read by a launch just issued on ``stream``."""
+        done = self.events[self.last] = torch.cuda.Event()
+        done.record(stream)
+
+    def joined(self) -> None:
+        """The current stream has waited for the side stream: every buffer is free."""
+        self.events.clear()
 
     def release(self) -> None:
         self.bufs.clear()
+        self.events.clear()
 
 
 _KERNEL = []
+_NULL = contextlib.nullcontext()
 
 
 def _kernel():
@@ -136,7 +177,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32"):
+                 allreduce=None, grad_dtype="fp32", overlap=True):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -154,6 +195,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.split_tokens = split_tokens
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
+        self.overlap = _env_overlap(overlap)
+        self._ring = max(2, int(os.environ.get("LEANTRAIN_FORGE_RING", OVERLAP_RING)))
+        self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
+        self._side_busy = False  # work issued on it since the current stream last waited for it
+        self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
         self._workspace = _Workspace()
         self._backends: dict[bool, str] = {}  # w.is_cuda -> resolved backend
         self._step_id = 0
@@ -281,7 +327,37 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 or self.clip in ("layer", "est_global")
                 or (layer.weight.is_cuda and self.split_tokens is not None and x2.shape[0] >= self.split_tokens))
 
-    # ------------------------------------------------------------------ device scalars, CUDA graphs
+    # ------------------------------------------------------------------ the updates' side stream
+
+    def _side_stream(self, w: Tensor):
+        """The stream the split path's updates run on (``overlap``, CUDA), made on first use; else None."""
+        if not (self.overlap and w.is_cuda):
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(w.device)
+        return self._side
+
+    def _fork(self, side) -> None:
+        """Order ``side`` after the current stream's work so far (this layer's dX and dW), and make
+        sure the current stream waits for it again when this backward ends (:meth:`join`)."""
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        self._side_busy = True
+        task = torch._C._current_graph_task_id()
+        if task >= 0 and task != self._join_task:  # once per backward pass (one that raised dropped it)
+            self._join_task = task
+            # run at the end of this backward pass on the stream that called backward() (as DDP's
+            # reducer does): what follows (step(), the next forward, a read of W) sees every update
+            torch.autograd.Variable._execution_engine.queue_callback(self.join)
+
+    def join(self) -> None:
+        """Make the current stream wait for the updates issued on FORGE's side stream. Runs by
+        itself at the end of every backward that issued one (and in :meth:`step`,
+        :meth:`state_dict`); a caller only needs it around a ``backward`` interrupted by an error."""
+        if self._side_busy:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+            self._side_busy = False
+            self._workspace.joined()
+
 
     def set_device_scalars(self, enabled: bool = True) -> None:
         """Read each step's kernel scalars (lr, bias corrections, rounding keys) from a device
@@ -363,6 +439,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _graph_phase(self, phase: str | None) -> None:
         """Enter ("dry", "capture") or leave (None) a GraphedStep pass."""
+        if phase is None:
+            self.join()  # (done by the backward's end already, unless it raised)
         if phase is None and self._phase == "dry":  # the warm-up's traces: nothing happened
             if self._sums is not None:
                 self._sums.run.zero_()
@@ -395,7 +473,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         low = (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
                and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
         buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
-                                  torch.bfloat16 if low else torch.float32)
+                                  torch.bfloat16 if low else torch.float32,
+                                  self._ring if backend == "triton" and self._side_stream(w) is not None else 1)
         g = buf[: n * k].view(n, k)
         gb = buf[n * k:] if b is not None else None
         done = False
@@ -516,11 +595,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             else:  # the kernel's per-tile sums of squares give the norm: no extra pass over dW
                 scale = self._clip_scale if self.clip == "prev_global" else None
                 own = (sums.sq_views[layer.slot], sums.ticket_views[layer.slot])  # summed by its last program
-            part = K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates, kinds=h.kinds,
-                                  qtables=h.qtables, rule_name=self.rule.name, hp=h.group, step=step,
-                                  sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale, part=h.upart,
-                                  dyn=dyn, sq=None if own is None else own[0],
-                                  ticket=None if own is None else own[1])
+            side = self._side_stream(w)
+            if side is not None:  # after dX (old W) and dW on the current stream; the backward goes on
+                self._fork(side)
+            with torch.cuda.stream(side) if side is not None else _NULL:
+                part = K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates,
+                                      kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
+                                      step=step, sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale,
+                                      part=h.upart, dyn=dyn, sq=None if own is None else own[0],
+                                      ticket=None if own is None else own[1])
+            if side is not None:
+                self._workspace.read_on(side)
             h.upart = part  # reused next step, like h.part
             del buf, g, gb
         else:
@@ -546,6 +631,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.join()
         fused = {id(layer.weight) for layer in self.layers} | {id(layer.bias) for layer in self.layers if layer.bias is not None}
         rest = [p for g in self.param_groups for p in g["params"] if id(p) not in fused and p.grad is not None]
         self._reduce_grads(rest)
@@ -716,6 +802,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self):
+        self.join()
         sd = super().state_dict()
         sd["forge"] = {"step_id": self._step_id,
                        "clip_scale": None if self._clip_scale is None else self._clip_scale.detach().cpu().clone(),
@@ -730,6 +817,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return {key[slot]: t for slot, t in self._sums.predictions().items()}
 
     def load_state_dict(self, state_dict):
+        self.join()
         sd = dict(state_dict)
         extra = sd.pop("forge", None)
         saved = sd["state"]
@@ -789,7 +877,7 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
-           grad_dtype: str = "fp32") -> ForgeOptimizer:
+           grad_dtype: str = "fp32", overlap: bool = True) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -831,10 +919,17 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             inputs are bf16 gets its split-path dW from the bf16 matmul, rounded to bf16 as torch's
             bf16 backward rounds it: 4 bytes a parameter less traffic; not with data parallelism
             or a ``fill`` caller, which keep fp32).
+        overlap: on CUDA, each split-path update runs on a side stream, beside the rest of the
+            backward (the next layers' GEMMs), instead of between them: the same launches and bits.
+            The dW workspace becomes two buffers per dtype that layers take turns over (a buffer is
+            rewritten only after the update that read it). The current stream waits for the side
+            stream at the end of every backward (a callback of the autograd engine), so whatever
+            follows ``backward()`` sees the updated weights. ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
-                          split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype)
+                          split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
+                          overlap=overlap)
 
 
 def detach(model: nn.Module) -> None:
