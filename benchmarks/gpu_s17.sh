@@ -3,8 +3,9 @@
 #   OUT=dir bash benchmarks/gpu_s17.sh first   # the updates on a side stream (attach(overlap=True)): its tests and the
 #                                            # graph / loss / grad-dtype tests compiled; part (b) graphed at B = 1, 4, 16:
 #                                            # torch bf16, FORGE bf16 with and without overlap (LEANTRAIN_FORGE_OVERLAP=0)
-#   OUT=dir bash benchmarks/gpu_s17.sh second  # part (b) eager at B = 1, 4, 16 with and without overlap; int8 / int8p
-#                                            # graphed with overlap; the graphed step profiled at B = 1
+#   OUT=dir bash benchmarks/gpu_s17.sh second  # overlap's tests (the stream checked); part (b) graphed at B = 1, 4: torch
+#                                            # bf16, FORGE bf16 in line / overlap / overlap on a high-priority stream;
+#                                            # eager at B = 16 in line and high-priority overlap
 # Work goes to /tmp/s17w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -23,13 +24,18 @@ gpu_part /tmp/s17w "${1:-first}"
       snap ;;
     second)
       gpuinfo
-      forgeb_cfg b_eager 200 "1 4 16" torch_bf16 forge_bf16_sr_bf16_states_bf16_dw
+      log "gpu tests: overlap (the updates' stream checked)"
+      gputest 100 tests/forge/test_forge_overlap.py
       snap
-      LEANTRAIN_FORGE_OVERLAP=0 forgeb_cfg b_eager_inline 100 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw
+      forgeb_cfg b_graph 120 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
       snap
-      forgeb_cfg b_graph8 200 "1 4 16" forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
+      LEANTRAIN_FORGE_OVERLAP=0 forgeb_cfg b_graph_inline 60 "1 4" forge_bf16_sr_bf16_states_bf16_dw_graph
       snap
-      prof forge_bf16_states_bf16_dw 1 --graph
+      LEANTRAIN_FORGE_SIDE_PRIORITY=-1 forgeb_cfg b_graph_prio 60 "1 4" forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      LEANTRAIN_FORGE_OVERLAP=0 forgeb_cfg b_eager_inline 60 "16" forge_bf16_sr_bf16_states_bf16_dw
+      snap
+      LEANTRAIN_FORGE_SIDE_PRIORITY=-1 forgeb_cfg b_eager_prio 60 "16" forge_bf16_sr_bf16_states_bf16_dw
       snap ;;
   esac
   log done

@@ -69,15 +69,18 @@ def _same(model, opt, ref_model, ref):
 @pytest.fixture
 def slow_side(monkeypatch):
     """Every update launch first holds its stream for ~1 ms (torch.cuda._sleep): on the side stream,
-    the backward's next layers run far ahead of the updates."""
+    the backward's next layers run far ahead of the updates. Returns the streams the updates ran on."""
     real = forge_kernel.launch_forge
+    streams = []
 
     def launch(mode, **kw):
         if mode == forge_kernel.MODE_UPDATE:
+            streams.append(torch.cuda.current_stream())
             torch.cuda._sleep(2_000_000)
         return real(mode, **kw)
 
     monkeypatch.setattr(forge_kernel, "launch_forge", launch)
+    return streams
 
 
 def test_overlap_option_is_checked(monkeypatch):
@@ -115,8 +118,7 @@ def test_overlap_equals_in_line(case, slow, request):
     side stream finishes long after the backward issued everything: the weights read right after
     backward() (before step()) are still the updated ones (the end-of-backward join), and the dW
     workspaces were not rewritten under a running update (the ring's events)."""
-    if slow:
-        request.getfixturevalue("slow_side")
+    streams = request.getfixturevalue("slow_side") if slow else None
     ref_model, ref, model, opt, data = _pair(case)
     for x in data:
         _loss(ref_model, x).backward()
@@ -131,6 +133,8 @@ def test_overlap_equals_in_line(case, slow, request):
             o.step()
             o.zero_grad()
     assert opt._side is not None and not opt._side_busy
+    if slow:  # the reference's updates ran in line, this optimizer's on its side stream
+        assert {s.cuda_stream for s in streams} == {torch.cuda.current_stream().cuda_stream, opt._side.cuda_stream}
     assert len(opt._workspace.bufs) == 0  # released by step()
     _same(model, opt, ref_model, ref)
 
