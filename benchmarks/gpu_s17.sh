@@ -6,6 +6,9 @@
 #   OUT=dir bash benchmarks/gpu_s17.sh second  # overlap's tests (the stream checked); part (b) graphed at B = 1, 4: torch
 #                                            # bf16, FORGE bf16 in line / overlap / overlap on a high-priority stream;
 #                                            # eager at B = 16 in line and high-priority overlap
+#   OUT=dir bash benchmarks/gpu_s17.sh third   # the update's loads evict-first and stores streaming (LEANTRAIN_FORGE_STREAM),
+#                                            # graph prepare / advance split: FORGE tests compiled; part (b) graphed
+#                                            # at B = 1, 4, 16 with and without the hints; eager B = 16 both ways
 # Work goes to /tmp/s17w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -36,6 +39,19 @@ gpu_part /tmp/s17w "${1:-first}"
       LEANTRAIN_FORGE_OVERLAP=0 forgeb_cfg b_eager_inline 60 "16" forge_bf16_sr_bf16_states_bf16_dw
       snap
       LEANTRAIN_FORGE_SIDE_PRIORITY=-1 forgeb_cfg b_eager_prio 60 "16" forge_bf16_sr_bf16_states_bf16_dw
+      snap ;;
+    third)
+      gpuinfo
+      log "gpu tests: FORGE kernel (streaming loads / stores), overlap, device scalars, graphs, rest kernel (compiled)"
+      gputest 220 tests/forge/test_forge_kernel.py tests/forge/test_forge_overlap.py \
+        tests/forge/test_forge_device_scalars.py tests/test_graphs.py tests/forge/test_forge_rest_kernel.py
+      snap
+      forgeb_cfg b_graph 200 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      LEANTRAIN_FORGE_STREAM=0 forgeb_cfg b_graph_nostream 100 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      forgeb_cfg b_eager 60 "16" forge_bf16_sr_bf16_states_bf16_dw
+      LEANTRAIN_FORGE_STREAM=0 forgeb_cfg b_eager_nostream 60 "16" forge_bf16_sr_bf16_states_bf16_dw
       snap ;;
   esac
   log done

@@ -121,9 +121,11 @@ class GraphedStep:
                 raise ValueError(f"GraphedStep: input of shape {tuple(x.shape)}, captured with {tuple(s.shape)}")
             if x.data_ptr() != s.data_ptr():
                 s.copy_(x, non_blocking=True)
-        if self.forge is not None:  # this step's scalars into the device table, the step counts
+        if self.forge is not None:  # this step's scalars into the device table
             self.forge._graph_prepare()
         self.graph.replay()
+        if self.forge is not None:  # the step counts (host time while the GPU runs the replay)
+            self.forge._graph_advance()
         for p, g in zip(self.params, self.grads):  # (in case something set p.grad = None in between)
             p.grad = g
         return self.loss

@@ -97,6 +97,7 @@ def test_replay_order_equals_the_eager_step(case):
     for x in data:
         opt._graph_prepare()
         _loss(model, x).backward()  # the "replay"
+        opt._graph_advance()
         opt._graph_slots = list(slots)  # (a real replay runs no Python: nothing re-recorded)
         opt.step()
         opt.zero_grad()
@@ -122,6 +123,7 @@ def test_replayed_twice_without_step_is_an_error():
     opt._graph_phase("capture")
     _loss(model, x).backward()
     opt._graph_prepare()
+    opt._graph_advance()
     with pytest.raises(RuntimeError, match="replayed twice"):
         opt._graph_prepare()
 

@@ -1,4 +1,4 @@
-"""FORGE's updates on a side stream (``attach(overlap=True)``, the CUDA default) give the bits of
+"""FORGE's updates on a side stream (``attach(overlap=True)``, on CUDA) give the bits of
 the same updates run in line: eager, with the side stream held back (a race on the ring of dW
 workspaces, or a read of W before the end-of-backward join, would show), and captured by
 GraphedStep. On CPU: the option's checks, and that nothing changes there."""

@@ -177,7 +177,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32", overlap=True):
+                 allreduce=None, grad_dtype="fp32", overlap=False):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -215,7 +215,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # graph phase (None; "dry": a warm-up pass that stores nothing; "capture": recording), and
         # the slots the captured backward updates
         self._dyn: _DynTable | None = None
-        self._dyn_meta = None  # (layer indices, param group of each layer) as numpy arrays
+        self._dyn_meta = None  # (layer indices, param group of each layer as numpy arrays, their state dicts)
+        self._graph_plan = None  # (layer, weight state, bias state) of each captured slot (_graph_advance)
         self._dyn_ready = False
         self._phase: str | None = None
         self._graph_slots: list[int] = []
@@ -383,13 +384,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         from .kernel import DYN_COLS, dyn_row
 
         layers = self.layers
-        if self._dyn_meta is None:
+        if self._dyn_meta is None:  # (the state dicts: filled in place by _init_state, replaced by load_state_dict)
             self._dyn_meta = (np.array([layer.index for layer in layers], dtype=np.int64),
-                              np.array([self._group_of[id(layer.weight)] for layer in layers], dtype=np.int64))
-        index, gidx = self._dyn_meta
-        state = self.state
-        steps = np.fromiter(((st["step"] if (st := state[layer.weight]) else 0) + 1 for layer in layers),
-                            dtype=np.int64, count=len(layers))
+                              np.array([self._group_of[id(layer.weight)] for layer in layers], dtype=np.int64),
+                              [self.state[layer.weight] for layer in layers])
+        index, gidx, states = self._dyn_meta
+        steps = np.fromiter((st.get("step", 0) + 1 for st in states), dtype=np.int64, count=len(layers))
         rows = np.empty((len(layers), DYN_COLS), dtype=np.float32)
         name, groups = self.rule.name, self.param_groups
         if len(layers) and (steps == steps[0]).all() and (gidx == gidx[0]).all():  # the usual case: one row
@@ -408,7 +408,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _update_layer_graph(self, layer, x2, dy2, fill) -> None:
         """A GraphedStep's warm-up ("dry": the kernels run and store nothing) or capture pass:
         the launches of an eager step on the device table, without the host bookkeeping (step
-        counts, the accumulation guard), which :meth:`_graph_prepare` does before each replay."""
+        counts, the accumulation guard), which :meth:`_graph_prepare` / :meth:`_graph_advance` do
+        around each replay."""
         w, b = layer.weight, layer.bias
         if self._phase == "capture" and (not self.state[w] or (b is not None and not self.state[b])):
             raise RuntimeError("FORGE: a layer's optimizer state would be created inside a CUDA graph "
@@ -447,21 +448,34 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._workspace.release()
         if phase == "capture":
             self._graph_slots = []
+            self._graph_plan = None
         if phase is None:
             self._dyn_ready = False
             self._ran = []
         self._phase = phase
 
     def _graph_prepare(self) -> None:
-        """Before a replay: this step's table rows, and the bookkeeping the captured backward skipped."""
-        for slot in self._graph_slots:
-            if self.layers[slot].updated_in == self._step_id:
-                raise RuntimeError("FORGE: the graphed step was replayed twice without opt.step() in between "
-                                   "(gradient accumulation is not supported; see forge/README.md)")
+        """Before a replay: the accumulation guard, this step's table rows (on the stream, before
+        the replay). Host time here delays the replay, so the step counts wait for :meth:`_graph_advance`."""
+        plan = self._graph_plan
+        if plan is None:
+            plan = self._graph_plan = [(layer, *self._layer_states(layer))
+                                       for layer in (self.layers[slot] for slot in self._graph_slots)]
+        sid = self._step_id
+        if any(layer.updated_in == sid for layer, _, _ in plan):
+            raise RuntimeError("FORGE: the graphed step was replayed twice without opt.step() in between "
+                               "(gradient accumulation is not supported; see forge/README.md)")
         self._upload_dyn(1.0)
-        for slot in self._graph_slots:
-            layer = self.layers[slot]
-            self._advance(layer, *self._layer_states(layer))
+
+    def _graph_advance(self) -> None:
+        """After a replay is launched: the bookkeeping the captured backward skipped (each layer's
+        step count, the accumulation guard's mark, the layers ``step()`` reads the sums of)."""
+        sid = self._step_id
+        for layer, sw, sb in self._graph_plan:
+            n = sw["step"] = sw["step"] + 1
+            if sb is not None:
+                sb["step"] = n
+            layer.updated_in = sid
         self._ran = list(self._graph_slots)
 
     def _materialize(self, layer, x2, dy2, backend, fill=None):
@@ -818,6 +832,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         self.join()
+        self._dyn_meta = self._graph_plan = None  # (they hold the state dicts replaced below)
         sd = dict(state_dict)
         extra = sd.pop("forge", None)
         saved = sd["state"]
@@ -877,7 +892,7 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
-           grad_dtype: str = "fp32", overlap: bool = True) -> ForgeOptimizer:
+           grad_dtype: str = "fp32", overlap: bool = False) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -924,7 +939,9 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             The dW workspace becomes two buffers per dtype that layers take turns over (a buffer is
             rewritten only after the update that read it). The current stream waits for the side
             stream at the end of every backward (a callback of the autograd engine), so whatever
-            follows ``backward()`` sees the updated weights. ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
+            follows ``backward()`` sees the updated weights. Off by default: on one H200 the 1b
+            step was no faster with it (the backward's kernels leave no SMs idle for the updates;
+            forge/README.md). ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
