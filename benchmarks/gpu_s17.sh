@@ -9,6 +9,8 @@
 #   OUT=dir bash benchmarks/gpu_s17.sh third   # the update's loads evict-first and stores streaming (LEANTRAIN_FORGE_STREAM),
 #                                            # graph prepare / advance split: FORGE tests compiled; part (b) graphed
 #                                            # at B = 1, 4, 16 with and without the hints; eager B = 16 both ways
+#   OUT=dir bash benchmarks/gpu_s17.sh fourth  # (the hints removed: no difference) the graphed step profiled, torch bf16
+#                                            # and FORGE bf16, at B = 1 and 4
 # Work goes to /tmp/s17w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -53,6 +55,13 @@ gpu_part /tmp/s17w "${1:-first}"
       forgeb_cfg b_eager 60 "16" forge_bf16_sr_bf16_states_bf16_dw
       LEANTRAIN_FORGE_STREAM=0 forgeb_cfg b_eager_nostream 60 "16" forge_bf16_sr_bf16_states_bf16_dw
       snap ;;
+    fourth)
+      gpuinfo
+      for b in 1 4; do
+        prof torch_bf16 $b --graph
+        prof forge_bf16_states_bf16_dw $b --graph
+        snap
+      done ;;
   esac
   log done
 } 2>&1 | tee "$D/log.txt"

@@ -64,26 +64,6 @@ if HAS_TRITON:
     from leantrain.ops.sr import sr_bf16
     from leantrain.ops.state8 import state8_encode, state8_encode_finite
 
-    # The update's traffic (W, its state, a materialized dW) is touched once a step: read with L2's
-    # evict-first policy and written as streaming (".cs"), so that it does not push the backward's
-    # activations (the next layer's inputs) out of L2. LEANTRAIN_FORGE_STREAM=0: plain loads and
-    # stores (read when this module is imported).
-    _STREAM = tl.constexpr(os.environ.get("LEANTRAIN_FORGE_STREAM", "1") != "0")
-
-    @triton.jit
-    def _ld(ptrs, mask, other):
-        if _STREAM:
-            return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_first")
-        else:
-            return tl.load(ptrs, mask=mask, other=other)
-
-    @triton.jit
-    def _st(ptrs, value, mask):
-        if _STREAM:
-            tl.store(ptrs, value, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(ptrs, value, mask=mask)
-
     @triton.jit
     def _draw(key, offs, IDX32: tl.constexpr):
         """The rounding bits of element ``offs``: ``hash_u32_tl(key, offs)``; below 2**32 the
@@ -135,23 +115,24 @@ if HAS_TRITON:
     def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         if KIND == 3:  # int8p: the codes as int8's, the first 32 of a block decoding the odd entry
-            code = _ld(ptr + code_offs, mask, 0).to(tl.int32)
+            code = tl.load(ptr + code_offs, mask=mask, other=0).to(tl.int32)
             am = _packed_absmax(ptr, blk_n, blk_k, kb, nb)
             j = _packed_pos(code_offs)
             return tl.load(qmap_ptr + tl.where(j < 32, code | 1, code)) * _blocks_to_tile(am, BN, BK)
         elif KIND == 2:  # qmap[code] * absmax, the absmax read once per 16 x 16 block
-            code = _ld(ptr + code_offs, mask, 0)
-            am = _ld(am_ptr + blk_n[:, None] * kb + blk_k[None, :], (blk_n[:, None] < nb) & (blk_k[None, :] < kb), 0.0)
+            code = tl.load(ptr + code_offs, mask=mask, other=0)
+            am = tl.load(am_ptr + blk_n[:, None] * kb + blk_k[None, :],
+                         mask=(blk_n[:, None] < nb) & (blk_k[None, :] < kb), other=0.0)
             return tl.load(qmap_ptr + code.to(tl.int32)) * _blocks_to_tile(am, BN, BK)
         else:
-            return _ld(ptr + offs, mask, 0.0).to(tl.float32)
+            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
                       NSTATE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr):
         """A tile's W and optimizer state, in fp32."""
-        w = _ld(W + offs, mask, 0.0).to(tl.float32)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.zeros([BN, BK], dtype=tl.float32)
         s2 = tl.zeros([BN, BK], dtype=tl.float32)
         if NSTATE >= 1:
@@ -191,16 +172,16 @@ if HAS_TRITON:
                 base = tl.where((code & 1) == 1, code - 1, tl.where(up, code, code - 2))
                 bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (j & 31)) & 1
                 code = tl.where(j < 32, base | bits, code)
-                _st(ptr + code_offs, code.to(tl.uint8), pmask)
+                tl.store(ptr + code_offs, code.to(tl.uint8), mask=pmask)
             else:
                 any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
                 am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
-                _st(ptr + code_offs, code.to(tl.uint8), mask)
-                _st(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, am_mask)
+                tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
+                tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
         elif KIND == 1:
-            _st(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask)
+            tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask)
         else:
-            _st(ptr + offs, x, mask)
+            tl.store(ptr + offs, x, mask=mask)
 
     @triton.jit
     def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
@@ -285,7 +266,7 @@ if HAS_TRITON:
         code_offs = am_offs.to(tl.int64) * 256 + (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
 
         if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
-            acc = _ld(G + offs, mask, 0.0).to(tl.float32)
+            acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0).to(tl.float32)
             if EARLY_LOADS:  # every read of the tile issued before its sum of squares, whose block-wide
@@ -346,11 +327,11 @@ if HAS_TRITON:
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
                 if SR:
-                    _st(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), smask)
+                    tl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
                 else:
-                    _st(W + offs, _rtn_bf16(p, NATIVE_CVT), smask)
+                    tl.store(W + offs, _rtn_bf16(p, NATIVE_CVT), mask=smask)
             else:
-                _st(W + offs, p, smask)
+                tl.store(W + offs, p, mask=smask)
             if NSTATE >= 1:
                 _store_state(s1, S1, A1, Q1, offs, code_offs, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K,
                              NATIVE_CVT, SIGN1)

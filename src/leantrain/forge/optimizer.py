@@ -334,8 +334,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The stream the split path's updates run on (``overlap``, CUDA), made on first use; else None."""
         if not (self.overlap and w.is_cuda):
             return None
-        if self._side is None:  # LEANTRAIN_FORGE_SIDE_PRIORITY: a CUDA stream priority (lower: higher)
-            self._side = torch.cuda.Stream(w.device, priority=int(os.environ.get("LEANTRAIN_FORGE_SIDE_PRIORITY", 0)))
+        if self._side is None:
+            self._side = torch.cuda.Stream(w.device)
         return self._side
 
     def _fork(self, side) -> None:
