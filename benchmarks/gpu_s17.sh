@@ -11,6 +11,7 @@
 #                                            # at B = 1, 4, 16 with and without the hints; eager B = 16 both ways
 #   OUT=dir bash benchmarks/gpu_s17.sh fourth  # (the hints removed: no difference) the graphed step profiled, torch bf16
 #                                            # and FORGE bf16, at B = 1 and 4
+#   OUT=dir bash benchmarks/gpu_s17.sh fifth   # the final code's GPU tests (overlap, graphs, device scalars, losses, ...)
 # Work goes to /tmp/s17w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -62,6 +63,12 @@ gpu_part /tmp/s17w "${1:-first}"
         prof forge_bf16_states_bf16_dw $b --graph
         snap
       done ;;
+    fifth)
+      gpuinfo
+      log "gpu tests of the final code: overlap, graphs, device scalars, losses, grad dtype, FORGE on the Llama (compiled)"
+      gputest 300 tests/forge/test_forge_overlap.py tests/test_graphs.py tests/forge/test_forge_device_scalars.py \
+        tests/test_losses.py tests/forge/test_forge_grad_dtype.py tests/forge/test_forge_llama.py
+      snap ;;
   esac
   log done
 } 2>&1 | tee "$D/log.txt"
