@@ -90,12 +90,6 @@ if HAS_TRITON:
         return tl.reshape(tl.broadcast_to(v[:, None, :, None], [BN // 16, 16, BK // 16, 16]), [BN, BK])
 
     @triton.jit
-    def _packed_pos(code_offs):
-        """Position of each element's code in its 256-code block (``"int8p"``: the first 32 carry
-        the block absmax's bits in their low bit)."""
-        return code_offs.to(tl.int32) & 255  # (the low bits of the 64-bit offset)
-
-    @triton.jit
     def _packed_absmax(ptr, blk_n, blk_k, kb, nb):
         """``"int8p"``: the absmax of each of the tile's 16 x 16 blocks, ``[BN/16, BK/16]``, from the
         low bits of the block's first 32 codes (read again as a ``[.., 2, 16]`` tensor: a small
@@ -112,13 +106,12 @@ if HAS_TRITON:
         return (lo | (hi << 16)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+    def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
                     KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         if KIND == 3:  # int8p: the codes as int8's, the first 32 of a block decoding the odd entry
             code = tl.load(ptr + code_offs, mask=mask, other=0).to(tl.int32)
             am = _packed_absmax(ptr, blk_n, blk_k, kb, nb)
-            j = _packed_pos(code_offs)
-            return tl.load(qmap_ptr + tl.where(j < 32, code | 1, code)) * _blocks_to_tile(am, BN, BK)
+            return tl.load(qmap_ptr + tl.where(jpos < 32, code | 1, code)) * _blocks_to_tile(am, BN, BK)
         elif KIND == 2:  # qmap[code] * absmax, the absmax read once per 16 x 16 block
             code = tl.load(ptr + code_offs, mask=mask, other=0)
             am = tl.load(am_ptr + blk_n[:, None] * kb + blk_k[None, :],
@@ -128,7 +121,7 @@ if HAS_TRITON:
             return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+    def _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
                       NSTATE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr):
         """A tile's W and optimizer state, in fp32."""
@@ -136,9 +129,9 @@ if HAS_TRITON:
         s1 = tl.zeros([BN, BK], dtype=tl.float32)
         s2 = tl.zeros([BN, BK], dtype=tl.float32)
         if NSTATE >= 1:
-            s1 = _load_state(S1, A1, Q1, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND1, BN, BK)
+            s1 = _load_state(S1, A1, Q1, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb, KIND1, BN, BK)
         if NSTATE >= 2:
-            s2 = _load_state(S2, A2, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb, KIND2, BN, BK)
+            s2 = _load_state(S2, A2, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb, KIND2, BN, BK)
         return w, s1, s2
 
     @triton.jit
@@ -150,7 +143,7 @@ if HAS_TRITON:
                 tl.load(row + 10), tl.load(row + 11), tl.load(row + 12).to(tl.int32, bitcast=True))
 
     @triton.jit
-    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, mask, pmask, blk_n, blk_k, kb, nb,
+    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, pmask, blk_n, blk_k, kb, nb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
         if KIND >= 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
@@ -167,11 +160,12 @@ if HAS_TRITON:
             if KIND == 3:  # int8p: the first 32 codes of a block move to an odd entry (c even: c + 1 if
                 # x >= qmap[c] or c == 0, else c - 1; stored without the low bit) and carry the absmax's
                 # bits; every code of the tile's blocks is stored, their zero padding included (pmask)
-                j = _packed_pos(code_offs)
-                up = (code == 0) | (xn >= tl.load(qmap_ptr + code, mask=j < 32, other=0.0))
-                base = tl.where((code & 1) == 1, code - 1, tl.where(up, code, code - 2))
-                bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (j & 31)) & 1
-                code = tl.where(j < 32, base | bits, code)
+                head = jpos < 32
+                up = (code == 0) | (xn >= tl.load(qmap_ptr + code, mask=head, other=0.0))
+                down = ((code & 1) == 0) & ~up  # (an odd c keeps c: c & -2 is c - 1 once the low bit goes)
+                base = (code & -2) - (down.to(tl.int32) << 1)
+                bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (jpos & 31)) & 1
+                code = tl.where(head, base | bits, code)
                 tl.store(ptr + code_offs, code.to(tl.uint8), mask=pmask)
             else:
                 any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
@@ -263,7 +257,8 @@ if HAS_TRITON:
         kb = tl.cdiv(K, 16)
         nb = tl.cdiv(N, 16)
         am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
-        code_offs = am_offs.to(tl.int64) * 256 + (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
+        jpos = (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16  # position in its 16 x 16 block's codes
+        code_offs = am_offs.to(tl.int64) * 256 + jpos
 
         if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
             acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
@@ -272,7 +267,7 @@ if HAS_TRITON:
             if EARLY_LOADS:  # every read of the tile issued before its sum of squares, whose block-wide
                 # reduction (a barrier) the compiler does not move loads across: one memory round
                 # trip a tile instead of two (the gradient's, then W's and the state's)
-                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
                                           NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
                 if HAS_DYN:
                     lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
@@ -321,7 +316,7 @@ if HAS_TRITON:
             if KIND1 == 3 or KIND2 == 3:
                 pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & gok
             if not EARLY_LOADS:
-                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, mask, blk_n, blk_k, kb, nb,
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
                                           NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
@@ -333,10 +328,10 @@ if HAS_TRITON:
             else:
                 tl.store(W + offs, p, mask=smask)
             if NSTATE >= 1:
-                _store_state(s1, S1, A1, Q1, offs, code_offs, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K,
+                _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K,
                              NATIVE_CVT, SIGN1)
             if NSTATE >= 2:
-                _store_state(s2, S2, A2, Q2, offs, code_offs, smask, pmask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K,
+                _store_state(s2, S2, A2, Q2, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N, BLOCK_K,
                              NATIVE_CVT, SIGN2)
             if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
                 bmask = mn & bias_here & (tl.max(smask.to(tl.int32), axis=1) > 0)
