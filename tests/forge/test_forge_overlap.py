@@ -93,6 +93,25 @@ def test_overlap_option_is_checked(monkeypatch):
     assert lt.forge.attach(Deep(), RULES["adamw"]()).overlap is False
 
 
+def test_workspace_ring_takes_turns():
+    """With a ring of two, consecutive layers get different buffers and every second one the same
+    (per dtype; each grown to the largest request); a ring of one always hands out one buffer."""
+    from leantrain.forge.optimizer import _Workspace
+
+    ws = _Workspace()
+    a, b, c = (ws.get(n, "cpu", torch.float32, ring=2) for n in (100, 40, 60))
+    assert (a.numel(), b.numel(), c.numel()) == (100, 40, 60)
+    assert a.data_ptr() != b.data_ptr() and a.data_ptr() == c.data_ptr()
+    d = ws.get(500, "cpu", torch.float32, ring=2)  # b's turn: grown
+    assert d.numel() == 500 and len(ws.bufs) == 2
+    e = ws.get(10, "cpu", torch.bfloat16, ring=2)
+    assert e.dtype == torch.bfloat16 and len(ws.bufs) == 3
+    one = _Workspace()
+    assert one.get(30, "cpu").data_ptr() == one.get(20, "cpu").data_ptr()
+    ws.release()
+    assert not ws.bufs and not ws.events
+
+
 def test_overlap_changes_nothing_off_cuda():
     """On CPU (torch backend) there is no side stream: overlap on and off are the same run."""
     torch.manual_seed(0)
