@@ -51,6 +51,20 @@ def pair(model):
     return model, copy.deepcopy(model)
 
 
+def square_loss(model, x):
+    return model(x).float().square().mean()
+
+
+def assert_same_run(a_model, a_opt, b_model, b_opt):
+    """Two runs' parameters and optimizer states are equal bit for bit."""
+    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.equal(p, q), name
+        sa, sb = a_opt.state[p], b_opt.state[q]
+        assert sa.keys() == sb.keys(), name
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), (name, k)
+
+
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (the 'relative' error of the exactness statement)."""
     a, b = a.detach(), b.detach()

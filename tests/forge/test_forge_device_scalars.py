@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 from _forge_util import RULES, Net, batches
+from _forge_util import assert_same_run as _same
+from _forge_util import square_loss as _loss
 
 import leantrain as lt
 from leantrain.ops._backend import HAS_TRITON, interpreting
@@ -34,19 +36,6 @@ def _model(dtype):
 def _attach(model, case):
     rule, _, kw = CASES[case]
     return lt.forge.attach(model, RULES[rule](), backend="triton", seed=3, **kw)
-
-
-def _loss(model, x):
-    return model(x).float().square().mean()
-
-
-def _same(a_model, a_opt, b_model, b_opt):
-    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters()):
-        assert torch.equal(p, q), name
-        sa, sb = a_opt.state[p], b_opt.state[q]
-        assert sa.keys() == sb.keys(), name
-        for k in sa:
-            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), (name, k)
 
 
 @needs_triton

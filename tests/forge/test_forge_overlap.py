@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 from _forge_util import RULES, batches
+from _forge_util import assert_same_run as _same
+from _forge_util import square_loss as _loss
 from torch import nn
 
 import leantrain as lt
@@ -51,19 +53,6 @@ def _pair(case):
     opt = lt.forge.attach(model, RULES[rule](), seed=3, overlap=True, **kw)
     data = [x.cuda() for x in batches(5, shape=(3, 40, 64), dtype=dtype)]
     return ref_model, ref, model, opt, data
-
-
-def _loss(model, x):
-    return model(x).float().square().mean()
-
-
-def _same(model, opt, ref_model, ref):
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
-        sa, sb = opt.state[p], ref.state[q]
-        assert sa.keys() == sb.keys(), name
-        for k in sa:
-            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), (name, k)
 
 
 @pytest.fixture
