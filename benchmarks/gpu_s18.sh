@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The next GPU call (written in session 17, when no device time was left to run it):
+#   OUT=dir bash benchmarks/gpu_s18.sh first   # int8p's cheaper head-code arithmetic (session 17, SASS 214.8 -> 204.8
+#                                            # instructions an element): the int8p / state / rest-kernel / graph tests
+#                                            # compiled; the int8 / int8p update kernel's tiles (tune_kernels forge_int8);
+#                                            # part (b) graphed at B = 1, 4, 16: torch bf16, FORGE int8, int8p
+# Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s18w "${1:-first}"
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "gpu tests: FORGE kernel, rest kernel, device scalars, states, graphs (compiled)"
+      gputest 220 tests/forge/test_forge_kernel.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/forge/test_state.py tests/test_graphs.py
+      snap
+      log "tune forge_int8: int8 and int8p"
+      TUNE_INT8_KINDS=int8,int8p TUNE_INT8_TILES="16,64,2;16,64,4;32,64,4" \
+        timeout 120 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | grep -v '"case"' | tail -3
+      snap
+      forgeb_cfg b_graph 260 "1 4 16" torch_bf16_graph forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
+      snap ;;
+  esac
+  log done
+} 2>&1 | tee "$D/log.txt"
+snap
