@@ -359,6 +359,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._side_busy = False
             self._workspace.joined()
 
+    # ------------------------------------------------------------------ device scalars, CUDA graphs
 
     def set_device_scalars(self, enabled: bool = True) -> None:
         """Read each step's kernel scalars (lr, bias corrections, rounding keys) from a device
