@@ -33,7 +33,7 @@ _INSN = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # (addresses past 0xffff take five
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible: tuple[str, ...],
-                 maxnreg: int | None = None):
+                 maxnreg: int | None = None, num_stages: int | None = None):
     """(SASS text, resource line) of ``fn`` compiled for sm_90 (``maxnreg``: ptxas register cap)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -46,6 +46,8 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisibl
     opts = {"num_warps": num_warps, "enable_fp_fusion": False}
     if maxnreg:
         opts["maxnreg"] = maxnreg
+    if num_stages:
+        opts["num_stages"] = num_stages
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
@@ -56,7 +58,8 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisibl
                               check=True).stdout
         res = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path],
                              capture_output=True, text=True, check=True).stdout
-    return sass, next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "")
+    dyn = getattr(ck.metadata, "shared", 0)  # Triton's shared memory is dynamic: not in the resource line
+    return sass, next((ln.strip() for ln in res.splitlines() if "REG:" in ln), "") + f" DYNAMIC_SHARED:{dyn}"
 
 
 def counts(sass: str) -> dict:
@@ -101,6 +104,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sdtype", default="bf16", help="forge: the AdamW states' kind (fp32, bf16, int8, int8p)")
     ap.add_argument("--early", type=int, default=0, help="forge: EARLY_LOADS")
     ap.add_argument("--sr", type=int, default=1, help="forge: stochastic rounding of bf16 W")
+    ap.add_argument("--mode", default="update", choices=["update", "fused"],
+                    help="forge: the update-only mode (a graph's launch) or the fused dW + update (bf16 X / dY)")
+    ap.add_argument("--bt", type=int, default=64, help="forge --mode fused: BLOCK_T")
+    ap.add_argument("--stages", type=int, default=3, help="forge --mode fused: num_stages")
     a = ap.parse_args(argv)
     qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
     if a.kernel == "quant":
@@ -142,12 +149,15 @@ def main(argv=None) -> int:
         sig.update({n: "fp32" for n in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
                                         "eps", "mom")})
         sig.update(key="i32", dyn_off="i32")
-        cons = dict(MODE=fk.MODE_UPDATE, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2,
+        fused = a.mode == "fused"
+        if fused:
+            sig.update(X="*bf16", DY="*bf16")
+        cons = dict(MODE=fk.MODE_FUSED if fused else fk.MODE_UPDATE, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2,
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
-                    NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="ieee", HAS_DYN=True, SUM_OUT=True,
-                    BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
+                    NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
+                    SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early))
-        div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K")
+        div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K") + (("stride_x", "stride_dy") if fused else ())
     elif a.kernel == "dequant":
         from leantrain.ops import multi
 
@@ -164,7 +174,8 @@ def main(argv=None) -> int:
         cons = dict(TP=16, KIND=a.kind, GS=128, COLS=128, ROWS=a.rows, BITS=a.bits, SYMMETRIC=True, STOCHASTIC=True,
                     IDX32=True, ALIGNED=bool(a.aligned), NATIVE=True, PAIRS=True, FAST=a.fast, TPP=a.tpp, WORDS=True)
         div = ("tab_ptr",)
-    sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None)
+    stages = a.stages if a.kernel == "forge" and a.mode == "fused" else None
+    sass, res = compile_sass(fn, sig, cons, a.warps, div, a.maxnreg or None, stages)
     c = counts(sass)
     if a.kernel == "clip":
         per = gradsums._GPU_BLOCK / (32 * a.warps)
@@ -176,6 +187,14 @@ def main(argv=None) -> int:
     print(f"instructions per thread: total {c['total']}, main path {c['main']}, clean path {c['clean']} "
           f"({c['clean'] / per:.1f} an element, {per:.0f} elements a thread)")
     print(f"resources: {res}")
+    reg, static, dyn = (int(m.group(1)) if (m := re.search(rf"\b{k}:(\d+)", res)) else 0
+                        for k in ("REG", "SHARED", "DYNAMIC_SHARED"))
+    shared = static + dyn
+    if reg:  # sm_90: 64 K registers (allocated per warp in units of 256) and 228 KB of shared memory an SM
+        by_reg = 65536 // (-(-reg * 32 // 256) * 256 * a.warps)
+        by_smem = (228 * 1024) // (shared + 1024) if shared else 32
+        print(f"resident programs an SM (sm_90): {min(by_reg, by_smem, 64 // a.warps, 32)} "
+              f"(registers allow {by_reg}, shared memory {by_smem})")
     print("opcodes:", ", ".join(f"{k} {v}" for k, v in c["ops"]))
     mem = collections.Counter(m.group(0) for m in re.finditer(r"\b(?:STG|LDG)(?:\.\w+)*", sass))
     print("global loads / stores:", ", ".join(f"{k} {v}" for k, v in sorted(mem.items())))

@@ -39,3 +39,25 @@ def test_clean_tile_branch_shortens_the_clean_path():
     assert clean15 == main15  # no branch to skip without bit 16
     assert clean31 < main31  # the general branch is skipped on a clean tile
     assert clean31 < clean15  # and the clean path is shorter than the branch-free kernel's
+
+
+@pytest.mark.skipif(not _have_ptxas(), reason="Triton's bundled ptxas / nvdisasm / cuobjdump not found")
+def test_fused_forge_occupancy_counts_the_dynamic_shared_memory():
+    """The fused FORGE kernel's operand buffers are dynamic shared memory: the resident-program
+    estimate must count them (more pipeline stages: more bytes, never more programs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def run(stages: int) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, TOOL, "forge", "--mode", "fused", "--wdtype", "fp32", "--sdtype", "fp32",
+                              "--sr", "0", "--bn", "64", "--bk", "64", "--bt", "64", "--warps", "4", "--stages",
+                              str(stages)], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+        dyn = int(out.split("DYNAMIC_SHARED:")[1].split()[0])
+        static = int(out.split(" SHARED:")[1].split()[0])
+        resident = next(ln for ln in out.splitlines() if ln.startswith("resident programs"))
+        by_smem = int(resident.split("shared memory ")[1].rstrip(")"))
+        assert by_smem == (228 * 1024) // (static + dyn + 1024)  # (1 KB reserved a program)
+        return dyn, by_smem
+
+    dyn2, smem2 = run(2)
+    dyn4, smem4 = run(4)
+    assert 0 < dyn2 < dyn4 and smem4 <= smem2
