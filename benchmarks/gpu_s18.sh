@@ -4,6 +4,8 @@
 #                                            # instructions an element): the int8p / state / rest-kernel / graph tests
 #                                            # compiled; the int8 / int8p update kernel's tiles (tune_kernels forge_int8);
 #                                            # part (b) graphed at B = 1, 4, 16: torch bf16, FORGE int8, int8p
+#   OUT=dir bash benchmarks/gpu_s18.sh second  # the fused dW + update kernel at 64 x 64 tiles with 2-4 programs an SM
+#                                            # (register caps), 2048 x 5632 at T = 512 / 2048, against the split path
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -21,6 +23,13 @@ gpu_part /tmp/s18w "${1:-first}"
         timeout 120 python3 benchmarks/tune_kernels.py --what forge_int8 --out "$D" 2>&1 | grep -v Warn | grep -v '"case"' | tail -3
       snap
       forgeb_cfg b_graph 260 "1 4 16" torch_bf16_graph forge_bf16_sr_int8_states_graph forge_bf16_sr_int8p_states_graph
+      snap ;;
+    second)
+      gpuinfo
+      log "tune forge (fused dW + update) at 2, 3, 4 programs an SM (sass_count.py forge --mode fused)"
+      TUNE_FORGE_CASES="2048,5632,512;2048,5632,2048" \
+        TUNE_FORGE_CFGS="64,64,64,4,3;64,64,32,4,2;64,64,64,4,3,168;64,64,32,4,2,168;64,64,32,4,2,128;32,64,64,4,3" \
+        timeout 150 python3 benchmarks/tune_kernels.py --what forge --out "$D" 2>&1 | grep -v Warn | tail -3
       snap ;;
   esac
   log done

@@ -405,54 +405,58 @@ def tune_forge(log) -> list[dict]:
     cfgs = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 32, 8, 3),
             (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
             (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (256, 64, 64, 8, 3)]
+    # TUNE_FORGE_CFGS="bn,bk,bt,warps,stages[,maxnreg];...", TUNE_FORGE_CASES="N,K,T;...": another sweep
+    cfgs = [tuple(int(v) for v in c.split(",")) for c in os.environ.get("TUNE_FORGE_CFGS", "").split(";") if c] or cfgs
+    cases = [(2048, 5632), (2048, 2048), (5632, 2048), (32000, 2048)]
+    cases = [(n, k, t) for n, k in cases for t in (512, 2048, 16384) if not (n == 32000 and t == 16384)]
+    cases = [tuple(int(v) for v in c.split(",")) for c in os.environ.get("TUNE_FORGE_CASES", "").split(";") if c] or cases
     rows = []
-    for (N, K) in ((2048, 5632), (2048, 2048), (5632, 2048), (32000, 2048)):
-        for T in (512, 2048, 16384):
-            if N == 32000 and T == 16384:
-                continue
-            torch.manual_seed(0)
-            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-            dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
-            w = torch.randn(N, K, device="cuda") * 0.02
-            m, v = torch.zeros_like(w), torch.zeros_like(w)
-            common = dict(w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
-            p = torch.nn.Parameter(w.clone())
-            opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-            buf = torch.empty(N, K, device="cuda")
+    for N, K, T in cases:
+        torch.manual_seed(0)
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+        w = torch.randn(N, K, device="cuda") * 0.02
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
+        common = dict(w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
+        p = torch.nn.Parameter(w.clone())
+        opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+        buf = torch.empty(N, K, device="cuda")
 
-            def base():
-                p.grad = torch.matmul(dy.t(), x).float()
-                opt.step()
-                p.grad = None
+        def base():
+            p.grad = torch.matmul(dy.t(), x).float()
+            opt.step()
+            p.grad = None
 
-            def mm():
-                torch.matmul(dy.t(), x)
+        def mm():
+            torch.matmul(dy.t(), x)
 
-            def split():
-                mm_fp32(dy.t(), x, buf, allow_upcast=True)
-                launch_forge(MODE_UPDATE, g=buf, **common)
+        def split():
+            mm_fp32(dy.t(), x, buf, allow_upcast=True)
+            launch_forge(MODE_UPDATE, g=buf, **common)
 
-            ref = torch.matmul(dy.t().float(), x.float())
-            row = {"N": N, "K": K, "T": T, "torch_ms": _bench(base), "matmul_ms": _bench(mm), "split_ms": _bench(split)}
-            for c in cfgs:
-                tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
-                        "num_stages": c[4]}
-                name = "x".join(map(str, c))
-                try:
-                    g = torch.zeros(N, K, device="cuda")
-                    launch_forge(MODE_WRITE_DW, x=x, dy=dy, w=w, g=g, tune=tune)
-                    err = float((g - ref).abs().max() / ref.abs().max())
-                    ms = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common), rep=40)
-                    row[name] = {"ms": ms, "rel_err": err}
-                except Exception as e:  # noqa: BLE001
-                    row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            best = min((v["ms"], k) for k, v in row.items() if isinstance(v, dict) and "ms" in v)
-            row["best"] = best[1]
-            row["torch/best"] = row["torch_ms"] / best[0]
-            row["torch/split"] = row["torch_ms"] / row["split_ms"]
-            log(json.dumps(row))
-            rows.append(row)
-            torch.cuda.empty_cache()
+        ref = torch.matmul(dy.t().float(), x.float())
+        row = {"N": N, "K": K, "T": T, "torch_ms": _bench(base), "matmul_ms": _bench(mm), "split_ms": _bench(split)}
+        for c in cfgs:
+            tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
+                    "num_stages": c[4]}
+            if len(c) > 5:
+                tune["maxnreg"] = c[5]
+            name = "x".join(map(str, c))
+            try:
+                g = torch.zeros(N, K, device="cuda")
+                launch_forge(MODE_WRITE_DW, x=x, dy=dy, w=w, g=g, tune=tune)
+                err = float((g - ref).abs().max() / ref.abs().max())
+                ms = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common), rep=40)
+                row[name] = {"ms": ms, "rel_err": err}
+            except Exception as e:  # noqa: BLE001
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        best = min((v["ms"], k) for k, v in row.items() if isinstance(v, dict) and "ms" in v)
+        row["best"] = best[1]
+        row["torch/best"] = row["torch_ms"] / best[0]
+        row["torch/split"] = row["torch_ms"] / row["split_ms"]
+        log(json.dumps(row))
+        rows.append(row)
+        torch.cuda.empty_cache()
     return rows
 
 
