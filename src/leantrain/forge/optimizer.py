@@ -41,7 +41,7 @@ from .gradsums import CLIP_EPS as _CLIP_EPS
 from .gradsums import GradSums
 from .linear import ForgeLayer, patch, unpatch
 
-OVERLAP_RING = 2  # dW workspaces per dtype when the updates run on a side stream (env LEANTRAIN_FORGE_RING)
+OVERLAP_RING = 2  # dW workspaces per dtype when the updates run on a side stream
 SPLIT_TOKENS = 1  # default of attach(split_tokens=): always the split path on CUDA (measured faster)
 CLIPS = ("none", "layer", "prev_global", "est_global")
 # est_global: each unit's predicted sum of squares is the geometric moving average
@@ -196,7 +196,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
         self.overlap = _env_overlap(overlap)
-        self._ring = max(2, int(os.environ.get("LEANTRAIN_FORGE_RING", OVERLAP_RING)))
         self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
         self._side_busy = False  # work issued on it since the current stream last waited for it
         self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
@@ -479,8 +478,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             layer.updated_in = sid
         self._ran = list(self._graph_slots)
 
-    def _materialize(self, layer, x2, dy2, backend, fill=None):
-        """dW (and db) of one layer in the reused workspace, reduced over the DP group."""
+    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1):
+        """dW (and db) of one layer in the reused workspace (``ring`` buffers a dtype taking turns:
+        the updates run on a side stream), reduced over the DP group."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
         # grad_dtype="bf16": dW of bf16 inputs as the bf16 matmul gives it (torch's bf16 backward's
@@ -488,8 +488,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         low = (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
                and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
         buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
-                                  torch.bfloat16 if low else torch.float32,
-                                  self._ring if backend == "triton" and self._side_stream(w) is not None else 1)
+                                  torch.bfloat16 if low else torch.float32, ring)
         g = buf[: n * k].view(n, k)
         gb = buf[n * k:] if b is not None else None
         done = False
@@ -603,14 +602,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sums = self._grad_sums(w.device)
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
-            buf, g, gb = self._materialize(layer, x2, dy2, "triton", fill)
+            side = self._side_stream(w)
+            buf, g, gb = self._materialize(layer, x2, dy2, "triton", fill, OVERLAP_RING if side is not None else 1)
             if self.clip in ("layer", "est_global"):  # the scale needs this layer's norm first: one launch
                 scale = sums.scale_kernel(layer.slot, buf, self.clip == "est_global", self.clip_value)
                 own = None
             else:  # the kernel's per-tile sums of squares give the norm: no extra pass over dW
                 scale = self._clip_scale if self.clip == "prev_global" else None
                 own = (sums.sq_views[layer.slot], sums.ticket_views[layer.slot])  # summed by its last program
-            side = self._side_stream(w)
             if side is not None:  # after dX (old W) and dW on the current stream; the backward goes on
                 self._fork(side)
             with torch.cuda.stream(side) if side is not None else _NULL:
@@ -941,8 +940,8 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             rewritten only after the update that read it). The current stream waits for the side
             stream at the end of every backward (a callback of the autograd engine), so whatever
             follows ``backward()`` sees the updated weights. Off by default: on one H200 the 1b
-            step was no faster with it (the backward's kernels leave no SMs idle for the updates;
-            forge/README.md). ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
+            step was no faster with it (likely, not profiled: the backward's kernels leave no SMs
+            idle for the updates; forge/README.md). ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
