@@ -5,7 +5,7 @@
 #                                            # compiled; the int8 / int8p update kernel's tiles (tune_kernels forge_int8);
 #                                            # part (b) graphed at B = 1, 4, 16: torch bf16, FORGE int8, int8p
 #   OUT=dir bash benchmarks/gpu_s18.sh second  # the fused dW + update kernel at 64 x 64 tiles with 2-4 programs an SM
-#                                            # (register caps), 2048 x 5632 at T = 512 / 2048, against the split path
+#                                            # (register caps) and 64 x 32 / 32 x 32 tiles (4+ programs an SM, sass_count.py), against the split path
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -27,9 +27,9 @@ gpu_part /tmp/s18w "${1:-first}"
     second)
       gpuinfo
       log "tune forge (fused dW + update) at 2, 3, 4 programs an SM (sass_count.py forge --mode fused)"
-      TUNE_FORGE_CASES="2048,5632,512;2048,5632,2048" \
-        TUNE_FORGE_CFGS="64,64,64,4,3;64,64,32,4,2;64,64,64,4,3,168;64,64,32,4,2,168;64,64,32,4,2,128;32,64,64,4,3" \
-        timeout 150 python3 benchmarks/tune_kernels.py --what forge --out "$D" 2>&1 | grep -v Warn | tail -3
+      TUNE_FORGE_CASES="2048,5632,512;2048,5632,2048;5632,2048,1024;32000,2048,2048" \
+        TUNE_FORGE_CFGS="64,64,64,4,3;64,64,32,4,2;64,64,64,4,3,168;64,64,32,4,2,168;64,64,32,4,2,128;32,64,64,4,3;64,32,64,4,3;64,32,32,4,4;64,32,64,4,4;64,32,128,4,2;32,32,64,4,3;32,32,64,2,3" \
+        timeout 240 python3 benchmarks/tune_kernels.py --what forge --out "$D" 2>&1 | grep -v Warn | tail -3
       snap ;;
   esac
   log done
