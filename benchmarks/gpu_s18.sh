@@ -6,6 +6,8 @@
 #                                            # part (b) graphed at B = 1, 4, 16: torch bf16, FORGE int8, int8p
 #   OUT=dir bash benchmarks/gpu_s18.sh second  # the fused dW + update kernel at 64 x 64 tiles with 2-4 programs an SM
 #                                            # (register caps) and 64 x 32 / 32 x 32 tiles (4+ programs an SM, sass_count.py), against the split path
+#   OUT=dir bash benchmarks/gpu_s18.sh third   # the split path's updates as programmatic dependent launches
+#                                            # (LEANTRAIN_FORGE_PDL=1): tests, one linear, part (b) graphed
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -30,6 +32,21 @@ gpu_part /tmp/s18w "${1:-first}"
       TUNE_FORGE_CASES="2048,5632,512;2048,5632,2048;5632,2048,1024;32000,2048,2048" \
         TUNE_FORGE_CFGS="64,64,64,4,3;64,64,32,4,2;64,64,64,4,3,168;64,64,32,4,2,168;64,64,32,4,2,128;32,64,64,4,3;64,32,64,4,3;64,32,32,4,4;64,32,64,4,4;64,32,128,4,2;32,32,64,4,3;32,32,64,2,3" \
         timeout 240 python3 benchmarks/tune_kernels.py --what forge --out "$D" 2>&1 | grep -v Warn | tail -3
+      snap ;;
+    third)
+      gpuinfo
+      log "gpu tests: the updates as programmatic dependent launches (compiled)"
+      gputest 200 tests/forge/test_forge_pdl.py
+      snap
+      log "tune forge_split: bf16 dW split path, plain and PDL, do_bench and graph replays"
+      TUNE_SPLIT_CFGS=none timeout 150 python3 benchmarks/tune_kernels.py --what forge_split --out "$D" 2>&1 \
+        | grep -v Warn | tail -2 | cut -c1-400
+      snap
+      forgeb_cfg b_graph 200 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      LEANTRAIN_FORGE_PDL=1 forgeb_cfg b_graph_pdl 120 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap
+      LEANTRAIN_FORGE_PDL=1 forgeb_cfg b_eager_pdl 60 "16" forge_bf16_sr_bf16_states_bf16_dw
       snap ;;
   esac
   log done
