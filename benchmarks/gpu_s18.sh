@@ -7,7 +7,11 @@
 #   OUT=dir bash benchmarks/gpu_s18.sh second  # the fused dW + update kernel at 64 x 64 tiles with 2-4 programs an SM
 #                                            # (register caps) and 64 x 32 / 32 x 32 tiles (4+ programs an SM, sass_count.py), against the split path
 #   OUT=dir bash benchmarks/gpu_s18.sh third   # the split path's updates as programmatic dependent launches
-#                                            # (LEANTRAIN_FORGE_PDL=1): tests, one linear, part (b) graphed
+#                                            # (LEANTRAIN_FORGE_PDL=1): tests, one linear, part (b) graphed. Ran at
+#                                            # 497f38e; PDL was removed after it (no faster in the step)
+#   OUT=dir bash benchmarks/gpu_s18.sh fourth  # the fused 64 x 64 tile's register cap (heuristic_config): kernel /
+#                                            # loss / Llama tests compiled; fused with and without the cap, fp32 and
+#                                            # bf16 W and states (tune forge_split); the 256 x 2048 layers fused
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,6 +51,19 @@ gpu_part /tmp/s18w "${1:-first}"
       LEANTRAIN_FORGE_PDL=1 forgeb_cfg b_graph_pdl 120 "1 4 16" forge_bf16_sr_bf16_states_bf16_dw_graph
       snap
       LEANTRAIN_FORGE_PDL=1 forgeb_cfg b_eager_pdl 60 "16" forge_bf16_sr_bf16_states_bf16_dw
+      snap ;;
+    fourth)
+      gpuinfo
+      log "gpu tests: FORGE kernel (the fused tile's register cap), losses, Llama (compiled)"
+      gputest 240 tests/forge/test_forge_kernel.py tests/test_losses.py tests/forge/test_forge_llama.py
+      snap
+      log "tune forge_split: the fused 64 x 64 tile with and without the register cap, fp32 and bf16 W / states"
+      TUNE_SPLIT_CFGS="64,64,64,4,3;64,64,64,4,3,168;64,64,64,4,3,192" timeout 200 python3 benchmarks/tune_kernels.py \
+        --what forge_split --out "$D" 2>&1 | grep -v Warn | tail -1 | cut -c1-300
+      snap
+      log "tune forge: the small layers (256 x 2048) fused against split"
+      TUNE_FORGE_CASES="256,2048,1024;256,2048,4096;2048,2048,1024" TUNE_FORGE_CFGS="64,64,64,4,3;64,64,64,4,3,168" \
+        timeout 100 python3 benchmarks/tune_kernels.py --what forge --out "$D" 2>&1 | grep -v Warn | tail -1 | cut -c1-300
       snap ;;
   esac
   log done

@@ -103,7 +103,6 @@ def main(argv=None) -> int:
     ap.add_argument("--wdtype", default="bf16", help="forge: W's dtype (bf16 with SR, or fp32)")
     ap.add_argument("--sdtype", default="bf16", help="forge: the AdamW states' kind (fp32, bf16, int8, int8p)")
     ap.add_argument("--early", type=int, default=0, help="forge: EARLY_LOADS")
-    ap.add_argument("--pdl", type=int, default=0, help="forge: PDL (W and state read before gdc_wait; update mode)")
     ap.add_argument("--sr", type=int, default=1, help="forge: stochastic rounding of bf16 W")
     ap.add_argument("--mode", default="update", choices=["update", "fused"],
                     help="forge: the update-only mode (a graph's launch) or the fused dW + update (bf16 X / dY)")
@@ -157,8 +156,7 @@ def main(argv=None) -> int:
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
-                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early),
-                    PDL=bool(a.pdl) and not fused)
+                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early))
         div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K") + (("stride_x", "stride_dy") if fused else ())
     elif a.kernel == "dequant":
         from leantrain.ops import multi

@@ -507,13 +507,13 @@ def tune_forge_split(log) -> list[dict]:
     """Session 15: part (a)'s comparison at the 1b shapes, T = 512 / 1024 / 2048, with fp32 W/m/v
     and with bf16 W + bf16 states: torch (bf16 matmul, fp32 copy of dW for fp32 weights, fused
     AdamW), the split path with fp32 and with bf16 dW, its two halves alone, and the fused kernel
-    at a few tiles (AdamW, SR). Session 18: also the split path with bf16 dW and its update as a
-    programmatic dependent launch (``pdl``: W and the state read while the GEMM finishes), each
-    also timed as a CUDA graph replay (GPU time only). ``TUNE_SPLIT_PRECS="fp32"``: W's dtypes;
-    ``TUNE_SPLIT_CFGS="bn,bk,bt,warps,stages;..."`` the fused tiles ("none": no fused kernel)."""
+    at a few tiles (AdamW, SR); the split path with bf16 dW also timed as a CUDA graph replay (GPU
+    time only). ``TUNE_SPLIT_PRECS="fp32"``: W's dtypes; ``TUNE_SPLIT_CFGS="bn,bk,bt,warps,stages[,maxnreg];..."``
+    the fused tiles ("none": no fused kernel). (Session 18 also timed the update as a programmatic
+    dependent launch here, at commit 497f38e: no faster in the step, removed.)"""
     from triton.testing import do_bench_cudagraph
 
-    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge, pdl_enabled
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -521,8 +521,6 @@ def tune_forge_split(log) -> list[dict]:
     env_cfgs = os.environ.get("TUNE_SPLIT_CFGS", "")
     if env_cfgs:
         cfgs = [] if env_cfgs == "none" else [tuple(int(v) for v in c.split(",")) for c in env_cfgs.split(";") if c]
-    os.environ["LEANTRAIN_FORGE_PDL"] = "1"
-    pdl = pdl_enabled(torch.device("cuda"))
     rows = []
     for prec in os.environ.get("TUNE_SPLIT_PRECS", "fp32,bf16").split(","):
         for (N, K) in ((2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)):
@@ -549,20 +547,19 @@ def tune_forge_split(log) -> list[dict]:
                     mm_fp32(dy.t(), x, buf, allow_upcast=True)
                     launch_forge(MODE_UPDATE, g=buf, **common)
 
-                def split16(pdl=False):
+                def split16():
                     torch.mm(dy.t(), x, out=buf16)
-                    launch_forge(MODE_UPDATE, g=buf16, pdl=pdl, **common)
+                    launch_forge(MODE_UPDATE, g=buf16, **common)
 
                 row = {"prec": prec, "N": N, "K": K, "T": T, "torch_ms": _bench(base), "split_ms": _bench(split),
-                       "split_bf16dw_ms": _bench(split16), "pdl": pdl,
-                       "split_bf16dw_pdl_ms": _bench(lambda: split16(True)),
-                       "split_bf16dw_graph_ms": do_bench_cudagraph(split16, rep=40),
-                       "split_bf16dw_pdl_graph_ms": do_bench_cudagraph(lambda: split16(True), rep=40),
+                       "split_bf16dw_ms": _bench(split16), "split_bf16dw_graph_ms": do_bench_cudagraph(split16, rep=40),
                        "mm_ms": _bench(lambda: torch.mm(dy.t(), x, out=buf16)),
                        "update_ms": _bench(lambda: launch_forge(MODE_UPDATE, g=buf16, **common))}
                 for c in cfgs:
                     tune = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "GROUP_N": 8, "num_warps": c[3],
                             "num_stages": c[4]}
+                    if len(c) > 5:  # a register cap
+                        tune["maxnreg"] = c[5]
                     name = "fused " + "x".join(map(str, c))
                     try:
                         row[name] = _bench(lambda tune=tune: launch_forge(MODE_FUSED, x=x, dy=dy, tune=tune, **common),
@@ -571,7 +568,6 @@ def tune_forge_split(log) -> list[dict]:
                         row[name] = f"{type(e).__name__}: {e}"[:160]
                 row["torch/split"] = row["torch_ms"] / row["split_ms"]
                 row["torch/split_bf16dw"] = row["torch_ms"] / row["split_bf16dw_ms"]
-                row["torch/split_bf16dw_pdl"] = row["torch_ms"] / row["split_bf16dw_pdl_ms"]
                 log(json.dumps(row))
                 rows.append(row)
                 torch.cuda.empty_cache()

@@ -290,6 +290,9 @@ def test_heuristic_config():
     K = _kernel()
     small = K.heuristic_config(K.MODE_FUSED, 1024)
     assert (small["BLOCK_N"], small["BLOCK_K"], small["BLOCK_T"], small["num_warps"]) == (64, 64, 64, 4)
+    assert small["maxnreg"] == K.FUSED_MAXNREG  # three programs an SM (s18)
+    assert "maxnreg" not in K.heuristic_config(K.MODE_WRITE_DW, 1024)  # (measured on the fused mode only)
+    assert "maxnreg" not in K.heuristic_config(K.MODE_FUSED, 1024, int8=True)
     big = K.heuristic_config(K.MODE_FUSED, 16384)
     assert (big["BLOCK_N"], big["BLOCK_K"], big["BLOCK_T"], big["num_warps"]) == (128, 128, 32, 8)
     assert K.heuristic_config(K.MODE_FUSED, 16384, int8=True)["BLOCK_N"] == 64  # 8-bit epilogue: 64 x 64

@@ -227,7 +227,7 @@ if HAS_TRITON:
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
         IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
-        EARLY_LOADS: tl.constexpr, PDL: tl.constexpr,
+        EARLY_LOADS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -261,21 +261,14 @@ if HAS_TRITON:
         code_offs = am_offs.to(tl.int64) * 256 + jpos
 
         if MODE == 2:  # (G: fp32, or bf16 / fp16 read as is: lt.optim.Optimizer's bf16 gradients)
-            if PDL:  # a programmatic dependent launch: the programs may start while the preceding kernel
-                # (the dW GEMM) finishes. W and its state, which that kernel does not write (the caller's
-                # promise), are read first; everything else only once its writes are visible.
-                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
-                                          NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
-                tl.extra.cuda.gdc_wait()
             acc = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 accb = tl.load(GB + offs_n, mask=mn & bias_here, other=0.0).to(tl.float32)
             if EARLY_LOADS:  # every read of the tile issued before its sum of squares, whose block-wide
                 # reduction (a barrier) the compiler does not move loads across: one memory round
                 # trip a tile instead of two (the gradient's, then W's and the state's)
-                if not PDL:
-                    w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k,
-                                              kb, nb, NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
+                                          NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
                 if HAS_DYN:
                     lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
                         _dyn_scalars(DYN, dyn_off)
@@ -323,9 +316,8 @@ if HAS_TRITON:
             if KIND1 == 3 or KIND2 == 3:
                 pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & gok
             if not EARLY_LOADS:
-                if not PDL:
-                    w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k,
-                                              kb, nb, NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
+                                          NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
@@ -433,10 +425,8 @@ FIXED_CONFIG_ENV = "LEANTRAIN_FORGE_TILE"  # e.g. "64,64,64,4,3": pin one tile c
 AUTOTUNE_ENV = "LEANTRAIN_FORGE_AUTOTUNE"  # "1": autotune over TUNE_CONFIGS / UPDATE_CONFIGS
 DIRECT_LAUNCH_ENV = "LEANTRAIN_FORGE_DIRECT_LAUNCH"  # "0": always launch through kernel[grid](...)
 EARLY_LOADS_ENV = "LEANTRAIN_FORGE_EARLY_LOADS"  # "1" / "0": force the update kernel's early reads on / off
-PDL_ENV = "LEANTRAIN_FORGE_PDL"  # "1" / "0": the split path's updates as programmatic dependent launches
-PDL_DEFAULT = "0"
-_PDL: dict = {}
 LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tiles at 8 warps
+FUSED_MAXNREG = 168  # the fused 64 x 64 tile's register cap (three programs an SM; heuristic_config)
 
 
 def _parse_fixed(v: str) -> dict:
@@ -461,7 +451,12 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
 
     Fused / write-dW: 64 x 64 tiles, 64-token steps, 4 warps, 3 stages up to ``LARGE_T`` tokens
     (and always with 8-bit states: the 16 x 16 block requantization needs the registers);
-    128 x 128 x 32 at 8 warps above.
+    128 x 128 x 32 at 8 warps above. The fused mode's 64 x 64 tile (fp32 / bf16 states) is
+    compiled with at most ``FUSED_MAXNREG`` registers a thread: three programs an SM instead of
+    two (233 registers uncapped), 15-17 % faster with fp32 W / m / v on 2048 x 5632 at T = 512 /
+    2048, 5632 x 2048 at T = 1024 and 32000 x 2048 at T = 2048 (session 18, ``second/``,
+    ``tune_kernels.py --what forge``); no tile of 64 x 32 or 32 x 32 (four or more programs an SM)
+    was faster. The split path stays faster on all four (0.114 against 0.137 ms at T = 512).
 
     Update-only (no pipelining), by the bytes of W and its states: 8 elements a thread, where the
     kernel is bound by its instructions (IEEE division and square root, the rounding hash, the
@@ -478,36 +473,18 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
     0.704 at session 8's 16 x 64 x 1 warp; the 8-bit epilogue is bound by its encoder's arithmetic).
     """
     if mode == MODE_UPDATE:
-        if int8:  # also packed ("int8p"): 0.175 / 0.966 ms at two warps, 0.190 / 1.016 at four (s16 ``fifth/``)
+        if int8:  # also packed ("int8p"): 0.134 / 0.720 ms at two warps, 0.174 / 0.940 at four (s18 ``first/``;
+            # 0.175 / 0.966 and 0.190 / 1.016 in s16 ``fifth/``, before the cheaper head-code arithmetic)
             return _update_cfg(16, 64, 2)
         if w_bf16:  # bf16 states: W / state reads issued before the tile's sum (EARLY_LOADS)
             return dict(_update_cfg(16, 128, 8), EARLY_LOADS=states_bf16)
         return _update_cfg(32, 128, 16)
     if T <= LARGE_T or int8:
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
+        if mode == MODE_FUSED and not int8:
+            cfg["maxnreg"] = FUSED_MAXNREG
+        return cfg
     return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
-
-
-def pdl_enabled(device) -> bool:
-    """Whether the split path launches its updates as programmatic dependent launches (PDL) on
-    ``device``: ``LEANTRAIN_FORGE_PDL`` (default off) and support (compiled Triton with
-    ``gdc_wait`` and the ``launch_pdl`` option, compute capability 9.0 or newer). With PDL an update's
-    programs may start while the dW GEMM before it finishes, and read W and its state meanwhile."""
-    on = os.environ.get(PDL_ENV, PDL_DEFAULT) not in ("", "0")
-    if not on or device.type != "cuda" or not HAS_TRITON or interpreting():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _PDL.get(index)
-    if ok is None:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-
-            ok = (hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
-                  and torch.cuda.get_device_capability(index)[0] >= 9)
-        except Exception:  # noqa: BLE001  (another backend layout: no PDL)
-            ok = False
-        _PDL[index] = ok
-    return ok
 
 
 def _map_sign(qmap) -> int:
@@ -596,7 +573,7 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
             kinds = [flags_meta["KIND1"], flags_meta["KIND2"]][: flags_meta["NSTATE"]]
             cfg = heuristic_config(mode, T, int8, flags_meta["W_BF16"], all(k == STATE_KIND["bf16"] for k in kinds))
     if cfg is None:  # autotuned: PART sized for the smallest tile (64 x 64), the launched tiles report
-        return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False, **_pdl_launch(flags_meta)), None,
+        return _Plan(_forge_kernel_tuned, dict(flags_meta, enable_fp_fusion=False), None,
                      lambda m: (_cdiv(N, m["BLOCK_N"]) * _cdiv(K, m["BLOCK_K"]),),
                      _cdiv(N, 64) * _cdiv(K, 64), True)
     cfg = dict(cfg)
@@ -609,13 +586,7 @@ def _plan(mode, N, K, T, int8, tune, on_gpu, flags_meta) -> _Plan:
     consts = tuple(meta[n] for n in _CONST_NAMES) if on_gpu else None
     grid = _cdiv(N, cfg["BLOCK_N"]) * _cdiv(K, cfg["BLOCK_K"])
     meta["enable_fp_fusion"] = False  # see leantrain.ops._backend.launch
-    meta.update(_pdl_launch(meta))
     return _Plan(_forge_kernel, meta, consts, (grid,), grid, False)
-
-
-def _pdl_launch(meta: dict) -> dict:
-    """Triton's launch option for a kernel compiled with ``PDL``."""
-    return {"launch_pdl": True} if meta.get("PDL") else {}
 
 
 def _direct_ok() -> bool:
@@ -661,7 +632,7 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
 
 def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
                  qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
-                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None, pdl=False):
+                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None):
     """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
@@ -678,10 +649,6 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     ``sq`` / ``ticket``: a 0-d fp32 tensor and a 0-d int32 tensor holding 0: the launch's last
     program writes the sum of the per-tile sums of squares to ``sq`` (fixed order) and resets
     ``ticket``, so no reduction launch has to follow.
-    ``pdl`` (update-only mode, compiled, :func:`pdl_enabled`): a programmatic dependent launch. Its
-    programs may start before the preceding kernel in the stream has finished, and read ``w``,
-    ``b``'s states and ``states`` before waiting for it: the caller guarantees that kernel writes
-    none of them (the split path: it is the dW GEMM, or the sum, reduction or clip scale of dW).
     """
     dummy = w if w is not None else g
     N, K = dummy.shape
@@ -711,8 +678,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     signs = (_map_sign(qtables[0][0]) if kind1 >= 2 else -1, _map_sign(qtables[1][0]) if kind2 >= 2 else -1)
-    pdl = bool(pdl) and mode == MODE_UPDATE and on_gpu
-    pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs, pdl,
+    pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
             scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
             os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(EARLY_LOADS_ENV))
     plan = _PLANS.get(pkey)
@@ -720,7 +686,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
                     SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
                     SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
-                    SIGN1=signs[0], SIGN2=signs[1], PDL=pdl,
+                    SIGN1=signs[0], SIGN2=signs[1],
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, max(kind1, kind2) >= 2, tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy

@@ -200,7 +200,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._side_busy = False  # work issued on it since the current stream last waited for it
         self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
         self._workspace = _Workspace()
-        self._pdl: dict[torch.device, bool] = {}  # device -> split-path updates as PDL launches (kernel.pdl_enabled)
         self._backends: dict[bool, str] = {}  # w.is_cuda -> resolved backend
         self._step_id = 0
         self._ran: list[int] = []  # slots of the layers updated in this backward
@@ -613,17 +612,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 own = (sums.sq_views[layer.slot], sums.ticket_views[layer.slot])  # summed by its last program
             if side is not None:  # after dX (old W) and dW on the current stream; the backward goes on
                 self._fork(side)
-                pdl = False  # (after a stream wait: no kernel to overlap)
-            else:  # the kernel just before is dW's (GEMM, sum, all-reduce or clip scale): it writes no W or state
-                pdl = self._pdl.get(w.device)
-                if pdl is None:
-                    pdl = self._pdl[w.device] = K.pdl_enabled(w.device)
             with torch.cuda.stream(side) if side is not None else _NULL:
                 part = K.launch_forge(K.MODE_UPDATE, w=w, b=b, states=h.states, bias_states=h.bstates,
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                       step=step, sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale,
                                       part=h.upart, dyn=dyn, sq=None if own is None else own[0],
-                                      ticket=None if own is None else own[1], pdl=pdl)
+                                      ticket=None if own is None else own[1])
             if side is not None:
                 self._workspace.read_on(side)
             h.upart = part  # reused next step, like h.part
