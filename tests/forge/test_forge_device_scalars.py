@@ -129,3 +129,48 @@ def test_graph_check_says_what_is_missing():
         opt = lt.forge.attach(model, RULES["adamw"](), backend="triton", clip="prev_global")
         with pytest.raises(ValueError, match="prev_global': one eager step first"):
             opt._graph_check()
+
+
+def test_next_table_made_after_the_replay_equals_a_fresh_one():
+    """_graph_advance makes the next replay's steps and rounding keys while the GPU runs the
+    current one; the table uploaded from them equals one made from scratch, also after the lr
+    changed in between (an LR scheduler), and nothing stale is used after an eager update or a
+    load_state_dict (both move step counts)."""
+    from leantrain.forge.optimizer import _DynTable
+
+    model = Net(k=40, h=48, n=24)
+    opt = lt.forge.attach(model, RULES["adamw"](), backend="torch", seed=3)
+    x = batches(1, shape=(2, 12, 40))[0]
+    _loss(model, x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt._dyn = _DynTable(len(opt.layers), "cpu")
+    opt._graph_slots = [layer.slot for layer in opt.layers]
+
+    def fresh():
+        opt._dyn_next = None
+        opt._upload_dyn(1.0)
+        return opt._dyn.dev.clone()
+
+    for lr in (1e-2, 3e-3):  # the second round: the scheduler moved lr after the precompute
+        opt._graph_prepare()
+        opt._graph_advance()
+        assert opt._dyn_next is not None and opt._dyn_next[0] == opt._step_id + 1
+        opt._step_id += 1  # (what step() does)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        nxt = opt._dyn_next
+        opt._upload_dyn(1.0)
+        cached = opt._dyn.dev.clone()
+        assert opt._dyn_next is None  # (used once)
+        assert torch.equal(cached, fresh())
+        assert torch.equal(torch.from_numpy(nxt[1]), torch.tensor([opt.state[layer.weight]["step"] + 1
+                                                                   for layer in opt.layers]))
+        assert cached[0, 0].item() == pytest.approx(lr)
+    opt._graph_advance()
+    sw, sb = opt._layer_states(opt.layers[0])
+    opt._advance(opt.layers[0], sw, sb)  # an eager update: step counts moved
+    assert opt._dyn_next is None
+    opt._graph_advance()
+    opt.load_state_dict(opt.state_dict())
+    assert opt._dyn_next is None

@@ -215,6 +215,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # the slots the captured backward updates
         self._dyn: _DynTable | None = None
         self._dyn_meta = None  # (layer indices, param group of each layer as numpy arrays, their state dicts)
+        # (step id, each layer's next step, their rounding keys): the next replay's table columns that
+        # do not depend on the param groups, made by _graph_advance while the GPU runs the replay
+        self._dyn_next: tuple | None = None
+        self._last_update_sid = -1  # the step id of the last layer update (the graph's guard: O(1) when older)
         self._graph_plan = None  # (layer, weight state, bias state) of each captured slot (_graph_advance)
         self._dyn_ready = False
         self._phase: str | None = None
@@ -319,7 +323,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sw["step"] += 1
         if sb is not None:
             sb["step"] = sw["step"]
-        layer.updated_in = self._step_id
+        layer.updated_in = self._last_update_sid = self._step_id
+        self._dyn_next = None
         return sw["step"]
 
     def _materializes(self, layer, x2, fill, backend) -> bool:
@@ -374,22 +379,36 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._dyn = _DynTable(max(1, len(self.layers)), self.param_groups[0]["params"][0].device)
         self._dyn_ready = False
 
-    def _upload_dyn(self, gate: float) -> None:
-        """This step's rows (each layer at its next step) into the device table, in one copy.
-        Host cost: one row per distinct (param group, step), the keys in one numpy pass."""
+    def _next_steps(self):
+        """Each layer's next step and its rounding key (numpy arrays, in slot order)."""
         import numpy as np
 
         from leantrain.ops.rng import step_kernel_keys
-
-        from .kernel import DYN_COLS, dyn_row
 
         layers = self.layers
         if self._dyn_meta is None:  # (the state dicts: filled in place by _init_state, replaced by load_state_dict)
             self._dyn_meta = (np.array([layer.index for layer in layers], dtype=np.int64),
                               np.array([self._group_of[id(layer.weight)] for layer in layers], dtype=np.int64),
                               [self.state[layer.weight] for layer in layers])
-        index, gidx, states = self._dyn_meta
+        index, _, states = self._dyn_meta
         steps = np.fromiter((st.get("step", 0) + 1 for st in states), dtype=np.int64, count=len(layers))
+        return steps, step_kernel_keys(self.seed, index, steps)
+
+    def _upload_dyn(self, gate: float) -> None:
+        """This step's rows (each layer at its next step) into the device table, in one copy.
+        Host cost: one row per distinct (param group, step); the steps and keys were made after
+        the last replay's launch (:meth:`_graph_advance`) when no step count changed since."""
+        import numpy as np
+
+        from .kernel import DYN_COLS, dyn_row
+
+        nxt, self._dyn_next = self._dyn_next, None
+        if nxt is not None and nxt[0] == self._step_id:
+            steps, keys = nxt[1], nxt[2]
+        else:
+            steps, keys = self._next_steps()
+        layers = self.layers
+        gidx = self._dyn_meta[1]
         rows = np.empty((len(layers), DYN_COLS), dtype=np.float32)
         name, groups = self.rule.name, self.param_groups
         if len(layers) and (steps == steps[0]).all() and (gidx == gidx[0]).all():  # the usual case: one row
@@ -401,7 +420,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if r is None:
                     r = made[(gi, st)] = dyn_row(name, groups[gi], st, gate)
                 rows[slot] = r
-        rows[:, 12].view(np.int32)[:] = step_kernel_keys(self.seed, index, steps)  # the keys' bits
+        rows[:, 12].view(np.int32)[:] = keys  # the keys' bits
         self._dyn.upload(rows)
         self._dyn_ready = True
 
@@ -462,7 +481,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             plan = self._graph_plan = [(layer, *self._layer_states(layer))
                                        for layer in (self.layers[slot] for slot in self._graph_slots)]
         sid = self._step_id
-        if any(layer.updated_in == sid for layer, _, _ in plan):
+        if self._last_update_sid == sid and any(layer.updated_in == sid for layer, _, _ in plan):
             raise RuntimeError("FORGE: the graphed step was replayed twice without opt.step() in between "
                                "(gradient accumulation is not supported; see forge/README.md)")
         self._upload_dyn(1.0)
@@ -476,7 +495,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if sb is not None:
                 sb["step"] = n
             layer.updated_in = sid
+        self._last_update_sid = sid
         self._ran = list(self._graph_slots)
+        # the next replay's steps and keys now, while the GPU runs this one (step() moves the step id)
+        self._dyn_next = (sid + 1, *self._next_steps())
 
     def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1):
         """dW (and db) of one layer in the reused workspace (``ring`` buffers a dtype taking turns:
@@ -832,7 +854,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         self.join()
-        self._dyn_meta = self._graph_plan = None  # (they hold the state dicts replaced below)
+        self._dyn_meta = self._graph_plan = self._dyn_next = None  # (they hold the state dicts replaced below)
         sd = dict(state_dict)
         extra = sd.pop("forge", None)
         saved = sd["state"]
@@ -861,6 +883,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self._grad_sums(dev).load_predictions({slot_of[int(i)]: t for i, t in preds.items()})
         for layer in self.layers:
             layer.updated_in = -1
+        self._last_update_sid = -1
 
 
 def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter], list[nn.Parameter]]:
