@@ -12,6 +12,8 @@
 #   OUT=dir bash benchmarks/gpu_s18.sh fourth  # the fused 64 x 64 tile's register cap (heuristic_config): kernel /
 #                                            # loss / Llama tests compiled; fused with and without the cap, fp32 and
 #                                            # bf16 W and states (tune forge_split); the 256 x 2048 layers fused
+#   OUT=dir bash benchmarks/gpu_s18.sh fifth   # the host work before a replay cut (the next table made after the
+#                                            # launch): graph / device-scalar / overlap tests; part (b) graphed
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -64,6 +66,13 @@ gpu_part /tmp/s18w "${1:-first}"
       log "tune forge: the small layers (256 x 2048) fused against split"
       TUNE_FORGE_CASES="256,2048,1024;256,2048,4096;2048,2048,1024" TUNE_FORGE_CFGS="64,64,64,4,3;64,64,64,4,3,168" \
         timeout 100 python3 benchmarks/tune_kernels.py --what forge --out "$D" 2>&1 | grep -v Warn | tail -1 | cut -c1-300
+      snap ;;
+    fifth)
+      gpuinfo
+      log "gpu tests: graphs, device scalars, overlap (compiled; the next replay's table made after the launch)"
+      gputest 200 tests/test_graphs.py tests/forge/test_forge_device_scalars.py tests/forge/test_forge_overlap.py
+      snap
+      forgeb_cfg b_graph 260 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph forge_bf16_sr_int8p_states_graph
       snap ;;
   esac
   log done
