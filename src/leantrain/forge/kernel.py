@@ -453,10 +453,13 @@ def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False
     (and always with 8-bit states: the 16 x 16 block requantization needs the registers);
     128 x 128 x 32 at 8 warps above. The fused mode's 64 x 64 tile (fp32 / bf16 states) is
     compiled with at most ``FUSED_MAXNREG`` registers a thread: three programs an SM instead of
-    two (233 registers uncapped), 15-17 % faster with fp32 W / m / v on 2048 x 5632 at T = 512 /
-    2048, 5632 x 2048 at T = 1024 and 32000 x 2048 at T = 2048 (session 18, ``second/``,
-    ``tune_kernels.py --what forge``); no tile of 64 x 32 or 32 x 32 (four or more programs an SM)
-    was faster. The split path stays faster on all four (0.114 against 0.137 ms at T = 512).
+    two (233 registers uncapped, a 112-byte spill capped). With fp32 W / m / v it was 11-18 %
+    faster on 2048 x 5632 at T = 512 / 2048, 5632 x 2048 at T = 1024 and 32000 x 2048 at T = 2048
+    (session 18 ``second/``, ``tune_kernels.py --what forge``), and 8-19 % with fp32, 8-22 % with
+    bf16 W and states on the three large shapes at T = 512 / 1024 / 2048 (``fourth/``, ``--what
+    forge_split``); a cap of 192 (still two programs) gained nothing, and no 64 x 32 or 32 x 32
+    tile (four or more programs an SM) beat the capped 64 x 64. The split path stays faster on
+    these shapes (2048 x 5632, T = 512: 0.114 ms with fp32 dW against 0.137 fused, ``second/``).
 
     Update-only (no pipelining), by the bytes of W and its states: 8 elements a thread, where the
     kernel is bound by its instructions (IEEE division and square root, the rounding hash, the
