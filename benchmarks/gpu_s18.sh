@@ -14,6 +14,8 @@
 #                                            # bf16 W and states (tune forge_split); the 256 x 2048 layers fused
 #   OUT=dir bash benchmarks/gpu_s18.sh fifth   # the host work before a replay cut (the next table made after the
 #                                            # launch): graph / device-scalar / overlap tests; part (b) graphed
+#   OUT=dir bash benchmarks/gpu_s18.sh sixth   # part (b) graphed at B = 1, 4: torch and FORGE alternately, three
+#                                            # processes each (the gap against the calls' noise)
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -73,6 +75,11 @@ gpu_part /tmp/s18w "${1:-first}"
       gputest 200 tests/test_graphs.py tests/forge/test_forge_device_scalars.py tests/forge/test_forge_overlap.py
       snap
       forgeb_cfg b_graph 260 "1 4 16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph forge_bf16_sr_int8p_states_graph
+      snap ;;
+    sixth)
+      gpuinfo
+      forgeb_cfg b_ab 330 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
       snap ;;
   esac
   log done
