@@ -16,6 +16,7 @@
 #                                            # launch): graph / device-scalar / overlap tests; part (b) graphed
 #   OUT=dir bash benchmarks/gpu_s18.sh sixth   # part (b) graphed at B = 1, 4: torch and FORGE alternately, three
 #                                            # processes each (the gap against the calls' noise)
+#   OUT=dir bash benchmarks/gpu_s18.sh seventh # what one update launch a layer costs in a graph (tune forge_group)
 # Work goes to /tmp/s18w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -80,6 +81,11 @@ gpu_part /tmp/s18w "${1:-first}"
       gpuinfo
       forgeb_cfg b_ab 330 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_graph \
         forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph
+      snap ;;
+    seventh)
+      gpuinfo
+      log "tune forge_group: the 1b layers' updates as one graph, one launch a layer / a block / three in all"
+      timeout 150 python3 benchmarks/tune_kernels.py --what forge_group --out "$D" 2>&1 | grep -v Warn | tail -4
       snap ;;
   esac
   log done

@@ -578,6 +578,69 @@ def tune_forge_split(log) -> list[dict]:
 SHAPES_1B = ((2048, 2048, 44), (256, 2048, 44), (5632, 2048, 44), (2048, 5632, 22), (32000, 2048, 1))
 
 
+def tune_forge_group(log) -> list[dict]:
+    """Session 18: what one update launch a layer costs in a graphed step. The update-only kernel
+    on the 1b preset's 155 fused layers (bf16 W + SR, bf16 states, bf16 dW, AdamW, the device
+    scalar table and the in-kernel sum, as the graphed step runs it), replayed as one CUDA graph
+    (GPU time only): one launch a layer, as FORGE does (155); one a block for its six K = 2048
+    layers (q, k, v, o, gate, up stacked as one [15872, 2048] tensor) and one for its down
+    projection (45 with the head); and every block's K = 2048 layers as one tensor, every down
+    projection as another (3). The same bytes each way (the per-layer launches update row slices
+    of the stacked tensors): the difference is what the launches cost."""
+    import numpy as np
+    from triton.testing import do_bench_cudagraph
+
+    from leantrain.forge.kernel import MODE_UPDATE, dyn_row, launch_forge
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    row_np = dyn_row("adamw", hp, 10)
+    row_np[12] = np.int32(12345).view(np.float32)
+    dyn = torch.tensor(np.stack([row_np]), device="cuda")
+    sq = torch.zeros((), device="cuda")
+    ticket = torch.zeros((), dtype=torch.int32, device="cuda")
+    blocks, widths = 22, (2048, 256, 256, 2048, 5632, 5632)  # q, k, v, o, gate, up: their rows (K = 2048)
+    torch.manual_seed(0)
+
+    def alloc(n, k):  # W, m, v, dW
+        return ((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16),
+                (torch.randn(n, k, device="cuda") * 1e-3).to(torch.bfloat16),
+                (torch.rand(n, k, device="cuda") * 1e-6).to(torch.bfloat16),
+                (torch.randn(n, k, device="cuda") * 1e-3).to(torch.bfloat16))
+
+    def rows(t, r0, r1):
+        return tuple(x[r0:r1] for x in t)
+
+    per = sum(widths)
+    big, down, head = alloc(blocks * per, 2048), alloc(blocks * 2048, 5632), alloc(32000, 2048)
+    layers, grouped = [], []
+    for b in range(blocks):
+        off = b * per
+        for n in widths:
+            layers.append(rows(big, off, off + n))
+            off += n
+        layers.append(rows(down, b * 2048, (b + 1) * 2048))
+        grouped += [rows(big, b * per, (b + 1) * per), rows(down, b * 2048, (b + 1) * 2048)]
+    variants = (("one launch a layer", layers + [head]), ("one a block (+ its down)", grouped + [head]),
+                ("three in all", [big, down, head]))
+
+    def launch(t):
+        launch_forge(MODE_UPDATE, g=t[3], w=t[0], states=[t[1], t[2]], kinds=["bf16", "bf16"], rule_name="adamw",
+                     hp=hp, step=10, sr=True, dyn=(dyn, 0), sq=sq, ticket=ticket)
+
+    out = []
+    for name, ts in variants:
+        def fn(ts=ts):
+            for t in ts:
+                launch(t)
+        fn()
+        torch.cuda.synchronize()
+        row = {"variant": name, "launches": len(ts), "graph_ms": do_bench_cudagraph(fn, rep=40),
+               "params": sum(t[0].numel() for t in ts)}
+        log(json.dumps(row))
+        out.append(row)
+    return out
+
+
 def tune_forge_update16(log) -> list[dict]:
     """Session 15: the update-only kernel with bf16 W + SR and bf16 states (FORGE at torch bf16's
     precisions, bf16 dW, device scalars and the in-kernel sum, as a graphed step runs it) at each
@@ -1074,7 +1137,8 @@ def main(argv=None) -> int:
               "forge_int8": lambda: tune_forge_int8(log),
               "host": lambda: tune_host(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge_split": lambda: tune_forge_split(log),
-              "forge_update16": lambda: tune_forge_update16(log), "forge": lambda: tune_forge(log)}
+              "forge_update16": lambda: tune_forge_update16(log), "forge": lambda: tune_forge(log),
+              "forge_group": lambda: tune_forge_group(log)}
     for name, tuner in tuners.items():
         if name in what:
             extra = {"mib": a.mib} if name == "ops" else {}
