@@ -414,8 +414,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 tuple(None if q is None else id(q[0]) for q in h.qtables))
         n = w.numel()
         cap = self._group_cap
-        if cap is None:
-            cap = self._group_cap = max([GROUP_NUMEL] + [layer.weight.numel() for layer in self.layers])
+        if cap is None:  # (a small model's whole dW, at most GROUP_NUMEL elements or its largest layer's)
+            sizes = [layer.weight.numel() for layer in self.layers]
+            cap = self._group_cap = max(max(sizes), min(GROUP_NUMEL, sum(sizes)))
         if self._pending and (gkey != self._pending_key or len(self._pending) >= GROUP_MAX
                               or self._pending_numel + n > cap):
             self._flush_group()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The next GPU call (written in session 18, when no device time was left to run it):
+#   OUT=dir bash benchmarks/gpu_s19.sh first   # grouped updates (attach(group_updates=True)): the group tests
+#                                            # compiled (bit-identical to one launch a layer, eager and graphed),
+#                                            # then part (b) graphed at B = 1, 4: torch, FORGE, FORGE grouped,
+#                                            # alternating; B = 16 once each; int8p grouped
+# Work goes to /tmp/s19w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s19w "${1:-first}"
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "gpu tests: grouped updates, graphs, device scalars (compiled)"
+      gputest 240 tests/forge/test_forge_group.py tests/test_graphs.py tests/forge/test_forge_device_scalars.py
+      snap
+      forgeb_cfg b_ab 330 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_group_graph torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_group_graph
+      snap
+      forgeb_cfg b16 150 "16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_group_graph forge_bf16_sr_int8p_states_group_graph
+      snap ;;
+  esac
+  log done
+} 2>&1 | tee "$D/log.txt"
+snap
