@@ -7,10 +7,9 @@ import copy
 
 import pytest
 import torch
-from _forge_util import RULES, batches
+from _forge_util import RULES, Stack, batches, emulate_replays
 from _forge_util import assert_same_run as _same
 from _forge_util import square_loss as _loss
-from torch import nn
 
 import leantrain as lt
 from leantrain.ops._backend import HAS_TRITON, interpreting
@@ -20,21 +19,9 @@ needs_triton = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.c
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class Chain(nn.Module):
+def Chain(k=32, widths=(48, 32, 40, 24)):
     """Linears of different shapes, most without bias (grouped), one with (not), and a norm."""
-
-    def __init__(self, k=32, widths=(48, 32, 40, 24), bias_at=2):
-        super().__init__()
-        dims = (k, *widths)
-        self.fcs = nn.ModuleList(nn.Linear(a, b, bias=i == bias_at) for i, (a, b) in enumerate(zip(dims, dims[1:])))
-        self.norm = nn.LayerNorm(widths[0])
-
-    def forward(self, x):
-        for i, fc in enumerate(self.fcs):
-            x = torch.tanh(fc(x))
-            if i == 0:
-                x = self.norm(x)
-        return x
+    return Stack(k, widths, bias_at={2}, norm_at=0)
 
 
 CASES = {  # name: (rule, weight dtype, attach kwargs)
@@ -104,35 +91,12 @@ def test_grouped_equals_one_launch_a_layer(case, launches):
 @needs_triton
 @pytest.mark.parametrize("case", ["adamw_fp32", "adamw_bf16_sr_bf16_states_bf16_dw"])
 def test_grouped_replay_order_equals_the_eager_step(case, launches):
-    """The device-scalar path a CUDA graph captures (as test_forge_device_scalars does it on CPU):
-    warm-up and capture passes store nothing, then prepare / run / advance / step, with grouping,
-    equal eager FORGE without it."""
+    """The device-scalar path a CUDA graph captures, emulated on CPU (warm-up and capture passes
+    store nothing, then prepare / run / advance / step), with grouping, equals eager FORGE without it."""
     ref_model, ref, model, opt, dtype = _pair(case)
     K = model.fcs[0].in_features
     data = [x.to(DEV) for x in batches(2, shape=(1, 8, K), dtype=dtype)]
-    opt._graph_check()
-    before = copy.deepcopy(model)
-    for phase in ("dry", "capture"):
-        opt._graph_phase(phase)
-        _loss(model, data[0]).backward()
-        if phase == "dry":
-            opt._graph_phase(None)
-        for p in model.parameters():
-            p.grad = None
-    for p, q in zip(model.parameters(), before.parameters()):
-        assert torch.equal(p, q)
-    slots = list(opt._graph_slots)
-    for x in data:
-        opt._graph_prepare()
-        _loss(model, x).backward()
-        opt._graph_advance()
-        opt._graph_slots = list(slots)
-        opt.step()
-        opt.zero_grad()
-        _loss(ref_model, x).backward()
-        ref.step()
-        ref.zero_grad()
-    opt._graph_phase(None)
+    emulate_replays(model, opt, data, ref_model, ref)
     _same(model, opt, ref_model, ref)
     assert launches and max(launches) == 3
 
@@ -164,14 +128,18 @@ def test_nonfinite_layer_in_a_group_keeps_its_bits(launches):
     assert not torch.equal(model.fcs[1].weight, w1)  # the layer launched with it was updated
 
 
-def test_group_option_is_checked(monkeypatch):
-    with pytest.raises(TypeError, match="group_updates"):
-        lt.forge.attach(Chain(), RULES["adamw"](), group_updates="yes")
-    monkeypatch.setenv("LEANTRAIN_FORGE_GROUP", "2")
-    with pytest.raises(ValueError, match="LEANTRAIN_FORGE_GROUP"):
+@pytest.mark.parametrize(("option", "var"), [("group_updates", "LEANTRAIN_FORGE_GROUP"),
+                                              ("overlap", "LEANTRAIN_FORGE_OVERLAP")])
+def test_flag_options_are_checked(option, var, monkeypatch):
+    """attach's on / off options take booleans; their environment variables 0 / 1 override them."""
+    with pytest.raises(TypeError, match=option):
+        lt.forge.attach(Chain(), RULES["adamw"](), **{option: "yes"})
+    monkeypatch.setenv(var, "2")
+    with pytest.raises(ValueError, match=var):
         lt.forge.attach(Chain(), RULES["adamw"]())
-    monkeypatch.setenv("LEANTRAIN_FORGE_GROUP", "1")
-    assert lt.forge.attach(Chain(), RULES["adamw"]()).group_updates is True
+    for env, want in (("1", True), ("0", False)):
+        monkeypatch.setenv(var, env)
+        assert getattr(lt.forge.attach(Chain(), RULES["adamw"](), **{option: not want}), option) is want
 
 
 def test_torch_backend_ignores_grouping():

@@ -7,10 +7,9 @@ import copy
 
 import pytest
 import torch
-from _forge_util import RULES, batches
+from _forge_util import RULES, Stack, batches
 from _forge_util import assert_same_run as _same
 from _forge_util import square_loss as _loss
-from torch import nn
 
 import leantrain as lt
 from leantrain.forge import kernel as forge_kernel
@@ -18,21 +17,9 @@ from leantrain.forge import kernel as forge_kernel
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-class Deep(nn.Module):
+def Deep():
     """Five linears of different shapes (the ring of two workspaces wraps twice) and a norm."""
-
-    def __init__(self, k=64, widths=(96, 128, 80, 112, 48)):
-        super().__init__()
-        dims = (k, *widths)
-        self.fcs = nn.ModuleList(nn.Linear(a, b, bias=i % 2 == 0) for i, (a, b) in enumerate(zip(dims, dims[1:])))
-        self.norm = nn.LayerNorm(widths[1])
-
-    def forward(self, x):
-        for i, fc in enumerate(self.fcs):
-            x = torch.tanh(fc(x))
-            if i == 1:
-                x = self.norm(x)
-        return x
+    return Stack(64, (96, 128, 80, 112, 48), bias_at={0, 2, 4}, norm_at=1)
 
 
 CASES = {  # name: (rule, weight dtype, attach kwargs)
@@ -70,16 +57,6 @@ def slow_side(monkeypatch):
 
     monkeypatch.setattr(forge_kernel, "launch_forge", launch)
     return streams
-
-
-def test_overlap_option_is_checked(monkeypatch):
-    with pytest.raises(TypeError, match="overlap"):
-        lt.forge.attach(Deep(), RULES["adamw"](), overlap="yes")
-    monkeypatch.setenv("LEANTRAIN_FORGE_OVERLAP", "2")
-    with pytest.raises(ValueError, match="LEANTRAIN_FORGE_OVERLAP"):
-        lt.forge.attach(Deep(), RULES["adamw"]())
-    monkeypatch.setenv("LEANTRAIN_FORGE_OVERLAP", "0")
-    assert lt.forge.attach(Deep(), RULES["adamw"]()).overlap is False
 
 
 def test_workspace_ring_takes_turns():

@@ -50,28 +50,16 @@ CLIPS = ("none", "layer", "prev_global", "est_global")
 _EST_BETA = 0.5
 
 
-def _env_overlap(overlap) -> bool:
-    """``attach(overlap=...)``, unless ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it (benchmarks)."""
-    env = os.environ.get("LEANTRAIN_FORGE_OVERLAP")
+def _env_flag(name: str, value, var: str) -> bool:
+    """``attach(name=value)``, unless the environment variable ``var`` = 0 / 1 forces it (benchmarks)."""
+    env = os.environ.get(var)
     if env not in (None, ""):
         if env not in ("0", "1"):
-            raise ValueError(f"LEANTRAIN_FORGE_OVERLAP must be 0 or 1, got {env!r}")
+            raise ValueError(f"{var} must be 0 or 1, got {env!r}")
         return env == "1"
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    return overlap
-
-
-def _env_group(group) -> bool:
-    """``attach(group_updates=...)``, unless ``LEANTRAIN_FORGE_GROUP=0/1`` forces it (benchmarks)."""
-    env = os.environ.get("LEANTRAIN_FORGE_GROUP")
-    if env not in (None, ""):
-        if env not in ("0", "1"):
-            raise ValueError(f"LEANTRAIN_FORGE_GROUP must be 0 or 1, got {env!r}")
-        return env == "1"
-    if not isinstance(group, bool):
-        raise TypeError(f"group_updates must be True or False, got {group!r}")
-    return group
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 GROUP_NUMEL = 1 << 26  # the grouped updates' dW buffer: this many elements, or the largest layer's
@@ -218,9 +206,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.split_tokens = split_tokens
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
-        self.overlap = _env_overlap(overlap)
+        self.overlap = _env_flag("overlap", overlap, "LEANTRAIN_FORGE_OVERLAP")
         # group_updates: consecutive split-path updates deferred and launched together (forge/group.py)
-        self.group_updates = _env_group(group_updates)
+        self.group_updates = _env_flag("group_updates", group_updates, "LEANTRAIN_FORGE_GROUP")
         self._pending: list[dict] = []  # the deferred layers (launch_group's entries)
         self._pending_key = None  # what they share (dtypes, kinds, step, param group, 8-bit maps)
         self._pending_numel = 0  # elements of the group buffer they use
