@@ -191,7 +191,7 @@ def launch_group(layers: list[dict], *, kinds, qmaps=(None, None), rule_name="ad
     ``qmaps`` (the 8-bit maps, shared), the rule, ``hp``, ``step``, ``sr``, ``scale`` and ``dyn``
     (the table) are the launch's. ``part``: a reused fp32 buffer of the launch's tile sums (when of
     the right size). Returns the tile sums' buffer."""
-    from array import array
+    from leantrain.ops.multi import _table
 
     if not 0 < len(layers) <= GROUP_MAX:
         raise ValueError(f"launch_group: 1 to {GROUP_MAX} layers, got {len(layers)}")
@@ -215,7 +215,7 @@ def launch_group(layers: list[dict], *, kinds, qmaps=(None, None), rule_name="ad
     if forced:
         cfg["EARLY_LOADS"] = forced != "0"
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    rows, starts, total = [], [], 0
+    rows, progs = [], []
     idx32 = aligned = True
     for e in layers:
         w, g = e["w"], e["g"]
@@ -224,25 +224,16 @@ def launch_group(layers: list[dict], *, kinds, qmaps=(None, None), rule_name="ad
             raise ValueError("launch_group: the layers' W and dW dtypes must match (and dW W's shape)")
         idx32 = idx32 and n * k + n < (1 << 31)
         aligned = aligned and k % 16 == 0 and all(t is None or not t.data_ptr() & 15 for t in (w, g, *e["states"]))
-        progs = -(-n // bn) * -(-k // bk)
+        progs.append(-(-n // bn) * -(-k // bk))
         st = list(e["states"]) + [None] * (2 - nstate)
         am = list(e.get("absmax") or (None, None)) + [None, None]
         key = K.DYN_COLS * e["dyn_row"] if dyn is not None else int(e["key"])
         rows.append([_addr(w, w), _addr(st[0], w), _addr(st[1], w), _addr(am[0], w), _addr(am[1], w), g.data_ptr(),
-                     key, total, n, k, e["sq"].data_ptr(), e["ticket"].data_ptr(), progs])
-        starts.append(total)
-        total += progs
+                     key, 0, n, k, e["sq"].data_ptr(), e["ticket"].data_ptr(), progs[-1]])
+    # one int64 device table, column 7 each layer's first program, the padded starts after the rows
+    # (AGoQ's multi-tensor table; captured into a CUDA graph, page-locked and kept for its copy)
+    tab, total = _table(rows, progs, dev)
     tp = next_pow2(len(rows))
-    flat = array("q", [v for r in rows for v in r])
-    flat.extend(starts)
-    flat.extend([1 << 62] * (tp - len(starts)))
-    host = torch.frombuffer(flat, dtype=torch.int64)
-    if on_gpu and torch.cuda.is_current_stream_capturing():  # a memcpy node reads it at every replay
-        host = host.pin_memory()
-        from leantrain.ops import multi
-
-        multi._CAPTURED_TABLES.append(host)
-    tab = host.to(dev, non_blocking=True)
     if part is None or part.numel() != total or part.device != dev:
         part = torch.empty(total, dtype=torch.float32, device=dev)
     scal, flags = K._scalars(rule_name, hp or {}, step) if dyn is None else (K._WRITE_DW_SCALARS[0],

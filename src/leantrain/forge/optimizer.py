@@ -129,12 +129,6 @@ _KERNEL = []
 _NULL = contextlib.nullcontext()
 
 
-def _group_ok() -> bool:
-    from .group import group_ok
-
-    return group_ok()
-
-
 def _kernel():
     """leantrain.forge.kernel, imported on first use (it imports Triton)."""
     if not _KERNEL:
@@ -214,6 +208,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._pending_numel = 0  # elements of the group buffer they use
         self._pending_task = -1  # the backward pass (autograd graph task) that deferred them
         self._group_cap: int | None = None  # the group buffer's elements (GROUP_NUMEL or the largest layer)
+        self._group_on: bool | None = None  # group_updates and what every layer needs for it (first update)
         self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
         self._side_busy = False  # work issued on it since the current stream last waited for it
         self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
@@ -410,8 +405,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._flush_group()
         off = self._pending_numel
         buf = self._workspace.get(cap, w.device, gdt, ring=1, slot="group")
-        g = buf[off: off + n].view(w.shape)
-        self._materialize(layer, x2, dy2, "triton", into=buf[off: off + n])
+        _, g, _ = self._materialize(layer, x2, dy2, "triton", into=buf[off: off + n])
         self._pending.append(dict(w=w, states=h.states, absmax=[None if q is None else q[1] for q in h.qtables],
                                   g=g, key=key, dyn_row=None if dyn is None else dyn[1],
                                   sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot], h=h,
@@ -709,8 +703,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
             side = self._side_stream(w)
-            if (self.group_updates and side is None and b is None and fill is None and layer.tp_group is None
-                    and self.clip in ("none", "prev_global") and _group_ok()):
+            if self._group_on is None:  # (the clip mode and the tile choice hold for every layer)
+                from .group import group_ok
+
+                self._group_on = self.group_updates and self.clip in ("none", "prev_global") and group_ok()
+            if self._group_on and side is None and b is None and fill is None and layer.tp_group is None:
                 self._defer(layer, h, x2, dy2, step, dyn, key, sums)
                 torch.autograd.graph.increment_version(w)
                 return
