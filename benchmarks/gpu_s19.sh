@@ -4,6 +4,8 @@
 #                                            # compiled (bit-identical to one launch a layer, eager and graphed),
 #                                            # then part (b) graphed at B = 1, 4: torch, FORGE, FORGE grouped,
 #                                            # alternating; B = 16 once each; int8p grouped
+#   OUT=dir bash benchmarks/gpu_s19.sh second  # why grouped was slower: the grouped kernel alone (tune forge_group)
+#                                            # and profiles of B = 1, eager and graphed, with and without grouping
 # Work goes to /tmp/s19w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -21,6 +23,15 @@ gpu_part /tmp/s19w "${1:-first}"
       snap
       forgeb_cfg b16 150 "16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
         forge_bf16_sr_bf16_states_bf16_dw_group_graph forge_bf16_sr_int8p_states_group_graph
+      snap ;;
+    second)  # why grouped was slower (first/: 24.0 against 20.5 ms at B = 1): the grouped kernel alone, and profiles
+      log "tune forge_group: per layer, per block, three, and the grouped kernel a block"
+      timeout 150 python3 benchmarks/tune_kernels.py --what forge_group --out "$D" 2>&1 | grep -v Warn | tail -5
+      snap
+      prof forge_bf16_states_bf16_dw 1
+      prof forge_bf16_states_bf16_dw 1 --group
+      prof forge_bf16_states_bf16_dw 1 --group --graph
+      prof forge_bf16_states_bf16_dw 1 --graph
       snap ;;
   esac
   log done

@@ -590,6 +590,7 @@ def tune_forge_group(log) -> list[dict]:
     import numpy as np
     from triton.testing import do_bench_cudagraph
 
+    from leantrain.forge.group import GROUP_MAX, launch_group
     from leantrain.forge.kernel import MODE_UPDATE, dyn_row, launch_forge
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -627,15 +628,26 @@ def tune_forge_group(log) -> list[dict]:
         launch_forge(MODE_UPDATE, g=t[3], w=t[0], states=[t[1], t[2]], kinds=["bf16", "bf16"], rule_name="adamw",
                      hp=hp, step=10, sr=True, dyn=(dyn, 0), sq=sq, ticket=ticket)
 
+    def launch_grouped(ts):  # forge/group.py: the layers in launches of GROUP_MAX (a block's seven: one)
+        for i in range(0, len(ts), GROUP_MAX):
+            launch_group([dict(w=t[0], states=[t[1], t[2]], g=t[3], dyn_row=0, sq=sqs[j], ticket=tickets[j])
+                          for j, t in enumerate(ts[i: i + GROUP_MAX])], kinds=["bf16", "bf16"], rule_name="adamw",
+                         hp=hp, step=10, sr=True, dyn=dyn)
+
+    sqs = torch.zeros(GROUP_MAX, device="cuda")
+    tickets = torch.zeros(GROUP_MAX, dtype=torch.int32, device="cuda")
+    blocked = [layers[i: i + 7] for i in range(0, len(layers), 7)] + [[head]]
+    variants += (("grouped kernel, one launch a block (layers as FORGE holds them)", blocked),)
     out = []
     for name, ts in variants:
-        def fn(ts=ts):
+        def fn(ts=ts, grouped=isinstance(ts[0], list)):
             for t in ts:
-                launch(t)
+                launch_grouped(t) if grouped else launch(t)
         fn()
         torch.cuda.synchronize()
+        flat = [t for x in ts for t in (x if isinstance(x, list) else [x])]
         row = {"variant": name, "launches": len(ts), "graph_ms": do_bench_cudagraph(fn, rep=40),
-               "params": sum(t[0].numel() for t in ts)}
+               "params": sum(t[0].numel() for t in flat)}
         log(json.dumps(row))
         out.append(row)
     return out
