@@ -6,6 +6,8 @@
 #                                            # alternating; B = 16 once each; int8p grouped
 #   OUT=dir bash benchmarks/gpu_s19.sh second  # why grouped was slower: the grouped kernel alone (tune forge_group)
 #                                            # and profiles of B = 1, eager and graphed, with and without grouping
+#   OUT=dir bash benchmarks/gpu_s19.sh third   # the grouped kernel's launch shapes (tiles a program, grid2d, a
+#                                            # register cap): group tests, tune forge_group, part (b) at B = 1, 4
 # Work goes to /tmp/s19w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -33,6 +35,21 @@ gpu_part /tmp/s19w "${1:-first}"
       prof forge_bf16_states_bf16_dw 1 --group --graph
       prof forge_bf16_states_bf16_dw 1 --graph
       snap ;;
+    third)  # the grouped kernel reads a program's layer once for several tiles, or takes it from the grid
+      gpuinfo
+      log "gpu tests: grouped updates (compiled)"
+      gputest 200 tests/forge/test_forge_group.py
+      snap
+      log "tune forge_group: launch shapes (tiles, grid2d, maxnreg)"
+      timeout 200 python3 benchmarks/tune_kernels.py --what forge_group --out "$D" 2>&1 | grep -v Warn | tail -13
+      snap
+      forgeb_cfg b_default 150 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_group_graph
+      snap
+      for sh in 4,1,64 8,1,64 2,1,0; do
+        LEANTRAIN_FORGE_GROUP_LAUNCH=$sh forgeb_cfg "b_${sh//,/_}" 60 "1 4" forge_bf16_sr_bf16_states_bf16_dw_group_graph
+        snap
+      done ;;
   esac
   log done
 } 2>&1 | tee "$D/log.txt"

@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--words", type=int, default=1, help="quant: 1 = bf16 read as 32-bit words, 0 = elements")
     ap.add_argument("--dtype", default="bf16", help="quant, element path: input type (bf16, fp32)")
     ap.add_argument("--kind", type=int, default=1, help="multi: 0 fp32, 1 bf16, 2 fp16, -1 mixed")
-    ap.add_argument("--tpp", type=int, default=1, help="multi: tiles per program")
+    ap.add_argument("--tpp", type=int, default=1, help="multi, forge_group: tiles per program")
+    ap.add_argument("--grid2d", type=int, default=1, help="forge_group: the layer as the grid's second axis")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap a thread (0: none)")
     ap.add_argument("--aligned", type=int, default=1, help="multi, dequant: the ALIGNED constexpr (address / size hints)")
     ap.add_argument("--idx64", type=int, default=0, help="clip: the layer's size passed as a 64-bit integer")
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
                     G_BF16=True, SR=bool(a.sr), HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True,
                     HAS_SCALE=False, HAS_DYN=True, BLOCK_N=a.bn, BLOCK_K=a.bk, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early),
-                    COLS=fg._COLS, ALIGNED=True)
+                    COLS=fg._COLS, ALIGNED=True, TILES=a.tpp, GRID2D=bool(a.grid2d))
         div = ("TAB", "PART", "DYN")
     elif a.kernel == "dequant":
         from leantrain.ops import multi

@@ -628,25 +628,36 @@ def tune_forge_group(log) -> list[dict]:
         launch_forge(MODE_UPDATE, g=t[3], w=t[0], states=[t[1], t[2]], kinds=["bf16", "bf16"], rule_name="adamw",
                      hp=hp, step=10, sr=True, dyn=(dyn, 0), sq=sq, ticket=ticket)
 
-    def launch_grouped(ts):  # forge/group.py: the layers in launches of GROUP_MAX (a block's seven: one)
+    def launch_grouped(ts, shape):  # forge/group.py: the layers in launches of GROUP_MAX (a block's seven: one)
         for i in range(0, len(ts), GROUP_MAX):
             launch_group([dict(w=t[0], states=[t[1], t[2]], g=t[3], dyn_row=0, sq=sqs[j], ticket=tickets[j])
                           for j, t in enumerate(ts[i: i + GROUP_MAX])], kinds=["bf16", "bf16"], rule_name="adamw",
-                         hp=hp, step=10, sr=True, dyn=dyn)
+                         hp=hp, step=10, sr=True, dyn=dyn, **shape)
 
     sqs = torch.zeros(GROUP_MAX, device="cuda")
     tickets = torch.zeros(GROUP_MAX, dtype=torch.int32, device="cuda")
     blocked = [layers[i: i + 7] for i in range(0, len(layers), 7)] + [[head]]
-    variants += (("grouped kernel, one launch a block (layers as FORGE holds them)", blocked),)
+    # the grouped kernel's launch shapes (session 19): tiles a program, the layer as a grid axis, a register cap
+    shapes = os.environ.get("TUNE_GROUP_LAUNCH", "1,0,0;1,1,0;2,1,0;4,1,0;4,1,64;8,1,0;8,1,64;4,0,0;4,0,64")
+    for sh in shapes.split(";"):
+        t_, g_, m_ = (int(v) for v in sh.split(","))
+        variants += ((f"grouped kernel a block: tiles {t_}, grid2d {g_}, maxnreg {m_}",
+                      (blocked, dict(tiles=t_, grid2d=bool(g_), maxnreg=m_))),)
     out = []
     for name, ts in variants:
-        def fn(ts=ts, grouped=isinstance(ts[0], list)):
+        grouped = isinstance(ts, tuple) and isinstance(ts[1], dict)
+
+        def fn(ts=ts, grouped=grouped):
+            if grouped:
+                for t in ts[0]:
+                    launch_grouped(t, ts[1])
+                return
             for t in ts:
-                launch_grouped(t) if grouped else launch(t)
+                launch(t)
         fn()
         torch.cuda.synchronize()
-        flat = [t for x in ts for t in (x if isinstance(x, list) else [x])]
-        row = {"variant": name, "launches": len(ts), "graph_ms": do_bench_cudagraph(fn, rep=40),
+        flat = [t for x in ts[0] for t in x] if grouped else list(ts)
+        row = {"variant": name, "launches": len(ts[0]) if grouped else len(ts), "graph_ms": do_bench_cudagraph(fn, rep=40),
                "params": sum(t[0].numel() for t in flat)}
         log(json.dumps(row))
         out.append(row)

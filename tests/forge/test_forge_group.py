@@ -85,7 +85,45 @@ def test_grouped_equals_one_launch_a_layer(case, launches):
     _same(model, opt, ref_model, ref)
     assert opt._pending == []
     assert launches == [3] * steps
-    assert ref.last_grad_norm == opt.last_grad_norm
+    if DEV == "cpu":
+        assert ref.last_grad_norm == opt.last_grad_norm
+    else:  # compiled, a tile's sum of squares may reduce in another order (one ulp apart on the H200, s19 first/)
+        assert ref.last_grad_norm == pytest.approx(opt.last_grad_norm, rel=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles,grid2d", [(1, False), (3, False), (3, True)])
+def test_group_kernel_equals_launch_forge(tiles, grid2d):
+    """The grouped kernel at 1 and 3 tiles a program (layers whose tile counts 3 does not divide),
+    its layer found by a search or the grid's second axis, against one MODE_UPDATE launch a layer:
+    W, m, v and each layer's sum of squares."""
+    from leantrain.forge import group
+    from leantrain.forge.kernel import MODE_UPDATE, launch_forge
+
+    torch.manual_seed(0)
+    hp = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    shapes = [(40, 48), (16, 32), (24, 16)]  # (interpreter tiles 16 x 16: 9, 2 and 2 of them)
+
+    def layer(n, k):
+        return dict(w=torch.randn(n, k, device=DEV).to(torch.bfloat16),
+                    states=[torch.randn(n, k, device=DEV).to(torch.bfloat16) * 1e-2,
+                            torch.rand(n, k, device=DEV).to(torch.bfloat16) * 1e-4],
+                    g=torch.randn(n, k, device=DEV).to(torch.bfloat16), key=17 + n,
+                    sq=torch.zeros((), device=DEV), ticket=torch.zeros((), dtype=torch.int32, device=DEV))
+
+    mine = [layer(n, k) for n, k in shapes]
+    ref = [{k: [x.clone() for x in v] if isinstance(v, list) else v.clone() if torch.is_tensor(v) else v
+            for k, v in e.items()} for e in mine]
+    group.launch_group(mine, kinds=["bf16", "bf16"], hp=hp, step=3, tiles=tiles, grid2d=grid2d)
+    for e in ref:
+        launch_forge(MODE_UPDATE, g=e["g"], w=e["w"], states=e["states"], kinds=["bf16", "bf16"], rule_name="adamw",
+                     hp=hp, step=3, sr=True, key=e["key"], sq=e["sq"], ticket=e["ticket"])
+    for a, b in zip(mine, ref):
+        assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], a["g"])
+        for x, y in zip(a["states"], b["states"]):
+            assert torch.equal(x, y)
+        assert a["sq"].item() == pytest.approx(b["sq"].item(), rel=0 if DEV == "cpu" else 1e-6)
+        assert int(a["ticket"]) == 0
 
 
 @needs_triton
