@@ -66,10 +66,7 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  # inputs kept, so what a step adds is the gradients (torch) or nothing (FORGE)
                  "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt",
                  # 8-bit states with each block's absmax packed into its codes' low bits (1 byte an element)
-                 "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph",
-                 # consecutive layers' updates launched together (attach(group_updates=True), session 18)
-                 "forge_bf16_sr_bf16_states_bf16_dw_group", "forge_bf16_sr_bf16_states_bf16_dw_group_graph",
-                 "forge_bf16_sr_int8p_states_group_graph"]
+                 "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph"]
 BATCHES = [1, 4, 16]
 
 
@@ -294,8 +291,6 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     config = config.removesuffix("_graph")
     cfg.activation_checkpointing = config.endswith("_ckpt")
     config = config.removesuffix("_ckpt")
-    group = config.endswith("_group")
-    config = config.removesuffix("_group")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
                               "forge_bf16_sr_int8p_states", "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",
@@ -323,7 +318,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
                        else "bf16" if "bf16_states" in config else "fp32")
         opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype,
                               stochastic_rounding="_rtn_" not in config,
-                              grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32", group_updates=group)
+                              grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32")
         if config.endswith("_agoq"):
             lt.agoq.apply(model, lt.agoq.Policy())
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -54,7 +54,7 @@ forgeb() {  # bench_forge part (b): 1b, T = 1024, B = 1, 4, 16, each configurati
 forgeb_cfg() {  # bench_forge part (b): $1 name, $2 time limit, $3 batches (quoted list), rest: configurations
   local name=$1 lim=$2 batches=$3
   shift 3
-  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_TILE:-} ${LEANTRAIN_FORGE_EARLY_LOADS:-} ${LEANTRAIN_FORGE_GROUP_LAUNCH:-}"
+  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_TILE:-} ${LEANTRAIN_FORGE_EARLY_LOADS:-}"
   timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
     --out "$D/$name" 2>&1 | grep -v Warn | tail -12
 }

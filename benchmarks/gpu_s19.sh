@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The next GPU call (written in session 18, when no device time was left to run it):
+# Session 19's GPU calls (results/2026-12-02_H200_s19/). The grouped updates they measure were removed
+# after them (their code: commit 155568d); this script is the record of what ran, not runnable on main.
 #   OUT=dir bash benchmarks/gpu_s19.sh first   # grouped updates (attach(group_updates=True)): the group tests
 #                                            # compiled (bit-identical to one launch a layer, eager and graphed),
 #                                            # then part (b) graphed at B = 1, 4: torch, FORGE, FORGE grouped,

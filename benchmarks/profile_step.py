@@ -35,7 +35,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", action="store_true", help="also a Python cProfile of 3 steps (host time by function)")
     ap.add_argument("--graph", action="store_true", help="replay forward + backward from a CUDA graph")
     ap.add_argument("--clip", default="none", help="forge configs: FORGE's clip mode (est_global: the trainer's default)")
-    ap.add_argument("--group", action="store_true", help="forge configs: attach(group_updates=True)")
     a = ap.parse_args(argv)
     import leantrain as lt
     from leantrain.config import preset
@@ -50,7 +49,7 @@ def main(argv=None) -> int:
     if "forge" in a.config:
         opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="bf16" if "bf16_states" in a.config else "fp32",
                               stochastic_rounding=True, clip=a.clip,
-                              grad_dtype="bf16" if a.config.endswith("_bf16_dw") else "fp32", group_updates=a.group)
+                              grad_dtype="bf16" if a.config.endswith("_bf16_dw") else "fp32")
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
     if "agoq" in a.config:
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     ka = prof.key_averages()
     os.makedirs(a.out, exist_ok=True)
-    tag = f"{'_group' if a.group else ''}{'_graph' if a.graph else ''}{'_noopt' if a.no_opt else ''}{'' if a.clip == 'none' else '_' + a.clip}"
+    tag = f"{'_graph' if a.graph else ''}{'_noopt' if a.no_opt else ''}{'' if a.clip == 'none' else '_' + a.clip}"
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]  # (GPU-side ranges such as Optimizer.step: not work)
     busy = sum(e.device_time for e in kernels) / 1e3  # ms, the step's kernels and copies back to back

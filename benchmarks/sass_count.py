@@ -86,7 +86,7 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge", "forge_group"])
+    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
@@ -94,8 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--words", type=int, default=1, help="quant: 1 = bf16 read as 32-bit words, 0 = elements")
     ap.add_argument("--dtype", default="bf16", help="quant, element path: input type (bf16, fp32)")
     ap.add_argument("--kind", type=int, default=1, help="multi: 0 fp32, 1 bf16, 2 fp16, -1 mixed")
-    ap.add_argument("--tpp", type=int, default=1, help="multi, forge_group: tiles per program")
-    ap.add_argument("--grid2d", type=int, default=1, help="forge_group: the layer as the grid's second axis")
+    ap.add_argument("--tpp", type=int, default=1, help="multi: tiles per program")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap a thread (0: none)")
     ap.add_argument("--aligned", type=int, default=1, help="multi, dequant: the ALIGNED constexpr (address / size hints)")
     ap.add_argument("--idx64", type=int, default=0, help="clip: the layer's size passed as a 64-bit integer")
@@ -159,22 +158,6 @@ def main(argv=None) -> int:
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early))
         div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K") + (("stride_x", "stride_dy") if fused else ())
-    elif a.kernel == "forge_group":  # FORGE's grouped update (forge/group.py), AdamW, a graph's launch, 8 layers
-        from leantrain.forge import group as fg
-        from leantrain.forge import kernel as fk
-
-        fn = fg._forge_group_kernel
-        kind = fk.STATE_KIND[a.sdtype]
-        sig = {"TAB": "*i64", "n_layers": "i32", "PART": "*fp32", "SCALE": "*fp32", "DYN": "*fp32", "Q1": "*fp32",
-               "Q2": "*fp32"}
-        sig.update({n: "fp32" for n in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
-                                        "eps", "mom")})
-        cons = dict(TP=8, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2, W_BF16=a.wdtype == "bf16",
-                    G_BF16=True, SR=bool(a.sr), HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True,
-                    HAS_SCALE=False, HAS_DYN=True, BLOCK_N=a.bn, BLOCK_K=a.bk, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
-                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early),
-                    COLS=fg._COLS, ALIGNED=True, TILES=a.tpp, GRID2D=bool(a.grid2d))
-        div = ("TAB", "PART", "DYN")
     elif a.kernel == "dequant":
         from leantrain.ops import multi
 
@@ -196,7 +179,7 @@ def main(argv=None) -> int:
     c = counts(sass)
     if a.kernel == "clip":
         per = gradsums._GPU_BLOCK / (32 * a.warps)
-    elif a.kernel in ("forge", "forge_group"):
+    elif a.kernel == "forge":
         per = a.bn * a.bk / (32 * a.warps)
     else:
         per = a.rows * (256 if a.kernel == "state8" else 128) * a.tpp / (32 * a.warps)

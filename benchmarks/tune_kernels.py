@@ -586,11 +586,13 @@ def tune_forge_group(log) -> list[dict]:
     layers (q, k, v, o, gate, up stacked as one [15872, 2048] tensor) and one for its down
     projection (45 with the head); and every block's K = 2048 layers as one tensor, every down
     projection as another (3). The same bytes each way (the per-layer launches update row slices
-    of the stacked tensors): the difference is what the launches cost."""
+    of the stacked tensors): the difference is what the launches cost. (Session 19 also timed a
+    grouped kernel, one launch for several layers through a table of their addresses: 8.9 to 33
+    ms against 5.1 here, so it was removed; its code is at commit 155568d, its numbers in
+    results/2026-12-02_H200_s19/.)"""
     import numpy as np
     from triton.testing import do_bench_cudagraph
 
-    from leantrain.forge.group import GROUP_MAX, launch_group
     from leantrain.forge.kernel import MODE_UPDATE, dyn_row, launch_forge
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -628,37 +630,15 @@ def tune_forge_group(log) -> list[dict]:
         launch_forge(MODE_UPDATE, g=t[3], w=t[0], states=[t[1], t[2]], kinds=["bf16", "bf16"], rule_name="adamw",
                      hp=hp, step=10, sr=True, dyn=(dyn, 0), sq=sq, ticket=ticket)
 
-    def launch_grouped(ts, shape):  # forge/group.py: the layers in launches of GROUP_MAX (a block's seven: one)
-        for i in range(0, len(ts), GROUP_MAX):
-            launch_group([dict(w=t[0], states=[t[1], t[2]], g=t[3], dyn_row=0, sq=sqs[j], ticket=tickets[j])
-                          for j, t in enumerate(ts[i: i + GROUP_MAX])], kinds=["bf16", "bf16"], rule_name="adamw",
-                         hp=hp, step=10, sr=True, dyn=dyn, **shape)
-
-    sqs = torch.zeros(GROUP_MAX, device="cuda")
-    tickets = torch.zeros(GROUP_MAX, dtype=torch.int32, device="cuda")
-    blocked = [layers[i: i + 7] for i in range(0, len(layers), 7)] + [[head]]
-    # the grouped kernel's launch shapes (session 19): tiles a program, the layer as a grid axis, a register cap
-    shapes = os.environ.get("TUNE_GROUP_LAUNCH", "1,0,0;1,1,0;2,1,0;4,1,0;4,1,64;8,1,0;8,1,64;4,0,0;4,0,64")
-    for sh in shapes.split(";"):
-        t_, g_, m_ = (int(v) for v in sh.split(","))
-        variants += ((f"grouped kernel a block: tiles {t_}, grid2d {g_}, maxnreg {m_}",
-                      (blocked, dict(tiles=t_, grid2d=bool(g_), maxnreg=m_))),)
     out = []
     for name, ts in variants:
-        grouped = isinstance(ts, tuple) and isinstance(ts[1], dict)
-
-        def fn(ts=ts, grouped=grouped):
-            if grouped:
-                for t in ts[0]:
-                    launch_grouped(t, ts[1])
-                return
+        def fn(ts=ts):
             for t in ts:
                 launch(t)
         fn()
         torch.cuda.synchronize()
-        flat = [t for x in ts[0] for t in x] if grouped else list(ts)
-        row = {"variant": name, "launches": len(ts[0]) if grouped else len(ts), "graph_ms": do_bench_cudagraph(fn, rep=40),
-               "params": sum(t[0].numel() for t in flat)}
+        row = {"variant": name, "launches": len(ts), "graph_ms": do_bench_cudagraph(fn, rep=40),
+               "params": sum(t[0].numel() for t in ts)}
         log(json.dumps(row))
         out.append(row)
     return out

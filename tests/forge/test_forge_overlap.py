@@ -59,6 +59,18 @@ def slow_side(monkeypatch):
     return streams
 
 
+def test_overlap_option_is_checked(monkeypatch):
+    """attach(overlap=...) takes a boolean; LEANTRAIN_FORGE_OVERLAP = 0 / 1 overrides it."""
+    with pytest.raises(TypeError, match="overlap"):
+        lt.forge.attach(Deep(), RULES["adamw"](), overlap="yes")
+    monkeypatch.setenv("LEANTRAIN_FORGE_OVERLAP", "2")
+    with pytest.raises(ValueError, match="LEANTRAIN_FORGE_OVERLAP"):
+        lt.forge.attach(Deep(), RULES["adamw"]())
+    for env, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("LEANTRAIN_FORGE_OVERLAP", env)
+        assert lt.forge.attach(Deep(), RULES["adamw"](), overlap=not want).overlap is want
+
+
 def test_workspace_ring_takes_turns():
     """With a ring of two, consecutive layers get different buffers and every second one the same
     (per dtype; each grown to the largest request); a ring of one always hands out one buffer."""

@@ -62,9 +62,6 @@ def _env_flag(name: str, value, var: str) -> bool:
     return value
 
 
-GROUP_NUMEL = 1 << 26  # the grouped updates' dW buffer: this many elements, or the largest layer's
-
-
 def _check_clip(clip: str, clip_value: float) -> None:
     if clip in ("global", "norm", "global_norm"):
         raise ValueError(
@@ -96,12 +93,10 @@ class _Workspace:
         self.turn = 0
         self.last: tuple | None = None
 
-    def get(self, numel: int, device, dtype=torch.float32, ring: int = 1, slot=None) -> Tensor:
-        """A buffer of ``numel`` elements; ``slot``: a buffer of its own, outside the ring (the
-        grouped updates' dW)."""
+    def get(self, numel: int, device, dtype=torch.float32, ring: int = 1) -> Tensor:
         if ring > 1:
             self.turn = (self.turn + 1) % ring
-        key = self.last = (dtype, self.turn if ring > 1 else 0) if slot is None else (dtype, slot)
+        key = self.last = (dtype, self.turn if ring > 1 else 0)
         done = self.events.pop(key, None)
         if done is not None:  # the side stream's update that last read this buffer
             torch.cuda.current_stream(device).wait_event(done)
@@ -182,7 +177,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32", overlap=False, group_updates=False):
+                 allreduce=None, grad_dtype="fp32", overlap=False):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -201,14 +196,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
         self.overlap = _env_flag("overlap", overlap, "LEANTRAIN_FORGE_OVERLAP")
-        # group_updates: consecutive split-path updates deferred and launched together (forge/group.py)
-        self.group_updates = _env_flag("group_updates", group_updates, "LEANTRAIN_FORGE_GROUP")
-        self._pending: list[dict] = []  # the deferred layers (launch_group's entries)
-        self._pending_key = None  # what they share (dtypes, kinds, step, param group, 8-bit maps)
-        self._pending_numel = 0  # elements of the group buffer they use
-        self._pending_task = -1  # the backward pass (autograd graph task) that deferred them
-        self._group_cap: int | None = None  # the group buffer's elements (GROUP_NUMEL or the largest layer)
-        self._group_on: bool | None = None  # group_updates and what every layer needs for it (first update)
         self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
         self._side_busy = False  # work issued on it since the current stream last waited for it
         self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
@@ -370,70 +357,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def join(self) -> None:
         """Make the current stream wait for the updates issued on FORGE's side stream. Runs by
         itself at the end of every backward that issued one (and in :meth:`step`,
-        :meth:`state_dict`); a caller only needs it around a ``backward`` interrupted by an error.
-        Also launches the updates ``group_updates`` deferred."""
-        if self._pending:
-            self._flush_group()
+        :meth:`state_dict`); a caller only needs it around a ``backward`` interrupted by an error."""
         if self._side_busy:
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
             self._side_busy = False
             self._workspace.joined()
-
-    # ------------------------------------------------------------------ grouped updates (group_updates)
-
-    def _defer(self, layer, h, x2, dy2, step, dyn, key, sums) -> None:
-        """dW of ``layer`` into the group buffer, its update deferred: launched with the layers
-        before and after it that share its dtypes, kinds, step and param group (forge/group.py),
-        at the latest when this backward ends (:meth:`join`)."""
-        from .group import GROUP_MAX
-
-        w = layer.weight
-        task = torch._C._current_graph_task_id()
-        if self._pending and task != self._pending_task:  # left over by a backward that raised
-            self._flush_group()
-        low = self._low_grad(x2, dy2, "triton", None)
-        gdt = torch.bfloat16 if low else torch.float32
-        gkey = (w.dtype, w.device, gdt, tuple(h.kinds), step, id(h.group),
-                tuple(None if q is None else id(q[0]) for q in h.qtables))
-        n = w.numel()
-        cap = self._group_cap
-        if cap is None:  # (a small model's whole dW, at most GROUP_NUMEL elements or its largest layer's)
-            sizes = [layer.weight.numel() for layer in self.layers]
-            cap = self._group_cap = max(max(sizes), min(GROUP_NUMEL, sum(sizes)))
-        if self._pending and (gkey != self._pending_key or len(self._pending) >= GROUP_MAX
-                              or self._pending_numel + n > cap):
-            self._flush_group()
-        off = self._pending_numel
-        buf = self._workspace.get(cap, w.device, gdt, ring=1, slot="group")
-        _, g, _ = self._materialize(layer, x2, dy2, "triton", into=buf[off: off + n])
-        self._pending.append(dict(w=w, states=h.states, absmax=[None if q is None else q[1] for q in h.qtables],
-                                  g=g, key=key, dyn_row=None if dyn is None else dyn[1],
-                                  sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot], h=h,
-                                  step=step))
-        self._pending_key = gkey
-        self._pending_numel = off + -(-n // 64) * 64  # (16-byte aligned slices)
-        self._pending_task = task
-        if task >= 0:
-            if task != self._join_task:  # flushed when this backward ends, on its stream
-                self._join_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self.join)
-        else:  # not inside a backward pass: nothing to wait for
-            self._flush_group()
-
-    def _flush_group(self) -> None:
-        """Launch the deferred updates (one launch; forge/group.py)."""
-        from .group import launch_group
-
-        pend, self._pending = self._pending, []
-        self._pending_numel, self._pending_key = 0, None
-        if not pend:
-            return
-        h = pend[0]["h"]
-        qmaps = tuple(None if q is None else q[0] for q in h.qtables) + (None, None)
-        launch_group(pend, kinds=h.kinds, qmaps=qmaps[:2], rule_name=self.rule.name, hp=h.group,
-                     step=pend[0]["step"], sr=self.stochastic_rounding,
-                     scale=self._clip_scale if self.clip == "prev_global" else None,
-                     dyn=None if pend[0]["dyn_row"] is None else self._dyn.dev)
 
     # ------------------------------------------------------------------ device scalars, CUDA graphs
 
@@ -578,17 +506,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
                 and x2 is not None and x2.dtype == torch.bfloat16 and dy2 is not None and dy2.dtype == torch.bfloat16)
 
-    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1, into=None):
+    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1):
         """dW (and db) of one layer in the reused workspace (``ring`` buffers a dtype taking turns:
         the updates run on a side stream), reduced over the DP group."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
         low = self._low_grad(x2, dy2, backend, fill)
-        if into is not None:  # (a grouped update's slice of the group buffer, in the dtype of _low_grad)
-            buf = into
-        else:
-            buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
-                                      torch.bfloat16 if low else torch.float32, ring)
+        buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
+                                  torch.bfloat16 if low else torch.float32, ring)
         g = buf[: n * k].view(n, k)
         gb = buf[n * k:] if b is not None else None
         done = False
@@ -703,14 +628,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # hp: the param group itself, read now (LR schedulers change it; "params" is ignored)
         if materialize:
             side = self._side_stream(w)
-            if self._group_on is None:  # (the clip mode and the tile choice hold for every layer)
-                from .group import group_ok
-
-                self._group_on = self.group_updates and self.clip in ("none", "prev_global") and group_ok()
-            if self._group_on and side is None and b is None and fill is None and layer.tp_group is None:
-                self._defer(layer, h, x2, dy2, step, dyn, key, sums)
-                torch.autograd.graph.increment_version(w)
-                return
             buf, g, gb = self._materialize(layer, x2, dy2, "triton", fill, OVERLAP_RING if side is not None else 1)
             if self.clip in ("layer", "est_global"):  # the scale needs this layer's norm first: one launch
                 scale = sums.scale_kernel(layer.slot, buf, self.clip == "est_global", self.clip_value)
@@ -1001,7 +918,7 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
-           grad_dtype: str = "fp32", overlap: bool = False, group_updates: bool = False) -> ForgeOptimizer:
+           grad_dtype: str = "fp32", overlap: bool = False) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -1051,20 +968,11 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             follows ``backward()`` sees the updated weights. Off by default: on one H200 the 1b
             step was no faster with it (likely, not profiled: the backward's kernels leave no SMs
             idle for the updates; forge/README.md). ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
-        group_updates: on the Triton backend's split path, consecutive layers' updates that share
-            W's dtype, the state kinds, dW's dtype, the step and the param group (no bias, clip
-            ``"none"`` or ``"prev_global"``, no tensor parallelism, not with ``overlap``) are deferred
-            and launched together, up to 8 a launch and ``GROUP_NUMEL`` (2**26) elements of dW (or
-            the largest layer's) alive, at the latest when the backward ends: the same bits as one
-            launch a layer, fewer launches. One launch a layer took 0.60 ms more than one a block
-            for the 1b preset's updates in a CUDA graph on an H200 (forge/README.md); the grouped
-            step itself is not measured yet, so it is off by default. ``LEANTRAIN_FORGE_GROUP=0/1``
-            forces it.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
-                          overlap=overlap, group_updates=group_updates)
+                          overlap=overlap)
 
 
 def detach(model: nn.Module) -> None:
