@@ -66,7 +66,10 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  # inputs kept, so what a step adds is the gradients (torch) or nothing (FORGE)
                  "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt",
                  # 8-bit states with each block's absmax packed into its codes' low bits (1 byte an element)
-                 "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph"]
+                 "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph",
+                 # q/k/v and gate/up as one linear each (model.fused_proj, session 19): 4 FORGE updates a block, not 7
+                 "torch_bf16_fp_graph", "forge_bf16_sr_bf16_states_bf16_dw_fp_graph", "torch_bf16_fp",
+                 "forge_bf16_sr_bf16_states_bf16_dw_fp", "forge_bf16_sr_int8p_states_fp_graph"]
 BATCHES = [1, 4, 16]
 
 
@@ -291,6 +294,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     config = config.removesuffix("_graph")
     cfg.activation_checkpointing = config.endswith("_ckpt")
     config = config.removesuffix("_ckpt")
+    cfg.fused_proj = config.endswith("_fp")
+    config = config.removesuffix("_fp")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
                               "forge_bf16_sr_int8p_states", "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",

@@ -47,6 +47,11 @@ class ModelConfig:
     # RoPE as one autograd function (leantrain.ops.rope; a Triton kernel on CUDA): one launch each
     # for q and k forward and backward instead of ~9 ops each; the same forward bit for bit.
     fused_rope: bool = True
+    # q/k/v as one linear (qkv_proj) and gate/up as one (gate_up_proj), as Megatron-LM fuses them:
+    # one GEMM each forward and two backward instead of three / two, and one optimizer update (FORGE:
+    # 4 launches a block instead of 7). The same function; a checkpoint of either layout loads into
+    # the other. Off by default (the 1b step with it not measured on a GPU yet).
+    fused_proj: bool = False
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
     # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).

@@ -7,7 +7,9 @@ backward at the query heads' count), optional tied embedding / LM head, the cros
 fused with the LM head in vocabulary slices, no logits tensor (``fused_loss``,
 :class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
 (:func:`chunked_cross_entropy`); optional activation checkpointing per block
-(``activation_checkpointing``).
+(``activation_checkpointing``); optionally q/k/v as one ``qkv_proj`` and gate/up as one
+``gate_up_proj`` (``fused_proj``: fewer, larger GEMMs and optimizer updates; checkpoints load
+either way).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
 logits; ``reduction="none"`` gives per-example losses (zeroth-order fine-tuning uses them).
@@ -58,6 +60,30 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rope_ref(x, cos, sin)
 
 
+def _fuse_keys(parts: tuple[str, ...], fused: str):
+    """A load_state_dict pre-hook: a checkpoint of the separate linears (``parts``) loads into
+    the fused one (their weights stacked by rows, in order)."""
+
+    def hook(state_dict, prefix, *args):
+        names = [f"{prefix}{p}.weight" for p in parts]
+        if f"{prefix}{fused}.weight" not in state_dict and all(n in state_dict for n in names):
+            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(n) for n in names], 0)
+
+    return hook
+
+
+def _split_keys(fused: str, parts: tuple[str, ...], sizes):
+    """A load_state_dict pre-hook: a checkpoint of the fused linear loads into the separate ones."""
+
+    def hook(state_dict, prefix, *args):
+        name = f"{prefix}{fused}.weight"
+        if name in state_dict and not any(f"{prefix}{p}.weight" in state_dict for p in parts):
+            for p, w in zip(parts, state_dict.pop(name).split(list(sizes), 0)):
+                state_dict[f"{prefix}{p}.weight"] = w
+
+    return hook
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,16 +91,27 @@ class Attention(nn.Module):
         self.head_dim = cfg.dim // cfg.n_heads
         self.sdpa_gqa = cfg.sdpa_gqa
         self.rope = rope if cfg.fused_rope else apply_rope
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.sizes = (cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim, cfg.n_kv_heads * self.head_dim)
+        if cfg.fused_proj:  # rows [q; k; v]
+            self.qkv_proj = nn.Linear(cfg.dim, sum(self.sizes), bias=False)
+            self._register_load_state_dict_pre_hook(_fuse_keys(("q_proj", "k_proj", "v_proj"), "qkv_proj"))
+        else:
+            self.q_proj = nn.Linear(cfg.dim, self.sizes[0], bias=False)
+            self.k_proj = nn.Linear(cfg.dim, self.sizes[1], bias=False)
+            self.v_proj = nn.Linear(cfg.dim, self.sizes[2], bias=False)
+            self._register_load_state_dict_pre_hook(_split_keys("qkv_proj", ("q_proj", "k_proj", "v_proj"), self.sizes))
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(self, "qkv_proj"):  # (split: its backward is one cat of dq, dk, dv)
+            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+            v = v.contiguous()  # (attention saves v: as a view it would keep all of q, k, v alive)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         gqa = self.n_kv != self.n_heads
         if gqa and not self.sdpa_gqa:
@@ -88,12 +125,23 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.ffn_dim = cfg.ffn_dim
+        if cfg.fused_proj:  # rows [gate; up]
+            self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+            self._register_load_state_dict_pre_hook(_fuse_keys(("gate_proj", "up_proj"), "gate_up_proj"))
+        else:
+            self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+            self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+            self._register_load_state_dict_pre_hook(_split_keys("gate_up_proj", ("gate_proj", "up_proj"),
+                                                                (cfg.ffn_dim, cfg.ffn_dim)))
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).split(self.ffn_dim, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
