@@ -49,8 +49,8 @@ class ModelConfig:
     fused_rope: bool = True
     # q/k/v as one linear (qkv_proj) and gate/up as one (gate_up_proj), as Megatron-LM fuses them:
     # one GEMM each forward and two backward instead of three / two, and one optimizer update (FORGE:
-    # 4 launches a block instead of 7). The same function; a checkpoint of either layout loads into
-    # the other. Off by default (the 1b step with it not measured on a GPU yet).
+    # 4 launches a block instead of 7). The same function; a model state dict of either layout loads
+    # into the other (optimizer states do not carry over). Off by default (not yet timed on a GPU).
     fused_proj: bool = False
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
