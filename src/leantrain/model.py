@@ -92,7 +92,8 @@ class Attention(nn.Module):
         self.sdpa_gqa = cfg.sdpa_gqa
         self.rope = rope if cfg.fused_rope else apply_rope
         self.sizes = (cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim, cfg.n_kv_heads * self.head_dim)
-        if cfg.fused_proj:  # rows [q; k; v]
+        self.fused = cfg.fused_proj
+        if self.fused:  # rows [q; k; v]
             self.qkv_proj = nn.Linear(cfg.dim, sum(self.sizes), bias=False)
             self._register_load_state_dict_pre_hook(_fuse_keys(("q_proj", "k_proj", "v_proj"), "qkv_proj"))
         else:
@@ -104,7 +105,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        if hasattr(self, "qkv_proj"):  # (split: its backward is one cat of dq, dk, dv)
+        if self.fused:  # (split: its backward is one cat of dq, dk, dv)
             q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
             v = v.contiguous()  # (attention saves v: as a view it would keep all of q, k, v alive)
         else:
@@ -125,8 +126,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ffn_dim = cfg.ffn_dim
-        if cfg.fused_proj:  # rows [gate; up]
+        self.ffn_dim, self.fused = cfg.ffn_dim, cfg.fused_proj
+        if self.fused:  # rows [gate; up]
             self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
             self._register_load_state_dict_pre_hook(_fuse_keys(("gate_proj", "up_proj"), "gate_up_proj"))
         else:
@@ -137,7 +138,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if hasattr(self, "gate_up_proj"):
+        if self.fused:  # (gate and up: strided halves of one output)
             gate, up = self.gate_up_proj(x).split(self.ffn_dim, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
