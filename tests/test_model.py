@@ -52,23 +52,29 @@ def test_backward_reaches_every_parameter():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
+def _loss_and_saved_bytes(models: dict) -> dict:
+    """Each model's loss on one batch (backward run: the gradients) and the bytes it saved for backward."""
+    from leantrain.ledger import SavedActivationMeter
+
+    x = torch.randint(0, 97, (3, 16))
+    out = {}
+    for name, m in models.items():
+        with SavedActivationMeter(m.parameters()) as meter:
+            loss = m(x, x)
+        loss.backward()
+        out[name] = (loss.item(), meter.bytes)
+    return out
+
+
 def test_gqa_inside_sdpa_equals_repeated_kv_and_saves_less():
     """``sdpa_gqa`` (K/V handed to SDPA at n_kv_heads) gives the loss of repeating K/V to the query
     heads' count, gradients equal up to summation order, and saves fewer bytes for backward (the
     repeated K/V are what SDPA saved: (n_heads - n_kv_heads) / n_heads of their bytes go)."""
-    from leantrain.ledger import SavedActivationMeter
-
     torch.manual_seed(0)
     a = Llama(ModelConfig(**{**CFG.__dict__, "sdpa_gqa": True}))
     b = Llama(ModelConfig(**{**CFG.__dict__, "sdpa_gqa": False}))
     b.load_state_dict(a.state_dict())
-    x = torch.randint(0, 97, (3, 16))
-    saved = {}
-    for name, m in (("gqa", a), ("repeat", b)):
-        with SavedActivationMeter(m.parameters()) as meter:
-            loss = m(x, x)
-        loss.backward()
-        saved[name] = (loss.item(), meter.bytes)
+    saved = _loss_and_saved_bytes({"gqa": a, "repeat": b})
     assert saved["gqa"][0] == saved["repeat"][0]
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), n
@@ -119,21 +125,13 @@ def test_fused_proj_equals_separate_and_checkpoints_load_either_way():
     given the same weights, the fused weights' gradients the separate ones' stacked (up to summation
     order), the same saved bytes (attention's v copied out of the q/k/v output, which a view would
     keep alive whole), and a checkpoint of either layout loads into the other unchanged."""
-    from leantrain.ledger import SavedActivationMeter
-
     torch.manual_seed(0)
     a = Llama(CFG)
     b = Llama(ModelConfig(**{**CFG.__dict__, "fused_proj": True}))
     assert {n for n, _ in b.named_parameters()} >= {"layers.0.self_attn.qkv_proj.weight", "layers.1.mlp.gate_up_proj.weight"}
     assert not any("q_proj" in n or "gate_proj" in n for n, _ in b.named_parameters())
     b.load_state_dict(a.state_dict())
-    x = torch.randint(0, 97, (3, 16))
-    saved = {}
-    for name, m in (("sep", a), ("fused", b)):
-        with SavedActivationMeter(m.parameters()) as meter:
-            loss = m(x, x)
-        loss.backward()
-        saved[name] = (loss.item(), meter.bytes)
+    saved = _loss_and_saved_bytes({"sep": a, "fused": b})
     assert abs(saved["sep"][0] - saved["fused"][0]) < 1e-6
     assert saved["fused"][1] == saved["sep"][1]
     for i in range(CFG.n_layers):
