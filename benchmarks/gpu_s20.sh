@@ -12,13 +12,13 @@ gpu_part /tmp/s20w "${1:-first}"
     first)
       gpuinfo
       log "gpu tests: the model, FORGE's Llama test, graphs (compiled)"
-      gputest 200 tests/test_model.py tests/forge/test_forge_llama.py tests/test_graphs.py
+      gputest 150 tests/test_model.py tests/forge/test_forge_llama.py tests/test_graphs.py
       snap
-      forgeb_cfg b_ab 420 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_fp_graph \
+      forgeb_cfg b_ab 330 "1 4" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_fp_graph \
         forge_bf16_sr_bf16_states_bf16_dw_fp_graph torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph \
         torch_bf16_fp_graph forge_bf16_sr_bf16_states_bf16_dw_fp_graph
       snap
-      forgeb_cfg b16 200 "16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_fp_graph \
+      forgeb_cfg b16 100 "16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_fp_graph \
         forge_bf16_sr_bf16_states_bf16_dw_fp_graph forge_bf16_sr_int8p_states_fp_graph
       snap ;;
   esac
