@@ -2,7 +2,7 @@
 # The next GPU call (written in session 19, when no device time was left to run it):
 #   OUT=dir bash benchmarks/gpu_s20.sh first   # model.fused_proj (q/k/v and gate/up as one linear each):
 #                                            # part (b) graphed at B = 1, 4: torch and FORGE, separate and fused
-#                                            # projections, alternating twice; B = 16 once each; int8p fused
+#                                            # projections, alternating twice; B = 16 once each
 # Work goes to /tmp/s20w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -19,7 +19,7 @@ gpu_part /tmp/s20w "${1:-first}"
         torch_bf16_fp_graph forge_bf16_sr_bf16_states_bf16_dw_fp_graph
       snap
       forgeb_cfg b16 100 "16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_fp_graph \
-        forge_bf16_sr_bf16_states_bf16_dw_fp_graph forge_bf16_sr_int8p_states_fp_graph
+        forge_bf16_sr_bf16_states_bf16_dw_fp_graph
       snap ;;
   esac
   log done
