@@ -69,7 +69,10 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph",
                  # q/k/v and gate/up as one linear each (model.fused_proj, session 19): 4 FORGE updates a block, not 7
                  "torch_bf16_fp_graph", "forge_bf16_sr_bf16_states_bf16_dw_fp_graph", "torch_bf16_fp",
-                 "forge_bf16_sr_bf16_states_bf16_dw_fp", "forge_bf16_sr_int8p_states_fp_graph"]
+                 "forge_bf16_sr_bf16_states_bf16_dw_fp", "forge_bf16_sr_int8p_states_fp_graph",
+                 # and SwiGLU as one function (model.fused_swiglu: gate and up saved, not silu(gate) too)
+                 "torch_bf16_fp_sw_graph", "forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph", "torch_bf16_fp_sw",
+                 "forge_bf16_sr_bf16_states_bf16_dw_fp_sw"]
 BATCHES = [1, 4, 16]
 
 
@@ -294,6 +297,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     config = config.removesuffix("_graph")
     cfg.activation_checkpointing = config.endswith("_ckpt")
     config = config.removesuffix("_ckpt")
+    cfg.fused_swiglu = config.endswith("_sw")
+    config = config.removesuffix("_sw")
     cfg.fused_proj = config.endswith("_fp")
     config = config.removesuffix("_fp")
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",

@@ -52,6 +52,11 @@ class ModelConfig:
     # 4 launches a block instead of 7). The same function; a model state dict of either layout loads
     # into the other (optimizer states do not carry over). Off by default (not yet timed on a GPU).
     fused_proj: bool = False
+    # SwiGLU as one autograd function (leantrain.ops.swiglu; a Triton kernel on CUDA): saves gate and
+    # up only, where silu(gate) * up also saves silu(gate) (a third of the MLP's intermediate saves:
+    # at 1b, B = 8, 92 MB a layer in bf16); one kernel forward and one backward. The same function
+    # (silu(gate) not rounded to bf16 before the product). Off by default (not yet timed on a GPU).
+    fused_swiglu: bool = False
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
     # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).

@@ -28,6 +28,7 @@ from .config import ModelConfig
 from .losses import linear_cross_entropy
 from .ops.norm import rms_norm, rms_norm_fwd_ref
 from .ops.rope import rope, rope_ref
+from .ops.swiglu import swiglu
 
 
 class RMSNorm(nn.Module):
@@ -126,7 +127,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ffn_dim, self.fused = cfg.ffn_dim, cfg.fused_proj
+        self.ffn_dim, self.fused, self.fused_swiglu = cfg.ffn_dim, cfg.fused_proj, cfg.fused_swiglu
         if self.fused:  # rows [gate; up]
             self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
             self._register_load_state_dict_pre_hook(_fuse_keys(("gate_proj", "up_proj"), "gate_up_proj"))
@@ -138,6 +139,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused_swiglu:  # (saves gate and up only; with fused_proj, as the one output they are)
+            return self.down_proj(swiglu(self.gate_up_proj(x)) if self.fused
+                                  else swiglu(self.gate_proj(x), self.up_proj(x)))
         if self.fused:  # (gate and up: strided halves of one output)
             gate, up = self.gate_up_proj(x).split(self.ffn_dim, dim=-1)
         else:
