@@ -86,7 +86,7 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge"])
+    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge", "swiglu"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
@@ -104,8 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sdtype", default="bf16", help="forge: the AdamW states' kind (fp32, bf16, int8, int8p)")
     ap.add_argument("--early", type=int, default=0, help="forge: EARLY_LOADS")
     ap.add_argument("--sr", type=int, default=1, help="forge: stochastic rounding of bf16 W")
-    ap.add_argument("--mode", default="update", choices=["update", "fused"],
-                    help="forge: the update-only mode (a graph's launch) or the fused dW + update (bf16 X / dY)")
+    ap.add_argument("--mode", default="update", choices=["update", "fused", "forward", "backward"],
+                    help="forge: the update-only mode (a graph's launch) or the fused dW + update (bf16 X / dY); "
+                         "swiglu: forward or backward")
     ap.add_argument("--bt", type=int, default=64, help="forge --mode fused: BLOCK_T")
     ap.add_argument("--stages", type=int, default=3, help="forge --mode fused: num_stages")
     a = ap.parse_args(argv)
@@ -158,6 +159,14 @@ def main(argv=None) -> int:
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early))
         div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K") + (("stride_x", "stride_dy") if fused else ())
+    elif a.kernel == "swiglu":  # ops/swiglu.py, rows of 1024 elements (the MLP's width), --dtype, --mode
+        from leantrain.ops import swiglu
+
+        fn = swiglu._swiglu_kernel
+        sig = {n: f"*{a.dtype}" for n in ("G", "U", "X", "DG", "DU")}
+        sig.update({n: "i32" for n in ("M", "N", "s_g", "s_u", "s_x", "s_dg", "s_du")})
+        cons = dict(BACKWARD=a.mode == "backward", BM=2, BN=1024)
+        div = ("G", "U", "X", "DG", "DU", "s_g", "s_u", "s_x", "s_dg", "s_du")
     elif a.kernel == "dequant":
         from leantrain.ops import multi
 
@@ -181,6 +190,8 @@ def main(argv=None) -> int:
         per = gradsums._GPU_BLOCK / (32 * a.warps)
     elif a.kernel == "forge":
         per = a.bn * a.bk / (32 * a.warps)
+    elif a.kernel == "swiglu":
+        per = 2 * 1024 / (32 * a.warps)
     else:
         per = a.rows * (256 if a.kernel == "state8" else 128) * a.tpp / (32 * a.warps)
     print(f"{a.kernel} {cons}  num_warps={a.warps}")

@@ -54,7 +54,7 @@ class ModelConfig:
     fused_proj: bool = False
     # SwiGLU as one autograd function (leantrain.ops.swiglu; a Triton kernel on CUDA): saves gate and
     # up only, where silu(gate) * up also saves silu(gate) (a third of the MLP's intermediate saves:
-    # at 1b, B = 8, 92 MB a layer in bf16); one kernel forward and one backward. The same function
+    # at 1b, B = 8, by arithmetic, 5632 x 8192 bf16 values a layer); one kernel forward and one backward. The same function
     # (silu(gate) not rounded to bf16 before the product). Off by default (not yet timed on a GPU).
     fused_swiglu: bool = False
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices

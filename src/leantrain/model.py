@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .losses import linear_cross_entropy
 from .ops.norm import rms_norm, rms_norm_fwd_ref
 from .ops.rope import rope, rope_ref
-from .ops.swiglu import swiglu
+from .ops.swiglu import swiglu, swiglu_ref
 
 
 class RMSNorm(nn.Module):
@@ -139,14 +139,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused_swiglu:  # (saves gate and up only; with fused_proj, as the one output they are)
-            return self.down_proj(swiglu(self.gate_up_proj(x)) if self.fused
-                                  else swiglu(self.gate_proj(x), self.up_proj(x)))
+        if self.fused and self.fused_swiglu:  # (the one output's halves; their gradient written as one)
+            return self.down_proj(swiglu(self.gate_up_proj(x)))
         if self.fused:  # (gate and up: strided halves of one output)
             gate, up = self.gate_up_proj(x).split(self.ffn_dim, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up) if self.fused_swiglu else swiglu_ref(gate, up))
 
 
 class Block(nn.Module):

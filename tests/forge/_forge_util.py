@@ -32,25 +32,6 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
-class Stack(nn.Module):
-    """Linears of widths ``k -> widths[0] -> ...`` (a bias on the layers in ``bias_at``), each
-    followed by tanh, and a LayerNorm after layer ``norm_at`` (a non-linear parameter)."""
-
-    def __init__(self, k, widths, bias_at, norm_at):
-        super().__init__()
-        dims = (k, *widths)
-        self.fcs = nn.ModuleList(nn.Linear(a, b, bias=i in bias_at) for i, (a, b) in enumerate(zip(dims, dims[1:])))
-        self.norm = nn.LayerNorm(widths[norm_at])
-        self.norm_at = norm_at
-
-    def forward(self, x):
-        for i, fc in enumerate(self.fcs):
-            x = torch.tanh(fc(x))
-            if i == self.norm_at:
-                x = self.norm(x)
-        return x
-
-
 def batches(steps, shape=(2, 12, 33), seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=g).to(dtype) for _ in range(steps)]
@@ -82,39 +63,6 @@ def assert_same_run(a_model, a_opt, b_model, b_opt):
         assert sa.keys() == sb.keys(), name
         for k in sa:
             assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), (name, k)
-
-
-def emulate_replays(model, opt, data, ref_model, ref):
-    """What GraphedStep does, with the graph replaced by running the same code again (on CPU the
-    "captured" launches run at once): a warm-up pass (NaN gate: nothing stored, no step counted),
-    a capture pass (the table still gated: nothing stored; the layer slots recorded), then per
-    batch: prepare (the table), the "replay", advance (step counts), opt.step(); ``ref`` steps
-    eagerly beside it. Checks that neither pass stored anything; returns the recorded slots."""
-    opt._graph_check()
-    before = copy.deepcopy(model)
-    for phase in ("dry", "capture"):
-        opt._graph_phase(phase)
-        square_loss(model, data[0]).backward()
-        if phase == "dry":
-            opt._graph_phase(None)
-        for p in model.parameters():
-            p.grad = None
-    for p, q in zip(model.parameters(), before.parameters()):
-        assert torch.equal(p, q)  # neither pass stored anything
-    assert all(not s or s["step"] == 0 for s in opt.state.values())  # (states made by the warm-up)
-    slots = list(opt._graph_slots)
-    for x in data:
-        opt._graph_prepare()
-        square_loss(model, x).backward()  # the "replay"
-        opt._graph_advance()
-        opt._graph_slots = list(slots)  # (a real replay runs no Python: nothing re-recorded)
-        opt.step()
-        opt.zero_grad()
-        square_loss(ref_model, x).backward()
-        ref.step()
-        ref.zero_grad()
-    opt._graph_phase(None)
-    return slots
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:

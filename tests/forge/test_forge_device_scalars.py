@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from _forge_util import RULES, Net, batches, emulate_replays
+from _forge_util import RULES, Net, batches
 from _forge_util import assert_same_run as _same
 from _forge_util import square_loss as _loss
 
@@ -69,8 +69,31 @@ def test_replay_order_equals_the_eager_step(case):
     model = copy.deepcopy(ref_model)
     ref, opt = _attach(ref_model, case), _attach(model, case)
     data = [x.to(DEV) for x in batches(4, shape=(2, 12, 40), dtype=dtype)]
-    slots = emulate_replays(model, opt, data, ref_model, ref)
+    opt._graph_check()
+    before = copy.deepcopy(model)
+    for phase in ("dry", "capture"):
+        opt._graph_phase(phase)
+        _loss(model, data[0]).backward()
+        if phase == "dry":
+            opt._graph_phase(None)
+        for p in model.parameters():
+            p.grad = None
+    for p, q in zip(model.parameters(), before.parameters()):
+        assert torch.equal(p, q)  # neither pass stored anything
+    assert all(not s or s["step"] == 0 for s in opt.state.values())  # (states made by the warm-up)
+    slots = list(opt._graph_slots)
     assert slots == [1, 0]  # fc2 then fc1: backward order
+    for x in data:
+        opt._graph_prepare()
+        _loss(model, x).backward()  # the "replay"
+        opt._graph_advance()
+        opt._graph_slots = list(slots)  # (a real replay runs no Python: nothing re-recorded)
+        opt.step()
+        opt.zero_grad()
+        _loss(ref_model, x).backward()
+        ref.step()
+        ref.zero_grad()
+    opt._graph_phase(None)
     _same(model, opt, ref_model, ref)
     assert opt.state[model.fc1.weight]["step"] == len(data)
 

@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
-from _forge_util import RULES, Stack, batches
+from _forge_util import RULES, batches
 from _forge_util import assert_same_run as _same
 from _forge_util import square_loss as _loss
+from torch import nn
 
 import leantrain as lt
 from leantrain.forge import kernel as forge_kernel
@@ -17,9 +18,21 @@ from leantrain.forge import kernel as forge_kernel
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def Deep():
+class Deep(nn.Module):
     """Five linears of different shapes (the ring of two workspaces wraps twice) and a norm."""
-    return Stack(64, (96, 128, 80, 112, 48), bias_at={0, 2, 4}, norm_at=1)
+
+    def __init__(self, k=64, widths=(96, 128, 80, 112, 48)):
+        super().__init__()
+        dims = (k, *widths)
+        self.fcs = nn.ModuleList(nn.Linear(a, b, bias=i % 2 == 0) for i, (a, b) in enumerate(zip(dims, dims[1:])))
+        self.norm = nn.LayerNorm(widths[1])
+
+    def forward(self, x):
+        for i, fc in enumerate(self.fcs):
+            x = torch.tanh(fc(x))
+            if i == 1:
+                x = self.norm(x)
+        return x
 
 
 CASES = {  # name: (rule, weight dtype, attach kwargs)

@@ -50,16 +50,16 @@ CLIPS = ("none", "layer", "prev_global", "est_global")
 _EST_BETA = 0.5
 
 
-def _env_flag(name: str, value, var: str) -> bool:
-    """``attach(name=value)``, unless the environment variable ``var`` = 0 / 1 forces it (benchmarks)."""
-    env = os.environ.get(var)
+def _env_overlap(overlap) -> bool:
+    """``attach(overlap=...)``, unless ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it (benchmarks)."""
+    env = os.environ.get("LEANTRAIN_FORGE_OVERLAP")
     if env not in (None, ""):
         if env not in ("0", "1"):
-            raise ValueError(f"{var} must be 0 or 1, got {env!r}")
+            raise ValueError(f"LEANTRAIN_FORGE_OVERLAP must be 0 or 1, got {env!r}")
         return env == "1"
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    return overlap
 
 
 def _check_clip(clip: str, clip_value: float) -> None:
@@ -195,7 +195,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.split_tokens = split_tokens
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
-        self.overlap = _env_flag("overlap", overlap, "LEANTRAIN_FORGE_OVERLAP")
+        self.overlap = _env_overlap(overlap)
         self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
         self._side_busy = False  # work issued on it since the current stream last waited for it
         self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
@@ -500,18 +500,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # the next replay's steps and keys now, while the GPU runs this one (step() moves the step id)
         self._dyn_next = (sid + 1, *self._next_steps())
 
-    def _low_grad(self, x2, dy2, backend, fill) -> bool:
-        """grad_dtype="bf16": dW of bf16 inputs as the bf16 matmul gives it (torch's bf16 backward's
-        precision), half the workspace traffic; the Triton update reads it in fp32."""
-        return (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
-                and x2 is not None and x2.dtype == torch.bfloat16 and dy2 is not None and dy2.dtype == torch.bfloat16)
-
     def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1):
         """dW (and db) of one layer in the reused workspace (``ring`` buffers a dtype taking turns:
         the updates run on a side stream), reduced over the DP group."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
-        low = self._low_grad(x2, dy2, backend, fill)
+        # grad_dtype="bf16": dW of bf16 inputs as the bf16 matmul gives it (torch's bf16 backward's
+        # precision), half the workspace traffic; the Triton update reads it in fp32
+        low = (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
+               and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
         buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
                                   torch.bfloat16 if low else torch.float32, ring)
         g = buf[: n * k].view(n, k)
