@@ -72,7 +72,10 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "forge_bf16_sr_bf16_states_bf16_dw_fp", "forge_bf16_sr_int8p_states_fp_graph",
                  # and SwiGLU as one function (model.fused_swiglu: gate and up saved, not silu(gate) too)
                  "torch_bf16_fp_sw_graph", "forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph", "torch_bf16_fp_sw",
-                 "forge_bf16_sr_bf16_states_bf16_dw_fp_sw"]
+                 "forge_bf16_sr_bf16_states_bf16_dw_fp_sw",
+                 # SwiGLU as one function with the separate projections
+                 "torch_bf16_sw_graph", "forge_bf16_sr_bf16_states_bf16_dw_sw_graph", "torch_bf16_sw",
+                 "forge_bf16_sr_bf16_states_bf16_dw_sw"]
 BATCHES = [1, 4, 16]
 
 

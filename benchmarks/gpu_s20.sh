@@ -4,6 +4,8 @@
 #                                            # part (b) graphed at B = 1, 4: torch and FORGE, separate and fused
 #                                            # projections, alternating twice; with model.fused_swiglu too;
 #                                            # B = 16 once each
+#   OUT=dir bash benchmarks/gpu_s20.sh second  # model.fused_swiglu with separate and fused projections,
+#                                            # B = 1, 4 alternating twice, B = 16; profiles at B = 4 (fp_sw)
 # Work goes to /tmp/s20w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -23,6 +25,20 @@ gpu_part /tmp/s20w "${1:-first}"
       snap
       forgeb_cfg b16 90 "16" torch_bf16_graph forge_bf16_sr_bf16_states_bf16_dw_graph torch_bf16_fp_graph \
         forge_bf16_sr_bf16_states_bf16_dw_fp_graph
+      snap ;;
+    second)  # SwiGLU as one function with separate and fused projections, alternating; B = 16; where B = 4's gap is
+      log "gpu tests: swiglu (compiled; the fp32 tolerance on CUDA)"
+      gputest 60 tests/ops/test_swiglu.py
+      snap
+      forgeb_cfg b_sw 230 "1 4" torch_bf16_sw_graph forge_bf16_sr_bf16_states_bf16_dw_sw_graph torch_bf16_fp_sw_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph torch_bf16_sw_graph forge_bf16_sr_bf16_states_bf16_dw_sw_graph \
+        torch_bf16_fp_sw_graph forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
+      snap
+      forgeb_cfg b16_sw 90 "16" torch_bf16_sw_graph forge_bf16_sr_bf16_states_bf16_dw_sw_graph torch_bf16_fp_sw_graph \
+        forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
+      snap
+      prof torch_bf16_fp_sw 4 --graph
+      prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
       snap ;;
   esac
   log done

@@ -4,7 +4,8 @@
 
 configs: torch_bf16 (AdamW fused, pure bf16), forge_bf16 (FORGE bf16+SR, fp32 states),
 forge_bf16_states (bf16 states), forge_bf16_states_bf16_dw (and bf16 dW), agoq (bf16, AdamW fused,
-AGoQ default policy), agoq_forge. ``--graph``: forward + backward (and FORGE's update) replayed
+AGoQ default policy), agoq_forge; a ``_fp`` / ``_fp_sw`` / ``_sw`` suffix sets ``model.fused_proj`` /
+both / ``model.fused_swiglu``, as in ``bench_forge.py``. ``--graph``: forward + backward (and FORGE's update) replayed
 from a CUDA graph (``lt.graphs.GraphedStep``, captured after the eager warm-up), ``opt.step()``
 after it, as ``bench_forge.py``'s ``*_graph`` configurations. Writes ``profile_<config>.txt``:
 wall time per step (median of 5), then the top operators by CUDA and by CPU time; with
@@ -43,16 +44,21 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg = preset(a.preset).model
     cfg.max_seq_len = max(cfg.max_seq_len, a.seq)
+    config = a.config
+    cfg.fused_swiglu = config.endswith("_sw")
+    config = config.removesuffix("_sw")
+    cfg.fused_proj = config.endswith("_fp")
+    config = config.removesuffix("_fp")
     with torch.device("cuda"):
         model = Llama(cfg).to(torch.bfloat16)
     kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    if "forge" in a.config:
-        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="bf16" if "bf16_states" in a.config else "fp32",
+    if "forge" in config:
+        opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype="bf16" if "bf16_states" in config else "fp32",
                               stochastic_rounding=True, clip=a.clip,
-                              grad_dtype="bf16" if a.config.endswith("_bf16_dw") else "fp32")
+                              grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32")
     else:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
-    if "agoq" in a.config:
+    if "agoq" in config:
         lt.agoq.apply(model, lt.agoq.Policy())
     g = torch.Generator(device="cuda").manual_seed(0)
 

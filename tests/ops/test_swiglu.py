@@ -46,12 +46,15 @@ def test_equals_op_by_op(backend, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_torch_path(dtype):
     """The kernel computes the torch path's formulas in its order: equal up to exp's last bits,
-    on strided halves (a view of a wider tensor) too."""
+    on strided halves (a view of a wider tensor) too. Compiled for a GPU, the kernel's exp is
+    the hardware's approximate one: one fp32 element of 16800 was 2.5e-7 (4e-6 relative) off
+    torch's on the H200 (session 20), so the fp32 tolerance is wider there."""
     torch.manual_seed(1)
     gu = (torch.randn(4, 7, 2 * 300) * 2).to(DEV, dtype)
     hk, (dk,) = _grads(lambda a: swiglu(a, backend="triton"), gu)
     ht, (dt,) = _grads(lambda a: swiglu(a, backend="torch"), gu)
-    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    fp32_tol = dict(rtol=1e-5, atol=1e-6) if DEV == "cuda" else dict(rtol=1e-6, atol=1e-7)
+    tol = fp32_tol if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(hk, ht, **tol)
     torch.testing.assert_close(dk, dt, **tol)
 
