@@ -42,6 +42,8 @@ def test_rope_preserves_norm_and_is_relative():
 def test_tied_embeddings_share_storage_and_gqa_params():
     m = Llama(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
     assert m.lm_head.weight is m.embed_tokens.weight
+    assert m.layers[0].self_attn.qkv_proj.weight.shape == ((6 + 2 * 2) * 8, 48)  # q, then k and v at 2 heads
+    m = Llama(ModelConfig(**{**CFG.__dict__, "fused_proj": False}))
     assert m.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 48)
 
 
@@ -126,7 +128,7 @@ def test_fused_proj_equals_separate_and_checkpoints_load_either_way():
     order), the same saved bytes (attention's v copied out of the q/k/v output, which a view would
     keep alive whole), and a checkpoint of either layout loads into the other unchanged."""
     torch.manual_seed(0)
-    a = Llama(CFG)
+    a = Llama(ModelConfig(**{**CFG.__dict__, "fused_proj": False}))
     b = Llama(ModelConfig(**{**CFG.__dict__, "fused_proj": True}))
     assert {n for n, _ in b.named_parameters()} >= {"layers.0.self_attn.qkv_proj.weight", "layers.1.mlp.gate_up_proj.weight"}
     assert not any("q_proj" in n or "gate_proj" in n for n, _ in b.named_parameters())
@@ -141,7 +143,7 @@ def test_fused_proj_equals_separate_and_checkpoints_load_either_way():
         am, bm = a.layers[i].mlp, b.layers[i].mlp
         g = torch.cat([am.gate_proj.weight.grad, am.up_proj.weight.grad])
         assert torch.allclose(bm.gate_up_proj.weight.grad, g, rtol=1e-5, atol=1e-7)
-    c = Llama(CFG)
+    c = Llama(ModelConfig(**{**CFG.__dict__, "fused_proj": False}))
     c.load_state_dict(b.state_dict())  # fused -> separate: the original weights, bit for bit
     for (n, p), q in zip(a.state_dict().items(), c.state_dict().values()):
         assert torch.equal(p, q), n

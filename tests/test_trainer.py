@@ -62,6 +62,18 @@ def test_resume_is_bit_identical(corpus, tmp_path, recipe):
     assert la == lb
 
 
+def test_resume_names_the_layout_a_checkpoint_was_written_with(corpus, tmp_path):
+    """model.fused_proj changes the optimizer's per-layer state: a resume in the other layout
+    stops with the flag to pass; in the checkpoint's own it resumes."""
+    from leantrain.config import ConfigError
+
+    extra = {"train.steps": "2", "train.eval_every": "0", "train.ckpt_every": "2", "model.fused_proj": "false"}
+    Trainer(tiny_config(corpus, **extra), tmp_path / "r").fit()
+    with pytest.raises(ConfigError, match="--model.fused-proj false"):
+        Trainer(tiny_config(corpus, **dict(extra, **{"model.fused_proj": "true"})), tmp_path / "r", resume=True)
+    assert Trainer(tiny_config(corpus, **extra), tmp_path / "r", resume=True).step == 2
+
+
 def test_gradient_accumulation_averages_micro_batch_gradients(corpus, tmp_path):
     cfg = tiny_config(corpus, **{"train.steps": "1", "data.batch_size": "2", "data.grad_accum": "3", "optim.grad_clip": "0"})
     tr = Trainer(cfg, tmp_path / "a")

@@ -50,13 +50,13 @@ class ModelConfig:
     # q/k/v as one linear (qkv_proj) and gate/up as one (gate_up_proj), as Megatron-LM fuses them:
     # one GEMM each forward and two backward instead of three / two, and one optimizer update (FORGE:
     # 4 launches a block instead of 7). The same function; a model state dict of either layout loads
-    # into the other (optimizer states do not carry over). Off by default (not yet timed on a GPU).
-    fused_proj: bool = False
+    # into the other (optimizer states do not carry over). false: the separate linears.
+    fused_proj: bool = True
     # SwiGLU as one autograd function (leantrain.ops.swiglu; a Triton kernel on CUDA): saves gate and
     # up only, where silu(gate) * up also saves silu(gate) (a third of the MLP's intermediate saves:
     # at 1b, B = 8, by arithmetic, 5632 x 8192 bf16 values a layer); one kernel forward and one backward. The same function
-    # (silu(gate) not rounded to bf16 before the product). Off by default (not yet timed on a GPU).
-    fused_swiglu: bool = False
+    # (silu(gate) not rounded to bf16 before the product). false: op by op.
+    fused_swiglu: bool = True
     # logits held at once, in tokens' worth (0: all at once): the fused loss's vocabulary slices
     # hold about loss_chunk x vocab logits; the unfused loss runs in chunks of loss_chunk tokens
     # (each chunk's fp32 logits, log-softmax and gradients a chunk's size; the same values).
@@ -150,7 +150,7 @@ class AgoqConfig:
     unpack_mib: float = 128.0  # CUDA: dequantized copies made at once in backward (0 = a whole batch)
     seed: int = 0  # stochastic-rounding noise seed
     replay: bool = True  # forwards with a seen signature follow their recorded save plan (agoq/README.md)
-    derive: str = "silu,mul"  # saves recomputed from other saves instead of stored: "silu,mul", "silu", "" (agoq/README.md)
+    derive: str = "silu,mul,swiglu"  # saves recomputed from other saves instead of stored: any of silu, mul, swiglu; "" (agoq/README.md)
 
 
 @dataclass

@@ -376,6 +376,12 @@ class Trainer:
         model_state, rank_state, meta = checkpoint.load(path, rank=self.rank)
         if meta.get("world_size", 1) != self.world:
             raise ConfigError(f"checkpoint {path} was written by {meta['world_size']} processes; resume with the same number")
+        # (a checkpoint's model loads into either layout, its optimizer state only into its own; a
+        # checkpoint older than model.fused_proj was written with the separate linears)
+        fused = meta.get("config", {}).get("model", {}).get("fused_proj", False)
+        if fused != self.cfg.model.fused_proj:
+            raise ConfigError(f"checkpoint {path} was written with model.fused_proj={str(fused).lower()}: resume with "
+                              f"--model.fused-proj {str(fused).lower()} (the optimizer state is kept per linear layer)")
         missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()}, strict=False)
         if unexpected or any(k != "lm_head.weight" for k in missing):
             raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")

@@ -1,6 +1,6 @@
 """Saves AGoQ recomputes instead of storing (``Policy.derive``): SwiGLU's ``silu(g)`` from its input's
 packed copy, the down projection's input ``silu(g)·u`` from those two (through the 2-D view
-``F.linear`` saves). The gradients equal a hand-written backward that reads the dequantized
+``F.linear`` saves), or from the fused SwiGLU's saves (``swiglu``). The gradients equal a hand-written backward that reads the dequantized
 ``ĝ``, ``û``, ``x̂`` (round to nearest: no seeds involved); the bytes held drop by exactly the
 two tensors' packed sizes; replay and the trainer's persistent ``apply`` derive the same."""
 
@@ -182,6 +182,90 @@ def test_derived_cache_counts():
     assert len(n) == 2 and d.cache is not None and torch.equal(c, a)
     d.unpack()
     assert d.cache is None
+
+
+class SwigluMLP(nn.Module):
+    """The MLP with SwiGLU as one function (``model.fused_swiglu``): over two linears' outputs, or
+    over the halves of one fused gate/up linear (``model.fused_proj``)."""
+
+    def __init__(self, halves: bool):
+        super().__init__()
+        self.halves = halves
+        if halves:
+            self.gate_up_proj = nn.Linear(D, 2 * H, bias=False)
+        else:
+            self.gate_proj = nn.Linear(D, H, bias=False)
+            self.up_proj = nn.Linear(D, H, bias=False)
+        self.down_proj = nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        from leantrain.ops.swiglu import swiglu
+
+        if self.halves:
+            return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def separate(self) -> MLP:
+        """The op-by-op MLP with these weights."""
+        m = MLP()
+        with torch.no_grad():
+            if self.halves:
+                m.gate_proj.weight.copy_(self.gate_up_proj.weight[:H])
+                m.up_proj.weight.copy_(self.gate_up_proj.weight[H:])
+            else:
+                m.gate_proj.weight.copy_(self.gate_proj.weight)
+                m.up_proj.weight.copy_(self.up_proj.weight)
+            m.down_proj.weight.copy_(self.down_proj.weight)
+        return m
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["two-inputs", "halves"])
+@pytest.mark.parametrize("shape", [(64, D), (2, 32, D)], ids=["2d", "3d-view"])
+def test_fused_swiglu_input_of_down_derived(halves, shape):
+    """``swiglu``: the down projection's input, SwiGLU's output as one function, is recomputed
+    from the packed g and u (or the packed gate/up output holding both), not stored; the
+    gradients equal the hand backward on ĝ, û; the bytes held drop by one packed [T, H] tensor."""
+    torch.manual_seed(0)
+    net = Net()
+    net.mlp = SwigluMLP(halves)
+    x = torch.randn(*shape)
+    x = x.requires_grad_(True)
+    with quantize_activations(net, Policy(stochastic=False, mlp_in=4), record=True) as pk:
+        loss = net(x)
+    loss.backward()
+    assert pk.stats["derived"] == 1
+    assert [r["why"] for r in pk.log if r["role"] == "down_in" and r["why"] != "param"] == ["derived"]
+    ref_net = Net()
+    ref_net.c.copy_(net.c)
+    ref_net.mlp = net.mlp.separate()
+    ref = _manual(ref_net, x.detach())
+    m = net.mlp
+    got = {"down": m.down_proj.weight.grad, "x": x.grad}
+    got.update(zip(("gate", "up"), m.gate_up_proj.weight.grad.chunk(2)) if halves
+               else (("gate", m.gate_proj.weight.grad), ("up", m.up_proj.weight.grad)))
+    for k in ref:
+        assert torch.allclose(got[k], ref[k], rtol=1e-5, atol=1e-5), k
+    with quantize_activations(net, Policy(stochastic=False, mlp_in=4, derive="silu,mul"), record=True) as pk0:
+        net(x)
+    one = pack(torch.randn(64, H), 4, group_size=128, stochastic=False, symmetric=True).nbytes
+    assert pk0.stats.get("derived", 0) == 0
+    assert pk0.summary()["bytes_kept"] - pk.summary()["bytes_kept"] == one
+
+
+def test_fused_swiglu_replay_derives_the_same():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 32, D)
+    net.mlp = SwigluMLP(halves=True)
+    pk = apply(net, Policy(stochastic=False))
+    out = []
+    for _ in range(3):
+        for p in net.parameters():
+            p.grad = None
+        net(x).backward()
+        out.append([p.grad.clone() for p in net.parameters()])
+    assert pk.stats["derived"] == 3 and pk.stats.get("replay:diverged", 0) == 0
+    for a, b in zip(out[0], out[2]):
+        assert torch.equal(a, b)
 
 
 def test_policy_rejects_unknown_derivation():

@@ -21,10 +21,11 @@ def _batch(vocab, B, T, seed=0):
     return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-proj-swiglu", "separate"])
 @pytest.mark.parametrize("fused_loss", [True, False])
-def test_hook_sees_every_saved_tensor(fused_loss):
+def test_hook_sees_every_saved_tensor(fused_loss, fused):
     torch.manual_seed(0)
-    m = Llama(ModelConfig(**{**SMALL.__dict__, "fused_loss": fused_loss}))
+    m = Llama(ModelConfig(**{**SMALL.__dict__, "fused_loss": fused_loss, "fused_proj": fused, "fused_swiglu": fused}))
     idx, tgt = _batch(512, 2, 64)
     n_plain, _ = count_saved(lambda: m(idx, tgt))
     with quantize_activations(m, Policy(), record=True) as pk:
@@ -33,8 +34,10 @@ def test_hook_sees_every_saved_tensor(fused_loss):
     assert st["saved"] == n_plain == len(pk.log)
     decided = st["packed"] + st["dedup"] + st["derived"] + sum(v for k, v in st.items() if k.startswith("kept:"))
     assert decided == st["saved"]  # nothing skipped silently
-    # recomputed, not stored (policy.derive "silu,mul"): silu(g) and the down projection's input
-    assert [e["role"] for e in pk.log if e["why"] == "derived"] == ["gate_up", "down_in"] * SMALL.n_layers
+    # recomputed, not stored (policy.derive): the down projection's input (from the fused SwiGLU's
+    # saves: "swiglu"), and op by op silu(g) as well ("silu", "mul")
+    derived = ["down_in"] if fused else ["gate_up", "down_in"]
+    assert [e["role"] for e in pk.log if e["why"] == "derived"] == derived * SMALL.n_layers
     packed_roles = {e["role"] for e in pk.log if e["why"] == "packed"}
     # the fused LM head + loss saves no log-softmax: only its input (head_in) and the lse (a stat)
     assert packed_roles == {"qkv_in", "attn", "o_in", "mlp_in", "gate_up", "norm", "head_in"} | (
@@ -46,7 +49,8 @@ def test_hook_sees_every_saved_tensor(fused_loss):
     for e in pk.log:  # rstd (last dim 1) and the SDPA log-sum-exp are never quantized
         if e["shape"][-1:] == (1,) or (e["role"] == "attn" and len(e["shape"]) == 3):
             assert e["bits"] is None, e
-    assert st["dedup"] >= 2 * SMALL.n_layers  # q/k/v share one input, gate/up another
+    if not fused:
+        assert st["dedup"] >= 2 * SMALL.n_layers  # q/k/v share one input, gate/up another
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 

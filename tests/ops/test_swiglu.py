@@ -92,7 +92,7 @@ def test_model_with_fused_swiglu(fused_proj):
     base = dict(vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
                 fused_proj=fused_proj)
     torch.manual_seed(0)
-    a = Llama(ModelConfig(**base))
+    a = Llama(ModelConfig(**base, fused_swiglu=False))
     b = Llama(ModelConfig(**base, fused_swiglu=True))
     b.load_state_dict(a.state_dict())
     x = torch.randint(0, 97, (3, 16))

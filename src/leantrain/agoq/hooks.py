@@ -220,6 +220,14 @@ def _mul(a: Tensor, b: Tensor) -> Tensor:
     return a * b
 
 
+def _swiglu(g: Tensor, u: Tensor | None = None) -> Tensor:
+    """SwiGLU's output from its saves (``model.fused_swiglu``): ``g`` and ``u``, or one tensor
+    holding both as halves."""
+    from ..ops.swiglu import swiglu
+
+    return swiglu(g, u)
+
+
 class _Reshape:
     __slots__ = ("shape",)
 
@@ -231,9 +239,17 @@ class _Reshape:
 
 
 # autograd node of a saved tensor -> (derivation name, its function of the node's inputs)
-_DERIVE = {"SiluBackward0": ("silu", torch.nn.functional.silu), "MulBackward0": ("mul", _mul)}
+_DERIVE = {"SiluBackward0": ("silu", torch.nn.functional.silu), "MulBackward0": ("mul", _mul),
+           "SwigluFnBackward": ("swiglu", _swiglu)}
 # views of one input (F.linear flattens its input to 2-D: the down projection saves such a view)
 _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def _out_shape(how: str, srcs: list) -> torch.Size:
+    """The shape a derivation gives from its sources' (one shape; SwiGLU over one tensor's halves:
+    half its last dim)."""
+    shape = srcs[0][1]
+    return shape[:-1] + (shape[-1] // 2,) if how == "swiglu" and len(srcs) == 1 else shape
 
 
 def _unpack_any(obj):
@@ -665,10 +681,18 @@ class Packer:
         how = _DERIVE.get(name)
         if how is None or how[0] not in self._derive:
             return None
-        srcs = [self._source(node, nr, t.dtype, t.numel(), 1) for node, nr in gf.next_functions]
-        if any(x is None or x[1] != t.shape for x in srcs):
+        srcs = self._sources(gf, t.dtype, t.numel(), 1)
+        if srcs is None or _out_shape(how[0], srcs) != t.shape:
             return None
         return Derived(how[1], tuple(x[0] for x in srcs))
+
+    def _sources(self, node, dtype, numel: int, depth: int) -> list | None:
+        """(save, shape) of each input of the derivable ``node`` whose output has ``numel``
+        elements (one input of twice as many for a SwiGLU over the halves of one tensor)."""
+        nxt = node.next_functions
+        n_in = numel * 2 if len(nxt) == 1 and type(node).__name__ == "SwigluFnBackward" else numel
+        srcs = [self._source(n, k, dtype, n_in, depth) for n, k in nxt]
+        return None if any(x is None for x in srcs) or len({x[1] for x in srcs}) != 1 else srcs
 
     def _source(self, node, nr: int, dtype, numel: int, depth: int) -> tuple | None:
         """(save, shape): the packed or derived save giving output ``nr`` of autograd ``node``,
@@ -682,12 +706,12 @@ class Packer:
         how = _DERIVE.get(type(node).__name__)
         if how is None or how[0] not in self._derive or depth > 2:
             return None
-        srcs = [self._source(n, k, dtype, numel, depth + 1) for n, k in node.next_functions]
-        if any(x is None for x in srcs) or len({x[1] for x in srcs}) != 1:
+        srcs = self._sources(node, dtype, numel, depth + 1)
+        if srcs is None:
             return None
-        d = Derived(how[1], tuple(x[0] for x in srcs))
-        self._by_node[(id(node), nr)] = (node, d, srcs[0][1], dtype)
-        return d, srcs[0][1]
+        d, shape = Derived(how[1], tuple(x[0] for x in srcs)), _out_shape(how[0], srcs)
+        self._by_node[(id(node), nr)] = (node, d, shape, dtype)
+        return d, shape
 
     def _recipe(self, d: Derived) -> tuple:
         """How to rebuild ``d`` from saves of a forward with the same plan: ``(fn, parts)`` with a

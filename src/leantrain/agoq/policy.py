@@ -20,9 +20,10 @@ role           saved tensor (Llama)                                        bits
 ``mask``       boolean tensors                                              1 (exact)
 =============  ==========================================================  =====
 
-Derived (``derive``, default ``"silu,mul"``): not stored at all, recomputed in backward from
-saves already packed: SiLU's output from its input ``ĝ``, the down projection's input as
-``silu(ĝ)·û`` (:class:`leantrain.agoq.hooks.Derived`). Measured on the tiny preset, this lowers
+Derived (``derive``, default ``"silu,mul,swiglu"``): not stored at all, recomputed in backward
+from saves already packed: SiLU's output from its input ``ĝ``, the down projection's input as
+``silu(ĝ)·û`` (op by op: ``mul``; ``model.fused_swiglu``'s one function: ``swiglu``)
+(:class:`leantrain.agoq.hooks.Derived`). Measured on the tiny preset, this lowers
 the gradient error too (every parameter together: 0.147 → 0.137; down_proj's worst layer:
 0.29 → 0.25; ``benchmarks/results/2026-12-01_cpu_s10/agoq_derive_error.md``). Its input is then
 the product of two 4-bit tensors, not a heavy-tailed product quantized on its own grid.
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 ROLES = ("qkv_in", "attn", "o_in", "mlp_in", "gate_up", "down_in", "norm", "head_in", "logits",
          "linear_in", "other")
 ALLOWED_BITS = (2, 3, 4, 8)
-DERIVATIONS = ("silu", "mul")  # saves AGoQ can recompute instead of storing (Policy.derive)
+DERIVATIONS = ("silu", "mul", "swiglu")  # saves AGoQ can recompute instead of storing (Policy.derive)
 KEEP = 16  # a role given 16 (or more) bits is not quantized
 
 
@@ -110,7 +111,7 @@ class Policy:
     # "" = none): "silu" (SwiGLU's silu(g) from SiLU's saved input g: no more error than storing
     # it), "mul" (the down projection's input silu(g)·u from those two: two 4-bit errors in the
     # product instead of one). See agoq/README.md for the measured memory and gradient error.
-    derive: str = "silu,mul"
+    derive: str = "silu,mul,swiglu"
 
     def __post_init__(self):
         for r in ROLES:
