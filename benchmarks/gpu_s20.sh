@@ -6,6 +6,8 @@
 #                                            # B = 16 once each
 #   OUT=dir bash benchmarks/gpu_s20.sh second  # model.fused_swiglu with separate and fused projections,
 #                                            # B = 1, 4 alternating twice, B = 16; profiles at B = 4 (fp_sw)
+#   OUT=dir bash benchmarks/gpu_s20.sh third   # the default layout: AGoQ / model / trainer / SwiGLU tests compiled;
+#                                            # the 1b trainer: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
 # Work goes to /tmp/s20w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -39,6 +41,12 @@ gpu_part /tmp/s20w "${1:-first}"
       snap
       prof torch_bf16_fp_sw 4 --graph
       prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
+      snap ;;
+    third)  # the new default layout (fused projections and SwiGLU): compiled tests of what it touches; the 1b trainer
+      log "gpu tests: AGoQ, the model, the trainer, SwiGLU (compiled, the default layout)"
+      gputest 250 tests/ops/test_swiglu.py tests/test_model.py tests/agoq tests/test_trainer.py
+      snap
+      train1b_trio
       snap ;;
   esac
   log done
