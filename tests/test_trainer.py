@@ -82,7 +82,7 @@ def test_gradient_accumulation_averages_micro_batch_gradients(corpus, tmp_path):
     # expected: mean of the three micro-batches' gradients, then one reference step
     for micro in range(3):
         x, y = tr.data.batch("train", cfg.data.seq_len, 2, seed=cfg.train.seed, step=0, micro=micro)
-        (model(x, y) / 3).backward()
+        (model(x.to(tr.device), y.to(tr.device)) / 3).backward()  # (the trainer's device: CUDA on a GPU)
     opt = lt.optim.Optimizer(model.parameters(), rule_from_config(cfg))
     torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     opt.step()
