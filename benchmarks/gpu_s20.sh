@@ -8,6 +8,8 @@
 #                                            # B = 1, 4 alternating twice, B = 16; profiles at B = 4 (fp_sw)
 #   OUT=dir bash benchmarks/gpu_s20.sh third   # the default layout: AGoQ / model / trainer / SwiGLU tests compiled;
 #                                            # the 1b trainer: baseline, FORGE + AGoQ, FORGE int8 + AGoQ
+#   OUT=dir bash benchmarks/gpu_s20.sh fourth  # attach(defer=True): its tests compiled; torch / FORGE / FORGE
+#                                            # deferred, B = 1, 4 three rounds, B = 16; a profile at B = 4
 # Work goes to /tmp/s20w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,6 +49,21 @@ gpu_part /tmp/s20w "${1:-first}"
       gputest 250 tests/ops/test_swiglu.py tests/test_model.py tests/agoq tests/test_trainer.py
       snap
       train1b_trio
+      snap ;;
+    fourth)  # attach(defer=True) (LEANTRAIN_FORGE_DEFER=1): the update after the kernels between two layers
+      log "gpu tests: deferred and side-stream updates (compiled)"
+      gputest 100 tests/forge/test_forge_defer.py tests/forge/test_forge_overlap.py
+      snap
+      T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
+      for r in 1 2 3; do
+        forgeb_cfg "r$r" 90 "1 4" $T $F
+        LEANTRAIN_FORGE_DEFER=1 forgeb_cfg "d$r" 60 "1 4" $F
+        snap
+      done
+      forgeb_cfg r16 60 "16" $T $F
+      LEANTRAIN_FORGE_DEFER=1 forgeb_cfg d16 40 "16" $F
+      snap
+      LEANTRAIN_FORGE_DEFER=1 prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
       snap ;;
   esac
   log done
