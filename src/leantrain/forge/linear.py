@@ -57,7 +57,6 @@ class ForgeLinearFn(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, weight = ctx.saved_tensors
         layer: ForgeLayer = ctx.layer
-        layer.opt._before_layer_backward()
         if dy.dtype != x.dtype:
             dy = dy.to(x.dtype)
         dx = None
@@ -65,7 +64,7 @@ class ForgeLinearFn(torch.autograd.Function):
             dx = dy.matmul(weight if weight.dtype == dy.dtype else weight.to(dy.dtype))
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
-        layer.opt._layer_backward(layer, x2, dy2)
+        layer.opt._update_layer(layer, x2, dy2)
         return dx, None, None, None
 
 

@@ -62,18 +62,6 @@ def _env_overlap(overlap) -> bool:
     return overlap
 
 
-def _env_defer(defer) -> bool:
-    """``attach(defer=...)``, unless ``LEANTRAIN_FORGE_DEFER=0/1`` forces it (benchmarks)."""
-    env = os.environ.get("LEANTRAIN_FORGE_DEFER")
-    if env not in (None, ""):
-        if env not in ("0", "1"):
-            raise ValueError(f"LEANTRAIN_FORGE_DEFER must be 0 or 1, got {env!r}")
-        return env == "1"
-    if not isinstance(defer, bool):
-        raise TypeError(f"defer must be True or False, got {defer!r}")
-    return defer
-
-
 def _check_clip(clip: str, clip_value: float) -> None:
     if clip in ("global", "norm", "global_norm"):
         raise ValueError(
@@ -189,7 +177,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32", overlap=False, defer=False):
+                 allreduce=None, grad_dtype="fp32", overlap=False):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -208,8 +196,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
         self.overlap = _env_overlap(overlap)
-        self.defer = _env_defer(defer)
-        self._pending: tuple | None = None  # defer: (layer, x2, dy2) of the update not yet issued
         self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
         self._side_busy = False  # work issued on it since the current stream last waited for it
         self._join_task = None  # the backward pass (autograd graph task) whose end joins the side stream
@@ -296,33 +282,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the per-layer update
 
-    def _before_layer_backward(self) -> None:
-        """A FORGE linear's backward is about to start (before its dX): issue the update ``defer``
-        held back, so that it runs after the kernels between the two layers (the norm, SwiGLU or
-        attention backward that read the previous dX while it is still in L2)."""
-        if self._pending is not None:
-            self._run_pending()
-
-    def _layer_backward(self, layer: ForgeLayer, x2: Tensor, dy2: Tensor) -> None:
-        """A FORGE linear's backward after its dX: update now, or with ``defer`` at the next FORGE
-        layer's backward or the end of this backward pass, whichever comes first."""
-        if not self.defer:
-            return self._update_layer(layer, x2, dy2)
-        self._pending = (layer, x2, dy2)
-        self._join_at_end()
-
-    def _run_pending(self) -> None:
-        layer, x2, dy2 = self._pending
-        self._pending = None
-        self._update_layer(layer, x2, dy2)
-
     def _update_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill=None) -> None:
         """Update ``layer`` from ``dW = dy2ᵀ x2``, or, with ``fill``, from the dW that ``fill(g, gb)``
         writes into the fp32 workspace views ``g [n, k]`` / ``gb [n]`` (``gb`` None without a
         fused bias): for a caller that computes dW in pieces (the fused LM head + loss,
         :mod:`leantrain.losses`). Either way the same reduction, clip, NaN gate and rule follow."""
-        if self._pending is not None:  # (a fill caller: after the update held back, as in line)
-            self._run_pending()
         if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
             with torch.no_grad():
                 return self._update_layer_impl(layer, x2, dy2, fill)
@@ -383,10 +347,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         sure the current stream waits for it again when this backward ends (:meth:`join`)."""
         side.wait_stream(torch.cuda.current_stream(side.device))
         self._side_busy = True
-        self._join_at_end()
-
-    def _join_at_end(self) -> None:
-        """Have :meth:`join` run at the end of the current backward pass."""
         task = torch._C._current_graph_task_id()
         if task >= 0 and task != self._join_task:  # once per backward pass (one that raised dropped it)
             self._join_task = task
@@ -395,12 +355,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             torch.autograd.Variable._execution_engine.queue_callback(self.join)
 
     def join(self) -> None:
-        """Issue the update ``defer`` holds back and make the current stream wait for the updates
-        issued on FORGE's side stream. Runs by itself at the end of every backward that deferred or
-        forked one (and in :meth:`step`, :meth:`state_dict`); a caller only needs it around a
-        ``backward`` interrupted by an error."""
-        if self._pending is not None:
-            self._run_pending()
+        """Make the current stream wait for the updates issued on FORGE's side stream. Runs by
+        itself at the end of every backward that issued one (and in :meth:`step`,
+        :meth:`state_dict`); a caller only needs it around a ``backward`` interrupted by an error."""
         if self._side_busy:
             torch.cuda.current_stream(self._side.device).wait_stream(self._side)
             self._side_busy = False
@@ -958,7 +915,7 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
-           grad_dtype: str = "fp32", overlap: bool = False, defer: bool = False) -> ForgeOptimizer:
+           grad_dtype: str = "fp32", overlap: bool = False) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -1008,17 +965,11 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             follows ``backward()`` sees the updated weights. Off by default: on one H200 the 1b
             step was no faster with it (likely, not profiled: the backward's kernels leave no SMs
             idle for the updates; forge/README.md). ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
-        defer: each linear layer's dW and update are issued at the start of the next FORGE layer's
-            backward (or at the end of the backward pass) instead of right after its dX: the
-            kernels in between (norm, SwiGLU, attention backward) read that dX before the update's
-            traffic passes through the cache. The same updates in the same order, the same bits;
-            one layer's input and output gradient are held a little longer. Off by default
-            (forge/README.md). ``LEANTRAIN_FORGE_DEFER=0/1`` forces it.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
-                          overlap=overlap, defer=defer)
+                          overlap=overlap)
 
 
 def detach(model: nn.Module) -> None:
