@@ -110,7 +110,8 @@ class Policy:
     # saves recomputed in backward from other saves' packed copies instead of stored (comma list,
     # "" = none): "silu" (SwiGLU's silu(g) from SiLU's saved input g: no more error than storing
     # it), "mul" (the down projection's input silu(g)·u from those two: two 4-bit errors in the
-    # product instead of one). See agoq/README.md for the measured memory and gradient error.
+    # product instead of one), "swiglu" (the same input from the saves of SwiGLU as one function,
+    # model.fused_swiglu). See agoq/README.md for the measured memory and gradient error.
     derive: str = "silu,mul,swiglu"
 
     def __post_init__(self):
