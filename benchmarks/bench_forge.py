@@ -285,6 +285,16 @@ def bench_layer(quick: bool, log, product: bool = False, tokens: list[int] | Non
 # ----------------------------------------------------------------------------- part (b)
 
 
+def set_layout(cfg, config: str) -> str:
+    """The model layout a configuration's suffix names, set in ``cfg`` (a ModelConfig): ``_sw``
+    model.fused_swiglu, ``_fp`` model.fused_proj (``_fp_sw`` both; none: neither, the layout of
+    the results before session 20). Returns the name without them."""
+    cfg.fused_swiglu = config.endswith("_sw")
+    config = config.removesuffix("_sw")
+    cfg.fused_proj = config.endswith("_fp")
+    return config.removesuffix("_fp")
+
+
 def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
     """One configuration of the whole-step benchmark (runs in its own process)."""
     import torch
@@ -299,11 +309,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     graphed = config.endswith("_graph")
     config = config.removesuffix("_graph")
     cfg.activation_checkpointing = config.endswith("_ckpt")
-    config = config.removesuffix("_ckpt")
-    cfg.fused_swiglu = config.endswith("_sw")
-    config = config.removesuffix("_sw")
-    cfg.fused_proj = config.endswith("_fp")
-    config = config.removesuffix("_fp")
+    config = set_layout(cfg, config.removesuffix("_ckpt"))
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
                               "forge_bf16_sr_int8p_states", "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",

@@ -54,12 +54,12 @@ forgeb() {  # bench_forge part (b): 1b, T = 1024, B = 1, 4, 16, each configurati
 forgeb_cfg() {  # bench_forge part (b): $1 name, $2 time limit, $3 batches (quoted list), rest: configurations
   local name=$1 lim=$2 batches=$3
   shift 3
-  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_TILE:-} ${LEANTRAIN_FORGE_EARLY_LOADS:-} ${LEANTRAIN_FORGE_DEFER:+defer=$LEANTRAIN_FORGE_DEFER}"
+  log "forge part (b) $name: B = $batches: $* ${LEANTRAIN_FORGE_TILE:-} ${LEANTRAIN_FORGE_EARLY_LOADS:-}"
   timeout "$lim" python3 benchmarks/bench_forge.py --part b --batches $batches --timeout 70 --configs "$@" \
     --out "$D/$name" 2>&1 | grep -v Warn | tail -12
 }
 prof() {  # profile_step: $1 config, $2 batch, rest: more profile_step arguments (into $D/prof)
-  log "profile_step $1 B=$2 ${*:3} ${LEANTRAIN_FORGE_DEFER:+defer=$LEANTRAIN_FORGE_DEFER}"
+  log "profile_step $1 B=$2 ${*:3}"
   timeout 120 python3 benchmarks/profile_step.py --config "$1" --batch "$2" "${@:3}" --out "$D/prof" 2>&1 | grep -v Warn | tail -2
 }
 gpu_part() {  # $1 the session's scratch root (/tmp/sNw), $2 the part: sets PART and D (made), and snap,

@@ -51,6 +51,7 @@ gpu_part /tmp/s20w "${1:-first}"
       train1b_trio
       snap ;;
     fourth)  # attach(defer=True) (LEANTRAIN_FORGE_DEFER=1): the update after the kernels between two layers
+      # (run at commit ce05bae: the option was removed after it; on later code d1-d3 run in line)
       log "gpu tests: deferred and side-stream updates (compiled)"
       gputest 100 tests/forge/test_forge_defer.py tests/forge/test_forge_overlap.py
       snap

@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graph", action="store_true", help="replay forward + backward from a CUDA graph")
     ap.add_argument("--clip", default="none", help="forge configs: FORGE's clip mode (est_global: the trainer's default)")
     a = ap.parse_args(argv)
+    from bench_forge import set_layout
+
     import leantrain as lt
     from leantrain.config import preset
     from leantrain.model import Llama
@@ -44,11 +46,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg = preset(a.preset).model
     cfg.max_seq_len = max(cfg.max_seq_len, a.seq)
-    config = a.config
-    cfg.fused_swiglu = config.endswith("_sw")
-    config = config.removesuffix("_sw")
-    cfg.fused_proj = config.endswith("_fp")
-    config = config.removesuffix("_fp")
+    config = set_layout(cfg, a.config)
     with torch.device("cuda"):
         model = Llama(cfg).to(torch.bfloat16)
     kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

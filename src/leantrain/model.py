@@ -10,8 +10,8 @@ fused with the LM head in vocabulary slices, no logits tensor (``fused_loss``,
 (``activation_checkpointing``); q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
 (``fused_proj``, the default: fewer, larger GEMMs and optimizer updates; checkpoints load either
 way), and SwiGLU as one function saving gate and up only (``fused_swiglu``, the default). With
-both, the graphed 1b step at T = 1024 took 18.9–19.0 / 50.2–51.2 / 185.9 ms at B = 1 / 4 / 16 under
-torch's AdamW against 19.9–20.0 / 53.9–54.0 / 197.2 with neither (one H200,
+both, the graphed 1b step at T = 1024 took 18.9–19.1 / 50.2–51.4 / 185.9–186.3 ms at B = 1 / 4 / 16
+under torch's AdamW against 19.9–20.0 / 53.9–54.0 / 197.2 with neither (one H200,
 ``benchmarks/results/2026-12-02_H200_s20/``).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns

@@ -1,8 +1,9 @@
 """Saves AGoQ recomputes instead of storing (``Policy.derive``): SwiGLU's ``silu(g)`` from its input's
 packed copy, the down projection's input ``silu(g)·u`` from those two (through the 2-D view
-``F.linear`` saves), or from the fused SwiGLU's saves (``swiglu``). The gradients equal a hand-written backward that reads the dequantized
-``ĝ``, ``û``, ``x̂`` (round to nearest: no seeds involved); the bytes held drop by exactly the
-two tensors' packed sizes; replay and the trainer's persistent ``apply`` derive the same."""
+``F.linear`` saves), or from the fused SwiGLU's saves (``swiglu``). The gradients equal a
+hand-written backward that reads the dequantized ``ĝ``, ``û``, ``x̂`` (round to nearest: no seeds
+involved); the bytes held drop by exactly the derived tensors' packed sizes; replay and the
+trainer's persistent ``apply`` derive the same."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from leantrain.agoq import Policy, apply, quantize_activations
 from leantrain.agoq.pack import pack, unpack
+from leantrain.ops.swiglu import swiglu
 
 D, H = 32, 256  # every tensor a multiple of the group size (128)
 
@@ -36,6 +38,39 @@ class Net(nn.Module):
 
     def forward(self, x):
         return (self.mlp(x) * self.c).sum()
+
+
+class SwigluMLP(nn.Module):
+    """The MLP with SwiGLU as one function (``model.fused_swiglu``): over two linears' outputs, or
+    over the halves of one fused gate/up linear (``model.fused_proj``)."""
+
+    def __init__(self, halves: bool):
+        super().__init__()
+        self.halves = halves
+        if halves:
+            self.gate_up_proj = nn.Linear(D, 2 * H, bias=False)
+        else:
+            self.gate_proj = nn.Linear(D, H, bias=False)
+            self.up_proj = nn.Linear(D, H, bias=False)
+        self.down_proj = nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        if self.halves:
+            return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def separate(self) -> MLP:
+        """The op-by-op MLP with these weights."""
+        m = MLP()
+        with torch.no_grad():
+            if self.halves:
+                m.gate_proj.weight.copy_(self.gate_up_proj.weight[:H])
+                m.up_proj.weight.copy_(self.gate_up_proj.weight[H:])
+            else:
+                m.gate_proj.weight.copy_(self.gate_proj.weight)
+                m.up_proj.weight.copy_(self.up_proj.weight)
+            m.down_proj.weight.copy_(self.down_proj.weight)
+        return m
 
 
 def _rtn(t):
@@ -187,41 +222,6 @@ def test_derived_cache_counts():
     assert d.cache is None
 
 
-class SwigluMLP(nn.Module):
-    """The MLP with SwiGLU as one function (``model.fused_swiglu``): over two linears' outputs, or
-    over the halves of one fused gate/up linear (``model.fused_proj``)."""
-
-    def __init__(self, halves: bool):
-        super().__init__()
-        self.halves = halves
-        if halves:
-            self.gate_up_proj = nn.Linear(D, 2 * H, bias=False)
-        else:
-            self.gate_proj = nn.Linear(D, H, bias=False)
-            self.up_proj = nn.Linear(D, H, bias=False)
-        self.down_proj = nn.Linear(H, D, bias=False)
-
-    def forward(self, x):
-        from leantrain.ops.swiglu import swiglu
-
-        if self.halves:
-            return self.down_proj(swiglu(self.gate_up_proj(x)))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-    def separate(self) -> MLP:
-        """The op-by-op MLP with these weights."""
-        m = MLP()
-        with torch.no_grad():
-            if self.halves:
-                m.gate_proj.weight.copy_(self.gate_up_proj.weight[:H])
-                m.up_proj.weight.copy_(self.gate_up_proj.weight[H:])
-            else:
-                m.gate_proj.weight.copy_(self.gate_proj.weight)
-                m.up_proj.weight.copy_(self.up_proj.weight)
-            m.down_proj.weight.copy_(self.down_proj.weight)
-        return m
-
-
 @pytest.mark.parametrize("halves", [False, True], ids=["two-inputs", "halves"])
 @pytest.mark.parametrize("shape", [(64, D), (2, 32, D)], ids=["2d", "3d-view"])
 def test_fused_swiglu_input_of_down_derived(halves, shape):
@@ -231,8 +231,7 @@ def test_fused_swiglu_input_of_down_derived(halves, shape):
     torch.manual_seed(0)
     net = Net()
     net.mlp = SwigluMLP(halves)
-    x = torch.randn(*shape)
-    x = x.requires_grad_(True)
+    x = torch.randn(*shape, requires_grad=True)
     with quantize_activations(net, Policy(stochastic=False, mlp_in=4), record=True) as pk:
         loss = net(x)
     loss.backward()

@@ -681,16 +681,16 @@ class Packer:
         how = _DERIVE.get(name)
         if how is None or how[0] not in self._derive:
             return None
-        srcs = self._sources(gf, t.dtype, t.numel(), 1)
+        srcs = self._sources(gf, how[0], t.dtype, t.numel(), 1)
         if srcs is None or _out_shape(how[0], srcs) != t.shape:
             return None
         return Derived(how[1], tuple(x[0] for x in srcs))
 
-    def _sources(self, node, dtype, numel: int, depth: int) -> list | None:
-        """(save, shape) of each input of the derivable ``node`` whose output has ``numel``
-        elements (one input of twice as many for a SwiGLU over the halves of one tensor)."""
+    def _sources(self, node, how: str, dtype, numel: int, depth: int) -> list | None:
+        """(save, shape) of each input of the derivable ``node`` (derivation ``how``) whose output
+        has ``numel`` elements (one input of twice as many for a SwiGLU over one tensor's halves)."""
         nxt = node.next_functions
-        n_in = numel * 2 if len(nxt) == 1 and type(node).__name__ == "SwigluFnBackward" else numel
+        n_in = numel * 2 if how == "swiglu" and len(nxt) == 1 else numel
         srcs = [self._source(n, k, dtype, n_in, depth) for n, k in nxt]
         return None if any(x is None for x in srcs) or len({x[1] for x in srcs}) != 1 else srcs
 
@@ -706,7 +706,7 @@ class Packer:
         how = _DERIVE.get(type(node).__name__)
         if how is None or how[0] not in self._derive or depth > 2:
             return None
-        srcs = self._sources(node, dtype, numel, depth + 1)
+        srcs = self._sources(node, how[0], dtype, numel, depth + 1)
         if srcs is None:
             return None
         d, shape = Derived(how[1], tuple(x[0] for x in srcs)), _out_shape(how[0], srcs)
