@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         sdt = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*u8", "int8p": "*u8"}[a.sdtype]
         sig = {n: "*fp32" for n in ("X", "DY", "W", "B", "S1", "S2", "A1", "A2", "BS1", "BS2", "Q1", "Q2", "G", "GB",
                                     "PART", "SCALE", "DYN", "SQ", "TICKET")}
-        sig.update(W=f"*{a.wdtype}", S1=sdt, S2=sdt, G="*bf16", TICKET="*i32")
+        sig.update(W=f"*{a.wdtype}", S1=sdt, S2=sdt, G="*bf16", TICKET="*i32", OWNER="*i32", KEYS="*i32", ROW0="*i32")
         sig.update({n: "i32" for n in ("T", "N", "K", "stride_x", "stride_dy")})
         sig.update({n: "fp32" for n in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
                                         "eps", "mom")})
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
-                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early))
+                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early), ROWS=False)
         div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K") + (("stride_x", "stride_dy") if fused else ())
     elif a.kernel == "swiglu":  # ops/swiglu.py, rows of 1024 elements (the MLP's width), --dtype, --mode
         from leantrain.ops import swiglu

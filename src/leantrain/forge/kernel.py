@@ -218,7 +218,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
                                    "omb2", "lerp_c", "eps", "mom", "dyn_off"])
     def _forge_kernel(
-        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE, DYN, SQ, TICKET,
+        X, DY, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, G, GB, PART, SCALE, DYN, SQ, TICKET, OWNER, KEYS, ROW0,
         T, N, K, stride_x, stride_dy,
         lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key, dyn_off,
         MODE: tl.constexpr, RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
@@ -227,7 +227,7 @@ if HAS_TRITON:
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
         IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
-        EARLY_LOADS: tl.constexpr,
+        EARLY_LOADS: tl.constexpr, ROWS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -301,13 +301,21 @@ if HAS_TRITON:
         else:
             gok = ok  # the tile-wide conditions to store anything
             g = acc
+            if ROWS:  # several parameters, a [rows, 16] view of them: each row's own parameter (OWNER)
+                # gives its scale (SCALE: one a parameter, NaN where its gradient is not finite: then
+                # none of its rows is stored, and a neighbour sharing the tile still is), and its
+                # rounding key (KEYS) and first row (ROW0): a parameter draws the bits its own launch would
+                owner = tl.load(OWNER + offs_n, mask=mn, other=0)
+                sc_r = tl.load(SCALE + owner, mask=mn, other=0.0)
+                g = g * sc_r[:, None]
+                gok = (tl.abs(sc_r) < float("inf"))[:, None] & mk[None, :]
             if HAS_DYN:  # the step's scalars from device memory (DYN_COLS): what a CUDA graph replays
                 if not EARLY_LOADS:  # (the gate: 1, or NaN to store nothing: a dry run)
                     lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
                         _dyn_scalars(DYN, dyn_off)
                 g = g * gate
                 gok = gok & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + gate) < float("inf"))
-            if HAS_SCALE:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
+            if HAS_SCALE and not ROWS:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
                 sc = tl.load(SCALE)
                 g = g * sc
                 gok = gok & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
@@ -322,7 +330,13 @@ if HAS_TRITON:
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
                 if SR:
-                    tl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
+                    if ROWS:  # the element's offset in its own parameter, under its parameter's key
+                        key_r = tl.load(KEYS + owner, mask=mn, other=0)
+                        row0 = tl.load(ROW0 + owner, mask=mn, other=0)
+                        bits = _draw(key_r[:, None], offs - (row0 * K)[:, None], IDX32)
+                    else:
+                        bits = _draw(key, offs, IDX32)
+                    tl.store(W + offs, sr_bf16(p, bits), mask=smask)
                 else:
                     tl.store(W + offs, _rtn_bf16(p, NATIVE_CVT), mask=smask)
             else:
@@ -408,6 +422,7 @@ if HAS_TRITON:
     _ARG_NAMES = list(_forge_kernel.arg_names)
     _N_RUNTIME = _ARG_NAMES.index("MODE")  # runtime arguments come first, then the constexprs
     _CONST_NAMES = tuple(_ARG_NAMES[_N_RUNTIME:])
+    _N_PTRS = _ARG_NAMES.index("T")  # the tensor arguments come first
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -613,9 +628,9 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
     each pointer's dtype and 16-byte alignment, each specialized integer's (== 1, % 16 == 0,
     32-bit range), the 32-bit range of T and key, the constexprs (in ``pkey``) and the device."""
     if _DIRECT[0] or (_DIRECT[0] is None and _direct_ok()):
-        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:19]],
+        gkey = (pkey, torch.cuda.current_device(), *[(t.dtype, not t.data_ptr() & 15) for t in args[:_N_PTRS]],
                 *[(v == 1, not v & 15, -_I32 <= v < _I32) for v in ints],
-                -_I32 <= args[19] < _I32, -_I32 <= args[-2] < _I32, -_I32 <= args[-1] < _I32)
+                -_I32 <= args[_N_PTRS] < _I32, -_I32 <= args[-2] < _I32, -_I32 <= args[-1] < _I32)
         ck = _FAST.get(gkey)
         if ck is not None:
             try:
@@ -635,7 +650,7 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
 
 def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
                  qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
-                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None):
+                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None, rows=None):
     """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
@@ -652,6 +667,11 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     ``sq`` / ``ticket``: a 0-d fp32 tensor and a 0-d int32 tensor holding 0: the launch's last
     program writes the sum of the per-tile sums of squares to ``sq`` (fixed order) and resets
     ``ticket``, so no reduction launch has to follow.
+    ``rows``: ``(owner, keys, row0)``, update-only mode on several parameters at once (``w``, ``g`` and
+    the states: their concatenation viewed as ``[rows, 16]``): ``owner`` (int32, one a row) the row's
+    parameter, ``keys`` / ``row0`` (int32, one a parameter) its rounding key and first row, ``scale``
+    (fp32, one a parameter) its gradient's scale, NaN where nothing of it may be stored. Each
+    parameter gets the bits of its own launch with ``scale=scale[i]`` and ``key=keys[i]``.
     """
     dummy = w if w is not None else g
     N, K = dummy.shape
@@ -681,7 +701,10 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     signs = (_map_sign(qtables[0][0]) if kind1 >= 2 else -1, _map_sign(qtables[1][0]) if kind2 >= 2 else -1)
-    pkey = (mode, N, K, T <= LARGE_T, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
+    if rows is not None and (mode != MODE_UPDATE or scale is None or dyn is not None or b is not None or K != 16):
+        raise ValueError("launch_forge(rows=...): update-only mode on a [rows, 16] view, with a scale per "
+                         "parameter, no bias, no device scalars")
+    pkey = (mode, N, K, T <= LARGE_T, rows is not None, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
             scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
             os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(EARLY_LOADS_ENV))
     plan = _PLANS.get(pkey)
@@ -689,7 +712,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
                     SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
                     SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
-                    SIGN1=signs[0], SIGN2=signs[1],
+                    SIGN1=signs[0], SIGN2=signs[1], ROWS=rows is not None,
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, max(kind1, kind2) >= 2, tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
@@ -707,7 +730,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     args = (x, dy, dummy if w is None else w, dummy if b is None else b, s1, s2, a1, a2, bs1, bs2, q1, q2,
             dummy if g is None else g, dummy if gb is None else gb, part, part if scale is None else scale,
             part if dyn is None else dyn[0], part if sq is None else sq, part if ticket is None else ticket,
-            T, N, K, sx, sdy, *scal, 0 if dyn is not None else int(key),
+            *((part, part, part) if rows is None else rows), T, N, K, sx, sdy, *scal, 0 if dyn is not None else int(key),
             0 if dyn is None else dyn[1] * DYN_COLS)
     if on_gpu and not plan.tuned:
         _launch_gpu(plan, pkey, args, (N, K, sx, sdy))

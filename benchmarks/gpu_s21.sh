@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 21's GPU calls:
+#   OUT=dir bash benchmarks/gpu_s21.sh first   # the rest buckets (step() steps the small 1-D non-fused parameters
+#                                            # of a kind in one launch): their tests and the rest kernel's compiled;
+#                                            # part (b) graphed, _fp_sw, B = 1, 4: torch, FORGE, FORGE with one
+#                                            # launch a parameter (LEANTRAIN_FORGE_REST_BUCKETS=0), three rounds
+#   OUT=dir bash benchmarks/gpu_s21.sh second  # B = 16 the same three; profiles of FORGE at B = 4 with and without
+# Work goes to /tmp/s21w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s21w "${1:-first}"
+T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "gpu tests: rest buckets, rest kernel, device scalars, direct launches (compiled)"
+      gputest 120 tests/forge/test_forge_rest_bucket.py tests/forge/test_forge_rest_kernel.py \
+        tests/forge/test_forge_device_scalars.py tests/forge/test_forge_kernel.py -k "bucket or rest or device or direct"
+      snap
+      for r in 1 2 3; do
+        forgeb_cfg "r$r" 90 "1 4" $T $F
+        LEANTRAIN_FORGE_REST_BUCKETS=0 forgeb_cfg "n$r" 60 "1 4" $F
+        snap
+      done ;;
+    second)
+      forgeb_cfg r16 70 "16" $T $F
+      LEANTRAIN_FORGE_REST_BUCKETS=0 forgeb_cfg n16 45 "16" $F
+      snap
+      LEANTRAIN_FORGE_REST_BUCKETS=0 prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
+      mv "$D/prof/profile_forge_bf16_states_bf16_dw_fp_sw_b4_graph.txt" "$D/prof/profile_forge_bf16_states_bf16_dw_fp_sw_b4_graph_nobucket.txt" 2>/dev/null
+      prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
+      snap ;;
+  esac
+  log done
+} 2>&1 | tee "$D/log.txt"
+snap
