@@ -5,6 +5,7 @@
 #                                            # part (b) graphed, _fp_sw, B = 1, 4: torch, FORGE, FORGE with one
 #                                            # launch a parameter (LEANTRAIN_FORGE_REST_BUCKETS=0), three rounds
 #   OUT=dir bash benchmarks/gpu_s21.sh second  # B = 16 the same three; profiles of FORGE at B = 4 with and without
+#   OUT=dir bash benchmarks/gpu_s21.sh third   # the 1b trainer graphed: baseline, --forge (fp32 / int8 / bf16 states)
 # Work goes to /tmp/s21w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -30,6 +31,14 @@ T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
       LEANTRAIN_FORGE_REST_BUCKETS=0 prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
       mv "$D/prof/profile_forge_bf16_states_bf16_dw_fp_sw_b4_graph.txt" "$D/prof/profile_forge_bf16_states_bf16_dw_fp_sw_b4_graph_nobucket.txt" 2>/dev/null
       prof forge_bf16_states_bf16_dw_fp_sw 4 --graph
+      snap ;;
+    third)  # the 1b trainer, B = 8, 16 steps, graphed (--train.cuda-graph true): baseline, --forge (its defaults:
+      # bf16 + SR, fp32 states, est_global clip), --forge with int8 states, --forge with bf16 states
+      train1b baseline_graph --baseline --train.cuda-graph true
+      train1b forge_graph --forge --train.cuda-graph true
+      snap
+      train1b forge_int8_graph --forge --forge.state-dtype int8 --train.cuda-graph true
+      train1b forge_bf16_graph --forge --forge.state-dtype bf16 --train.cuda-graph true
       snap ;;
   esac
   log done
