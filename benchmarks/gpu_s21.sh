@@ -6,6 +6,7 @@
 #                                            # launch a parameter (LEANTRAIN_FORGE_REST_BUCKETS=0), three rounds
 #   OUT=dir bash benchmarks/gpu_s21.sh second  # B = 16 the same three; profiles of FORGE at B = 4 with and without
 #   OUT=dir bash benchmarks/gpu_s21.sh third   # the 1b trainer graphed: baseline, --forge (fp32 / int8 / bf16 states)
+#   OUT=dir bash benchmarks/gpu_s21.sh fourth  # update_many shared with lt.optim: compiled tests; trainer --agoq, --forge
 # Work goes to /tmp/s21w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -39,6 +40,15 @@ T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
       snap
       train1b forge_int8_graph --forge --forge.state-dtype int8 --train.cuda-graph true
       train1b forge_bf16_graph --forge --forge.state-dtype bf16 --train.cuda-graph true
+      snap ;;
+    fourth)  # kernel.update_many shared by FORGE's step() and lt.optim.Optimizer: compiled tests; the trainer with
+      # --agoq alone (lt.optim's kernel path: its norms now in one launch) and --forge, graphed
+      gpuinfo
+      log "gpu tests: rest buckets, rest kernel, lt.optim's kernel path (compiled)"
+      gputest 150 tests/forge/test_forge_rest_bucket.py tests/forge/test_forge_rest_kernel.py tests/test_optim.py
+      snap
+      train1b agoq_graph --agoq --train.cuda-graph true
+      train1b forge_graph --forge --train.cuda-graph true
       snap ;;
   esac
   log done

@@ -243,6 +243,39 @@ def test_triton_backend_bf16_params_round_stochastically():
     assert (q == 1).all()
 
 
+@needs_triton
+@pytest.mark.parametrize("rule", sorted(KERNEL_RULES))
+@pytest.mark.parametrize("dtype,state_dtype,sr", [(torch.float32, "fp32", False), (torch.bfloat16, "bf16", True),
+                                                  (torch.bfloat16, "fp32", True)])
+def test_triton_backend_buckets_equal_one_launch_each(rule, dtype, state_dtype, sr, monkeypatch):
+    """The small 1-D parameters in one launch (kernel.update_many): the bits of one launch each,
+    weights (stochastic rounding included) and states; a 2-D and an odd-sized one beside them."""
+    from leantrain.forge import kernel as K
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    shapes = [(32,), (48,), (24, 16), (256,), (19,)]
+    params = [torch.randn(s, generator=g).to(dev, dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(dev, dtype) for s in shapes] for _ in range(4)]
+    calls = []
+    real = K.update_many
+    monkeypatch.setattr(K, "update_many", lambda ws, *a, **k: calls.append(len(ws)) or real(ws, *a, **k))
+    opts, out = {}, {}
+    for buckets in (True, False):
+        def make(ps, buckets=buckets):
+            opt = opts[buckets] = lt.optim.Optimizer(ps, KERNEL_RULES[rule](), state_dtype=state_dtype,
+                                                     stochastic_rounding=sr, backend="triton")
+            opt.buckets = buckets
+            return opt
+        out[buckets] = _run(make, params, grads)
+    assert calls == [3] * 4  # 32, 48 and 256 together; the 2-D and the 19 alone
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opts[True].state.values(), opts[False].state.values()):
+        for k in KERNEL_RULES[rule]().state_names:
+            assert torch.equal(sa[k], sb[k]), k
+
+
 def test_backend_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="backend"):
         lt.optim.Optimizer([torch.nn.Parameter(torch.ones(2))], lt.optim.SGD(lr=0.1), backend="cuda")

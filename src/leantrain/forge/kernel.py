@@ -739,6 +739,82 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     return part
 
 
+BUCKET_MAX = 1 << 20  # update_many: at most this many elements a tensor ...
+BUCKET_TOTAL = 1 << 24  # ... and a launch
+_ROWS: dict = {}  # (sizes, device) -> the row tables of update_many
+
+
+def bucket_ok(p: torch.Tensor, kinds) -> bool:
+    """Whether the 1-D parameter ``p`` (its states of ``kinds``) can be stepped with others in one
+    :func:`update_many` launch: at most ``BUCKET_MAX`` elements, a multiple of 16 (of 256 with
+    int8p states: whole blocks; int8 states are not taken)."""
+    n = p.numel()
+    return p.dim() == 1 and n <= BUCKET_MAX and "int8" not in kinds and n % (256 if "int8p" in kinds else 16) == 0
+
+
+def device_keys(seed: int, indices: list[int], step: int, device) -> torch.Tensor:
+    """The rounding keys of parameters ``indices`` at ``step`` (``kernel_key(step_seed(seed, i,
+    step))``, what each one's own launch takes) as an int32 tensor on ``device``: the ``keys`` of
+    :func:`update_many`."""
+    from leantrain.ops.rng import step_kernel_keys
+
+    host = torch.from_numpy(step_kernel_keys(seed, indices, [step] * len(indices)))
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+class Buckets:
+    """Items grouped by a key for :func:`update_many`; a key starts another group whenever the
+    next item would take its group past ``BUCKET_TOTAL`` elements. Iterating yields the groups."""
+
+    def __init__(self):
+        self._groups: dict = {}
+
+    def add(self, key, item, n: int) -> None:
+        groups = self._groups.setdefault(key, [])
+        if not groups or groups[-1][0] + n > BUCKET_TOTAL:
+            groups.append([0, []])
+        groups[-1][0] += n
+        groups[-1][1].append(item)
+
+    def __iter__(self):
+        return (items for groups in self._groups.values() for _, items in groups)
+
+
+def update_many(ws: list, gs: list, states: list, kinds, qtables, *, rule_name: str, hp: dict, step: int,
+                sr: bool, keys: torch.Tensor | None, scale: torch.Tensor) -> None:
+    """The update-only mode on several 1-D tensors in one launch (:func:`bucket_ok` each).
+
+    ``ws`` the parameters' data, ``gs`` their gradients (fp32 or bf16), ``states[j]`` the ``j``-th
+    state of each; ``kinds`` / ``qtables`` as :func:`launch_forge`'s (one per state, shared);
+    ``keys`` int32 (one a tensor: its rounding key; None without stochastic rounding), ``scale``
+    fp32 (one a tensor: its gradient's scale, NaN to store nothing of it). W, the gradients and the
+    states are concatenated, viewed as ``[rows, 16]``, updated (``launch_forge(rows=...)``: each
+    row reads its tensor's scale, key and first row, so each tensor gets the bits of its own
+    launch) and copied back, one multi-tensor copy a dtype."""
+    sizes = [w.numel() for w in ws]
+    dev = ws[0].device
+    rows = _ROWS.get((tuple(sizes), dev))
+    if rows is None:
+        nrows = torch.tensor(sizes) // 16
+        owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), nrows)
+        row0 = (torch.cumsum(nrows, 0) - nrows).to(torch.int32)
+        rows = _ROWS[(tuple(sizes), dev)] = (owner.to(dev), row0.to(dev))
+    owner, row0 = rows
+    w = torch.cat([t.view(-1) for t in ws])
+    g = torch.cat([t.reshape(-1) for t in gs])
+    flats = [torch.cat([t.view(-1) for t in ts]) for ts in states]
+    views = [f.view(-1, 1, 16, 16) if kind == "int8p" else f.view(-1, 16) for f, kind in zip(flats, kinds, strict=True)]
+    launch_forge(MODE_UPDATE, w=w.view(-1, 16), states=views, kinds=kinds, qtables=qtables, rule_name=rule_name,
+                 hp=hp, step=step, sr=sr, g=g.view(-1, 16), scale=scale, rows=(owner, row0 if keys is None else keys, row0))
+    by_dtype: dict = {}
+    for dst, flat in [(ws, w)] + list(zip(states, flats, strict=True)):
+        d, src = by_dtype.setdefault(flat.dtype, ([], []))
+        d.extend(dst)
+        src.extend(t.view_as(x) for t, x in zip(flat.split(sizes), dst, strict=True))
+    for d, src in by_dtype.values():
+        torch._foreach_copy_(d, src)
+
+
 def dyn_row(rule_name: str, hp: dict, step: int, gate: float = 1.0) -> np.ndarray:
     """One row of the device scalar table (``launch_forge(dyn=...)``): the launch arguments
     ``lr .. mom`` as fp32 (the values the kernel would get as arguments) and the gate. Column 12,
@@ -750,5 +826,5 @@ def dyn_row(rule_name: str, hp: dict, step: int, gate: float = 1.0) -> np.ndarra
     return row
 
 
-__all__ = ["launch_forge", "rule_scalars", "dyn_row", "DYN_COLS", "heuristic_config", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE",
+__all__ = ["launch_forge", "update_many", "bucket_ok", "Buckets", "device_keys", "rule_scalars", "dyn_row", "DYN_COLS", "heuristic_config", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE",
            "RULE_IDS"]

@@ -50,8 +50,7 @@ CLIPS = ("none", "layer", "prev_global", "est_global")
 _EST_BETA = 0.5
 # step(): the small 1-D non-fused parameters (norm weights and biases) that share a dtype, state
 # kinds, param group and step count are stepped in one update launch over their concatenation
-# (ForgeOptimizer.rest_buckets); up to this many elements each
-BUCKET_MAX = 1 << 20
+# (ForgeOptimizer.rest_buckets; kernel.update_many)
 REST_BUCKETS_ENV = "LEANTRAIN_FORGE_REST_BUCKETS"  # "0": one update launch per non-fused parameter
 
 
@@ -214,7 +213,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._names: dict | None = None  # parameter -> name (metrics), built at the first step
         # step() steps the small 1-D non-fused parameters of one kind in one launch (see BUCKET_MAX)
         self.rest_buckets = os.environ.get(REST_BUCKETS_ENV, "1") not in ("", "0")
-        self._bucket_rows: dict = {}  # the parameters' ids -> (owner, row0, their indices) on the device
+        self._bucket_index: dict = {}  # the parameters' ids -> their positions in step()'s list, on the device
         # each layer's sum of squares of this step, the clip scales, est_global's predictions
         # (by layer slot; one more slot: the non-fused parameters), on the parameters' device
         self._sums: GradSums | None = None
@@ -739,14 +738,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             # the kernel's gate per parameter: its scale (or 1), NaN (store nothing) when not finite
             ones = torch.ones_like(stacked[r0:])
             gates = torch.where(rest_ok, ones if scales is None else scales, torch.full_like(ones, float("nan")))
-        buckets: dict[tuple, list] = {}
+        buckets = None  # the small 1-D parameters stepped together (kernel.Buckets, update_many)
         for i, (p, g) in enumerate(grads):
             state = self._init_state(p)
             state["step"] += 1
             if self._rest_on_kernel(p, state):
                 bkey = self._bucket_key(p, g, state)
                 if bkey is not None:
-                    buckets.setdefault(bkey, []).append((i, p, g, state))
+                    if buckets is None:
+                        buckets = _kernel().Buckets()
+                    buckets.add(bkey, (i, p, g, state), p.numel())
                 else:
                     self._step_rest_kernel(p, g, state, gates[i])
                 continue
@@ -754,7 +755,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if scales is not None:
                 g = g * scales[i]
             self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], ~rest_ok[i])
-        for items in buckets.values():
+        for items in buckets or ():
             if len(items) == 1:
                 i, p, g, state = items[0]
                 self._step_rest_kernel(p, g, state, gates[i])
@@ -821,61 +822,37 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _bucket_key(self, p: Tensor, g: Tensor, state: dict) -> tuple | None:
         """What a non-fused parameter on the kernel must share with others to be stepped in the
-        same launch (None: its own launch): 1-D, a multiple of 16 elements (256 with packed 8-bit
-        states: whole blocks), at most ``BUCKET_MAX``; the same device, dtypes, state kinds, param
-        group and step count."""
-        n = p.numel()
-        if not self.rest_buckets or p.dim() != 1 or n > BUCKET_MAX:
+        same launch (None: its own launch, ``kernel.bucket_ok``): the device, dtypes, state kinds,
+        param group and step count."""
+        if not self.rest_buckets or p.dim() != 1:
             return None
         kinds = tuple(self.storage.kind_of(state, k) for k in self.rule.state_names)
-        if n % (256 if "int8p" in kinds else 16):
+        if not _kernel().bucket_ok(p, kinds):
             return None
         return p.device, p.dtype, g.dtype, kinds, self._group_of[id(p)], state["step"]
 
     def _step_rest_bucket(self, items: list, gates: Tensor) -> None:
         """Step several small 1-D non-fused parameters (``(i, p, g, state)``, ``gates[i]`` each
-        one's gate, as :meth:`_step_rest_kernel`) in one update launch: W, dW and the states
-        concatenated, viewed as ``[rows, 16]``, then copied back. Each row reads its parameter's
-        gate, rounding key and first row (``launch_forge(rows=...)``), so every parameter gets
-        the bits of its own launch; one whose gradient is not finite keeps its value and state."""
-        K = _KERNEL[0] if _KERNEL else _kernel()
+        one's gate, as :meth:`_step_rest_kernel`) in one update launch (``kernel.update_many``):
+        every parameter gets the bits of its own launch; one whose gradient is not finite keeps
+        its value and state."""
+        K = _KERNEL[0]
         ps = [p for _, p, _, _ in items]
         sts = [st for _, _, _, st in items]
         dev = ps[0].device
-        sizes = [p.numel() for p in ps]
-        rows = self._bucket_rows.get(tuple(id(p) for p in ps))
-        if rows is None:
-            nrows = torch.tensor(sizes) // 16
-            owner = torch.repeat_interleave(torch.arange(len(ps), dtype=torch.int32), nrows)
-            row0 = (torch.cumsum(nrows, 0) - nrows).to(torch.int32)
-            index = torch.tensor([i for i, _, _, _ in items])
-            rows = self._bucket_rows[tuple(id(p) for p in ps)] = (owner.to(dev), row0.to(dev), index.to(dev))
-        owner, row0, index = rows
+        ids = tuple(id(p) for p in ps)
+        index = self._bucket_index.get(ids)
+        if index is None:
+            index = self._bucket_index[ids] = torch.tensor([i for i, _, _, _ in items], device=dev)
         names = self.rule.state_names
-        kinds = [self.storage.kind_of(sts[0], k) for k in names]
-        w = torch.cat([p.data.view(-1) for p in ps])
-        g = torch.cat([g.reshape(-1) for _, _, g, _ in items])
-        flats = [torch.cat([st[k].view(-1) for st in sts]) for k in names]
-        states = [f.view(-1, 1, 16, 16) if kind == "int8p" else f.view(-1, 16) for f, kind in zip(flats, kinds, strict=True)]
-        qt = [self.storage.kernel_table(sts[0], k, k in self.rule.signed_states, dev) for k in names]
         step = sts[0]["step"]
-        keys = row0  # (read only with stochastic rounding into bf16)
-        if self.stochastic_rounding and ps[0].dtype == torch.bfloat16:
-            from leantrain.ops.rng import step_kernel_keys
-
-            host = torch.from_numpy(step_kernel_keys(self.seed, [self.param_index[p] for p in ps], [step] * len(ps)))
-            keys = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
-        K.launch_forge(K.MODE_UPDATE, w=w.view(-1, 16), states=states, kinds=kinds, qtables=qt,
-                       rule_name=self.rule.name, hp=self.param_groups[self._group_of[id(ps[0])]], step=step,
-                       sr=self.stochastic_rounding, g=g.view(-1, 16), scale=gates.index_select(0, index),
-                       rows=(owner, keys, row0))
-        by_dtype: dict = {}  # copied back, one multi-tensor copy a dtype
-        for dst, flat in [([p.data for p in ps], w)] + [([st[k] for st in sts], f) for k, f in zip(names, flats, strict=True)]:
-            d, s = by_dtype.setdefault(flat.dtype, ([], []))
-            d.extend(dst)
-            s.extend(t.view_as(x) for t, x in zip(flat.split(sizes), dst, strict=True))
-        for d, s in by_dtype.values():
-            torch._foreach_copy_(d, s)
+        sr = self.stochastic_rounding and ps[0].dtype == torch.bfloat16
+        keys = K.device_keys(self.seed, [self.param_index[p] for p in ps], step, dev) if sr else None
+        K.update_many([p.data for p in ps], [g for _, _, g, _ in items], [[st[k] for st in sts] for k in names],
+                      [self.storage.kind_of(sts[0], k) for k in names],
+                      [self.storage.kernel_table(sts[0], k, k in self.rule.signed_states, dev) for k in names],
+                      rule_name=self.rule.name, hp=self.param_groups[self._group_of[id(ps[0])]], step=step, sr=sr,
+                      keys=keys, scale=gates.index_select(0, index))
 
     def _reduce_grads(self, params: list[Tensor]) -> None:
         """Average non-fused grads over DP; sum sequence-parallel partial grads over their TP group."""

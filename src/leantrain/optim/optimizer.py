@@ -13,7 +13,11 @@ fp32 and written back either with round-to-nearest or, with
 or bf16 states in one launch of FORGE's update-only kernel instead of ~15 torch ops: the same
 rule in fp32 registers (within 1e-6 relative of the reference in fp32, tested), far less host
 time a step. Stochastic rounding then draws from the kernel's counter hash, not from
-``bf16_stochastic_round``'s stream: unbiased either way, not the same bits.
+``bf16_stochastic_round``'s stream: unbiased either way, not the same bits. The small 1-D ones
+(norm weights and biases: ``kernel.bucket_ok``) that share a dtype, state kinds, param group and
+step count go in one launch over their concatenation (``kernel.update_many``), with the bits of
+one launch each; a non-finite gradient there reaches the weights as in the reference (one
+launch a parameter leaves a non-finite tile alone).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Optimizer(torch.optim.Optimizer):
         self.storage = StateStorage(state_dtype)
         self._index: dict[Tensor, int] = {}  # parameter -> its position (the kernel's rounding seed)
         self._backends: dict[bool, str] = {}  # p.is_cuda -> the resolved backend
+        self.buckets = True  # small 1-D parameters of a kind in one kernel launch (False: one launch each)
+        self._ones: dict = {}  # (count, device) -> the unit scales of a bucket
         super().__init__(params, rule.hyper())
 
     @torch.no_grad()
@@ -69,6 +75,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hp = {k: v for k, v in group.items() if k != "params"}
+            buckets = None  # the small 1-D parameters stepped together (kernel.Buckets, update_many)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -80,7 +87,15 @@ class Optimizer(torch.optim.Optimizer):
                     state.update(self.storage.init(self.rule, p))
                 state["step"] += 1
                 if self._on_kernel(p, state):
-                    self._step_kernel(p, state, hp)
+                    bkey = self._bucket_key(p, state)
+                    if bkey is None:
+                        self._step_kernel(p, state, hp)
+                    else:
+                        if buckets is None:
+                            from leantrain.forge.kernel import Buckets
+
+                            buckets = Buckets()
+                        buckets.add(bkey, p, p.numel())
                     continue
                 signed = self.rule.signed_states
                 tensors = {k: self.storage.read(state, k, k in signed, p.shape) for k in self.rule.state_names}
@@ -88,6 +103,11 @@ class Optimizer(torch.optim.Optimizer):
                 for k, v in new_state.items():
                     self.storage.write(state, k, v, k in signed)
                 write_param(p, p_new, stochastic=self.stochastic_rounding, seed=self.seed + state["step"])
+            for ps in buckets or ():
+                if len(ps) == 1:
+                    self._step_kernel(ps[0], self.state[ps[0]], hp)
+                else:
+                    self._step_bucket(ps, hp)
         return loss
 
     def _on_kernel(self, p: Tensor, state: dict) -> bool:
@@ -106,6 +126,39 @@ class Optimizer(torch.optim.Optimizer):
         return (backend == "triton" and p.dim() in (1, 2) and p.dtype in floats and p.grad.dtype in floats
                 and all(state[k].dtype in floats for k in self.rule.state_names))
 
+    def _bucket_key(self, p: Tensor, state: dict) -> tuple | None:
+        """What a parameter on the kernel shares with those stepped in the same launch (None: its
+        own launch)."""
+        from leantrain.forge.kernel import bucket_ok
+
+        kinds = tuple(StateStorage.kind_of(state, k) for k in self.rule.state_names)
+        if not self.buckets or not bucket_ok(p, kinds):
+            return None
+        return p.device, p.dtype, p.grad.dtype, kinds, state["step"]
+
+    def _step_bucket(self, ps: list[Tensor], hp: dict) -> None:
+        """Several small 1-D parameters in one launch of the update-only kernel (``update_many``)."""
+        from leantrain.forge import kernel as K
+
+        names = self.rule.state_names
+        dev = ps[0].device
+        step = self.state[ps[0]]["step"]
+        sr = self.stochastic_rounding and ps[0].dtype == torch.bfloat16
+        keys = K.device_keys(self.seed, [self._param_index(p) for p in ps], step, dev) if sr else None
+        ones = self._ones.get((len(ps), dev))
+        if ones is None:
+            ones = self._ones[(len(ps), dev)] = torch.ones(len(ps), device=dev)
+        K.update_many([p.data for p in ps], [p.grad for p in ps], [[self.state[p][k] for p in ps] for k in names],
+                      [StateStorage.kind_of(self.state[ps[0]], k) for k in names], [None] * len(names),
+                      rule_name=self.rule.name, hp=hp, step=step, sr=sr, keys=keys, scale=ones)
+
+    def _param_index(self, p: Tensor) -> int:
+        index = self._index.get(p)
+        if index is None:  # (a param group added since)
+            self._index = {q: i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
+            index = self._index[p]
+        return index
+
     def _step_kernel(self, p: Tensor, state: dict, hp: dict) -> None:
         """One launch of FORGE's update-only kernel: reads W, the gradient (fp32 or bf16, as
         stored) and the states, applies the rule in fp32, stores W (stochastic rounding for bf16 W when asked)
@@ -117,11 +170,7 @@ class Optimizer(torch.optim.Optimizer):
         names = self.rule.state_names
         step = state["step"]
         g = p.grad  # fp32 or bf16: the kernel reads either in fp32
-        index = self._index.get(p)
-        if index is None:  # (a param group added since)
-            self._index = {q: i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
-            index = self._index[p]
-        key = kernel_key(step_seed(self.seed, index, step))
+        key = kernel_key(step_seed(self.seed, self._param_index(p), step))
         K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=[as2d(state[k]) for k in names],
                        kinds=[StateStorage.kind_of(state, k) for k in names], qtables=[None] * len(names),
                        rule_name=self.rule.name, hp=hp, step=step,
