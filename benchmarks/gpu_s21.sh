@@ -7,6 +7,7 @@
 #   OUT=dir bash benchmarks/gpu_s21.sh second  # B = 16 the same three; profiles of FORGE at B = 4 with and without
 #   OUT=dir bash benchmarks/gpu_s21.sh third   # the 1b trainer graphed: baseline, --forge (fp32 / int8 / bf16 states)
 #   OUT=dir bash benchmarks/gpu_s21.sh fourth  # update_many shared with lt.optim: compiled tests; trainer --agoq, --forge
+#   OUT=dir bash benchmarks/gpu_s21.sh fifth   # the final code: tests/forge, graphs, optim, losses compiled
 # Work goes to /tmp/s21w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -49,6 +50,11 @@ T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
       snap
       train1b agoq_graph --agoq --train.cuda-graph true
       train1b forge_graph --forge --train.cuda-graph true
+      snap ;;
+    fifth)  # the final code: FORGE's, the graphs', lt.optim's and the fused loss's tests compiled
+      gpuinfo
+      log "gpu tests: tests/forge, test_graphs, test_optim, test_losses (compiled)"
+      gputest 520 tests/forge tests/test_graphs.py tests/test_optim.py tests/test_losses.py
       snap ;;
   esac
   log done
