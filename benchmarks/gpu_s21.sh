@@ -8,6 +8,7 @@
 #   OUT=dir bash benchmarks/gpu_s21.sh third   # the 1b trainer graphed: baseline, --forge (fp32 / int8 / bf16 states)
 #   OUT=dir bash benchmarks/gpu_s21.sh fourth  # update_many shared with lt.optim: compiled tests; trainer --agoq, --forge
 #   OUT=dir bash benchmarks/gpu_s21.sh fifth   # the final code: tests/forge, graphs, optim, losses compiled
+#   OUT=dir bash benchmarks/gpu_s21.sh sixth   # test_graphs.py compiled again after its fix
 # Work goes to /tmp/s21w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -55,6 +56,9 @@ T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
       gpuinfo
       log "gpu tests: tests/forge, test_graphs, test_optim, test_losses (compiled)"
       gputest 520 tests/forge tests/test_graphs.py tests/test_optim.py tests/test_losses.py
+      snap ;;
+    sixth)  # after fifth: test_graphs' FORGE test named q_proj, which the default layout (fused q/k/v) lacks
+      gputest 200 tests/test_graphs.py
       snap ;;
   esac
   log done

@@ -148,7 +148,7 @@ def test_graphed_forge_equals_eager_forge(case):
     worst = max(((p.float() - q.float()).abs().max() / q.float().abs().max()).item()
                 for p, q in zip(model.parameters(), ref_model.parameters()))
     assert worst < (1e-3 if case == "fp32_weights" else 1e-2), worst
-    assert opt.state[model.layers[0].self_attn.q_proj.weight]["step"] == len(data)
+    assert opt.state[model.layers[0].self_attn.o_proj.weight]["step"] == len(data)
     with pytest.raises(RuntimeError, match="replayed twice"):
         step(*data[0])
         step(*data[0])
