@@ -127,3 +127,20 @@ def test_bucket_checkpoint_resumes_bit_identically():
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert_same_run(m, opt, full, of)
+
+
+def test_buckets_split_at_their_element_limit(monkeypatch):
+    """A launch takes at most kernel.BUCKET_TOTAL elements: six 32-element parameters under a
+    limit of 70 go in three launches of two, with the same bits as one launch each."""
+    from leantrain.forge import kernel as K
+
+    monkeypatch.setattr(K, "BUCKET_TOTAL", 70)
+    sizes = []
+    real = K.update_many
+    monkeypatch.setattr(K, "update_many", lambda ws, *a, **k: sizes.append([w.numel() for w in ws]) or real(ws, *a, **k))
+    torch.manual_seed(0)
+    base = NormsNet()
+    a, oa, ca = _run(base, "adamw", True, steps=2)
+    b, ob, _ = _run(base, "adamw", False, steps=2)
+    assert ca["bucket"] == 3 * 2 and sizes == [[32, 32]] * 6
+    assert_same_run(a, oa, b, ob)
