@@ -7,6 +7,7 @@ dW differs (per-layer ``dYᵀX`` vs autograd's), so weights agree to ``max|Δ| /
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -31,6 +32,42 @@ def test_bitwise_equal_to_reference_optimizer(rule, bias):
         for k, v in ref.state[a].items():
             if torch.is_tensor(v):
                 assert torch.equal(v, opt.state[b][k]), (n, k)
+
+
+class _Functional(torch.nn.Module):
+    """nn.MultiheadAttention (its out_proj's weight is used without out_proj's forward) and a
+    linear whose weight the model uses through F.linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.side = torch.nn.Linear(16, 16)
+        self.fc = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.att(x, x, x)[0]
+        return self.fc(torch.nn.functional.linear(h, self.side.weight, self.side.bias))
+
+
+def test_weights_used_without_their_forward_are_still_stepped():
+    """MultiheadAttention's out_proj is not fused; a fused layer whose weight the model uses through
+    F.linear gets a gradient instead of its fused update: step() steps it from that gradient and
+    says so once. Every parameter equals the reference optimizer's, bit for bit."""
+    torch.manual_seed(0)
+    m0, m1 = pair(_Functional())
+    ref = lt.optim.Optimizer(m0.parameters(), RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch")
+    assert [layer.name for layer in opt.layers] == ["side", "fc"]
+    data = batches(3, shape=(2, 5, 16))
+    train(m0, ref, data[:1])
+    with pytest.warns(UserWarning, match="side got a gradient"):
+        train(m1, opt, data[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        train(m1, opt, data[1:])
+    train(m0, ref, data[1:])
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters()):
+        assert torch.equal(a, b), n
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (127, 1, 65), (5, 127, 1)])

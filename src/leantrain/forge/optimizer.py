@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._last_norm: Tensor | None = None
         self._clip_scale: Tensor | None = None  # prev_global: min(1, c / previous global norm)
         self._names: dict | None = None  # parameter -> name (metrics), built at the first step
+        self._n_rest_seen = 0  # the most parameters step() has seen with a gradient (_warn_unfused)
+        self._warned: set[str] = set()  # fused layers said to have been used without their forward
         # step() steps the small 1-D non-fused parameters of one kind in one launch (see BUCKET_MAX)
         self.rest_buckets = os.environ.get(REST_BUCKETS_ENV, "1") not in ("", "0")
         self._bucket_index: dict = {}  # the parameters' ids -> their positions in step()'s list, on the device
@@ -675,8 +678,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.join()
-        fused = {id(layer.weight) for layer in self.layers} | {id(layer.bias) for layer in self.layers if layer.bias is not None}
-        rest = [p for g in self.param_groups for p in g["params"] if id(p) not in fused and p.grad is not None]
+        # every parameter with a gradient: fused layers leave none, unless a weight was used without
+        # its layer's forward (F.linear(x, layer.weight)): then it is stepped here, from its gradient
+        rest = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self.layers and len(rest) > self._n_rest_seen:
+            self._warn_unfused(rest)
         self._reduce_grads(rest)
         # the fused layers' sums of squares: already in one device array (slot order)
         slots = sorted(self._ran)
@@ -787,6 +793,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._workspace.release()
         self._step_id += 1
         return loss
+
+    def _warn_unfused(self, rest: list[Tensor]) -> None:
+        """Say once which fused layers' parameters got a gradient (used outside the layer's forward)."""
+        self._n_rest_seen = len(rest)
+        have = {id(p) for p in rest}
+        odd = [layer.name for layer in self.layers
+               if id(layer.weight) in have or (layer.bias is not None and id(layer.bias) in have)]
+        new = [n for n in odd if n not in self._warned]
+        if new:
+            self._warned.update(new)
+            warnings.warn(f"FORGE: the parameters of {', '.join(new)} got a gradient: they were used without "
+                          "the layer's forward (e.g. F.linear(x, layer.weight)), so the fused update never ran; "
+                          "step() steps them from their gradient instead (correct, not fused)", stacklevel=3)
 
     def _rest_on_kernel(self, p: Tensor, state: dict) -> bool:
         """A non-fused parameter is stepped by the kernel's update-only mode (one launch instead
@@ -948,8 +967,8 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
     layers, fused = [], []
     fused_ids: set[int] = set()
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
+        if not isinstance(m, nn.Linear) or isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            continue  # (the latter: nn.MultiheadAttention's out_proj, whose weight it uses without calling forward)
         w = m.weight
         if not w.requires_grad or w.dim() != 2 or uses[id(w)] > 1 or id(w) in fused_ids:
             continue  # frozen, or shared (tied embedding / LM head): stepped unfused in step()
