@@ -238,6 +238,22 @@ def test_model_triton_matches_torch_backend(rule, state_dtype, tol):
         assert max_rel(b, a) <= tol
 
 
+def test_model_triton_param_groups_match_torch_backend():
+    """attach(param_groups=...) on the kernels: each fused layer and the rest read their own
+    group's hyper-parameters (no decay for the norm and biases, another lr for fc2's weight)."""
+    torch.manual_seed(13)
+    m0, m1 = pair(Net(33, 130, 40).to(DEV))
+    groups = lambda m: [{"params": [m.norm.weight, m.norm.bias, m.fc1.bias, m.fc2.bias], "weight_decay": 0.0},  # noqa: E731
+                        {"params": [m.fc2.weight], "lr": 1e-3}]
+    o0 = lt.forge.attach(m0, RULES["adamw"](), backend="torch", param_groups=groups(m0))
+    o1 = lt.forge.attach(m1, RULES["adamw"](), backend="triton", param_groups=groups(m1))
+    data = [x.to(DEV) for x in batches(3)]
+    train(m0, o0, data)
+    train(m1, o1, data)
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert max_rel(b, a) <= 2e-5
+
+
 def test_model_triton_clip_and_nonfinite_report():
     torch.manual_seed(12)
     m0, m1 = pair(Net().to(DEV))

@@ -316,3 +316,78 @@ def test_int8_states_track_fp32(state_dtype):
     m_ref = o0.state[m0.fc1.weight]["exp_avg"]
     m_q = o1.storage.read(o1.state[m1.fc1.weight], "exp_avg", True, m1.fc1.weight.shape)
     assert (m_q - m_ref).norm() / m_ref.norm() < 0.05
+
+
+def _no_decay_groups(m):
+    """Norm and biases without weight decay, fc2's weight at a tenth of the learning rate."""
+    return [{"params": [m.norm.weight, m.norm.bias, m.fc1.bias, m.fc2.bias], "weight_decay": 0.0},
+            {"params": [m.fc2.weight], "lr": 1e-3}]
+
+
+def test_param_groups_equal_the_reference_optimizer():
+    """attach(param_groups=...): each group's hyper-parameters, bit for bit the reference optimizer
+    with the same groups; a bias in another group than its weight is stepped apart (not fused)."""
+    torch.manual_seed(0)
+    m0, m1 = pair(Net())
+    ref = lt.optim.Optimizer(_no_decay_groups(m0) + [{"params": [m0.fc1.weight]}], RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch", param_groups=_no_decay_groups(m1))
+    assert [(layer.name, layer.bias) for layer in opt.layers] == [("fc1", None), ("fc2", None)]
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 4, 1]
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and opt.param_groups[2]["lr"] == 1e-3
+    data = batches(5)
+    train(m0, ref, data)
+    train(m1, opt, data)
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_param_groups_are_checked():
+    m = Net()
+    with pytest.raises(ValueError, match="weight_dacay.*hyper-parameters are"):
+        lt.forge.attach(m, RULES["adamw"](), param_groups=[{"params": [m.norm.weight], "weight_dacay": 0.0}])
+    with pytest.raises(ValueError, match="in groups 1 and 2"):
+        lt.forge.attach(m, RULES["adamw"](), param_groups=[{"params": [m.norm.weight]}, {"params": [m.norm.weight]}])
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        lt.forge.attach(m, RULES["adamw"](), param_groups=[{"params": [torch.nn.Parameter(torch.ones(2))]}])
+    with pytest.raises(ValueError, match="with 'params'"):
+        lt.forge.attach(m, RULES["adamw"](), param_groups=[{"lr": 0.1}])
+
+
+def test_a_layer_frozen_after_attach_is_not_updated():
+    """requires_grad_(False) after attach: the weight stays; its bias, still trainable, is stepped
+    from its gradient in step() (said once)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                            torch.nn.Linear(8, 2))
+    opt = lt.forge.attach(m, RULES["adamw"](), backend="torch")
+    m[2].weight.requires_grad_(False)
+    w0, b0 = m[2].weight.detach().clone(), m[2].bias.detach().clone()
+    with pytest.warns(UserWarning, match="frozen since attach"):
+        train(m, opt, batches(2, shape=(4, 8)))
+    assert torch.equal(m[2].weight, w0)
+    assert not torch.equal(m[2].bias, b0)
+
+
+def test_a_shared_bias_gets_both_contributions():
+    """A bias used by two layers is not fused; it is added after each layer's matmul, so its
+    gradient sums both uses (the reference optimizer's result, bit for bit)."""
+    torch.manual_seed(3)
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.b.bias = self.a.bias
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    m0, m1 = pair(Shared())
+    ref = lt.optim.Optimizer(m0.parameters(), RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch")
+    assert all(layer.bias is None for layer in opt.layers)
+    data = batches(3, shape=(4, 8))
+    train(m0, ref, data)
+    train(m1, opt, data)
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters()):
+        assert torch.equal(a, b), n

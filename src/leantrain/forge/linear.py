@@ -72,8 +72,12 @@ def forge_linear(layer: ForgeLayer, x: Tensor, weight: Tensor, bias: Tensor | No
     """``F.linear(x, weight, bias)`` whose backward updates ``weight`` (and ``bias``) in place."""
     if weight is not layer.weight:
         raise RuntimeError(f"FORGE: layer {layer.name!r} was called with a weight it was not attached to")
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or not weight.requires_grad:  # (frozen since attach: plain linear)
         return F.linear(x, weight, bias)
+    if bias is not None and bias is not layer.bias and bias.requires_grad:  # a trainable bias FORGE does not
+        # update (shared, or in another param group): added after, so autograd gives it its gradient
+        y = ForgeLinearFn.apply(x, weight, None, layer)
+        return y + bias.to(y.dtype)
     return ForgeLinearFn.apply(x, weight, bias, layer)
 
 
@@ -95,8 +99,6 @@ class _LinearFn:
         self.layer = layer
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if bias is not None and bias is not self.layer.bias:
-            raise RuntimeError(f"FORGE: layer {self.layer.name!r} got a bias it does not update")
         return forge_linear(self.layer, x, weight, bias)
 
 

@@ -182,7 +182,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32", overlap=False):
+                 allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -235,10 +235,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._graph_slots: list[int] = []
 
         layers, fused, others = _find_layers(model)
+        listed = _listed_groups(param_groups, rule, {id(p) for p in fused + others})
+        for layer in layers:  # a bias in another group than its weight: stepped apart, in step()
+            b = layer.bias
+            if b is not None and listed.get(id(b), 0) != listed.get(id(layer.weight), 0):
+                layer.bias = None
+                fused = [p for p in fused if p is not b]
+                others.append(b)
         params = fused + others
         if not params:
             raise ValueError("FORGE: the model has no trainable parameters")
-        super().__init__(params, rule.hyper())
+        groups = [{"params": [p for p in params if id(p) not in listed]}]
+        for gi, g in enumerate(param_groups or (), 1):
+            groups.append(dict({k: v for k, v in g.items() if k != "params"},
+                               params=[p for p in params if listed.get(id(p), 0) == gi]))
+        super().__init__([g for g in groups if g["params"]], rule.hyper())
         self.model = model
         index = {p: i for i, p in enumerate(params)}
         self.param_index = index
@@ -803,9 +814,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         new = [n for n in odd if n not in self._warned]
         if new:
             self._warned.update(new)
-            warnings.warn(f"FORGE: the parameters of {', '.join(new)} got a gradient: they were used without "
-                          "the layer's forward (e.g. F.linear(x, layer.weight)), so the fused update never ran; "
-                          "step() steps them from their gradient instead (correct, not fused)", stacklevel=3)
+            warnings.warn(f"FORGE: parameters of {', '.join(new)} got a gradient instead of their fused update "
+                          "(the weight used without the layer's forward, e.g. F.linear(x, layer.weight), or "
+                          "frozen since attach while its bias trains); step() steps them from that gradient "
+                          "(the same update, not fused)", stacklevel=3)
 
     def _rest_on_kernel(self, p: Tensor, state: dict) -> bool:
         """A non-fused parameter is stepped by the kernel's update-only mode (one launch instead
@@ -959,6 +971,28 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._last_update_sid = -1
 
 
+def _listed_groups(param_groups, rule: Rule, trainable: set[int]) -> dict[int, int]:
+    """``attach(param_groups=...)`` checked: ``id(p) -> its group's number`` (from 1)."""
+    listed: dict[int, int] = {}
+    valid = set(rule.hyper())
+    for gi, g in enumerate(param_groups or (), 1):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"attach(param_groups=...): group {gi} must be a dict with 'params'")
+        bad = set(g) - valid - {"params"}
+        if bad:
+            raise ValueError(f"attach(param_groups=...): group {gi} has {sorted(bad)}; the rule's "
+                             f"hyper-parameters are {sorted(valid)}")
+        ps = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
+        for p in ps:
+            if id(p) not in trainable:
+                raise ValueError(f"attach(param_groups=...): group {gi} lists a tensor that is not a trainable "
+                                 "parameter of the model")
+            if id(p) in listed:
+                raise ValueError(f"attach(param_groups=...): a parameter is in groups {listed[id(p)]} and {gi}")
+            listed[id(p)] = gi
+    return listed
+
+
 def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter], list[nn.Parameter]]:
     """Fused layers, their parameters, and every other trainable parameter (model order)."""
     uses: dict[int, int] = {}
@@ -988,7 +1022,7 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
-           grad_dtype: str = "fp32", overlap: bool = False) -> ForgeOptimizer:
+           grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -1038,11 +1072,16 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             follows ``backward()`` sees the updated weights. Off by default: on one H200 the 1b
             step was no faster with it (likely, not profiled: the backward's kernels leave no SMs
             idle for the updates; forge/README.md). ``LEANTRAIN_FORGE_OVERLAP=0/1`` forces it.
+        param_groups: other hyper-parameters for some parameters, as torch optimizers take them:
+            dicts of ``"params"`` (parameters of ``model``) and any of the rule's hyper-parameters,
+            e.g. ``[{"params": norms_and_biases, "weight_decay": 0.0}]``. Every other parameter is
+            in the first group, with the rule's values. A fused layer whose bias is in another
+            group than its weight leaves the bias out of its fused update (``step()`` steps it).
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
-                          overlap=overlap)
+                          overlap=overlap, param_groups=param_groups)
 
 
 def detach(model: nn.Module) -> None:
