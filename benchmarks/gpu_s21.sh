@@ -9,6 +9,7 @@
 #   OUT=dir bash benchmarks/gpu_s21.sh fourth  # update_many shared with lt.optim: compiled tests; trainer --agoq, --forge
 #   OUT=dir bash benchmarks/gpu_s21.sh fifth   # the final code: tests/forge, graphs, optim, losses compiled
 #   OUT=dir bash benchmarks/gpu_s21.sh sixth   # test_graphs.py compiled again after its fix
+#   OUT=dir bash benchmarks/gpu_s21.sh seventh # param groups, frozen layers, unfused biases: compiled
 # Work goes to /tmp/s21w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -59,6 +60,9 @@ T=torch_bf16_fp_sw_graph F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
       snap ;;
     sixth)  # after fifth: test_graphs' FORGE test named q_proj, which the default layout (fused q/k/v) lacks
       gputest 200 tests/test_graphs.py
+      snap ;;
+    seventh)  # attach(param_groups=...), frozen layers, unfused biases: compiled
+      gputest 150 tests/forge/test_forge_kernel.py tests/forge/test_forge_torch.py -k "model_triton or param_groups or frozen or shared_bias or without_their"
       snap ;;
   esac
   log done
