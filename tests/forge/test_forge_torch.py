@@ -391,3 +391,16 @@ def test_a_shared_bias_gets_both_contributions():
     train(m1, opt, data)
     for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_a_ddp_wrapped_model_is_refused(tmp_path):
+    """DistributedDataParallel waits for gradients FORGE never makes: attach says what to do instead."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(Net())
+        with pytest.raises(ValueError, match="DistributedDataParallel.*attach to the unwrapped model"):
+            lt.forge.attach(ddp, RULES["adamw"]())
+    finally:
+        dist.destroy_process_group()

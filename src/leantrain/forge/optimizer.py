@@ -192,6 +192,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"grad_dtype must be 'fp32' or 'bf16', got {grad_dtype!r}")
         if getattr(model, "_forge_optimizer", None) is not None:
             raise RuntimeError("FORGE is already attached to this model; call lt.forge.detach(model) first")
+        wrapped = [type(m).__name__ for m in model.modules()
+                   if type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel")]
+        if wrapped:  # their gradient hooks wait for gradients FORGE never materializes
+            raise ValueError(f"FORGE: the model is wrapped in {wrapped[0]}, whose gradient reduction waits for "
+                             "gradients FORGE never materializes; attach to the unwrapped model: FORGE reduces "
+                             "each layer's gradient over data parallelism itself, inside backward (dp_group=)")
         self.rule = rule
         self.storage = StateStorage(state_dtype)
         self.stochastic_rounding = stochastic_rounding
