@@ -404,3 +404,21 @@ def test_a_ddp_wrapped_model_is_refused(tmp_path):
             lt.forge.attach(ddp, RULES["adamw"]())
     finally:
         dist.destroy_process_group()
+
+
+def test_torch_transformer_encoder_trains_like_the_reference():
+    """nn.TransformerEncoder (MultiheadAttention, whose out_proj is left unfused, and two fused
+    linears a layer): bit for bit the reference optimizer, and nothing warned."""
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2)
+    m0, m1 = pair(enc)
+    ref = lt.optim.Optimizer(m0.parameters(), RULES["adamw"]())
+    opt = lt.forge.attach(m1, RULES["adamw"](), backend="torch")
+    assert [layer.name for layer in opt.layers] == [f"layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)]
+    data = batches(3, shape=(2, 7, 32))
+    train(m0, ref, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(m1, opt, data)
+    for (n, a), (_, b) in zip(m0.named_parameters(), m1.named_parameters()):
+        assert torch.equal(a, b), n
