@@ -220,7 +220,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._names: dict | None = None  # parameter -> name (metrics), built at the first step
         self._n_rest_seen = 0  # the most parameters step() has seen with a gradient (_warn_unfused)
         self._warned: set[str] = set()  # fused layers said to have been used without their forward
-        # step() steps the small 1-D non-fused parameters of one kind in one launch (see BUCKET_MAX)
+        # step() steps the small 1-D non-fused parameters of one kind in one launch (kernel.bucket_ok)
         self.rest_buckets = os.environ.get(REST_BUCKETS_ENV, "1") not in ("", "0")
         self._bucket_index: dict = {}  # the parameters' ids -> their positions in step()'s list, on the device
         # each layer's sum of squares of this step, the clip scales, est_global's predictions
