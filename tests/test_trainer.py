@@ -192,3 +192,29 @@ def test_agoq_replay_can_be_turned_off(corpus, tmp_path):
     tr.fit()
     pk = tr.model._agoq_packer
     assert pk.stats["packed"] > 0 and not pk._plans and "replay:diverged" not in pk.stats
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "reference", "forge"])
+def test_no_weight_decay_on_1d_parameters(corpus, tmp_path, recipe):
+    """optim.decay_1d false: the norm weights (the tiny model's 1-D parameters) in a group without
+    weight decay in every recipe's optimizer, the matrices at optim.weight_decay; a step trains.
+    The sharded optimizer, which has no per-parameter decay, refuses it."""
+    extra = {"optim.decay_1d": "false", "train.steps": "2", "train.eval_every": "0", "train.ckpt_every": "0",
+             **({"forge.enabled": "true"} if recipe == "forge" else {})}
+    t = Trainer(tiny_config(corpus, **extra), tmp_path / recipe, baseline=recipe == "baseline")
+    flat = {id(p) for p in t.model.parameters() if p.dim() < 2}
+    assert flat
+    for g in t.opt.param_groups:
+        kinds = {id(p) in flat for p in g["params"]}
+        assert len(kinds) == 1  # a group holds only 1-D or only matrices
+        assert g["weight_decay"] == (0.0 if kinds == {True} else t.cfg.optim.weight_decay)
+    assert {id(p) for g in t.opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]} == flat
+    norm = next(p for p in t.model.parameters() if p.dim() < 2)
+    before = norm.detach().clone()
+    t.fit()
+    assert not torch.equal(norm, before)
+
+
+def test_no_weight_decay_on_1d_refused_when_sharded(corpus, tmp_path):
+    with pytest.raises(lt.config.ConfigError, match="decay_1d.*sharded"):
+        Trainer(tiny_config(corpus, **{"optim.decay_1d": "false", "dist.mode": "sharded"}), tmp_path / "s")

@@ -90,6 +90,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    decay_1d: bool = True  # false: no weight decay on 1-D parameters (norm weights, biases), as most LLM recipes
     momentum: float = 0.9  # SGD only
     nesterov: bool = False  # SGD only
     grad_clip: float = 1.0  # global-norm clipping (0 = off); see forge.clip for FORGE

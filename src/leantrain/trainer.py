@@ -130,6 +130,9 @@ class Trainer:
             raise ConfigError("--baseline is plain PyTorch AdamW: do not combine it with forge/agoq/dist options")
         if c.forge.enabled and c.dist.mode == "sharded":
             raise ConfigError("forge.enabled and dist.mode=sharded both own the optimizer step; choose one")
+        if not c.optim.decay_1d and c.dist.mode == "sharded":
+            raise ConfigError("optim.decay_1d false needs per-parameter weight decay, which the sharded optimizer "
+                              "does not have; use dist.mode ddp or keep optim.decay_1d true")
         if c.forge.enabled and c.data.grad_accum > 1:
             raise ConfigError("FORGE updates weights inside backward, so data.grad_accum must be 1 "
                               "(raise data.batch_size instead; see forge/README.md)")
@@ -156,12 +159,28 @@ class Trainer:
             if why:
                 raise ConfigError("train.cuda_graph needs " + "; ".join(why))
 
+    def _no_decay_groups(self) -> list[dict]:
+        """``optim.decay_1d`` false: the 1-D parameters (norm weights, biases) in a group without
+        weight decay (the others keep ``optim.weight_decay``); true: none."""
+        if self.cfg.optim.decay_1d:
+            return []
+        flat = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        return [{"params": flat, "weight_decay": 0.0}] if flat else []
+
+    def _groups(self) -> list:
+        """Every trainable parameter as torch optimizers take them: the ``_no_decay_groups``, the rest first."""
+        extra = self._no_decay_groups()
+        if not extra:
+            return list(self.model.parameters())
+        apart = {id(p) for g in extra for p in g["params"]}
+        return [{"params": [p for p in self.model.parameters() if id(p) not in apart]}] + extra
+
     def _build_optimizer(self):
         c, model = self.cfg, self.model
         if self.baseline:
             self._wrap_ddp()
             o = c.optim
-            return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+            return torch.optim.AdamW(self._groups(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                      fused=self.device.type == "cuda")
         rule = rule_from_config(c)
         if c.agoq.enabled:
@@ -188,7 +207,7 @@ class Trainer:
                 allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
             opt = forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
                                backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce,
-                               grad_dtype=f.grad_dtype)
+                               grad_dtype=f.grad_dtype, param_groups=self._no_decay_groups() or None)
             if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
                 opt.set_device_scalars(True)
             return opt
@@ -204,7 +223,7 @@ class Trainer:
             from . import agoq
 
             self.grad_acc = agoq.Int8GradAccumulator(list(model.parameters()))
-        return Optimizer(model.parameters(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed,
+        return Optimizer(self._groups(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed,
                          backend=c.optim.backend)
 
     def _wrap_ddp(self) -> None:
