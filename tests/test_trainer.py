@@ -38,6 +38,7 @@ def test_trains_logs_and_writes_every_artifact(corpus, tmp_path):
 RESUME_RECIPES = {
     "reference": {},
     "forge": {"forge.enabled": "true"},
+    "forge-no-decay-1d": {"forge.enabled": "true", "optim.decay_1d": "false"},  # two param groups
     "forge-bf16-int8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8",
                         "model.dim": "64", "model.ffn_dim": "128"},
     "forge-bf16-int8p": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8p",
