@@ -65,6 +65,7 @@ class Optimizer(torch.optim.Optimizer):
         self._backends: dict[bool, str] = {}  # p.is_cuda -> the resolved backend
         self.buckets = True  # small 1-D parameters of a kind in one kernel launch (False: one launch each)
         self._ones: dict = {}  # (count, device) -> the unit scales of a bucket
+        self._kernel = None  # leantrain.forge.kernel, once a parameter resolves to the Triton backend
         super().__init__(params, rule.hyper())
 
     @torch.no_grad()
@@ -92,9 +93,7 @@ class Optimizer(torch.optim.Optimizer):
                         self._step_kernel(p, state, hp)
                     else:
                         if buckets is None:
-                            from leantrain.forge.kernel import Buckets
-
-                            buckets = Buckets()
+                            buckets = self._kernel.Buckets()
                         buckets.add(bkey, p, p.numel())
                     continue
                 signed = self.rule.signed_states
@@ -117,9 +116,10 @@ class Optimizer(torch.optim.Optimizer):
         if backend is None:  # (errors as the ops' backends say them: no Triton, a CPU tensor without the interpreter)
             backend = resolve(self.backend, p)
             if backend == "triton":
-                from leantrain.forge.kernel import RULE_IDS
+                from leantrain.forge import kernel
 
-                if self.rule.name not in RULE_IDS:  # (a rule the kernel does not have: op by op)
+                self._kernel = kernel  # (imported here, once: it imports Triton)
+                if self.rule.name not in kernel.RULE_IDS:  # (a rule the kernel does not have: op by op)
                     backend = "torch"
             self._backends[p.is_cuda] = backend
         floats = (torch.float32, torch.bfloat16)
@@ -129,17 +129,14 @@ class Optimizer(torch.optim.Optimizer):
     def _bucket_key(self, p: Tensor, state: dict) -> tuple | None:
         """What a parameter on the kernel shares with those stepped in the same launch (None: its
         own launch)."""
-        from leantrain.forge.kernel import bucket_ok
-
         kinds = tuple(StateStorage.kind_of(state, k) for k in self.rule.state_names)
-        if not self.buckets or not bucket_ok(p, kinds):
+        if not self.buckets or not self._kernel.bucket_ok(p, kinds):
             return None
         return p.device, p.dtype, p.grad.dtype, kinds, state["step"]
 
     def _step_bucket(self, ps: list[Tensor], hp: dict) -> None:
         """Several small 1-D parameters in one launch of the update-only kernel (``update_many``)."""
-        from leantrain.forge import kernel as K
-
+        K = self._kernel
         names = self.rule.state_names
         dev = ps[0].device
         step = self.state[ps[0]]["step"]
