@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 22's GPU calls:
+#   OUT=dir bash benchmarks/gpu_s22.sh first   # the persistent fused kernel (forge/persist.py) against torch and
+#                                            # the split path at the 1b shapes, T = 512 / 1024 / 2048, fp32 and
+#                                            # bf16 W (tune_kernels.py --what forge_persist); its bits checked
+#   OUT=dir bash benchmarks/gpu_s22.sh second  # the same kernel: each half alone, staggered programs, other tiles
+# Work goes to /tmp/s22w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s22w "${1:-first}"
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      for prec in fp32 bf16; do
+        log "persist probe $prec"
+        TUNE_SPLIT_PRECS=$prec TUNE_TAG=_$prec timeout 240 python3 benchmarks/tune_kernels.py --what forge_persist \
+          --out "$D" 2>&1 | grep -v Warn | cut -c1-900 | tail -14
+        snap
+      done ;;
+    second)  # where the persistent kernel's time goes: each half alone (PHASES 1 / 2), the second half of the
+      # programs started late (STAGGER ns: are two programs of an SM in lock step?), other slices and tiles
+      B=128,128,64,8,3,32,2,1,128
+      C="$B;$B,0,1;$B,0,2;$B,3000,3;$B,8000,3;128,128,64,8,3,16,2,1,128;128,128,64,8,3,64,2,1,128"
+      C="$C;128,128,64,4,3,16,2,1,0,0,1;128,128,64,8,3,32,1,1,0,0,1;128,256,64,8,3,32,1,1,0,0,1"
+      C="$C;128,128,64,8,4,32,1,1,0,0,1;128,128,64,8,3,32,1,1,0,0,2"
+      for prec in fp32 bf16; do
+        log "persist probe $prec: $C"
+        TUNE_PERSIST_CFGS="$C" TUNE_PERSIST_SHAPES=2048x5632,32000x2048 TUNE_PERSIST_T=512,2048 TUNE_SPLIT_PRECS=$prec \
+          TUNE_TAG=_$prec timeout 200 python3 benchmarks/tune_kernels.py --what forge_persist --out "$D" 2>&1 \
+          | grep -v Warn | cut -c1-300 | tail -5
+        snap
+      done ;;
+  esac
+} 2>&1 | tee -a "$D/log.txt"
+snap
