@@ -4,6 +4,8 @@
 #                                            # the split path at the 1b shapes, T = 512 / 1024 / 2048, fp32 and
 #                                            # bf16 W (tune_kernels.py --what forge_persist); its bits checked
 #   OUT=dir bash benchmarks/gpu_s22.sh second  # the same kernel: each half alone, staggered programs, other tiles
+#                                            # (knobs STAGGER / PHASES of an uncommitted version; gone since)
+#   OUT=dir bash benchmarks/gpu_s22.sh third   # producer programs (the GEMM) and consumer programs (the update)
 # Work goes to /tmp/s22w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -29,6 +31,17 @@ gpu_part /tmp/s22w "${1:-first}"
         TUNE_PERSIST_CFGS="$C" TUNE_PERSIST_SHAPES=2048x5632,32000x2048 TUNE_PERSIST_T=512,2048 TUNE_SPLIT_PRECS=$prec \
           TUNE_TAG=_$prec timeout 200 python3 benchmarks/tune_kernels.py --what forge_persist --out "$D" 2>&1 \
           | grep -v Warn | cut -c1-300 | tail -5
+        snap
+      done ;;
+    third)  # producer and consumer programs: one an SM computes gradients into a ring of slots in L2, one or
+      # two an SM update from them (ROLES, RING), against the best program-does-both tile of first/
+      C="128,128,64,8,3,32,2,1,128;128,128,64,8,3,32,1,1,128,1,2;128,128,64,4,3,16,1,1,0,1,2"
+      C="$C;128,128,64,4,2,16,1,1,168,2,4;128,128,64,8,3,32,1,1,128,1,4;128,128,64,4,3,32,1,1,0,1,2"
+      C="$C;128,128,64,4,2,16,1,1,0,1,2"
+      for prec in fp32 bf16; do
+        log "persist probe $prec: $C"
+        TUNE_PERSIST_CFGS="$C" TUNE_SPLIT_PRECS=$prec TUNE_TAG=_$prec timeout 200 python3 benchmarks/tune_kernels.py \
+          --what forge_persist --out "$D" 2>&1 | grep -v Warn | cut -c1-300 | tail -13
         snap
       done ;;
   esac

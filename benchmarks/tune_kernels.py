@@ -580,7 +580,7 @@ def tune_forge_persist(log) -> list[dict]:
     GEMM) against torch (bf16 matmul, fp32 copy of dW for fp32 weights, fused AdamW) and the split
     path with bf16 dW, at the 1b shapes; fp32 W/m/v (part (a)'s case) and bf16 W + SR with bf16
     states. Also checks on the device that its update equals the update-only kernel applied to its
-    own written dW, bit for bit. ``TUNE_PERSIST_CFGS="bn,bk,bt,warps,stages,sub,per_sm,tma[,maxnreg];..."``,
+    own written dW, bit for bit. ``TUNE_PERSIST_CFGS="bn,bk,bt,warps,stages,sub,per_sm,tma[,maxnreg[,roles,ring]];..."``,
     ``TUNE_PERSIST_T="512,1024,2048"``, ``TUNE_PERSIST_SHAPES="2048x5632,..."``, ``TUNE_SPLIT_PRECS``."""
     from leantrain.forge.kernel import MODE_UPDATE, launch_forge
     from leantrain.forge.persist import launch_persist
@@ -601,8 +601,8 @@ def tune_forge_persist(log) -> list[dict]:
              "per_sm": c[6], "TMA": bool(c[7]), "GROUP_N": 8}
         if len(c) > 8 and c[8]:
             t["maxnreg"] = c[8]
-        if len(c) > 9:  # measurement knobs: the second half of the programs late by c[9] ns; c[10] the phases
-            t["STAGGER"], t["PHASES"] = c[9], c[10]
+        if len(c) > 9:  # producers and consumers: c[9] consumers a producer, c[10] ring slots a producer
+            t["ROLES"], t["RING"] = c[9], c[10]
         return t
 
     rows = []

@@ -49,10 +49,97 @@ if HAS_TRITON:
     from leantrain.forge.kernel import _draw, _load_w_state, _rtn_bf16, _rule, _store_state
     from leantrain.ops.sr import sr_bf16
 
+    @triton.jit
+    def _tile_coords(tile, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+        """Tile ``tile``'s first row and column (grouped order: GROUP_N row blocks share X's columns in L2)."""
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_N * tl.cdiv(K, BLOCK_K)
+        first_n = (tile // per_group) * GROUP_N
+        gsize = tl.minimum(num_n - first_n, GROUP_N)
+        return (first_n + ((tile % per_group) % gsize)) * BLOCK_N, ((tile % per_group) // gsize) * BLOCK_K
+
+    @triton.jit
+    def _tile_gemm(X, DY, T, N, K, stride_x, stride_dy, n0, k0, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, TMA: tl.constexpr):
+        """``dYᵀ X`` of one tile over all T tokens, fp32."""
+        rn = tl.arange(0, BLOCK_N)
+        ck = tl.arange(0, BLOCK_K)
+        offs_t = tl.arange(0, BLOCK_T)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            if TMA:  # out-of-bounds rows / columns read as zeros
+                dy = DY.load([t0, n0])
+                x = X.load([t0, k0])
+            else:
+                t = t0 + offs_t
+                mt = t < T
+                dy = tl.load(DY + t[:, None].to(tl.int64) * stride_dy + (n0 + rn)[None, :],
+                             mask=mt[:, None] & (n0 + rn < N)[None, :], other=0.0)
+                x = tl.load(X + t[:, None].to(tl.int64) * stride_x + (k0 + ck)[None, :],
+                            mask=mt[:, None] & (k0 + ck < K)[None, :], other=0.0)
+            acc = tl.dot(tl.trans(dy), x, acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
+    def _tile_update(scr, ss, W, S1, S2, A1, A2, Q1, Q2, G, N, K, n0, k0,
+                     lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+                     RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, NSTATE: tl.constexpr,
+                     W_BF16: tl.constexpr, SR: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr,
+                     NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_DW: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, IDX32: tl.constexpr,
+                     NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr):
+        """The update of one tile whose gradient is in ``scr`` (``[BLOCK_N, BLOCK_K]`` fp32), in
+        slices of SUB rows: the update-only mode's epilogue (the same helpers, the same bits).
+        ``ss``: the tile's sum of squares (not finite: nothing is stored)."""
+        kb = tl.cdiv(K, 16)
+        nb = tl.cdiv(N, 16)
+        ck = tl.arange(0, BLOCK_K)
+        rs = tl.arange(0, SUB)
+        for r0 in tl.range(0, BLOCK_N, SUB, num_stages=1):
+            offs_n = n0 + r0 + rs
+            offs_k = k0 + ck
+            mn = offs_n < N
+            mk = offs_k < K
+            mask = mn[:, None] & mk[None, :]
+            if IDX32:
+                offs = offs_n[:, None] * K + offs_k[None, :]
+            else:
+                offs = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+            g = tl.load(scr + (r0 + rs)[:, None] * BLOCK_K + ck[None, :])
+            if WRITE_DW:
+                tl.store(G + offs, g, mask=mask)
+            else:
+                blk_n = (n0 + r0) // 16 + tl.arange(0, SUB // 16)
+                blk_k = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+                am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
+                jpos = (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
+                code_offs = am_offs.to(tl.int64) * 256 + jpos
+                smask = mask & (tl.abs(tl.zeros([SUB, BLOCK_K], dtype=tl.float32) + ss) < float("inf"))
+                pmask = smask
+                if KIND1 == 3 or KIND2 == 3:
+                    pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & smask
+                w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k,
+                                          kb, nb, NSTATE, KIND1, KIND2, SUB, BLOCK_K)
+                p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps,
+                                  mom, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+                if W_BF16:
+                    if SR:
+                        tl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
+                    else:
+                        tl.store(W + offs, _rtn_bf16(p, NATIVE_CVT), mask=smask)
+                else:
+                    tl.store(W + offs, p, mask=smask)
+                if NSTATE >= 1:
+                    _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND1,
+                                 SUB, BLOCK_K, NATIVE_CVT, SIGN1)
+                if NSTATE >= 2:
+                    _store_state(s2, S2, A2, Q2, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND2,
+                                 SUB, BLOCK_K, NATIVE_CVT, SIGN2)
+
     @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
                                    "omb2", "lerp_c", "eps", "mom"])
     def _forge_persist_kernel(
-        X, DY, W, S1, S2, A1, A2, Q1, Q2, SCR, G, PART,
+        X, DY, W, S1, S2, A1, A2, Q1, Q2, SCR, G, PART, FLAGS,
         T, N, K, stride_x, stride_dy,
         lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
         RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, NSTATE: tl.constexpr,
@@ -60,90 +147,68 @@ if HAS_TRITON:
         NESTEROV: tl.constexpr, LERP_SMALL: tl.constexpr, PREC: tl.constexpr, WRITE_DW: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
         GROUP_N: tl.constexpr, TMA: tl.constexpr, IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr,
-        SIGN1: tl.constexpr, SIGN2: tl.constexpr, STAGGER: tl.constexpr = 0, PHASES: tl.constexpr = 3,
+        SIGN1: tl.constexpr, SIGN2: tl.constexpr, ROLES: tl.constexpr = 0, RING: tl.constexpr = 2,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        num_k = tl.cdiv(K, BLOCK_K)
-        kb = tl.cdiv(K, 16)
-        nb = tl.cdiv(N, 16)
-        per_group = GROUP_N * num_k
+        n_tiles = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, BLOCK_K)
+        TILE: tl.constexpr = BLOCK_N * BLOCK_K
         rn = tl.arange(0, BLOCK_N)
         ck = tl.arange(0, BLOCK_K)
-        rs = tl.arange(0, SUB)
-        offs_t = tl.arange(0, BLOCK_T)
-        scr = SCR + pid.to(tl.int64) * (BLOCK_N * BLOCK_K)
-        if STAGGER > 0:  # (measurement) the second half of the programs starts STAGGER ns late
-            if pid >= nprog // 2:
-                t_end = tl.extra.cuda.globaltimer() + STAGGER
-                while tl.extra.cuda.globaltimer() < t_end:
-                    pass
-        for tile in range(pid, num_n * num_k, nprog):
-            first_n = (tile // per_group) * GROUP_N
-            gsize = tl.minimum(num_n - first_n, GROUP_N)
-            pid_n = first_n + ((tile % per_group) % gsize)
-            pid_k = (tile % per_group) // gsize
-            n0 = pid_n * BLOCK_N
-            k0 = pid_k * BLOCK_K
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for t0 in range(0, T if PHASES & 1 else 0, BLOCK_T):  # (PHASES: measurement, 3 = both halves)
-                if TMA:  # out-of-bounds rows / columns read as zeros
-                    dy = DY.load([t0, n0])
-                    x = X.load([t0, k0])
-                else:
-                    t = t0 + offs_t
-                    mt = t < T
-                    dy = tl.load(DY + t[:, None].to(tl.int64) * stride_dy + (n0 + rn)[None, :],
-                                 mask=mt[:, None] & (n0 + rn < N)[None, :], other=0.0)
-                    x = tl.load(X + t[:, None].to(tl.int64) * stride_x + (k0 + ck)[None, :],
-                                mask=mt[:, None] & (k0 + ck < K)[None, :], other=0.0)
-                acc = tl.dot(tl.trans(dy), x, acc, input_precision=PREC)
-            ss = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-            tl.store(PART + tile, ss)
-            tl.store(scr + rn[:, None] * BLOCK_K + ck[None, :], acc)
-            tl.debug_barrier()  # the slot's stores visible to every thread of the program
-            for r0 in tl.range(0, BLOCK_N if PHASES & 2 else 0, SUB, num_stages=1):
-                offs_n = n0 + r0 + rs
-                offs_k = k0 + ck
-                mn = offs_n < N
-                mk = offs_k < K
-                mask = mn[:, None] & mk[None, :]
-                if IDX32:
-                    offs = offs_n[:, None] * K + offs_k[None, :]
-                else:
-                    offs = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-                g = tl.load(scr + (r0 + rs)[:, None] * BLOCK_K + ck[None, :])
-                if WRITE_DW:
-                    tl.store(G + offs, g, mask=mask)
-                else:
-                    blk_n = (n0 + r0) // 16 + tl.arange(0, SUB // 16)
-                    blk_k = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-                    am_offs = (offs_n[:, None] // 16) * kb + offs_k[None, :] // 16
-                    jpos = (offs_n[:, None] % 16) * 16 + offs_k[None, :] % 16
-                    code_offs = am_offs.to(tl.int64) * 256 + jpos
-                    smask = mask & (tl.abs(tl.zeros([SUB, BLOCK_K], dtype=tl.float32) + ss) < float("inf"))
-                    pmask = smask
-                    if KIND1 == 3 or KIND2 == 3:
-                        pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & smask
-                    w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k,
-                                              kb, nb, NSTATE, KIND1, KIND2, SUB, BLOCK_K)
-                    p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps,
-                                      mom, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
-                    if W_BF16:
-                        if SR:
-                            tl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
-                        else:
-                            tl.store(W + offs, _rtn_bf16(p, NATIVE_CVT), mask=smask)
-                    else:
-                        tl.store(W + offs, p, mask=smask)
-                    if NSTATE >= 1:
-                        _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND1,
-                                     SUB, BLOCK_K, NATIVE_CVT, SIGN1)
-                    if NSTATE >= 2:
-                        _store_state(s2, S2, A2, Q2, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND2,
-                                     SUB, BLOCK_K, NATIVE_CVT, SIGN2)
-            tl.debug_barrier()  # every thread done with the slot before the next tile overwrites it
+        if ROLES == 0:  # every program computes a tile's gradient, then updates it, then the next tile
+            scr = SCR + pid.to(tl.int64) * TILE
+            for tile in range(pid, n_tiles, nprog):
+                n0, k0 = _tile_coords(tile, N, K, BLOCK_N, BLOCK_K, GROUP_N)
+                acc = _tile_gemm(X, DY, T, N, K, stride_x, stride_dy, n0, k0, PREC, BLOCK_N, BLOCK_K, BLOCK_T, TMA)
+                ss = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+                tl.store(PART + tile, ss)
+                tl.store(scr + rn[:, None] * BLOCK_K + ck[None, :], acc)
+                tl.debug_barrier()  # the slot's stores visible to every thread of the program
+                _tile_update(scr, ss, W, S1, S2, A1, A2, Q1, Q2, G, N, K, n0, k0, lr, decay, step_size, bc2_sqrt,
+                             b1, b2, omb1, omb2, lerp_c, eps, mom, key, RULE, KIND1, KIND2, NSTATE, W_BF16, SR,
+                             HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, WRITE_DW, BLOCK_N, BLOCK_K, SUB, IDX32,
+                             NATIVE_CVT, SIGN1, SIGN2)
+                tl.debug_barrier()  # every thread done with the slot before the next tile overwrites it
+        else:  # producers (the first nprog / (1 + ROLES) programs) compute gradients into a ring of RING
+            # slots each; each producer's ROLES consumers update them (consumer q: its producer's tiles
+            # j = q mod ROLES). FLAGS[producer, slot]: 0 free, tile + 1 filled.
+            nprod = nprog // (1 + ROLES)
+            if pid < nprod:
+                j = 0
+                for tile in range(pid, n_tiles, nprod):
+                    slot = j % RING
+                    flag = FLAGS + pid * RING + slot
+                    scr = SCR + (pid * RING + slot).to(tl.int64) * TILE
+                    n0, k0 = _tile_coords(tile, N, K, BLOCK_N, BLOCK_K, GROUP_N)
+                    acc = _tile_gemm(X, DY, T, N, K, stride_x, stride_dy, n0, k0, PREC, BLOCK_N, BLOCK_K, BLOCK_T,
+                                     TMA)
+                    ss = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+                    while tl.atomic_add(flag, 0, sem="acquire") != 0:  # the slot's last tile updated
+                        pass
+                    tl.store(PART + tile, ss)
+                    tl.store(scr + rn[:, None] * BLOCK_K + ck[None, :], acc)
+                    tl.debug_barrier()  # every thread's stores before the flag (released by the atomic)
+                    tl.atomic_xchg(flag, tile + 1, sem="release")
+                    j += 1
+            else:
+                c = pid - nprod
+                prod = c % nprod
+                j = c // nprod
+                for tile in range(prod + j * nprod, n_tiles, ROLES * nprod):
+                    slot = j % RING
+                    flag = FLAGS + prod * RING + slot
+                    scr = SCR + (prod * RING + slot).to(tl.int64) * TILE
+                    while tl.atomic_add(flag, 0, sem="acquire") != tile + 1:
+                        pass
+                    n0, k0 = _tile_coords(tile, N, K, BLOCK_N, BLOCK_K, GROUP_N)
+                    ss = tl.load(PART + tile)
+                    _tile_update(scr, ss, W, S1, S2, A1, A2, Q1, Q2, G, N, K, n0, k0, lr, decay, step_size,
+                                 bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key, RULE, KIND1, KIND2, NSTATE,
+                                 W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, WRITE_DW, BLOCK_N, BLOCK_K,
+                                 SUB, IDX32, NATIVE_CVT, SIGN1, SIGN2)
+                    tl.debug_barrier()  # every thread done reading the slot
+                    tl.atomic_xchg(flag, 0, sem="release")
+                    j += ROLES
 
 
 DEFAULT_CONFIG = {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 64, "SUB": 16, "GROUP_N": 8, "num_warps": 4,
@@ -153,17 +218,19 @@ _INTERP = {"BLOCK_N": 32, "BLOCK_K": 16, "BLOCK_T": 16, "SUB": 16, "GROUP_N": 2,
 _SCRATCH: dict = {}
 
 
-def _scratch(n: int, device) -> torch.Tensor:
-    buf = _SCRATCH.get(device)
+def _buffer(name: str, n: int, device, dtype) -> torch.Tensor:
+    """A cached buffer of at least ``n`` elements (the scratch slots; the ring flags, zeros: every
+    launch leaves them at zero)."""
+    buf = _SCRATCH.get((name, device))
     if buf is None or buf.numel() < n:
-        buf = _SCRATCH[device] = torch.empty(n, dtype=torch.float32, device=device)
+        buf = _SCRATCH[(name, device)] = torch.zeros(n, dtype=dtype, device=device)
     return buf
 
 
-def _programs(device, n_tiles: int, per_sm: int) -> int:
+def _sms(device) -> int:
     if device.type != "cuda" or interpreting():
-        return min(n_tiles, 3)  # the interpreter: a few programs, each looping over several tiles
-    return min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+        return 3  # the interpreter: a few programs, each looping over several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_persist(*, x, dy, w, states=(), kinds=(), qtables=(), rule_name="adamw", hp=None, step=1, sr=True,
@@ -176,6 +243,7 @@ def launch_persist(*, x, dy, w, states=(), kinds=(), qtables=(), rule_name="adam
     on_gpu = dev.type == "cuda" and not interpreting()
     cfg = dict(cfg or (DEFAULT_CONFIG if on_gpu else _INTERP))
     per_sm = cfg.pop("per_sm", 1)
+    roles = cfg.get("ROLES", 0)
     tma = bool(cfg.pop("TMA", False)) and on_gpu
     if not on_gpu and x.dtype != torch.float32:  # the interpreter's tl.dot: wrong on bf16 (exact in fp32)
         x, dy = x.float(), dy.float()
@@ -184,8 +252,16 @@ def launch_persist(*, x, dy, w, states=(), kinds=(), qtables=(), rule_name="adam
     if bn % cfg["SUB"] or cfg["SUB"] % 16:
         raise ValueError("persistent FORGE kernel: SUB must be a multiple of 16 that divides BLOCK_N")
     n_tiles = -(-N // bn) * -(-K // bk)
-    nprog = _programs(dev, n_tiles, per_sm)
-    scr = _scratch(nprog * bn * bk, dev)
+    if roles:  # producers: one an SM; each with `roles` consumers; RING slots a producer
+        nprod = min(n_tiles, _sms(dev))
+        if not on_gpu:  # the interpreter runs one program after another: a producer must never wait
+            cfg["RING"] = -(-n_tiles // nprod)
+        nprog = nprod * (1 + roles)
+        slots = nprod * cfg.setdefault("RING", 2)
+    else:
+        nprog = slots = min(n_tiles, per_sm * _sms(dev))
+    scr = _buffer("scratch", slots * bn * bk, dev, torch.float32)
+    flags_buf = _buffer("flags", slots, dev, torch.int32)
     part = torch.empty(n_tiles, dtype=torch.float32, device=dev)
     if g is not None:
         scal, flags = _WRITE_DW_SCALARS
@@ -211,7 +287,7 @@ def launch_persist(*, x, dy, w, states=(), kinds=(), qtables=(), rule_name="adam
                 SR=bool(sr), HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3], PREC=prec,
                 WRITE_DW=g is not None, TMA=tma, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu, SIGN1=signs[0],
                 SIGN2=signs[1], enable_fp_fusion=False, **cfg)
-    _forge_persist_kernel[(nprog,)](xa, dya, w, s1, s2, a1, a2, q1, q2, scr, w if g is None else g, part,
+    _forge_persist_kernel[(nprog,)](xa, dya, w, s1, s2, a1, a2, q1, q2, scr, w if g is None else g, part, flags_buf,
                                     T, N, K, x.stride(0), dy.stride(0), *scal, int(key), **meta)
     return part
 
