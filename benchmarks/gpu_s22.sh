@@ -4,8 +4,12 @@
 #                                            # the split path at the 1b shapes, T = 512 / 1024 / 2048, fp32 and
 #                                            # bf16 W (tune_kernels.py --what forge_persist); its bits checked
 #   OUT=dir bash benchmarks/gpu_s22.sh second  # the same kernel: each half alone, staggered programs, other tiles
-#                                            # (knobs STAGGER / PHASES of an uncommitted version; gone since)
+#                                            # (the STAGGER / PHASES knobs of commit 1ed81e2)
 #   OUT=dir bash benchmarks/gpu_s22.sh third   # producer programs (the GEMM) and consumer programs (the update)
+# The persistent kernel (src/leantrain/forge/persist.py) and its tuner (tune_kernels.py --what forge_persist) were
+# removed after these calls (slower than the split path): second ran the code of commit 1ed81e2, first the same
+# kernel before its two measurement knobs (off by default) were added, third
+# that of 0be4434; check one out to run them again.
 # Work goes to /tmp/s22w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"

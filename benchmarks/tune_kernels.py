@@ -574,95 +574,6 @@ def tune_forge_split(log) -> list[dict]:
     return rows
 
 
-def tune_forge_persist(log) -> list[dict]:
-    """Session 22: the persistent fused kernel (``forge/persist.py``: large GEMM tiles, the update
-    from an L2 scratch in row slices, several programs an SM so one's update runs beside another's
-    GEMM) against torch (bf16 matmul, fp32 copy of dW for fp32 weights, fused AdamW) and the split
-    path with bf16 dW, at the 1b shapes; fp32 W/m/v (part (a)'s case) and bf16 W + SR with bf16
-    states. Also checks on the device that its update equals the update-only kernel applied to its
-    own written dW, bit for bit. ``TUNE_PERSIST_CFGS="bn,bk,bt,warps,stages,sub,per_sm,tma[,maxnreg[,roles,ring]];..."``,
-    ``TUNE_PERSIST_T="512,1024,2048"``, ``TUNE_PERSIST_SHAPES="2048x5632,..."``, ``TUNE_SPLIT_PRECS``."""
-    from leantrain.forge.kernel import MODE_UPDATE, launch_forge
-    from leantrain.forge.persist import launch_persist
-
-    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    cfgs = [(128, 128, 64, 4, 3, 16, 2, 1), (128, 128, 64, 4, 3, 16, 2, 0), (128, 128, 64, 8, 3, 32, 2, 1, 128),
-            (128, 128, 64, 8, 3, 16, 1, 1), (128, 128, 32, 4, 4, 16, 2, 1), (128, 256, 64, 8, 3, 16, 1, 1),
-            (128, 128, 64, 4, 2, 16, 3, 1), (64, 128, 64, 4, 3, 16, 3, 1), (128, 64, 64, 4, 3, 16, 3, 1)]
-    env_cfgs = os.environ.get("TUNE_PERSIST_CFGS", "")
-    if env_cfgs:
-        cfgs = [tuple(int(v) for v in c.split(",")) for c in env_cfgs.split(";") if c]
-    tokens = [int(t) for t in os.environ.get("TUNE_PERSIST_T", "512,1024,2048").split(",")]
-    shapes = [tuple(int(v) for v in sh.split("x")) for sh in
-              os.environ.get("TUNE_PERSIST_SHAPES", "2048x2048,2048x5632,5632x2048,32000x2048").split(",")]
-
-    def tune_of(c):
-        t = {"BLOCK_N": c[0], "BLOCK_K": c[1], "BLOCK_T": c[2], "num_warps": c[3], "num_stages": c[4], "SUB": c[5],
-             "per_sm": c[6], "TMA": bool(c[7]), "GROUP_N": 8}
-        if len(c) > 8 and c[8]:
-            t["maxnreg"] = c[8]
-        if len(c) > 9:  # producers and consumers: c[9] consumers a producer, c[10] ring slots a producer
-            t["ROLES"], t["RING"] = c[9], c[10]
-        return t
-
-    rows = []
-    for prec in os.environ.get("TUNE_SPLIT_PRECS", "fp32,bf16").split(","):
-        for (N, K) in shapes:
-            for T in tokens:
-                torch.manual_seed(0)
-                x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-                dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
-                wdt = torch.float32 if prec == "fp32" else torch.bfloat16
-                w = (torch.randn(N, K, device="cuda") * 0.02).to(wdt)
-                m, v = torch.zeros_like(w), torch.zeros_like(w)
-                common = dict(w=w, states=[m, v], kinds=[prec, prec], rule_name="adamw", hp=hp, step=10, sr=True)
-                p = torch.nn.Parameter(w.clone())
-                opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-                buf16 = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
-
-                def base():
-                    g = torch.matmul(dy.t(), x)
-                    p.grad = g.float() if prec == "fp32" else g
-                    opt.step()
-                    p.grad = None
-
-                def split16():
-                    torch.mm(dy.t(), x, out=buf16)
-                    launch_forge(MODE_UPDATE, g=buf16, **common)
-
-                row = {"prec": prec, "N": N, "K": K, "T": T, "torch_ms": _bench(base), "split_bf16dw_ms": _bench(split16),
-                       "mm_ms": _bench(lambda: torch.mm(dy.t(), x, out=buf16)),
-                       "update_ms": _bench(lambda: launch_forge(MODE_UPDATE, g=buf16, **common))}
-                for i, c in enumerate(cfgs):
-                    name = "persist " + "x".join(map(str, c))
-                    tune = tune_of(c)
-                    try:
-                        row[name] = _bench(lambda tune=tune: launch_persist(x=x, dy=dy, cfg=tune, **common), rep=40)
-                        row[f"torch/{name}"] = row["torch_ms"] / row[name]
-                        if i == 0 and T == tokens[0]:  # on the device: the update = update-only on its own dW
-                            g = torch.empty(N, K, device="cuda")
-                            launch_persist(x=x, dy=dy, w=w, g=g, cfg=tune)
-                            ref = torch.mm(dy.t().float(), x.float())
-                            st1 = [w.clone(), m.clone() + 1e-3, v.clone() + 1e-6]
-                            st2 = [t.clone() for t in st1]
-                            kw = dict(kinds=[prec, prec], rule_name="adamw", hp=hp, step=10, sr=True, key=5)
-                            launch_persist(x=x, dy=dy, w=st1[0], states=st1[1:], cfg=tune, **kw)
-                            launch_forge(MODE_UPDATE, w=st2[0], states=st2[1:], g=g, **kw)
-                            row["check_same_bits"] = all(torch.equal(a, b) for a, b in zip(st1, st2, strict=True))
-                            row["check_dw_rel_err"] = ((g - ref).abs().max() / ref.abs().max()).item()
-                    except Exception as e:  # noqa: BLE001
-                        row[name] = f"{type(e).__name__}: {e}"[:200]
-                row["torch/split_bf16dw"] = row["torch_ms"] / row["split_bf16dw_ms"]
-                best = min((v_ for k_, v_ in row.items() if k_.startswith("persist") and isinstance(v_, float)),
-                           default=None)
-                if best:
-                    row["torch/best_persist"] = row["torch_ms"] / best
-                log(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}))
-                rows.append(row)
-                torch.cuda.empty_cache()
-    return rows
-
-
 # the 1b preset's fused layers (N, K, count): q / o, k / v, gate / up, down, the LM head
 SHAPES_1B = ((2048, 2048, 44), (256, 2048, 44), (5632, 2048, 44), (2048, 5632, 22), (32000, 2048, 1))
 
@@ -1230,7 +1141,7 @@ def main(argv=None) -> int:
               "host": lambda: tune_host(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge_split": lambda: tune_forge_split(log),
               "forge_update16": lambda: tune_forge_update16(log), "forge": lambda: tune_forge(log),
-              "forge_group": lambda: tune_forge_group(log), "forge_persist": lambda: tune_forge_persist(log)}
+              "forge_group": lambda: tune_forge_group(log)}
     for name, tuner in tuners.items():
         if name in what:
             extra = {"mib": a.mib} if name == "ops" else {}
