@@ -4,7 +4,7 @@
     opt = lt.forge.attach(model, lt.optim.AdamW(lr=3e-4))
 
 Submodules: ``config``, ``model``, ``data``, ``trainer``, ``ledger``,
-``collectives``, ``ops``, ``optim``, ``forge``, ``agoq``, ``comm``, ``dist``, ``graphs``.
+``collectives``, ``ops``, ``optim``, ``forge``, ``agoq``, ``comm``, ``dist``, ``graphs``, ``finetune``.
 Technique packages are imported on first attribute access, so ``import
 leantrain`` stays cheap and a missing optional dependency (Triton) only matters
 where it is used.
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "config", "model", "data", "trainer", "ledger", "collectives", "ops", "optim",
-    "forge", "agoq", "comm", "dist", "cli", "graphs",
+    "forge", "agoq", "comm", "dist", "cli", "graphs", "finetune",
 }
 
 

@@ -1,8 +1,9 @@
-"""The ``leantrain`` command: train, compare, bench.
+"""The ``leantrain`` command: train, compare, finetune, bench.
 
     leantrain train --preset tiny --steps 300 --out runs/a
     leantrain train --preset tiny --baseline --out runs/base
     leantrain compare --preset tiny --steps 300 --out runs/cmp
+    leantrain finetune --method grzo|mezo|full --task compare --from runs/a --out runs/ft
     leantrain bench ops|forge|agoq|comm [--out DIR]
 
 Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``);
@@ -125,6 +126,17 @@ def cmd_bench(args, rest) -> int:
     return mod.main(rest) or 0
 
 
+def cmd_finetune(args, rest) -> int:
+    if rest:
+        raise ConfigError(f"finetune: unknown arguments {' '.join(rest)}")
+    from .finetune.run import finetune
+
+    finetune(method=args.method, task=args.task, out=args.out, source=args.source, preset=args.preset,
+             steps=args.steps, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, batch_size=args.batch_size,
+             eval_examples=args.eval_examples, seed=args.seed, log_every=args.log_every, device=args.device)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="baseline and every technique side by side")
     _common(p)
     p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")
+    p = sub.add_parser("finetune", help="fine-tune on a generated task: MeZO, GRZO or back-propagation")
+    p.add_argument("--method", required=True, choices=["mezo", "grzo", "full"])
+    p.add_argument("--task", required=True, choices=["compare", "lookup", "parity"])
+    p.add_argument("--from", dest="source", help="run directory or checkpoint directory (default: random weights)")
+    p.add_argument("--preset", default="tiny", help="the model without --from")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, help="learning rate (default: the method's, finetune/run.py)")
+    p.add_argument("--eps", type=float, default=1e-3, help="the perturbation's scale (MeZO's eps, GRZO's sigma)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--eval-examples", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--out", required=True, help="output directory")
     p = sub.add_parser("bench", help="kernel and step micro-benchmarks")
     p.add_argument("what", choices=["ops", "forge", "agoq", "comm"])
     args, rest = parser.parse_known_args(argv)
@@ -143,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, rest)
         if args.command == "compare":
             return cmd_compare(args, rest)
+        if args.command == "finetune":
+            return cmd_finetune(args, rest)
         return cmd_bench(args, rest)
     except ConfigError as e:
         print(f"leantrain: error: {e}", file=sys.stderr)

@@ -1,0 +1,156 @@
+"""``leantrain finetune``: fine-tune a trained model on a generated task with MeZO, GRZO or
+back-propagation (``full``: AdamW), and measure accuracy and memory.
+
+    leantrain finetune --method grzo --task compare --from runs/default --steps 300 --out runs/ft
+
+``--from`` is a run directory of ``leantrain train`` (its newest checkpoint) or one checkpoint
+directory; without it the model of ``--preset`` starts from random weights (for smoke tests).
+Writes ``metrics.jsonl`` (a line per logged step) and ``summary.json``: accuracy and loss on a
+held-out set before and after, seconds a step, and memory. Memory is counted: the weights, and
+what the method holds on top of them at its peak (gradients and AdamW states for ``full``; for
+the zeroth-order methods one noise block and GRZO's per-example signs, read from the tensors
+each step made). On CUDA also the allocator's peak over the steps, against the peak of plain
+inference forwards of the same batches (``peak_vs_inference``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from leantrain import checkpoint, data
+from leantrain import config as config_mod
+from leantrain.config import ConfigError
+from leantrain.finetune import tasks
+from leantrain.finetune.zo import GRZO, NOISE_BLOCK, MeZO
+from leantrain.ledger import count_bytes, tensors_in
+from leantrain.model import Llama
+
+METHODS = ("mezo", "grzo", "full")
+DEFAULT_LR = {"mezo": 1e-4, "grzo": 1e-4, "full": 1e-4}  # (tiny preset, compare task: see finetune/README.md)
+
+
+def load_model(source: str | None, preset: str, device) -> tuple[config_mod.Config, Llama, str]:
+    """(config, model with the checkpoint's weights, where they came from)."""
+    if source is None:
+        cfg = config_mod.build(preset)
+        torch.manual_seed(cfg.train.seed)
+        return cfg, Llama(cfg.model).to(device), f"random weights of the {preset} preset"
+    path = Path(source)
+    if (path / "meta.json").exists():
+        ckpt = path
+    else:
+        ckpt = checkpoint.latest(path)
+        if ckpt is None:
+            raise ConfigError(f"--from {source}: neither a checkpoint directory nor a run directory with checkpoints")
+    model_state, _, meta = checkpoint.load(ckpt)
+    if "config" not in meta:
+        raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")
+    cfg = config_mod.from_dict(meta["config"])
+    model = Llama(cfg.model)
+    missing, unexpected = model.load_state_dict(model_state, strict=False)
+    if unexpected or any(k != "lm_head.weight" for k in missing):  # (a tied head is saved once)
+        raise ConfigError(f"checkpoint {ckpt} does not match its config: missing {missing}, unexpected {unexpected}")
+    return cfg, model.to(device), str(ckpt)
+
+
+def finetune(*, method: str, task: str, out: str, source: str | None = None, preset: str = "tiny",
+             steps: int = 300, lr: float | None = None, eps: float = 1e-3, weight_decay: float = 0.0,
+             batch_size: int = 16, eval_examples: int = 512, seed: int = 0, log_every: int = 10,
+             device: str | None = None, log=print) -> dict:
+    if method not in METHODS:
+        raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if task not in tasks.TASKS:
+        raise ConfigError(f"--task must be one of {', '.join(tasks.TASKS)}, got {task!r}")
+    if steps < 1 or batch_size < 2:
+        raise ConfigError("finetune needs --steps >= 1 and --batch-size >= 2 (GRZO normalizes over the batch)")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg, model, origin = load_model(source, preset, dev)
+    model.float()  # (MeZO restores weights by subtraction: fp32; the others train fp32 weights too here)
+    tok = data.load(cfg.data, log=lambda *a: None).tokenizer
+    if tok is None:
+        raise ConfigError("finetune needs the run's tokenizer: the model was trained on pre-tokenized .bin data")
+    pad = tok.eot_id
+    evalb = tasks.encode(tasks.examples(task, eval_examples, seed=1_000_003 + seed), tok, pad).to(dev)
+    model.eval()
+    acc0, loss0 = tasks.accuracy(model, evalb)
+    lr = DEFAULT_LR[method] if lr is None else lr
+    log(f"finetune {method} on {task} from {origin}: {cfg.model.n_layers} layers, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; before: accuracy {acc0:.3f}, "
+        f"loss {loss0:.4f}")
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if method == "mezo":
+        opt = MeZO(params, lr, eps=eps, weight_decay=weight_decay, seed=seed)
+    elif method == "grzo":
+        opt = GRZO(model, lr, sigma=eps, weight_decay=weight_decay, seed=seed)
+        if opt.frozen:
+            log(f"GRZO leaves {len(opt.frozen)} parameters as they are: {', '.join(opt.frozen[:4])}"
+                f"{' ...' if len(opt.frozen) > 4 else ''}")
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    weights = count_bytes(model.parameters())
+    trainset = tasks.examples(task, steps * batch_size, seed=seed)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cuda = dev.type == "cuda"
+    infer_peak = 0
+    if cuda:  # the inference peak: forwards of the same batches, no method
+        for i in range(min(steps, 4)):
+            b = tasks.encode(trainset[i * batch_size:(i + 1) * batch_size], tok, pad).to(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            with torch.no_grad():
+                tasks.losses(model, b)
+            infer_peak = max(infer_peak, torch.cuda.max_memory_allocated(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+    extra, t0 = 0, time.perf_counter()
+    with open(out_dir / "metrics.jsonl", "w") as mf:
+        for step in range(1, steps + 1):
+            b = tasks.encode(trainset[(step - 1) * batch_size:step * batch_size], tok, pad).to(dev)
+            if method == "mezo":
+                loss = opt.step(lambda b=b: tasks.losses(model, b).mean())
+                extra = max(extra, 4 * min(NOISE_BLOCK, max(p.numel() for p in params)))
+            elif method == "grzo":
+                loss = opt.step(lambda b=b: tasks.losses(model, b))
+                noise = 4 * min(NOISE_BLOCK, max(m.weight.numel() for m in opt.modules))
+                extra = max(extra, opt.last["sign_bytes"] + noise)
+            else:
+                model.train()
+                opt.zero_grad(set_to_none=True)
+                lv = tasks.losses(model, b).mean()
+                lv.backward()
+                extra = max(extra, count_bytes(p.grad for p in params if p.grad is not None))
+                opt.step()
+                extra = max(extra, count_bytes(p.grad for p in params if p.grad is not None)
+                            + count_bytes(tensors_in(dict(opt.state))))
+                loss = float(lv.detach())
+            if step % log_every == 0 or step == steps:
+                rec = {"step": step, "loss": loss, "seconds": time.perf_counter() - t0}
+                mf.write(json.dumps(rec) + "\n")
+                mf.flush()
+                log(f"step {step}/{steps} loss {loss:.4f}")
+    secs = time.perf_counter() - t0
+    model.eval()
+    acc1, loss1 = tasks.accuracy(model, evalb)
+    summary = {
+        "method": method, "task": task, "from": origin, "steps": steps, "batch_size": batch_size, "lr": lr,
+        "eps": eps, "seed": seed, "device": str(dev),
+        "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,
+        "seconds_per_step": secs / steps, "weights_bytes": weights, "method_bytes": extra,
+        "memory_vs_weights": (weights + extra) / weights,
+    }
+    if method == "grzo":
+        summary["grzo_frozen"] = opt.frozen
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(dev)
+        summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"after: accuracy {acc1:.3f} (before {acc0:.3f}), loss {loss1:.4f}; {secs / steps:.3f} s a step; "
+        f"weights + method {summary['memory_vs_weights']:.3f}x the weights; summary in {out_dir / 'summary.json'}")
+    return summary
+
+
+__all__ = ["finetune", "load_model", "METHODS"]

@@ -1,0 +1,300 @@
+"""Zeroth-order fine-tuning: MeZO and GRZO. No backward pass, no gradient, no optimizer state.
+
+**MeZO** (Malladi et al., 2023; SPSA with the seed trick). One step draws ``z ~ N(0, I)`` over
+every parameter from a step seed, evaluates the loss at ``θ + εz`` and ``θ - εz`` (perturbing
+the weights in place), restores ``θ``, and moves every parameter by
+``θ ← θ(1 - lr·wd) - lr·g·z`` with the projected gradient ``g = (ℓ₊ - ℓ₋) / 2ε``, ``z``
+regenerated from the same seed instead of stored. Extra memory: one noise block
+(``NOISE_BLOCK`` elements) at a time. Restoring by subtraction is exact only up to rounding
+(``θ + εz - 2εz + εz`` is a few ulps off ``θ``); in bf16 that error is ~0.4 % of a weight a step,
+so MeZO takes fp32 parameters only (GRZO never mutates the weights).
+
+**GRZO** (group-relative zeroth order). Every example ``i`` of the batch gets its own
+perturbation of each layer's weight, ``Δᵢ = U ⊙ rᵢ sᵢᵀ``: one Gaussian ``U`` shared by the
+batch and per-example random signs ``rᵢ ∈ {±1}^{d_out}``, ``sᵢ ∈ {±1}^{d_in}`` (flipout). The
+weights are never changed: forward hooks add ``±σ · rᵢ ⊙ ((xᵢ ⊙ sᵢ) Uᵀ)`` to each linear
+layer's output (and ``±σ · x̂ ⊙ (u ⊙ rᵢ)`` to each RMSNorm's). Two forwards give per-example
+losses ``ℓᵢ^±``; with ``δᵢ = (ℓᵢ⁺ - ℓᵢ⁻) / 2`` and the advantage ``aᵢ = δᵢ / std(δ)`` (no mean
+subtraction), the update is ``W ← W(1 - lr·wd) - lr · U ⊙ (Σᵢ aᵢ rᵢ sᵢᵀ) / (2σB)``. So a batch
+of B examples gives B directions for the cost of MeZO's one. Noise and signs come from seeded
+``torch.Generator`` s, so ``U`` is regenerated for the update; the signs (``B·(d_out + d_in)``
+bytes a layer, int8) are kept from the first forward to the update.
+
+Trained by GRZO: ``nn.Linear`` weights and biases, and the weights of ``leantrain``'s and
+torch's ``RMSNorm``. Not trained (left as they are): embeddings, and any weight that is shared
+by two modules (tied embeddings / LM head), whose two uses a per-module hook cannot perturb
+together. Both need the model's output per example: ``closure()`` returns a loss per
+example for GRZO, one number for MeZO; call the model without ``targets`` so the LM head's
+hook sees logits.
+
+Noise is drawn in blocks of at most ``NOISE_BLOCK`` elements (rows of a weight), each from its
+own ``torch.Generator`` seeded by (run seed, step, parameter, block), so a step's noise is a
+function of those alone (on one device type: CPU and CUDA generators draw different numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from leantrain.ops.rng import step_seed
+
+NOISE_BLOCK = 1 << 18  # elements of noise alive at once (1 MiB in fp32)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _row_blocks(rows: int, row_len: int) -> Iterator[tuple[int, int, int]]:
+    """(block index, first row, end row) of ``rows`` rows of ``row_len`` elements, each block at
+    most ``NOISE_BLOCK`` elements (one row at least)."""
+    per = max(1, NOISE_BLOCK // max(1, row_len))
+    for j, r0 in enumerate(range(0, rows, per)):
+        yield j, r0, min(rows, r0 + per)
+
+
+def _noise(seed: int, shape, device) -> Tensor:
+    return torch.randn(shape, generator=_generator(device, seed), device=device, dtype=torch.float32)
+
+
+def _signs(seed: int, shape, device) -> Tensor:
+    """Random ±1 (int8), each sign drawn independently (not a hash of (row, column): see
+    research/memory.md on the rank-1 sign pattern of a linear-congruential hash)."""
+    g = _generator(device, seed)
+    return torch.randint(0, 2, shape, generator=g, device=device, dtype=torch.int8).mul_(2).sub_(1)
+
+
+class MeZO(torch.optim.Optimizer):
+    """MeZO: ``opt.step(closure)``, ``closure()`` the loss (a number or a 0-d tensor) at the
+    current weights; it is called twice, under ``torch.no_grad``.
+
+    ``eps``: the perturbation's scale (one for all groups); ``weight_decay``: decoupled, applied
+    in the update as MeZO does (``θ ← θ - lr·(g·z + wd·θ)``); ``seed``: the run's noise seed
+    (the step count is mixed in). ``opt.last``: ``{"loss", "loss_plus", "loss_minus",
+    "projected_grad"}`` of the last step."""
+
+    def __init__(self, params, lr: float = 1e-6, *, eps: float = 1e-3, weight_decay: float = 0.0, seed: int = 0):
+        if lr < 0 or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"MeZO: lr >= 0, eps > 0 and weight_decay >= 0, got {lr}, {eps}, {weight_decay}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.eps = float(eps)
+        self.seed = int(seed)
+        self.steps = 0
+        self.last: dict = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(
+                        f"MeZO perturbs the weights in place and restores them by subtraction, which in {p.dtype} "
+                        "loses ~0.4 % of a weight a step; give it fp32 parameters, or use GRZO (weights never "
+                        "mutated)")
+                if not p.is_contiguous():
+                    raise ValueError("MeZO: parameters must be contiguous")
+
+    def _blocks(self) -> Iterator[tuple[dict, Tensor, int]]:
+        """(group, a block of a parameter as a flat view, its noise seed) for the current step."""
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                key = step_seed(self.seed, index, self.steps)
+                flat = p.view(-1)
+                for j, r0, r1 in _row_blocks(flat.numel(), 1):
+                    yield group, flat[r0:r1], step_seed(key, j, 1)
+                index += 1
+
+    def _perturb(self, scale: float) -> None:
+        for _, block, seed in self._blocks():
+            block.add_(_noise(seed, block.shape, block.device), alpha=scale)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor | float]) -> float:  # type: ignore[override]
+        if closure is None:
+            raise ValueError("MeZO.step needs a closure that returns the loss at the current weights")
+        self._perturb(self.eps)
+        lp = float(closure())
+        self._perturb(-2.0 * self.eps)
+        lm = float(closure())
+        self._perturb(self.eps)
+        g = (lp - lm) / (2.0 * self.eps)
+        if math.isfinite(g):  # a non-finite loss: no update (the weights are restored above)
+            for group, block, seed in self._blocks():
+                lr, wd = group["lr"], group["weight_decay"]
+                if wd:
+                    block.mul_(1.0 - lr * wd)
+                block.add_(_noise(seed, block.shape, block.device), alpha=-lr * g)
+        self.last = {"loss": (lp + lm) / 2, "loss_plus": lp, "loss_minus": lm, "projected_grad": g}
+        self.steps += 1
+        return (lp + lm) / 2
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["zo"] = {"steps": self.steps, "seed": self.seed, "eps": self.eps}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        zo = state_dict["zo"]
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zo"})
+        self.steps, self.seed, self.eps = int(zo["steps"]), int(zo["seed"]), float(zo["eps"])
+
+
+def _is_norm(m: nn.Module) -> bool:
+    from leantrain.model import RMSNorm
+
+    return isinstance(m, (RMSNorm, nn.RMSNorm)) and getattr(m, "weight", None) is not None
+
+
+class GRZO:
+    """GRZO on ``model``'s linear layers and RMSNorm weights: ``opt.step(closure)``,
+    ``closure()`` returning the per-example losses ``[B]`` (B >= 2) of one forward at the
+    current weights; it is called twice, under ``torch.no_grad``, with the hooks perturbing.
+
+    ``sigma``: the perturbation's scale; ``weight_decay``: decoupled, on weights of two or more
+    dimensions only; ``std_floor``: added to ``std(δ)``. ``opt.trained`` / ``opt.frozen``: names
+    of the parameters it updates / leaves alone (embeddings, shared weights, frozen ones).
+    ``opt.remove()`` takes the hooks off the model. ``opt.last``: the last step's mean loss,
+    ``std(δ)`` and the bytes of signs it held."""
+
+    def __init__(self, model: nn.Module, lr: float = 1e-6, *, sigma: float = 1e-3, weight_decay: float = 0.0,
+                 seed: int = 0, std_floor: float = 1e-8):
+        if lr < 0 or sigma <= 0 or weight_decay < 0:
+            raise ValueError(f"GRZO: lr >= 0, sigma > 0 and weight_decay >= 0, got {lr}, {sigma}, {weight_decay}")
+        self.lr, self.sigma, self.weight_decay, self.seed, self.std_floor = lr, sigma, weight_decay, seed, std_floor
+        self.steps = 0
+        self.last: dict = {}
+        uses: dict[int, int] = {}
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                uses[id(p)] = uses.get(id(p), 0) + 1
+        self.modules: list[nn.Module] = []
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if not (isinstance(m, nn.Linear) or _is_norm(m)) or w is None or not w.requires_grad or uses[id(w)] > 1:
+                continue
+            self.modules.append(m)
+        taken = {id(p) for m in self.modules for p in m.parameters(recurse=False) if p.requires_grad}
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.trained = [names[i] for i in names if i in taken]
+        self.frozen = sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in taken})
+        if not self.modules:
+            raise ValueError("GRZO: the model has no trainable nn.Linear or RMSNorm weight that is not shared")
+        self._sign = 0.0  # +1 / -1 inside step(); 0: the hooks do nothing
+        self._signs: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
+        self._index = {id(m): i for i, m in enumerate(self.modules)}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ the perturbed forward
+    def _key(self, m: nn.Module) -> int:
+        return step_seed(self.seed, self._index[id(m)], self.steps)
+
+    def _signs_of(self, m: nn.Module, batch: int, device) -> tuple[Tensor, Tensor | None]:
+        """(r [B, d_out], s [B, d_in] or None for a norm) of module ``m`` this step; drawn at the
+        first forward, kept for the second and the update."""
+        got = self._signs.get(id(m))
+        if got is None or got[0].shape[0] != batch:
+            key = self._key(m)
+            d_out = m.weight.shape[0]
+            r = _signs(step_seed(key, 0, 2), (batch, d_out), device)
+            s = _signs(step_seed(key, 1, 2), (batch, m.weight.shape[1]), device) if m.weight.dim() == 2 else None
+            got = self._signs[id(m)] = (r, s)
+        return got
+
+    def _hook(self, m: nn.Module, inputs, out):
+        if not self._sign:
+            return None
+        x = inputs[0]
+        batch = x.shape[0]
+        bshape = (batch,) + (1,) * (x.dim() - 2)  # broadcast over the token dimensions
+        r, s = self._signs_of(m, batch, x.device)
+        key = self._key(m)
+        scale = self._sign * self.sigma
+        w = m.weight
+        if out.shape[-1] != w.shape[0]:
+            raise ValueError(f"GRZO: {type(m).__name__}'s output has {out.shape[-1]} features, not {w.shape[0]}: "
+                             "call the model without targets (per-example losses from its logits)")
+        if w.dim() == 2:  # flipout: out += ±σ · r ⊙ ((x ⊙ s) Uᵀ), U in row blocks
+            xs = x * s.view(*bshape, -1).to(x.dtype)
+            for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1]):
+                u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), w.device).to(x.dtype)
+                out[..., r0:r1] += (xs @ u.t()) * (scale * r[:, r0:r1].view(*bshape, -1).to(x.dtype))
+            if getattr(m, "bias", None) is not None and m.bias.requires_grad:
+                ub = _noise(step_seed(key, 0, 4), w.shape[:1], w.device)
+                out += (scale * ub * r.to(torch.float32)).view(*bshape, -1).to(out.dtype)
+        else:  # RMSNorm: out += ±σ · x̂ ⊙ (u ⊙ r)
+            xf = x.float()
+            eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
+            xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            u = _noise(step_seed(key, 0, 3), w.shape, w.device)
+            out += (xhat * (scale * u * r.to(torch.float32)).view(*bshape, -1)).to(out.dtype)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor]) -> float:
+        if closure is None:
+            raise ValueError("GRZO.step needs a closure that returns the per-example losses at the current weights")
+        try:
+            self._sign = 1.0
+            lp = closure().detach().float().flatten()
+            self._sign = -1.0
+            lm = closure().detach().float().flatten()
+        finally:
+            self._sign = 0.0
+        if lp.numel() < 2 or lp.shape != lm.shape:
+            raise ValueError(f"GRZO: closure() must return one loss per example, at least 2 (got {tuple(lp.shape)})")
+        delta = (lp - lm) / 2
+        std = delta.std()
+        sign_bytes = sum(t.numel() for rs in self._signs.values() for t in rs if t is not None)
+        ok = bool(torch.isfinite(delta).all())
+        if ok:
+            a = delta / (std + self.std_floor)
+            self._update(a)
+        self.last = {"loss": float((lp + lm).mean() / 2), "delta_std": float(std), "sign_bytes": sign_bytes,
+                     "updated": ok}
+        self._signs.clear()
+        self.steps += 1
+        return self.last["loss"]
+
+    def _update(self, a: Tensor) -> None:
+        batch = a.numel()
+        coef = -self.lr / (2.0 * self.sigma * batch)
+        for m in self.modules:
+            w = m.weight
+            key = self._key(m)
+            r, s = self._signs[id(m)] if id(m) in self._signs else (None, None)
+            if r is None:  # the module did not run in this forward: nothing to estimate
+                continue
+            ar = a.to(w.device)[:, None] * r.to(torch.float32)  # [B, d_out]
+            if w.dim() == 2:
+                sf = s.to(torch.float32)
+                if self.weight_decay:
+                    w.mul_(1.0 - self.lr * self.weight_decay)
+                for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1]):
+                    u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), w.device)
+                    w[r0:r1].add_((u * (ar[:, r0:r1].t() @ sf)).to(w.dtype), alpha=coef)
+                if getattr(m, "bias", None) is not None and m.bias.requires_grad:
+                    ub = _noise(step_seed(key, 0, 4), w.shape[:1], w.device)
+                    m.bias.add_((ub * ar.sum(0)).to(m.bias.dtype), alpha=coef)
+            else:
+                u = _noise(step_seed(key, 0, 3), w.shape, w.device)
+                w.add_((u * ar.sum(0)).to(w.dtype), alpha=coef)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "seed": self.seed, "lr": self.lr, "sigma": self.sigma,
+                "weight_decay": self.weight_decay, "std_floor": self.std_floor}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.steps, self.seed = int(sd["steps"]), int(sd["seed"])
+        self.lr, self.sigma = float(sd["lr"]), float(sd["sigma"])
+        self.weight_decay, self.std_floor = float(sd["weight_decay"]), float(sd["std_floor"])
+
+
+__all__ = ["MeZO", "GRZO", "NOISE_BLOCK"]

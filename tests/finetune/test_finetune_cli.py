@@ -1,0 +1,69 @@
+"""``leantrain finetune`` end to end: a checkpoint of a short training run, fine-tuned by each
+method; the summary's figures come from the run (accuracy, counted memory); bad input fails
+with a message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import tiny_config
+from leantrain import checkpoint
+from leantrain.cli import main as cli_main
+from leantrain.finetune import tasks
+from leantrain.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pre") / "run"
+    Trainer(tiny_config(corpus, **{"train.steps": "5"}), out).fit()
+    return out
+
+
+@pytest.mark.parametrize("method", ["mezo", "grzo", "full"])
+def test_finetune_from_a_run(trained, tmp_path, method):
+    out = tmp_path / method
+    rc = cli_main(["finetune", "--method", method, "--task", "lookup", "--from", str(trained), "--steps", "4",
+                   "--batch-size", "4", "--eval-examples", "32", "--log-every", "2", "--out", str(out)])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["from"] == str(checkpoint.latest(trained))
+    assert 0.0 <= s["accuracy_after"] <= 1.0 and s["eval_loss_after"] > 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [2, 4]
+    weights = s["weights_bytes"]
+    if method == "full":  # gradients (4 B) and AdamW's two fp32 states (8 B) a parameter, and its step counters
+        assert 3 * weights < s["method_bytes"] < 3 * weights + 1024
+    else:  # zeroth order: a noise block (and GRZO's int8 signs), far below the weights
+        assert 0 < s["method_bytes"] < 0.5 * weights
+    if method == "grzo":
+        assert s["grzo_frozen"] == ["embed_tokens.weight"]
+
+
+def test_finetune_errors(trained, tmp_path, capsys):
+    base = ["finetune", "--from", str(trained), "--out", str(tmp_path / "x")]
+    assert cli_main(base + ["--method", "grzo", "--task", "lookup", "--batch-size", "1"]) == 2
+    assert "--batch-size >= 2" in capsys.readouterr().err
+    assert cli_main(["finetune", "--method", "mezo", "--task", "lookup", "--from", str(tmp_path), "--out",
+                     str(tmp_path / "y")]) == 2
+    assert "neither a checkpoint directory nor a run directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(base + ["--method", "sgd", "--task", "lookup"])
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.examples("sorting", 3, seed=0)
+
+
+def test_tasks_are_deterministic_and_labelled():
+    for name in tasks.TASKS:
+        a, b = tasks.examples(name, 50, seed=1), tasks.examples(name, 50, seed=1)
+        assert a == b and a != tasks.examples(name, 50, seed=2)
+        for e in a:
+            assert 0 <= e.label < len(e.candidates) and len(set(e.candidates)) == len(e.candidates)
+    e = tasks.examples("compare", 1, seed=0)[0]
+    digits = [int(c) for c in e.candidates]
+    assert digits[e.label] == max(digits)
+    e = tasks.examples("parity", 1, seed=0)[0]
+    bits = [int(c) for c in e.prompt.split("[")[1].split("]")[0].split(", ")]
+    assert e.candidates[e.label] == f"{sum(bits) % 2}"
