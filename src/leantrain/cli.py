@@ -127,13 +127,12 @@ def cmd_bench(args, rest) -> int:
 
 
 def cmd_finetune(args, rest) -> int:
-    if rest:
-        raise ConfigError(f"finetune: unknown arguments {' '.join(rest)}")
     from .finetune.run import finetune
 
     finetune(method=args.method, task=args.task, out=args.out, source=args.source, preset=args.preset,
              steps=args.steps, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, batch_size=args.batch_size,
-             eval_examples=args.eval_examples, seed=args.seed, log_every=args.log_every, device=args.device)
+             eval_examples=args.eval_examples, seed=args.seed, log_every=args.log_every, device=args.device,
+             overrides=config_mod.parse_overrides(rest) if rest else None)
     return 0
 
 

@@ -145,6 +145,11 @@ class Tokenizer:
         os.replace(tmp, path)
         return cls(tok)
 
+    def save(self, path: Path) -> None:
+        tmp = Path(path).with_suffix(".tmp")
+        self._tok.save(str(tmp))
+        os.replace(tmp, path)
+
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer

@@ -107,6 +107,8 @@ class Trainer:
         self._check_combination()
         self.data = data_mod.load(cfg.data, log=log0)
         cfg.model.vocab_size = self.data.vocab_size
+        if self.rank == 0 and self.data.tokenizer is not None:  # the run's own copy (leantrain finetune reads it)
+            self.data.tokenizer.save(self.out / "tokenizer.json")
         torch.manual_seed(cfg.train.seed)
         self.model = Llama(cfg.model)
         if cfg.train.weights == "bf16":

@@ -30,6 +30,7 @@ def test_finetune_from_a_run(trained, tmp_path, method):
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["from"] == str(checkpoint.latest(trained))
+    assert s["tokenizer"] == str(trained / "tokenizer.json")  # the run's own, written by the trainer
     assert 0.0 <= s["accuracy_after"] <= 1.0 and s["eval_loss_after"] > 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4]
@@ -51,6 +52,20 @@ def test_finetune_errors(trained, tmp_path, capsys):
     assert "neither a checkpoint directory nor a run directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(base + ["--method", "sgd", "--task", "lookup"])
+    assert cli_main(base + ["--method", "mezo", "--task", "lookup", "--model.n-layers", "1"]) == 2
+    assert "overrides apply to --preset only" in capsys.readouterr().err
+
+
+def test_finetune_random_weights_with_overrides(corpus, tmp_path):
+    """Without --from: the preset's model, changed by --section.field overrides, the corpus's tokenizer."""
+    out = tmp_path / "r"
+    args = ["finetune", "--method", "grzo", "--task", "compare", "--steps", "2", "--batch-size", "4",
+            "--eval-examples", "8", "--out", str(out), "--model.n-layers", "1", "--model.dim", "32",
+            "--model.n-heads", "2", "--model.n-kv-heads", "1", "--model.ffn-dim", "64", "--data.path", str(corpus),
+            "--data.tokenizer-vocab", "400"]
+    assert cli_main(args) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["from"] == "random weights of the tiny preset" and s["tokenizer"] == "the corpus's"
     with pytest.raises(ValueError, match="unknown task"):
         tasks.examples("sorting", 3, seed=0)
 

@@ -4,7 +4,9 @@ back-propagation (``full``: AdamW), and measure accuracy and memory.
     leantrain finetune --method grzo --task compare --from runs/default --steps 300 --out runs/ft
 
 ``--from`` is a run directory of ``leantrain train`` (its newest checkpoint) or one checkpoint
-directory; without it the model of ``--preset`` starts from random weights (for smoke tests).
+directory, with the run's ``tokenizer.json`` (the trainer writes it); without it the model of
+``--preset`` (and ``--section.field value`` overrides) starts from random weights (smoke tests,
+memory measurements).
 Writes ``metrics.jsonl`` (a line per logged step) and ``summary.json``: accuracy and loss on a
 held-out set before and after, seconds a step, and memory. Memory is counted: the weights, and
 what the method holds on top of them at its peak (gradients and AdamW states for ``full``; for
@@ -30,15 +32,19 @@ from leantrain.ledger import count_bytes, tensors_in
 from leantrain.model import Llama
 
 METHODS = ("mezo", "grzo", "full")
-DEFAULT_LR = {"mezo": 1e-4, "grzo": 1e-4, "full": 1e-4}  # (tiny preset, compare task: see finetune/README.md)
+DEFAULT_LR = {"mezo": 1e-4, "grzo": 1e-5, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
 
 
-def load_model(source: str | None, preset: str, device) -> tuple[config_mod.Config, Llama, str]:
-    """(config, model with the checkpoint's weights, where they came from)."""
+def load_model(source: str | None, preset: str, device, overrides: dict | None = None
+               ) -> tuple[config_mod.Config, Llama, str, Path | None]:
+    """(config, model with the checkpoint's weights, where they came from, the run's
+    ``tokenizer.json`` if it has one)."""
     if source is None:
-        cfg = config_mod.build(preset)
+        cfg = config_mod.build(preset, overrides=overrides)
         torch.manual_seed(cfg.train.seed)
-        return cfg, Llama(cfg.model).to(device), f"random weights of the {preset} preset"
+        return cfg, None, f"random weights of the {preset} preset", None
+    if overrides:
+        raise ConfigError("finetune: config overrides apply to --preset only; a checkpoint brings its own config")
     path = Path(source)
     if (path / "meta.json").exists():
         ckpt = path
@@ -54,13 +60,14 @@ def load_model(source: str | None, preset: str, device) -> tuple[config_mod.Conf
     missing, unexpected = model.load_state_dict(model_state, strict=False)
     if unexpected or any(k != "lm_head.weight" for k in missing):  # (a tied head is saved once)
         raise ConfigError(f"checkpoint {ckpt} does not match its config: missing {missing}, unexpected {unexpected}")
-    return cfg, model.to(device), str(ckpt)
+    tok = ckpt.parent.parent / "tokenizer.json"
+    return cfg, model.to(device), str(ckpt), tok if tok.exists() else None
 
 
 def finetune(*, method: str, task: str, out: str, source: str | None = None, preset: str = "tiny",
              steps: int = 300, lr: float | None = None, eps: float = 1e-3, weight_decay: float = 0.0,
              batch_size: int = 16, eval_examples: int = 512, seed: int = 0, log_every: int = 10,
-             device: str | None = None, log=print) -> dict:
+             device: str | None = None, overrides: dict | None = None, log=print) -> dict:
     if method not in METHODS:
         raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if task not in tasks.TASKS:
@@ -68,11 +75,18 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     if steps < 1 or batch_size < 2:
         raise ConfigError("finetune needs --steps >= 1 and --batch-size >= 2 (GRZO normalizes over the batch)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg, model, origin = load_model(source, preset, dev)
+    cfg, model, origin, tok_path = load_model(source, preset, dev, overrides)
+    if tok_path is not None:
+        tok = data.Tokenizer.load(tok_path)
+    else:  # a run without its tokenizer.json (older, or random weights): the corpus's, trained or cached
+        log("no tokenizer.json in the run directory: using the configured corpus's tokenizer")
+        tok = data.load(cfg.data, log=log).tokenizer
+        if tok is None:
+            raise ConfigError("finetune needs a tokenizer: the run was trained on pre-tokenized .bin data")
+    if model is None:  # random weights: the vocabulary is the tokenizer's
+        cfg.model.vocab_size = tok.vocab_size
+        model = Llama(cfg.model).to(dev)
     model.float()  # (MeZO restores weights by subtraction: fp32; the others train fp32 weights too here)
-    tok = data.load(cfg.data, log=lambda *a: None).tokenizer
-    if tok is None:
-        raise ConfigError("finetune needs the run's tokenizer: the model was trained on pre-tokenized .bin data")
     pad = tok.eot_id
     evalb = tasks.encode(tasks.examples(task, eval_examples, seed=1_000_003 + seed), tok, pad).to(dev)
     model.eval()
@@ -136,7 +150,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     model.eval()
     acc1, loss1 = tasks.accuracy(model, evalb)
     summary = {
-        "method": method, "task": task, "from": origin, "steps": steps, "batch_size": batch_size, "lr": lr,
+        "method": method, "task": task, "from": origin, "tokenizer": str(tok_path) if tok_path else "the corpus's",
+        "steps": steps, "batch_size": batch_size, "lr": lr,
         "eps": eps, "seed": seed, "device": str(dev),
         "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,
         "seconds_per_step": secs / steps, "weights_bytes": weights, "method_bytes": extra,
