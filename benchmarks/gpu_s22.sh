@@ -6,6 +6,10 @@
 #   OUT=dir bash benchmarks/gpu_s22.sh second  # the same kernel: each half alone, staggered programs, other tiles
 #                                            # (the STAGGER / PHASES knobs of commit 1ed81e2)
 #   OUT=dir bash benchmarks/gpu_s22.sh third   # producer programs (the GEMM) and consumer programs (the update)
+#   OUT=dir bash benchmarks/gpu_s22.sh fourth  # zeroth-order fine-tuning (MeZO, GRZO) against back-propagation
+#                                            # (run with carry runs/s22pre: a tiny run of make train, 300 steps)
+#   OUT=dir bash benchmarks/gpu_s22.sh fifth   # the same after the fix of finetune's peak (fourth read it after
+#                                            # the final evaluation's forwards) and MeZO's default lr 3e-4
 # The persistent kernel (src/leantrain/forge/persist.py) and its tuner (tune_kernels.py --what forge_persist) were
 # removed after these calls (slower than the split path): second ran the code of commit 1ed81e2, first the same
 # kernel before its two measurement knobs (off by default) were added, third
@@ -46,6 +50,21 @@ gpu_part /tmp/s22w "${1:-first}"
         log "persist probe $prec: $C"
         TUNE_PERSIST_CFGS="$C" TUNE_SPLIT_PRECS=$prec TUNE_TAG=_$prec timeout 200 python3 benchmarks/tune_kernels.py \
           --what forge_persist --out "$D" 2>&1 | grep -v Warn | cut -c1-300 | tail -13
+        snap
+      done ;;
+    fourth|fifth)  # zeroth-order fine-tuning on the H200 (fifth: again, the peak read before the final evaluation). The tiny run of this session (make train with STEPS=300, carried
+      # as runs/s22pre): compare task, MeZO / GRZO / back-propagation at their default learning rates, 3 seeds.
+      # Then the 1b preset from random weights, 10 steps each: the allocator's peak against inference's.
+      gpuinfo
+      log "finetune: tiny, compare, 3 seeds"
+      timeout 240 python3 benchmarks/bench_finetune.py --from runs/s22pre --task compare --methods mezo:3e-4 \
+        grzo:1e-5 full:1e-4 --out "$D/tiny" 2>&1 | tail -8
+      rm -rf "$D/tiny/runs"
+      snap
+      for m in mezo grzo full; do
+        log "finetune: 1b, random weights, $m"
+        timeout 150 python3 -m leantrain finetune --method $m --task compare --preset 1b --steps 10 --batch-size 16 \
+          --eval-examples 64 --log-every 5 --out "$D/b1_$m" --data.max-corpus-mb 6 2>&1 | tail -2
         snap
       done ;;
   esac

@@ -32,7 +32,7 @@ from leantrain.ledger import count_bytes, tensors_in
 from leantrain.model import Llama
 
 METHODS = ("mezo", "grzo", "full")
-DEFAULT_LR = {"mezo": 1e-4, "grzo": 1e-5, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
+DEFAULT_LR = {"mezo": 3e-4, "grzo": 1e-5, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
 
 
 def load_model(source: str | None, preset: str, device, overrides: dict | None = None
@@ -147,6 +147,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
                 mf.flush()
                 log(f"step {step}/{steps} loss {loss:.4f}")
     secs = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(dev) if cuda else 0  # (the steps only: read before the evaluation)
     model.eval()
     acc1, loss1 = tasks.accuracy(model, evalb)
     summary = {
@@ -160,7 +161,6 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     if method == "grzo":
         summary["grzo_frozen"] = opt.frozen
     if cuda:
-        peak = torch.cuda.max_memory_allocated(dev)
         summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"after: accuracy {acc1:.3f} (before {acc0:.3f}), loss {loss1:.4f}; {secs / steps:.3f} s a step; "
