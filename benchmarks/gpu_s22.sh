@@ -10,6 +10,7 @@
 #                                            # (run with carry runs/s22pre: a tiny run of make train, 300 steps)
 #   OUT=dir bash benchmarks/gpu_s22.sh fifth   # the same after the fix of finetune's peak (fourth read it after
 #                                            # the final evaluation's forwards) and MeZO's default lr 3e-4
+#   OUT=dir bash benchmarks/gpu_s22.sh sixth   # the same with the noise block sized by the model (2**22 at 1b)
 # The persistent kernel (src/leantrain/forge/persist.py) and its tuner (tune_kernels.py --what forge_persist) were
 # removed after these calls (slower than the split path): second ran the code of commit 1ed81e2, first the same
 # kernel before its two measurement knobs (off by default) were added, third
@@ -52,7 +53,8 @@ gpu_part /tmp/s22w "${1:-first}"
           --what forge_persist --out "$D" 2>&1 | grep -v Warn | cut -c1-300 | tail -13
         snap
       done ;;
-    fourth|fifth)  # zeroth-order fine-tuning on the H200 (fifth: again, the peak read before the final evaluation). The tiny run of this session (make train with STEPS=300, carried
+    fourth|fifth|sixth)  # zeroth-order fine-tuning on the H200 (fifth: again, the peak read before the final
+      # evaluation; sixth: the noise block 1/256 of the trained elements within [2**16, 2**22], was 2**18). The tiny run of this session (make train with STEPS=300, carried
       # as runs/s22pre): compare task, MeZO / GRZO / back-propagation at their default learning rates, 3 seeds.
       # Then the 1b preset from random weights, 10 steps each: the allocator's peak against inference's.
       gpuinfo

@@ -90,18 +90,19 @@ def test_mezo_state_dict_resumes_bit_identically():
         assert torch.equal(p, q)
 
 
-def test_mezo_noise_blocks_cover_large_parameters(monkeypatch):
-    """A parameter over NOISE_BLOCK elements is perturbed block by block, each block with its own
-    noise (no block repeats another's draws), and restored."""
-    monkeypatch.setattr(zo_mod, "NOISE_BLOCK", 64)
+def test_mezo_noise_blocks_cover_large_parameters():
+    """A parameter over a noise block is perturbed block by block, each block with its own noise
+    (no block repeats another's draws), and restored; the default block is 1/256 of the trained
+    elements within [2**16, 2**22]."""
     p = nn.Parameter(torch.zeros(5, 50))
     deltas = []
-    MeZO([p], lr=0.0, eps=1.0, seed=2).step(lambda: deltas.append(p.detach().clone()) or 0.0)
+    MeZO([p], lr=0.0, eps=1.0, seed=2, noise_block=64).step(lambda: deltas.append(p.detach().clone()) or 0.0)
     z = deltas[0].view(-1)  # +εz with θ = 0, ε = 1
     assert bool((z != 0).all())
     blocks = z.split(64)
     assert not any(torch.equal(blocks[0], b[:64]) for b in blocks[1:-1])
     assert float(p.detach().abs().max()) < 1e-6
+    assert [zo_mod.noise_block_for(n) for n in (10, 1 << 26, 1 << 30, 1 << 34)] == [1 << 16, 1 << 18, 1 << 22, 1 << 22]
 
 
 # --------------------------------------------------------------------------------------- GRZO

@@ -27,7 +27,7 @@ from leantrain import checkpoint, data
 from leantrain import config as config_mod
 from leantrain.config import ConfigError
 from leantrain.finetune import tasks
-from leantrain.finetune.zo import GRZO, NOISE_BLOCK, MeZO
+from leantrain.finetune.zo import GRZO, MeZO
 from leantrain.ledger import count_bytes, tensors_in
 from leantrain.model import Llama
 
@@ -126,10 +126,10 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
             b = tasks.encode(trainset[(step - 1) * batch_size:step * batch_size], tok, pad).to(dev)
             if method == "mezo":
                 loss = opt.step(lambda b=b: tasks.losses(model, b).mean())
-                extra = max(extra, 4 * min(NOISE_BLOCK, max(p.numel() for p in params)))
+                extra = max(extra, 4 * min(opt.block, max(p.numel() for p in params)))
             elif method == "grzo":
                 loss = opt.step(lambda b=b: tasks.losses(model, b))
-                noise = 4 * min(NOISE_BLOCK, max(m.weight.numel() for m in opt.modules))
+                noise = 4 * min(opt.block, max(m.weight.numel() for m in opt.modules))
                 extra = max(extra, opt.last["sign_bytes"] + noise)
             else:
                 model.train()

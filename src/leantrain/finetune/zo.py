@@ -4,8 +4,8 @@
 every parameter from a step seed, evaluates the loss at ``θ + εz`` and ``θ - εz`` (perturbing
 the weights in place), restores ``θ``, and moves every parameter by
 ``θ ← θ(1 - lr·wd) - lr·g·z`` with the projected gradient ``g = (ℓ₊ - ℓ₋) / 2ε``, ``z``
-regenerated from the same seed instead of stored. Extra memory: one noise block
-(``NOISE_BLOCK`` elements) at a time. Restoring by subtraction is exact only up to rounding
+regenerated from the same seed instead of stored. Extra memory: one noise block at a time
+(:func:`noise_block_for` elements). Restoring by subtraction is exact only up to rounding
 (``θ + εz - 2εz + εz`` is a few ulps off ``θ``); in bf16 that error is ~0.4 % of a weight a step,
 so MeZO takes fp32 parameters only (GRZO never mutates the weights).
 
@@ -27,9 +27,11 @@ together. Both need the model's output per example: ``closure()`` returns a loss
 example for GRZO, one number for MeZO; call the model without ``targets`` so the LM head's
 hook sees logits.
 
-Noise is drawn in blocks of at most ``NOISE_BLOCK`` elements (rows of a weight), each from its
-own ``torch.Generator`` seeded by (run seed, step, parameter, block), so a step's noise is a
-function of those alone (on one device type: CPU and CUDA generators draw different numbers).
+Noise is drawn in blocks of rows of a weight, each from its own ``torch.Generator`` seeded by
+(run seed, step, parameter, block), so a step's noise is a function of those and of the block
+size alone (on one device type: CPU and CUDA generators draw different numbers). The block size
+(:func:`noise_block_for`) is 1/256 of the trained elements, between 2¹⁶ and 2²²: at most 0.4 % of
+fp32 weights, and few generators a step on a large model (each costs a launch on CUDA).
 """
 
 from __future__ import annotations
@@ -42,17 +44,23 @@ from torch import Tensor, nn
 
 from leantrain.ops.rng import step_seed
 
-NOISE_BLOCK = 1 << 18  # elements of noise alive at once (1 MiB in fp32)
+NOISE_MIN, NOISE_MAX, NOISE_SHARE = 1 << 16, 1 << 22, 256
+
+
+def noise_block_for(numel: int) -> int:
+    """Elements of noise alive at once for ``numel`` trained elements: ``numel / 256`` within
+    [2**16, 2**22]."""
+    return min(NOISE_MAX, max(NOISE_MIN, numel // NOISE_SHARE))
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-def _row_blocks(rows: int, row_len: int) -> Iterator[tuple[int, int, int]]:
+def _row_blocks(rows: int, row_len: int, block: int) -> Iterator[tuple[int, int, int]]:
     """(block index, first row, end row) of ``rows`` rows of ``row_len`` elements, each block at
-    most ``NOISE_BLOCK`` elements (one row at least)."""
-    per = max(1, NOISE_BLOCK // max(1, row_len))
+    most ``block`` elements (one row at least)."""
+    per = max(1, block // max(1, row_len))
     for j, r0 in enumerate(range(0, rows, per)):
         yield j, r0, min(rows, r0 + per)
 
@@ -77,7 +85,8 @@ class MeZO(torch.optim.Optimizer):
     (the step count is mixed in). ``opt.last``: ``{"loss", "loss_plus", "loss_minus",
     "projected_grad"}`` of the last step."""
 
-    def __init__(self, params, lr: float = 1e-6, *, eps: float = 1e-3, weight_decay: float = 0.0, seed: int = 0):
+    def __init__(self, params, lr: float = 1e-6, *, eps: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
+                 noise_block: int | None = None):
         if lr < 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(f"MeZO: lr >= 0, eps > 0 and weight_decay >= 0, got {lr}, {eps}, {weight_decay}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -94,6 +103,7 @@ class MeZO(torch.optim.Optimizer):
                         "mutated)")
                 if not p.is_contiguous():
                     raise ValueError("MeZO: parameters must be contiguous")
+        self.block = noise_block or noise_block_for(sum(p.numel() for g in self.param_groups for p in g["params"]))
 
     def _blocks(self) -> Iterator[tuple[dict, Tensor, int]]:
         """(group, a block of a parameter as a flat view, its noise seed) for the current step."""
@@ -102,7 +112,7 @@ class MeZO(torch.optim.Optimizer):
             for p in group["params"]:
                 key = step_seed(self.seed, index, self.steps)
                 flat = p.view(-1)
-                for j, r0, r1 in _row_blocks(flat.numel(), 1):
+                for j, r0, r1 in _row_blocks(flat.numel(), 1, self.block):
                     yield group, flat[r0:r1], step_seed(key, j, 1)
                 index += 1
 
@@ -156,10 +166,11 @@ class GRZO:
     dimensions only; ``std_floor``: added to ``std(δ)``. ``opt.trained`` / ``opt.frozen``: names
     of the parameters it updates / leaves alone (embeddings, shared weights, frozen ones).
     ``opt.remove()`` takes the hooks off the model. ``opt.last``: the last step's mean loss,
-    ``std(δ)`` and the bytes of signs it held."""
+    ``std(δ)`` and the bytes of signs it held. ``noise_block``: elements of noise at once
+    (default: :func:`noise_block_for` of the trained elements)."""
 
     def __init__(self, model: nn.Module, lr: float = 1e-6, *, sigma: float = 1e-3, weight_decay: float = 0.0,
-                 seed: int = 0, std_floor: float = 1e-8):
+                 seed: int = 0, std_floor: float = 1e-8, noise_block: int | None = None):
         if lr < 0 or sigma <= 0 or weight_decay < 0:
             raise ValueError(f"GRZO: lr >= 0, sigma > 0 and weight_decay >= 0, got {lr}, {sigma}, {weight_decay}")
         self.lr, self.sigma, self.weight_decay, self.seed, self.std_floor = lr, sigma, weight_decay, seed, std_floor
@@ -181,6 +192,8 @@ class GRZO:
         self.frozen = sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in taken})
         if not self.modules:
             raise ValueError("GRZO: the model has no trainable nn.Linear or RMSNorm weight that is not shared")
+        self.block = noise_block or noise_block_for(
+            sum(p.numel() for m in self.modules for p in m.parameters(recurse=False) if p.requires_grad))
         self._sign = 0.0  # +1 / -1 inside step(); 0: the hooks do nothing
         self._signs: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
@@ -222,7 +235,7 @@ class GRZO:
                              "call the model without targets (per-example losses from its logits)")
         if w.dim() == 2:  # flipout: out += ±σ · r ⊙ ((x ⊙ s) Uᵀ), U in row blocks
             xs = x * s.view(*bshape, -1).to(x.dtype)
-            for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1]):
+            for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1], self.block):
                 u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), w.device).to(x.dtype)
                 out[..., r0:r1] += (xs @ u.t()) * (scale * r[:, r0:r1].view(*bshape, -1).to(x.dtype))
             if getattr(m, "bias", None) is not None and m.bias.requires_grad:
@@ -277,7 +290,7 @@ class GRZO:
                 sf = s.to(torch.float32)
                 if self.weight_decay:
                     w.mul_(1.0 - self.lr * self.weight_decay)
-                for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1]):
+                for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1], self.block):
                     u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), w.device)
                     w[r0:r1].add_((u * (ar[:, r0:r1].t() @ sf)).to(w.dtype), alpha=coef)
                 if getattr(m, "bias", None) is not None and m.bias.requires_grad:
@@ -297,4 +310,4 @@ class GRZO:
         self.weight_decay, self.std_floor = float(sd["weight_decay"]), float(sd["std_floor"])
 
 
-__all__ = ["MeZO", "GRZO", "NOISE_BLOCK"]
+__all__ = ["MeZO", "GRZO", "noise_block_for"]
