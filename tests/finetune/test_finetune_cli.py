@@ -41,6 +41,13 @@ def test_finetune_from_a_run(trained, tmp_path, method):
         assert 0 < s["method_bytes"] < 0.5 * weights
     if method == "grzo":
         assert s["grzo_frozen"] == ["embed_tokens.weight"]
+    # the fine-tuned weights are kept: a second run from the output starts where this one ended
+    again = tmp_path / (method + "2")
+    assert cli_main(["finetune", "--method", "full", "--lr", "0", "--task", "lookup", "--from", str(out), "--steps",
+                     "1", "--batch-size", "2", "--eval-examples", "32", "--out", str(again)]) == 0
+    s2 = json.loads((again / "summary.json").read_text())
+    assert s2["accuracy_before"] == s["accuracy_after"] and s2["eval_loss_before"] == s["eval_loss_after"]
+    assert s2["from"] == s["checkpoint"]
 
 
 def test_finetune_errors(trained, tmp_path, capsys):

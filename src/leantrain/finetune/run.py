@@ -7,8 +7,10 @@ back-propagation (``full``: AdamW), and measure accuracy and memory.
 directory, with the run's ``tokenizer.json`` (the trainer writes it); without it the model of
 ``--preset`` (and ``--section.field value`` overrides) starts from random weights (smoke tests,
 memory measurements).
-Writes ``metrics.jsonl`` (a line per logged step) and ``summary.json``: accuracy and loss on a
-held-out set before and after, seconds a step, and memory. Memory is counted: the weights, and
+Writes ``metrics.jsonl`` (a line per logged step), the fine-tuned weights as a checkpoint with
+the run's config and ``tokenizer.json`` (so ``--from`` takes the output directory too), and
+``summary.json``: accuracy and loss on an evaluation set before and after, seconds a step, and
+memory. Memory is counted: the weights, and
 what the method holds on top of them at its peak (gradients and AdamW states for ``full``; for
 the zeroth-order methods one noise block and GRZO's per-example signs, read from the tensors
 each step made). On CUDA also the allocator's peak over the steps, against the peak of plain
@@ -150,12 +152,15 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     peak = torch.cuda.max_memory_allocated(dev) if cuda else 0  # (the steps only: read before the evaluation)
     model.eval()
     acc1, loss1 = tasks.accuracy(model, evalb)
+    meta = {"config": cfg.to_dict(), "finetune": {"method": method, "task": task, "from": origin, "lr": lr}}
+    ckpt = checkpoint.save(out_dir, steps, model.state_dict(), {"optimizer": opt.state_dict(), "step": steps}, meta)
+    tok.save(out_dir / "tokenizer.json")  # (a run directory like the trainer's: --from takes it)
     summary = {
         "method": method, "task": task, "from": origin, "tokenizer": str(tok_path) if tok_path else "the corpus's",
         "steps": steps, "batch_size": batch_size, "lr": lr,
         "eps": eps, "seed": seed, "device": str(dev),
         "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,
-        "seconds_per_step": secs / steps, "weights_bytes": weights, "method_bytes": extra,
+        "checkpoint": str(ckpt), "seconds_per_step": secs / steps, "weights_bytes": weights, "method_bytes": extra,
         "memory_vs_weights": (weights + extra) / weights,
     }
     if method == "grzo":
