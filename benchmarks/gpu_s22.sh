@@ -10,7 +10,9 @@
 #                                            # (run with carry runs/s22pre: a tiny run of make train, 300 steps)
 #   OUT=dir bash benchmarks/gpu_s22.sh fifth   # the same after the fix of finetune's peak (fourth read it after
 #                                            # the final evaluation's forwards) and MeZO's default lr 3e-4
-#   OUT=dir bash benchmarks/gpu_s22.sh sixth   # the same with the noise block sized by the model (2**22 at 1b)
+#   OUT=dir bash benchmarks/gpu_s22.sh sixth   # the same with the noise block sized by the model (2**22 at 1b):
+#                                            # timed out packing the 1b checkpoints finetune now writes; nothing back
+#   OUT=dir bash benchmarks/gpu_s22.sh seventh # 1b MeZO and GRZO only, checkpoints deleted before packing
 # The persistent kernel (src/leantrain/forge/persist.py) and its tuner (tune_kernels.py --what forge_persist) were
 # removed after these calls (slower than the split path): second ran the code of commit 1ed81e2, first the same
 # kernel before its two measurement knobs (off by default) were added, third
@@ -67,6 +69,15 @@ gpu_part /tmp/s22w "${1:-first}"
         log "finetune: 1b, random weights, $m"
         timeout 150 python3 -m leantrain finetune --method $m --task compare --preset 1b --steps 10 --batch-size 16 \
           --eval-examples 64 --log-every 5 --out "$D/b1_$m" --data.max-corpus-mb 6 2>&1 | tail -2
+        snap
+      done ;;
+    seventh)  # the 1b zeroth-order steps with the noise block of the final code (2**22 at 1b), MeZO and GRZO only;
+      # each run's checkpoint (4.4 GB) deleted before the snapshot (sixth timed out packing them)
+      for m in grzo mezo; do
+        log "finetune: 1b, random weights, $m"
+        timeout 90 python3 -m leantrain finetune --method $m --task compare --preset 1b --steps 10 --batch-size 16 \
+          --eval-examples 64 --log-every 5 --out "$D/b1_$m" --data.max-corpus-mb 6 2>&1 | tail -2
+        rm -rf "$D/b1_$m/checkpoints"
         snap
       done ;;
   esac
