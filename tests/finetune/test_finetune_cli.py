@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from helpers import tiny_config
 from leantrain import checkpoint
@@ -89,3 +90,39 @@ def test_tasks_are_deterministic_and_labelled():
     e = tasks.examples("parity", 1, seed=0)[0]
     bits = [int(c) for c in e.prompt.split("[")[1].split("]")[0].split(", ")]
     assert e.candidates[e.label] == f"{sum(bits) % 2}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["grzo", "mezo"])
+def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
+    """2 gloo ranks of --batch-size 2 fine-tune like one process of --batch-size 4: the same weights."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dist_utils import free_port
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    common = ["-m", "leantrain", "finetune", "--method", method, "--task", "lookup", "--from", str(trained),
+              "--steps", "3", "--eval-examples", "16", "--lr", "1e-3" if method == "mezo" else "1e-4"]
+    one = subprocess.run([sys.executable, *common, "--batch-size", "4", "--out", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), *common, "--batch-size", "2", "--out", str(tmp_path / "two")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert s2["world_size"] == 2 and s1["world_size"] == 1
+    w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step_0000003" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "checkpoints" / "step_0000003" / "model.safetensors"))
+    start = load_file(str(checkpoint.latest(trained) / "model.safetensors"))
+    assert max(float((w1[k].float() - start[k].float()).abs().max()) for k in w1) > 1e-5  # it moved
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-6)
+    assert abs(s1["eval_loss_after"] - s2["eval_loss_after"]) < 1e-5

@@ -15,17 +15,23 @@ what the method holds on top of them at its peak (gradients and AdamW states for
 the zeroth-order methods one noise block and GRZO's per-example signs, read from the tensors
 each step made). On CUDA also the allocator's peak over the steps, against the peak of plain
 inference forwards of the same batches (``peak_vs_inference``).
+
+Under ``torchrun`` (``--method mezo|grzo``; gloo on CPU, NCCL on CUDA) each rank takes
+``--batch-size`` examples of a global batch of ``world · batch-size``; the ranks keep identical
+weights and exchange only their losses (:mod:`leantrain.finetune.zo`), rank 0 writes the files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from leantrain import checkpoint, data
+from leantrain import checkpoint, collectives, data
 from leantrain import config as config_mod
 from leantrain.config import ConfigError
 from leantrain.finetune import tasks
@@ -77,6 +83,20 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     if steps < 1 or batch_size < 2:
         raise ConfigError("finetune needs --steps >= 1 and --batch-size >= 2 (GRZO normalizes over the batch)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        if method == "full":
+            raise ConfigError("finetune --method full runs in one process; under torchrun use mezo or grzo "
+                              "(or leantrain train for data-parallel back-propagation)")
+        if not dist.is_initialized():
+            if dev.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        if dev.type == "cuda":
+            dev = torch.device(f"cuda:{torch.cuda.current_device()}")
+    rank = collectives.rank()
+    if rank:
+        log = lambda *a: None  # noqa: E731 (rank 0 reports)
     cfg, model, origin, tok_path = load_model(source, preset, dev, overrides)
     if tok_path is not None:
         tok = data.Tokenizer.load(tok_path)
@@ -109,25 +129,30 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     weights = count_bytes(model.parameters())
-    trainset = tasks.examples(task, steps * batch_size, seed=seed)
+    trainset = tasks.examples(task, steps * batch_size * world, seed=seed)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    def batch_of(step: int) -> tasks.Batch:  # this rank's part of the step's global batch
+        first = ((step - 1) * world + rank) * batch_size
+        return tasks.encode(trainset[first:first + batch_size], tok, pad).to(dev)
+
     cuda = dev.type == "cuda"
     infer_peak = 0
     if cuda:  # the inference peak: forwards of the same batches, no method
         for i in range(min(steps, 4)):
-            b = tasks.encode(trainset[i * batch_size:(i + 1) * batch_size], tok, pad).to(dev)
+            b = batch_of(i + 1)
             torch.cuda.reset_peak_memory_stats(dev)
             with torch.no_grad():
                 tasks.losses(model, b)
             infer_peak = max(infer_peak, torch.cuda.max_memory_allocated(dev))
         torch.cuda.reset_peak_memory_stats(dev)
     extra, t0 = 0, time.perf_counter()
-    with open(out_dir / "metrics.jsonl", "w") as mf:
+    with open(out_dir / "metrics.jsonl", "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(1, steps + 1):
-            b = tasks.encode(trainset[(step - 1) * batch_size:step * batch_size], tok, pad).to(dev)
+            b = batch_of(step)
             if method == "mezo":
-                loss = opt.step(lambda b=b: tasks.losses(model, b).mean())
+                loss = opt.step(lambda b=b: tasks.losses(model, b).double().mean())  # (fp64: see test_zo_dist)
                 extra = max(extra, 4 * min(opt.block, max(p.numel() for p in params)))
             elif method == "grzo":
                 loss = opt.step(lambda b=b: tasks.losses(model, b))
@@ -153,10 +178,13 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     model.eval()
     acc1, loss1 = tasks.accuracy(model, evalb)
     meta = {"config": cfg.to_dict(), "finetune": {"method": method, "task": task, "from": origin, "lr": lr}}
-    ckpt = checkpoint.save(out_dir, steps, model.state_dict(), {"optimizer": opt.state_dict(), "step": steps}, meta)
+    ckpt = checkpoint.save(out_dir, steps, model.state_dict(), {"optimizer": opt.state_dict(), "step": steps}, meta,
+                           rank=rank, world=world, barrier=collectives.barrier)
+    if rank:
+        return {}
     tok.save(out_dir / "tokenizer.json")  # (a run directory like the trainer's: --from takes it)
     summary = {
-        "method": method, "task": task, "from": origin, "tokenizer": str(tok_path) if tok_path else "the corpus's",
+        "method": method, "task": task, "world_size": world, "from": origin, "tokenizer": str(tok_path) if tok_path else "the corpus's",
         "steps": steps, "batch_size": batch_size, "lr": lr,
         "eps": eps, "seed": seed, "device": str(dev),
         "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,

@@ -23,9 +23,16 @@ bytes a layer, int8) are kept from the first forward to the update.
 Trained by GRZO: ``nn.Linear`` weights and biases, and the weights of ``leantrain``'s and
 torch's ``RMSNorm``. Not trained (left as they are): embeddings, and any weight that is shared
 by two modules (tied embeddings / LM head), whose two uses a per-module hook cannot perturb
-together. Both need the model's output per example: ``closure()`` returns a loss per
-example for GRZO, one number for MeZO; call the model without ``targets`` so the LM head's
-hook sees logits.
+together. GRZO's ``closure()`` returns a loss per example (MeZO's one number) and must call
+the model without ``targets``, so that the LM head's hook sees logits.
+
+**Data parallel** (``torch.distributed`` initialized with more than one rank; ``dp_group=False``
+turns it off): every rank perturbs with the same noise, so the weights stay identical on all
+ranks, and the only traffic is the losses. MeZO averages ``ℓ₊`` and ``ℓ₋`` over the ranks (one
+all-reduce of two numbers). GRZO's signs are drawn for the global batch (every rank draws all of
+them from the seeds and uses its own rows), the per-example losses are all-gathered (``2·B``
+numbers a rank), and every rank computes the same update from the global batch. The result is the
+single process's on the concatenated batch (tested with 2 gloo ranks).
 
 Noise is drawn in blocks of rows of a weight, each from its own ``torch.Generator`` seeded by
 (run seed, step, parameter, block), so a step's noise is a function of those and of the block
@@ -42,6 +49,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from leantrain import collectives
 from leantrain.ops.rng import step_seed
 
 NOISE_MIN, NOISE_MAX, NOISE_SHARE = 1 << 16, 1 << 22, 256
@@ -69,6 +77,14 @@ def _noise(seed: int, shape, device) -> Tensor:
     return torch.randn(shape, generator=_generator(device, seed), device=device, dtype=torch.float32)
 
 
+def _dp(group) -> tuple[object, int, int]:
+    """(group, rank, world size): the data-parallel group, None when there is none."""
+    if group is False or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None, 0, 1
+    world = collectives.world_size(group)
+    return (group, collectives.rank(group), world) if world > 1 else (None, 0, 1)
+
+
 def _signs(seed: int, shape, device) -> Tensor:
     """Random ±1 (int8), each sign drawn independently (not a hash of (row, column): see
     research/memory.md on the rank-1 sign pattern of a linear-congruential hash)."""
@@ -82,11 +98,12 @@ class MeZO(torch.optim.Optimizer):
 
     ``eps``: the perturbation's scale (one for all groups); ``weight_decay``: decoupled, applied
     in the update as MeZO does (``θ ← θ - lr·(g·z + wd·θ)``); ``seed``: the run's noise seed
-    (the step count is mixed in). ``opt.last``: ``{"loss", "loss_plus", "loss_minus",
-    "projected_grad"}`` of the last step."""
+    (the step count is mixed in; the same on every rank). ``dp_group``: the data-parallel group
+    (default: the whole world when ``torch.distributed`` is initialized; False: none). ``opt.last``:
+    ``{"loss", "loss_plus", "loss_minus", "projected_grad"}`` of the last step (global)."""
 
     def __init__(self, params, lr: float = 1e-6, *, eps: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
-                 noise_block: int | None = None):
+                 noise_block: int | None = None, dp_group=None):
         if lr < 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(f"MeZO: lr >= 0, eps > 0 and weight_decay >= 0, got {lr}, {eps}, {weight_decay}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -104,6 +121,7 @@ class MeZO(torch.optim.Optimizer):
                 if not p.is_contiguous():
                     raise ValueError("MeZO: parameters must be contiguous")
         self.block = noise_block or noise_block_for(sum(p.numel() for g in self.param_groups for p in g["params"]))
+        self._group, _, self._world = _dp(dp_group)
 
     def _blocks(self) -> Iterator[tuple[dict, Tensor, int]]:
         """(group, a block of a parameter as a flat view, its noise seed) for the current step."""
@@ -129,6 +147,11 @@ class MeZO(torch.optim.Optimizer):
         self._perturb(-2.0 * self.eps)
         lm = float(closure())
         self._perturb(self.eps)
+        if self._world > 1:  # the global batch's losses: the mean of the ranks' means
+            p = self.param_groups[0]["params"][0]
+            both = torch.tensor([lp, lm], dtype=torch.float64, device=p.device)
+            collectives.all_reduce(both, group=self._group)
+            lp, lm = (both / self._world).tolist()
         g = (lp - lm) / (2.0 * self.eps)
         if math.isfinite(g):  # a non-finite loss: no update (the weights are restored above)
             for group, block, seed in self._blocks():
@@ -167,10 +190,11 @@ class GRZO:
     of the parameters it updates / leaves alone (embeddings, shared weights, frozen ones).
     ``opt.remove()`` takes the hooks off the model. ``opt.last``: the last step's mean loss,
     ``std(δ)`` and the bytes of signs it held. ``noise_block``: elements of noise at once
-    (default: :func:`noise_block_for` of the trained elements)."""
+    (default: :func:`noise_block_for` of the trained elements). ``dp_group``: as MeZO's; every
+    rank's closure must return the same number of losses."""
 
     def __init__(self, model: nn.Module, lr: float = 1e-6, *, sigma: float = 1e-3, weight_decay: float = 0.0,
-                 seed: int = 0, std_floor: float = 1e-8, noise_block: int | None = None):
+                 seed: int = 0, std_floor: float = 1e-8, noise_block: int | None = None, dp_group=None):
         if lr < 0 or sigma <= 0 or weight_decay < 0:
             raise ValueError(f"GRZO: lr >= 0, sigma > 0 and weight_decay >= 0, got {lr}, {sigma}, {weight_decay}")
         self.lr, self.sigma, self.weight_decay, self.seed, self.std_floor = lr, sigma, weight_decay, seed, std_floor
@@ -194,6 +218,7 @@ class GRZO:
             raise ValueError("GRZO: the model has no trainable nn.Linear or RMSNorm weight that is not shared")
         self.block = noise_block or noise_block_for(
             sum(p.numel() for m in self.modules for p in m.parameters(recurse=False) if p.requires_grad))
+        self._group, self._rank, self._world = _dp(dp_group)
         self._sign = 0.0  # +1 / -1 inside step(); 0: the hooks do nothing
         self._signs: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
@@ -209,14 +234,16 @@ class GRZO:
         return step_seed(self.seed, self._index[id(m)], self.steps)
 
     def _signs_of(self, m: nn.Module, batch: int, device) -> tuple[Tensor, Tensor | None]:
-        """(r [B, d_out], s [B, d_in] or None for a norm) of module ``m`` this step; drawn at the
+        """(r [world·B, d_out], s [world·B, d_in] or None for a norm) of module ``m`` this step,
+        the global batch's (this rank's examples are rows rank·B ... rank·B + B - 1); drawn at the
         first forward, kept for the second and the update."""
+        rows = batch * self._world
         got = self._signs.get(id(m))
-        if got is None or got[0].shape[0] != batch:
+        if got is None or got[0].shape[0] != rows:
             key = self._key(m)
             d_out = m.weight.shape[0]
-            r = _signs(step_seed(key, 0, 2), (batch, d_out), device)
-            s = _signs(step_seed(key, 1, 2), (batch, m.weight.shape[1]), device) if m.weight.dim() == 2 else None
+            r = _signs(step_seed(key, 0, 2), (rows, d_out), device)
+            s = _signs(step_seed(key, 1, 2), (rows, m.weight.shape[1]), device) if m.weight.dim() == 2 else None
             got = self._signs[id(m)] = (r, s)
         return got
 
@@ -227,6 +254,8 @@ class GRZO:
         batch = x.shape[0]
         bshape = (batch,) + (1,) * (x.dim() - 2)  # broadcast over the token dimensions
         r, s = self._signs_of(m, batch, x.device)
+        mine = slice(self._rank * batch, (self._rank + 1) * batch)
+        r, s = r[mine], (None if s is None else s[mine])
         key = self._key(m)
         scale = self._sign * self.sigma
         w = m.weight
@@ -263,6 +292,15 @@ class GRZO:
             self._sign = 0.0
         if lp.numel() < 2 or lp.shape != lm.shape:
             raise ValueError(f"GRZO: closure() must return one loss per example, at least 2 (got {tuple(lp.shape)})")
+        if self._world > 1:  # every rank gets the global batch's losses, in rank order
+            n = torch.tensor([lp.numel()], device=lp.device)
+            ns = torch.empty(self._world, dtype=n.dtype, device=n.device)
+            collectives.all_gather_into_tensor(ns, n, group=self._group)
+            if bool((ns != n).any()):
+                raise ValueError(f"GRZO: the ranks' closures returned {ns.tolist()} losses; every rank must return as many")
+            both = torch.empty(self._world * 2, lp.numel(), dtype=lp.dtype, device=lp.device)
+            collectives.all_gather_into_tensor(both, torch.stack([lp, lm]), group=self._group)
+            lp, lm = both[0::2].reshape(-1), both[1::2].reshape(-1)
         delta = (lp - lm) / 2
         std = delta.std()
         sign_bytes = sum(t.numel() for rs in self._signs.values() for t in rs if t is not None)
