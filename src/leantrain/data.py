@@ -140,12 +140,12 @@ class Tokenizer:
             show_progress=False,
         )
         tok.train_from_iterator(texts, trainer=trainer)
-        tmp = path.with_suffix(".tmp")
-        tok.save(str(tmp))
-        os.replace(tmp, path)
-        return cls(tok)
+        out = cls(tok)
+        out.save(path)
+        return out
 
     def save(self, path: Path) -> None:
+        """Write the tokenizer to ``path`` atomically (a temporary file, then a rename)."""
         tmp = Path(path).with_suffix(".tmp")
         self._tok.save(str(tmp))
         os.replace(tmp, path)
