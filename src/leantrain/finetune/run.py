@@ -72,6 +72,26 @@ def load_model(source: str | None, preset: str, device, overrides: dict | None =
     return cfg, model.to(device), str(ckpt), tok if tok.exists() else None
 
 
+def _step(method: str, opt, model, b: tasks.Batch, params: list) -> tuple[float, int]:
+    """One step of ``method`` on batch ``b``: (its loss, the bytes the method held beyond the
+    weights at its peak: counted tensors)."""
+    if method == "mezo":  # (the mean in fp64: MeZO's (ℓ₊ - ℓ₋) / 2ε magnifies a mean's rounding)
+        loss = opt.step(lambda: tasks.losses(model, b).double().mean())
+        return loss, 4 * min(opt.block, max(p.numel() for p in params))
+    if method == "grzo":
+        loss = opt.step(lambda: tasks.losses(model, b))
+        return loss, opt.last["sign_bytes"] + 4 * min(opt.block, max(m.weight.numel() for m in opt.modules))
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    lv = tasks.losses(model, b).mean()
+    lv.backward()
+    grads = count_bytes(p.grad for p in params if p.grad is not None)
+    opt.step()
+    model.eval()
+    return float(lv.detach()), max(grads, count_bytes(p.grad for p in params if p.grad is not None)
+                                   + count_bytes(tensors_in(dict(opt.state))))
+
+
 def finetune(*, method: str, task: str, out: str, source: str | None = None, preset: str = "tiny",
              steps: int = 300, lr: float | None = None, eps: float = 1e-3, weight_decay: float = 0.0,
              batch_size: int = 16, eval_examples: int = 512, seed: int = 0, log_every: int = 10,
@@ -150,24 +170,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     extra, t0 = 0, time.perf_counter()
     with open(out_dir / "metrics.jsonl", "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(1, steps + 1):
-            b = batch_of(step)
-            if method == "mezo":
-                loss = opt.step(lambda b=b: tasks.losses(model, b).double().mean())  # (fp64: see test_zo_dist)
-                extra = max(extra, 4 * min(opt.block, max(p.numel() for p in params)))
-            elif method == "grzo":
-                loss = opt.step(lambda b=b: tasks.losses(model, b))
-                noise = 4 * min(opt.block, max(m.weight.numel() for m in opt.modules))
-                extra = max(extra, opt.last["sign_bytes"] + noise)
-            else:
-                model.train()
-                opt.zero_grad(set_to_none=True)
-                lv = tasks.losses(model, b).mean()
-                lv.backward()
-                extra = max(extra, count_bytes(p.grad for p in params if p.grad is not None))
-                opt.step()
-                extra = max(extra, count_bytes(p.grad for p in params if p.grad is not None)
-                            + count_bytes(tensors_in(dict(opt.state))))
-                loss = float(lv.detach())
+            loss, held = _step(method, opt, model, batch_of(step), params)
+            extra = max(extra, held)
             if step % log_every == 0 or step == steps:
                 rec = {"step": step, "loss": loss, "seconds": time.perf_counter() - t0}
                 mf.write(json.dumps(rec) + "\n")
@@ -184,9 +188,9 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         return {}
     tok.save(out_dir / "tokenizer.json")  # (a run directory like the trainer's: --from takes it)
     summary = {
-        "method": method, "task": task, "world_size": world, "from": origin, "tokenizer": str(tok_path) if tok_path else "the corpus's",
-        "steps": steps, "batch_size": batch_size, "lr": lr,
-        "eps": eps, "seed": seed, "device": str(dev),
+        "method": method, "task": task, "world_size": world, "from": origin,
+        "tokenizer": str(tok_path) if tok_path else "the corpus's",
+        "steps": steps, "batch_size": batch_size, "lr": lr, "eps": eps, "seed": seed, "device": str(dev),
         "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,
         "checkpoint": str(ckpt), "seconds_per_step": secs / steps, "weights_bytes": weights, "method_bytes": extra,
         "memory_vs_weights": (weights + extra) / weights,
