@@ -72,15 +72,14 @@ def load_model(source: str | None, preset: str, device, overrides: dict | None =
     return cfg, model.to(device), str(ckpt), tok if tok.exists() else None
 
 
-def _step(method: str, opt, model, b: tasks.Batch, params: list) -> tuple[float, int]:
+def _step(method: str, opt, model, b: tasks.Batch, params: list, noise: int) -> tuple[float, int]:
     """One step of ``method`` on batch ``b``: (its loss, the bytes the method held beyond the
-    weights at its peak: counted tensors)."""
+    weights at its peak: counted tensors; ``noise``: the bytes of a zeroth-order step's noise block)."""
     if method == "mezo":  # (the mean in fp64: MeZO's (ℓ₊ - ℓ₋) / 2ε magnifies a mean's rounding)
-        loss = opt.step(lambda: tasks.losses(model, b).double().mean())
-        return loss, 4 * min(opt.block, max(p.numel() for p in params))
+        return opt.step(lambda: tasks.losses(model, b).double().mean()), noise
     if method == "grzo":
         loss = opt.step(lambda: tasks.losses(model, b))
-        return loss, opt.last["sign_bytes"] + 4 * min(opt.block, max(m.weight.numel() for m in opt.modules))
+        return loss, opt.last["sign_bytes"] + noise
     model.train()
     opt.zero_grad(set_to_none=True)
     lv = tasks.losses(model, b).mean()
@@ -149,6 +148,10 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     weights = count_bytes(model.parameters())
+    noise = 0  # the largest noise block a zeroth-order step draws (fp32)
+    if method != "full":
+        sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
+        noise = 4 * min(opt.block, max(sizes))
     trainset = tasks.examples(task, steps * batch_size * world, seed=seed)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +173,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     extra, t0 = 0, time.perf_counter()
     with open(out_dir / "metrics.jsonl", "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(1, steps + 1):
-            loss, held = _step(method, opt, model, batch_of(step), params)
+            loss, held = _step(method, opt, model, batch_of(step), params, noise)
             extra = max(extra, held)
             if step % log_every == 0 or step == steps:
                 rec = {"step": step, "loss": loss, "seconds": time.perf_counter() - t0}

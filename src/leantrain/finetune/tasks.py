@@ -75,27 +75,16 @@ class Batch:
         return Batch(self.idx.to(device), self.last.to(device), self.cand.to(device), self.label.to(device))
 
 
-def _split_candidates(tok, candidates: list[str]) -> tuple[list[int], list[int]]:
-    """(the tokens all candidates start with, each candidate's next token after them; the built-in
-    tasks' digits share none). The candidates' next tokens must differ (a ValueError otherwise)."""
-    seqs = [tok.encode(c) for c in candidates]
-    n = 0
-    while all(len(q) > n + 1 for q in seqs) and len({q[n] for q in seqs}) == 1:
-        n += 1
-    nxt = [q[n] if len(q) > n else -1 for q in seqs]
-    if -1 in nxt or len(set(nxt)) != len(nxt):
-        raise ValueError(f"candidates {candidates!r} cannot be told apart by one token under this tokenizer")
-    return seqs[0][:n], nxt
-
-
 def encode(exs: list[Example], tok, pad_id: int) -> Batch:
-    """Token ids of the prompts (followed by the tokens the candidates share, if any) and the
-    token each candidate continues them with."""
-    ids, cands = [], []
-    for e, p in zip(exs, tok.encode_batch([e.prompt for e in exs]), strict=True):
-        common, nxt = _split_candidates(tok, e.candidates)
-        ids.append(p + common)
-        cands.append(nxt)
+    """Token ids of the prompts and of each candidate's first token (the candidates of an example
+    must start with different tokens: a ValueError otherwise; the built-in digits always do)."""
+    ids = tok.encode_batch([e.prompt for e in exs])
+    cands = []
+    for e in exs:
+        first = [tok.encode(c)[0] for c in e.candidates]
+        if len(set(first)) != len(first):
+            raise ValueError(f"candidates {e.candidates!r} cannot be told apart by one token under this tokenizer")
+        cands.append(first)
     t = max(len(i) for i in ids)
     idx = torch.full((len(exs), t), pad_id, dtype=torch.long)
     for b, i in enumerate(ids):

@@ -6,7 +6,8 @@ the weights in place), restores ``θ``, and moves every parameter by
 ``θ ← θ(1 - lr·wd) - lr·g·z`` with the projected gradient ``g = (ℓ₊ - ℓ₋) / 2ε``, ``z``
 regenerated from the same seed instead of stored. Extra memory: one noise block at a time
 (:func:`noise_block_for` elements). Restoring by subtraction is exact only up to rounding
-(``θ + εz - 2εz + εz`` is a few ulps off ``θ``); in bf16 that error is ~0.4 % of a weight a step,
+(``θ + εz - 2εz + εz`` is a few ulps off ``θ``); in bf16 that error is up to ~0.4 % of a weight a
+step (by arithmetic: bf16 keeps 8 significant bits, 2⁻⁸ ≈ 0.4 %),
 so MeZO takes fp32 parameters only (GRZO never mutates the weights).
 
 **GRZO** (group-relative zeroth order). Every example ``i`` of the batch gets its own
@@ -116,7 +117,7 @@ class MeZO(torch.optim.Optimizer):
                 if p.dtype != torch.float32:
                     raise ValueError(
                         f"MeZO perturbs the weights in place and restores them by subtraction, which in {p.dtype} "
-                        "loses ~0.4 % of a weight a step; give it fp32 parameters, or use GRZO (weights never "
+                        "loses up to ~0.4 % of a weight a step; give it fp32 parameters, or use GRZO (weights never "
                         "mutated)")
                 if not p.is_contiguous():
                     raise ValueError("MeZO: parameters must be contiguous")
@@ -320,7 +321,7 @@ class GRZO:
         for m in self.modules:
             w = m.weight
             key = self._key(m)
-            r, s = self._signs[id(m)] if id(m) in self._signs else (None, None)
+            r, s = self._signs.get(id(m), (None, None))
             if r is None:  # the module did not run in this forward: nothing to estimate
                 continue
             ar = a.to(w.device)[:, None] * r.to(torch.float32)  # [B, d_out]
