@@ -574,6 +574,116 @@ def tune_forge_split(log) -> list[dict]:
     return rows
 
 
+def _set_carve(n):
+    """cuBLASLt's SM count target (torch's experimental carveout: the GEMM leaves ``n`` SMs free)."""
+    torch._C._set_sm_carveout_experimental(n)
+
+
+def tune_forge_carve(log) -> list[dict]:
+    """Session 23: the split path (bf16 dW GEMM, then the update) in row chunks, each chunk's update on a
+    second stream beside the next chunk's GEMM, with the GEMM told to leave SMs free (cuBLASLt's SM count
+    target, torch's ``_set_sm_carveout_experimental``) so that the update has somewhere to run (session 6
+    tried the chunks without it: the GEMM took every SM). fp32 W / m / v, AdamW, against torch (bf16
+    matmul, fp32 copy, fused AdamW) and the unchunked split path. Also: the GEMM alone under each carveout
+    with cuBLAS and cuBLASLt, and (where torch has them) green contexts. Each pipelined variant is checked
+    against the split path (same W / m / v bits, or the largest difference)."""
+    from leantrain.forge.kernel import MODE_UPDATE, launch_forge
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [tuple(int(v) for v in s.split("x")) for s in
+              os.environ.get("TUNE_CARVE_SHAPES", "2048x5632,5632x2048,32000x2048,2048x2048").split(",")]
+    ts = [int(v) for v in os.environ.get("TUNE_CARVE_T", "512,1024,2048").split(",")]
+    chunks = [int(v) for v in os.environ.get("TUNE_CARVE_CHUNKS", "2,4,8").split(",")]
+    carves = [int(v) for v in os.environ.get("TUNE_CARVE_SMS", "16,32,48").split(",")]
+    libs = os.environ.get("TUNE_CARVE_LIBS", "cublaslt").split(",")
+    sides = {0: torch.cuda.Stream(priority=0), -1: torch.cuda.Stream(priority=-1)}
+    rows = [{"sms": nsm, "green_contexts": hasattr(torch.cuda, "green_contexts"),
+             "default_blas": str(torch.backends.cuda.preferred_blas_library())}]
+    log(json.dumps(rows[0]))
+    for (N, K) in shapes:
+        for T in ts:
+            torch.manual_seed(0)
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+            w0 = torch.randn(N, K, device="cuda") * 0.02
+            m0, v0 = torch.randn_like(w0) * 1e-4, torch.rand_like(w0) * 1e-8
+            w, m, v = w0.clone(), m0.clone(), v0.clone()
+            g16 = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
+            p = torch.nn.Parameter(w0.clone())
+            opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+
+            def base():
+                p.grad = torch.matmul(dy.t(), x).float()
+                opt.step()
+                p.grad = None
+
+            def upd(r0, r1, ww, mm_, vv):
+                launch_forge(MODE_UPDATE, g=g16[r0:r1], w=ww[r0:r1], states=[mm_[r0:r1], vv[r0:r1]],
+                             kinds=["fp32", "fp32"], rule_name="adamw", hp=hp, step=10)
+
+            def split(ww=w, mm_=m, vv=v):
+                torch.mm(dy.t(), x, out=g16)
+                upd(0, N, ww, mm_, vv)
+
+            def piped(nch, carve, prio, first_full=True, ww=w, mm_=m, vv=v):
+                main, side = torch.cuda.current_stream(), sides[prio]
+                per = -(-N // nch)
+                per = -(-per // 64) * 64  # whole update tiles a chunk
+                side.wait_stream(main)
+                for i, r0 in enumerate(range(0, N, per)):
+                    r1 = min(N, r0 + per)
+                    _set_carve(None if (i == 0 and first_full) else carve)
+                    torch.mm(dy[:, r0:r1].t(), x, out=g16[r0:r1])
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        upd(r0, r1, ww, mm_, vv)
+                _set_carve(None)
+                main.wait_stream(side)
+
+            row = {"N": N, "K": K, "T": T}
+            prev = torch.backends.cuda.preferred_blas_library()
+            try:
+                row["torch_ms"] = _bench(base)
+                row["split_ms"] = _bench(split)
+                for lib in ["cublas"] + libs:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    for c in [None] + carves:
+                        _set_carve(c)
+                        row[f"mm_{lib}_c{c or 0}_ms"] = _bench(lambda: torch.mm(dy.t(), x, out=g16))
+                    _set_carve(None)
+                # the reference update (one step from the same start) for the bit checks
+                ref = [w0.clone(), m0.clone(), v0.clone()]
+                torch.backends.cuda.preferred_blas_library(prev)
+                split(*ref)
+                for lib in libs:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    for nch in chunks:
+                        for carve in carves:
+                            for prio in (0, -1):
+                                got = [w0.clone(), m0.clone(), v0.clone()]
+                                piped(nch, carve, prio, True, *got)
+                                torch.cuda.synchronize()
+                                same = all(torch.equal(a, b) for a, b in zip(got, ref))
+                                diff = float((got[0] - ref[0]).abs().max())
+                                ms = _bench(lambda: piped(nch, carve, prio))
+                                row[f"pipe_{lib}_n{nch}_c{carve}_p{prio}"] = {"ms": ms, "same": same,
+                                                                              "w_maxdiff": diff}
+                best = min((val["ms"], k) for k, val in row.items() if k.startswith("pipe_"))
+                row["best_pipe"] = best[1]
+                row["torch/split"] = row["torch_ms"] / row["split_ms"]
+                row["torch/best_pipe"] = row["torch_ms"] / best[0]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                _set_carve(None)
+                torch.backends.cuda.preferred_blas_library(prev)
+            log(json.dumps({k: v for k, v in row.items() if not k.startswith("pipe_")}))
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
 # the 1b preset's fused layers (N, K, count): q / o, k / v, gate / up, down, the LM head
 SHAPES_1B = ((2048, 2048, 44), (256, 2048, 44), (5632, 2048, 44), (2048, 5632, 22), (32000, 2048, 1))
 
@@ -1141,7 +1251,7 @@ def main(argv=None) -> int:
               "host": lambda: tune_host(log),
               "forge_paths": lambda: tune_forge_paths(log), "forge_split": lambda: tune_forge_split(log),
               "forge_update16": lambda: tune_forge_update16(log), "forge": lambda: tune_forge(log),
-              "forge_group": lambda: tune_forge_group(log)}
+              "forge_group": lambda: tune_forge_group(log), "forge_carve": lambda: tune_forge_carve(log)}
     for name, tuner in tuners.items():
         if name in what:
             extra = {"mib": a.mib} if name == "ops" else {}
