@@ -587,9 +587,12 @@ def tune_forge_carve(log) -> list[dict]:
     matmul, fp32 copy, fused AdamW) and the unchunked split path. Also: the GEMM alone under each carveout
     with cuBLAS and cuBLASLt, and (where torch has them) green contexts. Each pipelined variant is checked
     against the split path (same W / m / v bits, or the largest difference)."""
+    from triton.testing import do_bench_cudagraph
+
     from leantrain.forge.kernel import MODE_UPDATE, launch_forge
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    graphed = os.environ.get("TUNE_CARVE_GRAPH", "0") == "1"
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [tuple(int(v) for v in s.split("x")) for s in
               os.environ.get("TUNE_CARVE_SHAPES", "2048x5632,5632x2048,32000x2048,2048x2048").split(",")]
@@ -646,6 +649,47 @@ def tune_forge_carve(log) -> list[dict]:
             try:
                 row["torch_ms"] = _bench(base)
                 row["split_ms"] = _bench(split)
+                if graphed:  # GPU time: every variant as a CUDA graph replay (torch's AdamW capturable)
+                    pg = torch.nn.Parameter(w0.clone())
+                    pg.grad = torch.zeros_like(pg)
+                    optg = torch.optim.AdamW([pg], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                             fused=True, capturable=True)
+
+                    def base_g():
+                        pg.grad.copy_(torch.matmul(dy.t(), x))
+                        optg.step()
+
+                    base_g()
+                    row["torch_graph_ms"] = do_bench_cudagraph(base_g, rep=40)
+                    row["split_graph_ms"] = do_bench_cudagraph(split, rep=40)
+                    torch.backends.cuda.preferred_blas_library(libs[0])
+                    for nch in chunks:
+                        for carve in carves:
+                            for prio in (0, -1):
+                                piped(nch, carve, prio)
+                                row[f"gpipe_n{nch}_c{carve}_p{prio}"] = {
+                                    "ms": do_bench_cudagraph(lambda: piped(nch, carve, prio), rep=40)}
+                    torch.backends.cuda.preferred_blas_library(prev)
+                    for lib in ("cublas", libs[0]):  # host time of one dW GEMM call (no synchronization)
+                        torch.backends.cuda.preferred_blas_library(lib)
+                        for c in (None, carves[0]):
+                            _set_carve(c)
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            for _ in range(200):
+                                torch.mm(dy.t(), x, out=g16)
+                            row[f"host_mm_{lib}_c{c or 0}_us"] = (time.perf_counter() - t0) / 200 * 1e6
+                            torch.cuda.synchronize()
+                            _set_carve(None)
+                    torch.backends.cuda.preferred_blas_library(prev)
+                    best = min((val["ms"], k) for k, val in row.items() if k.startswith("gpipe_"))
+                    row["best_gpipe"] = best[1]
+                    row["torch_graph/split_graph"] = row["torch_graph_ms"] / row["split_graph_ms"]
+                    row["torch_graph/best_gpipe"] = row["torch_graph_ms"] / best[0]
+                    row["torch/best_gpipe"] = row["torch_ms"] / best[0]
+                    log(json.dumps({k: v for k, v in row.items() if not k.startswith("gpipe_")}))
+                    rows.append(row)
+                    continue
                 for lib in ["cublas"] + libs:
                     torch.backends.cuda.preferred_blas_library(lib)
                     for c in [None] + carves:
