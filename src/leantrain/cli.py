@@ -3,7 +3,7 @@
     leantrain train --preset tiny --steps 300 --out runs/a
     leantrain train --preset tiny --baseline --out runs/base
     leantrain compare --preset tiny --steps 300 --out runs/cmp
-    leantrain finetune --method grzo|mezo|full --task compare --from runs/a --out runs/ft
+    leantrain finetune --method grzo|mezo|chunkft|full --task compare --from runs/a --out runs/ft
     leantrain bench ops|forge|agoq|comm [--out DIR]
 
 Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``);
@@ -132,7 +132,8 @@ def cmd_finetune(args, rest) -> int:
     finetune(method=args.method, task=args.task, out=args.out, source=args.source, preset=args.preset,
              steps=args.steps, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, batch_size=args.batch_size,
              eval_examples=args.eval_examples, seed=args.seed, log_every=args.log_every, device=args.device,
-             overrides=config_mod.parse_overrides(rest) if rest else None)
+             overrides=config_mod.parse_overrides(rest) if rest else None, num_chunks=args.num_chunks,
+             interval=args.interval)
     return 0
 
 
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="baseline and every technique side by side")
     _common(p)
     p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")
-    p = sub.add_parser("finetune", help="fine-tune on a generated task: MeZO, GRZO or back-propagation")
-    p.add_argument("--method", required=True, choices=["mezo", "grzo", "full"])
+    p = sub.add_parser("finetune", help="fine-tune on a generated task: MeZO, GRZO, ChunkFT or back-propagation")
+    p.add_argument("--method", required=True, choices=["mezo", "grzo", "chunkft", "full"])
     p.add_argument("--task", required=True, choices=["compare", "lookup", "parity"])
     p.add_argument("--from", dest="source", help="run directory or checkpoint directory (default: random weights)")
     p.add_argument("--preset", default="tiny", help="the model without --from")
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-examples", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--num-chunks", type=int, default=4, help="ChunkFT: chunks of the parameters")
+    p.add_argument("--interval", type=int, default=1, help="ChunkFT: steps each chunk stays active")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", required=True, help="output directory")
     p = sub.add_parser("bench", help="kernel and step micro-benchmarks")

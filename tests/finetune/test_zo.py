@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import CharTok
 from leantrain import config as C
 from leantrain.finetune import GRZO, MeZO, tasks
 from leantrain.finetune import zo as zo_mod
@@ -243,23 +244,9 @@ def test_grzo_state_dict_resumes_bit_identically():
 # ---------------------------------------------------------------------- a tiny Llama learns
 
 
-class _CharTok:
-    """A character tokenizer (digits, letters, punctuation) standing in for the run's BPE."""
-
-    def __init__(self):
-        self.chars = sorted(set("0123456789abcdefgh ()[]{},:='%\nmaxsud=+-"))
-        self.eot_id = len(self.chars)
-
-    def encode(self, s):
-        return [self.chars.index(c) for c in s]
-
-    def encode_batch(self, ss):
-        return [self.encode(s) for s in ss]
-
-
 @pytest.mark.parametrize("method", ["mezo", "grzo"])
 def test_zeroth_order_learns_the_compare_task(method):
-    tok = _CharTok()
+    tok = CharTok()
     cfg = C.build("tiny", overrides={"model.dim": "32", "model.n_layers": "1", "model.n_heads": "2",
                                      "model.n_kv_heads": "1", "model.ffn_dim": "64",
                                      "model.vocab_size": str(tok.eot_id + 1)})

@@ -1,7 +1,9 @@
-"""Fine-tuning: zeroth-order MeZO and GRZO (no backward pass, no optimizer state) on tasks the
-project generates itself; ``leantrain finetune`` runs them (:mod:`leantrain.finetune.run`)."""
+"""Fine-tuning: zeroth-order MeZO and GRZO (no backward pass, no optimizer state) and ChunkFT
+(back-propagation into one working set of the parameters at a time) on tasks the project
+generates itself; ``leantrain finetune`` runs them (:mod:`leantrain.finetune.run`)."""
 
 from . import tasks
+from .chunkft import ChunkFT
 from .zo import GRZO, MeZO
 
-__all__ = ["MeZO", "GRZO", "tasks"]
+__all__ = ["MeZO", "GRZO", "ChunkFT", "tasks"]

@@ -1,5 +1,6 @@
-"""``leantrain finetune``: fine-tune a trained model on a generated task with MeZO, GRZO or
-back-propagation (``full``: AdamW), and measure accuracy and memory.
+"""``leantrain finetune``: fine-tune a trained model on a generated task with MeZO, GRZO, ChunkFT
+(back-propagation into one chunk of the parameters at a time) or back-propagation (``full``:
+AdamW), and measure accuracy and memory.
 
     leantrain finetune --method grzo --task compare --from runs/default --steps 300 --out runs/ft
 
@@ -13,7 +14,8 @@ the run's config and ``tokenizer.json`` (so ``--from`` takes the output director
 memory. Memory is counted: the weights, and
 what the method holds on top of them at its peak (gradients and AdamW states for ``full``; for
 the zeroth-order methods one noise block and GRZO's per-example signs, read from the tensors
-each step made). On CUDA also the allocator's peak over the steps, against the peak of plain
+each step made; for ChunkFT the active chunk's gradient rows and AdamW states on the device, the
+other chunks' states, offloaded to host memory, apart as ``offloaded_bytes``). On CUDA also the allocator's peak over the steps, against the peak of plain
 inference forwards of the same batches (``peak_vs_inference``).
 
 Under ``torchrun`` (``--method mezo|grzo``; gloo on CPU, NCCL on CUDA) each rank takes
@@ -35,12 +37,13 @@ from leantrain import checkpoint, collectives, data
 from leantrain import config as config_mod
 from leantrain.config import ConfigError
 from leantrain.finetune import tasks
+from leantrain.finetune.chunkft import ChunkFT
 from leantrain.finetune.zo import GRZO, MeZO
 from leantrain.ledger import count_bytes, tensors_in
 from leantrain.model import Llama
 
-METHODS = ("mezo", "grzo", "full")
-DEFAULT_LR = {"mezo": 3e-4, "grzo": 1e-5, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
+METHODS = ("mezo", "grzo", "chunkft", "full")
+DEFAULT_LR = {"mezo": 3e-4, "grzo": 1e-5, "chunkft": 1e-4, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
 
 
 def load_model(source: str | None, preset: str, device, overrides: dict | None = None
@@ -80,6 +83,15 @@ def _step(method: str, opt, model, b: tasks.Batch, params: list, noise: int) -> 
     if method == "grzo":
         loss = opt.step(lambda: tasks.losses(model, b))
         return loss, opt.last["sign_bytes"] + noise
+    if method == "chunkft":  # the active chunk's gradient rows and state: what it holds on the device
+        model.train()
+        opt.zero_grad()
+        lv = tasks.losses(model, b).mean()
+        lv.backward()
+        held = opt.device_state_bytes()
+        opt.step()
+        model.eval()
+        return float(lv.detach()), held
     model.train()
     opt.zero_grad(set_to_none=True)
     lv = tasks.losses(model, b).mean()
@@ -94,7 +106,8 @@ def _step(method: str, opt, model, b: tasks.Batch, params: list, noise: int) -> 
 def finetune(*, method: str, task: str, out: str, source: str | None = None, preset: str = "tiny",
              steps: int = 300, lr: float | None = None, eps: float = 1e-3, weight_decay: float = 0.0,
              batch_size: int = 16, eval_examples: int = 512, seed: int = 0, log_every: int = 10,
-             device: str | None = None, overrides: dict | None = None, log=print) -> dict:
+             device: str | None = None, overrides: dict | None = None, num_chunks: int = 4, interval: int = 1,
+             log=print) -> dict:
     if method not in METHODS:
         raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if task not in tasks.TASKS:
@@ -104,8 +117,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        if method == "full":
-            raise ConfigError("finetune --method full runs in one process; under torchrun use mezo or grzo "
+        if method in ("full", "chunkft"):
+            raise ConfigError(f"finetune --method {method} runs in one process; under torchrun use mezo or grzo "
                               "(or leantrain train for data-parallel back-propagation)")
         if not dist.is_initialized():
             if dev.type == "cuda":
@@ -145,11 +158,18 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         if opt.frozen:
             log(f"GRZO leaves {len(opt.frozen)} parameters as they are: {', '.join(opt.frozen[:4])}"
                 f"{' ...' if len(opt.frozen) > 4 else ''}")
+    elif method == "chunkft":
+        try:
+            opt = ChunkFT(model, "adamw", num_chunks=num_chunks, interval=interval, lr=lr, weight_decay=weight_decay)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        log(f"ChunkFT: {num_chunks} chunks of {', '.join(str(len(c)) for c in opt.chunks)} pieces, "
+            f"each active {interval} step(s) in turn")
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     weights = count_bytes(model.parameters())
     noise = 0  # the largest noise block a zeroth-order step draws (fp32)
-    if method != "full":
+    if method in ("mezo", "grzo"):
         sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
         noise = 4 * min(opt.block, max(sizes))
     trainset = tasks.examples(task, steps * batch_size * world, seed=seed)
@@ -183,6 +203,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     secs = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) if cuda else 0  # (the steps only: read before the evaluation)
     model.eval()
+    if method == "chunkft":
+        opt.detach()  # (the model's own forwards again)
     acc1, loss1 = tasks.accuracy(model, evalb)
     meta = {"config": cfg.to_dict(), "finetune": {"method": method, "task": task, "from": origin, "lr": lr}}
     ckpt = checkpoint.save(out_dir, steps, model.state_dict(), {"optimizer": opt.state_dict(), "step": steps}, meta,
@@ -200,6 +222,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     }
     if method == "grzo":
         summary["grzo_frozen"] = opt.frozen
+    if method == "chunkft":
+        summary.update(num_chunks=num_chunks, interval=interval, offloaded_bytes=opt.host_state_bytes())
     if cuda:
         summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

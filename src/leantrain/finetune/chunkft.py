@@ -1,0 +1,402 @@
+"""ChunkFT: full-parameter fine-tuning one working set (chunk) of the parameters at a time.
+
+The trainable parameters are cut into ``num_chunks`` chunks of about equal bytes (weight,
+gradient and optimizer state counted together), in ``named_parameters()`` order, so a chunk is
+a contiguous run of layers; a parameter that straddles a boundary is cut between rows (dim 0:
+the output rows of a linear, the vocabulary rows of an embedding, a run of a 1-D weight's
+elements). Row slices of a contiguous tensor are contiguous views, so a chunk's weights are
+stepped in place.
+
+One chunk is active at a time and the chunks take turns, ``interval`` steps each:
+- **Gradients.** Linear layers (``nn.Linear``, and modules with a ``linear_fn`` such as the LM
+  head) and embeddings run through autograd functions whose backward always computes the input
+  gradient in full but the weight gradient only for the active rows, into a buffer the size of
+  those rows (``dYᵀX`` on the rows' columns of ``dY``; an embedding's rows by ``index_add`` of
+  the tokens that fall in them). Nothing is written to ``.grad``. Parameters of other modules
+  (norm weights) get their ordinary, whole ``.grad`` while any part of them is active (small);
+  only the active part is stepped. Parameters of inactive chunks have ``requires_grad`` off, so
+  backward stops at the first active layer and saves no activations before it.
+- **Optimizer state.** Any :mod:`leantrain.optim.rules` rule, in fp32. Only the active chunk's
+  state is on the parameters' device; the others wait in host memory (pinned when the device is
+  CUDA) and are copied in when their turn comes. Each chunk counts its own steps (AdamW's bias
+  correction follows the updates the chunk actually received).
+- **The step** applies the rule to the active rows in row blocks (at most ``block_elems``
+  elements at once), so its temporaries are a block's, not the chunk's.
+
+Gradient accumulation works (backward adds into the row buffers); clipping (``max_norm``) is
+by the active chunk's gradient norm. A piece whose gradient is not finite is not stepped
+(``last["skipped"]`` names it). ``state_dict()`` holds the plan, the schedule and every chunk's
+state; ``load_state_dict`` resumes bit for bit.
+
+Reference: ChunkFT (arXiv 2605.21177; ``research/memory.md`` §1b). Differences from the
+authors' code: the cold state stays fp32 (theirs is stored as bf16 by default, lossy), every
+chunk has its own step count (theirs shares one a parameter), and RMSNorm's gradient is
+autograd's (theirs uses LayerNorm's formula, a bug).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leantrain.ops._backend import mm_fp32
+from leantrain.optim.rules import Rule, make_rule
+
+
+@dataclass(eq=False)
+class Piece:
+    """Rows ``[lo, hi)`` of parameter ``name`` (dim 0) in one chunk."""
+
+    name: str
+    param: nn.Parameter
+    lo: int
+    hi: int
+
+    @property
+    def numel(self) -> int:
+        return (self.hi - self.lo) * (self.param[0].numel() if self.param.dim() > 1 else 1)
+
+    def view(self, t: Tensor) -> Tensor:
+        return t[self.lo:self.hi]
+
+
+def plan_chunks(named: list[tuple[str, nn.Parameter]], num_chunks: int, state_bytes: int) -> list[list[Piece]]:
+    """Cut ``named`` parameters (in order) into ``num_chunks`` runs of about equal bytes: each
+    element costs its weight and gradient bytes plus ``state_bytes`` of optimizer state. Cuts
+    fall between rows; a chunk may be empty only if there are fewer rows than chunks."""
+    if num_chunks < 1:
+        raise ValueError(f"ChunkFT: num_chunks must be >= 1, got {num_chunks}")
+    rows = []  # (name, param, bytes a row, number of rows)
+    for name, p in named:
+        if p.numel() == 0:
+            continue
+        n_rows = p.shape[0] if p.dim() else 1
+        per_row = (p.numel() // max(n_rows, 1)) * (2 * p.element_size() + state_bytes)
+        rows.append((name, p, per_row, n_rows))
+    total = sum(r * n for _, _, r, n in rows)
+    chunks: list[list[Piece]] = [[] for _ in range(num_chunks)]
+    done = 0  # bytes before the current row
+    for name, p, per_row, n_rows in rows:
+        lo = 0
+        while lo < n_rows:
+            k = min(num_chunks - 1, done * num_chunks // total)
+            end_bytes = (k + 1) * total // num_chunks  # where chunk k ends
+            hi = n_rows if k == num_chunks - 1 else min(n_rows, max(lo + 1, lo + -(-(end_bytes - done) // per_row)))
+            chunks[k].append(Piece(name, p, lo, hi))
+            done += (hi - lo) * per_row
+            lo = hi
+    if any(not c for c in chunks):
+        raise ValueError(f"ChunkFT: {num_chunks} chunks is more than the model's parameters have rows to cut")
+    return chunks
+
+
+class _Handle:
+    """What a patched module's autograd function asks the optimizer: the active rows of a parameter."""
+
+    def __init__(self, opt: ChunkFT):
+        self.opt = opt
+
+
+class _ChunkLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, handle: _Handle) -> Tensor:
+        ctx.handle, ctx.has_bias = handle, bias is not None
+        ctx.save_for_backward(x, weight)  # (through saved_tensors_hooks: the ledger, AGoQ)
+        ctx.bias = bias
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        opt = ctx.handle.opt
+
+        def dw(lo: int, hi: int) -> Tensor:
+            out = torch.empty(hi - lo, x2.shape[1], dtype=torch.float32, device=x2.device)
+            mm_fp32(dy2[:, lo:hi].t(), x2.to(dy2.dtype), out, allow_upcast=True)
+            return out
+
+        opt._add_grad(weight, dw)
+        if ctx.has_bias:
+            opt._add_grad(ctx.bias, lambda lo, hi: dy2[:, lo:hi].float().sum(0))
+        return dx, None, None, None
+
+
+class _ChunkEmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx: Tensor, weight: Tensor, padding_idx: int | None, handle: _Handle) -> Tensor:
+        ctx.handle, ctx.padding_idx = handle, padding_idx
+        ctx.save_for_backward(idx, weight)
+        return F.embedding(idx, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        idx, weight = ctx.saved_tensors
+        flat, d = idx.reshape(-1), dy.reshape(-1, dy.shape[-1])
+
+        def rows(lo: int, hi: int) -> Tensor:
+            sel = (flat >= lo) & (flat < hi)
+            if ctx.padding_idx is not None:
+                sel &= flat != ctx.padding_idx
+            out = torch.zeros(hi - lo, d.shape[1], dtype=torch.float32, device=d.device)
+            return out.index_add_(0, flat[sel] - lo, d[sel].float())
+
+        ctx.handle.opt._add_grad(weight, rows)
+        return None, None, None, None
+
+
+class _LinearForward:
+    def __init__(self, module: nn.Linear, handle: _Handle):
+        self.module, self.handle = module, handle
+
+    def __call__(self, x: Tensor) -> Tensor:
+        m = self.module
+        return chunk_linear(self.handle, x, m.weight, m.bias)
+
+
+class _LinearFn:
+    def __init__(self, handle: _Handle):
+        self.handle = handle
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return chunk_linear(self.handle, x, weight, bias)
+
+
+class _EmbeddingForward:
+    def __init__(self, module: nn.Embedding, handle: _Handle):
+        self.module, self.handle = module, handle
+
+    def __call__(self, idx: Tensor) -> Tensor:
+        m = self.module
+        if not torch.is_grad_enabled() or not m.weight.requires_grad:
+            return F.embedding(idx, m.weight, m.padding_idx)
+        return _ChunkEmbeddingFn.apply(idx, m.weight, m.padding_idx, self.handle)
+
+
+def chunk_linear(handle: _Handle, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` whose backward gives the weight (and bias) gradient of the active rows only."""
+    if not torch.is_grad_enabled() or not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return F.linear(x, weight, bias)
+    return _ChunkLinearFn.apply(x, weight, bias, handle)
+
+
+class ChunkFT(torch.optim.Optimizer):
+    """``lt.finetune.ChunkFT(model, rule="adamw", num_chunks=4, interval=1, **hyper)``.
+
+    Use it as any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. ``rule``: a name
+    (``sgd``, ``adamw``, ``lion``, ``adams``) or a :mod:`leantrain.optim.rules` rule; keyword
+    arguments (``lr``, ``weight_decay``, ``betas``, ...) override its defaults and land in the
+    one param group, so LR schedulers work. ``interval``: steps a chunk stays active.
+    ``max_norm``: clip the active chunk's gradient to this norm (0: no clipping).
+    ``offload``: keep inactive chunks' state in host memory (pinned on CUDA); off, it stays on
+    the device. ``detach()`` restores the model's own forwards.
+    """
+
+    def __init__(self, model: nn.Module, rule: str | Rule = "adamw", *, num_chunks: int = 4, interval: int = 1,
+                 max_norm: float = 0.0, offload: bool = True, block_elems: int = 1 << 22, **hyper):
+        if isinstance(rule, str):
+            rule = make_rule(rule, **hyper)
+        elif hyper:
+            raise ValueError("ChunkFT: pass hyper-parameters in the rule object or with a rule name, not both")
+        if interval < 1:
+            raise ValueError(f"ChunkFT: interval must be >= 1, got {interval}")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ChunkFT: the model has no trainable parameters")
+        self.rule, self.model = rule, model
+        self.num_chunks, self.interval, self.max_norm = num_chunks, interval, float(max_norm)
+        self.offload, self.block_elems = offload, int(block_elems)
+        super().__init__([p for _, p in named], rule.hyper())
+        self.chunks = plan_chunks(named, num_chunks, 4 * len(rule.state_names))
+        self.chunk_steps = [0] * num_chunks
+        self.active, self.in_interval = 0, 0
+        self.cold: list[dict[str, dict[str, Tensor]]] = [{} for _ in range(num_chunks)]  # chunk -> piece key -> state
+        self.hot: dict[str, dict[str, Tensor]] = {}  # the active chunk's state, on the device
+        self.grads: dict[int, tuple[Piece, Tensor]] = {}  # id(param) -> (active piece, its gradient rows)
+        self.last: dict = {}
+        self._handle = _Handle(self)
+        self._patched: list[tuple[nn.Module, str]] = []
+        self._patch(model)
+        self._activate(0)
+
+    # ------------------------------------------------------------------ model hooks
+    def _patch(self, model: nn.Module) -> None:
+        for name, m in model.named_modules():
+            if "_forge_layer" in m.__dict__:
+                raise ValueError(f"ChunkFT: {name} is attached to FORGE; detach it first (lt.forge.detach)")
+            if hasattr(type(m), "linear_fn"):
+                m.linear_fn = _LinearFn(self._handle)
+                self._patched.append((m, "linear_fn"))
+            elif isinstance(m, nn.Linear):
+                m.forward = _LinearForward(m, self._handle)
+                self._patched.append((m, "forward"))
+            elif isinstance(m, nn.Embedding):
+                if m.max_norm is not None or m.sparse:
+                    raise ValueError(f"ChunkFT: embedding {name} uses max_norm or sparse gradients (not supported)")
+                m.forward = _EmbeddingForward(m, self._handle)
+                self._patched.append((m, "forward"))
+        self._sliced = {id(m.weight) for m, _ in self._patched}
+        self._sliced |= {id(m.bias) for m, _ in self._patched if getattr(m, "bias", None) is not None}
+
+    def detach(self) -> None:
+        """Restore the patched modules' own forwards and every parameter's ``requires_grad``."""
+        for m, attr in self._patched:
+            if attr in m.__dict__:
+                delattr(m, attr)
+        self._patched.clear()
+        for p in self.param_groups[0]["params"]:
+            p.requires_grad_(True)
+
+    # ------------------------------------------------------------------ gradients
+    def _add_grad(self, p: Tensor, make: Callable[[int, int], Tensor]) -> None:
+        """Add the gradient rows of ``p``'s active piece (``make(lo, hi)``), if it has one."""
+        entry = self.grads.get(id(p))
+        if entry is None:
+            return
+        piece, g = entry
+        new = make(piece.lo, piece.hi)
+        self.grads[id(p)] = (piece, new if g is None else g.add_(new))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for key, (piece, _) in self.grads.items():
+            self.grads[key] = (piece, None)
+        for piece in self.chunks[self.active]:
+            piece.param.grad = None
+
+    def _grad_of(self, piece: Piece) -> Tensor | None:
+        """The piece's gradient rows: the sliced buffer, plus the rows of ``.grad`` where autograd
+        gave the parameter an ordinary gradient (norm weights; a weight used outside its module)."""
+        g = self.grads[id(piece.param)][1] if id(piece.param) in self._sliced else None
+        full = piece.param.grad
+        if full is not None:
+            g = piece.view(full) if g is None else g + piece.view(full)
+        return g
+
+    # ------------------------------------------------------------------ chunks
+    @staticmethod
+    def _key(piece: Piece) -> str:
+        return f"{piece.name}[{piece.lo}:{piece.hi}]"
+
+    def _activate(self, k: int) -> None:
+        """Make chunk ``k`` the working set: its parameters trainable, its state on the device."""
+        self.active = k
+        chunk = self.chunks[k]
+        mine = {id(pc.param) for pc in chunk}
+        for p in self.param_groups[0]["params"]:
+            p.requires_grad_(id(p) in mine)
+            p.grad = None
+        self.grads = {id(pc.param): (pc, None) for pc in chunk if id(pc.param) in self._sliced}
+        self.hot = {}
+        for pc in chunk:
+            key = self._key(pc)
+            cold = self.cold[k].pop(key, None)
+            if cold is None:
+                self.hot[key] = self.rule.init_state(pc.view(pc.param))
+            else:
+                self.hot[key] = {n: t.to(pc.param.device, non_blocking=True) for n, t in cold.items()}
+
+    def _deactivate(self) -> None:
+        k = self.active
+        for key, st in self.hot.items():
+            self.cold[k][key] = {n: self._to_host(t) for n, t in st.items()} if self.offload else st
+        self.hot = {}
+        self.grads = {}
+
+    @staticmethod
+    def _to_host(t: Tensor) -> Tensor:
+        if t.device.type != "cuda":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        hp = {k: v for k, v in group.items() if k != "params"}
+        chunk = self.chunks[self.active]
+        grads = {self._key(pc): self._grad_of(pc) for pc in chunk}
+        skipped = [key for key, g in grads.items() if g is not None and not bool(torch.isfinite(g).all())]
+        scale = 1.0
+        norm = math.sqrt(sum(float(g.float().pow(2).sum()) for key, g in grads.items()
+                             if g is not None and key not in skipped))
+        if self.max_norm > 0 and norm > self.max_norm:
+            scale = self.max_norm / (norm + 1e-6)
+        self.chunk_steps[self.active] += 1
+        step = self.chunk_steps[self.active]
+        for pc in chunk:
+            key = self._key(pc)
+            g = grads[key]
+            if g is None or key in skipped:
+                continue
+            w, st = pc.view(pc.param), self.hot[key]
+            rows = max(1, self.block_elems // w[0].numel())
+            for r0 in range(0, w.shape[0], rows):
+                sl = slice(r0, r0 + rows)
+                gs = g[sl] * scale if scale != 1.0 else g[sl]
+                p_new, st_new = self.rule.update(w[sl], gs, {n: t[sl] for n, t in st.items()}, step=step, **hp)
+                w[sl].copy_(p_new)
+                for n, t in st_new.items():
+                    st[n][sl].copy_(t)
+        self.last = {"chunk": self.active, "chunk_step": step, "grad_norm": norm, "skipped": skipped}
+        self.zero_grad()
+        self.in_interval += 1
+        if self.in_interval >= self.interval and self.num_chunks > 1:
+            self.in_interval = 0
+            self._deactivate()
+            self._activate((self.active + 1) % self.num_chunks)
+        return loss
+
+    # ------------------------------------------------------------------ memory and checkpoints
+    def device_state_bytes(self) -> int:
+        """Bytes of optimizer state on the device now (the active chunk's) plus the gradients held:
+        the rows' buffers and the ordinary ``.grad`` of the active parameters autograd steps whole."""
+        from leantrain.ledger import count_bytes, tensors_in
+
+        plain = [pc.param.grad for pc in self.chunks[self.active] if pc.param.grad is not None]
+        return count_bytes([*tensors_in(self.hot), *(g for _, g in self.grads.values() if g is not None), *plain])
+
+    def host_state_bytes(self) -> int:
+        """Bytes of the inactive chunks' state (in host memory when ``offload``)."""
+        from leantrain.ledger import count_bytes, tensors_in
+
+        return count_bytes(tensors_in(self.cold))
+
+    def plan(self) -> list[list[list]]:
+        return [[[pc.name, pc.lo, pc.hi] for pc in chunk] for chunk in self.chunks]
+
+    def state_dict(self) -> dict:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # (the host copies of the cold state are complete)
+        state = [{key: {n: t.detach().cpu().clone() for n, t in st.items()} for key, st in cold.items()}
+                 for cold in self.cold]
+        state[self.active].update({key: {n: t.detach().cpu().clone() for n, t in st.items()}
+                                   for key, st in self.hot.items()})
+        return {"rule": self.rule.name, "plan": self.plan(), "chunk_steps": list(self.chunk_steps),
+                "active": self.active, "in_interval": self.in_interval, "interval": self.interval,
+                "state": state, "param_groups": [{k: v for k, v in self.param_groups[0].items() if k != "params"}]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("rule") != self.rule.name or sd.get("plan") != self.plan():
+            raise ValueError("ChunkFT.load_state_dict: the checkpoint was made with another rule, model or "
+                             "num_chunks (its chunk plan differs)")
+        self.param_groups[0].update(sd["param_groups"][0])
+        self.chunk_steps = list(sd["chunk_steps"])
+        self.interval, self.in_interval = sd["interval"], sd["in_interval"]
+        dev = self.param_groups[0]["params"][0].device
+        self.cold = [{key: {n: (self._to_host(t.to(dev)) if self.offload else t.to(dev)) for n, t in st.items()}
+                      for key, st in chunk.items()} for chunk in sd["state"]]
+        self._activate(sd["active"])
+
+
+__all__ = ["ChunkFT", "Piece", "plan_chunks", "chunk_linear"]
