@@ -5,7 +5,7 @@
 #                                            # free (cuBLASLt's SM count target): tune_kernels.py --what forge_carve
 #   OUT=dir bash benchmarks/gpu_s23.sh second  # the same timed as CUDA graph replays (GPU time), host time of a GEMM
 #   OUT=dir bash benchmarks/gpu_s23.sh third   # ChunkFT: tests compiled, tiny compare accuracy, 1b peak memory
-#                                            # (carry runs/s23pre: make train STEPS=300 OUT=runs/s23pre)
+#                                            # (carry runs/s23ft: the last checkpoint, config.json and tokenizer.json of make train STEPS=300)
 # Work goes to /tmp/s23w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -26,13 +26,13 @@ gpu_part /tmp/s23w "${1:-first}"
         benchmarks/tune_kernels.py --what forge_carve --out "$D" 2>&1 | grep -v Warn | cut -c1-1500 | tail -16
       snap ;;
     third)  # ChunkFT: its tests compiled (the pinned-memory offload), the tiny run of make train (carried as
-      # runs/s23pre, 300 steps) on compare against AdamW, then the 1b preset from random weights, 10 steps each:
+      # runs/s23ft, 300 steps) on compare against AdamW, then the 1b preset from random weights, 10 steps each:
       # the allocator's peak of back-propagation with AdamW against ChunkFT's with 4 and 8 chunks
       gpuinfo
       log "chunkft tests"
       gputest 120 tests/finetune/test_chunkft.py
       log "finetune: tiny, compare, 3 seeds"
-      timeout 200 python3 benchmarks/bench_finetune.py --from runs/s23pre --task compare --methods \
+      timeout 200 python3 benchmarks/bench_finetune.py --from runs/s23ft --task compare --methods \
         chunkft:1e-4,3e-4 full:1e-4 --out "$D/tiny" 2>&1 | tail -5
       rm -rf "$D/tiny/runs"
       snap
