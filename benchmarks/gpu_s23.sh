@@ -6,6 +6,7 @@
 #   OUT=dir bash benchmarks/gpu_s23.sh second  # the same timed as CUDA graph replays (GPU time), host time of a GEMM
 #   OUT=dir bash benchmarks/gpu_s23.sh third   # ChunkFT: tests compiled, tiny compare accuracy, 1b peak memory
 #                                            # (carry runs/s23ft: the last checkpoint, config.json and tokenizer.json of make train STEPS=300)
+#   OUT=dir bash benchmarks/gpu_s23.sh fourth  # ChunkFT with its state arena and copy stream: tests, 1b peak and time
 # Work goes to /tmp/s23w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -42,6 +43,22 @@ gpu_part /tmp/s23w "${1:-first}"
         timeout 120 python3 -m leantrain finetune --method ${m%%:*} --num-chunks ${m#*:} --task compare --preset 1b \
           --steps 10 --batch-size 16 --eval-examples 64 --log-every 5 --out "$D/$name" --data.max-corpus-mb 6 2>&1 \
           | tail -2
+        rm -rf "$D/$name/checkpoints"
+        snap
+      done ;;
+    fourth)  # ChunkFT after its state moved to one device arena swapped on a copy stream, and its norms taken
+      # without a piece-sized temporary: the tests compiled, 1b peak and time with 4 and 8 chunks (interval 1),
+      # and 4 chunks with interval 4
+      gpuinfo
+      log "chunkft tests"
+      gputest 120 tests/finetune/test_chunkft.py
+      for m in chunkft:4:1 chunkft:8:1 chunkft:4:4; do  # (method:chunks:interval)
+        name=b1_${m//:/_}
+        IFS=: read -r meth n iv <<< "$m"
+        log "finetune: 1b, random weights, $m"
+        timeout 120 python3 -m leantrain finetune --method $meth --num-chunks $n --interval $iv --task compare \
+          --preset 1b --steps 12 --batch-size 16 --eval-examples 64 --log-every 4 --out "$D/$name" \
+          --data.max-corpus-mb 6 2>&1 | tail -2
         rm -rf "$D/$name/checkpoints"
         snap
       done ;;

@@ -38,10 +38,10 @@ def test_finetune_from_a_run(trained, tmp_path, method):
     weights = s["weights_bytes"]
     if method == "full":  # gradients (4 B) and AdamW's two fp32 states (8 B) a parameter, and its step counters
         assert 3 * weights < s["method_bytes"] < 3 * weights + 1024
-    elif method == "chunkft":  # a quarter of that on the device (4 chunks), the other chunks' states offloaded
+    elif method == "chunkft":  # a quarter of that on the device (4 chunks); every chunk's state in host memory
         assert s["num_chunks"] == 4 and s["interval"] == 1
         assert 0.6 * weights < s["method_bytes"] < 0.9 * weights
-        assert 1.3 * weights < s["offloaded_bytes"] < 1.7 * weights
+        assert s["offloaded_bytes"] == 2 * weights
     else:  # zeroth order: a noise block (and GRZO's int8 signs), far below the weights
         assert 0 < s["method_bytes"] < 0.5 * weights
     if method == "grzo":

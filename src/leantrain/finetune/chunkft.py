@@ -17,9 +17,12 @@ One chunk is active at a time and the chunks take turns, ``interval`` steps each
   only the active part is stepped. Parameters of inactive chunks have ``requires_grad`` off, so
   backward stops at the first active layer and saves no activations before it.
 - **Optimizer state.** Any :mod:`leantrain.optim.rules` rule, in fp32. Only the active chunk's
-  state is on the parameters' device; the others wait in host memory (pinned when the device is
-  CUDA) and are copied in when their turn comes. Each chunk counts its own steps (AdamW's bias
-  correction follows the updates the chunk actually received).
+  state is on the parameters' device, in one flat buffer the size of the largest chunk's state;
+  each chunk's state otherwise waits in a flat host buffer of its own (pinned when the device is
+  CUDA). At a change of chunk the buffer is copied out to the old chunk's host buffer and the new
+  chunk's copied in, on a copy stream of their own: the copies run beside the next forward and
+  backward, and the next ``step()`` waits for them. Each chunk counts its own steps (AdamW's
+  bias correction follows the updates the chunk actually received).
 - **The step** applies the rule to the active rows in row blocks (at most ``block_elems``
   elements at once), so its temporaries are a block's, not the chunk's.
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -216,8 +220,17 @@ class ChunkFT(torch.optim.Optimizer):
         self.chunks = plan_chunks(named, num_chunks, 4 * len(rule.state_names))
         self.chunk_steps = [0] * num_chunks
         self.active, self.in_interval = 0, 0
-        self.cold: list[dict[str, dict[str, Tensor]]] = [{} for _ in range(num_chunks)]  # chunk -> piece key -> state
-        self.hot: dict[str, dict[str, Tensor]] = {}  # the active chunk's state, on the device
+        devs = {p.device for _, p in named}
+        if len(devs) != 1:
+            raise ValueError(f"ChunkFT: the parameters are on several devices ({sorted(map(str, devs))})")
+        self.device = devs.pop()
+        # every chunk's state as one flat fp32 run: the piece's states in rule.state_names order
+        self.sizes = [sum(pc.numel for pc in chunk) * len(rule.state_names) for chunk in self.chunks]
+        self.arena = torch.zeros(max(self.sizes), dtype=torch.float32, device=self.device)  # the active chunk's
+        self.host: list[Tensor | None] = [None] * num_chunks  # each chunk's state while it is inactive
+        self._copy = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ready = None  # an event on the copy stream: the active chunk's state is in the arena
+        self.hot: dict[str, dict[str, Tensor]] = {}  # the active chunk's state: views into the arena
         self.grads: dict[int, tuple[Piece, Tensor]] = {}  # id(param) -> (active piece, its gradient rows)
         self.last: dict = {}
         self._handle = _Handle(self)
@@ -283,8 +296,20 @@ class ChunkFT(torch.optim.Optimizer):
     def _key(piece: Piece) -> str:
         return f"{piece.name}[{piece.lo}:{piece.hi}]"
 
+    def _views(self, k: int) -> dict[str, dict[str, Tensor]]:
+        """Chunk ``k``'s state as views into the arena, by piece key and state name."""
+        out, off = {}, 0
+        for pc in self.chunks[k]:
+            shape = pc.view(pc.param).shape
+            out[self._key(pc)] = {}
+            for name in self.rule.state_names:
+                out[self._key(pc)][name] = self.arena[off:off + pc.numel].view(shape)
+                off += pc.numel
+        return out
+
     def _activate(self, k: int) -> None:
-        """Make chunk ``k`` the working set: its parameters trainable, its state on the device."""
+        """Make chunk ``k`` the working set: its parameters trainable (the others frozen). Its state
+        is in the arena once the copy stream gets there (``_wait``)."""
         self.active = k
         chunk = self.chunks[k]
         mine = {id(pc.param) for pc in chunk}
@@ -292,28 +317,36 @@ class ChunkFT(torch.optim.Optimizer):
             p.requires_grad_(id(p) in mine)
             p.grad = None
         self.grads = {id(pc.param): (pc, None) for pc in chunk if id(pc.param) in self._sliced}
-        self.hot = {}
-        for pc in chunk:
-            key = self._key(pc)
-            cold = self.cold[k].pop(key, None)
-            if cold is None:
-                self.hot[key] = self.rule.init_state(pc.view(pc.param))
+        self.hot = self._views(k)
+
+    def _swap(self, k: int) -> None:
+        """Copy the active chunk's state out of the arena and chunk ``k``'s in (zeros the first
+        time), on the copy stream after the work queued so far; then activate ``k``."""
+        old, cuda = self.active, self._copy is not None
+        if cuda:
+            self._copy.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy) if cuda else _nullcontext():
+            n = self.sizes[old]
+            if n:
+                if self.host[old] is None:
+                    self.host[old] = torch.empty(n, dtype=torch.float32, pin_memory=cuda and self.offload,
+                                                 device="cpu" if self.offload else self.device)
+                self.host[old].copy_(self.arena[:n], non_blocking=cuda)
+            n = self.sizes[k]
+            if self.host[k] is None:
+                self.arena[:n].zero_()
             else:
-                self.hot[key] = {n: t.to(pc.param.device, non_blocking=True) for n, t in cold.items()}
+                self.arena[:n].copy_(self.host[k], non_blocking=cuda)
+            if cuda:
+                self._ready = torch.cuda.Event()
+                self._ready.record(self._copy)
+        self._activate(k)
 
-    def _deactivate(self) -> None:
-        k = self.active
-        for key, st in self.hot.items():
-            self.cold[k][key] = {n: self._to_host(t) for n, t in st.items()} if self.offload else st
-        self.hot = {}
-        self.grads = {}
-
-    @staticmethod
-    def _to_host(t: Tensor) -> Tensor:
-        if t.device.type != "cuda":
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
+    def _wait(self) -> None:
+        """The current stream waits for the copy stream's last swap."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ready = None
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -325,11 +358,15 @@ class ChunkFT(torch.optim.Optimizer):
         group = self.param_groups[0]
         hp = {k: v for k, v in group.items() if k != "params"}
         chunk = self.chunks[self.active]
+        self._wait()
         grads = {self._key(pc): self._grad_of(pc) for pc in chunk}
-        skipped = [key for key, g in grads.items() if g is not None and not bool(torch.isfinite(g).all())]
+        # each piece's norm, one reduction (no temporary the piece's size): a NaN or Inf anywhere in
+        # it (or a norm past fp32's range) and the piece is not stepped
+        norms = {key: float(torch.linalg.vector_norm(g, dtype=torch.float32)) for key, g in grads.items()
+                 if g is not None}
+        skipped = [key for key, n in norms.items() if not math.isfinite(n)]
         scale = 1.0
-        norm = math.sqrt(sum(float(g.float().pow(2).sum()) for key, g in grads.items()
-                             if g is not None and key not in skipped))
+        norm = math.sqrt(sum(n * n for key, n in norms.items() if key not in skipped))
         if self.max_norm > 0 and norm > self.max_norm:
             scale = self.max_norm / (norm + 1e-6)
         self.chunk_steps[self.active] += 1
@@ -353,35 +390,53 @@ class ChunkFT(torch.optim.Optimizer):
         self.in_interval += 1
         if self.in_interval >= self.interval and self.num_chunks > 1:
             self.in_interval = 0
-            self._deactivate()
-            self._activate((self.active + 1) % self.num_chunks)
+            self._swap((self.active + 1) % self.num_chunks)
         return loss
 
     # ------------------------------------------------------------------ memory and checkpoints
     def device_state_bytes(self) -> int:
-        """Bytes of optimizer state on the device now (the active chunk's) plus the gradients held:
-        the rows' buffers and the ordinary ``.grad`` of the active parameters autograd steps whole."""
-        from leantrain.ledger import count_bytes, tensors_in
+        """Bytes on the device beyond the weights now: the state arena (the largest chunk's state)
+        and the gradients held, the rows' buffers and the ordinary ``.grad`` of the active
+        parameters autograd steps whole."""
+        from leantrain.ledger import count_bytes
 
         plain = [pc.param.grad for pc in self.chunks[self.active] if pc.param.grad is not None]
-        return count_bytes([*tensors_in(self.hot), *(g for _, g in self.grads.values() if g is not None), *plain])
+        held = [self.arena, *(g for _, g in self.grads.values() if g is not None), *plain]
+        if not self.offload:
+            held += [t for t in self.host if t is not None]
+        return count_bytes(held)
 
     def host_state_bytes(self) -> int:
-        """Bytes of the inactive chunks' state (in host memory when ``offload``)."""
-        from leantrain.ledger import count_bytes, tensors_in
+        """Bytes of the inactive chunks' state buffers in host memory (0 without ``offload``)."""
+        from leantrain.ledger import count_bytes
 
-        return count_bytes(tensors_in(self.cold))
+        return count_bytes(t for t in self.host if t is not None) if self.offload else 0
 
     def plan(self) -> list[list[list]]:
         return [[[pc.name, pc.lo, pc.hi] for pc in chunk] for chunk in self.chunks]
 
+    def _chunk_state(self, k: int) -> dict[str, dict[str, Tensor]]:
+        """Chunk ``k``'s state (CPU copies) by piece key and state name; {} before its first step."""
+        if k == self.active:
+            src = self.arena
+        elif self.host[k] is not None:
+            src = self.host[k]
+        else:
+            return {}
+        out, off = {}, 0
+        for pc in self.chunks[k]:
+            out[self._key(pc)] = {}
+            for name in self.rule.state_names:
+                out[self._key(pc)][name] = src[off:off + pc.numel].view(pc.view(pc.param).shape).cpu().clone()
+                off += pc.numel
+        return out
+
     def state_dict(self) -> dict:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # (the host copies of the cold state are complete)
-        state = [{key: {n: t.detach().cpu().clone() for n, t in st.items()} for key, st in cold.items()}
-                 for cold in self.cold]
-        state[self.active].update({key: {n: t.detach().cpu().clone() for n, t in st.items()}
-                                   for key, st in self.hot.items()})
+        self._wait()
+        if self._copy is not None:
+            self._copy.synchronize()  # (the host buffers are complete)
+        state = [self._chunk_state(k) if (k == self.active and self.chunk_steps[k]) or self.host[k] is not None
+                 else {} for k in range(self.num_chunks)]
         return {"rule": self.rule.name, "plan": self.plan(), "chunk_steps": list(self.chunk_steps),
                 "active": self.active, "in_interval": self.in_interval, "interval": self.interval,
                 "state": state, "param_groups": [{k: v for k, v in self.param_groups[0].items() if k != "params"}]}
@@ -390,12 +445,22 @@ class ChunkFT(torch.optim.Optimizer):
         if sd.get("rule") != self.rule.name or sd.get("plan") != self.plan():
             raise ValueError("ChunkFT.load_state_dict: the checkpoint was made with another rule, model or "
                              "num_chunks (its chunk plan differs)")
+        self._wait()
         self.param_groups[0].update(sd["param_groups"][0])
         self.chunk_steps = list(sd["chunk_steps"])
         self.interval, self.in_interval = sd["interval"], sd["in_interval"]
-        dev = self.param_groups[0]["params"][0].device
-        self.cold = [{key: {n: (self._to_host(t.to(dev)) if self.offload else t.to(dev)) for n, t in st.items()}
-                      for key, st in chunk.items()} for chunk in sd["state"]]
+        cuda = self._copy is not None
+        self.host = [None] * self.num_chunks
+        self.arena.zero_()
+        for k, chunk_state in enumerate(sd["state"]):
+            if not chunk_state:
+                continue
+            flat = torch.cat([chunk_state[self._key(pc)][name].reshape(-1).float()
+                              for pc in self.chunks[k] for name in self.rule.state_names])
+            if k == sd["active"]:
+                self.arena[:flat.numel()].copy_(flat)
+            else:
+                self.host[k] = (flat.pin_memory() if cuda else flat) if self.offload else flat.to(self.device)
         self._activate(sd["active"])
 
 

@@ -150,6 +150,24 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; before: accuracy {acc0:.3f}, "
         f"loss {loss0:.4f}")
 
+    trainset = tasks.examples(task, steps * batch_size * world, seed=seed)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def batch_of(step: int) -> tasks.Batch:  # this rank's part of the step's global batch
+        first = ((step - 1) * world + rank) * batch_size
+        return tasks.encode(trainset[first:first + batch_size], tok, pad).to(dev)
+
+    cuda = dev.type == "cuda"
+    infer_peak = 0
+    if cuda:  # the inference peak: forwards of the same batches, before the method holds anything
+        for i in range(min(steps, 4)):
+            b = batch_of(i + 1)
+            torch.cuda.reset_peak_memory_stats(dev)
+            with torch.no_grad():
+                tasks.losses(model, b)
+            infer_peak = max(infer_peak, torch.cuda.max_memory_allocated(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     if method == "mezo":
         opt = MeZO(params, lr, eps=eps, weight_decay=weight_decay, seed=seed)
@@ -172,24 +190,6 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     if method in ("mezo", "grzo"):
         sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
         noise = 4 * min(opt.block, max(sizes))
-    trainset = tasks.examples(task, steps * batch_size * world, seed=seed)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def batch_of(step: int) -> tasks.Batch:  # this rank's part of the step's global batch
-        first = ((step - 1) * world + rank) * batch_size
-        return tasks.encode(trainset[first:first + batch_size], tok, pad).to(dev)
-
-    cuda = dev.type == "cuda"
-    infer_peak = 0
-    if cuda:  # the inference peak: forwards of the same batches, no method
-        for i in range(min(steps, 4)):
-            b = batch_of(i + 1)
-            torch.cuda.reset_peak_memory_stats(dev)
-            with torch.no_grad():
-                tasks.losses(model, b)
-            infer_peak = max(infer_peak, torch.cuda.max_memory_allocated(dev))
-        torch.cuda.reset_peak_memory_stats(dev)
     extra, t0 = 0, time.perf_counter()
     with open(out_dir / "metrics.jsonl", "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(1, steps + 1):
@@ -225,7 +225,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     if method == "chunkft":
         summary.update(num_chunks=num_chunks, interval=interval, offloaded_bytes=opt.host_state_bytes())
     if cuda:
-        summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak)
+        summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak,
+                       peak_above_weights_bytes=peak - weights)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"after: accuracy {acc1:.3f} (before {acc0:.3f}), loss {loss1:.4f}; {secs / steps:.3f} s a step; "
         f"weights + method {summary['memory_vs_weights']:.3f}x the weights; summary in {out_dir / 'summary.json'}")
