@@ -72,7 +72,7 @@ class Piece:
 def plan_chunks(named: list[tuple[str, nn.Parameter]], num_chunks: int, state_bytes: int) -> list[list[Piece]]:
     """Cut ``named`` parameters (in order) into ``num_chunks`` runs of about equal bytes: each
     element costs its weight and gradient bytes plus ``state_bytes`` of optimizer state. Cuts
-    fall between rows; a chunk may be empty only if there are fewer rows than chunks."""
+    fall between rows; a ValueError if some chunk would be empty (fewer rows than chunks)."""
     if num_chunks < 1:
         raise ValueError(f"ChunkFT: num_chunks must be >= 1, got {num_chunks}")
     rows = []  # (name, param, bytes a row, number of rows)
@@ -99,19 +99,11 @@ def plan_chunks(named: list[tuple[str, nn.Parameter]], num_chunks: int, state_by
     return chunks
 
 
-class _Handle:
-    """What a patched module's autograd function asks the optimizer: the active rows of a parameter."""
-
-    def __init__(self, opt: ChunkFT):
-        self.opt = opt
-
-
 class _ChunkLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, handle: _Handle) -> Tensor:
-        ctx.handle, ctx.has_bias = handle, bias is not None
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, opt: ChunkFT) -> Tensor:
+        ctx.opt, ctx.bias = opt, bias
         ctx.save_for_backward(x, weight)  # (through saved_tensors_hooks: the ledger, AGoQ)
-        ctx.bias = bias
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -119,7 +111,7 @@ class _ChunkLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        opt = ctx.handle.opt
+        opt = ctx.opt
 
         def dw(lo: int, hi: int) -> Tensor:
             out = torch.empty(hi - lo, x2.shape[1], dtype=torch.float32, device=x2.device)
@@ -127,15 +119,15 @@ class _ChunkLinearFn(torch.autograd.Function):
             return out
 
         opt._add_grad(weight, dw)
-        if ctx.has_bias:
+        if ctx.bias is not None:
             opt._add_grad(ctx.bias, lambda lo, hi: dy2[:, lo:hi].float().sum(0))
         return dx, None, None, None
 
 
 class _ChunkEmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, idx: Tensor, weight: Tensor, padding_idx: int | None, handle: _Handle) -> Tensor:
-        ctx.handle, ctx.padding_idx = handle, padding_idx
+    def forward(ctx, idx: Tensor, weight: Tensor, padding_idx: int | None, opt: ChunkFT) -> Tensor:
+        ctx.opt, ctx.padding_idx = opt, padding_idx
         ctx.save_for_backward(idx, weight)
         return F.embedding(idx, weight, padding_idx)
 
@@ -151,43 +143,43 @@ class _ChunkEmbeddingFn(torch.autograd.Function):
             out = torch.zeros(hi - lo, d.shape[1], dtype=torch.float32, device=d.device)
             return out.index_add_(0, flat[sel] - lo, d[sel].float())
 
-        ctx.handle.opt._add_grad(weight, rows)
+        ctx.opt._add_grad(weight, rows)
         return None, None, None, None
 
 
 class _LinearForward:
-    def __init__(self, module: nn.Linear, handle: _Handle):
-        self.module, self.handle = module, handle
+    def __init__(self, module: nn.Linear, opt: ChunkFT):
+        self.module, self.opt = module, opt
 
     def __call__(self, x: Tensor) -> Tensor:
         m = self.module
-        return chunk_linear(self.handle, x, m.weight, m.bias)
+        return chunk_linear(self.opt, x, m.weight, m.bias)
 
 
 class _LinearFn:
-    def __init__(self, handle: _Handle):
-        self.handle = handle
+    def __init__(self, opt: ChunkFT):
+        self.opt = opt
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return chunk_linear(self.handle, x, weight, bias)
+        return chunk_linear(self.opt, x, weight, bias)
 
 
 class _EmbeddingForward:
-    def __init__(self, module: nn.Embedding, handle: _Handle):
-        self.module, self.handle = module, handle
+    def __init__(self, module: nn.Embedding, opt: ChunkFT):
+        self.module, self.opt = module, opt
 
     def __call__(self, idx: Tensor) -> Tensor:
         m = self.module
         if not torch.is_grad_enabled() or not m.weight.requires_grad:
             return F.embedding(idx, m.weight, m.padding_idx)
-        return _ChunkEmbeddingFn.apply(idx, m.weight, m.padding_idx, self.handle)
+        return _ChunkEmbeddingFn.apply(idx, m.weight, m.padding_idx, self.opt)
 
 
-def chunk_linear(handle: _Handle, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def chunk_linear(opt: ChunkFT, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear`` whose backward gives the weight (and bias) gradient of the active rows only."""
     if not torch.is_grad_enabled() or not (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
-    return _ChunkLinearFn.apply(x, weight, bias, handle)
+    return _ChunkLinearFn.apply(x, weight, bias, opt)
 
 
 class ChunkFT(torch.optim.Optimizer):
@@ -213,7 +205,7 @@ class ChunkFT(torch.optim.Optimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ChunkFT: the model has no trainable parameters")
-        self.rule, self.model = rule, model
+        self.rule = rule
         self.num_chunks, self.interval, self.max_norm = num_chunks, interval, float(max_norm)
         self.offload, self.block_elems = offload, int(block_elems)
         super().__init__([p for _, p in named], rule.hyper())
@@ -233,7 +225,6 @@ class ChunkFT(torch.optim.Optimizer):
         self.hot: dict[str, dict[str, Tensor]] = {}  # the active chunk's state: views into the arena
         self.grads: dict[int, tuple[Piece, Tensor]] = {}  # id(param) -> (active piece, its gradient rows)
         self.last: dict = {}
-        self._handle = _Handle(self)
         self._patched: list[tuple[nn.Module, str]] = []
         self._patch(model)
         self._activate(0)
@@ -244,15 +235,15 @@ class ChunkFT(torch.optim.Optimizer):
             if "_forge_layer" in m.__dict__:
                 raise ValueError(f"ChunkFT: {name} is attached to FORGE; detach it first (lt.forge.detach)")
             if hasattr(type(m), "linear_fn"):
-                m.linear_fn = _LinearFn(self._handle)
+                m.linear_fn = _LinearFn(self)
                 self._patched.append((m, "linear_fn"))
             elif isinstance(m, nn.Linear):
-                m.forward = _LinearForward(m, self._handle)
+                m.forward = _LinearForward(m, self)
                 self._patched.append((m, "forward"))
             elif isinstance(m, nn.Embedding):
                 if m.max_norm is not None or m.sparse:
                     raise ValueError(f"ChunkFT: embedding {name} uses max_norm or sparse gradients (not supported)")
-                m.forward = _EmbeddingForward(m, self._handle)
+                m.forward = _EmbeddingForward(m, self)
                 self._patched.append((m, "forward"))
         self._sliced = {id(m.weight) for m, _ in self._patched}
         self._sliced |= {id(m.bias) for m, _ in self._patched if getattr(m, "bias", None) is not None}

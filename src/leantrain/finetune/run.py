@@ -83,24 +83,20 @@ def _step(method: str, opt, model, b: tasks.Batch, params: list, noise: int) -> 
     if method == "grzo":
         loss = opt.step(lambda: tasks.losses(model, b))
         return loss, opt.last["sign_bytes"] + noise
-    if method == "chunkft":  # the active chunk's gradient rows and state: what it holds on the device
-        model.train()
-        opt.zero_grad()
-        lv = tasks.losses(model, b).mean()
-        lv.backward()
-        held = opt.device_state_bytes()
-        opt.step()
-        model.eval()
-        return float(lv.detach()), held
-    model.train()
+    model.train()  # back-propagation: full, or ChunkFT's active chunk
     opt.zero_grad(set_to_none=True)
     lv = tasks.losses(model, b).mean()
     lv.backward()
-    grads = count_bytes(p.grad for p in params if p.grad is not None)
-    opt.step()
+    if method == "chunkft":  # the active chunk's gradient rows and state arena: what it holds on the device
+        held = opt.device_state_bytes()
+        opt.step()
+    else:
+        grads = count_bytes(p.grad for p in params if p.grad is not None)
+        opt.step()
+        held = max(grads, count_bytes(p.grad for p in params if p.grad is not None)
+                   + count_bytes(tensors_in(dict(opt.state))))
     model.eval()
-    return float(lv.detach()), max(grads, count_bytes(p.grad for p in params if p.grad is not None)
-                                   + count_bytes(tensors_in(dict(opt.state))))
+    return float(lv.detach()), held
 
 
 def finetune(*, method: str, task: str, out: str, source: str | None = None, preset: str = "tiny",
