@@ -145,6 +145,7 @@ def test_only_the_active_rows_hold_gradients_and_device_state():
     opt = ChunkFT(model, "adamw", num_chunks=4, lr=1e-3)
     idx, tgt = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 9))
     total_state = 8 * sum(p.numel() for p in model.parameters())
+    assert opt.host_state_bytes() == total_state  # one block for every chunk's state, from the start
     for k in range(4):
         _loss(model, idx, tgt).backward()
         active = {pc.name for pc in opt.chunks[k]}
@@ -164,7 +165,7 @@ def test_only_the_active_rows_hold_gradients_and_device_state():
         assert opt.device_state_bytes() == 4 * max(opt.sizes) + 4 * rows2d + 4 * whole1d
         assert 4 * max(opt.sizes) < 1.1 * total_state / 4
         opt.step()
-    assert opt.host_state_bytes() == total_state  # every chunk's state has its host buffer once swapped out
+    assert opt.host_state_bytes() == total_state and all(opt.stored)  # each swapped out once
 
 
 def test_backward_saves_nothing_before_the_first_active_layer():

@@ -35,6 +35,7 @@ def test_finetune_from_a_run(trained, tmp_path, method):
     assert 0.0 <= s["accuracy_after"] <= 1.0 and s["eval_loss_after"] > 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4]
+    assert 0 < s["median_step_seconds"] <= lines[-1]["seconds"] and s["setup_seconds"] >= 0
     weights = s["weights_bytes"]
     if method == "full":  # gradients (4 B) and AdamW's two fp32 states (8 B) a parameter, and its step counters
         assert 3 * weights < s["method_bytes"] < 3 * weights + 1024

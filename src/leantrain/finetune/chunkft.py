@@ -18,8 +18,10 @@ One chunk is active at a time and the chunks take turns, ``interval`` steps each
   backward stops at the first active layer and saves no activations before it.
 - **Optimizer state.** Any :mod:`leantrain.optim.rules` rule, in fp32. Only the active chunk's
   state is on the parameters' device, in one flat buffer the size of the largest chunk's state;
-  each chunk's state otherwise waits in a flat host buffer of its own (pinned when the device is
-  CUDA). At a change of chunk the buffer is copied out to the old chunk's host buffer and the new
+  each chunk's state otherwise waits in its part of one flat host buffer, allocated whole at
+  construction and, on CUDA, page-locked to its exact size (``cudaHostRegister``: torch's pinned
+  allocator rounds a request up to a power of two, and pinning chunk by chunk at its first swap
+  stalled the first pass through the chunks for seconds). At a change of chunk the buffer is copied out to the old chunk's host buffer and the new
   chunk's copied in, on a copy stream of their own: the copies run beside the next forward and
   backward, and the next ``step()`` waits for them. Each chunk counts its own steps (AdamW's
   bias correction follows the updates the chunk actually received).
@@ -40,6 +42,7 @@ autograd's (theirs uses LayerNorm's formula, a bug).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
@@ -219,7 +222,11 @@ class ChunkFT(torch.optim.Optimizer):
         # every chunk's state as one flat fp32 run: the piece's states in rule.state_names order
         self.sizes = [sum(pc.numel for pc in chunk) * len(rule.state_names) for chunk in self.chunks]
         self.arena = torch.zeros(max(self.sizes), dtype=torch.float32, device=self.device)  # the active chunk's
-        self.host: list[Tensor | None] = [None] * num_chunks  # each chunk's state while it is inactive
+        # each chunk's state while it is inactive: its part of one block (host, or the device
+        # without offload); stored[k]: chunk k has state there (else it starts from zeros)
+        self._block = _host_block(self, sum(self.sizes))
+        self.host = list(torch.split(self._block, self.sizes))
+        self.stored = [False] * num_chunks
         self._copy = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ready = None  # an event on the copy stream: the active chunk's state is in the arena
         self.hot: dict[str, dict[str, Tensor]] = {}  # the active chunk's state: views into the arena
@@ -319,12 +326,10 @@ class ChunkFT(torch.optim.Optimizer):
         with torch.cuda.stream(self._copy) if cuda else _nullcontext():
             n = self.sizes[old]
             if n:
-                if self.host[old] is None:
-                    self.host[old] = torch.empty(n, dtype=torch.float32, pin_memory=cuda and self.offload,
-                                                 device="cpu" if self.offload else self.device)
                 self.host[old].copy_(self.arena[:n], non_blocking=cuda)
+                self.stored[old] = True
             n = self.sizes[k]
-            if self.host[k] is None:
+            if not self.stored[k]:
                 self.arena[:n].zero_()
             else:
                 self.arena[:n].copy_(self.host[k], non_blocking=cuda)
@@ -394,14 +399,15 @@ class ChunkFT(torch.optim.Optimizer):
         plain = [pc.param.grad for pc in self.chunks[self.active] if pc.param.grad is not None]
         held = [self.arena, *(g for _, g in self.grads.values() if g is not None), *plain]
         if not self.offload:
-            held += [t for t in self.host if t is not None]
+            held.append(self._block)
         return count_bytes(held)
 
     def host_state_bytes(self) -> int:
-        """Bytes of the inactive chunks' state buffers in host memory (0 without ``offload``)."""
+        """Bytes of the chunks' state block in host memory (0 without ``offload``): every chunk's
+        state, allocated at construction."""
         from leantrain.ledger import count_bytes
 
-        return count_bytes(t for t in self.host if t is not None) if self.offload else 0
+        return count_bytes([self._block]) if self.offload else 0
 
     def plan(self) -> list[list[list]]:
         return [[[pc.name, pc.lo, pc.hi] for pc in chunk] for chunk in self.chunks]
@@ -410,7 +416,7 @@ class ChunkFT(torch.optim.Optimizer):
         """Chunk ``k``'s state (CPU copies) by piece key and state name; {} before its first step."""
         if k == self.active:
             src = self.arena
-        elif self.host[k] is not None:
+        elif self.stored[k]:
             src = self.host[k]
         else:
             return {}
@@ -426,7 +432,7 @@ class ChunkFT(torch.optim.Optimizer):
         self._wait()
         if self._copy is not None:
             self._copy.synchronize()  # (the host buffers are complete)
-        state = [self._chunk_state(k) if (k == self.active and self.chunk_steps[k]) or self.host[k] is not None
+        state = [self._chunk_state(k) if (k == self.active and self.chunk_steps[k]) or self.stored[k]
                  else {} for k in range(self.num_chunks)]
         return {"rule": self.rule.name, "plan": self.plan(), "chunk_steps": list(self.chunk_steps),
                 "active": self.active, "in_interval": self.in_interval, "interval": self.interval,
@@ -437,11 +443,12 @@ class ChunkFT(torch.optim.Optimizer):
             raise ValueError("ChunkFT.load_state_dict: the checkpoint was made with another rule, model or "
                              "num_chunks (its chunk plan differs)")
         self._wait()
+        if self._copy is not None:
+            self._copy.synchronize()  # (no copy into or out of the host block is in flight)
         self.param_groups[0].update(sd["param_groups"][0])
         self.chunk_steps = list(sd["chunk_steps"])
         self.interval, self.in_interval = sd["interval"], sd["in_interval"]
-        cuda = self._copy is not None
-        self.host = [None] * self.num_chunks
+        self.stored = [False] * self.num_chunks
         self.arena.zero_()
         for k, chunk_state in enumerate(sd["state"]):
             if not chunk_state:
@@ -451,8 +458,31 @@ class ChunkFT(torch.optim.Optimizer):
             if k == sd["active"]:
                 self.arena[:flat.numel()].copy_(flat)
             else:
-                self.host[k] = (flat.pin_memory() if cuda else flat) if self.offload else flat.to(self.device)
+                self.host[k].copy_(flat)
+                self.stored[k] = True
         self._activate(sd["active"])
+
+
+def _host_block(opt: ChunkFT, n: int) -> Tensor:
+    """A flat fp32 buffer of ``n`` elements for the inactive chunks' state: on the device without
+    offload; else in host memory, page-locked on CUDA (so the copies run asynchronously) to its
+    exact size by ``cudaHostRegister`` and unregistered when ``opt`` is collected."""
+    if not opt.offload or opt.device.type != "cuda":
+        return torch.zeros(n, dtype=torch.float32, device="cpu" if opt.offload else opt.device)
+    block = torch.zeros(n, dtype=torch.float32)  # (zeroed by torch's threads: the pages exist before locking)
+    if n:
+        nbytes = n * block.element_size()
+        err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0))
+        if err:
+            raise RuntimeError(f"ChunkFT: page-locking {nbytes} bytes of host memory failed (CUDA error {err}); "
+                               "pass offload=False to keep the state on the device")
+        # the finalizer holds the block: its memory is unregistered before it can be freed
+        weakref.finalize(opt, _unpin, block).atexit = False
+    return block
+
+
+def _unpin(block: Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
 
 
 __all__ = ["ChunkFT", "Piece", "plan_chunks", "chunk_linear"]

@@ -10,8 +10,9 @@ directory, with the run's ``tokenizer.json`` (the trainer writes it); without it
 memory measurements).
 Writes ``metrics.jsonl`` (a line per logged step), the fine-tuned weights as a checkpoint with
 the run's config and ``tokenizer.json`` (so ``--from`` takes the output directory too), and
-``summary.json``: accuracy and loss on an evaluation set before and after, seconds a step, and
-memory. Memory is counted: the weights, and
+``summary.json``: accuracy and loss on an evaluation set before and after, seconds a step (the
+mean over the steps, and the median step: the first steps pay one-time costs), the seconds taken
+to build the optimizer (``setup_seconds``), and memory. Memory is counted: the weights, and
 what the method holds on top of them at its peak (gradients and AdamW states for ``full``; for
 the zeroth-order methods one noise block and GRZO's per-example signs, read from the tensors
 each step made; for ChunkFT the active chunk's gradient rows and AdamW states on the device, the
@@ -165,6 +166,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
             infer_peak = max(infer_peak, torch.cuda.max_memory_allocated(dev))
         torch.cuda.reset_peak_memory_stats(dev)
     params = [p for p in model.parameters() if p.requires_grad]
+    t_setup = time.perf_counter()
     if method == "mezo":
         opt = MeZO(params, lr, eps=eps, weight_decay=weight_decay, seed=seed)
     elif method == "grzo":
@@ -181,15 +183,18 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
             f"each active {interval} step(s) in turn")
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    setup = time.perf_counter() - t_setup  # (ChunkFT page-locks its host block here)
     weights = count_bytes(model.parameters())
     noise = 0  # the largest noise block a zeroth-order step draws (fp32)
     if method in ("mezo", "grzo"):
         sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
         noise = 4 * min(opt.block, max(sizes))
-    extra, t0 = 0, time.perf_counter()
+    extra, t0, times = 0, time.perf_counter(), []
     with open(out_dir / "metrics.jsonl", "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(1, steps + 1):
-            loss, held = _step(method, opt, model, batch_of(step), params, noise)
+            t = time.perf_counter()
+            loss, held = _step(method, opt, model, batch_of(step), params, noise)  # (ends on a loss read back)
+            times.append(time.perf_counter() - t)
             extra = max(extra, held)
             if step % log_every == 0 or step == steps:
                 rec = {"step": step, "loss": loss, "seconds": time.perf_counter() - t0}
@@ -213,7 +218,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         "tokenizer": str(tok_path) if tok_path else "the corpus's",
         "steps": steps, "batch_size": batch_size, "lr": lr, "eps": eps, "seed": seed, "device": str(dev),
         "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,
-        "checkpoint": str(ckpt), "seconds_per_step": secs / steps, "weights_bytes": weights, "method_bytes": extra,
+        "checkpoint": str(ckpt), "seconds_per_step": secs / steps,
+        "median_step_seconds": sorted(times)[len(times) // 2], "setup_seconds": setup, "weights_bytes": weights, "method_bytes": extra,
         "memory_vs_weights": (weights + extra) / weights,
     }
     if method == "grzo":
