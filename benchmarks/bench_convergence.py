@@ -31,6 +31,11 @@ DIST_RECIPES = {
     "ddp-int8": {"dist.comm": "int8"},
     "sharded": {"dist.mode": "sharded"},
     "sharded-sdp4bit": {"dist.mode": "sharded", "dist.comm": "sdp4bit"},
+    # SCAPE's recipes use AdamS (masks from its first moment): compare them with sharded-adams
+    "sharded-adams": {"dist.mode": "sharded", "optim.name": "adams"},
+    "sharded-scape90": {"dist.mode": "sharded", "optim.name": "adams", "dist.comm": "scape", "dist.scape_density": 0.1},
+    "sharded-scape99": {"dist.mode": "sharded", "optim.name": "adams", "dist.comm": "scape",
+                        "dist.scape_density": 0.01},
 }
 
 

@@ -157,7 +157,8 @@ class AgoqConfig:
 @dataclass
 class DistConfig:
     mode: Literal["ddp", "sharded"] = "ddp"
-    comm: Literal["none", "int8", "sdp4bit"] = "none"
+    comm: Literal["none", "int8", "sdp4bit", "scape"] = "none"
+    scape_density: float = 0.1  # dist.comm scape: fraction of each shard's coordinates sent a step
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
     timeout_s: float = 120.0
 

@@ -8,7 +8,7 @@ that the config asks for, composing the techniques:
 - ``agoq.enabled``: saved activations packed by :mod:`leantrain.agoq` around
   forward+backward; ``agoq.grad_bits=8``: int8 gradient accumulation buffers;
 - ``dist.mode="sharded"``: :class:`leantrain.dist.ShardedOptimizer` with the
-  compressor ``dist.comm`` (``none`` / ``sdp4bit``);
+  compressor ``dist.comm`` (``none`` / ``sdp4bit`` / ``scape``, with ``dist.scape_density``);
 - otherwise the reference :class:`leantrain.optim.Optimizer` (``--baseline``:
   ``torch.optim.AdamW``), wrapped in DDP under torchrun (``dist.comm=int8``:
   AGoQ's 8-bit all-reduce as the DDP comm hook).
@@ -142,8 +142,13 @@ class Trainer:
             raise ConfigError("model.activation_checkpointing and agoq.enabled: checkpointing keeps no activations "
                               "inside the blocks for AGoQ to compress; choose one (AGoQ: ~0.3x the activation "
                               "bytes at ~1.1x the step; checkpointing: the blocks' inputs only, ~1.33x the compute)")
-        if c.dist.comm == "sdp4bit" and c.dist.mode != "sharded":
-            raise ConfigError("dist.comm=sdp4bit needs dist.mode=sharded")
+        if c.dist.comm in ("sdp4bit", "scape") and c.dist.mode != "sharded":
+            raise ConfigError(f"dist.comm={c.dist.comm} needs dist.mode=sharded")
+        if c.dist.comm == "scape" and c.optim.name == "sgd" and c.optim.momentum == 0:
+            raise ConfigError("dist.comm=scape takes its masks from the first moment: use optim.name adams "
+                              "(or adamw, lion, sgd with momentum)")
+        if c.dist.comm == "scape" and not 0 < c.dist.scape_density <= 1:
+            raise ConfigError(f"dist.scape_density must be in (0, 1], got {c.dist.scape_density}")
         if c.dist.comm == "int8" and c.dist.mode != "ddp":
             raise ConfigError("dist.comm=int8 is a DDP all-reduce hook: use it with dist.mode=ddp")
         if c.train.cuda_graph:
@@ -217,7 +222,8 @@ class Trainer:
             from . import comm
             from . import dist as ltdist
 
-            compression = comm.SDP4Bit() if c.dist.comm == "sdp4bit" else None
+            compression = {"sdp4bit": comm.SDP4Bit, "scape": lambda: comm.SCAPE(c.dist.scape_density)}.get(
+                c.dist.comm, lambda: None)()
             return ltdist.ShardedOptimizer(model, rule, intra_node_size=c.dist.intra_node_size or None,
                                            compression=compression, max_grad_norm=c.optim.grad_clip or None)
         self._wrap_ddp()

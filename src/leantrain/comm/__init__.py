@@ -4,6 +4,8 @@
   4-bit inter-node) Hadamard-smoothed gradient reduce-scatter, for
   :class:`leantrain.dist.ShardedOptimizer` (``compression=lt.comm.SDP4Bit()``) and, for the
   gradient half, FSDP2 (:class:`SDP4BitReduceScatter`).
+- :class:`SCAPE`: sparse gradient and weight communication over a global mask from the
+  first moment (AdamS), for :class:`leantrain.dist.ShardedOptimizer`.
 - ``Int8AllReduceState`` / ``int8_allreduce_hook`` / ``int8_all_reduce``: AGoQ's
   precision-preserving 8-bit all-reduce and its DDP comm hook (``comm/int8_allreduce.py``).
 - :func:`estimate_time`: alpha-beta model from ledger bytes to seconds.
@@ -16,6 +18,7 @@ import importlib
 
 from .cost import estimate_time
 from .fsdp import SDP4BitReduceScatter
+from .scape import SCAPE
 from .sdp4bit import NoCompression, Pending, SDP4Bit, bytes_per_element
 from .topology import Topology, get_topology
 
@@ -37,6 +40,7 @@ def __getattr__(name):
 
 __all__ = [
     "SDP4Bit",
+    "SCAPE",
     "NoCompression",
     "Pending",
     "SDP4BitReduceScatter",

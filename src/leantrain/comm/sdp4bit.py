@@ -92,13 +92,14 @@ class NoCompression:
     def alignment(self, topo: Topology) -> int:
         return 1
 
-    def start_reduce_scatter(self, flat: Tensor, topo: Topology, *, seed: int = 0) -> Pending:
+    def start_reduce_scatter(self, flat: Tensor, topo: Topology, *, seed: int = 0, key: int = 0,
+                             state: dict | None = None) -> Pending:
         out = torch.empty(flat.numel() // topo.world, dtype=flat.dtype, device=flat.device)
         w = C.reduce_scatter_tensor(out, flat, group=topo.group, scope="world", async_op=True)
         return Pending(lambda: (_wait(w), out)[1])
 
     def start_weight_gather(self, shard: Tensor, topo: Topology, *, dtype: torch.dtype,
-                            current: Tensor | None = None, seed: int = 0) -> Pending:
+                            current: Tensor | None = None, seed: int = 0, key: int = 0) -> Pending:
         src = shard.to(dtype)
         out = torch.empty(topo.world * src.numel(), dtype=dtype, device=src.device)
         w = C.all_gather_into_tensor(out, src, group=topo.group, scope="world", async_op=True)
@@ -106,6 +107,22 @@ class NoCompression:
 
     def reduce_scatter(self, inp: Tensor, topo: Topology, *, seed: int = 0) -> Tensor:
         return self.start_reduce_scatter(inp, topo, seed=seed).wait()
+
+    # Per-bucket hooks of ShardedOptimizer (``key``: the bucket's index; ``state``: its optimizer
+    # state on this rank). No-ops here; a sparse compressor (SCAPE) uses them.
+    def init_state(self, padded: int, rule, device) -> dict:
+        """Extra per-bucket optimizer state the compressor keeps (checkpointed with the shard)."""
+        return {}
+
+    def update_index(self, key: int, topo: Topology) -> Tensor | None:
+        """The shard-local coordinates this step updates (None: all)."""
+        return None
+
+    def after_update(self, key: int, state: dict, topo: Topology) -> None:
+        """Called once a bucket's shard has been stepped, before its weight gather."""
+
+    def resume(self, states: dict[int, dict], topo: Topology) -> None:
+        """Called after the optimizer loaded a checkpoint (on every rank)."""
 
 
 @dataclass
@@ -184,7 +201,8 @@ class SDP4Bit(NoCompression):
             s = hadamard(s, block=self.hadamard_block, normalized=True, inverse=True)
         return s
 
-    def start_reduce_scatter(self, flat: Tensor, topo: Topology, *, seed: int = 0) -> Pending:
+    def start_reduce_scatter(self, flat: Tensor, topo: Topology, *, seed: int = 0, key: int = 0,
+                             state: dict | None = None) -> Pending:
         if not self.quantize_grads or topo.world == 1:
             return NoCompression.start_reduce_scatter(self, flat.float(), topo, seed=seed)
         n, intra, inter = topo.world, topo.intra, topo.inter
@@ -242,7 +260,7 @@ class SDP4Bit(NoCompression):
     # ------------------------------------------------------------------ weights
 
     def start_weight_gather(self, shard: Tensor, topo: Topology, *, dtype: torch.dtype,
-                            current: Tensor | None = None, seed: int = 0) -> Pending:
+                            current: Tensor | None = None, seed: int = 0, key: int = 0) -> Pending:
         if not self.quantize_weights or topo.world == 1:
             return NoCompression.start_weight_gather(self, shard, topo, dtype=dtype, seed=seed)
         if current is None:

@@ -88,6 +88,7 @@ class CheckpointMixin:
                         st[k].copy_(v)
                     else:
                         st[k] = v
+        self.compression.resume({b.index: self.state[b.index] for b in self.buckets}, self.topo)
 
     # ------------------------------------------------------------------ consolidated
 
@@ -141,6 +142,9 @@ class CheckpointMixin:
                             src = saved[pid][k].reshape(-1)[lo - off:hi - off]
                             st[k][lo - lo_me:hi - lo_me].copy_(src)
                 st["step"] = max(saved[pid]["step"] for pid in b.pids)
+                for k in set(st) - {"step", *keys}:  # compressor state (SCAPE's residual): per rank, not kept
+                    st[k].zero_()
+        self.compression.resume({b.index: self.state[b.index] for b in self.buckets}, self.topo)
 
 
 __all__ = ["CheckpointMixin", "SHARDED_FORMAT", "CONSOLIDATED_FORMAT"]

@@ -18,7 +18,9 @@ fp32 master weights and the optimizer state of those elements, nothing else. One
 3. wait for the all-gathers and write every parameter: all ranks end with identical weights.
 
 With ``compression=lt.comm.SDP4Bit()`` the reduce-scatter is the two-level quantized all-to-all
-and the all-gather carries 4-bit weight differences (see :mod:`leantrain.comm.sdp4bit`).
+and the all-gather carries 4-bit weight differences (see :mod:`leantrain.comm.sdp4bit`); with
+``compression=lt.comm.SCAPE(density)`` both carry only the coordinates of a global mask taken
+from the first moment, and only those coordinates are stepped (see :mod:`leantrain.comm.scape`).
 Only ``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``all_to_all_single``,
 ``all_reduce`` and ``broadcast`` are used, so gloo (CPU) and NCCL (CUDA) both work.
 
@@ -122,7 +124,8 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         with torch.no_grad():
             for b in self.buckets:
                 master = self._flat_weights(b, self.master_dtype)[b.start:b.start + b.shard].clone()
-                self.state[b.index] = {"step": 0, "master": master, **rule.init_state(master)}
+                self.state[b.index] = {"step": 0, "master": master, **rule.init_state(master),
+                                       **self.compression.init_state(b.padded, rule, master.device)}
         self._sync = True
         self._next = 0  # next bucket to launch from the hooks
         self._hooks = []
@@ -166,8 +169,9 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def _launch(self, b: Bucket) -> None:
         try:
+            st = self.state[b.index]
             b.pending = self.compression.start_reduce_scatter(
-                self._flat_grads(b), self.topo, seed=mix_seed(self.state[b.index]["step"] + 1, b.index))
+                self._flat_grads(b), self.topo, seed=mix_seed(st["step"] + 1, b.index), key=b.index, state=st)
         except RuntimeError as e:
             self._fail(f"gradient reduce-scatter of bucket {b.index}", e)
 
@@ -206,21 +210,32 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         st["step"] += 1
         master = st["master"]
         names = self.rule.state_names
+        idx = self.compression.update_index(b.index, self.topo)  # (a sparse compressor's coordinates)
         for lo, hi, gi in b.segments:
             group = self.param_groups[gi]
             hp = {k: v for k, v in group.items() if k != "params"}
-            p_new, s_new = self.rule.update(master[lo:hi], g[lo:hi], {k: st[k][lo:hi] for k in names},
-                                            step=st["step"], **hp)
-            master[lo:hi].copy_(p_new)
-            for k, v in s_new.items():
-                st[k][lo:hi].copy_(v)
+            if idx is None:
+                p_new, s_new = self.rule.update(master[lo:hi], g[lo:hi], {k: st[k][lo:hi] for k in names},
+                                                step=st["step"], **hp)
+                master[lo:hi].copy_(p_new)
+                for k, v in s_new.items():
+                    st[k][lo:hi].copy_(v)
+                continue
+            sel = idx[(idx >= lo) & (idx < hi)]  # only these coordinates: the others keep weight and state
+            if sel.numel():
+                p_new, s_new = self.rule.update(master[sel], g[sel], {k: st[k][sel] for k in names},
+                                                step=st["step"], **hp)
+                master.index_copy_(0, sel, p_new.to(master.dtype))
+                for k, v in s_new.items():
+                    st[k].index_copy_(0, sel, v.to(st[k].dtype))
+        self.compression.after_update(b.index, st, self.topo)
 
     def _gather(self, b: Bucket):
         st = self.state[b.index]
         dtype = b.params[0].dtype
         cur = self._flat_weights(b, dtype) if self.compression.needs_current_weights else None
         return self.compression.start_weight_gather(st["master"], self.topo, dtype=dtype, current=cur,
-                                                    seed=mix_seed(st["step"], b.index))
+                                                    seed=mix_seed(st["step"], b.index), key=b.index)
 
     @torch.no_grad()
     def step(self, closure=None):

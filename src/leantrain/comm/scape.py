@@ -1,0 +1,212 @@
+"""SCAPE: sparse gradient communication with masks from the first moment (arXiv 2607.01678).
+
+A compressor of :class:`leantrain.dist.ShardedOptimizer` (``compression=lt.comm.SCAPE(0.1)``)
+for rules with a first moment (``exp_avg``: AdamS, which it was designed for; AdamW, Lion,
+SGD with momentum work too). Per bucket and step, with ``S`` elements a shard, ``world`` ranks
+and ``k = round(density * S)``:
+
+1. **The mask.** After the owner of a shard has stepped it, it picks ``k`` coordinates of its
+   shard: the largest ``|m|`` (``exp_avg``), plus a rotating window of ``explore * k``
+   coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
+   ``|m|``). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
+   that is smaller) and used at the next step: the all-gather overlaps that step's forward and
+   backward, and every rank holds the same global mask. The first step, before any mask, is
+   dense.
+2. **Gradients.** Each rank adds its error-feedback residual to its flat gradient, takes the
+   ``k`` masked coordinates of every shard (``[world, k]``: no indices on the wire, the mask
+   is global) and reduce-scatters that compact buffer in ``value_dtype``; the owner gets the
+   sum over ranks of its shard's ``k`` coordinates. Whatever was not sent stays in the
+   residual (and the rounding of the sent values to ``value_dtype``) and is sent, accumulated,
+   when its coordinate is next on the mask (``error_feedback=False``: dropped). The sum over
+   ranks itself runs in ``value_dtype``: its rounding is not fed back.
+3. **The update** runs on the masked coordinates only: their weights and rule state change,
+   the others' weights, ``m`` (and AdamW's ``v``) stay as they were, weight decay included (no
+   dense step: with a zero gradient AdamS would still move every weight by about
+   ``lr * b1 / sqrt(b2) * sign(m)``). AdamS's second moment ``b2 m² + (1 - b2) g²`` is
+   rebuilt from ``m`` and the one reduced buffer, as the paper does.
+4. **Weights.** Only masked coordinates changed, so each rank all-gathers the new values of
+   its shard's ``k`` coordinates (model dtype) and every rank writes them into its weights.
+
+Bytes per element a rank sends, per step (``f = (world-1)/world``): gradients
+``f * density * size(value_dtype)``, weights ``f * density * size(model dtype)``, the mask
+``f * min(1/8, 4 * density)``; dense fp32 reduce-scatter + bf16 all-gather: ``f * (4 + 2)``.
+
+State: the residual (one fp32 buffer the size of the bucket on every rank) lives in the
+optimizer's bucket state (``scape_residual``), so per-rank checkpoints hold it; the masks are
+rebuilt from the loaded state (a collective inside ``load_state_dict``), so a resumed run is
+bit-identical. The consolidated (any world size) form leaves the residual out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import collectives as C
+from .sdp4bit import NoCompression, Pending, _wait
+from .topology import Topology
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """Bool ``[n]`` (n a multiple of 8) -> uint8 ``[n / 8]``, bit ``i`` of byte ``j`` = element ``8j + i``."""
+    return (mask.view(-1, 8).to(torch.uint8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor) -> Tensor:
+    """The inverse of :func:`pack_bits`."""
+    return (packed.unsqueeze(-1) & _BITS.to(packed.device)).ne(0).reshape(*packed.shape[:-1], -1)
+
+
+@dataclass
+class SCAPE(NoCompression):
+    """``SCAPE(density=0.1, *, explore=0.1, value_dtype=torch.bfloat16, error_feedback=True)``.
+
+    ``density``: fraction of each shard's coordinates sent a step (0.1: 90 % sparsity).
+    ``explore``: fraction of those ``k`` taken from a rotating window instead of the top ``|m|``.
+    ``value_dtype``: dtype of the reduced gradient values (bf16 halves the bytes of fp32; the sum
+    over ranks then runs in bf16 too)."""
+
+    density: float = 0.1
+    explore: float = 0.1
+    value_dtype: torch.dtype = torch.bfloat16
+    error_feedback: bool = True
+
+    name = "scape"
+
+    def __post_init__(self):
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"SCAPE: density must be in (0, 1], got {self.density}")
+        if not 0.0 <= self.explore < 1.0:
+            raise ValueError(f"SCAPE: explore must be in [0, 1), got {self.explore}")
+        if self.value_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"SCAPE: value_dtype must be float32, bfloat16 or float16, got {self.value_dtype}")
+        self._mask: dict[int, Tensor] = {}  # bucket -> [world, k] int64 shard-local indices in force (sorted)
+        self._next: dict[int, Pending] = {}  # bucket -> the next step's mask, in flight
+        self._sent: dict[int, Tensor] = {}  # bucket -> the residual after this step's send, not yet committed
+        self._moment = "exp_avg"  # the rule's first-moment state (set by init_state)
+
+    @property
+    def needs_current_weights(self) -> bool:  # type: ignore[override]
+        return True
+
+    def alignment(self, topo: Topology) -> int:
+        return 8  # (shards pack into whole bytes of bitmap)
+
+    def k(self, shard: int) -> int:
+        return max(1, min(shard, round(self.density * shard)))
+
+    # ------------------------------------------------------------------ optimizer hooks
+    def init_state(self, padded: int, rule, device) -> dict:
+        moments = [n for n in ("exp_avg", "momentum_buffer") if n in rule.state_names]
+        if not moments:
+            raise ValueError(f"SCAPE takes its masks from the first moment; rule {rule.name!r} has none "
+                             "(use AdamS, AdamW, Lion or SGD with momentum)")
+        self._moment = moments[0]
+        return {"scape_residual": torch.zeros(padded, dtype=torch.float32, device=device)} if self.error_feedback \
+            else {}
+
+    def update_index(self, key: int, topo: Topology) -> Tensor | None:
+        """This step's masked coordinates of this rank's shard (sorted), or None (dense step)."""
+        m = self._mask_in_force(key)
+        return None if m is None else m[topo.rank]
+
+    def _mask_in_force(self, key: int) -> Tensor | None:
+        pend = self._next.pop(key, None)
+        if pend is not None:
+            self._mask[key] = pend.wait()
+        return self._mask.get(key)
+
+    def after_update(self, key: int, state: dict, topo: Topology) -> None:
+        """Commit the residual and launch the all-gather of the next step's mask, built from the
+        owner's first moment after this step."""
+        if key in self._sent:
+            state["scape_residual"] = self._sent.pop(key)
+        self._next[key] = self._gather_mask(state[self._moment], int(state["step"]), topo)
+
+    def resume(self, states: dict[int, dict], topo: Topology) -> None:
+        """After a checkpoint load: rebuild the masks the loaded state implies (collective)."""
+        self._mask.clear()
+        self._next.clear()
+        self._sent.clear()
+        for key, st in states.items():
+            if int(st["step"]) > 0:
+                self._next[key] = self._gather_mask(st[self._moment], int(st["step"]), topo)
+
+    def _gather_mask(self, m: Tensor, step: int, topo: Topology) -> Pending:
+        S, world = m.numel(), topo.world
+        k = self.k(S)
+        score = m.detach().float().abs()
+        n_ex = min(k, int(self.explore * k))
+        if n_ex:
+            window = (step * n_ex + torch.arange(n_ex, device=m.device)) % S
+            score[window] = float("inf")
+        idx = torch.topk(score, k, sorted=False).indices.sort().values
+        if S // 8 <= 4 * k:  # a bitmap is the smaller message
+            bits = torch.zeros(S, dtype=torch.bool, device=m.device)
+            bits[idx] = True
+            out = torch.empty(world * (S // 8), dtype=torch.uint8, device=m.device)
+            w = C.all_gather_into_tensor(out, pack_bits(bits), group=topo.group, scope="world", async_op=True)
+
+            def finish() -> Tensor:
+                _wait(w)
+                return unpack_bits(out.view(world, S // 8)).nonzero()[:, 1].view(world, k)
+        else:
+            out = torch.empty(world * k, dtype=torch.int32, device=m.device)
+            w = C.all_gather_into_tensor(out, idx.to(torch.int32), group=topo.group, scope="world", async_op=True)
+
+            def finish() -> Tensor:
+                _wait(w)
+                return out.view(world, k).long()
+        return Pending(finish)
+
+    # ------------------------------------------------------------------ the collectives
+    def start_reduce_scatter(self, flat: Tensor, topo: Topology, *, seed: int = 0, key: int = 0,
+                             state: dict | None = None) -> Pending:
+        world = topo.world
+        acc = flat.float()
+        if self.error_feedback and state is not None:
+            acc = acc + state["scape_residual"]
+        mask = self._mask_in_force(key)
+        if mask is None:  # the first step: dense, nothing left over
+            if self.error_feedback and state is not None:
+                self._sent[key] = torch.zeros_like(acc)
+            return NoCompression.start_reduce_scatter(self, acc, topo)
+        S = acc.numel() // world
+        rows = acc.view(world, S)
+        picked = rows.gather(1, mask)
+        send = picked.to(self.value_dtype)
+        if self.error_feedback and state is not None:  # what stays behind (with value_dtype's rounding)
+            self._sent[key] = rows.scatter(1, mask, picked - send.float()).view(-1)
+        send = send.view(-1)
+        got = torch.empty(mask.shape[1], dtype=self.value_dtype, device=acc.device)
+        w = C.reduce_scatter_tensor(got, send, group=topo.group, scope="world", async_op=True)
+        mine = mask[topo.rank]
+
+        def finish() -> Tensor:
+            _wait(w)
+            return torch.zeros(S, dtype=torch.float32, device=acc.device).index_copy_(0, mine, got.float())
+
+        return Pending(finish)
+
+    def start_weight_gather(self, shard: Tensor, topo: Topology, *, dtype: torch.dtype,
+                            current: Tensor | None = None, seed: int = 0, key: int = 0) -> Pending:
+        mask = self._mask.get(key)
+        if mask is None or current is None:
+            return NoCompression.start_weight_gather(self, shard, topo, dtype=dtype, seed=seed)
+        world, k = mask.shape
+        vals = shard.index_select(0, mask[topo.rank]).to(dtype)
+        out = torch.empty(world * k, dtype=dtype, device=shard.device)
+        w = C.all_gather_into_tensor(out, vals, group=topo.group, scope="world", async_op=True)
+
+        def finish() -> Tensor:
+            _wait(w)
+            return current.view(world, -1).scatter_(1, mask, out.view(world, k)).view(-1)
+
+        return Pending(finish)
+
+
+__all__ = ["SCAPE", "pack_bits", "unpack_bits"]
