@@ -74,7 +74,7 @@ def test_killed_worker_ends_the_job_with_an_error(corpus, tmp_path):
     assert rc != 0
 
 
-def test_sharded_optimizer_in_the_trainer_matches_ddp_and_sdp4bit_splits_traffic(corpus, tmp_path):
+def test_sharded_optimizer_in_the_trainer_matches_ddp_sdp4bit_and_scape_split_traffic(corpus, tmp_path):
     ddp = tmp_path / "ddp"
     r = subprocess.run([*_torchrun(2), *_args(ddp, corpus, 2, steps=6)], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -91,6 +91,14 @@ def test_sharded_optimizer_in_the_trainer_matches_ddp_and_sdp4bit_splits_traffic
     s = json.loads((q / "summary.json").read_text())
     assert s["comm"]["by_scope"]["inter"] > 0 and s["comm"]["by_scope"]["intra"] > 0
     assert all(x == x for x in _losses(q))  # finite
+    sc = tmp_path / "scape"  # SCAPE at 90 % sparsity, AdamS: after its dense first step, ~0.09x the traffic
+    r = subprocess.run([*_torchrun(2), *_args(sc, corpus, 2, steps=6), "--dist.mode", "sharded", "--dist.comm", "scape",
+                        "--optim.name", "adams"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dense = json.loads((sh / "summary.json").read_text())["comm_bytes_per_step"]
+    sparse = json.loads((sc / "summary.json").read_text())["comm_bytes_per_step"]
+    assert sparse < 0.3 * dense, (sparse, dense)  # the mean of one dense step and five at ~0.09: ~0.24
+    assert all(x == x for x in _losses(sc)) and _losses(sc)[-1] < _losses(sc)[0]
 
 
 def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):

@@ -222,7 +222,9 @@ class Trainer:
             from . import comm
             from . import dist as ltdist
 
-            compression = {"sdp4bit": comm.SDP4Bit, "scape": lambda: comm.SCAPE(c.dist.scape_density)}.get(
+            compression = {"sdp4bit": comm.SDP4Bit, "scape": lambda: comm.SCAPE(
+                c.dist.scape_density, catch_up=c.dist.scape_catch_up, score=c.dist.scape_score,
+                dense_steps=c.dist.scape_dense_steps)}.get(
                 c.dist.comm, lambda: None)()
             return ltdist.ShardedOptimizer(model, rule, intra_node_size=c.dist.intra_node_size or None,
                                            compression=compression, max_grad_norm=c.optim.grad_clip or None)

@@ -216,7 +216,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="density"):
         SCAPE(0.0)
     with pytest.raises(ValueError, match="first moment"):
-        SCAPE().init_state(8, lt.optim.SGD(lr=0.1, momentum=0.0), "cpu")
+        SCAPE().init_state(8, 4, lt.optim.SGD(lr=0.1, momentum=0.0), "cpu")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -259,3 +259,69 @@ def test_a_tiny_model_learns_at_90_percent_sparsity(suites):
     losses = suites[2][0]["learns"]
     # from about ln(64) = 4.2 (untrained), 60 steps: dense AdamS ~0.02, SCAPE 90 % ~0.3 (2 ranks)
     assert losses["dense"] < 0.1 and losses["scape90"] < 1.0, losses
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
+
+
+@pytest.mark.parametrize("catch_up,score,dense", [(0, "m", 1), (4, "m", 1), (0, "m_age", 1), (10, "m_age", 3)])
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense):
+    """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
+    bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
+    moment plus the window, error feedback, masked AdamS steps, catch-up spans)."""
+    rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
+    m1, m2 = _mlp(), _mlp()
+    comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense)
+    opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
+    (b,) = opt.buckets
+    S, k = b.padded, comp.k(b.padded)
+    n_ex = int(comp.explore * k)
+    names = {id(p): n for n, p in m1.named_parameters()}
+    params2 = [dict(m2.named_parameters())[names[id(q)]] for q in b.params]  # (the bucket's order)
+
+    def layout(ts):
+        out = torch.zeros(S)
+        for t, off in zip(ts, b.offsets, strict=True):
+            out[off:off + t.numel()] = t.detach().reshape(-1)
+        return out
+
+    w, mom, resid = layout(params2), torch.zeros(S), torch.zeros(S)
+    last, mask = torch.zeros(S, dtype=torch.int64), None
+    moved = []
+    for step in range(1, 9):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 7, generator=g)
+        for m in (m1, m2):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        before = layout(list(b.params))
+        opt.step()
+        opt.zero_grad()
+        moved.append(int((layout(list(b.params)) != before).sum()))
+        acc = layout([p.grad for p in params2]) + resid
+        m2.zero_grad()
+        if mask is None:
+            w, st = rule.update(w, acc, {"exp_avg": mom}, step=step, **rule.hyper())
+            mom, resid = st["exp_avg"], torch.zeros(S)
+            last.fill_(step)
+        else:
+            sent, resid = acc[mask], acc.clone()
+            resid[mask] = 0.0
+            p0, st0 = w[mask], {"exp_avg": mom[mask]}
+            if catch_up:
+                span = (step - last[mask]).clamp(1, catch_up).float()
+                p_new, st = rule.update(p0, sent / span, st0, step=step, **rule.hyper())
+                p_new = p0 + span * (p_new - p0)
+            else:
+                p_new, st = rule.update(p0, sent, st0, step=step, **rule.hyper())
+            w[mask], mom[mask] = p_new, st["exp_avg"]
+            last[mask] = step
+        prio = mom.abs() * (step + 1 - last).float() if score == "m_age" else mom.abs()
+        prio[(step * n_ex + torch.arange(n_ex)) % S] = float("inf")
+        mask = torch.topk(prio, k).indices.sort().values if step >= dense else None
+        with torch.no_grad():
+            for p, off in zip(params2, b.offsets, strict=True):
+                p.copy_(w[off:off + p.numel()].view_as(p))
+    assert torch.equal(layout(list(b.params)), layout(params2))
+    assert all(x > 2 * k for x in moved[:dense]) and all(0 < x <= k for x in moved[dense:])  # dense, then masked

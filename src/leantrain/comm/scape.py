@@ -74,6 +74,9 @@ class SCAPE(NoCompression):
     explore: float = 0.1
     value_dtype: torch.dtype = torch.bfloat16
     error_feedback: bool = True
+    catch_up: int = 0
+    score: str = "m"
+    dense_steps: int = 1
 
     name = "scape"
 
@@ -82,6 +85,12 @@ class SCAPE(NoCompression):
             raise ValueError(f"SCAPE: density must be in (0, 1], got {self.density}")
         if not 0.0 <= self.explore < 1.0:
             raise ValueError(f"SCAPE: explore must be in [0, 1), got {self.explore}")
+        if self.score not in ("m", "m_age"):
+            raise ValueError(f"SCAPE: score must be 'm' or 'm_age', got {self.score!r}")
+        if self.dense_steps < 1:
+            raise ValueError(f"SCAPE: dense_steps must be >= 1 (the first step has no mask), got {self.dense_steps}")
+        if self.catch_up < 0:
+            raise ValueError(f"SCAPE: catch_up must be >= 0, got {self.catch_up}")
         if self.value_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"SCAPE: value_dtype must be float32, bfloat16 or float16, got {self.value_dtype}")
         self._mask: dict[int, Tensor] = {}  # bucket -> [world, k] int64 shard-local indices in force (sorted)
@@ -100,19 +109,33 @@ class SCAPE(NoCompression):
         return max(1, min(shard, round(self.density * shard)))
 
     # ------------------------------------------------------------------ optimizer hooks
-    def init_state(self, padded: int, rule, device) -> dict:
+    def init_state(self, padded: int, shard: int, rule, device) -> dict:
         moments = [n for n in ("exp_avg", "momentum_buffer") if n in rule.state_names]
         if not moments:
             raise ValueError(f"SCAPE takes its masks from the first moment; rule {rule.name!r} has none "
                              "(use AdamS, AdamW, Lion or SGD with momentum)")
         self._moment = moments[0]
-        return {"scape_residual": torch.zeros(padded, dtype=torch.float32, device=device)} if self.error_feedback \
+        st = {"scape_residual": torch.zeros(padded, dtype=torch.float32, device=device)} if self.error_feedback \
             else {}
+        if self._tracks_age:  # the step at which each coordinate of this rank's shard was last updated
+            st["scape_last"] = torch.zeros(shard, dtype=torch.int64, device=device)
+        return st
 
-    def update_index(self, key: int, topo: Topology) -> Tensor | None:
-        """This step's masked coordinates of this rank's shard (sorted), or None (dense step)."""
+    def update_index(self, key: int, topo: Topology, state: dict) -> tuple[Tensor | None, Tensor | None]:
+        """This step's masked coordinates of this rank's shard (sorted; None: a dense step) and,
+        with ``catch_up``, the steps each covers (since its last update, at most ``catch_up``)."""
         m = self._mask_in_force(key)
-        return None if m is None else m[topo.rank]
+        if m is None:
+            if self._tracks_age:
+                state["scape_last"].fill_(int(state["step"]))
+            return None, None
+        idx = m[topo.rank]
+        if not self._tracks_age:
+            return idx, None
+        last = state["scape_last"]
+        span = (int(state["step"]) - last[idx]).clamp_(1, self.catch_up).float() if self.catch_up else None
+        last[idx] = int(state["step"])
+        return idx, span
 
     def _mask_in_force(self, key: int) -> Tensor | None:
         pend = self._next.pop(key, None)
@@ -125,7 +148,10 @@ class SCAPE(NoCompression):
         owner's first moment after this step."""
         if key in self._sent:
             state["scape_residual"] = self._sent.pop(key)
-        self._next[key] = self._gather_mask(state[self._moment], int(state["step"]), topo)
+        if int(state["step"]) < self.dense_steps:  # the next step is dense too
+            self._mask.pop(key, None)
+            return
+        self._next[key] = self._gather_mask(state, topo)
 
     def resume(self, states: dict[int, dict], topo: Topology) -> None:
         """After a checkpoint load: rebuild the masks the loaded state implies (collective)."""
@@ -133,13 +159,20 @@ class SCAPE(NoCompression):
         self._next.clear()
         self._sent.clear()
         for key, st in states.items():
-            if int(st["step"]) > 0:
-                self._next[key] = self._gather_mask(st[self._moment], int(st["step"]), topo)
+            if int(st["step"]) >= max(1, self.dense_steps):
+                self._next[key] = self._gather_mask(st, topo)
 
-    def _gather_mask(self, m: Tensor, step: int, topo: Topology) -> Pending:
+    @property
+    def _tracks_age(self) -> bool:
+        return bool(self.catch_up) or self.score == "m_age"
+
+    def _gather_mask(self, state: dict, topo: Topology) -> Pending:
+        m, step = state[self._moment], int(state["step"])
         S, world = m.numel(), topo.world
         k = self.k(S)
         score = m.detach().float().abs()
+        if self.score == "m_age":  # |m| times the steps since the last update: the gradient mass waiting
+            score.mul_((step + 1 - state["scape_last"]).float())
         n_ex = min(k, int(self.explore * k))
         if n_ex:
             window = (step * n_ex + torch.arange(n_ex, device=m.device)) % S

@@ -110,13 +110,14 @@ class NoCompression:
 
     # Per-bucket hooks of ShardedOptimizer (``key``: the bucket's index; ``state``: its optimizer
     # state on this rank). No-ops here; a sparse compressor (SCAPE) uses them.
-    def init_state(self, padded: int, rule, device) -> dict:
+    def init_state(self, padded: int, shard: int, rule, device) -> dict:
         """Extra per-bucket optimizer state the compressor keeps (checkpointed with the shard)."""
         return {}
 
-    def update_index(self, key: int, topo: Topology) -> Tensor | None:
-        """The shard-local coordinates this step updates (None: all)."""
-        return None
+    def update_index(self, key: int, topo: Topology, state: dict) -> tuple[Tensor | None, Tensor | None]:
+        """The shard-local coordinates this step updates (None: all), and the number of steps each
+        update stands for (None: one each)."""
+        return None, None
 
     def after_update(self, key: int, state: dict, topo: Topology) -> None:
         """Called once a bucket's shard has been stepped, before its weight gather."""

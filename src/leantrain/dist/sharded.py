@@ -125,7 +125,7 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             for b in self.buckets:
                 master = self._flat_weights(b, self.master_dtype)[b.start:b.start + b.shard].clone()
                 self.state[b.index] = {"step": 0, "master": master, **rule.init_state(master),
-                                       **self.compression.init_state(b.padded, rule, master.device)}
+                                       **self.compression.init_state(b.padded, b.shard, rule, master.device)}
         self._sync = True
         self._next = 0  # next bucket to launch from the hooks
         self._hooks = []
@@ -210,7 +210,8 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         st["step"] += 1
         master = st["master"]
         names = self.rule.state_names
-        idx = self.compression.update_index(b.index, self.topo)  # (a sparse compressor's coordinates)
+        # a sparse compressor's coordinates, and how many steps each update stands for (None: one)
+        idx, span = self.compression.update_index(b.index, self.topo, st)
         for lo, hi, gi in b.segments:
             group = self.param_groups[gi]
             hp = {k: v for k, v in group.items() if k != "params"}
@@ -221,10 +222,15 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 for k, v in s_new.items():
                     st[k][lo:hi].copy_(v)
                 continue
-            sel = idx[(idx >= lo) & (idx < hi)]  # only these coordinates: the others keep weight and state
+            inside = (idx >= lo) & (idx < hi)
+            sel = idx[inside]  # only these coordinates: the others keep weight and state
             if sel.numel():
-                p_new, s_new = self.rule.update(master[sel], g[sel], {k: st[k][sel] for k in names},
-                                                step=st["step"], **hp)
+                p0, gs = master[sel], g[sel]
+                if span is not None:  # the rule on the mean gradient, the move times the steps it covers
+                    gs = gs / span[inside]
+                p_new, s_new = self.rule.update(p0, gs, {k: st[k][sel] for k in names}, step=st["step"], **hp)
+                if span is not None:
+                    p_new = p0 + span[inside] * (p_new - p0)
                 master.index_copy_(0, sel, p_new.to(master.dtype))
                 for k, v in s_new.items():
                     st[k].index_copy_(0, sel, v.to(st[k].dtype))
