@@ -3,8 +3,8 @@
 - density 1 (no exploration, fp32 values) gives the dense ShardedOptimizer's weights bit for bit;
 - a step changes only masked coordinates (no dense step), at most ``world * k`` a bucket, and
   every rank holds the same weights and the same mask;
-- the mask is the owner's top-``|m|`` plus the rotating window, from the state after the
-  previous step;
+- the mask is the owner's top ``|m|`` times the steps waited, plus the rotating window, from the
+  state after the previous step;
 - nothing is lost with error feedback: the sum of every gradient sent so far plus every rank's
   residual is the sum of all ranks' gradients;
 - the bytes on the wire (the ledger's count of the tensors passed to the collectives);
@@ -51,7 +51,7 @@ def adams():
 
 def _dense_equivalence(rank, world):
     out = []
-    for comp in (None, SCAPE(1.0, explore=0.0, value_dtype=torch.float32)):
+    for comp in (None, SCAPE(1.0, explore=0.0, value_dtype=torch.float32, catch_up=0)):
         m = make_model()
         o = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=comp)
         for s in range(4):
@@ -96,13 +96,15 @@ def _sparse_steps(rank, world, density):
         if s > 0:
             for b in opt.buckets:
                 st = opt.state[b.index]
-                mom = torch.empty(b.padded)
+                mom, last = torch.empty(b.padded), torch.empty(b.padded, dtype=torch.int64)
                 dist.all_gather_into_tensor(mom, st["exp_avg"].contiguous())
+                dist.all_gather_into_tensor(last, st["scape_last"].contiguous())
                 k = comp.k(b.shard)
                 n_ex = int(comp.explore * k)
                 want = []
                 for r in range(world):
-                    score = mom[r * b.shard:(r + 1) * b.shard].abs()
+                    sl = slice(r * b.shard, (r + 1) * b.shard)  # (score m_age: |m| times the steps waited)
+                    score = mom[sl].abs() * (st["step"] + 1 - last[sl]).float()
                     score[(st["step"] * n_ex + torch.arange(n_ex)) % b.shard] = float("inf")
                     want.append(torch.topk(score, k).indices.sort().values)
                 got = comp._mask_in_force(b.index)

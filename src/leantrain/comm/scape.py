@@ -6,9 +6,10 @@ SGD with momentum work too). Per bucket and step, with ``S`` elements a shard, `
 and ``k = round(density * S)``:
 
 1. **The mask.** After the owner of a shard has stepped it, it picks ``k`` coordinates of its
-   shard: the largest ``|m|`` (``exp_avg``), plus a rotating window of ``explore * k``
+   shard: the largest scores (``|m|`` of the first moment ``exp_avg``, by default times the steps
+   since the coordinate was last updated), plus a rotating window of ``explore * k``
    coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
-   ``|m|``). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
+   score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
    that is smaller) and used at the next step: the all-gather overlaps that step's forward and
    backward, and every rank holds the same global mask. The first step, before any mask, is
    dense.
@@ -23,7 +24,9 @@ and ``k = round(density * S)``:
    the others' weights, ``m`` (and AdamW's ``v``) stay as they were, weight decay included (no
    dense step: with a zero gradient AdamS would still move every weight by about
    ``lr * b1 / sqrt(b2) * sign(m)``). AdamS's second moment ``b2 m² + (1 - b2) g²`` is
-   rebuilt from ``m`` and the one reduced buffer, as the paper does.
+   rebuilt from ``m`` and the one reduced buffer, as the paper does. A coordinate that waited
+   ``τ`` steps gets the rule on its mean gradient and ``min(τ, catch_up)`` times the move (an
+   Adam-type step is normalized: one step for ``τ`` steps' gradient would lose the rest).
 4. **Weights.** Only masked coordinates changed, so each rank all-gathers the new values of
    its shard's ``k`` coordinates (model dtype) and every rank writes them into its weights.
 
@@ -63,19 +66,27 @@ def unpack_bits(packed: Tensor) -> Tensor:
 
 @dataclass
 class SCAPE(NoCompression):
-    """``SCAPE(density=0.1, *, explore=0.1, value_dtype=torch.bfloat16, error_feedback=True)``.
+    """``SCAPE(density=0.1, *, explore=0.1, value_dtype=torch.bfloat16, error_feedback=True,
+    catch_up=10, score="m_age", dense_steps=1)``.
 
     ``density``: fraction of each shard's coordinates sent a step (0.1: 90 % sparsity).
-    ``explore``: fraction of those ``k`` taken from a rotating window instead of the top ``|m|``.
+    ``explore``: fraction of those ``k`` taken from a rotating window instead of the top scores.
     ``value_dtype``: dtype of the reduced gradient values (bf16 halves the bytes of fp32; the sum
-    over ranks then runs in bf16 too)."""
+    over ranks then runs in bf16 too).
+    ``score``: ``"m"`` ranks coordinates by ``|m|``; ``"m_age"`` by ``|m|`` times the steps since
+    the coordinate's last update (an estimate of the gradient waiting in the ranks' residuals).
+    ``catch_up``: an update ``τ`` steps after the previous one applies the rule to the mean
+    gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
+    update one step's move, however long the coordinate waited).
+    ``dense_steps``: the first steps are dense (the first always is: it has no mask).
+    Defaults from a sweep on the tiny preset (``comm/README.md``)."""
 
     density: float = 0.1
     explore: float = 0.1
     value_dtype: torch.dtype = torch.bfloat16
     error_feedback: bool = True
-    catch_up: int = 0
-    score: str = "m"
+    catch_up: int = 10
+    score: str = "m_age"
     dense_steps: int = 1
 
     name = "scape"
