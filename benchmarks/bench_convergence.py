@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --preset tiny --steps 300 --out DIR \
         [--recipes baseline,reference,forge,...] [--dist-recipes ddp,sharded,sharded-sdp4bit --nproc 4 --intra 2]
+        [--dist-recipes sharded-adams,sharded-scape90,sharded-scape99 --nproc 2 --intra 1]  # SCAPE vs dense AdamS
 
 Single-process recipes run one after the other (``leantrain train``); distributed recipes run
 under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Writes

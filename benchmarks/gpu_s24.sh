@@ -6,6 +6,8 @@
 #   OUT=dir bash benchmarks/gpu_s24.sh second # the same, 20 steps, after the host block became one buffer
 #                                           # page-locked at construction (first/: each chunk's pinned buffer,
 #                                           # allocated at its first swap, stalled the first pass)
+#   OUT=dir bash benchmarks/gpu_s24.sh third  # SCAPE's tests (its CUDA reference test; the gloo ones on CPU)
+#                                           # and the fine-tuning tests, on the GPU machine
 # Work goes to /tmp/s24w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -28,6 +30,10 @@ gpu_part /tmp/s24w "${1:-first}"
         rm -rf "$D/$name/checkpoints" "$D/$name/tokenizer.json"
         snap
       done ;;
+    third)
+      gpuinfo
+      log "scape and finetune tests"
+      gputest 400 tests/comm/test_scape.py tests/finetune ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap

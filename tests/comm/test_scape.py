@@ -96,7 +96,7 @@ def _sparse_steps(rank, world, density):
         if s > 0:
             for b in opt.buckets:
                 st = opt.state[b.index]
-                mom, last = torch.empty(b.padded), torch.empty(b.padded, dtype=torch.int64)
+                mom, last = torch.empty(b.padded), torch.empty(b.padded, dtype=torch.int32)
                 dist.all_gather_into_tensor(mom, st["exp_avg"].contiguous())
                 dist.all_gather_into_tensor(last, st["scape_last"].contiguous())
                 k = comp.k(b.shard)
@@ -269,12 +269,12 @@ def _mlp():
 
 
 @pytest.mark.parametrize("catch_up,score,dense", [(0, "m", 1), (4, "m", 1), (0, "m_age", 1), (10, "m_age", 3)])
-def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense):
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
     bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
     moment plus the window, error feedback, masked AdamS steps, catch-up spans)."""
     rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
-    m1, m2 = _mlp(), _mlp()
+    m1, m2 = _mlp().to(device), _mlp().to(device)
     comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense)
     opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
     (b,) = opt.buckets
@@ -284,17 +284,17 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
     params2 = [dict(m2.named_parameters())[names[id(q)]] for q in b.params]  # (the bucket's order)
 
     def layout(ts):
-        out = torch.zeros(S)
+        out = torch.zeros(S, device=device)
         for t, off in zip(ts, b.offsets, strict=True):
             out[off:off + t.numel()] = t.detach().reshape(-1)
         return out
 
-    w, mom, resid = layout(params2), torch.zeros(S), torch.zeros(S)
-    last, mask = torch.zeros(S, dtype=torch.int64), None
+    w, mom, resid = layout(params2), torch.zeros(S, device=device), torch.zeros(S, device=device)
+    last, mask = torch.zeros(S, dtype=torch.int64, device=device), None
     moved = []
     for step in range(1, 9):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 7, generator=g)
+        x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 7, generator=g).to(device)
         for m in (m1, m2):
             torch.nn.functional.mse_loss(m(x), y).backward()
         before = layout(list(b.params))
@@ -305,7 +305,7 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
         m2.zero_grad()
         if mask is None:
             w, st = rule.update(w, acc, {"exp_avg": mom}, step=step, **rule.hyper())
-            mom, resid = st["exp_avg"], torch.zeros(S)
+            mom, resid = st["exp_avg"], torch.zeros(S, device=device)
             last.fill_(step)
         else:
             sent, resid = acc[mask], acc.clone()
@@ -320,10 +320,16 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
             w[mask], mom[mask] = p_new, st["exp_avg"]
             last[mask] = step
         prio = mom.abs() * (step + 1 - last).float() if score == "m_age" else mom.abs()
-        prio[(step * n_ex + torch.arange(n_ex)) % S] = float("inf")
+        prio[(step * n_ex + torch.arange(n_ex, device=device)) % S] = float("inf")
         mask = torch.topk(prio, k).indices.sort().values if step >= dense else None
         with torch.no_grad():
             for p, off in zip(params2, b.offsets, strict=True):
                 p.copy_(w[off:off + p.numel()].view_as(p))
     assert torch.equal(layout(list(b.params)), layout(params2))
     assert all(x > 2 * k for x in moved[:dense]) and all(0 < x <= k for x in moved[dense:])  # dense, then masked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_one_process_matches_the_reference_on_cuda():
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, device="cuda")

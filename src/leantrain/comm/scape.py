@@ -34,8 +34,9 @@ Bytes per element a rank sends, per step (``f = (world-1)/world``): gradients
 ``f * density * size(value_dtype)``, weights ``f * density * size(model dtype)``, the mask
 ``f * min(1/8, 4 * density)``; dense fp32 reduce-scatter + bf16 all-gather: ``f * (4 + 2)``.
 
-State: the residual (one fp32 buffer the size of the bucket on every rank) lives in the
-optimizer's bucket state (``scape_residual``), so per-rank checkpoints hold it; the masks are
+State: the residual (one fp32 buffer the size of the bucket on every rank: as large as the
+model's fp32 gradient) and each shard coordinate's last updated step (int32, ``scape_last``)
+live in the optimizer's bucket state, so per-rank checkpoints hold them; the masks are
 rebuilt from the loaded state (a collective inside ``load_state_dict``), so a resumed run is
 bit-identical. The consolidated (any world size) form leaves the residual out.
 """
@@ -129,7 +130,7 @@ class SCAPE(NoCompression):
         st = {"scape_residual": torch.zeros(padded, dtype=torch.float32, device=device)} if self.error_feedback \
             else {}
         if self._tracks_age:  # the step at which each coordinate of this rank's shard was last updated
-            st["scape_last"] = torch.zeros(shard, dtype=torch.int64, device=device)
+            st["scape_last"] = torch.zeros(shard, dtype=torch.int32, device=device)
         return st
 
     def update_index(self, key: int, topo: Topology, state: dict) -> tuple[Tensor | None, Tensor | None]:
@@ -215,7 +216,7 @@ class SCAPE(NoCompression):
         if self.error_feedback and state is not None:
             acc = acc + state["scape_residual"]
         mask = self._mask_in_force(key)
-        if mask is None:  # the first step: dense, nothing left over
+        if mask is None:  # no mask (the first dense_steps steps): dense, nothing left over
             if self.error_feedback and state is not None:
                 self._sent[key] = torch.zeros_like(acc)
             return NoCompression.start_reduce_scatter(self, acc, topo)
