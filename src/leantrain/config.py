@@ -159,9 +159,9 @@ class DistConfig:
     mode: Literal["ddp", "sharded"] = "ddp"
     comm: Literal["none", "int8", "sdp4bit", "scape"] = "none"
     scape_density: float = 0.1  # dist.comm scape: fraction of each shard's coordinates sent a step
-    scape_score: Literal["m", "m_age"] = "m"  # dist.comm scape: mask by |m|, or |m| times the steps since the update
+    scape_score: Literal["m", "m_age"] = "m_age"  # dist.comm scape: mask by |m|, or |m| times the steps since the update
     scape_dense_steps: int = 1  # dist.comm scape: the first steps are dense
-    scape_catch_up: int = 0  # dist.comm scape: an update stands for the steps since the last, at most this many (0: off)
+    scape_catch_up: int = 10  # dist.comm scape: an update stands for the steps since the last, at most this many (0: off)
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
     timeout_s: float = 120.0
 

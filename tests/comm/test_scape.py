@@ -333,3 +333,11 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
     test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, device="cuda")
+
+
+def test_the_trainers_defaults_are_the_compressors():
+    from leantrain.config import DistConfig
+
+    c, s = DistConfig(), SCAPE()
+    assert (c.scape_density, c.scape_score, c.scape_catch_up, c.scape_dense_steps) == \
+        (s.density, s.score, s.catch_up, s.dense_steps)

@@ -114,7 +114,8 @@ def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     common = ["-m", "leantrain", "finetune", "--method", method, "--task", "lookup", "--from", str(trained),
-              "--steps", "3", "--eval-examples", "16", "--lr", "1e-3" if method == "mezo" else "1e-4"]
+              "--steps", "3", "--eval-examples", "16", "--lr", "1e-3" if method == "mezo" else "1e-4",
+              "--device", "cpu"]  # (gloo: two ranks on a one-GPU machine could not share it through NCCL)
     one = subprocess.run([sys.executable, *common, "--batch-size", "4", "--out", str(tmp_path / "one")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
