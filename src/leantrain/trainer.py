@@ -222,10 +222,12 @@ class Trainer:
             from . import comm
             from . import dist as ltdist
 
-            compression = {"sdp4bit": comm.SDP4Bit, "scape": lambda: comm.SCAPE(
-                c.dist.scape_density, catch_up=c.dist.scape_catch_up, score=c.dist.scape_score,
-                dense_steps=c.dist.scape_dense_steps)}.get(
-                c.dist.comm, lambda: None)()
+            d, compression = c.dist, None
+            if d.comm == "sdp4bit":
+                compression = comm.SDP4Bit()
+            elif d.comm == "scape":
+                compression = comm.SCAPE(d.scape_density, catch_up=d.scape_catch_up, score=d.scape_score,
+                                         dense_steps=d.scape_dense_steps)
             return ltdist.ShardedOptimizer(model, rule, intra_node_size=c.dist.intra_node_size or None,
                                            compression=compression, max_grad_norm=c.optim.grad_clip or None)
         self._wrap_ddp()
