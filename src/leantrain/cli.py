@@ -133,7 +133,7 @@ def cmd_finetune(args, rest) -> int:
              steps=args.steps, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, batch_size=args.batch_size,
              eval_examples=args.eval_examples, seed=args.seed, log_every=args.log_every, device=args.device,
              overrides=config_mod.parse_overrides(rest) if rest else None, num_chunks=args.num_chunks,
-             interval=args.interval)
+             interval=args.interval, ckpt_every=args.ckpt_every, resume=args.resume)
     return 0
 
 
@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--num-chunks", type=int, default=4, help="ChunkFT: chunks of the parameters")
     p.add_argument("--interval", type=int, default=1, help="ChunkFT: steps each chunk stays active")
+    p.add_argument("--ckpt-every", type=int, default=0, help="also save a checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out (same method, task, seed, batch size, ranks)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", required=True, help="output directory")
     p = sub.add_parser("bench", help="kernel and step micro-benchmarks")

@@ -132,3 +132,27 @@ def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-6)
     assert abs(s1["eval_loss_after"] - s2["eval_loss_after"]) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["mezo", "grzo", "chunkft", "full"])
+def test_resume_continues_bit_for_bit(trained, tmp_path, method):
+    """4 steps straight (a checkpoint every 2) against 2 steps, then --resume to 4: the same weights, the
+    metrics continued, the first evaluation kept; a checkpoint of another method is refused."""
+    from safetensors.torch import load_file
+
+    base = ["finetune", "--method", method, "--task", "lookup", "--from", str(trained), "--batch-size", "4",
+            "--eval-examples", "16", "--log-every", "1", "--num-chunks", "3", "--device", "cpu"]
+    assert cli_main([*base, "--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "checkpoints" / "step_0000002").is_dir()
+    assert cli_main([*base, "--steps", "2", "--out", str(tmp_path / "b")]) == 0
+    assert cli_main([*base, "--steps", "4", "--resume", "--out", str(tmp_path / "b")]) == 0
+    wa, wb = (load_file(str(tmp_path / d / "checkpoints" / "step_0000004" / "model.safetensors")) for d in "ab")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    lines = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4]
+    sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    assert sb["resumed_from_step"] == 2 and sa["resumed_from_step"] == 0
+    assert sb["accuracy_before"] == sa["accuracy_before"] and sb["from"] == sa["from"]
+    other = "full" if method != "full" else "mezo"
+    bad = [*base[:2], other, *base[3:]]
+    assert cli_main([*bad, "--steps", "6", "--resume", "--out", str(tmp_path / "b")]) == 2

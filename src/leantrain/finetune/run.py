@@ -9,7 +9,9 @@ directory, with the run's ``tokenizer.json`` (the trainer writes it); without it
 ``--preset`` (and ``--section.field value`` overrides) starts from random weights (smoke tests,
 memory measurements).
 Writes ``metrics.jsonl`` (a line per logged step), the fine-tuned weights as a checkpoint with
-the run's config and ``tokenizer.json`` (so ``--from`` takes the output directory too), and
+the run's config, the optimizer's state and ``tokenizer.json`` (so ``--from`` takes the output
+directory too; ``--ckpt-every N`` saves one every N steps as well, and ``--resume`` continues a
+run from its newest one, bit for bit), and
 ``summary.json``: accuracy and loss on an evaluation set before and after, seconds a step (the
 mean over the steps, and the median step: the first steps pay one-time costs), the seconds taken
 to build the optimizer (``setup_seconds``), and memory. Memory is counted: the weights, and
@@ -104,7 +106,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
              steps: int = 300, lr: float | None = None, eps: float = 1e-3, weight_decay: float = 0.0,
              batch_size: int = 16, eval_examples: int = 512, seed: int = 0, log_every: int = 10,
              device: str | None = None, overrides: dict | None = None, num_chunks: int = 4, interval: int = 1,
-             log=print) -> dict:
+             ckpt_every: int = 0, resume: bool = False, log=print) -> dict:
     if method not in METHODS:
         raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if task not in tasks.TASKS:
@@ -126,7 +128,24 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     rank = collectives.rank()
     if rank:
         log = lambda *a: None  # noqa: E731 (rank 0 reports)
+    out_dir = Path(out)
+    resumed = None  # (this rank's optimizer state and step, the run's first evaluation and origin)
+    if resume:
+        ckpt = checkpoint.latest(out_dir)
+        if ckpt is None:
+            raise ConfigError(f"--resume: no checkpoint in {out_dir / 'checkpoints'} (the run saves one every "
+                              "--ckpt-every steps and at its end)")
+        _, rank_state, meta = checkpoint.load(ckpt, rank=rank, device=dev)
+        ft = meta.get("finetune", {})
+        mine = {"method": method, "task": task, "seed": seed, "batch_size": batch_size, "world_size": world}
+        theirs = {k: ft.get(k) for k in mine}
+        if theirs != mine:
+            raise ConfigError(f"--resume: the checkpoint {ckpt} was made with {theirs}, this run asks for {mine}")
+        resumed = (rank_state, ft)
+        source, overrides = str(ckpt), None  # (its weights, config and the run's tokenizer.json)
     cfg, model, origin, tok_path = load_model(source, preset, dev, overrides)
+    if resumed is not None:
+        origin = resumed[1]["from"]
     if tok_path is not None:
         tok = data.Tokenizer.load(tok_path)
     else:  # a run without its tokenizer.json (older, or random weights): the corpus's, trained or cached
@@ -141,15 +160,19 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     pad = tok.eot_id
     evalb = tasks.encode(tasks.examples(task, eval_examples, seed=1_000_003 + seed), tok, pad).to(dev)
     model.eval()
-    acc0, loss0 = tasks.accuracy(model, evalb)
+    if resumed is None:
+        acc0, loss0 = tasks.accuracy(model, evalb)
+    else:  # (the run's first evaluation, from the checkpoint)
+        acc0, loss0 = resumed[1]["accuracy_before"], resumed[1]["eval_loss_before"]
     lr = DEFAULT_LR[method] if lr is None else lr
     log(f"finetune {method} on {task} from {origin}: {cfg.model.n_layers} layers, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; before: accuracy {acc0:.3f}, "
         f"loss {loss0:.4f}")
 
     trainset = tasks.examples(task, steps * batch_size * world, seed=seed)
-    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        tok.save(out_dir / "tokenizer.json")  # (a run directory like the trainer's: --from and --resume take it)
 
     def batch_of(step: int) -> tasks.Batch:  # this rank's part of the step's global batch
         first = ((step - 1) * world + rank) * batch_size
@@ -184,14 +207,29 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     setup = time.perf_counter() - t_setup  # (ChunkFT page-locks its host block here)
+    start = 0
+    if resumed is not None:
+        opt.load_state_dict(resumed[0]["optimizer"])
+        start = int(resumed[0]["step"])
+        if start >= steps:
+            raise ConfigError(f"--resume: the checkpoint is at step {start}, --steps is {steps}: nothing to do")
+        log(f"resumed at step {start} from {out_dir / 'checkpoints'}")
+    meta = {"config": cfg.to_dict(), "finetune": {
+        "method": method, "task": task, "from": origin, "lr": lr, "seed": seed, "batch_size": batch_size,
+        "world_size": world, "accuracy_before": acc0, "eval_loss_before": loss0}}
+
+    def save(step: int) -> Path:
+        return checkpoint.save(out_dir, step, model.state_dict(), {"optimizer": opt.state_dict(), "step": step}, meta,
+                               rank=rank, world=world, barrier=collectives.barrier)
     weights = count_bytes(model.parameters())
     noise = 0  # the largest noise block a zeroth-order step draws (fp32)
     if method in ("mezo", "grzo"):
         sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
         noise = 4 * min(opt.block, max(sizes))
     extra, t0, times = 0, time.perf_counter(), []
-    with open(out_dir / "metrics.jsonl", "w") if rank == 0 else open(os.devnull, "w") as mf:
-        for step in range(1, steps + 1):
+    mode = "a" if resumed is not None else "w"
+    with open(out_dir / "metrics.jsonl", mode) if rank == 0 else open(os.devnull, "w") as mf:
+        for step in range(start + 1, steps + 1):
             t = time.perf_counter()
             loss, held = _step(method, opt, model, batch_of(step), params, noise)  # (ends on a loss read back)
             times.append(time.perf_counter() - t)
@@ -201,24 +239,23 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
                 log(f"step {step}/{steps} loss {loss:.4f}")
+            if ckpt_every and step % ckpt_every == 0 and step < steps:
+                save(step)
     secs = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) if cuda else 0  # (the steps only: read before the evaluation)
     model.eval()
     if method == "chunkft":
         opt.detach()  # (the model's own forwards again)
     acc1, loss1 = tasks.accuracy(model, evalb)
-    meta = {"config": cfg.to_dict(), "finetune": {"method": method, "task": task, "from": origin, "lr": lr}}
-    ckpt = checkpoint.save(out_dir, steps, model.state_dict(), {"optimizer": opt.state_dict(), "step": steps}, meta,
-                           rank=rank, world=world, barrier=collectives.barrier)
+    ckpt = save(steps)
     if rank:
         return {}
-    tok.save(out_dir / "tokenizer.json")  # (a run directory like the trainer's: --from takes it)
     summary = {
         "method": method, "task": task, "world_size": world, "from": origin,
         "tokenizer": str(tok_path) if tok_path else "the corpus's",
         "steps": steps, "batch_size": batch_size, "lr": lr, "eps": eps, "seed": seed, "device": str(dev),
         "accuracy_before": acc0, "accuracy_after": acc1, "eval_loss_before": loss0, "eval_loss_after": loss1,
-        "checkpoint": str(ckpt), "seconds_per_step": secs / steps,
+        "checkpoint": str(ckpt), "resumed_from_step": start, "seconds_per_step": secs / (steps - start),
         "median_step_seconds": sorted(times)[len(times) // 2], "setup_seconds": setup, "weights_bytes": weights, "method_bytes": extra,
         "memory_vs_weights": (weights + extra) / weights,
     }
@@ -230,7 +267,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak,
                        peak_above_weights_bytes=peak - weights)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    log(f"after: accuracy {acc1:.3f} (before {acc0:.3f}), loss {loss1:.4f}; {secs / steps:.3f} s a step; "
+    log(f"after: accuracy {acc1:.3f} (before {acc0:.3f}), loss {loss1:.4f}; {secs / (steps - start):.3f} s a step; "
         f"weights + method {summary['memory_vs_weights']:.3f}x the weights; summary in {out_dir / 'summary.json'}")
     return summary
 
