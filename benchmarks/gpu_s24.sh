@@ -8,6 +8,8 @@
 #                                           # allocated at its first swap, stalled the first pass)
 #   OUT=dir bash benchmarks/gpu_s24.sh third  # SCAPE's tests (its CUDA reference test; the gloo ones on CPU)
 #                                           # and the fine-tuning tests, on the GPU machine
+#   OUT=dir bash benchmarks/gpu_s24.sh fourth # finetune --resume on CUDA: ChunkFT (its page-locked host block
+#                                           # loaded) and AdamW, 4 steps straight against 2 + resume to 4
 # Work goes to /tmp/s24w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -34,6 +36,25 @@ gpu_part /tmp/s24w "${1:-first}"
       gpuinfo
       log "scape and finetune tests"
       gputest 400 tests/comm/test_scape.py tests/finetune ;;
+    fourth)
+      gpuinfo
+      for meth in chunkft full; do
+        log "finetune --resume on CUDA: $meth"
+        common="finetune --method $meth --task compare --preset tiny --batch-size 8 --eval-examples 32 --log-every 1"
+        common="$common --num-chunks 3 --data.max-corpus-mb 6"
+        python3 -m leantrain $common --steps 4 --out "$D/${meth}_a" 2>&1 | tail -1
+        python3 -m leantrain $common --steps 2 --out "$D/${meth}_b" 2>&1 | tail -1
+        python3 -m leantrain $common --steps 4 --resume --out "$D/${meth}_b" 2>&1 | tail -1
+        python3 - "$D/${meth}_a" "$D/${meth}_b" <<'PY'
+import sys
+from safetensors.torch import load_file
+a, b = (load_file(f"{d}/checkpoints/step_0000004/model.safetensors") for d in sys.argv[1:])
+diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+print(f"resumed == straight, bit for bit: {all((a[k] == b[k]).all() for k in a)}; max |difference| {diff:.3g}")
+PY
+        rm -rf "$D/${meth}_a/checkpoints" "$D/${meth}_b/checkpoints" "$D"/*/tokenizer.json
+        snap
+      done ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap
