@@ -143,8 +143,9 @@ class _ChunkEmbeddingFn(torch.autograd.Function):
             sel = (flat >= lo) & (flat < hi)
             if ctx.padding_idx is not None:
                 sel &= flat != ctx.padding_idx
-            out = torch.zeros(hi - lo, d.shape[1], dtype=torch.float32, device=d.device)
-            return out.index_add_(0, flat[sel] - lo, d[sel].float())
+            # autograd's own embedding backward on the tokens in [lo, hi): deterministic on CUDA too
+            # (index_add_'s atomics there change the sums' order from run to run)
+            return torch.ops.aten.embedding_dense_backward(d[sel].float(), flat[sel] - lo, hi - lo, -1, False)
 
         ctx.opt._add_grad(weight, rows)
         return None, None, None, None
