@@ -11,8 +11,8 @@ One chunk is active at a time and the chunks take turns, ``interval`` steps each
 - **Gradients.** Linear layers (``nn.Linear``, and modules with a ``linear_fn`` such as the LM
   head) and embeddings run through autograd functions whose backward always computes the input
   gradient in full but the weight gradient only for the active rows, into a buffer the size of
-  those rows (``dYᵀX`` on the rows' columns of ``dY``; an embedding's rows by ``index_add`` of
-  the tokens that fall in them). Nothing is written to ``.grad``. Parameters of other modules
+  those rows (``dYᵀX`` on the rows' columns of ``dY``; an embedding's rows by autograd's own
+  embedding backward on the tokens that fall in them, deterministic on CUDA). Nothing is written to ``.grad``. Parameters of other modules
   (norm weights) get their ordinary, whole ``.grad`` while any part of them is active (small);
   only the active part is stepped. Parameters of inactive chunks have ``requires_grad`` off, so
   backward stops at the first active layer and saves no activations before it.
