@@ -145,6 +145,8 @@ def test_resume_continues_bit_for_bit(trained, tmp_path, method):
     assert cli_main([*base, "--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "checkpoints" / "step_0000002").is_dir()
     assert cli_main([*base, "--steps", "2", "--out", str(tmp_path / "b")]) == 0
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint, then lost
+        f.write(json.dumps({"step": 3, "loss": 0.0, "seconds": 0.0}) + "\n")
     assert cli_main([*base, "--steps", "4", "--resume", "--out", str(tmp_path / "b")]) == 0
     wa, wb = (load_file(str(tmp_path / d / "checkpoints" / "step_0000004" / "model.safetensors")) for d in "ab")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

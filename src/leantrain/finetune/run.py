@@ -135,7 +135,10 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         if ckpt is None:
             raise ConfigError(f"--resume: no checkpoint in {out_dir / 'checkpoints'} (the run saves one every "
                               "--ckpt-every steps and at its end)")
-        _, rank_state, meta = checkpoint.load(ckpt, rank=rank, device=dev)
+        try:
+            _, rank_state, meta = checkpoint.load(ckpt, rank=rank, device=dev)
+        except FileNotFoundError as e:
+            raise ConfigError(f"--resume: {e}") from None
         ft = meta.get("finetune", {})
         mine = {"method": method, "task": task, "seed": seed, "batch_size": batch_size, "world_size": world}
         theirs = {k: ft.get(k) for k in mine}
@@ -227,8 +230,11 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
         noise = 4 * min(opt.block, max(sizes))
     extra, t0, times = 0, time.perf_counter(), []
-    mode = "a" if resumed is not None else "w"
-    with open(out_dir / "metrics.jsonl", mode) if rank == 0 else open(os.devnull, "w") as mf:
+    metrics = out_dir / "metrics.jsonl"
+    if resumed is not None and rank == 0 and metrics.exists():  # drop lines past the checkpoint (logged, then lost)
+        kept = [x for x in metrics.read_text().splitlines() if x and json.loads(x)["step"] <= start]
+        metrics.write_text("".join(x + "\n" for x in kept))
+    with open(metrics, "a" if resumed is not None else "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(start + 1, steps + 1):
             t = time.perf_counter()
             loss, held = _step(method, opt, model, batch_of(step), params, noise)  # (ends on a loss read back)
