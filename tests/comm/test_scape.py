@@ -341,3 +341,21 @@ def test_the_trainers_defaults_are_the_compressors():
     c, s = DistConfig(), SCAPE()
     assert (c.scape_density, c.scape_score, c.scape_catch_up, c.scape_dense_steps) == \
         (s.density, s.score, s.catch_up, s.dense_steps)
+
+
+def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():
+    m = _mlp()
+    comp = SCAPE(0.25, error_feedback=False)
+    opt = lt.dist.ShardedOptimizer(m, lt.optim.AdamS(lr=1e-2), bucket_mb=1, compression=comp)
+    (b,) = opt.buckets
+    assert "scape_residual" not in opt.state[b.index]
+    moved = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 7, generator=g)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        before = flat(m)
+        opt.step()
+        opt.zero_grad()
+        moved.append(int((flat(m) != before).sum()))
+    assert moved[0] > 2 * comp.k(b.padded) and all(0 < x <= comp.k(b.padded) for x in moved[1:])
