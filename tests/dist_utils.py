@@ -77,3 +77,31 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout: float = 180.
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def resumes_bit_identically(build, batch, rank: int, world: int, saved_at: int, end: int) -> bool:
+    """``build(seed) -> (model, optimizer)``; ``batch(step, rank, world) -> (x, y)``. Train to
+    ``saved_at``, take the model's and optimizer's state dicts, train on to ``end``; a second pair
+    built from another seed loads them and trains the same steps: the same weights bit for bit?"""
+    import torch
+
+    def run(m, o, steps):
+        for s in steps:
+            x, y = batch(s, rank, world)
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+
+    def flat(m):
+        return torch.cat([p.detach().reshape(-1).float() for p in m.parameters()])
+
+    m, o = build(0)
+    run(m, o, range(saved_at))
+    model_sd = {k: v.clone() for k, v in m.state_dict().items()}
+    opt_sd = o.state_dict()
+    run(m, o, range(saved_at, end))
+    m2, o2 = build(7)  # different init: everything must come from the checkpoint
+    m2.load_state_dict(model_sd)
+    o2.load_state_dict(opt_sd)
+    run(m2, o2, range(saved_at, end))
+    return torch.equal(flat(m), flat(m2))

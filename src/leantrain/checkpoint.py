@@ -110,9 +110,20 @@ def latest(out_dir: str | Path) -> Path | None:
 
 def load(path: str | Path, *, rank: int = 0, device=None) -> tuple[dict, dict, dict]:
     """(model state, this rank's state, meta) of a checkpoint directory."""
+    model_state, meta = load_model_state(path)
+    return model_state, load_rank_state(path, rank=rank, device=device)[0], meta
+
+
+def load_model_state(path: str | Path) -> tuple[dict, dict]:
+    """(model state, meta) of a checkpoint directory, without any rank's state."""
+    path = Path(path)
+    return load_file(str(path / "model.safetensors")), json.loads((path / "meta.json").read_text())
+
+
+def load_rank_state(path: str | Path, *, rank: int = 0, device=None) -> tuple[dict, dict]:
+    """(this rank's state, meta) of a checkpoint directory, without the model's weights."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    model_state = load_file(str(path / "model.safetensors"))
     f = path / f"state.rank{rank}.safetensors"
     if not f.exists():
         raise FileNotFoundError(
@@ -121,4 +132,4 @@ def load(path: str | Path, *, rank: int = 0, device=None) -> tuple[dict, dict, d
         )
     tensors = load_file(str(f))
     tree = json.loads((path / f"state.rank{rank}.json").read_text())
-    return model_state, unflatten(tree, tensors, device), meta
+    return unflatten(tree, tensors, device), meta

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import leantrain as lt
-from dist_utils import run_distributed
+from dist_utils import resumes_bit_identically, run_distributed
 from leantrain.comm.scape import SCAPE, pack_bits, unpack_bits
 from leantrain.config import ModelConfig
 from leantrain.model import Llama
@@ -154,24 +154,7 @@ def _resume(rank, world):
         m = make_model(seed)
         return m, lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=SCAPE(0.1))
 
-    def run(m, o, steps):
-        for s in steps:
-            x, y = batch(s, rank, world)
-            m(x, y).backward()
-            o.step()
-            o.zero_grad()
-
-    m, o = build(0)
-    run(m, o, range(3))
-    model_sd = {k: v.clone() for k, v in m.state_dict().items()}
-    opt_sd = o.state_dict()
-    run(m, o, range(3, 7))
-    straight = flat(m)
-    m2, o2 = build(5)
-    m2.load_state_dict(model_sd)
-    o2.load_state_dict(opt_sd)
-    run(m2, o2, range(3, 7))
-    return torch.equal(straight, flat(m2))
+    return resumes_bit_identically(build, batch, rank, world, 3, 7)
 
 
 def _learns(rank, world):

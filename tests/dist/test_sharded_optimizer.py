@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import leantrain as lt
-from dist_utils import run_distributed
+from dist_utils import resumes_bit_identically, run_distributed
 from leantrain.config import ModelConfig
 from leantrain.model import Llama
 
@@ -95,24 +95,7 @@ def _checkpoint_same_world(rank, world, compressed):
         return m, lt.dist.ShardedOptimizer(m, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), bucket_mb=0.02,
                                            compression=comp, intra_node_size=1 if compressed else None)
 
-    def run(m, o, steps):
-        for s in steps:
-            x, y = batch(s, rank, world)
-            m(x, y).backward()
-            o.step()
-            o.zero_grad()
-
-    m, o = build(0)
-    run(m, o, range(3))
-    model_sd = {k: v.clone() for k, v in m.state_dict().items()}
-    opt_sd = o.state_dict()
-    run(m, o, range(3, 6))
-    straight = flat(m)
-    m2, o2 = build(7)  # different init: everything must come from the checkpoint
-    m2.load_state_dict(model_sd)
-    o2.load_state_dict(opt_sd)
-    run(m2, o2, range(3, 6))
-    return torch.equal(straight, flat(m2))
+    return resumes_bit_identically(build, batch, rank, world, 3, 6)
 
 
 def _sgd():

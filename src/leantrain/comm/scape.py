@@ -138,16 +138,11 @@ class SCAPE(NoCompression):
         with ``catch_up``, the steps each covers (since its last update, at most ``catch_up``)."""
         m = self._mask_in_force(key)
         if m is None:
-            if self._tracks_age:
-                state["scape_last"].fill_(int(state["step"]))
             return None, None
         idx = m[topo.rank]
-        if not self._tracks_age:
+        if not self.catch_up:
             return idx, None
-        last = state["scape_last"]
-        span = (int(state["step"]) - last[idx]).clamp_(1, self.catch_up).float() if self.catch_up else None
-        last[idx] = int(state["step"])
-        return idx, span
+        return idx, (int(state["step"]) - state["scape_last"][idx]).clamp_(1, self.catch_up).float()
 
     def _mask_in_force(self, key: int) -> Tensor | None:
         pend = self._next.pop(key, None)
@@ -156,10 +151,17 @@ class SCAPE(NoCompression):
         return self._mask.get(key)
 
     def after_update(self, key: int, state: dict, topo: Topology) -> None:
-        """Commit the residual and launch the all-gather of the next step's mask, built from the
-        owner's first moment after this step."""
+        """Commit the residual, record the step at which the updated coordinates were updated, and
+        launch the all-gather of the next step's mask, built from the owner's first moment after
+        this step."""
         if key in self._sent:
             state["scape_residual"] = self._sent.pop(key)
+        if self._tracks_age:
+            mask, step = self._mask.get(key), int(state["step"])
+            if mask is None:  # (a dense step)
+                state["scape_last"].fill_(step)
+            else:
+                state["scape_last"][mask[topo.rank]] = step
         if int(state["step"]) < self.dense_steps:  # the next step is dense too
             self._mask.pop(key, None)
             return
@@ -224,8 +226,8 @@ class SCAPE(NoCompression):
         rows = acc.view(world, S)
         picked = rows.gather(1, mask)
         send = picked.to(self.value_dtype)
-        if self.error_feedback and state is not None:  # what stays behind (with value_dtype's rounding)
-            self._sent[key] = rows.scatter(1, mask, picked - send.float()).view(-1)
+        if self.error_feedback and state is not None:  # what stays behind (with value_dtype's rounding):
+            self._sent[key] = rows.scatter_(1, mask, picked - send.float()).view(-1)  # acc is our own sum
         send = send.view(-1)
         got = torch.empty(mask.shape[1], dtype=self.value_dtype, device=acc.device)
         w = C.reduce_scatter_tensor(got, send, group=topo.group, scope="world", async_op=True)

@@ -12,19 +12,21 @@ One chunk is active at a time and the chunks take turns, ``interval`` steps each
   head) and embeddings run through autograd functions whose backward always computes the input
   gradient in full but the weight gradient only for the active rows, into a buffer the size of
   those rows (``dYᵀX`` on the rows' columns of ``dY``; an embedding's rows by autograd's own
-  embedding backward on the tokens that fall in them, deterministic on CUDA). Nothing is written to ``.grad``. Parameters of other modules
-  (norm weights) get their ordinary, whole ``.grad`` while any part of them is active (small);
-  only the active part is stepped. Parameters of inactive chunks have ``requires_grad`` off, so
-  backward stops at the first active layer and saves no activations before it.
+  embedding backward on the tokens that fall in them, deterministic on CUDA). Nothing is
+  written to ``.grad``. Parameters of other modules (norm weights) get their ordinary, whole
+  ``.grad`` while any part of them is active (small); only the active part is stepped.
+  Parameters of inactive chunks have ``requires_grad`` off, so backward stops at the first
+  active layer and saves no activations before it.
 - **Optimizer state.** Any :mod:`leantrain.optim.rules` rule, in fp32. Only the active chunk's
   state is on the parameters' device, in one flat buffer the size of the largest chunk's state;
   each chunk's state otherwise waits in its part of one flat host buffer, allocated whole at
   construction and, on CUDA, page-locked to its exact size (``cudaHostRegister``: torch's pinned
   allocator rounds a request up to a power of two, and pinning chunk by chunk at its first swap
-  stalled the first pass through the chunks for seconds). At a change of chunk the buffer is copied out to the old chunk's host buffer and the new
-  chunk's copied in, on a copy stream of their own: the copies run beside the next forward and
-  backward, and the next ``step()`` waits for them. Each chunk counts its own steps (AdamW's
-  bias correction follows the updates the chunk actually received).
+  stalled the first pass through the chunks for seconds). At a change of chunk the device
+  buffer is copied out to the old chunk's part and the new chunk's copied in, on a copy stream
+  of their own: the copies run beside the next forward and backward, and the next ``step()``
+  waits for them. Each chunk counts its own steps (AdamW's bias correction follows the updates
+  the chunk actually received).
 - **The step** applies the rule to the active rows in row blocks (at most ``block_elems``
   elements at once), so its temporaries are a block's, not the chunk's.
 

@@ -66,7 +66,7 @@ def load_model(source: str | None, preset: str, device, overrides: dict | None =
         ckpt = checkpoint.latest(path)
         if ckpt is None:
             raise ConfigError(f"--from {source}: neither a checkpoint directory nor a run directory with checkpoints")
-    model_state, _, meta = checkpoint.load(ckpt)
+    model_state, meta = checkpoint.load_model_state(ckpt)
     if "config" not in meta:
         raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")
     cfg = config_mod.from_dict(meta["config"])
@@ -136,7 +136,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
             raise ConfigError(f"--resume: no checkpoint in {out_dir / 'checkpoints'} (the run saves one every "
                               "--ckpt-every steps and at its end)")
         try:
-            _, rank_state, meta = checkpoint.load(ckpt, rank=rank, device=dev)
+            rank_state, meta = checkpoint.load_rank_state(ckpt, rank=rank, device=dev)  # (load_model reads the weights)
         except FileNotFoundError as e:
             raise ConfigError(f"--resume: {e}") from None
         ft = meta.get("finetune", {})
