@@ -178,10 +178,12 @@ if HAS_TRITON:
             tl.store(ptr + offs, x, mask=mask)
 
     @triton.jit
-    def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
+    def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, z,
               RULE: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
               LERP_SMALL: tl.constexpr):
-        """One element-wise rule in fp32, in the exact operation order of rules.py."""
+        """One element-wise rule in fp32, in the exact operation order of rules.py. ``z``: zeros
+        shaped like ``g`` (made by the caller, so that the Gluon kernel of ``ws.py``, whose tensors
+        carry layouts, calls this same function)."""
         p = w
         if HAS_DECAY:
             p = w * decay
@@ -197,11 +199,11 @@ if HAS_TRITON:
             p = p - lr * d
         elif RULE == 1:  # AdamW (torch.lerp: fma(w, end - self, self) / fma(-(end - self), 1 - w, end))
             if LERP_SMALL:
-                s1 = tl.fma(omb1 + tl.zeros_like(g), g - s1, s1)
+                s1 = tl.fma(omb1 + z, g - s1, s1)
             else:
-                s1 = tl.fma(-(g - s1), lerp_c + tl.zeros_like(g), g)
+                s1 = tl.fma(-(g - s1), lerp_c + z, g)
             s2 = s2 * b2 + omb2 * g * g
-            denom = tl.div_rn(tl.sqrt_rn(s2), bc2_sqrt + tl.zeros_like(g)) + eps
+            denom = tl.div_rn(tl.sqrt_rn(s2), bc2_sqrt + z) + eps
             p = p - step_size * tl.div_rn(s1, denom)
         elif RULE == 2:  # Lion
             c = b1 * s1 + omb1 * g
@@ -327,6 +329,7 @@ if HAS_TRITON:
                 w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
                                           NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
+                              tl.zeros_like(g),
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
             if W_BF16:
                 if SR:
@@ -362,7 +365,7 @@ if HAS_TRITON:
                 if NSTATE >= 2:
                     t2 = tl.load(BS2 + offs_n, mask=bmask, other=0.0)
                 pb, t1, t2 = _rule(wb, gb, t1, t2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
-                                   eps, mom, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+                                   eps, mom, tl.zeros_like(gb), RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
                 if W_BF16:
                     if SR:
                         tl.store(B + offs_n, sr_bf16(pb, _draw(key, boffs, IDX32)), mask=bmask)

@@ -44,6 +44,7 @@ from .linear import ForgeLayer, patch, unpatch
 
 OVERLAP_RING = 2  # dW workspaces per dtype when the updates run on a side stream
 SPLIT_TOKENS = 1  # default of attach(split_tokens=): always the split path on CUDA (measured faster)
+WS_TOKENS = None  # default of attach(ws_tokens=): below this many tokens, the warp-specialized kernel (sm_90)
 CLIPS = ("none", "layer", "prev_global", "est_global")
 # est_global: each unit's predicted sum of squares is the geometric moving average
 # pred <- pred^b * s^(1-b) of its past ones (0: the previous step's). 0.5 measured best on tiny
@@ -170,11 +171,12 @@ class _LayerHost:
     group, the reused per-tile sum buffer. Rebuilt when the state dict or a tensor in it is replaced
     (``load_state_dict``)."""
 
-    __slots__ = ("sw", "sb", "checks", "states", "kinds", "qtables", "bstates", "group", "part", "upart")
+    __slots__ = ("sw", "sb", "checks", "states", "kinds", "qtables", "bstates", "group", "part", "upart", "wpart")
 
     def __init__(self, sw, sb, checks, states, kinds, qtables, bstates, group):
         self.sw, self.sb, self.checks, self.states, self.kinds = sw, sb, checks, states, kinds
         self.qtables, self.bstates, self.group, self.part, self.upart = qtables, bstates, group, None, None
+        self.wpart = None
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -182,7 +184,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None):
+                 allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None, ws_tokens=WS_TOKENS):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -204,6 +206,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.clip, self.clip_value = clip, float(clip_value)
         self.split_tokens = split_tokens
+        self.ws_tokens = ws_tokens
+        self._ws: dict = {}  # device -> whether forge/ws.py's kernel runs there
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
         self.overlap = _env_overlap(overlap)
@@ -335,7 +339,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         step = self._advance(layer, sw, sb)
         backend = self._backend_for(layer.weight)
         if backend == "triton":
-            self._update_triton(layer, x2, dy2, sw, sb, step, self._materializes(layer, x2, fill, backend), fill)
+            ws = self._ws_layer(layer, x2, fill)
+            self._update_triton(layer, x2, dy2, sw, sb, step,
+                                not ws and self._materializes(layer, x2, fill, backend), fill, ws)
             self._ran.append(layer.slot)
         else:
             self._update_torch(layer, x2, dy2, self._hp(layer.weight), sw, sb, step, fill)
@@ -353,6 +359,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
         layer.updated_in = self._last_update_sid = self._step_id
         self._dyn_next = None
         return sw["step"]
+
+    def _ws_layer(self, layer: ForgeLayer, x2: Tensor | None, fill) -> bool:
+        """Whether this layer's update runs the warp-specialized fused kernel (``forge/ws.py``): fewer
+        than ``ws_tokens`` tokens, an sm_90 GPU, and nothing that needs dW first (data parallelism,
+        ``clip`` other than none, a ``fill`` caller, device scalars) or is outside the kernel's scope
+        (a fused bias, 8-bit states, fp32 inputs)."""
+        if (self.ws_tokens is None or fill is not None or x2 is None or x2.shape[0] >= self.ws_tokens
+                or self.dp_group is not None or self.clip != "none" or self._dyn is not None
+                or layer.bias is not None or not layer.weight.is_cuda
+                or x2.dtype not in (torch.bfloat16, torch.float16)):
+            return False
+        dev = layer.weight.device
+        ok = self._ws.get(dev)
+        if ok is None:
+            from . import ws
+
+            ok = self._ws[dev] = ws.available(dev)
+        return ok and self.storage.dtype in ("fp32", "bf16")
 
     def _materializes(self, layer, x2, fill, backend) -> bool:
         return (fill is not None or backend == "torch" or self.dp_group is not None
@@ -642,7 +666,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         layer.host = h
         return h
 
-    def _update_triton(self, layer, x2, dy2, sw, sb, step, materialize, fill=None):
+    def _update_triton(self, layer, x2, dy2, sw, sb, step, materialize, fill=None, ws=False):
         K = _KERNEL[0] if _KERNEL else _kernel()
         w, b = layer.weight, layer.bias
         h = self._layer_host(layer, sw, sb)
@@ -676,15 +700,39 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 x2 = x2.contiguous()
             if dy2.stride(-1) != 1:
                 dy2 = dy2.contiguous()
-            part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
-                                  kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
-                                  step=step, sr=self.stochastic_rounding, key=key,
-                                  scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part,
-                                  dyn=dyn, sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot])
-            h.part = part  # reused next step (its last program has summed it, stream-ordered)
+            if ws and self._ws_launch(layer, h, x2, dy2, step, key, sums):
+                pass
+            else:
+                part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
+                                      kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
+                                      step=step, sr=self.stochastic_rounding, key=key,
+                                      scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part,
+                                      dyn=dyn, sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot])
+                h.part = part  # reused next step (its last program has summed it, stream-ordered)
         torch.autograd.graph.increment_version(w)
         if b is not None:
             torch.autograd.graph.increment_version(b)
+
+    def _ws_launch(self, layer, h, x2, dy2, step, key, sums) -> bool:
+        """The layer's fused update by ``forge/ws.py``; False (nothing done) where its inputs do not fit
+        the kernel (strides, alignment: the caller then runs the plain fused kernel)."""
+        from . import ws
+
+        K = _KERNEL[0]
+        w = layer.weight
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        if not ws.supported(x2, dy2, w, h.kinds, False):
+            return False
+        scal, flags = K._scalars(self.rule.name, h.group, step)
+        part = ws.launch_ws(K.MODE_FUSED, x=x2, dy=dy2, w=w, states=h.states, kinds=h.kinds, part=h.wpart,
+                            scal=scal, flags=flags, rule_id=K.RULE_IDS[self.rule.name], sr=self.stochastic_rounding,
+                            key=key)
+        h.wpart = part  # reused next step
+        torch.sum(part, 0, out=sums.sq_views[layer.slot])  # the layer's sum of squares (norm, NaN report)
+        return True
 
     # ------------------------------------------------------------------ step: the other parameters
 
@@ -1028,7 +1076,8 @@ def _find_layers(model: nn.Module) -> tuple[list[ForgeLayer], list[nn.Parameter]
 def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochastic_rounding: bool = True,
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
-           grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None) -> ForgeOptimizer:
+           grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None,
+           ws_tokens: int | None = WS_TOKENS) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -1083,11 +1132,16 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             e.g. ``[{"params": norms_and_biases, "weight_decay": 0.0}]``. Every other parameter is
             in the first group, with the rule's values. A fused layer whose bias is in another
             group than its weight leaves the bias out of its fused update (``step()`` steps it).
+        ws_tokens: on an sm_90 GPU (H100 / H200), a layer with fewer tokens than this runs the
+            warp-specialized fused kernel of ``forge/ws.py`` (Gluon: the GEMM of one tile beside
+            the update of another on every SM; no dW anywhere) instead of the split path, when its
+            update fits that kernel (bf16 / fp16 inputs, no fused bias, fp32 or bf16 states, no
+            data parallelism, ``clip="none"``, no device scalars); None: never.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
-                          overlap=overlap, param_groups=param_groups)
+                          overlap=overlap, param_groups=param_groups, ws_tokens=ws_tokens)
 
 
 def detach(model: nn.Module) -> None:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 25's GPU calls:
+#   OUT=dir bash benchmarks/gpu_s25.sh first  # the warp-specialized Gluon kernel (forge/ws.py): bits against its
+#                                           # own dW + the update kernel (every rule, fp32 / bf16 + SR), then
+#                                           # one linear, fp32 W / m / v, against torch and the split path;
+#                                           # a tile sweep on the MLP and head shapes
+# Work goes to /tmp/s25w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s25w "${1:-first}"
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "ws check"
+      timeout 150 python3 benchmarks/tune_ws.py check > "$D/check.jsonl" 2> "$D/check.err"
+      echo "rc=$?"; tail -3 "$D/check.jsonl"; tail -5 "$D/check.err"
+      snap
+      log "ws tests (pytest)"
+      gputest 200 tests/forge/test_forge_ws.py
+      snap
+      if grep -q '"check_failures": 0' "$D/check.jsonl"; then
+        log "ws time: default tile, every shape and T"
+        timeout 200 python3 benchmarks/tune_ws.py time > "$D/time.jsonl" 2> "$D/time.err"
+        echo "rc=$?"; tail -3 "$D/time.err"
+        snap
+        log "ws sweep"
+        timeout 160 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+          '{}' '{"STAGES": 4}' '{"num_warps": 8, "mma_regs": 232}' '{"SUB": 16}' '{"SUB": 64}' \
+          '{"BT": 32, "STAGES": 4}' '{"num_warps": 8, "SUB": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+        echo "rc=$?"; tail -3 "$D/sweep.err"
+      fi ;;
+  esac
+} 2>&1 | tee "$D/log.txt"
+snap

@@ -1,0 +1,170 @@
+"""Probe FORGE's warp-specialized Gluon kernel (``forge/ws.py``) on one Hopper GPU.
+
+    PYTHONPATH=src python3 benchmarks/tune_ws.py check            # bits: fused == its dW + the update kernel
+    PYTHONPATH=src python3 benchmarks/tune_ws.py time [--shapes ...] [--tokens ...] [--configs ...]
+
+``check``: for every rule, fp32 W / states and bf16 W + SR with bf16 states, odd shapes and T not a
+multiple of the token step, the kernel's fused update equals, bit for bit, its own dW (MODE 1)
+followed by the update-only kernel of ``kernel.py``; its dW is within fp32 summation error of
+``dYᵀX`` in fp32. ``time``: the kernel against torch (matmul + AdamW(fused=True)) and FORGE's split
+path (cuBLAS dW into an fp32 buffer + the update kernel), fp32 W / m / v, as CUDA-graph replays
+(``do_bench_cudagraph``: GPU time) and ``do_bench`` medians. Prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+
+def _hp(rule):
+    return {"sgd": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01},
+            "nesterov": {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
+            "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+            "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
+            "adams": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}}[rule]
+
+
+def check(args) -> int:
+    import torch
+
+    from leantrain.forge import ws
+    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, _scalars, launch_forge
+
+    assert ws.available(), "no sm_90 GPU or no Gluon"
+    bad = 0
+    cases = [(2048, 5632, 1024), (136, 264, 100), (256, 384, 64), (1024, 2048, 333)]
+    for n, k, t in cases:
+        for rule in ("adamw", "sgd", "nesterov", "lion", "adams"):
+            for wdt, sdt in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
+                if rule != "adamw" and (n, k, t) != (136, 264, 100):
+                    continue
+                name = "sgd" if rule == "nesterov" else rule
+                hp = _hp(rule)
+                nst = {"sgd": 1, "adamw": 2, "lion": 1, "adams": 1}[name]
+                torch.manual_seed(1)
+                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+                dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
+                wd = torch.bfloat16 if wdt == "bf16" else torch.float32
+                sd = torch.bfloat16 if sdt == "bf16" else torch.float32
+                w0 = (torch.randn(n, k, device="cuda") * 0.02).to(wd)
+                st0 = [(torch.randn(n, k, device="cuda") * 1e-3).abs().to(sd) for _ in range(nst)]
+                scal, flags = _scalars(name, hp, 3)
+                g = torch.empty(n, k, device="cuda")
+                ws.launch_ws(1, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags, rule_id=RULE_IDS[name])
+                ref = dy.float().t() @ x.float()
+                derr = ((g - ref).abs().max() / ref.abs().max()).item()
+                w1, st1 = w0.clone(), [s.clone() for s in st0]
+                ws.launch_ws(0, x=x, dy=dy, w=w1, states=st1, kinds=[sdt] * nst, scal=scal, flags=flags,
+                             rule_id=RULE_IDS[name], key=1234)
+                w2, st2 = w0.clone(), [s.clone() for s in st0]
+                launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=[sdt] * nst, rule_name=name, hp=hp, step=3,
+                             key=1234)
+                torch.cuda.synchronize()
+                same = torch.equal(w1.view(torch.int16 if wdt == "bf16" else torch.int32),
+                                   w2.view(torch.int16 if wdt == "bf16" else torch.int32))
+                same = same and all(torch.equal(a, b) for a, b in zip(st1, st2))
+                moved = (w1.float() - w0.float()).abs().max().item()
+                ok = same and derr < 1e-5 and moved > 0
+                bad += not ok
+                print(json.dumps({"check": [n, k, t], "rule": rule, "w": wdt, "states": sdt, "bitwise": same,
+                                  "dw_rel_err": derr, "moved": moved, "ok": ok}), flush=True)
+    # a non-finite tile keeps its W and state
+    n, k, t = 256, 256, 128
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    dy[5, 3] = float("nan")
+    w = torch.randn(n, k, device="cuda")
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    w0 = w.clone()
+    scal, flags = _scalars("adamw", _hp("adamw"), 1)
+    ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=1)
+    torch.cuda.synchronize()
+    kept = torch.equal(w[:128], w0[:128]) and not torch.equal(w[128:], w0[128:]) and bool(torch.isfinite(w).all())
+    bad += not kept
+    print(json.dumps({"check": "nan_tile", "ok": kept}), flush=True)
+    print(json.dumps({"check_failures": bad}), flush=True)
+    return int(bad > 0)
+
+
+def _time_case(n, k, t, configs, hp, scal, flags) -> None:
+    import torch
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from leantrain.forge import ws
+    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, launch_forge
+    from leantrain.ops._backend import mm_fp32
+
+    torch.manual_seed(0)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(n, k, device="cuda") * 0.02
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    buf = torch.empty(n, k, device="cuda")
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True,
+                            capturable=True)
+
+    def baseline():
+        p.grad = torch.matmul(dy.t(), x).float()
+        opt.step()
+        p.grad = None
+
+    def split():
+        mm_fp32(dy.t(), x, buf, allow_upcast=True)
+        launch_forge(MODE_UPDATE, g=buf, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
+                     hp=hp, step=10)
+
+    fns = {"torch": baseline, "split": split}
+    for i, c in enumerate(configs):
+        fns[f"ws{i}"] = (lambda c=c: ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
+                                                   scal=scal, flags=flags, rule_id=RULE_IDS["adamw"],
+                                                   config=c))
+    row = {"N": n, "K": k, "T": t, "configs": configs}
+    for name, fn in fns.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            row[f"{name}_graph_ms"] = do_bench_cudagraph(fn, rep=40)
+            row[f"{name}_ms"] = do_bench(fn, warmup=10, rep=40)
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    for name in fns:
+        if name != "torch" and row.get(f"{name}_graph_ms"):
+            row[f"torch_over_{name}_graph"] = row["torch_graph_ms"] / row[f"{name}_graph_ms"]
+            row[f"torch_over_{name}"] = row["torch_ms"] / row[f"{name}_ms"]
+    print(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}),
+          flush=True)
+    torch.cuda.empty_cache()
+
+
+def time_cases(args) -> int:
+    from leantrain.forge.kernel import _scalars
+
+    hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    scal, flags = _scalars("adamw", hp, 10)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tokens = [int(v) for v in args.tokens.split(",")]
+    configs = [json.loads(c) for c in args.configs] if args.configs else [{}]
+    for n, k in shapes:
+        for t in tokens:
+            _time_case(n, k, t, configs, hp, scal, flags)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["check", "time"])
+    ap.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048,32000x2048")
+    ap.add_argument("--tokens", default="512,1024,2048,4096,16384")
+    ap.add_argument("--configs", nargs="*", default=None, help="JSON dicts overriding ws.WS_CONFIG")
+    args = ap.parse_args()
+    return check(args) if args.what == "check" else time_cases(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

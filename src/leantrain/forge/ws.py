@@ -1,0 +1,306 @@
+"""FORGE's warp-specialized fused kernel for Hopper (sm_90), written in Gluon.
+
+The plain Triton kernel of ``kernel.py`` runs a tile's GEMM and then its update one after the
+other, so the tensor cores idle while the update streams W and the states, and HBM idles while
+the GEMM runs. Occupancy did not make them overlap (session 22), nor did split SMs (session 23).
+This kernel schedules the overlap itself, inside each SM (one persistent CTA an SM, three
+partitions of warps that run side by side and talk through mbarriers):
+
+- the **loader** (1 warp) streams ``dY[t:t+BT, m0:m0+BM]`` and ``X[t:t+BT, n0:n0+BN]`` by TMA
+  into a ring of ``STAGES`` shared-memory slots;
+- the **MMA warp group** (4 warps) computes tile ``i``'s ``dW = dYᵀX`` over *all* tokens with
+  asynchronous ``wgmma`` (fp32 accumulator in its registers; no split over tokens), then waits
+  until the one shared-memory dW slot is free and stores the tile there;
+- the **update warps** (the default partition, ``num_warps``) take the tile from the slot, sum
+  its squares (the tile's non-finite gate and its share of the layer norm, ``PART[tile]``),
+  then read W and the state in row slices of ``SUB`` rows, apply the rule of ``kernel._rule``
+  (the same function, hence the same bits as the update-only kernel given the same dW) and
+  store W and the state.
+
+While the update warps work on tile ``i`` the MMA warp group already accumulates tile ``i + 1``
+in its registers: the GEMM (tensor cores, shared memory) and the update (HBM) of two tiles
+overlap on every SM, which is what the split path (cuBLAS, then the update kernel) cannot do.
+The dW tile never leaves the SM.
+
+Bytes per tile: ``T·(BM + BN)·2`` of dY and X read by TMA (from L2 for most tiles), and
+``BM·BN·(sizeof W + Σ sizeof state)`` read and written once (fp32 AdamW: 24 B a weight element);
+no dW traffic. Shared memory: ``STAGES·BT·(BM + BN)·2 + BM·BN·4`` bytes (3 stages of 64 tokens
+at 128 × 128: 96 KiB + 64 KiB).
+
+Scope: bf16 or fp16 X / dY with rows aligned to 16 bytes; W fp32 or bf16 (round to nearest or
+stochastic rounding with FORGE's counter hash); states fp32 or bf16; every rule of ``_rule``; no
+bias, no clip scale, no device scalars (those keep the other paths). ``MODE`` 1 writes the
+tile's dW to ``G`` instead of updating (the bit-exactness tests: fused == write dW + the
+update-only kernel). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
+says whether it can run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from leantrain.ops._backend import HAS_TRITON, interpreting
+
+HAVE_GLUON = False
+if HAS_TRITON:
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        # (renamed async_load after Triton 3.6; both spellings work here)
+        _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+        HAVE_GLUON = True
+    except Exception:  # (an older Triton: no Gluon, or another API)
+        HAVE_GLUON = False
+
+# the default tile: 128 x 128 of W, 64 tokens a stage, 3 stages, 4 update warps, 32-row slices
+WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "num_warps": 4, "mma_regs": 232}
+
+if HAVE_GLUON:
+    from leantrain.forge.kernel import _draw, _rtn_bf16, _rule
+    from leantrain.ops.sr import sr_bf16
+
+    @gluon.jit
+    def _ws_load(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb,
+                 BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        it = 0
+        for tile in range(pid, num_tiles, nprog):
+            m0 = (tile // num_nb) * BM
+            n0 = (tile % num_nb) * BN
+            for t in range(0, T, BT):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # (a new barrier: phase 1 done)
+                mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                _tma_load(dy_desc, [t, m0], ready.index(s), a_bufs.index(s))
+                _tma_load(x_desc, [t, n0], ready.index(s), b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _ws_mma(a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles,
+                BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])
+        it = 0
+        n = 0
+        for _tile in range(pid, num_tiles, nprog):
+            acc = gl.zeros([BM, BN], gl.float32, layout=mma_layout)
+            prev = 0
+            for t in range(0, T, BT):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index(prev), pred=t > 0)  # the previous stage's wgmma is done
+                prev = s
+                it += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev))
+            mbarrier.wait(dw_empty, (n & 1) ^ 1)  # the update warps are done reading tile n - 1
+            dw_smem.store(acc)
+            mbarrier.arrive(dw_ready)
+            n += 1
+
+    @gluon.jit
+    def _ws_update(dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, N, K, num_tiles, num_nb,
+                   lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+                   MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
+                   NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
+                   HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, num_warps: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+        rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+        cols_l: gl.constexpr = gl.SliceLayout(0, layout)
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n = 0
+        for tile in range(pid, num_tiles, nprog):
+            m0 = (tile // num_nb) * BM
+            n0 = (tile % num_nb) * BN
+            cols = n0 + gl.arange(0, BN, layout=cols_l)
+            mk = cols < K
+            mbarrier.wait(dw_ready, n & 1)
+            ss = 0.0
+            for r in gl.static_range(BM // SUB):
+                g = dw_smem.slice(r * SUB, SUB).load(layout)
+                ss += gl.sum(gl.sum(g * g, axis=1), axis=0)
+            gl.store(PART + tile, ss)
+            tile_ok = gl.abs(ss) < float("inf")
+            for r in gl.static_range(BM // SUB):
+                g = dw_smem.slice(r * SUB, SUB).load(layout)
+                if r == BM // SUB - 1:
+                    mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
+                rows = m0 + r * SUB + gl.arange(0, SUB, layout=rows_l)
+                mask = (rows < N)[:, None] & mk[None, :]
+                if IDX32:
+                    offs = rows[:, None] * K + cols[None, :]
+                else:
+                    offs = rows[:, None].to(gl.int64) * K + cols[None, :]
+                if MODE == 1:
+                    gl.store(G + offs, g, mask=mask)
+                else:
+                    z = gl.zeros_like(g)
+                    smask = mask & tile_ok
+                    w = gl.load(W + offs, mask=mask, other=0.0).to(gl.float32)
+                    s1 = z
+                    s2 = z
+                    if NSTATE >= 1:
+                        s1 = gl.load(S1 + offs, mask=mask, other=0.0).to(gl.float32)
+                    if NSTATE >= 2:
+                        s2 = gl.load(S2 + offs, mask=mask, other=0.0).to(gl.float32)
+                    p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
+                                      eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+                    if W_BF16:
+                        if SR:
+                            gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
+                        else:
+                            gl.store(W + offs, _rtn_bf16(p, True), mask=smask)
+                    else:
+                        gl.store(W + offs, p, mask=smask)
+                    if NSTATE >= 1:
+                        if KIND1 == 1:
+                            gl.store(S1 + offs, _rtn_bf16(s1, True), mask=smask)
+                        else:
+                            gl.store(S1 + offs, s1, mask=smask)
+                    if NSTATE >= 2:
+                        if KIND2 == 1:
+                            gl.store(S2 + offs, _rtn_bf16(s2, True), mask=smask)
+                        else:
+                            gl.store(S2 + offs, s2, mask=smask)
+            n += 1
+
+    @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
+                                  "lerp_c", "eps", "mom", "key"])
+    def _ws_kernel(dy_desc, x_desc, W, S1, S2, G, PART, T, N, K,
+                   lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+                   MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
+                   NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
+                   HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+                   MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+        num_nb = gl.cdiv(K, BN)
+        num_tiles = gl.cdiv(N, BM) * num_nb
+        a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
+        b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BN], x_desc.layout)
+        dw_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])
+        dw_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], dw_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        dw_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dw_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(dw_ready, count=1)
+        mbarrier.init(dw_empty, count=1)
+        gl.warp_specialize([
+            (_ws_update, (dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, N, K, num_tiles, num_nb,
+                          lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+                          MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL,
+                          IDX32, BM, BN, SUB, num_warps)),
+            (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT, STAGES)),
+            (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
+        ], [4, 1], [MMA_REGS, 24])
+
+
+def available(device=None) -> bool:
+    """Gluon imported, a compiled (not interpreted) run, and an sm_90 GPU."""
+    if not HAVE_GLUON or interpreting() or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    return torch.cuda.get_device_capability(dev)[0] == 9
+
+
+def supported(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, kinds, has_bias: bool) -> bool:
+    """Whether this layer's launch fits the kernel's scope (see the module docstring)."""
+    if has_bias or x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
+        return False
+    if w.dtype not in (torch.float32, torch.bfloat16) or any(k not in ("fp32", "bf16") for k in kinds):
+        return False
+    N, K = w.shape
+    return (x.stride(-1) == 1 and dy.stride(-1) == 1 and N % 8 == 0 and K % 8 == 0
+            and x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and dy.data_ptr() % 16 == 0)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _gl_dtype(t: torch.dtype):
+    return gl.bfloat16 if t == torch.bfloat16 else gl.float16
+
+
+def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
+              rule_id: int = 1, sr: bool = True, key: int = 0, config: dict | None = None) -> torch.Tensor:
+    """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
+    into ``g``). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags.
+    Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
+    cfg = {**WS_CONFIG, **(config or {})}
+    BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
+    T, K = x.shape
+    N = dy.shape[1]
+    ntiles = -(-N // BM) * -(-K // BN)
+    if part is None or part.numel() != ntiles:
+        part = torch.empty(ntiles, dtype=torch.float32, device=x.device)
+    dt = _gl_dtype(x.dtype)
+    a_layout = gl.NVMMASharedLayout.get_default_for([BT, BM], dt)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BT, BN], dt)
+    dy_desc = TensorDescriptor.from_tensor(dy, [BT, BM], a_layout)
+    x_desc = TensorDescriptor.from_tensor(x, [BT, BN], b_layout)
+    nstate = len(states)
+    s1 = states[0] if nstate > 0 else w
+    s2 = states[1] if nstate > 1 else w
+    k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
+    k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
+    grid = (min(ntiles, _num_sms(x.device.index or 0)),)
+    _ws_kernel[grid](
+        dy_desc, x_desc, w, s1, s2, w if g is None else g, part, T, N, K, *scal, int(key),
+        MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
+        HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
+        IDX32=N * K < 2**31, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
+        MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+    return part
+
+
+def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp32", rule_id: int = 1,
+                 config: dict | None = None):
+    """Compile the kernel for sm_90 without a GPU (Triton's wheel carries ptxas): the compiled
+    kernel (``.asm["ptx"]``, ``.metadata.shared`` ...). For tests and instruction counts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = {**WS_CONFIG, **(config or {})}
+    BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
+    la = gl.NVMMASharedLayout.get_default_for([BT, BM], gl.bfloat16)
+    lb = gl.NVMMASharedLayout.get_default_for([BT, BN], gl.bfloat16)
+    sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>",
+           "W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
+           "T": "i32", "N": "i32", "K": "i32"}
+    sig.update({k: "fp32" for k in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
+                                     "eps", "mom")})
+    sig["key"] = "i32"
+    names = list(sig)
+    bf = state_dtype == "bf16"
+    const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
+                 HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, BM=BM, BN=BN, BT=BT,
+                 STAGES=cfg["STAGES"], SUB=cfg["SUB"], MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
+    src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False})

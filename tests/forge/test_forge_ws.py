@@ -1,0 +1,158 @@
+"""FORGE's warp-specialized Gluon kernel (forge/ws.py).
+
+CPU: the kernel compiles for sm_90 (each variant), with the schedule it is written for: three
+partitions, asynchronous wgmma reading dY transposed from shared memory, TMA loads, register
+reallocation, and a shared-memory footprint that fits an H200's SM. CUDA (an sm_90 GPU): the fused
+update equals, bit for bit, the kernel's own dW (mode 1) followed by the update-only kernel of
+kernel.py, for every rule and fp32 / bf16 + SR weights; its dW is dYᵀX within fp32 summation error;
+a tile with a non-finite gradient keeps its weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantrain.forge import ws
+
+needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="Triton without Gluon")
+
+
+def _ptxas_ok() -> bool:
+    import os
+
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+_COMPILE = r"""
+import json, sys
+from leantrain.forge import ws
+out = []
+for mode, wdt, sdt in [(0, "fp32", "fp32"), (0, "bf16", "bf16"), (1, "fp32", "fp32")]:
+    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt)
+    ptx = ck.asm["ptx"]
+    out.append({"mode": mode, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
+                "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+                "st_global": "st.global" in ptx, "warps": ck.metadata.num_warps, "shared": ck.metadata.shared})
+print(json.dumps(out))
+"""
+
+
+@needs_gluon
+@pytest.mark.skipif(not ws.HAVE_GLUON or not _ptxas_ok(), reason="no ptxas in Triton's wheel")
+def test_compiles_for_sm90_with_its_schedule():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
+    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = ws.WS_CONFIG
+    smem = cfg["STAGES"] * cfg["BT"] * (cfg["BM"] + cfg["BN"]) * 2 + cfg["BM"] * cfg["BN"] * 4
+    for v in json.loads(r.stdout.strip().splitlines()[-1]):
+        # BM / 64 warp-group MMAs (m64) a 16-token step, A transposed (dY read as stored, [T, N])
+        assert v["wgmma"] == cfg["BM"] // 64 * cfg["BT"] // 16
+        assert v["tma"] and v["setmaxnreg"]  # TMA loads; the partitions' register budgets
+        assert v["warps"] == cfg["num_warps"] + 4 + 4  # update warps + the MMA group + the loader's group
+        assert smem <= v["shared"] <= 227 * 1024
+        assert v["st_global"]
+
+
+def _hp(rule):
+    return {"sgd": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01},
+            "nesterov": {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
+            "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+            "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
+            "adams": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}}[rule]
+
+
+gpu = pytest.mark.skipif(not ws.available(), reason="needs an sm_90 GPU and Gluon")
+
+
+@gpu
+@pytest.mark.parametrize("rule", ["adamw", "sgd", "nesterov", "lion", "adams"])
+@pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
+@pytest.mark.parametrize("n,k,t", [(136, 264, 100), (512, 384, 1000)])
+def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
+    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, _scalars, launch_forge
+
+    name = "sgd" if rule == "nesterov" else rule
+    hp = _hp(rule)
+    nst = {"sgd": 1, "adamw": 2, "lion": 1, "adams": 1}[name]
+    torch.manual_seed(1)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
+    wd = torch.bfloat16 if wdt == "bf16" else torch.float32
+    sd = torch.bfloat16 if sdt == "bf16" else torch.float32
+    w0 = (torch.randn(n, k, device="cuda") * 0.02).to(wd)
+    st0 = [(torch.randn(n, k, device="cuda") * 1e-3).abs().to(sd) for _ in range(nst)]
+    scal, flags = _scalars(name, hp, 3)
+    g = torch.empty(n, k, device="cuda")
+    ws.launch_ws(1, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags, rule_id=RULE_IDS[name])
+    ref = dy.float().t() @ x.float()
+    assert ((g - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    w1, st1 = w0.clone(), [s.clone() for s in st0]
+    ws.launch_ws(0, x=x, dy=dy, w=w1, states=st1, kinds=[sdt] * nst, scal=scal, flags=flags, rule_id=RULE_IDS[name],
+                 key=1234)
+    w2, st2 = w0.clone(), [s.clone() for s in st0]
+    launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=[sdt] * nst, rule_name=name, hp=hp, step=3, key=1234)
+    assert not torch.equal(w1, w0)
+    assert torch.equal(w1, w2)
+    for a, b in zip(st1, st2, strict=True):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_a_non_finite_tile_keeps_its_weights():
+    from leantrain.forge.kernel import _scalars
+
+    n, k, t = 256, 256, 128
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    dy[5, 3] = float("nan")  # output feature 3: W's rows 0..127 (the first row tile), every column
+    w = torch.randn(n, k, device="cuda")
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    w0 = w.clone()
+    scal, flags = _scalars("adamw", _hp("adamw"), 1)
+    part = ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=1)
+    assert torch.equal(w[:128], w0[:128]) and torch.equal(m[:128], torch.zeros_like(m[:128]))
+    assert not torch.equal(w[128:], w0[128:]) and bool(torch.isfinite(w).all())
+    assert not bool(torch.isfinite(part[:2]).any()) and bool(torch.isfinite(part[2:]).all())
+
+
+@gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
+    """attach(ws_tokens=...): the model's linear layers take the Gluon kernel, and the weights follow
+    the split path's (cuBLAS dW) within the two dW summation orders' difference."""
+    import leantrain as lt
+
+    calls = []
+    real = ws.launch_ws
+    monkeypatch.setattr(ws, "launch_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run(ws_tokens):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.GELU(),
+                                    torch.nn.Linear(512, 256, bias=False)).cuda()
+        opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), state_dtype=state_dtype, ws_tokens=ws_tokens)
+        x = torch.randn(300, 256, device="cuda")
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.last_nonfinite == []
+        return [p.detach().clone() for p in model.parameters()]
+
+    split = run(None)
+    assert calls == []
+    fused = run(1 << 30)
+    assert len(calls) == 6  # two layers, three steps
+    for a, b in zip(split, fused, strict=True):
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-3
