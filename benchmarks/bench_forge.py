@@ -177,8 +177,8 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     import torch
     from triton.testing import do_bench
 
-    from leantrain.forge import detach
-    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+    from leantrain.forge import detach, ws
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, RULE_IDS, _scalars, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -209,6 +209,16 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
 
     forge_layer, (lin, _) = _forge_layer_fn(w, x, dy, torch.float32, split_tokens=None)
     cases = {"fused": fused, "split": split, "torch": baseline, "layer": forge_layer}
+    lin_ws = None
+    if ws.available():  # the warp-specialized Gluon kernel (sm_90), alone and through ForgeOptimizer
+        scal, flags = _scalars("adamw", hp, 10)
+
+        def wsk():
+            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
+                         flags=flags, rule_id=RULE_IDS["adamw"])
+
+        cases["ws"] = wsk
+        cases["layer_ws"], (lin_ws, _) = _forge_layer_fn(w, x, dy, torch.float32, ws_tokens=1 << 30)
     keep = []
     if product:
         extra, keep = _product_fns(n, k, w, x, dy)
@@ -217,7 +227,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         try:
             fn()  # compile (fixed tile heuristic: nothing to autotune)
         except Exception as e:  # noqa: BLE001
-            if name in ("fused", "split", "torch", "layer"):
+            if name in ("fused", "split", "torch", "layer", "ws", "layer_ws"):
                 raise
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]  # (--product: costs its columns only)
             product = False
@@ -242,13 +252,20 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
             row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
         torch.cuda.synchronize()
     detach(lin)
+    if lin_ws is not None:
+        detach(lin_ws)
     nbytes = t * (n + k) * 2 + n * k * 4 * 3 * 2
     floor_ms = max(nbytes / bw, 2 * t * n * k / 790e12) * 1e3
-    best = min(row["fused_ms"], row["split_ms"])
+    paths = {p_: row[f"{p_}_ms"] for p_ in ("fused", "split", "ws") if f"{p_}_ms" in row}
+    best_path = min(paths, key=paths.get)
     row.update(bytes=nbytes, floor_ms=floor_ms, speedup_fused=row["torch_ms"] / row["fused_ms"],
-               speedup_dispatch=row["torch_ms"] / best,
-               best_path="fused" if row["fused_ms"] <= row["split_ms"] else "split",
+               speedup_dispatch=row["torch_ms"] / paths[best_path], best_path=best_path,
                fused_vs_floor=row["fused_ms"] / floor_ms)
+    for p_ in ("split", "ws", "layer_ws"):
+        if row.get(f"{p_}_ms"):
+            row[f"speedup_{p_}"] = row["torch_ms"] / row[f"{p_}_ms"]
+        if row.get(f"{p_}_graph_ms") and row.get("torch_graph_ms"):
+            row[f"speedup_{p_}_graph"] = row["torch_graph_ms"] / row[f"{p_}_graph_ms"]
     if row.get("fused_graph_ms") and row.get("torch_graph_ms"):
         row["speedup_fused_graph"] = row["torch_graph_ms"] / row["fused_graph_ms"]
     if product:  # bf16 W + int8 states (2 + 2 * (1 + 4/256) B an element) read and written, X + dY once
@@ -459,6 +476,23 @@ def markdown(res: dict) -> str:
                          f"{_f(r.get('layer_ms'))} | {_f(r.get('layer_graph_ms'))} | {_u(r.get('torch_host_us'))} | "
                          f"{_u(r.get('fused_host_us'))} | {_u(r.get('layer_host_us'))} |")
         lines.append("")
+        wsr = [r for r in a["rows"] if "ws_ms" in r]
+        if wsr:
+            lines += ["### The warp-specialized kernel (`forge/ws.py`, sm_90) against the split path", "",
+                      "fp32 W / m / v, bf16 X / dY, as in the table above. 'ws' is the Gluon kernel alone, 'layer ws'",
+                      "ForgeOptimizer's per-layer path with it (`attach(ws_tokens=...)`); ratios are torch's time over",
+                      "each path's, from do_bench medians and from CUDA-graph replays (GPU time).", "",
+                      "| N×K | T | torch ms | split ms | ws ms | layer ws ms | torch/split | torch/ws | torch/layer ws "
+                      "| torch graph ms | split graph ms | ws graph ms | torch/split (graph) | torch/ws (graph) |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in wsr:
+                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {r['torch_ms']:.3f} | {r['split_ms']:.3f} | "
+                             f"{r['ws_ms']:.3f} | {_f(r.get('layer_ws_ms'))} | {r['speedup_split']:.2f}× | "
+                             f"{r['speedup_ws']:.2f}× | {_f(r.get('speedup_layer_ws'), '×')} | "
+                             f"{_f(r.get('torch_graph_ms'))} | {_f(r.get('split_graph_ms'))} | "
+                             f"{_f(r.get('ws_graph_ms'))} | {_f(r.get('speedup_split_graph'), '×')} | "
+                             f"{_f(r.get('speedup_ws_graph'), '×')} |")
+            lines.append("")
         prod = [r for r in a["rows"] if "torch_over_layer_bf16_int8_fused" in r]
         if prod:
             lines += ["### FORGE as recommended: bf16 W + stochastic rounding + int8 AdamW states (`--product`)", "",

@@ -25,11 +25,15 @@ gpu_part /tmp/s25w "${1:-first}"
         echo "rc=$?"; tail -3 "$D/time.err"
         snap
         log "ws sweep"
-        timeout 160 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        timeout 120 python3 benchmarks/tune_ws.py time --shapes 2048x5632 --tokens 512,2048 --configs \
           '{}' '{"STAGES": 4}' '{"num_warps": 8, "mma_regs": 232}' '{"SUB": 16}' '{"SUB": 64}' \
           '{"BT": 32, "STAGES": 4}' '{"num_warps": 8, "SUB": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
         echo "rc=$?"; tail -3 "$D/sweep.err"
       fi ;;
+    second)  # bench_forge part (a), every shape and T, with the ws columns
+      gpuinfo
+      log "bench_forge part (a)"
+      timeout 420 python3 benchmarks/bench_forge.py --part a --timeout-a 400 --out "$D" 2>&1 | grep -v Warn | tail -30 ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap

@@ -194,7 +194,9 @@ if HAVE_GLUON:
         num_tiles = gl.cdiv(N, BM) * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BN], x_desc.layout)
-        dw_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])
+        # 128-byte swizzle: the MMA group's stores (8 rows x 8 bytes a warp) and the update warps' row
+        # reads both avoid most bank conflicts (an unswizzled [BM, BN] fp32 tile puts 8 rows in one bank)
+        dw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
         dw_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], dw_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -271,7 +273,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         dy_desc, x_desc, w, s1, s2, w if g is None else g, part, T, N, K, *scal, int(key),
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
-        IDX32=N * K < 2**31, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
+        IDX32=N * K + N < 2**31, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
         MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     return part
 
