@@ -156,3 +156,26 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
     assert len(calls) == 6  # two layers, three steps
     for a, b in zip(split, fused, strict=True):
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-3
+
+
+@gpu
+@pytest.mark.parametrize("scale", [0.25, float("nan")])
+def test_a_clip_scale_is_applied_as_the_update_kernel_applies_it(scale):
+    from leantrain.forge.kernel import MODE_UPDATE, _scalars, launch_forge
+
+    n, k, t = 256, 384, 200
+    torch.manual_seed(2)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    w0 = torch.randn(n, k, device="cuda")
+    sc = torch.tensor(scale, device="cuda")
+    hp = _hp("adamw")
+    scal, flags = _scalars("adamw", hp, 2)
+    g = torch.empty(n, k, device="cuda")
+    ws.launch_ws(1, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags)
+    w1, st1 = w0.clone(), [torch.zeros_like(w0), torch.zeros_like(w0)]
+    ws.launch_ws(0, x=x, dy=dy, w=w1, states=st1, kinds=["fp32"] * 2, scal=scal, flags=flags, scale=sc)
+    w2, st2 = w0.clone(), [torch.zeros_like(w0), torch.zeros_like(w0)]
+    launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=["fp32"] * 2, rule_name="adamw", hp=hp, step=2, scale=sc)
+    assert torch.equal(w1, w2) and torch.equal(st1[0], st2[0]) and torch.equal(st1[1], st2[1])
+    assert torch.equal(w1, w0) == (scale != scale)  # a NaN scale stores nothing

@@ -363,10 +363,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _ws_layer(self, layer: ForgeLayer, x2: Tensor | None, fill) -> bool:
         """Whether this layer's update runs the warp-specialized fused kernel (``forge/ws.py``): fewer
         than ``ws_tokens`` tokens, an sm_90 GPU, and nothing that needs dW first (data parallelism,
-        ``clip`` other than none, a ``fill`` caller, device scalars) or is outside the kernel's scope
+        clipping by this step's norms, a ``fill`` caller, device scalars) or is outside the kernel's scope
         (a fused bias, 8-bit states, fp32 inputs)."""
         if (self.ws_tokens is None or fill is not None or x2 is None or x2.shape[0] >= self.ws_tokens
-                or self.dp_group is not None or self.clip != "none" or self._dyn is not None
+                or self.dp_group is not None or self.clip not in ("none", "prev_global") or self._dyn is not None
                 or layer.bias is not None or not layer.weight.is_cuda
                 or x2.dtype not in (torch.bfloat16, torch.float16)):
             return False
@@ -729,7 +729,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         scal, flags = K._scalars(self.rule.name, h.group, step)
         part = ws.launch_ws(K.MODE_FUSED, x=x2, dy=dy2, w=w, states=h.states, kinds=h.kinds, part=h.wpart,
                             scal=scal, flags=flags, rule_id=K.RULE_IDS[self.rule.name], sr=self.stochastic_rounding,
-                            key=key)
+                            key=key, scale=self._clip_scale if self.clip == "prev_global" else None)
         h.wpart = part  # reused next step
         torch.sum(part, 0, out=sums.sq_views[layer.slot])  # the layer's sum of squares (norm, NaN report)
         return True
@@ -1136,7 +1136,7 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             warp-specialized fused kernel of ``forge/ws.py`` (Gluon: the GEMM of one tile beside
             the update of another on every SM; no dW anywhere) instead of the split path, when its
             update fits that kernel (bf16 / fp16 inputs, no fused bias, fp32 or bf16 states, no
-            data parallelism, ``clip="none"``, no device scalars); None: never.
+            data parallelism, ``clip`` none or prev_global, no device scalars); None: never.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,

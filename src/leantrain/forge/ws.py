@@ -29,7 +29,8 @@ at 128 × 128: 96 KiB + 64 KiB).
 
 Scope: bf16 or fp16 X / dY with rows aligned to 16 bytes; W fp32 or bf16 (round to nearest or
 stochastic rounding with FORGE's counter hash); states fp32 or bf16; every rule of ``_rule``; no
-bias, no clip scale, no device scalars (those keep the other paths). ``MODE`` 1 writes the
+bias, no device scalars (those keep the other paths); a clip scale known before the layer's backward
+(``clip="prev_global"``) is read from a device scalar. ``MODE`` 1 writes the
 tile's dW to ``G`` instead of updating (the bit-exactness tests: fused == write dW + the
 update-only kernel). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
 says whether it can run.
@@ -114,17 +115,21 @@ if HAVE_GLUON:
             n += 1
 
     @gluon.jit
-    def _ws_update(dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, N, K, num_tiles, num_nb,
+    def _ws_update(dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, num_warps: gl.constexpr):
+                   HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
+                   num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
+        sc = 1.0
+        if HAS_SCALE:  # the clip scale (an fp32 device scalar); not finite: store nothing
+            sc = gl.load(SCALE)
         n = 0
         for tile in range(pid, num_tiles, nprog):
             m0 = (tile // num_nb) * BM
@@ -138,6 +143,8 @@ if HAVE_GLUON:
                 ss += gl.sum(gl.sum(g * g, axis=1), axis=0)
             gl.store(PART + tile, ss)
             tile_ok = gl.abs(ss) < float("inf")
+            if HAS_SCALE:
+                tile_ok = tile_ok & (gl.abs(sc) < float("inf"))
             for r in gl.static_range(BM // SUB):
                 g = dw_smem.slice(r * SUB, SUB).load(layout)
                 if r == BM // SUB - 1:
@@ -151,6 +158,8 @@ if HAVE_GLUON:
                 if MODE == 1:
                     gl.store(G + offs, g, mask=mask)
                 else:
+                    if HAS_SCALE:
+                        g = g * sc
                     z = gl.zeros_like(g)
                     smask = mask & tile_ok
                     w = gl.load(W + offs, mask=mask, other=0.0).to(gl.float32)
@@ -183,12 +192,12 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
                                   "lerp_c", "eps", "mom", "key"])
-    def _ws_kernel(dy_desc, x_desc, W, S1, S2, G, PART, T, N, K,
+    def _ws_kernel(dy_desc, x_desc, W, S1, S2, G, PART, SCALE, T, N, K,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+                   HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
                    MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_tiles = gl.cdiv(N, BM) * num_nb
@@ -208,10 +217,10 @@ if HAVE_GLUON:
         mbarrier.init(dw_ready, count=1)
         mbarrier.init(dw_empty, count=1)
         gl.warp_specialize([
-            (_ws_update, (dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, N, K, num_tiles, num_nb,
+            (_ws_update, (dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                           lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                           MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL,
-                          IDX32, BM, BN, SUB, num_warps)),
+                          IDX32, HAS_SCALE, BM, BN, SUB, num_warps)),
             (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT, STAGES)),
             (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
         ], [4, 1], [MMA_REGS, 24])
@@ -247,9 +256,11 @@ def _gl_dtype(t: torch.dtype):
 
 
 def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
-              rule_id: int = 1, sr: bool = True, key: int = 0, config: dict | None = None) -> torch.Tensor:
+              rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, config: dict | None = None) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
-    into ``g``). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags.
+    into ``g``). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags;
+    ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
+    not finite: nothing is stored), as ``kernel.launch_forge``'s.
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
     cfg = {**WS_CONFIG, **(config or {})}
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
@@ -270,10 +281,11 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
     grid = (min(ntiles, _num_sms(x.device.index or 0)),)
     _ws_kernel[grid](
-        dy_desc, x_desc, w, s1, s2, w if g is None else g, part, T, N, K, *scal, int(key),
+        dy_desc, x_desc, w, s1, s2, w if g is None else g, part, part if scale is None else scale, T, N, K, *scal,
+        int(key),
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
-        IDX32=N * K + N < 2**31, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
+        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
         MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     return part
 
@@ -292,6 +304,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     lb = gl.NVMMASharedLayout.get_default_for([BT, BN], gl.bfloat16)
     sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>",
            "W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
+           "SCALE": "*fp32",
            "T": "i32", "N": "i32", "K": "i32"}
     sig.update({k: "fp32" for k in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
                                      "eps", "mom")})
@@ -299,8 +312,8 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     names = list(sig)
     bf = state_dtype == "bf16"
     const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
-                 HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, BM=BM, BN=BN, BT=BT,
-                 STAGES=cfg["STAGES"], SUB=cfg["SUB"], MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+                 HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
+                 BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     sig.update({k: "constexpr" for k in const})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
