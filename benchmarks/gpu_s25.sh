@@ -4,6 +4,8 @@
 #                                           # own dW + the update kernel (every rule, fp32 / bf16 + SR), then
 #                                           # one linear, fp32 W / m / v, against torch and the split path;
 #                                           # a tile sweep on the MLP and head shapes
+#   OUT=dir bash benchmarks/gpu_s25.sh second # bench_forge part (a) with the ws columns
+#   OUT=dir bash benchmarks/gpu_s25.sh third  # part (b), eager 1b step: ws on every layer against never, twice
 # Work goes to /tmp/s25w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -34,6 +36,13 @@ gpu_part /tmp/s25w "${1:-first}"
       gpuinfo
       log "bench_forge part (a)"
       timeout 420 python3 benchmarks/bench_forge.py --part a --timeout-a 400 --out "$D" 2>&1 | grep -v Warn | tail -30 ;;
+    third)  # the whole 1b step, eager, with the ws kernel on every linear layer (LEANTRAIN_FORGE_WS_TOKENS) or never
+      gpuinfo
+      for wt in 0 1000000 0 1000000; do
+        LEANTRAIN_FORGE_WS_TOKENS=$wt forgeb_cfg "b_ws$wt" 130 "1 4 16" torch_bf16_fp_sw forge_fp32_fp_sw \
+          forge_bf16_sr_bf16_states_fp_sw
+        snap
+      done ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap

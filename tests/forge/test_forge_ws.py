@@ -179,3 +179,23 @@ def test_a_clip_scale_is_applied_as_the_update_kernel_applies_it(scale):
     launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=["fp32"] * 2, rule_name="adamw", hp=hp, step=2, scale=sc)
     assert torch.equal(w1, w2) and torch.equal(st1[0], st2[0]) and torch.equal(st1[1], st2[1])
     assert torch.equal(w1, w0) == (scale != scale)  # a NaN scale stores nothing
+
+
+def test_ws_tokens_is_checked_and_the_environment_overrides_it(monkeypatch):
+    import leantrain as lt
+
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="ws_tokens"):
+        lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=0)
+    opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=4096)
+    assert opt.ws_tokens == 4096
+    lt.forge.detach(model)
+    monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "0")
+    assert lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=4096).ws_tokens is None
+    lt.forge.detach(model)
+    monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "2048")
+    assert lt.forge.attach(model, lt.optim.AdamW(lr=1e-3)).ws_tokens == 2048
+    lt.forge.detach(model)
+    monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "many")
+    with pytest.raises(ValueError, match="LEANTRAIN_FORGE_WS_TOKENS"):
+        lt.forge.attach(model, lt.optim.AdamW(lr=1e-3))

@@ -68,6 +68,18 @@ def _env_overlap(overlap) -> bool:
     return overlap
 
 
+def _env_ws_tokens(ws_tokens):
+    """``attach(ws_tokens=...)``, unless ``LEANTRAIN_FORGE_WS_TOKENS=N`` forces it (0: never; benchmarks)."""
+    env = os.environ.get("LEANTRAIN_FORGE_WS_TOKENS")
+    if env not in (None, ""):
+        if not env.isdigit():
+            raise ValueError(f"LEANTRAIN_FORGE_WS_TOKENS must be a token count (0: never), got {env!r}")
+        return int(env) or None
+    if ws_tokens is not None and (not isinstance(ws_tokens, int) or ws_tokens < 1):
+        raise ValueError(f"ws_tokens must be a positive token count or None, got {ws_tokens!r}")
+    return ws_tokens
+
+
 def _check_clip(clip: str, clip_value: float) -> None:
     if clip in ("global", "norm", "global_norm"):
         raise ValueError(
@@ -206,7 +218,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.clip, self.clip_value = clip, float(clip_value)
         self.split_tokens = split_tokens
-        self.ws_tokens = ws_tokens
+        self.ws_tokens = _env_ws_tokens(ws_tokens)
         self._ws: dict = {}  # device -> whether forge/ws.py's kernel runs there
         self.grad_dtype = grad_dtype
         self.seed = int(seed)
