@@ -28,8 +28,8 @@ gpu_part /tmp/s25w "${1:-first}"
         snap
         log "ws sweep"
         timeout 120 python3 benchmarks/tune_ws.py time --shapes 2048x5632 --tokens 512,2048 --configs \
-          '{}' '{"STAGES": 4}' '{"num_warps": 8, "mma_regs": 232}' '{"SUB": 16}' '{"SUB": 64}' \
-          '{"BT": 32, "STAGES": 4}' '{"num_warps": 8, "SUB": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+          '{}' '{"STAGES": 4}' '{"num_warps": 8}' '{"SUB": 16}' '{"BM": 64}' \
+          '{"BT": 32, "STAGES": 4}' '{"num_warps": 8, "SUB": 16}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
         echo "rc=$?"; tail -3 "$D/sweep.err"
       fi ;;
     second)  # bench_forge part (a), every shape and T, with the ws columns
