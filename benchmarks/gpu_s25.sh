@@ -4,7 +4,8 @@
 #                                           # own dW + the update kernel (every rule, fp32 / bf16 + SR), then
 #                                           # one linear, fp32 W / m / v, against torch and the split path;
 #                                           # a tile sweep on the MLP and head shapes
-#   OUT=dir bash benchmarks/gpu_s25.sh second # bench_forge part (a) with the ws columns
+#   OUT=dir bash benchmarks/gpu_s25.sh second # the bits again (first/: FMA contraction on), the tests, bench_forge
+#                                           # part (a) with the ws columns, a short tile sweep
 #   OUT=dir bash benchmarks/gpu_s25.sh third  # part (b), eager 1b step: ws on every layer against never, twice
 # Work goes to /tmp/s25w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
@@ -32,10 +33,22 @@ gpu_part /tmp/s25w "${1:-first}"
           '{"BT": 32, "STAGES": 4}' '{"num_warps": 8, "SUB": 16}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
         echo "rc=$?"; tail -3 "$D/sweep.err"
       fi ;;
-    second)  # bench_forge part (a), every shape and T, with the ws columns
+    second)  # after first/ (FMA contraction was on): the bits again, the tests, bench_forge part (a), a short sweep
       gpuinfo
+      log "ws check"
+      timeout 110 python3 benchmarks/tune_ws.py check > "$D/check.jsonl" 2> "$D/check.err"
+      echo "rc=$?"; grep -v '"ok": true' "$D/check.jsonl" | tail -5; tail -3 "$D/check.err"
+      snap
+      log "ws tests (pytest)"
+      gputest 100 tests/forge/test_forge_ws.py
+      snap
       log "bench_forge part (a)"
-      timeout 420 python3 benchmarks/bench_forge.py --part a --timeout-a 400 --out "$D" 2>&1 | grep -v Warn | tail -30 ;;
+      timeout 290 python3 benchmarks/bench_forge.py --part a --timeout-a 280 --out "$D" 2>&1 | grep -v Warn | tail -30
+      snap
+      log "ws sweep"
+      timeout 50 python3 benchmarks/tune_ws.py time --shapes 2048x5632 --tokens 2048 --configs \
+        '{}' '{"num_warps": 8}' '{"BM": 64}' '{"STAGES": 4}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl" ;;
     third)  # the whole 1b step, eager, with the ws kernel on every linear layer (LEANTRAIN_FORGE_WS_TOKENS) or never
       gpuinfo
       for wt in 0 1000000 0 1000000; do

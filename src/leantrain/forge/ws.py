@@ -286,7 +286,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
         IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
-        MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+        MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"],
+        enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
 
 
