@@ -33,17 +33,13 @@ gpu_part /tmp/s25w "${1:-first}"
           '{"BT": 32, "STAGES": 4}' '{"num_warps": 8, "SUB": 16}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
         echo "rc=$?"; tail -3 "$D/sweep.err"
       fi ;;
-    second)  # after first/ (FMA contraction was on): the bits again, the tests, bench_forge part (a), a short sweep
+    second)  # after first/ (FMA contraction was on): the tests, bench_forge part (a), a short sweep
       gpuinfo
-      log "ws check"
-      timeout 110 python3 benchmarks/tune_ws.py check > "$D/check.jsonl" 2> "$D/check.err"
-      echo "rc=$?"; grep -v '"ok": true' "$D/check.jsonl" | tail -5; tail -3 "$D/check.err"
-      snap
-      log "ws tests (pytest)"
-      gputest 100 tests/forge/test_forge_ws.py
+      log "ws tests (pytest: the bits of every rule and dtype, the layer path, the clip scale, a NaN tile)"
+      gputest 110 tests/forge/test_forge_ws.py
       snap
       log "bench_forge part (a)"
-      timeout 290 python3 benchmarks/bench_forge.py --part a --timeout-a 280 --out "$D" 2>&1 | grep -v Warn | tail -30
+      timeout 290 python3 benchmarks/bench_forge.py --part a --timeout-a 280 --tokens 512 1024 2048 16384 --out "$D" 2>&1 | grep -v Warn | tail -30
       snap
       log "ws sweep"
       timeout 50 python3 benchmarks/tune_ws.py time --shapes 2048x5632 --tokens 2048 --configs \
