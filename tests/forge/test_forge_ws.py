@@ -128,7 +128,9 @@ def test_a_non_finite_tile_keeps_its_weights():
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
     """attach(ws_tokens=...): the model's linear layers take the Gluon kernel, and the weights follow
-    the split path's (cuBLAS dW) within the two dW summation orders' difference."""
+    the split path's (cuBLAS dW) within the two dW summation orders' difference (SGD with momentum: an
+    update linear in dW; Adam's first steps are ±lr wherever |dW| is tiny, so a last-bit difference
+    of a near-zero gradient could move a weight by 2 lr)."""
     import leantrain as lt
 
     calls = []
@@ -139,7 +141,7 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.GELU(),
                                     torch.nn.Linear(512, 256, bias=False)).cuda()
-        opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), state_dtype=state_dtype, ws_tokens=ws_tokens)
+        opt = lt.forge.attach(model, lt.optim.SGD(lr=0.1, momentum=0.9), state_dtype=state_dtype, ws_tokens=ws_tokens)
         x = torch.randn(300, 256, device="cuda")
         for _ in range(3):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -155,7 +157,7 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
     fused = run(1 << 30)
     assert len(calls) == 6  # two layers, three steps
     for a, b in zip(split, fused, strict=True):
-        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-3
+        assert ((a - b).abs().mean() / a.abs().mean()).item() < 1e-4
 
 
 @gpu
