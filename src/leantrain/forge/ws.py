@@ -64,7 +64,7 @@ if HAS_TRITON:
         HAVE_GLUON = False
 
 # the default tile: 128 x 128 of W, 64 tokens a stage, 3 stages, 4 update warps, 32-row slices
-WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "num_warps": 4, "mma_regs": 232}
+WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 1, "num_warps": 8, "mma_regs": 232}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import _draw, _rtn_bf16, _rule
@@ -115,13 +115,37 @@ if HAVE_GLUON:
             n += 1
 
     @gluon.jit
+    def _ws_offs(m0, r: gl.constexpr, cols, mk, N, K, SUB: gl.constexpr, IDX32: gl.constexpr,
+                 rows_l: gl.constexpr):
+        """Element offsets and mask of slice ``r`` (rows ``m0 + r·SUB ..``) of a tile."""
+        rows = m0 + r * SUB + gl.arange(0, SUB, layout=rows_l)
+        mask = (rows < N)[:, None] & mk[None, :]
+        if IDX32:
+            offs = rows[:, None] * K + cols[None, :]
+        else:
+            offs = rows[:, None].to(gl.int64) * K + cols[None, :]
+        return offs, mask
+
+    @gluon.jit
+    def _ws_read(W, S1, S2, offs, mask, NSTATE: gl.constexpr):
+        """A slice's W and state, in fp32 (zeros for states the rule does not have)."""
+        w = gl.load(W + offs, mask=mask, other=0.0).to(gl.float32)
+        s1 = gl.zeros_like(w)
+        s2 = gl.zeros_like(w)
+        if NSTATE >= 1:
+            s1 = gl.load(S1 + offs, mask=mask, other=0.0).to(gl.float32)
+        if NSTATE >= 2:
+            s2 = gl.load(S2 + offs, mask=mask, other=0.0).to(gl.float32)
+        return w, s1, s2
+
+    @gluon.jit
     def _ws_update(dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   PREFETCH: gl.constexpr, num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -136,6 +160,10 @@ if HAVE_GLUON:
             n0 = (tile % num_nb) * BN
             cols = n0 + gl.arange(0, BN, layout=cols_l)
             mk = cols < K
+            if MODE == 0:
+                if PREFETCH:  # slice 0's W and state do not depend on dW: read them before waiting for it
+                    offs0, mask0 = _ws_offs(m0, 0, cols, mk, N, K, SUB, IDX32, rows_l)
+                    w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs0, mask0, NSTATE)
             mbarrier.wait(dw_ready, n & 1)
             ss = 0.0
             for r in gl.static_range(BM // SUB):
@@ -145,30 +173,36 @@ if HAVE_GLUON:
             tile_ok = gl.abs(ss) < float("inf")
             if HAS_SCALE:
                 tile_ok = tile_ok & (gl.abs(sc) < float("inf"))
-            for r in gl.static_range(BM // SUB):
-                g = dw_smem.slice(r * SUB, SUB).load(layout)
-                if r == BM // SUB - 1:
-                    mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
-                rows = m0 + r * SUB + gl.arange(0, SUB, layout=rows_l)
-                mask = (rows < N)[:, None] & mk[None, :]
-                if IDX32:
-                    offs = rows[:, None] * K + cols[None, :]
-                else:
-                    offs = rows[:, None].to(gl.int64) * K + cols[None, :]
-                if MODE == 1:
+            if MODE == 1:
+                for r in gl.static_range(BM // SUB):
+                    g = dw_smem.slice(r * SUB, SUB).load(layout)
+                    if r == BM // SUB - 1:
+                        mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
+                    offs, mask = _ws_offs(m0, r, cols, mk, N, K, SUB, IDX32, rows_l)
                     gl.store(G + offs, g, mask=mask)
-                else:
+            else:
+                # W and the state of a slice are read one slice ahead (PREFETCH): slice r + 1's loads are
+                # in flight while slice r is computed and stored (the first slice's were issued before
+                # the wait for dW), so the update warps keep two slices of HBM reads outstanding
+                if not PREFETCH:
+                    offs, mask = _ws_offs(m0, 0, cols, mk, N, K, SUB, IDX32, rows_l)
+                    w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs, mask, NSTATE)
+                for r in gl.static_range(BM // SUB):
+                    offs, mask = _ws_offs(m0, r, cols, mk, N, K, SUB, IDX32, rows_l)
+                    w, s1, s2 = w_n, s1_n, s2_n
+                    if r + 1 < BM // SUB:
+                        if PREFETCH:
+                            offs_n, mask_n = _ws_offs(m0, r + 1, cols, mk, N, K, SUB, IDX32, rows_l)
+                            w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs_n, mask_n, NSTATE)
+                    g = dw_smem.slice(r * SUB, SUB).load(layout)
+                    if r == BM // SUB - 1:
+                        mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
+                    if not PREFETCH:
+                        w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE)
                     if HAS_SCALE:
                         g = g * sc
                     z = gl.zeros_like(g)
                     smask = mask & tile_ok
-                    w = gl.load(W + offs, mask=mask, other=0.0).to(gl.float32)
-                    s1 = z
-                    s2 = z
-                    if NSTATE >= 1:
-                        s1 = gl.load(S1 + offs, mask=mask, other=0.0).to(gl.float32)
-                    if NSTATE >= 2:
-                        s2 = gl.load(S2 + offs, mask=mask, other=0.0).to(gl.float32)
                     p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
                                       eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
                     if W_BF16:
@@ -197,8 +231,9 @@ if HAVE_GLUON:
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
-                   HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-                   MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+                   STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, MMA_REGS: gl.constexpr,
+                   num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_tiles = gl.cdiv(N, BM) * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
@@ -220,7 +255,7 @@ if HAVE_GLUON:
             (_ws_update, (dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                           lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                           MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL,
-                          IDX32, HAS_SCALE, BM, BN, SUB, num_warps)),
+                          IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, num_warps)),
             (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT, STAGES)),
             (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
         ], [4, 1], [MMA_REGS, 24])
@@ -285,8 +320,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         int(key),
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
-        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"],
-        MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"],
+        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"],
+        SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]), MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"],
         enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
 
@@ -314,7 +349,8 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     bf = state_dtype == "bf16"
     const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
-                 BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+                 BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]),
+                 MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     sig.update({k: "constexpr" for k in const})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
