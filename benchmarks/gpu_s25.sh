@@ -6,8 +6,7 @@
 #                                           # a tile sweep on the MLP and head shapes
 #   OUT=dir bash benchmarks/gpu_s25.sh second # the bits again (first/: FMA contraction on), the tests, bench_forge
 #                                           # part (a) with the ws columns, a short tile sweep
-#   OUT=dir bash benchmarks/gpu_s25.sh third  # 8 update warps + slices read ahead: tests, sweep, part (a), and the
-#                                           # eager 1b step at B = 4, ws on every layer against never
+#   OUT=dir bash benchmarks/gpu_s25.sh third  # 8 update warps + slices read ahead: tests, sweep, part (a)
 # Work goes to /tmp/s25w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,23 +46,20 @@ gpu_part /tmp/s25w "${1:-first}"
         '{}' '{"num_warps": 8}' '{"BM": 64}' '{"STAGES": 4}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl" ;;
     third)  # after second/ (4 update warps: slower than the split path): 8 warps, slices read one ahead; the
-      # tests, a sweep, part (a), and the eager 1b step at B = 4 with ws on every layer or never
+      # tests, a sweep, part (a)
       gpuinfo
       log "ws tests (pytest)"
       gputest 130 tests/forge/test_forge_ws.py
       snap
       log "ws sweep"
       timeout 100 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
-        '{}' '{"PREFETCH": 0}' '{"BM": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+        '{}' '{"BM": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"
       snap
       log "bench_forge part (a)"
       timeout 120 python3 benchmarks/bench_forge.py --part a --timeout-a 110 --tokens 512 1024 2048 16384 --out "$D" 2>&1 \
         | grep -v Warn | grep -A30 "warp-specialized"
-      snap
-      LEANTRAIN_FORGE_WS_TOKENS=0 forgeb_cfg b_ws_never 90 4 torch_bf16_fp_sw forge_bf16_sr_bf16_states_fp_sw forge_fp32_fp_sw
-      snap
-      LEANTRAIN_FORGE_WS_TOKENS=1000000 forgeb_cfg b_ws_always 70 4 forge_bf16_sr_bf16_states_fp_sw forge_fp32_fp_sw ;;
+      ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap
