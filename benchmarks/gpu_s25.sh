@@ -49,15 +49,15 @@ gpu_part /tmp/s25w "${1:-first}"
       # tests, a sweep, part (a)
       gpuinfo
       log "ws tests (pytest)"
-      gputest 130 tests/forge/test_forge_ws.py
+      gputest 120 tests/forge/test_forge_ws.py
       snap
       log "ws sweep"
-      timeout 100 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+      timeout 70 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"BM": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"
       snap
       log "bench_forge part (a)"
-      timeout 120 python3 benchmarks/bench_forge.py --part a --timeout-a 110 --tokens 512 1024 2048 16384 --out "$D" 2>&1 \
+      timeout 100 python3 benchmarks/bench_forge.py --part a --timeout-a 95 --tokens 512 1024 2048 16384 --out "$D" 2>&1 \
         | grep -v Warn | grep -A30 "warp-specialized"
       ;;
   esac
