@@ -45,21 +45,20 @@ gpu_part /tmp/s25w "${1:-first}"
       timeout 50 python3 benchmarks/tune_ws.py time --shapes 2048x5632 --tokens 2048 --configs \
         '{}' '{"num_warps": 8}' '{"BM": 64}' '{"STAGES": 4}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl" ;;
-    third)  # after second/ (4 update warps: slower than the split path): 8 warps, slices read one ahead; the
-      # tests, a sweep, part (a)
+    third)  # after second/ (4 update warps: slower than the split path): 8 warps, slices read one ahead; a sweep,
+      # the tests, part (a)
       gpuinfo
-      log "ws tests (pytest)"
-      gputest 120 tests/forge/test_forge_ws.py
-      snap
       log "ws sweep"
       timeout 70 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"BM": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"
       snap
+      log "ws tests (pytest)"
+      gputest 120 tests/forge/test_forge_ws.py
+      snap
       log "bench_forge part (a)"
       timeout 100 python3 benchmarks/bench_forge.py --part a --timeout-a 95 --tokens 512 1024 2048 16384 --out "$D" 2>&1 \
-        | grep -v Warn | grep -A30 "warp-specialized"
-      ;;
+        | grep -v Warn | grep -A30 "warp-specialized" ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap
