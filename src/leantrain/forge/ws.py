@@ -63,8 +63,10 @@ if HAS_TRITON:
     except Exception:  # (an older Triton: no Gluon, or another API)
         HAVE_GLUON = False
 
-# the default tile: 128 x 128 of W, 64 tokens a stage, 3 stages, 4 update warps, 32-row slices
-WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 1, "num_warps": 8, "mma_regs": 232}
+# the default: 128 x 128 tiles of W, 64 tokens a stage, 3 stages, 8 update warps on 32-row slices read as they
+# are updated (the configuration timed on the H200, session 25 second/: 4 update warps took twice as long);
+# PREFETCH=1 (with SUB=16: no spills) reads each slice one slice ahead: built, compiled, not yet run on a GPU
+WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "PREFETCH": 0, "num_warps": 8, "mma_regs": 232}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import _draw, _rtn_bf16, _rule
@@ -184,14 +186,11 @@ if HAVE_GLUON:
                 # W and the state of a slice are read one slice ahead (PREFETCH): slice r + 1's loads are
                 # in flight while slice r is computed and stored (the first slice's were issued before
                 # the wait for dW), so the update warps keep two slices of HBM reads outstanding
-                if not PREFETCH:
-                    offs, mask = _ws_offs(m0, 0, cols, mk, N, K, SUB, IDX32, rows_l)
-                    w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs, mask, NSTATE)
                 for r in gl.static_range(BM // SUB):
                     offs, mask = _ws_offs(m0, r, cols, mk, N, K, SUB, IDX32, rows_l)
-                    w, s1, s2 = w_n, s1_n, s2_n
-                    if r + 1 < BM // SUB:
-                        if PREFETCH:
+                    if PREFETCH:  # (constexpr branches: their names stay defined after them)
+                        w, s1, s2 = w_n, s1_n, s2_n
+                        if r + 1 < BM // SUB:
                             offs_n, mask_n = _ws_offs(m0, r + 1, cols, mk, N, K, SUB, IDX32, rows_l)
                             w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs_n, mask_n, NSTATE)
                     g = dw_smem.slice(r * SUB, SUB).load(layout)
