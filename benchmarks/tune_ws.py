@@ -21,19 +21,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 
-def _hp(rule):
-    return {"sgd": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01},
-            "nesterov": {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
-            "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-            "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
-            "adams": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}}[rule]
-
-
 def check(args) -> int:
     import torch
 
     from leantrain.forge import ws
-    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, _scalars, launch_forge
+    from leantrain.forge.kernel import _scalars
 
     assert ws.available(), "no sm_90 GPU or no Gluon"
     bad = 0
@@ -43,36 +35,11 @@ def check(args) -> int:
             for wdt, sdt in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
                 if rule != "adamw" and (n, k, t) != (136, 264, 100):
                     continue
-                name = "sgd" if rule == "nesterov" else rule
-                hp = _hp(rule)
-                nst = {"sgd": 1, "adamw": 2, "lion": 1, "adams": 1}[name]
-                torch.manual_seed(1)
-                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-                dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
-                wd = torch.bfloat16 if wdt == "bf16" else torch.float32
-                sd = torch.bfloat16 if sdt == "bf16" else torch.float32
-                w0 = (torch.randn(n, k, device="cuda") * 0.02).to(wd)
-                st0 = [(torch.randn(n, k, device="cuda") * 1e-3).abs().to(sd) for _ in range(nst)]
-                scal, flags = _scalars(name, hp, 3)
-                g = torch.empty(n, k, device="cuda")
-                ws.launch_ws(1, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags, rule_id=RULE_IDS[name])
-                ref = dy.float().t() @ x.float()
-                derr = ((g - ref).abs().max() / ref.abs().max()).item()
-                w1, st1 = w0.clone(), [s.clone() for s in st0]
-                ws.launch_ws(0, x=x, dy=dy, w=w1, states=st1, kinds=[sdt] * nst, scal=scal, flags=flags,
-                             rule_id=RULE_IDS[name], key=1234)
-                w2, st2 = w0.clone(), [s.clone() for s in st0]
-                launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=[sdt] * nst, rule_name=name, hp=hp, step=3,
-                             key=1234)
-                torch.cuda.synchronize()
-                same = torch.equal(w1.view(torch.int16 if wdt == "bf16" else torch.int32),
-                                   w2.view(torch.int16 if wdt == "bf16" else torch.int32))
-                same = same and all(torch.equal(a, b) for a, b in zip(st1, st2))
-                moved = (w1.float() - w0.float()).abs().max().item()
-                ok = same and derr < 1e-5 and moved > 0
+                r = ws.check(n, k, t, rule, wdt, sdt)
+                ok = r["bitwise"] and r["dw_rel_err"] < 1e-5 and r["moved"] > 0
                 bad += not ok
-                print(json.dumps({"check": [n, k, t], "rule": rule, "w": wdt, "states": sdt, "bitwise": same,
-                                  "dw_rel_err": derr, "moved": moved, "ok": ok}), flush=True)
+                print(json.dumps({"check": [n, k, t], "rule": rule, "w": wdt, "states": sdt, **r, "ok": ok}),
+                      flush=True)
     # a non-finite tile keeps its W and state
     n, k, t = 256, 256, 128
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -81,7 +48,7 @@ def check(args) -> int:
     w = torch.randn(n, k, device="cuda")
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     w0 = w.clone()
-    scal, flags = _scalars("adamw", _hp("adamw"), 1)
+    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 1)
     ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=1)
     torch.cuda.synchronize()
     kept = torch.equal(w[:128], w0[:128]) and not torch.equal(w[128:], w0[128:]) and bool(torch.isfinite(w).all())

@@ -355,3 +355,47 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False})
+
+
+RULE_HP = {"sgd": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01},
+           "nesterov": {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
+           "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+           "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
+           "adams": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}}  # check()'s hyper-parameters
+
+
+def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", state_dtype: str = "fp32",
+          seed: int = 1, config: dict | None = None) -> dict:
+    """Self-check on this GPU, random inputs: the fused update (mode 0) against the kernel's own dW
+    (mode 1) followed by ``kernel.py``'s update kernel (``bitwise``: W and every state equal bit for
+    bit), that dW against ``dYᵀX`` in fp32 (``dw_rel_err``: max error over max entry), and how far W
+    moved (``moved``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
+    from .kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
+
+    name = "sgd" if rule == "nesterov" else rule
+    hp = RULE_HP[rule]
+    nst = {"sgd": 1, "adamw": 2, "lion": 1, "adams": 1}[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-2
+    wd = torch.bfloat16 if w_dtype == "bf16" else torch.float32
+    sd = torch.bfloat16 if state_dtype == "bf16" else torch.float32
+    w0 = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(wd)
+    st0 = [(torch.randn(n, k, device="cuda", generator=gen) * 1e-3).abs().to(sd) for _ in range(nst)]
+    scal, flags = _scalars(name, hp, 3)
+    g = torch.empty(n, k, device="cuda")
+    launch_ws(MODE_WRITE_DW, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags, rule_id=RULE_IDS[name],
+              config=config)
+    ref = dy.float().t() @ x.float()
+    w1, st1 = w0.clone(), [s.clone() for s in st0]
+    launch_ws(MODE_FUSED, x=x, dy=dy, w=w1, states=st1, kinds=[state_dtype] * nst, scal=scal, flags=flags,
+              rule_id=RULE_IDS[name], key=1234, config=config)
+    w2, st2 = w0.clone(), [s.clone() for s in st0]
+    launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=[state_dtype] * nst, rule_name=name, hp=hp, step=3,
+                 key=1234)
+    def bits(t):
+        return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+    same = torch.equal(bits(w1), bits(w2)) and all(torch.equal(bits(a), bits(b)) for a, b in zip(st1, st2, strict=True))
+    return {"bitwise": same, "dw_rel_err": ((g - ref).abs().max() / ref.abs().max()).item(),
+            "moved": (w1.float() - w0.float()).abs().max().item()}
