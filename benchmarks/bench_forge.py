@@ -11,7 +11,8 @@
     (``do_bench_cudagraph``: GPU time only) and the host CPU time per call of back-to-back
     calls; bytes moved
     (X + dY read once, W/m/v read and written) against the HBM floor at the *measured*
-    copy bandwidth of this GPU.
+    copy bandwidth of this GPU. On an sm_90 GPU also the warp-specialized Gluon kernel
+    (``forge/ws.py``) alone ('ws') and through ForgeOptimizer ('layer_ws', ``ws_tokens``).
 (b) A whole training step of the ``1b`` preset, T = 1024 tokens per sequence, B sequences:
     torch AdamW fused with fp32 master weights + bf16 autocast; torch AdamW fused, pure bf16;
     PyTorch optimizer-in-backward (``register_post_accumulate_grad_hook``, bf16); FORGE fp32

@@ -712,9 +712,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 x2 = x2.contiguous()
             if dy2.stride(-1) != 1:
                 dy2 = dy2.contiguous()
-            if ws and self._ws_launch(layer, h, x2, dy2, step, key, sums):
-                pass
-            else:
+            if not (ws and self._ws_launch(layer, h, x2, dy2, step, key, sums)):
                 part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                       step=step, sr=self.stochastic_rounding, key=key,
@@ -726,16 +724,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(b)
 
     def _ws_launch(self, layer, h, x2, dy2, step, key, sums) -> bool:
-        """The layer's fused update by ``forge/ws.py``; False (nothing done) where its inputs do not fit
-        the kernel (strides, alignment: the caller then runs the plain fused kernel)."""
+        """The layer's fused update by ``forge/ws.py`` (``x2`` / ``dy2`` with contiguous rows); False
+        (nothing done) where they do not fit its TMA loads (row strides, alignment): the caller then
+        runs the plain fused kernel."""
         from . import ws
 
         K = _KERNEL[0]
         w = layer.weight
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
         if not ws.supported(x2, dy2, w, h.kinds, False):
             return False
         scal, flags = K._scalars(self.rule.name, h.group, step)
