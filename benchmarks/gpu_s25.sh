@@ -6,7 +6,8 @@
 #                                           # a tile sweep on the MLP and head shapes
 #   OUT=dir bash benchmarks/gpu_s25.sh second # the bits again (first/: FMA contraction on), the tests, bench_forge
 #                                           # part (a) with the ws columns, a short tile sweep
-#   OUT=dir bash benchmarks/gpu_s25.sh third  # 8 update warps + slices read ahead: tests, sweep, part (a)
+#   OUT=dir bash benchmarks/gpu_s25.sh third  # not run in session 25: the 8-warp default, PREFETCH and STATE_TMA:
+#                                           # sweep, tests, part (a)
 # Work goes to /tmp/s25w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -49,8 +50,8 @@ gpu_part /tmp/s25w "${1:-first}"
       # the tests, part (a)
       gpuinfo
       log "ws sweep"
-      timeout 70 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
-        '{}' '{"BM": 64}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      timeout 110 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"BM": 64}' '{"STATE_TMA": 1, "SUB": 16}' '{"PREFETCH": 1, "SUB": 16}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"
       snap
       log "ws tests (pytest)"

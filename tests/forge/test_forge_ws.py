@@ -30,10 +30,11 @@ _COMPILE = r"""
 import json, sys
 from leantrain.forge import ws
 out = []
-for mode, wdt, sdt in [(0, "fp32", "fp32"), (0, "bf16", "bf16"), (1, "fp32", "fp32")]:
-    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt)
+for mode, wdt, sdt, tma in [(0, "fp32", "fp32", 0), (0, "bf16", "bf16", 0), (1, "fp32", "fp32", 0),
+                            (0, "fp32", "fp32", 1)]:
+    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, config={"STATE_TMA": 1, "SUB": 16} if tma else None)
     ptx = ck.asm["ptx"]
-    out.append({"mode": mode, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
+    out.append({"mode": mode, "tma_state": tma, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
                 "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
                 "st_global": "st.global" in ptx, "warps": ck.metadata.num_warps, "shared": ck.metadata.shared})
 print(json.dumps(out))
@@ -58,7 +59,8 @@ def test_compiles_for_sm90_with_its_schedule():
         assert v["wgmma"] == cfg["BM"] // 64 * cfg["BT"] // 16
         assert v["tma"] and v["setmaxnreg"]  # TMA loads; the partitions' register budgets
         assert v["warps"] == cfg["num_warps"] + 4 + 4  # update warps + the MMA group + the loader's group
-        assert smem <= v["shared"] <= 227 * 1024
+        extra = 2 * 16 * cfg["BN"] * 4 * 3 if v["tma_state"] else 0  # STATE_TMA: 2 slots of 16-row W, m, v slices
+        assert smem + extra <= v["shared"] <= 227 * 1024
         assert v["st_global"]
 
 
@@ -73,6 +75,15 @@ def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
     r = ws.check(n, k, t, rule, wdt, sdt)
     assert r["dw_rel_err"] < 1e-5 and r["moved"] > 0
     assert r["bitwise"]
+
+
+@gpu
+@pytest.mark.parametrize("config", [{"STATE_TMA": 1, "SUB": 16}, {"PREFETCH": 1, "SUB": 16}])
+@pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
+def test_the_other_read_schedules_give_the_same_bits(config, wdt, sdt):
+    for rule in ("adamw", "lion"):
+        r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
+        assert r["bitwise"] and r["moved"] > 0
 
 
 @gpu

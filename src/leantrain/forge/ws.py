@@ -15,7 +15,10 @@ partitions of warps that run side by side and talk through mbarriers):
   its squares (the tile's non-finite gate and its share of the layer norm, ``PART[tile]``),
   then read W and the state in row slices of ``SUB`` rows, apply the rule of ``kernel._rule``
   (the same function, hence the same bits as the update-only kernel given the same dW) and
-  store W and the state.
+  store W and the state. How they read W and the state (``WS_CONFIG``): plain loads as each slice
+  is updated (the default, the one timed), the same one slice ahead (``PREFETCH``), or by TMA
+  from a fourth partition, one warp, into a ring of ``SSTAGES`` shared-memory slots
+  (``STATE_TMA``; W and the states then need 16-byte aligned bases).
 
 While the update warps work on tile ``i`` the MMA warp group already accumulates tile ``i + 1``
 in its registers: the GEMM (tensor cores, shared memory) and the update (HBM) of two tiles
@@ -50,6 +53,7 @@ if HAS_TRITON:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
+            fence_async_shared,
             mbarrier,
             tma,
             warpgroup_mma,
@@ -66,7 +70,10 @@ if HAS_TRITON:
 # the default: 128 x 128 tiles of W, 64 tokens a stage, 3 stages, 8 update warps on 32-row slices read as they
 # are updated (the configuration timed on the H200, session 25 second/: 4 update warps took twice as long);
 # PREFETCH=1 (with SUB=16: no spills) reads each slice one slice ahead: built, compiled, not yet run on a GPU
-WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "PREFETCH": 0, "num_warps": 8, "mma_regs": 232}
+# STATE_TMA=1 (with SUB=16: 208 KiB of shared memory) loads each slice's W and state by TMA from a fourth
+# partition (one warp) into a ring of SSTAGES slots: built, compiled, not yet run on a GPU
+WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "PREFETCH": 0, "STATE_TMA": 0, "SSTAGES": 2,
+             "num_warps": 8, "mma_regs": 232}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import _draw, _rtn_bf16, _rule
@@ -117,6 +124,31 @@ if HAVE_GLUON:
             n += 1
 
     @gluon.jit
+    def _ws_state_load(w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles, num_nb,
+                       NSTATE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
+                       SSTAGES: gl.constexpr):
+        """``STATE_TMA``: streams each slice's W and state by TMA into a ring of ``SSTAGES`` slots,
+        in the order the update warps take them (rows and columns past W's are zero-filled)."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        nbytes: gl.constexpr = (w_desc.block_type.nbytes + (s1_desc.block_type.nbytes if NSTATE >= 1 else 0)
+                                + (s2_desc.block_type.nbytes if NSTATE >= 2 else 0))
+        it = 0
+        for tile in range(pid, num_tiles, nprog):
+            m0 = (tile // num_nb) * BM
+            n0 = (tile % num_nb) * BN
+            for r in range(BM // SUB):
+                s = it % SSTAGES
+                mbarrier.wait(st_empty.index(s), ((it // SSTAGES) & 1) ^ 1)
+                mbarrier.expect(st_ready.index(s), nbytes)
+                _tma_load(w_desc, [m0 + r * SUB, n0], st_ready.index(s), w_bufs.index(s))
+                if NSTATE >= 1:
+                    _tma_load(s1_desc, [m0 + r * SUB, n0], st_ready.index(s), s1_bufs.index(s))
+                if NSTATE >= 2:
+                    _tma_load(s2_desc, [m0 + r * SUB, n0], st_ready.index(s), s2_bufs.index(s))
+                it += 1
+
+    @gluon.jit
     def _ws_offs(m0, r: gl.constexpr, cols, mk, N, K, SUB: gl.constexpr, IDX32: gl.constexpr,
                  rows_l: gl.constexpr):
         """Element offsets and mask of slice ``r`` (rows ``m0 + r·SUB ..``) of a tile."""
@@ -141,13 +173,15 @@ if HAVE_GLUON:
         return w, s1, s2
 
     @gluon.jit
-    def _ws_update(dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
+    def _ws_update(dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
+                   W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-                   PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                   PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
+                   num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -157,6 +191,7 @@ if HAVE_GLUON:
         if HAS_SCALE:  # the clip scale (an fp32 device scalar); not finite: store nothing
             sc = gl.load(SCALE)
         n = 0
+        st = 0  # (STATE_TMA: slices taken from the state ring)
         for tile in range(pid, num_tiles, nprog):
             m0 = (tile // num_nb) * BM
             n0 = (tile % num_nb) * BN
@@ -196,7 +231,20 @@ if HAVE_GLUON:
                     g = dw_smem.slice(r * SUB, SUB).load(layout)
                     if r == BM // SUB - 1:
                         mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
-                    if not PREFETCH:
+                    if STATE_TMA:  # the slice from the state ring (the TMA loads' completion makes it visible)
+                        slot = st % SSTAGES
+                        mbarrier.wait(st_ready.index(slot), (st // SSTAGES) & 1)
+                        w = w_bufs.index(slot).load(layout).to(gl.float32)
+                        s1 = gl.zeros_like(w)
+                        s2 = gl.zeros_like(w)
+                        if NSTATE >= 1:
+                            s1 = s1_bufs.index(slot).load(layout).to(gl.float32)
+                        if NSTATE >= 2:
+                            s2 = s2_bufs.index(slot).load(layout).to(gl.float32)
+                        fence_async_shared()  # (these reads before the next TMA write of the slot)
+                        mbarrier.arrive(st_empty.index(slot))
+                        st += 1
+                    elif not PREFETCH:
                         w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE)
                     if HAS_SCALE:
                         g = g * sc
@@ -225,14 +273,14 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
                                   "lerp_c", "eps", "mom", "key"])
-    def _ws_kernel(dy_desc, x_desc, W, S1, S2, G, PART, SCALE, T, N, K,
+    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, T, N, K,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-                   STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, MMA_REGS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
+                   SSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_tiles = gl.cdiv(N, BM) * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
@@ -250,14 +298,42 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(dw_ready, count=1)
         mbarrier.init(dw_empty, count=1)
-        gl.warp_specialize([
-            (_ws_update, (dw_smem, dw_ready, dw_empty, W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
-                          lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
-                          MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL,
-                          IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, num_warps)),
-            (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT, STAGES)),
-            (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
-        ], [4, 1], [MMA_REGS, 24])
+        if STATE_TMA:  # W and the state of each slice through shared memory, loaded by a fourth partition
+            w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SSTAGES, SUB, BN], w_desc.layout)
+            s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [SSTAGES, SUB, BN], s1_desc.layout)
+            s2_bufs = gl.allocate_shared_memory(s2_desc.dtype, [SSTAGES, SUB, BN], s2_desc.layout)
+            st_ready = gl.allocate_shared_memory(gl.int64, [SSTAGES, 1], mbarrier.MBarrierLayout())
+            st_empty = gl.allocate_shared_memory(gl.int64, [SSTAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(SSTAGES):
+                mbarrier.init(st_ready.index(i), count=1)
+                mbarrier.init(st_empty.index(i), count=1)
+        else:  # (placeholders: not used)
+            w_bufs, s1_bufs, s2_bufs, st_ready, st_empty = a_bufs, a_bufs, a_bufs, ready, empty
+        # (each partition's arguments written out in the call: a tuple held in a variable loses its constexprs)
+        if STATE_TMA:
+            gl.warp_specialize([
+                (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
+                              W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
+                              lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+                              MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
+                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, num_warps)),
+                (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
+                           STAGES)),
+                (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
+                (_ws_state_load, (w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles,
+                                  num_nb, NSTATE, BM, BN, SUB, SSTAGES)),
+            ], [4, 1, 1], [MMA_REGS, 24, 24])
+        else:
+            gl.warp_specialize([
+                (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
+                              W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
+                              lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
+                              MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
+                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, num_warps)),
+                (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
+                           STAGES)),
+                (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
+            ], [4, 1], [MMA_REGS, 24])
 
 
 def available(device=None) -> bool:
@@ -286,7 +362,7 @@ def _num_sms(index: int) -> int:
 
 
 def _gl_dtype(t: torch.dtype):
-    return gl.bfloat16 if t == torch.bfloat16 else gl.float16
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t]
 
 
 def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
@@ -311,16 +387,24 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     nstate = len(states)
     s1 = states[0] if nstate > 0 else w
     s2 = states[1] if nstate > 1 else w
+    state_tma = bool(cfg["STATE_TMA"]) and mode == 0
+    if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 and 16-byte aligned bases: supported())
+        sdesc = [TensorDescriptor.from_tensor(
+            t, [cfg["SUB"], BN], gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], _gl_dtype(t.dtype)))
+            for t in (w, s1, s2)]
+    else:
+        sdesc = [dy_desc] * 3  # (placeholders)
     k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
     grid = (min(ntiles, _num_sms(x.device.index or 0)),)
     _ws_kernel[grid](
-        dy_desc, x_desc, w, s1, s2, w if g is None else g, part, part if scale is None else scale, T, N, K, *scal,
+        dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale, T, N, K, *scal,
         int(key),
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
         IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"],
-        SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]), MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"],
+        SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"],
+        MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"],
         enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
 
@@ -337,10 +421,16 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     la = gl.NVMMASharedLayout.get_default_for([BT, BM], gl.bfloat16)
     lb = gl.NVMMASharedLayout.get_default_for([BT, BN], gl.bfloat16)
-    sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>",
-           "W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
-           "SCALE": "*fp32",
-           "T": "i32", "N": "i32", "K": "i32"}
+    state_tma = bool(cfg["STATE_TMA"]) and mode == 0
+    sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>"}
+    for name, dt in (("w_desc", w_dtype), ("s1_desc", state_dtype), ("s2_desc", state_dtype)):
+        if state_tma:
+            ls = gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], gl.float32 if dt == "fp32" else gl.bfloat16)
+            sig[name] = f"tensordesc<{dt}[{cfg['SUB']}, {BN}],{ls!r}>"
+        else:
+            sig[name] = sig["dy_desc"]
+    sig.update({"W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
+           "SCALE": "*fp32", "T": "i32", "N": "i32", "K": "i32"})
     sig.update({k: "fp32" for k in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
                                      "eps", "mom")})
     sig["key"] = "i32"
@@ -349,7 +439,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
                  BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]),
-                 MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+                 STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"], MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     sig.update({k: "constexpr" for k in const})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
