@@ -143,6 +143,15 @@ if HAS_TRITON:
                 tl.load(row + 10), tl.load(row + 11), tl.load(row + 12).to(tl.int32, bitcast=True))
 
     @triton.jit
+    def _store_plain(x, ptr, offs, mask, BF16: tl.constexpr, NATIVE_CVT: tl.constexpr):
+        """Store an fp32 tile as fp32, or as bf16 rounded to nearest (W without stochastic rounding,
+        fp32 / bf16 states; also the Gluon kernel's, ``ws.py``)."""
+        if BF16:
+            tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask)
+        else:
+            tl.store(ptr + offs, x, mask=mask)
+
+    @triton.jit
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, pmask, blk_n, blk_k, kb, nb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
@@ -172,10 +181,8 @@ if HAS_TRITON:
                 am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
                 tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
                 tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
-        elif KIND == 1:
-            tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask)
         else:
-            tl.store(ptr + offs, x, mask=mask)
+            _store_plain(x, ptr, offs, mask, KIND == 1, NATIVE_CVT)
 
     @triton.jit
     def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, z,
@@ -331,19 +338,16 @@ if HAS_TRITON:
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               tl.zeros_like(g),
                               RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
-            if W_BF16:
-                if SR:
-                    if ROWS:  # the element's offset in its own parameter, under its parameter's key
-                        key_r = tl.load(KEYS + owner, mask=mn, other=0)
-                        row0 = tl.load(ROW0 + owner, mask=mn, other=0)
-                        bits = _draw(key_r[:, None], offs - (row0 * K)[:, None], IDX32)
-                    else:
-                        bits = _draw(key, offs, IDX32)
-                    tl.store(W + offs, sr_bf16(p, bits), mask=smask)
+            if W_BF16 and SR:
+                if ROWS:  # the element's offset in its own parameter, under its parameter's key
+                    key_r = tl.load(KEYS + owner, mask=mn, other=0)
+                    row0 = tl.load(ROW0 + owner, mask=mn, other=0)
+                    bits = _draw(key_r[:, None], offs - (row0 * K)[:, None], IDX32)
                 else:
-                    tl.store(W + offs, _rtn_bf16(p, NATIVE_CVT), mask=smask)
+                    bits = _draw(key, offs, IDX32)
+                tl.store(W + offs, sr_bf16(p, bits), mask=smask)
             else:
-                tl.store(W + offs, p, mask=smask)
+                _store_plain(p, W, offs, smask, W_BF16, NATIVE_CVT)
             if NSTATE >= 1:
                 _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K,
                              NATIVE_CVT, SIGN1)

@@ -351,7 +351,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         step = self._advance(layer, sw, sb)
         backend = self._backend_for(layer.weight)
         if backend == "triton":
-            ws = self._ws_layer(layer, x2, fill)
+            ws = self._ws_layer(layer, x2, dy2, fill)
             self._update_triton(layer, x2, dy2, sw, sb, step,
                                 not ws and self._materializes(layer, x2, fill, backend), fill, ws)
             self._ran.append(layer.slot)
@@ -372,23 +372,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._dyn_next = None
         return sw["step"]
 
-    def _ws_layer(self, layer: ForgeLayer, x2: Tensor | None, fill) -> bool:
+    def _ws_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> bool:
         """Whether this layer's update runs the warp-specialized fused kernel (``forge/ws.py``): fewer
         than ``ws_tokens`` tokens, an sm_90 GPU, and nothing that needs dW first (data parallelism,
         clipping by this step's norms, a ``fill`` caller, device scalars) or is outside the kernel's scope
-        (a fused bias, 8-bit states, fp32 inputs)."""
+        (a fused bias, 8-bit states, inputs ``ws.supported`` refuses). Otherwise the split path."""
         if (self.ws_tokens is None or fill is not None or x2 is None or x2.shape[0] >= self.ws_tokens
                 or self.dp_group is not None or self.clip not in ("none", "prev_global") or self._dyn is not None
-                or layer.bias is not None or not layer.weight.is_cuda
-                or x2.dtype not in (torch.bfloat16, torch.float16)):
+                or layer.bias is not None or not layer.weight.is_cuda or self.storage.dtype not in ("fp32", "bf16")):
             return False
+        from . import ws
+
         dev = layer.weight.device
         ok = self._ws.get(dev)
         if ok is None:
-            from . import ws
-
             ok = self._ws[dev] = ws.available(dev)
-        return ok and self.storage.dtype in ("fp32", "bf16")
+        return ok and ws.supported(x2, dy2, layer.weight)
 
     def _materializes(self, layer, x2, fill, backend) -> bool:
         return (fill is not None or backend == "torch" or self.dp_group is not None
@@ -712,7 +711,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 x2 = x2.contiguous()
             if dy2.stride(-1) != 1:
                 dy2 = dy2.contiguous()
-            if not (ws and self._ws_launch(layer, h, x2, dy2, step, key, sums)):
+            if ws:
+                self._ws_launch(layer, h, x2, dy2, step, key, sums)
+            else:
                 part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                       step=step, sr=self.stochastic_rounding, key=key,
@@ -723,23 +724,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if b is not None:
             torch.autograd.graph.increment_version(b)
 
-    def _ws_launch(self, layer, h, x2, dy2, step, key, sums) -> bool:
-        """The layer's fused update by ``forge/ws.py`` (``x2`` / ``dy2`` with contiguous rows); False
-        (nothing done) where they do not fit its TMA loads (row strides, alignment): the caller then
-        runs the plain fused kernel."""
+    def _ws_launch(self, layer, h, x2, dy2, step, key, sums) -> None:
+        """The layer's fused update by ``forge/ws.py`` (chosen by :meth:`_ws_layer`)."""
         from . import ws
 
         K = _KERNEL[0]
         w = layer.weight
-        if not ws.supported(x2, dy2, w, h.kinds, False):
-            return False
         scal, flags = K._scalars(self.rule.name, h.group, step)
         part = ws.launch_ws(K.MODE_FUSED, x=x2, dy=dy2, w=w, states=h.states, kinds=h.kinds, part=h.wpart,
                             scal=scal, flags=flags, rule_id=K.RULE_IDS[self.rule.name], sr=self.stochastic_rounding,
                             key=key, scale=self._clip_scale if self.clip == "prev_global" else None)
         h.wpart = part  # reused next step
         torch.sum(part, 0, out=sums.sq_views[layer.slot])  # the layer's sum of squares (norm, NaN report)
-        return True
 
     # ------------------------------------------------------------------ step: the other parameters
 

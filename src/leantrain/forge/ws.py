@@ -76,7 +76,7 @@ WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "PREFETCH":
              "num_warps": 8, "mma_regs": 232}
 
 if HAVE_GLUON:
-    from leantrain.forge.kernel import _draw, _rtn_bf16, _rule
+    from leantrain.forge.kernel import _draw, _rule, _store_plain
     from leantrain.ops.sr import sr_bf16
 
     @gluon.jit
@@ -252,23 +252,14 @@ if HAVE_GLUON:
                     smask = mask & tile_ok
                     p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
                                       eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
-                    if W_BF16:
-                        if SR:
-                            gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
-                        else:
-                            gl.store(W + offs, _rtn_bf16(p, True), mask=smask)
+                    if W_BF16 and SR:
+                        gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
                     else:
-                        gl.store(W + offs, p, mask=smask)
+                        _store_plain(p, W, offs, smask, W_BF16, True)
                     if NSTATE >= 1:
-                        if KIND1 == 1:
-                            gl.store(S1 + offs, _rtn_bf16(s1, True), mask=smask)
-                        else:
-                            gl.store(S1 + offs, s1, mask=smask)
+                        _store_plain(s1, S1, offs, smask, KIND1 == 1, True)
                     if NSTATE >= 2:
-                        if KIND2 == 1:
-                            gl.store(S2 + offs, _rtn_bf16(s2, True), mask=smask)
-                        else:
-                            gl.store(S2 + offs, s2, mask=smask)
+                        _store_plain(s2, S2, offs, smask, KIND2 == 1, True)
             n += 1
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
@@ -344,11 +335,12 @@ def available(device=None) -> bool:
     return torch.cuda.get_device_capability(dev)[0] == 9
 
 
-def supported(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, kinds, has_bias: bool) -> bool:
-    """Whether this layer's launch fits the kernel's scope (see the module docstring)."""
-    if has_bias or x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
+def supported(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a layer's inputs and W fit the kernel (dtypes; TMA's contiguous, 16-byte aligned rows).
+    The state kinds (fp32 / bf16) and the absence of a fused bias are the caller's to check."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
         return False
-    if w.dtype not in (torch.float32, torch.bfloat16) or any(k not in ("fp32", "bf16") for k in kinds):
+    if w.dtype not in (torch.float32, torch.bfloat16):
         return False
     N, K = w.shape
     return (x.stride(-1) == 1 and dy.stride(-1) == 1 and N % 8 == 0 and K % 8 == 0
