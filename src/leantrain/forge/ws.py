@@ -380,7 +380,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     s1 = states[0] if nstate > 0 else w
     s2 = states[1] if nstate > 1 else w
     state_tma = bool(cfg["STATE_TMA"]) and mode == 0
-    if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 and 16-byte aligned bases: supported())
+    if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(); TensorDescriptor asserts
+        # their 16-byte aligned bases, which torch's allocations give)
         sdesc = [TensorDescriptor.from_tensor(
             t, [cfg["SUB"], BN], gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], _gl_dtype(t.dtype)))
             for t in (w, s1, s2)]
