@@ -55,7 +55,7 @@ gpu_part /tmp/s25w "${1:-first}"
       echo "rc=$?"; cat "$D/sweep.jsonl"
       snap
       log "ws tests (pytest)"
-      gputest 120 tests/forge/test_forge_ws.py
+      gputest 160 tests/forge/test_forge_ws.py
       snap
       log "bench_forge part (a)"
       timeout 100 python3 benchmarks/bench_forge.py --part a --timeout-a 95 --tokens 512 1024 2048 16384 --out "$D" 2>&1 \

@@ -30,16 +30,19 @@ def check(args) -> int:
     assert ws.available(), "no sm_90 GPU or no Gluon"
     bad = 0
     cases = [(2048, 5632, 1024), (136, 264, 100), (256, 384, 64), (1024, 2048, 333)]
-    for n, k, t in cases:
-        for rule in ("adamw", "sgd", "nesterov", "lion", "adams"):
-            for wdt, sdt in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
-                if rule != "adamw" and (n, k, t) != (136, 264, 100):
-                    continue
-                r = ws.check(n, k, t, rule, wdt, sdt)
-                ok = r["bitwise"] and r["dw_rel_err"] < 1e-5 and r["moved"] > 0
-                bad += not ok
-                print(json.dumps({"check": [n, k, t], "rule": rule, "w": wdt, "states": sdt, **r, "ok": ok}),
-                      flush=True)
+    configs = [json.loads(c) for c in args.configs] if args.configs else [{}]
+    for config in configs:  # (other than the default: AdamW and Lion, every shape and dtype)
+        rules = ("adamw", "sgd", "nesterov", "lion", "adams") if not config else ("adamw", "lion")
+        for n, k, t in cases:
+            for rule in rules:
+                for wdt, sdt in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
+                    if rule != "adamw" and (n, k, t) != (136, 264, 100):
+                        continue
+                    r = ws.check(n, k, t, rule, wdt, sdt, config=config)
+                    ok = r["bitwise"] and r["dw_rel_err"] < 1e-5 and r["moved"] > 0
+                    bad += not ok
+                    print(json.dumps({"check": [n, k, t], "config": config, "rule": rule, "w": wdt, "states": sdt,
+                                      **r, "ok": ok}), flush=True)
     # a non-finite tile keeps its W and state
     n, k, t = 256, 256, 128
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -86,11 +89,16 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
         launch_forge(MODE_UPDATE, g=buf, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
                      hp=hp, step=10)
 
-    fns = {"torch": baseline, "split": split}
-    for i, c in enumerate(configs):
-        fns[f"ws{i}"] = (lambda c=c: ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
-                                                   scal=scal, flags=flags, rule_id=RULE_IDS["adamw"],
-                                                   config=c))
+    def mm():  # (the split path's dW alone: what the GEMM costs on its own)
+        mm_fp32(dy.t(), x, buf, allow_upcast=True)
+
+    fns = {"torch": baseline, "split": split, "mm": mm}
+    for i, c in enumerate(configs):  # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead)
+        c = dict(c)
+        mode = c.pop("MODE", 0)
+        fns[f"ws{i}"] = (lambda c=c, mode=mode: ws.launch_ws(mode, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
+                                                             g=buf, scal=scal, flags=flags, rule_id=RULE_IDS["adamw"],
+                                                             config=c))
     row = {"N": n, "K": k, "T": t, "configs": configs}
     for name, fn in fns.items():
         try:

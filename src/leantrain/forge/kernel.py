@@ -143,13 +143,13 @@ if HAS_TRITON:
                 tl.load(row + 10), tl.load(row + 11), tl.load(row + 12).to(tl.int32, bitcast=True))
 
     @triton.jit
-    def _store_plain(x, ptr, offs, mask, BF16: tl.constexpr, NATIVE_CVT: tl.constexpr):
+    def _store_plain(x, ptr, offs, mask, BF16: tl.constexpr, NATIVE_CVT: tl.constexpr, EV: tl.constexpr = ""):
         """Store an fp32 tile as fp32, or as bf16 rounded to nearest (W without stochastic rounding,
-        fp32 / bf16 states; also the Gluon kernel's, ``ws.py``)."""
+        fp32 / bf16 states; also the Gluon kernel's, ``ws.py``, which may pass an eviction policy)."""
         if BF16:
-            tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask)
+            tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask, eviction_policy=EV)
         else:
-            tl.store(ptr + offs, x, mask=mask)
+            tl.store(ptr + offs, x, mask=mask, eviction_policy=EV)
 
     @triton.jit
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, pmask, blk_n, blk_k, kb, nb,

@@ -72,8 +72,10 @@ if HAS_TRITON:
 # PREFETCH=1 (with SUB=16: no spills) reads each slice one slice ahead: built, compiled, not yet run on a GPU
 # STATE_TMA=1 (with SUB=16: 208 KiB of shared memory) loads each slice's W and state by TMA from a fourth
 # partition (one warp) into a ring of SSTAGES slots: built, compiled, not yet run on a GPU
+# MMA_WARPS=8 (two warp groups: BM rows split in two; with BN=256 the tile reads a quarter fewer dY / X bytes
+# per dW element) and EVICT=1 (W and the state loaded and stored evict-first: X and dY stay in L2): session 26
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "PREFETCH": 0, "STATE_TMA": 0, "SSTAGES": 2,
-             "num_warps": 8, "mma_regs": 232}
+             "MMA_WARPS": 4, "EVICT": 0, "num_warps": 8, "mma_regs": 232}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import _draw, _rule, _store_plain
@@ -98,11 +100,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_mma(a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles,
-                BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+                BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN, 16])
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                             instr_shape=[16, min(BN, 128), 16])
         it = 0
         n = 0
         for _tile in range(pid, num_tiles, nprog):
@@ -161,15 +163,16 @@ if HAVE_GLUON:
         return offs, mask
 
     @gluon.jit
-    def _ws_read(W, S1, S2, offs, mask, NSTATE: gl.constexpr):
-        """A slice's W and state, in fp32 (zeros for states the rule does not have)."""
-        w = gl.load(W + offs, mask=mask, other=0.0).to(gl.float32)
+    def _ws_read(W, S1, S2, offs, mask, NSTATE: gl.constexpr, EV: gl.constexpr):
+        """A slice's W and state, in fp32 (zeros for states the rule does not have); ``EV``: the loads'
+        eviction policy."""
+        w = gl.load(W + offs, mask=mask, other=0.0, eviction_policy=EV).to(gl.float32)
         s1 = gl.zeros_like(w)
         s2 = gl.zeros_like(w)
         if NSTATE >= 1:
-            s1 = gl.load(S1 + offs, mask=mask, other=0.0).to(gl.float32)
+            s1 = gl.load(S1 + offs, mask=mask, other=0.0, eviction_policy=EV).to(gl.float32)
         if NSTATE >= 2:
-            s2 = gl.load(S2 + offs, mask=mask, other=0.0).to(gl.float32)
+            s2 = gl.load(S2 + offs, mask=mask, other=0.0, eviction_policy=EV).to(gl.float32)
         return w, s1, s2
 
     @gluon.jit
@@ -180,7 +183,7 @@ if HAVE_GLUON:
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-                   PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
+                   PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr, EV: gl.constexpr,
                    num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
@@ -200,7 +203,7 @@ if HAVE_GLUON:
             if MODE == 0:
                 if PREFETCH:  # slice 0's W and state do not depend on dW: read them before waiting for it
                     offs0, mask0 = _ws_offs(m0, 0, cols, mk, N, K, SUB, IDX32, rows_l)
-                    w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs0, mask0, NSTATE)
+                    w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs0, mask0, NSTATE, EV)
             mbarrier.wait(dw_ready, n & 1)
             ss = 0.0
             for r in gl.static_range(BM // SUB):
@@ -227,7 +230,7 @@ if HAVE_GLUON:
                         w, s1, s2 = w_n, s1_n, s2_n
                         if r + 1 < BM // SUB:
                             offs_n, mask_n = _ws_offs(m0, r + 1, cols, mk, N, K, SUB, IDX32, rows_l)
-                            w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs_n, mask_n, NSTATE)
+                            w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs_n, mask_n, NSTATE, EV)
                     g = dw_smem.slice(r * SUB, SUB).load(layout)
                     if r == BM // SUB - 1:
                         mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
@@ -245,7 +248,7 @@ if HAVE_GLUON:
                         mbarrier.arrive(st_empty.index(slot))
                         st += 1
                     elif not PREFETCH:
-                        w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE)
+                        w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE, EV)
                     if HAS_SCALE:
                         g = g * sc
                     z = gl.zeros_like(g)
@@ -253,13 +256,13 @@ if HAVE_GLUON:
                     p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
                                       eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
                     if W_BF16 and SR:
-                        gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
+                        gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask, eviction_policy=EV)
                     else:
-                        _store_plain(p, W, offs, smask, W_BF16, True)
+                        _store_plain(p, W, offs, smask, W_BF16, True, EV)
                     if NSTATE >= 1:
-                        _store_plain(s1, S1, offs, smask, KIND1 == 1, True)
+                        _store_plain(s1, S1, offs, smask, KIND1 == 1, True, EV)
                     if NSTATE >= 2:
-                        _store_plain(s2, S2, offs, smask, KIND2 == 1, True)
+                        _store_plain(s2, S2, offs, smask, KIND2 == 1, True, EV)
             n += 1
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
@@ -271,7 +274,8 @@ if HAVE_GLUON:
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
                    STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
-                   SSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
+                   num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_tiles = gl.cdiv(N, BM) * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
@@ -307,24 +311,26 @@ if HAVE_GLUON:
                               W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
-                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, num_warps)),
+                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
+                              num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
-                           STAGES)),
+                           STAGES, MMA_WARPS)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
                 (_ws_state_load, (w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles,
                                   num_nb, NSTATE, BM, BN, SUB, SSTAGES)),
-            ], [4, 1, 1], [MMA_REGS, 24, 24])
+            ], [MMA_WARPS, 1, 1], [MMA_REGS, 24, 24])
         else:
             gl.warp_specialize([
                 (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
                               W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
-                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, num_warps)),
+                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
+                              num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
-                           STAGES)),
+                           STAGES, MMA_WARPS)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
-            ], [4, 1], [MMA_REGS, 24])
+            ], [MMA_WARPS, 1], [MMA_REGS, 24])
 
 
 def available(device=None) -> bool:
@@ -397,8 +403,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
         IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"],
         SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"],
-        MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"],
-        enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
+        MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
+        num_warps=cfg["num_warps"], enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
 
 
@@ -432,7 +438,8 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
                  BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]),
-                 STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"], MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+                 STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"], MMA_WARPS=cfg["MMA_WARPS"],
+                 EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     sig.update({k: "constexpr" for k in const})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 26's GPU calls:
+#   OUT=dir bash benchmarks/gpu_s26.sh first  # the ws kernel's new options: EVICT (W / state evict-first), BN=256
+#                                           # tiles with two MMA warp groups (a quarter fewer dY / X bytes a dW
+#                                           # element), with STATE_TMA; MODE 1 and cuBLAS alone as the GEMM's
+#                                           # share; a sweep on 2048x5632 and 32000x2048, then the bits
+# Work goes to /tmp/s26w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s26w "${1:-first}"
+W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "ws sweep"
+      timeout 240 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"STATE_TMA": 1, "SUB": 16}' '{"EVICT": 1}' '{"STATE_TMA": 1, "SUB": 16, "EVICT": 1}' \
+        "{$W256, \"BT\": 64, \"STAGES\": 2}" "{$W256, \"BT\": 32, \"STAGES\": 3}" "{$W256, \"BT\": 32, \"STAGES\": 4}" \
+        "{$W256, \"BT\": 32, \"STAGES\": 2, \"STATE_TMA\": 1}" "{$W256, \"BT\": 64, \"STAGES\": 2, \"EVICT\": 1}" \
+        '{"MODE": 1}' "{$W256, \"BT\": 64, \"STAGES\": 2, \"MODE\": 1}" > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      snap
+      log "ws check (bits) of the new options"
+      timeout 200 python3 benchmarks/tune_ws.py check --configs '{"EVICT": 1}' "{$W256, \"BT\": 64, \"STAGES\": 2}" \
+        "{$W256, \"BT\": 32, \"STAGES\": 2, \"STATE_TMA\": 1}" > "$D/check.jsonl" 2> "$D/check.err"
+      echo "rc=$?"; grep -c '"ok": true' "$D/check.jsonl"; grep '"ok": false\|check_failures' "$D/check.jsonl" | head; tail -3 "$D/check.err" ;;
+  esac
+} 2>&1 | tee "$D/log.txt"
+snap
