@@ -4,6 +4,9 @@
 #                                           # tiles with two MMA warp groups (a quarter fewer dY / X bytes a dW
 #                                           # element), with STATE_TMA; MODE 1 and cuBLAS alone as the GEMM's
 #                                           # share; a sweep on 2048x5632 and 32000x2048, then the bits
+#   OUT=dir bash benchmarks/gpu_s26.sh second # STATE_TMA the default, device scalars: the tests, the 1b step as
+#                                           # CUDA graphs (bench_forge part (b), B = 1, 2) with and without the ws
+#                                           # kernel, a sweep of the state ring
 # Work goes to /tmp/s26w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -25,6 +28,23 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
       timeout 200 python3 benchmarks/tune_ws.py check --configs '{"EVICT": 1}' "{$W256, \"BT\": 64, \"STAGES\": 2}" \
         "{$W256, \"BT\": 32, \"STAGES\": 2, \"STATE_TMA\": 1}" > "$D/check.jsonl" 2> "$D/check.err"
       echo "rc=$?"; grep -c '"ok": true' "$D/check.jsonl"; grep '"ok": false\|check_failures' "$D/check.jsonl" | head; tail -3 "$D/check.err" ;;
+    second)  # after first/: STATE_TMA the default, device scalars (CUDA graphs) in the ws kernel
+      gpuinfo
+      log "ws tests (pytest)"
+      gputest 200 tests/forge/test_forge_ws.py
+      snap
+      export LEANTRAIN_FORGE_WS_TOKENS=0
+      forgeb_cfg b_ws0 110 "1 2" torch_bf16_graph forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
+      snap
+      export LEANTRAIN_FORGE_WS_TOKENS=4096
+      forgeb_cfg b_ws4096 90 "1 2" forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
+      unset LEANTRAIN_FORGE_WS_TOKENS
+      snap
+      log "ws sweep (state ring variants)"
+      timeout 100 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"STAGES": 2, "SSTAGES": 3}' '{"SUB": 8, "SSTAGES": 4}' '{"BT": 32, "STAGES": 4, "SSTAGES": 3}' \
+        > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err" ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap

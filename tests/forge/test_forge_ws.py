@@ -30,11 +30,11 @@ _COMPILE = r"""
 import json, sys
 from leantrain.forge import ws
 out = []
-for mode, wdt, sdt, tma in [(0, "fp32", "fp32", 0), (0, "bf16", "bf16", 0), (1, "fp32", "fp32", 0),
-                            (0, "fp32", "fp32", 1)]:
-    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, config={"STATE_TMA": 1, "SUB": 16} if tma else None)
+for mode, wdt, sdt, plain, dyn in [(0, "fp32", "fp32", 0, 0), (0, "bf16", "bf16", 0, 1), (1, "fp32", "fp32", 0, 0),
+                                   (0, "fp32", "fp32", 1, 0)]:
+    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=ws.PLAIN_CONFIG if plain else None)
     ptx = ck.asm["ptx"]
-    out.append({"mode": mode, "tma_state": tma, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
+    out.append({"mode": mode, "plain": plain, "elem": 4 if wdt == "fp32" else 2, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
                 "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
                 "st_global": "st.global" in ptx, "warps": ck.metadata.num_warps, "shared": ck.metadata.shared})
 print(json.dumps(out))
@@ -59,7 +59,9 @@ def test_compiles_for_sm90_with_its_schedule():
         assert v["wgmma"] == cfg["BM"] // 64 * cfg["BT"] // 16
         assert v["tma"] and v["setmaxnreg"]  # TMA loads; the partitions' register budgets
         assert v["warps"] == cfg["num_warps"] + 4 + 4  # update warps + the MMA group + the loader's group
-        extra = 2 * 16 * cfg["BN"] * 4 * 3 if v["tma_state"] else 0  # STATE_TMA: 2 slots of 16-row W, m, v slices
+        # the default (STATE_TMA, mode 0): a ring of slices of W, m, v in shared memory too
+        tma_state = cfg["STATE_TMA"] and v["mode"] == 0 and not v["plain"]
+        extra = cfg["SSTAGES"] * cfg["SUB"] * cfg["BN"] * v["elem"] * 3 if tma_state else 0
         assert smem + extra <= v["shared"] <= 227 * 1024
         assert v["st_global"]
 
@@ -78,12 +80,34 @@ def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
 
 
 @gpu
-@pytest.mark.parametrize("config", [{"STATE_TMA": 1, "SUB": 16}, {"PREFETCH": 1, "SUB": 16}])
+@pytest.mark.parametrize("config", [ws.PLAIN_CONFIG, {**ws.PLAIN_CONFIG, "PREFETCH": 1, "SUB": 16}, {"EVICT": 1},
+                                    {**ws.PLAIN_CONFIG, "EVICT": 1}])
 @pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
 def test_the_other_read_schedules_give_the_same_bits(config, wdt, sdt):
     for rule in ("adamw", "lion"):
         r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
         assert r["bitwise"] and r["moved"] > 0
+
+
+@gpu
+def test_unaligned_weights_and_states_fall_back_to_plain_loads():
+    from leantrain.forge.kernel import RULE_IDS, _scalars
+
+    n, k, t = 136, 264, 100  # W and its states at a 4-byte offset: TMA cannot load them
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
+    bufs = [torch.randn(n * k + 1, device="cuda") * 0.02 for _ in range(3)]
+    w, m, v = (b[1:].view(n, k) for b in bufs)
+    m.abs_(), v.abs_()
+    assert w.data_ptr() % 16
+    ref = [t_.clone() for t_ in (w, m, v)]  # (aligned copies, through the plain loads)
+    w0 = w.clone()
+    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    for ww, st, cfg in ((w, [m, v], None), (ref[0], ref[1:], ws.PLAIN_CONFIG)):
+        ws.launch_ws(0, x=x, dy=dy, w=ww, states=st, kinds=["fp32", "fp32"], scal=scal, flags=flags,
+                     rule_id=RULE_IDS["adamw"], config=cfg)
+    assert not torch.equal(w, w0)
+    assert all(torch.equal(a_, b_) for a_, b_ in zip((w, m, v), ref, strict=True))
 
 
 @gpu
@@ -181,3 +205,89 @@ def test_ws_tokens_is_checked_and_the_environment_overrides_it(monkeypatch):
     monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "many")
     with pytest.raises(ValueError, match="LEANTRAIN_FORGE_WS_TOKENS"):
         lt.forge.attach(model, lt.optim.AdamW(lr=1e-3))
+
+
+@gpu
+@pytest.mark.parametrize("wdt", ["fp32", "bf16"])
+def test_device_scalars_give_the_argument_bits_and_a_nan_gate_stores_nothing(wdt):
+    """``dyn``: the step's scalars and key from a row of kernel.py's device table (what a CUDA
+    graph replays) == the same values as launch arguments; a NaN gate (a graph's warm-up) stores
+    nothing but still writes the tile sums."""
+    import numpy as np
+
+    from leantrain.forge.kernel import DYN_COLS, RULE_IDS, _scalars, dyn_row
+
+    n, k, t, key = 136, 264, 100, 1234
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
+    dt = torch.float32 if wdt == "fp32" else torch.bfloat16
+    w0 = (torch.randn(n, k, device="cuda") * 0.02).to(dt)
+    st0 = [(torch.randn(n, k, device="cuda") * 1e-3).abs().to(dt) for _ in range(2)]
+    hp = ws.RULE_HP["adamw"]
+    scal, flags = _scalars("adamw", hp, 3)
+    row = dyn_row("adamw", hp, 3)
+    row[12:13].view(np.int32)[:] = key
+    table = torch.zeros(2, DYN_COLS, device="cuda")
+    table[1] = torch.from_numpy(row)
+    runs = []
+    for dyn in (None, (table, 1)):
+        w, st = w0.clone(), [s.clone() for s in st0]
+        part = ws.launch_ws(0, x=x, dy=dy, w=w, states=st, kinds=[wdt] * 2, scal=scal, flags=flags,
+                            rule_id=RULE_IDS["adamw"], key=key, dyn=dyn)
+        runs.append([w, *st, part.clone()])
+    assert not torch.equal(runs[0][0], w0)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    table[1, 11] = float("nan")  # the gate
+    w, st = w0.clone(), [s.clone() for s in st0]
+    part = ws.launch_ws(0, x=x, dy=dy, w=w, states=st, kinds=[wdt] * 2, scal=scal, flags=flags,
+                        rule_id=RULE_IDS["adamw"], dyn=(table, 1))
+    assert torch.equal(w, w0) and all(torch.equal(a, b) for a, b in zip(st, st0, strict=True))
+    assert torch.equal(part, runs[0][3])
+
+
+@gpu
+def test_a_graphed_step_runs_it_and_follows_the_eager_run(monkeypatch):
+    """GraphedStep with ``ws_tokens``: the captured backward launches the Gluon kernel with the step's
+    scalars from the device table; replays (the lr changed before each) follow the eager run, which
+    also runs it, within test_graphs' tolerance for bf16 weights with stochastic rounding."""
+    import copy
+
+    import leantrain as lt
+    from leantrain.config import preset
+    from leantrain.graphs import GraphedStep
+    from leantrain.model import Llama
+
+    calls = []
+    real = ws.launch_ws
+    monkeypatch.setattr(ws, "launch_ws", lambda *a, **kw: calls.append(kw.get("dyn") is not None) or real(*a, **kw))
+    cfg = preset("tiny").model
+    torch.manual_seed(0)
+    ref_model = Llama(cfg).cuda().to(torch.bfloat16)
+    model = copy.deepcopy(ref_model)
+    rule = lambda: lt.optim.AdamW(lr=1e-3, eps=1e-3, weight_decay=0.1)  # noqa: E731
+    ref = lt.forge.attach(ref_model, rule(), seed=5, ws_tokens=1 << 30)
+    opt = lt.forge.attach(model, rule(), seed=5, ws_tokens=1 << 30)
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randint(0, cfg.vocab_size, (4, 128), generator=g).cuda() for _ in range(2)] for _ in range(5)]
+    ref_losses, losses, step = [], [], None
+    for i, b in enumerate(data):
+        for o in (ref, opt):
+            o.param_groups[0]["lr"] = 1e-3 if i % 2 else 3e-3
+        ref_loss = ref_model(*b)
+        ref_loss.backward()
+        ref_losses.append(ref_loss.detach().float())
+        ref.step()
+        ref.zero_grad(set_to_none=True)
+        if step is None:
+            step = GraphedStep(lambda x, y: model(x, y), model.parameters(), *b)
+        loss = step(*b)
+        losses.append(loss.detach().float().clone())
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert any(calls) and not all(calls)  # the captured launches read the table; the eager run's do not
+    assert torch.stack(losses).tolist() == pytest.approx(torch.stack(ref_losses).tolist(), rel=1e-3)
+    worst = max(((p.float() - q.float()).abs().max() / q.float().abs().max()).item()
+                for p, q in zip(model.parameters(), ref_model.parameters(), strict=True))
+    assert worst < 1e-2, worst
+    assert opt.state[model.layers[0].self_attn.o_proj.weight]["step"] == len(data)

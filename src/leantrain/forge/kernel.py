@@ -143,9 +143,9 @@ if HAS_TRITON:
                 tl.load(row + 10), tl.load(row + 11), tl.load(row + 12).to(tl.int32, bitcast=True))
 
     @triton.jit
-    def _store_plain(x, ptr, offs, mask, BF16: tl.constexpr, NATIVE_CVT: tl.constexpr, EV: tl.constexpr = ""):
+    def _store_plain(x, ptr, offs, mask, BF16: tl.constexpr, NATIVE_CVT: tl.constexpr, EV: tl.constexpr):
         """Store an fp32 tile as fp32, or as bf16 rounded to nearest (W without stochastic rounding,
-        fp32 / bf16 states; also the Gluon kernel's, ``ws.py``, which may pass an eviction policy)."""
+        fp32 / bf16 states; also the Gluon kernel's, ``ws.py``); ``EV``: the stores' eviction policy ("": none)."""
         if BF16:
             tl.store(ptr + offs, _rtn_bf16(x, NATIVE_CVT), mask=mask, eviction_policy=EV)
         else:
@@ -182,7 +182,7 @@ if HAS_TRITON:
                 tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
                 tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
         else:
-            _store_plain(x, ptr, offs, mask, KIND == 1, NATIVE_CVT)
+            _store_plain(x, ptr, offs, mask, KIND == 1, NATIVE_CVT, "")
 
     @triton.jit
     def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, z,
@@ -347,7 +347,7 @@ if HAS_TRITON:
                     bits = _draw(key, offs, IDX32)
                 tl.store(W + offs, sr_bf16(p, bits), mask=smask)
             else:
-                _store_plain(p, W, offs, smask, W_BF16, NATIVE_CVT)
+                _store_plain(p, W, offs, smask, W_BF16, NATIVE_CVT, "")
             if NSTATE >= 1:
                 _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N, BLOCK_K,
                              NATIVE_CVT, SIGN1)

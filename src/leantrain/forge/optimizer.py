@@ -375,10 +375,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _ws_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> bool:
         """Whether this layer's update runs the warp-specialized fused kernel (``forge/ws.py``): fewer
         than ``ws_tokens`` tokens, an sm_90 GPU, and nothing that needs dW first (data parallelism,
-        clipping by this step's norms, a ``fill`` caller, device scalars) or is outside the kernel's scope
+        clipping by this step's norms, a ``fill`` caller) or is outside the kernel's scope
         (a fused bias, 8-bit states, inputs ``ws.supported`` refuses). Otherwise the split path."""
         if (self.ws_tokens is None or fill is not None or x2 is None or x2.shape[0] >= self.ws_tokens
-                or self.dp_group is not None or self.clip not in ("none", "prev_global") or self._dyn is not None
+                or self.dp_group is not None or self.clip not in ("none", "prev_global")
                 or layer.bias is not None or not layer.weight.is_cuda or self.storage.dtype not in ("fp32", "bf16")):
             return False
         from . import ws
@@ -499,7 +499,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._phase == "dry" and not self._dyn_ready:
             self._upload_dyn(float("nan"))
         backend = self._backend_for(w)
-        self._update_triton(layer, x2, dy2, sw, sb, sw["step"] + 1, self._materializes(layer, x2, fill, backend), fill)
+        ws = self._ws_layer(layer, x2, dy2, fill)
+        self._update_triton(layer, x2, dy2, sw, sb, sw["step"] + 1,
+                            not ws and self._materializes(layer, x2, fill, backend), fill, ws)
         if self._phase == "capture":
             self._graph_slots.append(layer.slot)
 
@@ -712,7 +714,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if dy2.stride(-1) != 1:
                 dy2 = dy2.contiguous()
             if ws:
-                self._ws_launch(layer, h, x2, dy2, step, key, sums)
+                self._ws_launch(layer, h, x2, dy2, step, key, dyn, sums)
             else:
                 part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
@@ -724,7 +726,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if b is not None:
             torch.autograd.graph.increment_version(b)
 
-    def _ws_launch(self, layer, h, x2, dy2, step, key, sums) -> None:
+    def _ws_launch(self, layer, h, x2, dy2, step, key, dyn, sums) -> None:
         """The layer's fused update by ``forge/ws.py`` (chosen by :meth:`_ws_layer`)."""
         from . import ws
 
@@ -733,7 +735,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         scal, flags = K._scalars(self.rule.name, h.group, step)
         part = ws.launch_ws(K.MODE_FUSED, x=x2, dy=dy2, w=w, states=h.states, kinds=h.kinds, part=h.wpart,
                             scal=scal, flags=flags, rule_id=K.RULE_IDS[self.rule.name], sr=self.stochastic_rounding,
-                            key=key, scale=self._clip_scale if self.clip == "prev_global" else None)
+                            key=key, scale=self._clip_scale if self.clip == "prev_global" else None, dyn=dyn)
         h.wpart = part  # reused next step
         torch.sum(part, 0, out=sums.sq_views[layer.slot])  # the layer's sum of squares (norm, NaN report)
 

@@ -15,10 +15,10 @@ partitions of warps that run side by side and talk through mbarriers):
   its squares (the tile's non-finite gate and its share of the layer norm, ``PART[tile]``),
   then read W and the state in row slices of ``SUB`` rows, apply the rule of ``kernel._rule``
   (the same function, hence the same bits as the update-only kernel given the same dW) and
-  store W and the state. How they read W and the state (``WS_CONFIG``): plain loads as each slice
-  is updated (the default, the one timed), the same one slice ahead (``PREFETCH``), or by TMA
-  from a fourth partition, one warp, into a ring of ``SSTAGES`` shared-memory slots
-  (``STATE_TMA``; W and the states then need 16-byte aligned bases).
+  store W and the state. How they read W and the state (``WS_CONFIG``): by TMA from a fourth
+  partition, one warp, into a ring of ``SSTAGES`` shared-memory slots (``STATE_TMA``, the
+  default; W and the states need 16-byte aligned bases, else the plain loads), or with plain
+  loads as each slice is updated, or one slice ahead (``PREFETCH``).
 
 While the update warps work on tile ``i`` the MMA warp group already accumulates tile ``i + 1``
 in its registers: the GEMM (tensor cores, shared memory) and the update (HBM) of two tiles
@@ -28,12 +28,14 @@ The dW tile never leaves the SM.
 Bytes per tile: ``T·(BM + BN)·2`` of dY and X read by TMA (from L2 for most tiles), and
 ``BM·BN·(sizeof W + Σ sizeof state)`` read and written once (fp32 AdamW: 24 B a weight element);
 no dW traffic. Shared memory: ``STAGES·BT·(BM + BN)·2 + BM·BN·4`` bytes (3 stages of 64 tokens
-at 128 × 128: 96 KiB + 64 KiB).
+at 128 × 128: 96 KiB + 64 KiB), and with ``STATE_TMA`` ``SSTAGES·SUB·BN·(sizeof W + Σ sizeof state)``
+(2 slots of 16 rows, fp32 W / m / v: 48 KiB).
 
 Scope: bf16 or fp16 X / dY with rows aligned to 16 bytes; W fp32 or bf16 (round to nearest or
 stochastic rounding with FORGE's counter hash); states fp32 or bf16; every rule of ``_rule``; no
-bias, no device scalars (those keep the other paths); a clip scale known before the layer's backward
-(``clip="prev_global"``) is read from a device scalar. ``MODE`` 1 writes the
+bias (it keeps the other paths); a clip scale known before the layer's backward
+(``clip="prev_global"``) is read from a device scalar, and the step's scalars may be (``dyn``: the
+table of ``kernel.launch_forge``, for CUDA graphs). ``MODE`` 1 writes the
 tile's dW to ``G`` instead of updating (the bit-exactness tests: fused == write dW + the
 update-only kernel). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
 says whether it can run.
@@ -67,18 +69,19 @@ if HAS_TRITON:
     except Exception:  # (an older Triton: no Gluon, or another API)
         HAVE_GLUON = False
 
-# the default: 128 x 128 tiles of W, 64 tokens a stage, 3 stages, 8 update warps on 32-row slices read as they
-# are updated (the configuration timed on the H200, session 25 second/: 4 update warps took twice as long);
-# PREFETCH=1 (with SUB=16: no spills) reads each slice one slice ahead: built, compiled, not yet run on a GPU
-# STATE_TMA=1 (with SUB=16: 208 KiB of shared memory) loads each slice's W and state by TMA from a fourth
-# partition (one warp) into a ring of SSTAGES slots: built, compiled, not yet run on a GPU
-# MMA_WARPS=8 (two warp groups: BM rows split in two; with BN=256 the tile reads a quarter fewer dY / X bytes
-# per dW element) and EVICT=1 (W and the state loaded and stored evict-first: X and dY stay in L2): session 26
-WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 32, "PREFETCH": 0, "STATE_TMA": 0, "SSTAGES": 2,
+# The default (the H200, results/2026-12-03_H200_s25/ and _s26/): 128 x 128 tiles of W, 64 tokens a stage,
+# 3 stages; 8 update warps (4 took twice as long) on 16-row slices whose W and state a fourth partition (one
+# warp) loads by TMA into a ring of SSTAGES slots (STATE_TMA: as fast as plain loads at T = 2048, up to 15 %
+# faster at T = 512; 208 KiB of shared memory). Measured, not faster, kept as options: plain loads as each
+# slice is updated (STATE_TMA=0, with SUB=32) or one slice ahead (PREFETCH=1, SUB=16); EVICT=1 (W and the
+# state evict-first, to keep X and dY in L2); two MMA warp groups (MMA_WARPS=8) for 128 x 256 tiles (a quarter
+# fewer dY / X bytes a dW element, but only 4 update warps fit beside them: 2-4x slower).
+WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
              "MMA_WARPS": 4, "EVICT": 0, "num_warps": 8, "mma_regs": 232}
+PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
 
 if HAVE_GLUON:
-    from leantrain.forge.kernel import _draw, _rule, _store_plain
+    from leantrain.forge.kernel import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
     from leantrain.ops.sr import sr_bf16
 
     @gluon.jit
@@ -177,14 +180,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_update(dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
-                   W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
+                   W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_nb,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
-                   HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-                   PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr, EV: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
+                   EV: gl.constexpr, num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -193,6 +196,10 @@ if HAVE_GLUON:
         sc = 1.0
         if HAS_SCALE:  # the clip scale (an fp32 device scalar); not finite: store nothing
             sc = gl.load(SCALE)
+        gate = 1.0
+        if HAS_DYN:  # the step's scalars from device memory (kernel.py's DYN row): what a CUDA graph replays;
+            # the gate (1, or NaN to store nothing: a graph's warm-up run) multiplies dW as kernel.py's does
+            lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = _dyn_scalars(DYN, dyn_off)
         n = 0
         st = 0  # (STATE_TMA: slices taken from the state ring)
         for tile in range(pid, num_tiles, nprog):
@@ -213,6 +220,8 @@ if HAVE_GLUON:
             tile_ok = gl.abs(ss) < float("inf")
             if HAS_SCALE:
                 tile_ok = tile_ok & (gl.abs(sc) < float("inf"))
+            if HAS_DYN:
+                tile_ok = tile_ok & (gl.abs(gate) < float("inf"))
             if MODE == 1:
                 for r in gl.static_range(BM // SUB):
                     g = dw_smem.slice(r * SUB, SUB).load(layout)
@@ -249,6 +258,8 @@ if HAVE_GLUON:
                         st += 1
                     elif not PREFETCH:
                         w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE, EV)
+                    if HAS_DYN:
+                        g = g * gate
                     if HAS_SCALE:
                         g = g * sc
                     z = gl.zeros_like(g)
@@ -267,13 +278,13 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
                                   "lerp_c", "eps", "mom", "key"])
-    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, T, N, K,
+    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, DYN, dyn_off, T, N, K,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
-                   HAS_SCALE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-                   STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
+                   HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
                    SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
                    num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
@@ -308,10 +319,10 @@ if HAVE_GLUON:
         if STATE_TMA:
             gl.warp_specialize([
                 (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
-                              W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
+                              W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
-                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
+                              LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
                               num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
                            STAGES, MMA_WARPS)),
@@ -322,10 +333,10 @@ if HAVE_GLUON:
         else:
             gl.warp_specialize([
                 (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
-                              W, S1, S2, G, PART, SCALE, N, K, num_tiles, num_nb,
+                              W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
-                              LERP_SMALL, IDX32, HAS_SCALE, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
+                              LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
                               num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
                            STAGES, MMA_WARPS)),
@@ -364,13 +375,21 @@ def _gl_dtype(t: torch.dtype):
 
 
 def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
-              rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, config: dict | None = None) -> torch.Tensor:
+              rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, dyn=None,
+              config: dict | None = None) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
     into ``g``). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags;
     ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
-    not finite: nothing is stored), as ``kernel.launch_forge``'s.
+    not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
+    scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
+    and ``key`` (a launch captured in a CUDA graph).
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
     cfg = {**WS_CONFIG, **(config or {})}
+    nstate = len(states)
+    s1 = states[0] if nstate > 0 else w
+    s2 = states[1] if nstate > 1 else w
+    if cfg["STATE_TMA"] and any(t.data_ptr() % 16 for t in (w, s1, s2)):  # (TMA: 16-byte aligned bases)
+        cfg.update(PLAIN_CONFIG)
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     T, K = x.shape
     N = dy.shape[1]
@@ -382,12 +401,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     b_layout = gl.NVMMASharedLayout.get_default_for([BT, BN], dt)
     dy_desc = TensorDescriptor.from_tensor(dy, [BT, BM], a_layout)
     x_desc = TensorDescriptor.from_tensor(x, [BT, BN], b_layout)
-    nstate = len(states)
-    s1 = states[0] if nstate > 0 else w
-    s2 = states[1] if nstate > 1 else w
     state_tma = bool(cfg["STATE_TMA"]) and mode == 0
-    if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(); TensorDescriptor asserts
-        # their 16-byte aligned bases, which torch's allocations give)
+    if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(), 16-byte aligned bases above)
         sdesc = [TensorDescriptor.from_tensor(
             t, [cfg["SUB"], BN], gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], _gl_dtype(t.dtype)))
             for t in (w, s1, s2)]
@@ -397,11 +412,12 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
     grid = (min(ntiles, _num_sms(x.device.index or 0)),)
     _ws_kernel[grid](
-        dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale, T, N, K, *scal,
-        int(key),
+        dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale,
+        part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS, T, N, K, *scal,
+        0 if dyn is not None else int(key),
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
-        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"],
+        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"],
         SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"],
         MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
         num_warps=cfg["num_warps"], enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
@@ -409,7 +425,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
 
 
 def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp32", rule_id: int = 1,
-                 config: dict | None = None):
+                 dyn: bool = False, config: dict | None = None):
     """Compile the kernel for sm_90 without a GPU (Triton's wheel carries ptxas): the compiled
     kernel (``.asm["ptx"]``, ``.metadata.shared`` ...). For tests and instruction counts."""
     import triton
@@ -429,7 +445,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
         else:
             sig[name] = sig["dy_desc"]
     sig.update({"W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
-           "SCALE": "*fp32", "T": "i32", "N": "i32", "K": "i32"})
+           "SCALE": "*fp32", "DYN": "*fp32", "dyn_off": "i32", "T": "i32", "N": "i32", "K": "i32"})
     sig.update({k: "fp32" for k in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
                                      "eps", "mom")})
     sig["key"] = "i32"
@@ -437,7 +453,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     bf = state_dtype == "bf16"
     const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
-                 BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]),
+                 HAS_DYN=dyn, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]),
                  STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"], MMA_WARPS=cfg["MMA_WARPS"],
                  EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
     sig.update({k: "constexpr" for k in const})
