@@ -7,6 +7,7 @@
 #   OUT=dir bash benchmarks/gpu_s26.sh second # STATE_TMA the default, device scalars: the tests, the 1b step as
 #                                           # CUDA graphs (bench_forge part (b), B = 1, 2) with and without the ws
 #                                           # kernel, a sweep of the state ring
+#   OUT=dir bash benchmarks/gpu_s26.sh third  # the graphed-step test (second/ ran out of time before it), part (a)
 # Work goes to /tmp/s26w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -45,6 +46,14 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
         '{}' '{"STAGES": 2, "SSTAGES": 3}' '{"SUB": 8, "SSTAGES": 4}' '{"BT": 32, "STAGES": 4, "SSTAGES": 3}' \
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err" ;;
+    third)  # after second/ (its pytest stage ran out of time before the graphed-step test): that test, part (a)
+      gpuinfo
+      log "ws tests (pytest: the graphed step)"
+      gputest 150 tests/forge/test_forge_ws.py -k "graphed or device_scalars"
+      snap
+      log "bench_forge part (a)"
+      timeout 150 python3 benchmarks/bench_forge.py --part a --timeout-a 140 --tokens 512 1024 2048 --out "$D" 2>&1 \
+        | grep -v Warn | grep -A30 "warp-specialized" ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap
