@@ -7,7 +7,8 @@
 #   OUT=dir bash benchmarks/gpu_s26.sh second # STATE_TMA the default, device scalars: the tests, the 1b step as
 #                                           # CUDA graphs (bench_forge part (b), B = 1, 2) with and without the ws
 #                                           # kernel, a sweep of the state ring
-#   OUT=dir bash benchmarks/gpu_s26.sh third  # the graphed-step test (second/ ran out of time before it), part (a)
+#   OUT=dir bash benchmarks/gpu_s26.sh third  # the graphed-step test (second/ ran out of time before it), 128x256
+#                                           # tiles with 8 update warps, part (a)
 # Work goes to /tmp/s26w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -50,6 +51,12 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
       gpuinfo
       log "ws tests (pytest: the graphed step)"
       gputest 150 tests/forge/test_forge_ws.py -k "graphed or device_scalars"
+      snap
+      log "ws sweep: 128x256 tiles with 8 update warps beside two MMA warp groups"
+      W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 1, "mma_regs": 160'
+      timeout 90 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' "{$W8, \"STAGES\": 2}" "{$W8, \"STAGES\": 3, \"SSTAGES\": 1}" > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap
       log "bench_forge part (a)"
       timeout 150 python3 benchmarks/bench_forge.py --part a --timeout-a 140 --tokens 512 1024 2048 --out "$D" 2>&1 \
