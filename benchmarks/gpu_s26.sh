@@ -50,17 +50,17 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
     third)  # after second/ (its pytest stage ran out of time before the graphed-step test): that test, part (a)
       gpuinfo
       log "ws tests (pytest: the graphed step)"
-      gputest 150 tests/forge/test_forge_ws.py -k "graphed or device_scalars"
+      gputest 120 tests/forge/test_forge_ws.py -k "graphed or device_scalars"
       snap
       log "ws sweep: 128x256 tiles with 8 update warps beside two MMA warp groups"
       W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 1, "mma_regs": 160'
-      timeout 90 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+      timeout 80 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' "{$W8, \"STAGES\": 2}" "{$W8, \"STAGES\": 3, \"SSTAGES\": 1}" '{"BM": 64, "SSTAGES": 3}' \
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap
       log "bench_forge part (a)"
-      timeout 150 python3 benchmarks/bench_forge.py --part a --timeout-a 140 --tokens 512 1024 2048 --out "$D" 2>&1 \
+      timeout 100 python3 benchmarks/bench_forge.py --part a --timeout-a 95 --tokens 512 2048 --out "$D" 2>&1 \
         | grep -v Warn | grep -A30 "warp-specialized" ;;
   esac
 } 2>&1 | tee "$D/log.txt"
