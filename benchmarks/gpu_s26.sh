@@ -50,7 +50,7 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
     third)  # after second/ (its pytest stage ran out of time before the graphed-step test): that test, part (a)
       gpuinfo
       log "ws tests (pytest: the graphed step)"
-      gputest 120 tests/forge/test_forge_ws.py -k "graphed or device_scalars"
+      gputest 120 tests/test_graphs.py -k test_graphed_forge_equals_eager_forge
       snap
       log "ws sweep: 128x256 tiles with 8 update warps beside two MMA warp groups"
       W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 1, "mma_regs": 160'

@@ -101,15 +101,25 @@ def test_replays_round_with_new_noise():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("case", ["fp32_weights", "bf16_sr_fp32_states", "bf16_sr_int8_states"])
-def test_graphed_forge_equals_eager_forge(case):
+@pytest.mark.parametrize("case", ["fp32_weights", "bf16_sr_fp32_states", "bf16_sr_int8_states", "bf16_sr_ws"])
+def test_graphed_forge_equals_eager_forge(case, monkeypatch):
     """FORGE captured in the graph (AdamW, clip by the estimated global norm, the learning rate
     changed before every step): replays, each followed by opt.step(), give the eager FORGE run's
     losses, weights and step counts. The graph's kernels are not the eager ones bit for bit (cuBLAS
     and SDPA choose under capture), so the bound is a tolerance: fp32 weights within 1e-3 of the
     largest weight (a replay with a stale lr, step or bias correction is off by more: the lr
-    alternates 1e-3 / 3e-3); bf16 weights with stochastic rounding (same keys) within 1e-2."""
+    alternates 1e-3 / 3e-3); bf16 weights with stochastic rounding (same keys) within 1e-2.
+    ``bf16_sr_ws``: every linear through the warp-specialized kernel (``ws_tokens``, no clipping, an
+    sm_90 GPU), the captured launches reading the step's scalars from the device table."""
     import leantrain as lt
+    from leantrain.forge import ws
+
+    calls = []
+    if case == "bf16_sr_ws":
+        if not ws.available():
+            pytest.skip("needs an sm_90 GPU and Gluon")
+        real = ws.launch_ws
+        monkeypatch.setattr(ws, "launch_ws", lambda *a, **kw: calls.append(kw.get("dyn") is not None) or real(*a, **kw))
 
     cfg = preset("tiny").model
     torch.manual_seed(0)
@@ -119,6 +129,8 @@ def test_graphed_forge_equals_eager_forge(case):
     model = copy.deepcopy(ref_model)
     kw = dict(state_dtype="int8" if case.endswith("int8_states") else "fp32", clip="est_global", clip_value=1.0,
               seed=5)
+    if case == "bf16_sr_ws":
+        kw = dict(state_dtype="bf16", seed=5, ws_tokens=1 << 30)
     rule = lambda: lt.optim.AdamW(lr=1e-3, eps=1e-3, weight_decay=0.1)  # noqa: E731
     ref, opt = lt.forge.attach(ref_model, rule(), **kw), lt.forge.attach(model, rule(), **kw)
     g = torch.Generator().manual_seed(0)
@@ -149,6 +161,8 @@ def test_graphed_forge_equals_eager_forge(case):
                 for p, q in zip(model.parameters(), ref_model.parameters()))
     assert worst < (1e-3 if case == "fp32_weights" else 1e-2), worst
     assert opt.state[model.layers[0].self_attn.o_proj.weight]["step"] == len(data)
+    if case == "bf16_sr_ws":  # the captured launches read the table; the eager runs' do not
+        assert any(calls) and not all(calls)
     with pytest.raises(RuntimeError, match="replayed twice"):
         step(*data[0])
         step(*data[0])
