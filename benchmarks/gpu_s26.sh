@@ -8,7 +8,7 @@
 #                                           # CUDA graphs (bench_forge part (b), B = 1, 2) with and without the ws
 #                                           # kernel, a sweep of the state ring
 #   OUT=dir bash benchmarks/gpu_s26.sh third  # the graphed-step test (second/ ran out of time before it), 128x256
-#                                           # tiles with 8 update warps, part (a)
+#                                           # tiles with 8 update warps
 # Work goes to /tmp/s26w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,7 +47,7 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
         '{}' '{"STAGES": 2, "SSTAGES": 3}' '{"SUB": 8, "SSTAGES": 4}' '{"BT": 32, "STAGES": 4, "SSTAGES": 3}' \
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err" ;;
-    third)  # after second/ (its pytest stage ran out of time before the graphed-step test): that test, part (a)
+    third)  # after second/ (its pytest stage ran out of time before the graphed-step test): that test, a sweep
       gpuinfo
       log "ws tests (pytest: the graphed step)"
       gputest 120 tests/test_graphs.py -k test_graphed_forge_equals_eager_forge
@@ -59,9 +59,7 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap
-      log "bench_forge part (a)"
-      timeout 100 python3 benchmarks/bench_forge.py --part a --timeout-a 95 --tokens 512 2048 --out "$D" 2>&1 \
-        | grep -v Warn | grep -A30 "warp-specialized" ;;
+      ;;
   esac
 } 2>&1 | tee "$D/log.txt"
 snap
