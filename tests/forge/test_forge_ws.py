@@ -66,6 +66,17 @@ def test_compiles_for_sm90_with_its_schedule():
         assert v["st_global"]
 
 
+def test_the_state_ring_is_used_where_tma_can_load_w_and_the_states():
+    aligned = torch.zeros(4, 8)
+    unaligned = torch.zeros(33)[1:].view(4, 8)  # (4 bytes past an allocation's start)
+    assert ws.resolve_config(None, 0, (aligned, aligned))["STATE_TMA"] == 1  # the default
+    assert ws.resolve_config(None, 1, (aligned,))["STATE_TMA"] == 0  # mode 1 writes dW: no state to read
+    plain = ws.resolve_config(None, 0, (aligned, unaligned))
+    assert plain["STATE_TMA"] == 0 and plain["SUB"] == ws.PLAIN_CONFIG["SUB"]
+    assert ws.resolve_config({"SUB": 8}, 0, (aligned,))["SUB"] == 8
+    assert ws.WS_CONFIG["STATE_TMA"] == 1  # (not changed in place)
+
+
 gpu = pytest.mark.skipif(not ws.available(), reason="needs an sm_90 GPU and Gluon")
 
 

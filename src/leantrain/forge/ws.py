@@ -370,6 +370,17 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def resolve_config(config: dict | None, mode: int, tensors=()) -> dict:
+    """``WS_CONFIG`` with ``config``'s overrides, and ``STATE_TMA`` as the launch will run it: only in
+    mode 0 (the update), and with ``PLAIN_CONFIG`` instead when one of ``tensors`` (W and its states)
+    is not 16-byte aligned, which TMA needs."""
+    cfg = {**WS_CONFIG, **(config or {})}
+    if cfg["STATE_TMA"] and any(t.data_ptr() % 16 for t in tensors):
+        cfg.update(PLAIN_CONFIG)
+    cfg["STATE_TMA"] = int(bool(cfg["STATE_TMA"]) and mode == 0)
+    return cfg
+
+
 def _gl_dtype(t: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t]
 
@@ -384,12 +395,10 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
     and ``key`` (a launch captured in a CUDA graph).
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
-    cfg = {**WS_CONFIG, **(config or {})}
     nstate = len(states)
     s1 = states[0] if nstate > 0 else w
     s2 = states[1] if nstate > 1 else w
-    if cfg["STATE_TMA"] and any(t.data_ptr() % 16 for t in (w, s1, s2)):  # (TMA: 16-byte aligned bases)
-        cfg.update(PLAIN_CONFIG)
+    cfg = resolve_config(config, mode, (w, s1, s2))
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     T, K = x.shape
     N = dy.shape[1]
@@ -401,7 +410,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     b_layout = gl.NVMMASharedLayout.get_default_for([BT, BN], dt)
     dy_desc = TensorDescriptor.from_tensor(dy, [BT, BM], a_layout)
     x_desc = TensorDescriptor.from_tensor(x, [BT, BN], b_layout)
-    state_tma = bool(cfg["STATE_TMA"]) and mode == 0
+    state_tma = bool(cfg["STATE_TMA"])
     if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(), 16-byte aligned bases above)
         sdesc = [TensorDescriptor.from_tensor(
             t, [cfg["SUB"], BN], gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], _gl_dtype(t.dtype)))
@@ -432,11 +441,11 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = {**WS_CONFIG, **(config or {})}
+    cfg = resolve_config(config, mode)
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     la = gl.NVMMASharedLayout.get_default_for([BT, BM], gl.bfloat16)
     lb = gl.NVMMASharedLayout.get_default_for([BT, BN], gl.bfloat16)
-    state_tma = bool(cfg["STATE_TMA"]) and mode == 0
+    state_tma = bool(cfg["STATE_TMA"])
     sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>"}
     for name, dt in (("w_desc", w_dtype), ("s1_desc", state_dtype), ("s2_desc", state_dtype)):
         if state_tma:
