@@ -75,7 +75,7 @@ if HAS_TRITON:
 # faster at T = 512; 208 KiB of shared memory). Measured, not faster, kept as options: plain loads as each
 # slice is updated (STATE_TMA=0, with SUB=32) or one slice ahead (PREFETCH=1, SUB=16); EVICT=1 (W and the
 # state evict-first, to keep X and dY in L2); two MMA warp groups (MMA_WARPS=8) for 128 x 256 tiles (a quarter
-# fewer dY / X bytes a dW element, but only 4 update warps fit beside them: 2-4x slower).
+# fewer dY / X bytes a dW element, but only 4 update warps fit beside them: 2.0-3.5x slower).
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
              "MMA_WARPS": 4, "EVICT": 0, "num_warps": 8, "mma_regs": 232}
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
