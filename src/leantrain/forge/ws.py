@@ -381,6 +381,14 @@ def resolve_config(config: dict | None, mode: int, tensors=()) -> dict:
     return cfg
 
 
+def _schedule(cfg: dict) -> dict:
+    """The kernel's tile and schedule constexprs from a resolved configuration (launch and compile)."""
+    return dict(BM=cfg["BM"], BN=cfg["BN"], BT=cfg["BT"], STAGES=cfg["STAGES"], SUB=cfg["SUB"],
+                PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=bool(cfg["STATE_TMA"]), SSTAGES=cfg["SSTAGES"],
+                MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
+                num_warps=cfg["num_warps"])
+
+
 def _gl_dtype(t: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t]
 
@@ -410,8 +418,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     b_layout = gl.NVMMASharedLayout.get_default_for([BT, BN], dt)
     dy_desc = TensorDescriptor.from_tensor(dy, [BT, BM], a_layout)
     x_desc = TensorDescriptor.from_tensor(x, [BT, BN], b_layout)
-    state_tma = bool(cfg["STATE_TMA"])
-    if state_tma:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(), 16-byte aligned bases above)
+    if cfg["STATE_TMA"]:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(), 16-byte aligned bases above)
         sdesc = [TensorDescriptor.from_tensor(
             t, [cfg["SUB"], BN], gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], _gl_dtype(t.dtype)))
             for t in (w, s1, s2)]
@@ -426,10 +433,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         0 if dyn is not None else int(key),
         MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
-        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"],
-        SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"],
-        MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
-        num_warps=cfg["num_warps"], enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
+        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, **_schedule(cfg),
+        enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
 
 
@@ -445,10 +450,9 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     la = gl.NVMMASharedLayout.get_default_for([BT, BM], gl.bfloat16)
     lb = gl.NVMMASharedLayout.get_default_for([BT, BN], gl.bfloat16)
-    state_tma = bool(cfg["STATE_TMA"])
     sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>"}
     for name, dt in (("w_desc", w_dtype), ("s1_desc", state_dtype), ("s2_desc", state_dtype)):
-        if state_tma:
+        if cfg["STATE_TMA"]:
             ls = gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], gl.float32 if dt == "fp32" else gl.bfloat16)
             sig[name] = f"tensordesc<{dt}[{cfg['SUB']}, {BN}],{ls!r}>"
         else:
@@ -462,9 +466,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     bf = state_dtype == "bf16"
     const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
-                 HAS_DYN=dyn, BM=BM, BN=BN, BT=BT, STAGES=cfg["STAGES"], SUB=cfg["SUB"], PREFETCH=bool(cfg["PREFETCH"]),
-                 STATE_TMA=state_tma, SSTAGES=cfg["SSTAGES"], MMA_WARPS=cfg["MMA_WARPS"],
-                 EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"], num_warps=cfg["num_warps"])
+                 HAS_DYN=dyn, **_schedule(cfg))
     sig.update({k: "constexpr" for k in const})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
