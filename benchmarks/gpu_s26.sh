@@ -54,8 +54,9 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
       snap
       log "ws sweep: 128x256 tiles with 8 update warps beside two MMA warp groups"
       W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 1, "mma_regs": 160'
-      timeout 60 python3 benchmarks/tune_ws.py time --shapes 2048x5632 --tokens 512,2048 --configs \
+      timeout 150 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' "{$W8, \"STAGES\": 2}" "{$W8, \"STAGES\": 3, \"SSTAGES\": 1}" '{"BM": 64, "SSTAGES": 3}' \
+        '{"MODE": 1}' "{$W8, \"STAGES\": 2, \"MODE\": 1}" \
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap
