@@ -93,7 +93,9 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
         mm_fp32(dy.t(), x, buf, allow_upcast=True)
 
     fns = {"torch": baseline, "split": split, "mm": mm}
-    for i, c in enumerate(configs):  # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead)
+    # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead; the probes 2 the GEMM alone,
+    # 3 the update alone, as launch_ws runs them)
+    for i, c in enumerate(configs):
         c = dict(c)
         mode = c.pop("MODE", 0)
         fns[f"ws{i}"] = (lambda c=c, mode=mode: ws.launch_ws(mode, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],

@@ -31,7 +31,7 @@ import json, sys
 from leantrain.forge import ws
 out = []
 for mode, wdt, sdt, plain, dyn in [(0, "fp32", "fp32", 0, 0), (0, "bf16", "bf16", 0, 1), (1, "fp32", "fp32", 0, 0),
-                                   (0, "fp32", "fp32", 1, 0)]:
+                                   (0, "fp32", "fp32", 1, 0), (2, "fp32", "fp32", 0, 0)]:
     ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=ws.PLAIN_CONFIG if plain else None)
     ptx = ck.asm["ptx"]
     out.append({"mode": mode, "plain": plain, "elem": 4 if wdt == "fp32" else 2, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
@@ -71,6 +71,8 @@ def test_the_state_ring_is_used_where_tma_can_load_w_and_the_states():
     unaligned = torch.zeros(33)[1:].view(4, 8)  # (4 bytes past an allocation's start)
     assert ws.resolve_config(None, 0, (aligned, aligned))["STATE_TMA"] == 1  # the default
     assert ws.resolve_config(None, 1, (aligned,))["STATE_TMA"] == 0  # mode 1 writes dW: no state to read
+    assert ws.resolve_config(None, 2, (aligned,))["STATE_TMA"] == 0  # the GEMM probe: no state either
+    assert ws.resolve_config(None, 3, (aligned,))["STATE_TMA"] == 1  # the update probe reads it as mode 0 does
     plain = ws.resolve_config(None, 0, (aligned, unaligned))
     assert plain["STATE_TMA"] == 0 and plain["SUB"] == ws.PLAIN_CONFIG["SUB"]
     assert ws.resolve_config({"SUB": 8}, 0, (aligned,))["SUB"] == 8
@@ -119,6 +121,30 @@ def test_unaligned_weights_and_states_fall_back_to_plain_loads():
                      rule_id=RULE_IDS["adamw"], config=cfg)
     assert not torch.equal(w, w0)
     assert all(torch.equal(a_, b_) for a_, b_ in zip((w, m, v), ref, strict=True))
+
+
+@gpu
+def test_the_probes_run_the_gemm_alone_and_the_update_alone():
+    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, _scalars, launch_forge
+
+    n, k, t = 256, 384, 200
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
+    w = torch.randn(n, k, device="cuda") * 0.02
+    m, v = (torch.randn(n, k, device="cuda") * 1e-3).abs(), (torch.randn(n, k, device="cuda") * 1e-3).abs()
+    w0, m0, v0 = w.clone(), m.clone(), v.clone()
+    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    kw = dict(x=x, dy=dy, kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=RULE_IDS["adamw"])
+    g = torch.empty(n, k, device="cuda")
+    part1 = ws.launch_ws(1, w=w.clone(), g=g, **kw).clone()
+    part2 = ws.launch_ws(2, w=w, states=[m, v], **kw)  # the GEMM alone: the same tile sums, nothing stored
+    assert torch.equal(part2, part1) and bool((part1 > 0).all())
+    assert torch.equal(w, w0) and torch.equal(m, m0) and torch.equal(v, v0)
+    part3 = ws.launch_ws(3, w=w, states=[m, v], **kw)  # the update alone: the update kernel's bits on dW = 0
+    assert bool((part3 == 0).all()) and not torch.equal(w, w0)
+    launch_forge(MODE_UPDATE, g=torch.zeros_like(g), w=w0, states=[m0, v0], kinds=["fp32", "fp32"], rule_name="adamw",
+                 hp=ws.RULE_HP["adamw"], step=3)
+    assert torch.equal(w, w0) and torch.equal(m, m0) and torch.equal(v, v0)
 
 
 @gpu

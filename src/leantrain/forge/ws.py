@@ -37,7 +37,9 @@ bias (it keeps the other paths); a clip scale known before the layer's backward
 (``clip="prev_global"``) is read from a device scalar, and the step's scalars may be (``dyn``: the
 table of ``kernel.launch_forge``, for CUDA graphs). ``MODE`` 1 writes the
 tile's dW to ``G`` instead of updating (the bit-exactness tests: fused == write dW + the
-update-only kernel). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
+update-only kernel). Two probes of where the time goes (``benchmarks/tune_ws.py``): ``launch_ws``'s
+mode 2 runs the GEMM alone (the update warps only take each tile's sum of squares) and mode 3 the
+update alone (no token is loaded: dW = 0, the rule still reads and writes all of W and the state). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
 says whether it can run.
 """
 
@@ -222,7 +224,9 @@ if HAVE_GLUON:
                 tile_ok = tile_ok & (gl.abs(sc) < float("inf"))
             if HAS_DYN:
                 tile_ok = tile_ok & (gl.abs(gate) < float("inf"))
-            if MODE == 1:
+            if MODE == 2:  # (a probe: the GEMM alone, nothing stored but PART)
+                mbarrier.arrive(dw_empty)
+            elif MODE == 1:
                 for r in gl.static_range(BM // SUB):
                     g = dw_smem.slice(r * SUB, SUB).load(layout)
                     if r == BM // SUB - 1:
@@ -372,12 +376,12 @@ def _num_sms(index: int) -> int:
 
 def resolve_config(config: dict | None, mode: int, tensors=()) -> dict:
     """``WS_CONFIG`` with ``config``'s overrides, and ``STATE_TMA`` as the launch will run it: only in
-    mode 0 (the update), and with ``PLAIN_CONFIG`` instead when one of ``tensors`` (W and its states)
-    is not 16-byte aligned, which TMA needs."""
+    the modes that update (0, and the probe 3), and with ``PLAIN_CONFIG`` instead when one of
+    ``tensors`` (W and its states) is not 16-byte aligned, which TMA needs."""
     cfg = {**WS_CONFIG, **(config or {})}
     if cfg["STATE_TMA"] and any(t.data_ptr() % 16 for t in tensors):
         cfg.update(PLAIN_CONFIG)
-    cfg["STATE_TMA"] = int(bool(cfg["STATE_TMA"]) and mode == 0)
+    cfg["STATE_TMA"] = int(bool(cfg["STATE_TMA"]) and mode in (0, 3))
     return cfg
 
 
@@ -397,7 +401,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
               rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, dyn=None,
               config: dict | None = None) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
-    into ``g``). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags;
+    into ``g``); the probes 2 (the GEMM alone, nothing stored but the sums of squares) and 3 (the
+    update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags;
     ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
     not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
@@ -429,9 +434,9 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     grid = (min(ntiles, _num_sms(x.device.index or 0)),)
     _ws_kernel[grid](
         dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale,
-        part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS, T, N, K, *scal,
+        part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS, 0 if mode == 3 else T, N, K, *scal,
         0 if dyn is not None else int(key),
-        MODE=mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
+        MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
         IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, **_schedule(cfg),
         enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
@@ -464,7 +469,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     sig["key"] = "i32"
     names = list(sig)
     bf = state_dtype == "bf16"
-    const = dict(MODE=mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
+    const = dict(MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
                  HAS_DYN=dyn, **_schedule(cfg))
     sig.update({k: "constexpr" for k in const})

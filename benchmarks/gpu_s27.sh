@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 27's GPU calls:
+#   OUT=dir bash benchmarks/gpu_s27.sh first  # where the ws kernel's time goes: the GEMM alone (probe mode 2) and
+#                                           # the update alone (probe mode 3) beside the fused kernel, for 128x128
+#                                           # tiles and 128x256 tiles (two MMA warp groups, 8 update warps);
+#                                           # the probes' test and the graphed-step test (s26 third/, not run)
+# Work goes to /tmp/s27w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s27w "${1:-first}"
+W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 1, "mma_regs": 160, "STAGES": 2'
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "ws sweep: fused, the GEMM alone (2), the update alone (3); 128x128 and 128x256 tiles"
+      timeout 200 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"MODE": 2}' '{"MODE": 3}' '{"MODE": 1}' "{$W8}" "{$W8, \"MODE\": 2}" "{$W8, \"MODE\": 3}" \
+        > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      snap
+      log "ws tests (pytest: the probes, the graphed step)"
+      gputest 150 tests/forge/test_forge_ws.py -k "probes or compiles" tests/test_graphs.py::test_graphed_forge_equals_eager_forge
+      ;;
+  esac
+} 2>&1 | tee "$D/log.txt"
+snap
