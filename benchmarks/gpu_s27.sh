@@ -20,7 +20,7 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap
       log "ws tests (pytest: the probes, the graphed step)"
-      gputest 150 tests/forge/test_forge_ws.py -k "probes or compiles" tests/test_graphs.py::test_graphed_forge_equals_eager_forge
+      gputest 150 tests/forge/test_forge_ws.py -k "probes or compiles or graphed_forge_equals" tests/test_graphs.py::test_graphed_forge_equals_eager_forge
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"
