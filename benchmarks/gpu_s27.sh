@@ -3,6 +3,7 @@
 #   OUT=dir bash benchmarks/gpu_s27.sh first  # where the ws kernel's time goes: the GEMM alone (probe mode 2) and
 #                                           # the update alone (probe mode 3) beside the fused kernel, for 128x128
 #                                           # tiles and 128x256 tiles (two MMA warp groups, 8 update warps);
+#                                           # fewer programs than SMs (CTAS: the last wave's tail), 64-row tiles;
 #                                           # the probes' test and the graphed-step test (s26 third/, not run)
 # Work goes to /tmp/s27w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
@@ -14,8 +15,9 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
     first)
       gpuinfo
       log "ws sweep: fused, the GEMM alone (2), the update alone (3); 128x128 and 128x256 tiles"
-      timeout 200 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+      timeout 260 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"MODE": 2}' '{"MODE": 3}' '{"MODE": 1}' "{$W8}" "{$W8, \"MODE\": 2}" "{$W8, \"MODE\": 3}" \
+        '{"CTAS": 128}' '{"CTAS": 118}' '{"BM": 64, "SSTAGES": 3}' '{"BM": 64, "MODE": 2}' \
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap

@@ -431,7 +431,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         sdesc = [dy_desc] * 3  # (placeholders)
     k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
-    grid = (min(ntiles, _num_sms(x.device.index or 0)),)
+    grid = (min(ntiles, cfg.get("CTAS") or _num_sms(x.device.index or 0)),)  # (CTAS: fewer programs, a probe)
     _ws_kernel[grid](
         dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale,
         part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS, 0 if mode == 3 else T, N, K, *scal,
