@@ -17,7 +17,7 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       log "ws sweep: fused, the GEMM alone (2), the update alone (3); 128x128 and 128x256 tiles"
       timeout 260 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"MODE": 2}' '{"MODE": 3}' '{"MODE": 1}' "{$W8}" "{$W8, \"MODE\": 2}" "{$W8, \"MODE\": 3}" \
-        '{"CTAS": 128}' '{"CTAS": 118}' '{"BM": 64, "SSTAGES": 3}' '{"BM": 64, "MODE": 2}' \
+        '{"CTAS": 128}' '{"BALANCE": 1}' '{"CTAS": 88}' '{"BM": 64, "SSTAGES": 3}' '{"BM": 64, "MODE": 2}' \
         > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap

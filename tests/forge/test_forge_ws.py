@@ -79,6 +79,13 @@ def test_the_state_ring_is_used_where_tma_can_load_w_and_the_states():
     assert ws.WS_CONFIG["STATE_TMA"] == 1  # (not changed in place)
 
 
+def test_balance_keeps_the_waves_and_evens_the_programs_out():
+    assert ws._programs(704, 132, {}) == 132 and ws._programs(50, 132, {}) == 50
+    assert ws._programs(704, 132, {"BALANCE": 1}) == 118  # 6 tiles a program (4 with 5), as 132 programs need
+    assert ws._programs(4000, 132, {"BALANCE": 1}) == 130  # 31 waves either way
+    assert ws._programs(264, 132, {"BALANCE": 1}) == 132 and ws._programs(704, 132, {"CTAS": 88}) == 88
+
+
 gpu = pytest.mark.skipif(not ws.available(), reason="needs an sm_90 GPU and Gluon")
 
 

@@ -393,6 +393,17 @@ def _schedule(cfg: dict) -> dict:
                 num_warps=cfg["num_warps"])
 
 
+def _programs(ntiles: int, nsm: int, cfg: dict) -> int:
+    """How many persistent programs run the tiles: one an SM, or ``CTAS`` (a probe), or with
+    ``BALANCE`` as few as keep the number of tiles a program runs (the waves) the same, so that every
+    program runs that many but for fewer than one wave's worth (704 tiles on 132 SMs: 118 programs
+    of 6 or 5 tiles instead of 132 of 6 or 5, where 88 SMs idle in the sixth wave)."""
+    progs = min(ntiles, cfg.get("CTAS") or nsm)
+    if cfg.get("BALANCE"):
+        progs = -(-ntiles // -(-ntiles // progs))
+    return progs
+
+
 def _gl_dtype(t: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t]
 
@@ -431,7 +442,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         sdesc = [dy_desc] * 3  # (placeholders)
     k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
-    grid = (min(ntiles, cfg.get("CTAS") or _num_sms(x.device.index or 0)),)  # (CTAS: fewer programs, a probe)
+    grid = (_programs(ntiles, _num_sms(x.device.index or 0), cfg),)
     _ws_kernel[grid](
         dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale,
         part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS, 0 if mode == 3 else T, N, K, *scal,
