@@ -5,6 +5,8 @@
 #                                           # tiles and 128x256 tiles (two MMA warp groups, 8 update warps);
 #                                           # fewer programs than SMs (CTAS: the last wave's tail), 64-row tiles;
 #                                           # the probes' test and the graphed-step test (s26 third/, not run)
+#   OUT=dir bash benchmarks/gpu_s27.sh second # the kernel's clock stamps (tune_ws.py trace); the tail options on
+#                                           # the four shapes at T = 512 / 1024 / 2048; the ws tests
 # Work goes to /tmp/s27w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -23,6 +25,23 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       snap
       log "ws tests (pytest: the probes, the graphed step)"
       gputest 150 tests/forge/test_forge_ws.py -k "probes or compiles or graphed_forge_equals" tests/test_graphs.py::test_graphed_forge_equals_eager_forge
+      ;;
+    second)  # after first/: the kernel's own clock stamps (where each program's time goes), then every
+      # target shape at T = 512 / 1024 / 2048 for the tail options that first/ found faster, then the tests
+      gpuinfo
+      log "ws trace"
+      timeout 90 python3 benchmarks/tune_ws.py trace --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"BALANCE": 1}' '{"BM": 64}' '{"MODE": 2}' > "$D/trace.jsonl" 2> "$D/trace.err"
+      echo "rc=$?"; cat "$D/trace.jsonl"; tail -3 "$D/trace.err"
+      snap
+      log "ws sweep: the four shapes"
+      timeout 200 python3 benchmarks/tune_ws.py time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
+        --tokens 512,1024,2048 --configs '{}' '{"BALANCE": 1}' '{"BM": 64}' '{"BM": 64, "BALANCE": 1}' \
+        '{"BM": 64, "SSTAGES": 3}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      snap
+      log "ws tests (pytest)"
+      gputest 200 tests/forge/test_forge_ws.py
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

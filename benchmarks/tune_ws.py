@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/tune_ws.py check            # bits: fused == its dW + the update kernel
     PYTHONPATH=src python3 benchmarks/tune_ws.py time [--shapes ...] [--tokens ...] [--configs ...]
+    PYTHONPATH=src python3 benchmarks/tune_ws.py trace [--shapes ...] [--tokens ...] [--configs ...]
 
 ``check``: for every rule, fp32 W / states and bf16 W + SR with bf16 states, odd shapes and T not a
 multiple of the token step, the kernel's fused update equals, bit for bit, its own dW (MODE 1)
@@ -9,6 +10,9 @@ followed by the update-only kernel of ``kernel.py``; its dW is within fp32 summa
 ``dYᵀX`` in fp32. ``time``: the kernel against torch (matmul + AdamW(fused=True)) and FORGE's split
 path (cuBLAS dW into an fp32 buffer + the update kernel), fp32 W / m / v, as CUDA-graph replays
 (``do_bench_cudagraph``: GPU time) and ``do_bench`` medians. Prints one JSON line per case.
+``trace``: one fused launch (after warm-up) with the kernel's clock stamps (``launch_ws(trace=...)``):
+how long each program's GEMMs, its waits for the dW slot, its updates and its waits for dW take, summed
+over its tiles, and when the programs finish (the last wave's tail).
 """
 
 from __future__ import annotations
@@ -119,6 +123,51 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
     torch.cuda.empty_cache()
 
 
+def _trace_case(n, k, t, configs, scal, flags) -> None:
+    import torch
+
+    from leantrain.forge import ws
+    from leantrain.forge.kernel import RULE_IDS
+
+    torch.manual_seed(0)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(n, k, device="cuda") * 0.02
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for c in configs:
+        c = dict(c)
+        mode = c.pop("MODE", 0)
+        kw = dict(x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags,
+                  rule_id=RULE_IDS["adamw"], config=c)
+        for _ in range(5):
+            ws.launch_ws(mode, **kw)
+        tr = {}
+        ws.launch_ws(mode, trace=tr, **kw)
+        torch.cuda.synchronize()
+        st = tr["stamps"].double()
+        valid = st[:, :, 0] > 0  # (a program's slots past its last tile stay 0)
+        t0 = st[:, :, 0][valid].min()
+        us = (st - t0) / 1e3
+        z = torch.zeros_like(us[:, :, 0])
+        gemm = torch.where(valid, us[:, :, 1] - us[:, :, 0], z).sum(1)
+        slot_wait = torch.where(valid, us[:, :, 2] - us[:, :, 1], z).sum(1)
+        upd = torch.where(valid, us[:, :, 4] - us[:, :, 3], z).sum(1)
+        prev_end = torch.cat([torch.zeros_like(us[:, :1, 4]), us[:, :-1, 4]], 1)
+        dw_wait = torch.where(valid, us[:, :, 3] - prev_end, z).sum(1)
+        end = torch.where(valid, us[:, :, 4], z).max(1).values
+        tiles = valid.sum(1)
+
+        def q(a):
+            return [round(float(a.min()), 2), round(float(a.median()), 2), round(float(a.max()), 2)]
+
+        print(json.dumps({"N": n, "K": k, "T": t, "config": c, "mode": mode, "programs": int(st.shape[0]),
+                          "tiles_per_program": q(tiles.double()), "span_us": round(float(end.max()), 2),
+                          "end_us": q(end), "first_gemm_us": q(us[:, 0, 1] - us[:, 0, 0]),
+                          "gemm_us": q(gemm), "slot_wait_us": q(slot_wait), "update_us": q(upd),
+                          "dw_wait_us": q(dw_wait), "note": "per program, summed over its tiles: [min, median, max]"}),
+              flush=True)
+
+
 def time_cases(args) -> int:
     from leantrain.forge.kernel import _scalars
 
@@ -129,13 +178,16 @@ def time_cases(args) -> int:
     configs = [json.loads(c) for c in args.configs] if args.configs else [{}]
     for n, k in shapes:
         for t in tokens:
-            _time_case(n, k, t, configs, hp, scal, flags)
+            if args.what == "trace":
+                _trace_case(n, k, t, configs, scal, flags)
+            else:
+                _time_case(n, k, t, configs, hp, scal, flags)
     return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["check", "time"])
+    ap.add_argument("what", choices=["check", "time", "trace"])
     ap.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048,32000x2048")
     ap.add_argument("--tokens", default="512,1024,2048,4096,16384")
     ap.add_argument("--configs", nargs="*", default=None, help="JSON dicts overriding ws.WS_CONFIG")

@@ -155,6 +155,30 @@ def test_the_probes_run_the_gemm_alone_and_the_update_alone():
 
 
 @gpu
+def test_a_traced_launch_gives_the_same_bits_and_ordered_stamps():
+    from leantrain.forge.kernel import RULE_IDS, _scalars
+
+    n, k, t = 512, 640, 300  # 20 tiles: some programs run two with BALANCE on a small grid
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
+    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    outs = []
+    for trace in (None, {}):
+        w = torch.ones(n, k, device="cuda") * 0.02
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
+        ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags,
+                     rule_id=RULE_IDS["adamw"], config={"CTAS": 8}, trace=trace)
+        outs.append((w, m, v))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    st = trace["stamps"]
+    assert st.shape == (8, 3, 8)
+    done = st[:, :, 0] > 0
+    assert int(done.sum()) == 20  # every tile stamped once, by the program that ran it
+    ev = st[done][:, :5]
+    assert bool((ev[:, 1:] >= ev[:, :-1]).all())  # start <= GEMM done <= slot free <= update has it <= done
+
+
+@gpu
 def test_a_non_finite_tile_keeps_its_weights():
     from leantrain.forge.kernel import _scalars
 

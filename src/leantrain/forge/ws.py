@@ -87,6 +87,15 @@ if HAVE_GLUON:
     from leantrain.ops.sr import sr_bf16
 
     @gluon.jit
+    def _stamp(TR, tr_j, pid, j, EV_ID: gl.constexpr, TRACE: gl.constexpr):
+        """``TRACE`` (a probe): the GPU's nanosecond clock at event ``EV_ID`` of this program's ``j``-th tile,
+        into ``TR[pid, j, EV_ID]`` (``tune_ws.py trace`` reads the schedule from it)."""
+        if TRACE:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
+                                          pack=1)
+            gl.store(TR + (pid * tr_j + j) * 8 + EV_ID, t)
+
+    @gluon.jit
     def _ws_load(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb,
                  BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
         pid = gl.program_id(0)
@@ -104,8 +113,9 @@ if HAVE_GLUON:
                 it += 1
 
     @gluon.jit
-    def _ws_mma(a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles,
-                BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+    def _ws_mma(a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j,
+                BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
+                TRACE: gl.constexpr):
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
@@ -113,6 +123,7 @@ if HAVE_GLUON:
         it = 0
         n = 0
         for _tile in range(pid, num_tiles, nprog):
+            _stamp(TR, tr_j, pid, n, 0, TRACE)  # (0: the GEMM starts)
             acc = gl.zeros([BM, BN], gl.float32, layout=mma_layout)
             prev = 0
             for t in range(0, T, BT):
@@ -125,7 +136,9 @@ if HAVE_GLUON:
                 it += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(prev))
+            _stamp(TR, tr_j, pid, n, 1, TRACE)  # (1: the GEMM is done)
             mbarrier.wait(dw_empty, (n & 1) ^ 1)  # the update warps are done reading tile n - 1
+            _stamp(TR, tr_j, pid, n, 2, TRACE)  # (2: the slot is free)
             dw_smem.store(acc)
             mbarrier.arrive(dw_ready)
             n += 1
@@ -189,7 +202,7 @@ if HAVE_GLUON:
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
-                   EV: gl.constexpr, num_warps: gl.constexpr):
+                   EV: gl.constexpr, TR, tr_j, TRACE: gl.constexpr, num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -214,6 +227,7 @@ if HAVE_GLUON:
                     offs0, mask0 = _ws_offs(m0, 0, cols, mk, N, K, SUB, IDX32, rows_l)
                     w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs0, mask0, NSTATE, EV)
             mbarrier.wait(dw_ready, n & 1)
+            _stamp(TR, tr_j, pid, n, 3, TRACE)  # (3: the update warps have the tile)
             ss = 0.0
             for r in gl.static_range(BM // SUB):
                 g = dw_smem.slice(r * SUB, SUB).load(layout)
@@ -278,11 +292,12 @@ if HAVE_GLUON:
                         _store_plain(s1, S1, offs, smask, KIND1 == 1, True, EV)
                     if NSTATE >= 2:
                         _store_plain(s2, S2, offs, smask, KIND2 == 1, True, EV)
+            _stamp(TR, tr_j, pid, n, 4, TRACE)  # (4: the tile's stores are issued)
             n += 1
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
                                   "lerp_c", "eps", "mom", "key"])
-    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, DYN, dyn_off, T, N, K,
+    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, DYN, dyn_off, TR, tr_j, T, N, K,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
@@ -290,7 +305,7 @@ if HAVE_GLUON:
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
                    SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   TRACE: gl.constexpr, num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_tiles = gl.cdiv(N, BM) * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
@@ -327,9 +342,9 @@ if HAVE_GLUON:
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
-                              num_warps)),
-                (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
-                           STAGES, MMA_WARPS)),
+                              TR, tr_j, TRACE, num_warps)),
+                (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
+                           BT, STAGES, MMA_WARPS, TRACE)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
                 (_ws_state_load, (w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles,
                                   num_nb, NSTATE, BM, BN, SUB, SSTAGES)),
@@ -341,9 +356,9 @@ if HAVE_GLUON:
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
-                              num_warps)),
-                (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, BM, BN, BT,
-                           STAGES, MMA_WARPS)),
+                              TR, tr_j, TRACE, num_warps)),
+                (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
+                           BT, STAGES, MMA_WARPS, TRACE)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
             ], [MMA_WARPS, 1], [MMA_REGS, 24])
 
@@ -410,14 +425,16 @@ def _gl_dtype(t: torch.dtype):
 
 def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
               rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, dyn=None,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, trace: dict | None = None) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
     into ``g``); the probes 2 (the GEMM alone, nothing stored but the sums of squares) and 3 (the
     update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags;
     ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
     not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
-    and ``key`` (a launch captured in a CUDA graph).
+    and ``key`` (a launch captured in a CUDA graph). ``trace`` (a probe): a dict that gets ``"stamps"``,
+    int64 ``[programs, tiles a program, 8]``, the GPU clock (ns) at each tile's events: 0 the GEMM
+    starts, 1 it is done, 2 the dW slot is free, 3 the update warps have the tile, 4 they are done.
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
     nstate = len(states)
     s1 = states[0] if nstate > 0 else w
@@ -443,19 +460,24 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
     grid = (_programs(ntiles, _num_sms(x.device.index or 0), cfg),)
+    tr_j = -(-ntiles // grid[0])
+    if trace is not None:
+        trace["stamps"] = torch.zeros(grid[0], tr_j, 8, dtype=torch.int64, device=x.device)
     _ws_kernel[grid](
         dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale,
-        part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS, 0 if mode == 3 else T, N, K, *scal,
+        part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS,
+        part if trace is None else trace["stamps"], tr_j, 0 if mode == 3 else T, N, K, *scal,
         0 if dyn is not None else int(key),
         MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
-        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, **_schedule(cfg),
+        IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, TRACE=trace is not None,
+        **_schedule(cfg),
         enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
 
 
 def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp32", rule_id: int = 1,
-                 dyn: bool = False, config: dict | None = None):
+                 dyn: bool = False, config: dict | None = None, trace: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's wheel carries ptxas): the compiled
     kernel (``.asm["ptx"]``, ``.metadata.shared`` ...). For tests and instruction counts."""
     import triton
@@ -474,7 +496,8 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
         else:
             sig[name] = sig["dy_desc"]
     sig.update({"W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
-           "SCALE": "*fp32", "DYN": "*fp32", "dyn_off": "i32", "T": "i32", "N": "i32", "K": "i32"})
+           "SCALE": "*fp32", "DYN": "*fp32", "dyn_off": "i32", "TR": "*i64", "tr_j": "i32", "T": "i32", "N": "i32",
+           "K": "i32"})
     sig.update({k: "fp32" for k in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
                                      "eps", "mom")})
     sig["key"] = "i32"
@@ -482,7 +505,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     bf = state_dtype == "bf16"
     const = dict(MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
-                 HAS_DYN=dyn, **_schedule(cfg))
+                 HAS_DYN=dyn, TRACE=trace, **_schedule(cfg))
     sig.update({k: "constexpr" for k in const})
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
     src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
