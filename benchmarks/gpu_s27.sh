@@ -7,6 +7,7 @@
 #                                           # the probes' test and the graphed-step test (s26 third/, not run)
 #   OUT=dir bash benchmarks/gpu_s27.sh second # the kernel's clock stamps (tune_ws.py trace); the tail options on
 #                                           # the four shapes at T = 512 / 1024 / 2048; the ws tests
+#   OUT=dir bash benchmarks/gpu_s27.sh third  # deeper operand rings (a smaller state ring or plain state loads)
 # Work goes to /tmp/s27w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -42,6 +43,22 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       snap
       log "ws tests (pytest)"
       gputest 200 tests/forge/test_forge_ws.py
+      ;;
+    third)  # after second/ (the GEMM beside the update takes 1.7-1.9x its time alone at T = 2048; fewer
+      # operand stages were slower in s26 second/): deeper operand rings, paid for with a smaller state ring
+      gpuinfo
+      log "ws sweep: deeper operand rings"
+      timeout 240 python3 benchmarks/tune_ws.py time --shapes 2048x5632,5632x2048,32000x2048 --tokens 512,1024,2048 \
+        --configs '{}' '{"STAGES": 4, "SUB": 8}' '{"STAGES": 4, "SSTAGES": 1}' '{"STATE_TMA": 0, "SUB": 32, "STAGES": 5}' \
+        '{"BT": 32, "STAGES": 8, "SSTAGES": 1}' '{"STAGES": 4, "SUB": 8, "BALANCE": 1}' '{"BM": 64, "STAGES": 6}' \
+        '{"BM": 64, "STAGES": 7, "SUB": 8}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      snap
+      log "ws trace"
+      timeout 60 python3 benchmarks/tune_ws.py trace --shapes 2048x5632 --tokens 512,2048 --configs \
+        '{"STAGES": 4, "SUB": 8}' '{"STATE_TMA": 0, "SUB": 32, "STAGES": 5}' '{"BM": 64, "STAGES": 7, "SUB": 8}' \
+        > "$D/trace.jsonl" 2> "$D/trace.err"
+      echo "rc=$?"; cat "$D/trace.jsonl"; tail -3 "$D/trace.err"
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"
