@@ -8,6 +8,7 @@
 #   OUT=dir bash benchmarks/gpu_s27.sh second # the kernel's clock stamps (tune_ws.py trace); the tail options on
 #                                           # the four shapes at T = 512 / 1024 / 2048; the ws tests
 #   OUT=dir bash benchmarks/gpu_s27.sh third  # deeper operand rings (a smaller state ring or plain state loads)
+#   OUT=dir bash benchmarks/gpu_s27.sh fourth # auto_config on the four shapes, T = 512 ... 16384; the tests
 # Work goes to /tmp/s27w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -59,6 +60,16 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
         '{"STAGES": 4, "SUB": 8}' '{"STATE_TMA": 0, "SUB": 32, "STAGES": 5}' '{"BM": 64, "STAGES": 7, "SUB": 8}' \
         > "$D/trace.jsonl" 2> "$D/trace.err"
       echo "rc=$?"; cat "$D/trace.jsonl"; tail -3 "$D/trace.err"
+      ;;
+    fourth)  # after third/: launch_ws picks its schedule by shape (auto_config); every target shape and T
+      gpuinfo
+      log "ws sweep: auto_config against the default, the issue's shapes and token counts"
+      timeout 200 python3 benchmarks/tune_ws.py time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
+        --tokens 512,1024,2048,4096,16384 --configs auto '{}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      snap
+      log "ws tests (pytest) and the graphed step"
+      gputest 240 tests/forge/test_forge_ws.py tests/test_graphs.py::test_graphed_forge_equals_eager_forge
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

@@ -99,9 +99,9 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
     fns = {"torch": baseline, "split": split, "mm": mm}
     # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead; the probes 2 the GEMM alone,
     # 3 the update alone, as launch_ws runs them)
-    for i, c in enumerate(configs):
-        c = dict(c)
-        mode = c.pop("MODE", 0)
+    for i, c in enumerate(configs):  # (None: launch_ws's auto_config for the shape)
+        c = None if c is None else dict(c)
+        mode = 0 if c is None else c.pop("MODE", 0)
         fns[f"ws{i}"] = (lambda c=c, mode=mode: ws.launch_ws(mode, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
                                                              g=buf, scal=scal, flags=flags, rule_id=RULE_IDS["adamw"],
                                                              config=c))
@@ -175,7 +175,7 @@ def time_cases(args) -> int:
     scal, flags = _scalars("adamw", hp, 10)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     tokens = [int(v) for v in args.tokens.split(",")]
-    configs = [json.loads(c) for c in args.configs] if args.configs else [{}]
+    configs = [None if c == "auto" else json.loads(c) for c in args.configs] if args.configs else [{}]
     for n, k in shapes:
         for t in tokens:
             if args.what == "trace":
@@ -190,7 +190,8 @@ def main() -> int:
     ap.add_argument("what", choices=["check", "time", "trace"])
     ap.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048,32000x2048")
     ap.add_argument("--tokens", default="512,1024,2048,4096,16384")
-    ap.add_argument("--configs", nargs="*", default=None, help="JSON dicts overriding ws.WS_CONFIG")
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="JSON dicts overriding ws.WS_CONFIG, or auto (ws.auto_config for each shape)")
     args = ap.parse_args()
     return check(args) if args.what == "check" else time_cases(args)
 

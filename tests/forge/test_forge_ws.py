@@ -30,11 +30,13 @@ _COMPILE = r"""
 import json, sys
 from leantrain.forge import ws
 out = []
-for mode, wdt, sdt, plain, dyn in [(0, "fp32", "fp32", 0, 0), (0, "bf16", "bf16", 0, 1), (1, "fp32", "fp32", 0, 0),
-                                   (0, "fp32", "fp32", 1, 0), (2, "fp32", "fp32", 0, 0)]:
-    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=ws.PLAIN_CONFIG if plain else None)
+for mode, wdt, sdt, name, dyn in [(0, "fp32", "fp32", "", 0), (0, "bf16", "bf16", "", 1), (1, "fp32", "fp32", "", 0),
+                                  (0, "fp32", "fp32", "PLAIN", 0), (2, "fp32", "fp32", "", 0), (0, "fp32", "fp32", "DEEP", 0),
+                                  (0, "fp32", "fp32", "ROWS64", 0)]:
+    cfg = getattr(ws, name + "_CONFIG") if name else None
+    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=cfg)
     ptx = ck.asm["ptx"]
-    out.append({"mode": mode, "plain": plain, "elem": 4 if wdt == "fp32" else 2, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
+    out.append({"mode": mode, "name": name, "elem": 4 if wdt == "fp32" else 2, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
                 "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
                 "st_global": "st.global" in ptx, "warps": ck.metadata.num_warps, "shared": ck.metadata.shared})
 print(json.dumps(out))
@@ -52,15 +54,15 @@ def test_compiles_for_sm90_with_its_schedule():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
     r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    cfg = ws.WS_CONFIG
-    smem = cfg["STAGES"] * cfg["BT"] * (cfg["BM"] + cfg["BN"]) * 2 + cfg["BM"] * cfg["BN"] * 4
     for v in json.loads(r.stdout.strip().splitlines()[-1]):
+        cfg = {**ws.WS_CONFIG, **(getattr(ws, v["name"] + "_CONFIG") if v["name"] else {})}
+        smem = cfg["STAGES"] * cfg["BT"] * (cfg["BM"] + cfg["BN"]) * 2 + cfg["BM"] * cfg["BN"] * 4
         # BM / 64 warp-group MMAs (m64) a 16-token step, A transposed (dY read as stored, [T, N])
         assert v["wgmma"] == cfg["BM"] // 64 * cfg["BT"] // 16
         assert v["tma"] and v["setmaxnreg"]  # TMA loads; the partitions' register budgets
         assert v["warps"] == cfg["num_warps"] + 4 + 4  # update warps + the MMA group + the loader's group
         # the default (STATE_TMA, mode 0): a ring of slices of W, m, v in shared memory too
-        tma_state = cfg["STATE_TMA"] and v["mode"] == 0 and not v["plain"]
+        tma_state = cfg["STATE_TMA"] and v["mode"] == 0
         extra = cfg["SSTAGES"] * cfg["SUB"] * cfg["BN"] * v["elem"] * 3 if tma_state else 0
         assert smem + extra <= v["shared"] <= 227 * 1024
         assert v["st_global"]
@@ -77,6 +79,18 @@ def test_the_state_ring_is_used_where_tma_can_load_w_and_the_states():
     assert plain["STATE_TMA"] == 0 and plain["SUB"] == ws.PLAIN_CONFIG["SUB"]
     assert ws.resolve_config({"SUB": 8}, 0, (aligned,))["SUB"] == 8
     assert ws.WS_CONFIG["STATE_TMA"] == 1  # (not changed in place)
+
+
+def test_auto_config_deepens_the_operand_ring_for_long_token_runs_and_halves_the_tail_below():
+    assert ws.auto_config(2048, 5632, 2048, 132) == ws.DEEP_CONFIG
+    assert ws.auto_config(5632, 2048, 512, 132) == ws.ROWS64_CONFIG  # 704 tiles of 128 rows: 5.33 waves
+    assert ws.auto_config(32000, 2048, 1024, 132) == {}  # 4000 tiles: 30.3 waves, the last nearly full
+    assert ws.auto_config(2048, 2048, 512, 132) == {} and ws.auto_config(136, 264, 100, 132) == {}
+    for cfg in (ws.DEEP_CONFIG, ws.ROWS64_CONFIG):  # (what they cost in shared memory: the H200 has 227 KiB)
+        c = {**ws.WS_CONFIG, **cfg}
+        smem = (c["STAGES"] * c["BT"] * (c["BM"] + c["BN"]) * 2 + c["BM"] * c["BN"] * 4
+                + c["SSTAGES"] * c["SUB"] * c["BN"] * 12)
+        assert smem <= 227 * 1024
 
 
 def test_balance_keeps_the_waves_and_evens_the_programs_out():
@@ -101,7 +115,8 @@ def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
 
 @gpu
 @pytest.mark.parametrize("config", [ws.PLAIN_CONFIG, {**ws.PLAIN_CONFIG, "PREFETCH": 1, "SUB": 16}, {"EVICT": 1},
-                                    {**ws.PLAIN_CONFIG, "EVICT": 1}])
+                                    {**ws.PLAIN_CONFIG, "EVICT": 1}, ws.DEEP_CONFIG, ws.ROWS64_CONFIG,
+                                    {**ws.ROWS64_CONFIG, **ws.PLAIN_CONFIG}, {"BALANCE": 1, "CTAS": 2}])
 @pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
 def test_the_other_read_schedules_give_the_same_bits(config, wdt, sdt):
     for rule in ("adamw", "lion"):

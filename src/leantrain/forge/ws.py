@@ -81,6 +81,15 @@ if HAS_TRITON:
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
              "MMA_WARPS": 4, "EVICT": 0, "num_warps": 8, "mma_regs": 232}
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
+# What launch_ws picks by the layer's shape when not given a config (auto_config; results/2026-12-03_H200_s27/).
+# The kernel's clock stamps showed two limits. At T >= 2048 the GEMM beside the update took 1.7-1.9x its time
+# alone, waiting on operands with three 64-token slots in flight: DEEP_CONFIG keeps 256 tokens in flight and
+# pays with a one-slot state ring (2048x5632: 0.1489 against 0.1605 ms). Below it the update bounds the time
+# and 704 tiles on 132 SMs leave 88 SMs idle in a sixth wave: ROWS64_CONFIG's 64-row tiles halve that tail
+# (2048x5632 at T = 512: 0.0916 against 0.0982 ms); where the last wave is nearly full (32000x2048, 2048x2048)
+# they only add operand traffic and the default stays.
+DEEP_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 1}
+ROWS64_CONFIG = {"BM": 64, "STAGES": 6}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
@@ -389,6 +398,19 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def auto_config(N: int, K: int, T: int, nsm: int) -> dict:
+    """The overrides of ``WS_CONFIG`` for a layer of ``N x K`` weights and ``T`` tokens on ``nsm`` SMs
+    (the comment at ``DEEP_CONFIG``): a deep operand ring from 2048 tokens, 64-row tiles below it where
+    128-row tiles fill less than 95 % of their last wave, else none."""
+    if T >= 2048:
+        return dict(DEEP_CONFIG)
+    tiles = -(-N // WS_CONFIG["BM"]) * -(-K // WS_CONFIG["BN"])
+    waves = -(-tiles // nsm)
+    if tiles >= nsm and tiles / (waves * nsm) < 0.95:
+        return dict(ROWS64_CONFIG)
+    return {}
+
+
 def resolve_config(config: dict | None, mode: int, tensors=()) -> dict:
     """``WS_CONFIG`` with ``config``'s overrides, and ``STATE_TMA`` as the launch will run it: only in
     the modes that update (0, and the probe 3), and with ``PLAIN_CONFIG`` instead when one of
@@ -432,17 +454,20 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
     not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
-    and ``key`` (a launch captured in a CUDA graph). ``trace`` (a probe): a dict that gets ``"stamps"``,
+    and ``key`` (a launch captured in a CUDA graph). ``config``: overrides of ``WS_CONFIG`` (``{}``: it
+    as is); ``None``: ``auto_config``'s for this shape. ``trace`` (a probe): a dict that gets ``"stamps"``,
     int64 ``[programs, tiles a program, 8]``, the GPU clock (ns) at each tile's events: 0 the GEMM
     starts, 1 it is done, 2 the dW slot is free, 3 the update warps have the tile, 4 they are done.
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
     nstate = len(states)
     s1 = states[0] if nstate > 0 else w
     s2 = states[1] if nstate > 1 else w
-    cfg = resolve_config(config, mode, (w, s1, s2))
-    BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     T, K = x.shape
     N = dy.shape[1]
+    if config is None:
+        config = auto_config(N, K, T, _num_sms(x.device.index or 0))
+    cfg = resolve_config(config, mode, (w, s1, s2))
+    BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     ntiles = -(-N // BM) * -(-K // BN)
     if part is None or part.numel() != ntiles:
         part = torch.empty(ntiles, dtype=torch.float32, device=x.device)
