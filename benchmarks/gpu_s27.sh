@@ -64,8 +64,9 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
     fourth)  # after third/: launch_ws picks its schedule by shape (auto_config); every target shape and T
       gpuinfo
       log "ws sweep: auto_config against the default, the issue's shapes and token counts"
-      timeout 200 python3 benchmarks/tune_ws.py time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
-        --tokens 512,1024,2048,4096,16384 --configs auto '{}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      timeout 240 python3 benchmarks/tune_ws.py time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
+        --tokens 512,1024,2048,4096,16384 --configs auto '{}' '{"BT": 32, "STAGES": 8, "SSTAGES": 1, "BALANCE": 1}' \
+        '{"BM": 64, "STAGES": 6, "BALANCE": 1}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
       echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
       snap
       log "ws tests (pytest) and the graphed step"
