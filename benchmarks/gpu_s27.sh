@@ -9,6 +9,7 @@
 #                                           # the four shapes at T = 512 / 1024 / 2048; the ws tests
 #   OUT=dir bash benchmarks/gpu_s27.sh third  # deeper operand rings (a smaller state ring or plain state loads)
 #   OUT=dir bash benchmarks/gpu_s27.sh fourth # auto_config on the four shapes, T = 512 ... 16384; the tests
+#   OUT=dir bash benchmarks/gpu_s27.sh fifth  # state rings for 64-row tiles, evict-first with the deep ring
 # Work goes to /tmp/s27w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -71,6 +72,20 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       snap
       log "ws tests (pytest) and the graphed step"
       gputest 240 tests/forge/test_forge_ws.py tests/test_graphs.py::test_graphed_forge_equals_eager_forge
+      ;;
+    fifth)  # after fourth/ (the last device minutes): state rings for 64-row tiles at T = 1024, evict-first
+      # stores with the deep ring at T = 2048, and their bits
+      gpuinfo
+      log "ws sweep"
+      C='{"BM": 64, "STAGES": 5, "SSTAGES": 3}|{"BM": 64, "STAGES": 6, "SUB": 8, "SSTAGES": 4}|{"BM": 64, "STAGES": 4, "SSTAGES": 4}|{"BT": 32, "STAGES": 8, "SSTAGES": 1, "EVICT": 1}'
+      IFS='|' read -r -a CS <<< "$C"
+      timeout 80 python3 benchmarks/tune_ws.py time --shapes 2048x5632,5632x2048 --tokens 1024,2048 --configs auto "${CS[@]}" \
+        > "$D/sweep.jsonl" 2> "$D/sweep.err"
+      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      snap
+      log "ws check (bits)"
+      timeout 60 python3 benchmarks/tune_ws.py check --configs "${CS[@]}" > "$D/check.jsonl" 2> "$D/check.err"
+      echo "rc=$?"; grep -c '"ok": true' "$D/check.jsonl"; grep '"ok": false\|check_failures' "$D/check.jsonl" | head
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"
