@@ -37,9 +37,15 @@ bias (it keeps the other paths); a clip scale known before the layer's backward
 (``clip="prev_global"``) is read from a device scalar, and the step's scalars may be (``dyn``: the
 table of ``kernel.launch_forge``, for CUDA graphs). ``MODE`` 1 writes the
 tile's dW to ``G`` instead of updating (the bit-exactness tests: fused == write dW + the
-update-only kernel). Two probes of where the time goes (``benchmarks/tune_ws.py``): ``launch_ws``'s
+update-only kernel). Probes of where the time goes (``benchmarks/tune_ws.py``): ``launch_ws``'s
 mode 2 runs the GEMM alone (the update warps only take each tile's sum of squares) and mode 3 the
-update alone (no token is loaded: dW = 0, the rule still reads and writes all of W and the state). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
+update alone (no token is loaded: dW = 0, the rule still reads and writes all of W and the state; over
+many calls the moments decay, so time it on fresh states); ``trace`` records the GPU clock at each
+tile's events; ``CTAS`` / ``BALANCE`` set the number of programs.
+
+The schedule (``WS_CONFIG`` and its overrides) is picked per layer shape by ``auto_config`` when the
+caller gives none: the stamps of session 27 showed the GEMM bounding the time from T = 2048 (a deeper
+operand ring) and the update below it, with the last wave's tail (64-row tiles). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
 says whether it can run.
 """
 
