@@ -45,8 +45,9 @@ tile's events; ``CTAS`` / ``BALANCE`` set the number of programs.
 
 The schedule (``WS_CONFIG`` and its overrides) is picked per layer shape by ``auto_config`` when the
 caller gives none: the stamps of session 27 showed the GEMM bounding the time from T = 2048 (a deeper
-operand ring) and the update below it, with the last wave's tail (64-row tiles). Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()``
-says whether it can run.
+operand ring) and the update below it, with the last wave's tail (64-row tiles).
+
+Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()`` says whether it can run.
 """
 
 from __future__ import annotations
@@ -312,7 +313,8 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["T", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2",
                                   "lerp_c", "eps", "mom", "key"])
-    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, DYN, dyn_off, TR, tr_j, T, N, K,
+    def _ws_kernel(dy_desc, x_desc, w_desc, s1_desc, s2_desc, W, S1, S2, G, PART, SCALE, DYN, dyn_off, TR, tr_j,
+                   T, N, K,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
@@ -456,8 +458,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
               config: dict | None = None, trace: dict | None = None) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
     into ``g``); the probes 2 (the GEMM alone, nothing stored but the sums of squares) and 3 (the
-    update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``; ``flags``: its 4 flags;
-    ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
+    update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``;
+    ``flags``: its 4 flags; ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
     not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
     and ``key`` (a launch captured in a CUDA graph). ``config``: overrides of ``WS_CONFIG`` (``{}``: it
@@ -499,7 +501,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS,
         part if trace is None else trace["stamps"], tr_j, 0 if mode == 3 else T, N, K, *scal,
         0 if dyn is not None else int(key),
-        MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate, W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
+        MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate,
+        W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
         IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, TRACE=trace is not None,
         **_schedule(cfg),
@@ -534,7 +537,8 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     sig["key"] = "i32"
     names = list(sig)
     bf = state_dtype == "bf16"
-    const = dict(MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2, W_BF16=w_dtype == "bf16", SR=True,
+    const = dict(MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2,
+                 W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
                  HAS_DYN=dyn, TRACE=trace, **_schedule(cfg))
     sig.update({k: "constexpr" for k in const})
