@@ -134,9 +134,9 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
     w = torch.randn(n, k, device="cuda") * 0.02
     m, v = torch.zeros_like(w), torch.zeros_like(w)
-    for c in configs:
-        c = dict(c)
-        mode = c.pop("MODE", 0)
+    for c in configs:  # (None: launch_ws's auto_config for the shape)
+        c = None if c is None else dict(c)
+        mode = 0 if c is None else c.pop("MODE", 0)
         kw = dict(x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags,
                   rule_id=RULE_IDS["adamw"], config=c)
         for _ in range(5):

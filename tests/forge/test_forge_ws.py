@@ -173,7 +173,7 @@ def test_the_probes_run_the_gemm_alone_and_the_update_alone():
 def test_a_traced_launch_gives_the_same_bits_and_ordered_stamps():
     from leantrain.forge.kernel import RULE_IDS, _scalars
 
-    n, k, t = 512, 640, 300  # 20 tiles: some programs run two with BALANCE on a small grid
+    n, k, t = 512, 640, 300  # 20 tiles on 8 programs: each runs 2 or 3
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
     scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
