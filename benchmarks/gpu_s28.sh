@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The next session's GPU call (written in session 27, not yet run):
+#   OUT=dir bash benchmarks/gpu_s28.sh first  # the graphed 1b step (bench_forge part (b), T = 1024, B = 1, 2) with and
+#                                           # without every linear through the ws kernel, now that ws.auto_config
+#                                           # picks its schedule per shape (session 26 measured one fixed schedule:
+#                                           # slower than the split path); then the graphed-step test, whose last
+#                                           # 2 cases s27 fourth/ did not reach
+# Work goes to /tmp/s28w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s28w "${1:-first}"
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      export LEANTRAIN_FORGE_WS_TOKENS=0
+      forgeb_cfg b_ws0 110 "1 2" torch_bf16_graph forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
+      snap
+      export LEANTRAIN_FORGE_WS_TOKENS=4096
+      forgeb_cfg b_ws4096 90 "1 2" forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
+      unset LEANTRAIN_FORGE_WS_TOKENS
+      snap
+      log "graphed-step test"
+      gputest 120 tests/test_graphs.py::test_graphed_forge_equals_eager_forge
+      ;;
+  esac
+} 2>&1 | tee "$D/log.txt"
+snap
