@@ -62,6 +62,15 @@ prof() {  # profile_step: $1 config, $2 batch, rest: more profile_step arguments
   log "profile_step $1 B=$2 ${*:3}"
   timeout 120 python3 benchmarks/profile_step.py --config "$1" --batch "$2" "${@:3}" --out "$D/prof" 2>&1 | grep -v Warn | tail -2
 }
+forgeb_ws() {  # the graphed 1b step (B = 1, 2) with every linear through the split path, then through the ws
+  # kernel (LEANTRAIN_FORGE_WS_TOKENS=4096), into $D/b_ws0 and $D/b_ws4096; snap after each
+  LEANTRAIN_FORGE_WS_TOKENS=0 forgeb_cfg b_ws0 110 "1 2" torch_bf16_graph forge_bf16_sr_bf16_states_graph \
+    forge_bf16_sr_fp32_states_graph
+  snap
+  LEANTRAIN_FORGE_WS_TOKENS=4096 forgeb_cfg b_ws4096 90 "1 2" forge_bf16_sr_bf16_states_graph \
+    forge_bf16_sr_fp32_states_graph
+  snap
+}
 gpu_part() {  # $1 the session's scratch root (/tmp/sNw), $2 the part: sets PART and D (made), and snap,
   # which rewrites $OUT/PART.tgz from D (call it after each stage: what a time-out leaves comes back)
   SCRATCH=$1 PART=$2 D=$1/$2

@@ -35,13 +35,7 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
       log "ws tests (pytest)"
       gputest 200 tests/forge/test_forge_ws.py
       snap
-      export LEANTRAIN_FORGE_WS_TOKENS=0
-      forgeb_cfg b_ws0 110 "1 2" torch_bf16_graph forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
-      snap
-      export LEANTRAIN_FORGE_WS_TOKENS=4096
-      forgeb_cfg b_ws4096 90 "1 2" forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
-      unset LEANTRAIN_FORGE_WS_TOKENS
-      snap
+      forgeb_ws  # (gpu_lib.sh: the same two runs as written here when this ran)
       log "ws sweep (state ring variants)"
       timeout 100 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"STAGES": 2, "SSTAGES": 3}' '{"SUB": 8, "SSTAGES": 4}' '{"BT": 32, "STAGES": 4, "SSTAGES": 3}' \

@@ -13,13 +13,7 @@ gpu_part /tmp/s28w "${1:-first}"
   case "$PART" in
     first)
       gpuinfo
-      export LEANTRAIN_FORGE_WS_TOKENS=0
-      forgeb_cfg b_ws0 110 "1 2" torch_bf16_graph forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
-      snap
-      export LEANTRAIN_FORGE_WS_TOKENS=4096
-      forgeb_cfg b_ws4096 90 "1 2" forge_bf16_sr_bf16_states_graph forge_bf16_sr_fp32_states_graph
-      unset LEANTRAIN_FORGE_WS_TOKENS
-      snap
+      forgeb_ws
       log "graphed-step test"
       gputest 120 tests/test_graphs.py::test_graphed_forge_equals_eager_forge
       ;;
