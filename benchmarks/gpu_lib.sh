@@ -71,6 +71,12 @@ forgeb_ws() {  # the graphed 1b step (B = 1, 2) with every linear through the sp
     forge_bf16_sr_fp32_states_graph
   snap
 }
+tunews() {  # benchmarks/tune_ws.py: $1 time limit, $2 name ($D/NAME.jsonl, .err), rest: its arguments; prints the rows
+  local lim=$1 name=$2
+  shift 2
+  timeout "$lim" python3 benchmarks/tune_ws.py "$@" > "$D/$name.jsonl" 2> "$D/$name.err"
+  echo "rc=$?"; cat "$D/$name.jsonl"; tail -3 "$D/$name.err"
+}
 gpu_part() {  # $1 the session's scratch root (/tmp/sNw), $2 the part: sets PART and D (made), and snap,
   # which rewrites $OUT/PART.tgz from D (call it after each stage: what a time-out leaves comes back)
   SCRATCH=$1 PART=$2 D=$1/$2

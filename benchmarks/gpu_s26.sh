@@ -19,12 +19,11 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
     first)
       gpuinfo
       log "ws sweep"
-      timeout 240 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+      tunews 240 sweep time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"STATE_TMA": 1, "SUB": 16}' '{"EVICT": 1}' '{"STATE_TMA": 1, "SUB": 16, "EVICT": 1}' \
         "{$W256, \"BT\": 64, \"STAGES\": 2}" "{$W256, \"BT\": 32, \"STAGES\": 3}" "{$W256, \"BT\": 32, \"STAGES\": 4}" \
         "{$W256, \"BT\": 32, \"STAGES\": 2, \"STATE_TMA\": 1}" "{$W256, \"BT\": 64, \"STAGES\": 2, \"EVICT\": 1}" \
-        '{"MODE": 1}' "{$W256, \"BT\": 64, \"STAGES\": 2, \"MODE\": 1}" > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+        '{"MODE": 1}' "{$W256, \"BT\": 64, \"STAGES\": 2, \"MODE\": 1}"
       snap
       log "ws check (bits) of the new options"
       timeout 200 python3 benchmarks/tune_ws.py check --configs '{"EVICT": 1}' "{$W256, \"BT\": 64, \"STAGES\": 2}" \
@@ -37,10 +36,8 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
       snap
       forgeb_ws  # (gpu_lib.sh: the same two runs as written here when this ran)
       log "ws sweep (state ring variants)"
-      timeout 100 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
-        '{}' '{"STAGES": 2, "SSTAGES": 3}' '{"SUB": 8, "SSTAGES": 4}' '{"BT": 32, "STAGES": 4, "SSTAGES": 3}' \
-        > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err" ;;
+      tunews 100 sweep time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"STAGES": 2, "SSTAGES": 3}' '{"SUB": 8, "SSTAGES": 4}' '{"BT": 32, "STAGES": 4, "SSTAGES": 3}' ;;
     third)  # after second/ (its pytest stage ran out of time before the graphed-step test): that test, a sweep
       gpuinfo
       log "ws tests (pytest: the graphed step)"
@@ -48,11 +45,9 @@ W256='"BN": 256, "MMA_WARPS": 8, "mma_regs": 168, "num_warps": 4, "SUB": 8'
       snap
       log "ws sweep: 128x256 tiles with 8 update warps beside two MMA warp groups"
       W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 1, "mma_regs": 160'
-      timeout 150 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+      tunews 150 sweep time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' "{$W8, \"STAGES\": 2}" "{$W8, \"STAGES\": 3, \"SSTAGES\": 1}" '{"BM": 64, "SSTAGES": 3}' \
-        '{"MODE": 1}' "{$W8, \"STAGES\": 2, \"MODE\": 1}" \
-        > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+        '{"MODE": 1}' "{$W8, \"STAGES\": 2, \"MODE\": 1}"
       snap
       ;;
   esac

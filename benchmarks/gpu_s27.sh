@@ -20,11 +20,9 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
     first)
       gpuinfo
       log "ws sweep: fused, the GEMM alone (2), the update alone (3); 128x128 and 128x256 tiles"
-      timeout 260 python3 benchmarks/tune_ws.py time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+      tunews 260 sweep time --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
         '{}' '{"MODE": 2}' '{"MODE": 3}' '{"MODE": 1}' "{$W8}" "{$W8, \"MODE\": 2}" "{$W8, \"MODE\": 3}" \
-        '{"CTAS": 128}' '{"BALANCE": 1}' '{"CTAS": 88}' '{"BM": 64, "SSTAGES": 3}' '{"BM": 64, "MODE": 2}' \
-        > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+        '{"CTAS": 128}' '{"BALANCE": 1}' '{"CTAS": 88}' '{"BM": 64, "SSTAGES": 3}' '{"BM": 64, "MODE": 2}'
       snap
       log "ws tests (pytest: the probes, the graphed step)"
       gputest 150 tests/forge/test_forge_ws.py -k "probes or compiles or graphed_forge_equals" tests/test_graphs.py::test_graphed_forge_equals_eager_forge
@@ -33,15 +31,13 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       # target shape at T = 512 / 1024 / 2048 for the tail options that first/ found faster, then the tests
       gpuinfo
       log "ws trace"
-      timeout 90 python3 benchmarks/tune_ws.py trace --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
-        '{}' '{"BALANCE": 1}' '{"BM": 64}' '{"MODE": 2}' > "$D/trace.jsonl" 2> "$D/trace.err"
-      echo "rc=$?"; cat "$D/trace.jsonl"; tail -3 "$D/trace.err"
+      tunews 90 trace trace --shapes 2048x5632,32000x2048 --tokens 512,2048 --configs \
+        '{}' '{"BALANCE": 1}' '{"BM": 64}' '{"MODE": 2}'
       snap
       log "ws sweep: the four shapes"
-      timeout 200 python3 benchmarks/tune_ws.py time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
+      tunews 200 sweep time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
         --tokens 512,1024,2048 --configs '{}' '{"BALANCE": 1}' '{"BM": 64}' '{"BM": 64, "BALANCE": 1}' \
-        '{"BM": 64, "SSTAGES": 3}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+        '{"BM": 64, "SSTAGES": 3}'
       snap
       log "ws tests (pytest)"
       gputest 200 tests/forge/test_forge_ws.py
@@ -50,25 +46,21 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       # operand stages were slower in s26 second/): deeper operand rings, paid for with a smaller state ring
       gpuinfo
       log "ws sweep: deeper operand rings"
-      timeout 240 python3 benchmarks/tune_ws.py time --shapes 2048x5632,5632x2048,32000x2048 --tokens 512,1024,2048 \
+      tunews 240 sweep time --shapes 2048x5632,5632x2048,32000x2048 --tokens 512,1024,2048 \
         --configs '{}' '{"STAGES": 4, "SUB": 8}' '{"STAGES": 4, "SSTAGES": 1}' '{"STATE_TMA": 0, "SUB": 32, "STAGES": 5}' \
         '{"BT": 32, "STAGES": 8, "SSTAGES": 1}' '{"STAGES": 4, "SUB": 8, "BALANCE": 1}' '{"BM": 64, "STAGES": 6}' \
-        '{"BM": 64, "STAGES": 7, "SUB": 8}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+        '{"BM": 64, "STAGES": 7, "SUB": 8}'
       snap
       log "ws trace"
-      timeout 60 python3 benchmarks/tune_ws.py trace --shapes 2048x5632 --tokens 512,2048 --configs \
-        '{"STAGES": 4, "SUB": 8}' '{"STATE_TMA": 0, "SUB": 32, "STAGES": 5}' '{"BM": 64, "STAGES": 7, "SUB": 8}' \
-        > "$D/trace.jsonl" 2> "$D/trace.err"
-      echo "rc=$?"; cat "$D/trace.jsonl"; tail -3 "$D/trace.err"
+      tunews 60 trace trace --shapes 2048x5632 --tokens 512,2048 --configs \
+        '{"STAGES": 4, "SUB": 8}' '{"STATE_TMA": 0, "SUB": 32, "STAGES": 5}' '{"BM": 64, "STAGES": 7, "SUB": 8}'
       ;;
     fourth)  # after third/: launch_ws picks its schedule by shape (auto_config); every target shape and T
       gpuinfo
       log "ws sweep: auto_config against the default, the issue's shapes and token counts"
-      timeout 240 python3 benchmarks/tune_ws.py time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
+      tunews 240 sweep time --shapes 2048x2048,2048x5632,5632x2048,32000x2048 \
         --tokens 512,1024,2048,4096,16384 --configs auto '{}' '{"BT": 32, "STAGES": 8, "SSTAGES": 1, "BALANCE": 1}' \
-        '{"BM": 64, "STAGES": 6, "BALANCE": 1}' > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+        '{"BM": 64, "STAGES": 6, "BALANCE": 1}'
       snap
       log "ws tests (pytest) and the graphed step"
       gputest 240 tests/forge/test_forge_ws.py tests/test_graphs.py::test_graphed_forge_equals_eager_forge
@@ -79,9 +71,7 @@ W8='"BN": 256, "MMA_WARPS": 8, "num_warps": 8, "SUB": 8, "BT": 32, "STATE_TMA": 
       log "ws sweep"
       C='{"BM": 64, "STAGES": 5, "SSTAGES": 3}|{"BM": 64, "STAGES": 6, "SUB": 8, "SSTAGES": 4}|{"BM": 64, "STAGES": 4, "SSTAGES": 4}|{"BT": 32, "STAGES": 8, "SSTAGES": 1, "EVICT": 1}'
       IFS='|' read -r -a CS <<< "$C"
-      timeout 80 python3 benchmarks/tune_ws.py time --shapes 2048x5632,5632x2048 --tokens 1024,2048 --configs auto "${CS[@]}" \
-        > "$D/sweep.jsonl" 2> "$D/sweep.err"
-      echo "rc=$?"; cat "$D/sweep.jsonl"; tail -3 "$D/sweep.err"
+      tunews 80 sweep time --shapes 2048x5632,5632x2048 --tokens 1024,2048 --configs auto "${CS[@]}"
       snap
       log "ws check (bits)"
       timeout 60 python3 benchmarks/tune_ws.py check --configs "${CS[@]}" > "$D/check.jsonl" 2> "$D/check.err"

@@ -73,8 +73,8 @@ def test_the_state_ring_is_used_where_tma_can_load_w_and_the_states():
     unaligned = torch.zeros(33)[1:].view(4, 8)  # (4 bytes past an allocation's start)
     assert ws.resolve_config(None, 0, (aligned, aligned))["STATE_TMA"] == 1  # the default
     assert ws.resolve_config(None, 1, (aligned,))["STATE_TMA"] == 0  # mode 1 writes dW: no state to read
-    assert ws.resolve_config(None, 2, (aligned,))["STATE_TMA"] == 0  # the GEMM probe: no state either
-    assert ws.resolve_config(None, 3, (aligned,))["STATE_TMA"] == 1  # the update probe reads it as mode 0 does
+    assert ws.resolve_config(None, ws.PROBE_GEMM, (aligned,))["STATE_TMA"] == 0  # the GEMM probe: no state either
+    assert ws.resolve_config(None, ws.PROBE_UPDATE, (aligned,))["STATE_TMA"] == 1  # the update probe reads it as mode 0 does
     plain = ws.resolve_config(None, 0, (aligned, unaligned))
     assert plain["STATE_TMA"] == 0 and plain["SUB"] == ws.PLAIN_CONFIG["SUB"]
     assert ws.resolve_config({"SUB": 8}, 0, (aligned,))["SUB"] == 8
@@ -159,10 +159,10 @@ def test_the_probes_run_the_gemm_alone_and_the_update_alone():
     kw = dict(x=x, dy=dy, kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=RULE_IDS["adamw"])
     g = torch.empty(n, k, device="cuda")
     part1 = ws.launch_ws(1, w=w.clone(), g=g, **kw).clone()
-    part2 = ws.launch_ws(2, w=w, states=[m, v], **kw)  # the GEMM alone: the same tile sums, nothing stored
+    part2 = ws.launch_ws(ws.PROBE_GEMM, w=w, states=[m, v], **kw)  # the GEMM alone: the same tile sums, nothing stored
     assert torch.equal(part2, part1) and bool((part1 > 0).all())
     assert torch.equal(w, w0) and torch.equal(m, m0) and torch.equal(v, v0)
-    part3 = ws.launch_ws(3, w=w, states=[m, v], **kw)  # the update alone: the update kernel's bits on dW = 0
+    part3 = ws.launch_ws(ws.PROBE_UPDATE, w=w, states=[m, v], **kw)  # the update alone: the update kernel's bits on dW = 0
     assert bool((part3 == 0).all()) and not torch.equal(w, w0)
     launch_forge(MODE_UPDATE, g=torch.zeros_like(g), w=w0, states=[m0, v0], kinds=["fp32", "fp32"], rule_name="adamw",
                  hp=ws.RULE_HP["adamw"], step=3)

@@ -84,10 +84,14 @@ if HAS_TRITON:
 # faster at T = 512; 208 KiB of shared memory). Measured, not faster, kept as options: plain loads as each
 # slice is updated (STATE_TMA=0, with SUB=32) or one slice ahead (PREFETCH=1, SUB=16); EVICT=1 (W and the
 # state evict-first, to keep X and dY in L2); two MMA warp groups (MMA_WARPS=8) for 128 x 256 tiles (a quarter
-# fewer dY / X bytes a dW element, but only 4 update warps fit beside them: 2.0-3.5x slower).
+# fewer dY / X bytes a dW element; 2.0-3.5x slower with the 4 update warps that fit beside them, 1.6-2.4x with
+# 8 and two 32-token operand slots, s27 first/: the 128 KiB dW slot leaves too little shared memory).
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
              "MMA_WARPS": 4, "EVICT": 0, "num_warps": 8, "mma_regs": 232}
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
+# launch_ws's probe modes, beside kernel.py's MODE_FUSED (0) and MODE_WRITE_DW (1). This kernel has no
+# update-only mode: kernel.MODE_UPDATE is also 2, and passed here it would run the GEMM probe (call by name).
+PROBE_GEMM, PROBE_UPDATE = 2, 3
 # What launch_ws picks by the layer's shape when not given a config (auto_config; results/2026-12-03_H200_s27/).
 # The kernel's clock stamps showed two limits. At T >= 2048 the GEMM beside the update took 1.7-1.9x its time
 # alone, waiting on operands with three 64-token slots in flight: DEEP_CONFIG keeps 256 tokens in flight and
@@ -107,6 +111,7 @@ if HAVE_GLUON:
         """``TRACE`` (a probe): the GPU's nanosecond clock at event ``EV_ID`` of this program's ``j``-th tile,
         into ``TR[pid, j, EV_ID]`` (``tune_ws.py trace`` reads the schedule from it)."""
         if TRACE:
+            # (pid: an unused input; the op takes at least one)
             t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
                                           pack=1)
             gl.store(TR + (pid * tr_j + j) * 8 + EV_ID, t)
@@ -426,7 +431,7 @@ def resolve_config(config: dict | None, mode: int, tensors=()) -> dict:
     cfg = {**WS_CONFIG, **(config or {})}
     if cfg["STATE_TMA"] and any(t.data_ptr() % 16 for t in tensors):
         cfg.update(PLAIN_CONFIG)
-    cfg["STATE_TMA"] = int(bool(cfg["STATE_TMA"]) and mode in (0, 3))
+    cfg["STATE_TMA"] = int(bool(cfg["STATE_TMA"]) and mode in (0, PROBE_UPDATE))
     return cfg
 
 
@@ -449,6 +454,14 @@ def _programs(ntiles: int, nsm: int, cfg: dict) -> int:
     return progs
 
 
+def _kernel_mode(mode: int) -> int:
+    """The kernel's ``MODE`` constexpr for a launch mode: the update probe runs mode 0's code on no tokens."""
+    if mode not in (0, 1, PROBE_GEMM, PROBE_UPDATE):
+        raise ValueError(f"ws: mode {mode}: 0 (fused), 1 (write dW), {PROBE_GEMM} or {PROBE_UPDATE} (probes); "
+                         "an update-only launch is kernel.launch_forge's")
+    return 0 if mode == PROBE_UPDATE else mode
+
+
 def _gl_dtype(t: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t]
 
@@ -457,8 +470,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
               rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, dyn=None,
               config: dict | None = None, trace: dict | None = None) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
-    into ``g``); the probes 2 (the GEMM alone, nothing stored but the sums of squares) and 3 (the
-    update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``;
+    into ``g``); the probes ``PROBE_GEMM`` (2: the GEMM alone, nothing stored but the sums of squares)
+    and ``PROBE_UPDATE`` (3: the update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``;
     ``flags``: its 4 flags; ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
     not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
@@ -472,8 +485,10 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     s2 = states[1] if nstate > 1 else w
     T, K = x.shape
     N = dy.shape[1]
+    kmode = _kernel_mode(mode)
+    nsm = _num_sms(x.device.index or 0)
     if config is None:
-        config = auto_config(N, K, T, _num_sms(x.device.index or 0))
+        config = auto_config(N, K, T, nsm)
     cfg = resolve_config(config, mode, (w, s1, s2))
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     ntiles = -(-N // BM) * -(-K // BN)
@@ -492,16 +507,16 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         sdesc = [dy_desc] * 3  # (placeholders)
     k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
     k2 = 1 if nstate > 1 and kinds[1] == "bf16" else 0
-    grid = (_programs(ntiles, _num_sms(x.device.index or 0), cfg),)
+    grid = (_programs(ntiles, nsm, cfg),)
     tr_j = -(-ntiles // grid[0])
     if trace is not None:
         trace["stamps"] = torch.zeros(grid[0], tr_j, 8, dtype=torch.int64, device=x.device)
     _ws_kernel[grid](
         dy_desc, x_desc, *sdesc, w, s1, s2, w if g is None else g, part, part if scale is None else scale,
         part if dyn is None else dyn[0], 0 if dyn is None else dyn[1] * DYN_COLS,
-        part if trace is None else trace["stamps"], tr_j, 0 if mode == 3 else T, N, K, *scal,
+        part if trace is None else trace["stamps"], tr_j, 0 if mode == PROBE_UPDATE else T, N, K, *scal,
         0 if dyn is not None else int(key),
-        MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate,
+        MODE=kmode, RULE=rule_id, KIND1=k1, KIND2=k2, NSTATE=nstate,
         W_BF16=w.dtype == torch.bfloat16, SR=bool(sr),
         HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3],
         IDX32=N * K + N < 2**31, HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, TRACE=trace is not None,
@@ -513,7 +528,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
 def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp32", rule_id: int = 1,
                  dyn: bool = False, config: dict | None = None, trace: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's wheel carries ptxas): the compiled
-    kernel (``.asm["ptx"]``, ``.metadata.shared`` ...). For tests and instruction counts."""
+    kernel (``.asm["ptx"]``, ``.metadata.shared`` ...). For tests and instruction counts. ``config``:
+    overrides of ``WS_CONFIG`` (``None``: it as is; there is no shape here for ``auto_config``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -537,7 +553,7 @@ def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp
     sig["key"] = "i32"
     names = list(sig)
     bf = state_dtype == "bf16"
-    const = dict(MODE=0 if mode == 3 else mode, RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2,
+    const = dict(MODE=_kernel_mode(mode), RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2,
                  W_BF16=w_dtype == "bf16", SR=True,
                  HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
                  HAS_DYN=dyn, TRACE=trace, **_schedule(cfg))
