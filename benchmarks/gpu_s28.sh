@@ -6,6 +6,8 @@
 #                                           # slower than the split path); then the graphed-step test, whose last
 #                                           # 2 cases s27 fourth/ did not reach
 #   OUT=dir bash benchmarks/gpu_s28.sh second # bench_forge.py part (a), whose ws columns now run auto_config
+#   OUT=dir bash benchmarks/gpu_s28.sh third  # the bf16 dW hand-over (DW16): its bits (pytest, tune_ws check), then
+#                                           # its rings against auto (fp32 dW) on the four shapes, T = 512 ... 16384
 # Work goes to /tmp/s28w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -22,6 +24,26 @@ gpu_part /tmp/s28w "${1:-first}"
       gpuinfo
       log "bench_forge part (a)"
       timeout 330 python3 benchmarks/bench_forge.py --part a --out "$D/a" 2>&1 | grep -v Warn | tail -30
+      ;;
+    third)
+      gpuinfo
+      log "pytest: DW16 bits"
+      gputest 150 tests/forge/test_forge_ws.py -k "other_read_schedules or bf16_dw_tile or compiles"
+      snap
+      log "tune_ws check: DW16"
+      tunews 60 check check --configs '{"DW16": 1}' '{"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 2}'
+      snap
+      CS=('{"DW16": 1, "STAGES": 4}' '{"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 2}'
+          '{"DW16": 1, "BT": 32, "STAGES": 10, "SSTAGES": 1}' '{"DW16": 1, "BM": 64, "STAGES": 6}'
+          '{"DW16": 1, "BN": 256, "MMA_WARPS": 8, "mma_regs": 160, "BT": 32, "STAGES": 4, "SUB": 8, "SSTAGES": 2}')
+      log "sweep: T <= 2048"
+      tunews 200 sweep time --tokens 512,1024,2048 --configs auto auto16 "${CS[@]}"
+      snap
+      log "sweep: T = 4096, 16384"
+      tunews 120 sweep_long time --tokens 4096,16384 --configs auto auto16 "${CS[@]}"
+      snap
+      log "trace: DW16 with the deep ring and a 2-slot state ring"
+      tunews 40 trace trace --shapes 2048x5632 --tokens 512,2048 --configs auto auto16 "${CS[1]}"
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

@@ -9,7 +9,9 @@ multiple of the token step, the kernel's fused update equals, bit for bit, its o
 followed by the update-only kernel of ``kernel.py``; its dW is within fp32 summation error of
 ``dYᵀX`` in fp32. ``time``: the kernel against torch (matmul + AdamW(fused=True)) and FORGE's split
 path (cuBLAS dW into an fp32 buffer + the update kernel), fp32 W / m / v, as CUDA-graph replays
-(``do_bench_cudagraph``: GPU time) and ``do_bench`` medians. Prints one JSON line per case.
+(``do_bench_cudagraph``: GPU time), ``do_bench`` medians and the CPU time a call (``host_us``); ``split16``
+is the split path with ``grad_dtype="bf16"`` (the bf16 matmul's dW), the baseline for ``DW16`` configs
+(``auto16``: ``auto_config`` with bf16 dW). Prints one JSON line per case.
 ``trace``: one fused launch (after warm-up) with the kernel's clock stamps (``launch_ws(trace=...)``):
 how long each program's GEMMs, its waits for the dW slot, its updates and its waits for dW take, summed
 over its tiles, and when the programs finish (the last wave's tail).
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
@@ -43,7 +46,9 @@ def check(args) -> int:
                     if rule != "adamw" and (n, k, t) != (136, 264, 100):
                         continue
                     r = ws.check(n, k, t, rule, wdt, sdt, config=config)
-                    ok = r["bitwise"] and r["dw_rel_err"] < 1e-5 and r["moved"] > 0
+                    # (DW16: dW rounded to bf16, within half a bf16 ulp of the largest entry)
+                    tol = 2.0**-8 if config.get("DW16") else 1e-5
+                    ok = r["bitwise"] and r["dw_rel_err"] < tol and r["moved"] > 0 and r.get("dw_is_bf16", True)
                     bad += not ok
                     print(json.dumps({"check": [n, k, t], "config": config, "rule": rule, "w": wdt, "states": sdt,
                                       **r, "ok": ok}), flush=True)
@@ -96,15 +101,23 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
     def mm():  # (the split path's dW alone: what the GEMM costs on its own)
         mm_fp32(dy.t(), x, buf, allow_upcast=True)
 
-    fns = {"torch": baseline, "split": split, "mm": mm}
+    buf16 = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+
+    def split16():  # (the split path with grad_dtype="bf16": the bf16 matmul's dW, read by the update kernel)
+        torch.mm(dy.t(), x, out=buf16)
+        launch_forge(MODE_UPDATE, g=buf16, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
+                     hp=hp, step=10)
+
+    fns = {"torch": baseline, "split": split, "mm": mm, "split16": split16}
     # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead; the probes 2 the GEMM alone,
     # 3 the update alone, as launch_ws runs them)
-    for i, c in enumerate(configs):  # (None: launch_ws's auto_config for the shape)
-        c = None if c is None else dict(c)
+    for i, c in enumerate(configs):  # (None / "auto16": launch_ws's auto_config for the shape, fp32 / bf16 dW)
+        dw16 = c == "auto16"
+        c = None if c in (None, "auto16") else dict(c)
         mode = 0 if c is None else c.pop("MODE", 0)
-        fns[f"ws{i}"] = (lambda c=c, mode=mode: ws.launch_ws(mode, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
-                                                             g=buf, scal=scal, flags=flags, rule_id=RULE_IDS["adamw"],
-                                                             config=c))
+        fns[f"ws{i}"] = (lambda c=c, mode=mode, dw16=dw16: ws.launch_ws(
+            mode, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], g=buf, scal=scal, flags=flags,
+            rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16))
     row = {"N": n, "K": k, "T": t, "configs": configs}
     for name, fn in fns.items():
         try:
@@ -112,6 +125,12 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
             torch.cuda.synchronize()
             row[f"{name}_graph_ms"] = do_bench_cudagraph(fn, rep=40)
             row[f"{name}_ms"] = do_bench(fn, warmup=10, rep=40)
+            torch.cuda.synchronize()  # (the CPU time a call of back-to-back calls: Python + launches)
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            row[f"{name}_host_us"] = (time.perf_counter() - t0) / 50 * 1e6
+            torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     for name in fns:
@@ -134,11 +153,12 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
     w = torch.randn(n, k, device="cuda") * 0.02
     m, v = torch.zeros_like(w), torch.zeros_like(w)
-    for c in configs:  # (None: launch_ws's auto_config for the shape)
-        c = None if c is None else dict(c)
+    for c in configs:  # (None / "auto16": launch_ws's auto_config for the shape, fp32 / bf16 dW)
+        dw16 = c == "auto16"
+        c = None if c in (None, "auto16") else dict(c)
         mode = 0 if c is None else c.pop("MODE", 0)
         kw = dict(x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags,
-                  rule_id=RULE_IDS["adamw"], config=c)
+                  rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16)
         for _ in range(5):
             ws.launch_ws(mode, **kw)
         tr = {}
@@ -160,7 +180,7 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
         def q(a):
             return [round(float(a.min()), 2), round(float(a.median()), 2), round(float(a.max()), 2)]
 
-        print(json.dumps({"N": n, "K": k, "T": t, "config": c, "mode": mode, "programs": int(st.shape[0]),
+        print(json.dumps({"N": n, "K": k, "T": t, "config": "auto16" if dw16 else c, "mode": mode, "programs": int(st.shape[0]),
                           "tiles_per_program": q(tiles.double()), "span_us": round(float(end.max()), 2),
                           "end_us": q(end), "first_gemm_us": q(us[:, 0, 1] - us[:, 0, 0]),
                           "gemm_us": q(gemm), "slot_wait_us": q(slot_wait), "update_us": q(upd),
@@ -175,7 +195,8 @@ def time_cases(args) -> int:
     scal, flags = _scalars("adamw", hp, 10)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     tokens = [int(v) for v in args.tokens.split(",")]
-    configs = [None if c == "auto" else json.loads(c) for c in args.configs] if args.configs else [{}]
+    configs = ([None if c == "auto" else c if c == "auto16" else json.loads(c) for c in args.configs]
+               if args.configs else [{}])
     for n, k in shapes:
         for t in tokens:
             if args.what == "trace":
@@ -191,7 +212,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048,32000x2048")
     ap.add_argument("--tokens", default="512,1024,2048,4096,16384")
     ap.add_argument("--configs", nargs="*", default=None,
-                    help="JSON dicts overriding ws.WS_CONFIG, or auto (ws.auto_config for each shape)")
+                    help="JSON dicts overriding ws.WS_CONFIG, or auto / auto16 (ws.auto_config for each shape, "
+                         "fp32 / bf16 dW)")
     args = ap.parse_args()
     return check(args) if args.what == "check" else time_cases(args)
 

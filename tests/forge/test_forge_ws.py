@@ -26,14 +26,26 @@ def _ptxas_ok() -> bool:
     return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 
 
+# bf16 dW hand-over (DW16) with the rings its halved dW slot leaves room for
+_DW16 = {"DW16": {"DW16": 1}, "DEEP16": {"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 2},
+         "ROWS6416": {"DW16": 1, "BM": 64, "STAGES": 6}}
+
+
+def _config(name):
+    return _DW16[name] if name in _DW16 else getattr(ws, name + "_CONFIG") if name else None
+
+
 _COMPILE = r"""
 import json, sys
 from leantrain.forge import ws
+dw16 = json.loads(sys.argv[1])
 out = []
 for mode, wdt, sdt, name, dyn in [(0, "fp32", "fp32", "", 0), (0, "bf16", "bf16", "", 1), (1, "fp32", "fp32", "", 0),
                                   (0, "fp32", "fp32", "PLAIN", 0), (2, "fp32", "fp32", "", 0), (0, "fp32", "fp32", "DEEP", 0),
-                                  (0, "fp32", "fp32", "ROWS64", 0)]:
-    cfg = getattr(ws, name + "_CONFIG") if name else None
+                                  (0, "fp32", "fp32", "ROWS64", 0), (0, "fp32", "fp32", "DW16", 0),
+                                  (1, "fp32", "fp32", "DW16", 0), (0, "bf16", "fp32", "DEEP16", 0),
+                                  (0, "fp32", "fp32", "ROWS6416", 0)]:
+    cfg = dw16[name] if name in dw16 else getattr(ws, name + "_CONFIG") if name else None
     ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=cfg)
     ptx = ck.asm["ptx"]
     out.append({"mode": mode, "name": name, "elem": 4 if wdt == "fp32" else 2, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
@@ -52,11 +64,13 @@ def test_compiles_for_sm90_with_its_schedule():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_DW16)], capture_output=True, text=True, env=env,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     for v in json.loads(r.stdout.strip().splitlines()[-1]):
-        cfg = {**ws.WS_CONFIG, **(getattr(ws, v["name"] + "_CONFIG") if v["name"] else {})}
-        smem = cfg["STAGES"] * cfg["BT"] * (cfg["BM"] + cfg["BN"]) * 2 + cfg["BM"] * cfg["BN"] * 4
+        cfg = {**ws.WS_CONFIG, **(_config(v["name"]) or {})}
+        # operand ring + the dW slot (bf16 with DW16)
+        smem = cfg["STAGES"] * cfg["BT"] * (cfg["BM"] + cfg["BN"]) * 2 + cfg["BM"] * cfg["BN"] * (2 if cfg["DW16"] else 4)
         # BM / 64 warp-group MMAs (m64) a 16-token step, A transposed (dY read as stored, [T, N])
         assert v["wgmma"] == cfg["BM"] // 64 * cfg["BT"] // 16
         assert v["tma"] and v["setmaxnreg"]  # TMA loads; the partitions' register budgets
@@ -116,12 +130,34 @@ def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
 @gpu
 @pytest.mark.parametrize("config", [ws.PLAIN_CONFIG, {**ws.PLAIN_CONFIG, "PREFETCH": 1, "SUB": 16}, {"EVICT": 1},
                                     {**ws.PLAIN_CONFIG, "EVICT": 1}, ws.DEEP_CONFIG, ws.ROWS64_CONFIG,
-                                    {**ws.ROWS64_CONFIG, **ws.PLAIN_CONFIG}, {"BALANCE": 1, "CTAS": 2}])
+                                    {**ws.ROWS64_CONFIG, **ws.PLAIN_CONFIG}, {"BALANCE": 1, "CTAS": 2},
+                                    *_DW16.values(), {**_DW16["DW16"], **ws.PLAIN_CONFIG}])
 @pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
 def test_the_other_read_schedules_give_the_same_bits(config, wdt, sdt):
     for rule in ("adamw", "lion"):
         r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
         assert r["bitwise"] and r["moved"] > 0
+        if config.get("DW16"):  # the tile handed over in bf16: every dW entry a bf16 value, dYᵀX within its rounding
+            assert r["dw_is_bf16"] and r["dw_rel_err"] < 2.0**-8
+
+
+@gpu
+def test_a_bf16_dw_tile_is_the_fp32_tile_rounded_to_nearest():
+    """DW16 rounds the same fp32 accumulator that mode 1 writes: dW(DW16) == dW(fp32).to(bf16), entry for entry."""
+    from leantrain.forge.kernel import RULE_IDS, _scalars
+
+    n, k, t = 512, 384, 1000
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device="cuda")
+    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 1)
+    g32, g16 = torch.empty(n, k, device="cuda"), torch.empty(n, k, device="cuda")
+    for g, dw16 in ((g32, False), (g16, True)):
+        ws.launch_ws(1, x=x, dy=dy, w=w, g=g, scal=scal, flags=flags, rule_id=RULE_IDS["adamw"], config={},
+                     dw_bf16=dw16)
+    assert torch.equal(g16, g32.to(torch.bfloat16).float())
+    assert not torch.equal(g16, g32)
 
 
 @gpu

@@ -735,7 +735,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         scal, flags = K._scalars(self.rule.name, h.group, step)
         part = ws.launch_ws(K.MODE_FUSED, x=x2, dy=dy2, w=w, states=h.states, kinds=h.kinds, part=h.wpart,
                             scal=scal, flags=flags, rule_id=K.RULE_IDS[self.rule.name], sr=self.stochastic_rounding,
-                            key=key, scale=self._clip_scale if self.clip == "prev_global" else None, dyn=dyn)
+                            key=key, scale=self._clip_scale if self.clip == "prev_global" else None, dyn=dyn,
+                            dw_bf16=self.grad_dtype == "bf16" and x2.dtype == dy2.dtype == torch.bfloat16)
         h.wpart = part  # reused next step
         torch.sum(part, 0, out=sums.sq_views[layer.slot])  # the layer's sum of squares (norm, NaN report)
 
@@ -1123,7 +1124,8 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             statement of forge/README.md) or ``"bf16"`` (on the Triton backend, a layer whose
             inputs are bf16 gets its split-path dW from the bf16 matmul, rounded to bf16 as torch's
             bf16 backward rounds it: 4 bytes a parameter less traffic; not with data parallelism
-            or a ``fill`` caller, which keep fp32).
+            or a ``fill`` caller, which keep fp32). A layer on the warp-specialized kernel
+            (``ws_tokens``) then rounds its dW tile to bf16 before the update (``ws.launch_ws(dw_bf16=)``).
         overlap: on CUDA, each split-path update runs on a side stream, beside the rest of the
             backward (the next layers' GEMMs), instead of between them: the same launches and bits.
             The dW workspace becomes two buffers per dtype that layers take turns over (a buffer is

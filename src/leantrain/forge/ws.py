@@ -86,8 +86,11 @@ if HAS_TRITON:
 # state evict-first, to keep X and dY in L2); two MMA warp groups (MMA_WARPS=8) for 128 x 256 tiles (a quarter
 # fewer dY / X bytes a dW element; 2.0-3.5x slower with the 4 update warps that fit beside them, 1.6-2.4x with
 # 8 and two 32-token operand slots, s27 first/: the 128 KiB dW slot leaves too little shared memory).
+# DW16=1 (launch_ws(dw_bf16=True), FORGE's grad_dtype="bf16"): the MMA group rounds its tile to bf16 (round to
+# nearest, what a bf16 matmul's output is, and so torch's dW under bf16 autocast) before the hand-over: half the
+# dW slot's shared memory (32 KiB at 128 x 128), free for deeper rings, and half its shared-memory traffic.
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
-             "MMA_WARPS": 4, "EVICT": 0, "num_warps": 8, "mma_regs": 232}
+             "MMA_WARPS": 4, "EVICT": 0, "DW16": 0, "num_warps": 8, "mma_regs": 232}
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
 # launch_ws's probe modes, beside kernel.py's MODE_FUSED (0) and MODE_WRITE_DW (1). This kernel has no
 # update-only mode: kernel.MODE_UPDATE is also 2, and passed here it would run the GEMM probe (call by name).
@@ -136,7 +139,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_mma(a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j,
                 BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
-                TRACE: gl.constexpr):
+                DW16: gl.constexpr, TRACE: gl.constexpr):
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
@@ -160,7 +163,10 @@ if HAVE_GLUON:
             _stamp(TR, tr_j, pid, n, 1, TRACE)  # (1: the GEMM is done)
             mbarrier.wait(dw_empty, (n & 1) ^ 1)  # the update warps are done reading tile n - 1
             _stamp(TR, tr_j, pid, n, 2, TRACE)  # (2: the slot is free)
-            dw_smem.store(acc)
+            if DW16:  # (rounded to nearest: a bf16 matmul's output)
+                dw_smem.store(acc.to(gl.bfloat16))
+            else:
+                dw_smem.store(acc)
             mbarrier.arrive(dw_ready)
             n += 1
 
@@ -251,7 +257,7 @@ if HAVE_GLUON:
             _stamp(TR, tr_j, pid, n, 3, TRACE)  # (3: the update warps have the tile)
             ss = 0.0
             for r in gl.static_range(BM // SUB):
-                g = dw_smem.slice(r * SUB, SUB).load(layout)
+                g = dw_smem.slice(r * SUB, SUB).load(layout).to(gl.float32)
                 ss += gl.sum(gl.sum(g * g, axis=1), axis=0)
             gl.store(PART + tile, ss)
             tile_ok = gl.abs(ss) < float("inf")
@@ -263,7 +269,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(dw_empty)
             elif MODE == 1:
                 for r in gl.static_range(BM // SUB):
-                    g = dw_smem.slice(r * SUB, SUB).load(layout)
+                    g = dw_smem.slice(r * SUB, SUB).load(layout).to(gl.float32)
                     if r == BM // SUB - 1:
                         mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
                     offs, mask = _ws_offs(m0, r, cols, mk, N, K, SUB, IDX32, rows_l)
@@ -279,7 +285,7 @@ if HAVE_GLUON:
                         if r + 1 < BM // SUB:
                             offs_n, mask_n = _ws_offs(m0, r + 1, cols, mk, N, K, SUB, IDX32, rows_l)
                             w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs_n, mask_n, NSTATE, EV)
-                    g = dw_smem.slice(r * SUB, SUB).load(layout)
+                    g = dw_smem.slice(r * SUB, SUB).load(layout).to(gl.float32)
                     if r == BM // SUB - 1:
                         mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
                     if STATE_TMA:  # the slice from the state ring (the TMA loads' completion makes it visible)
@@ -327,15 +333,16 @@ if HAVE_GLUON:
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
                    SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
-                   TRACE: gl.constexpr, num_warps: gl.constexpr):
+                   DW16: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_tiles = gl.cdiv(N, BM) * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BN], x_desc.layout)
         # 128-byte swizzle: the MMA group's stores (8 rows x 8 bytes a warp) and the update warps' row
         # reads both avoid most bank conflicts (an unswizzled [BM, BN] fp32 tile puts 8 rows in one bank)
-        dw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float32)
-        dw_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], dw_layout)
+        dw_dtype: gl.constexpr = gl.bfloat16 if DW16 else gl.float32
+        dw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dw_dtype)
+        dw_smem = gl.allocate_shared_memory(dw_dtype, [BM, BN], dw_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         dw_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -366,7 +373,7 @@ if HAVE_GLUON:
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
                               TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
-                           BT, STAGES, MMA_WARPS, TRACE)),
+                           BT, STAGES, MMA_WARPS, DW16, TRACE)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
                 (_ws_state_load, (w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles,
                                   num_nb, NSTATE, BM, BN, SUB, SSTAGES)),
@@ -380,7 +387,7 @@ if HAVE_GLUON:
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
                               TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
-                           BT, STAGES, MMA_WARPS, TRACE)),
+                           BT, STAGES, MMA_WARPS, DW16, TRACE)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
             ], [MMA_WARPS, 1], [MMA_REGS, 24])
 
@@ -411,7 +418,7 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def auto_config(N: int, K: int, T: int, nsm: int) -> dict:
+def auto_config(N: int, K: int, T: int, nsm: int, dw_bf16: bool = False) -> dict:
     """The overrides of ``WS_CONFIG`` for a layer of ``N x K`` weights and ``T`` tokens on ``nsm`` SMs
     (the comment at ``DEEP_CONFIG``): a deep operand ring from 2048 tokens, 64-row tiles below it where
     128-row tiles fill less than 95 % of their last wave, else none."""
@@ -440,6 +447,7 @@ def _schedule(cfg: dict) -> dict:
     return dict(BM=cfg["BM"], BN=cfg["BN"], BT=cfg["BT"], STAGES=cfg["STAGES"], SUB=cfg["SUB"],
                 PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=bool(cfg["STATE_TMA"]), SSTAGES=cfg["SSTAGES"],
                 MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
+                DW16=bool(cfg["DW16"]),
                 num_warps=cfg["num_warps"])
 
 
@@ -466,9 +474,16 @@ def _gl_dtype(t: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t]
 
 
+@functools.cache
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    """The TMA block's shared-memory layout (cached: building one takes ~6 us of CPU, and a launch needs
+    up to five)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))
+
+
 def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
               rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, dyn=None,
-              config: dict | None = None, trace: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, trace: dict | None = None, dw_bf16: bool = False) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
     into ``g``); the probes ``PROBE_GEMM`` (2: the GEMM alone, nothing stored but the sums of squares)
     and ``PROBE_UPDATE`` (3: the update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``;
@@ -476,7 +491,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
     and ``key`` (a launch captured in a CUDA graph). ``config``: overrides of ``WS_CONFIG`` (``{}``: it
-    as is); ``None``: ``auto_config``'s for this shape. ``trace`` (a probe): a dict that gets ``"stamps"``,
+    as is); ``None``: ``auto_config``'s for this shape. ``dw_bf16``: the tile rounded to bf16 before the update
+    (``DW16``; ``grad_dtype="bf16"``). ``trace`` (a probe): a dict that gets ``"stamps"``,
     int64 ``[programs, tiles a program, 8]``, the GPU clock (ns) at each tile's events: 0 the GEMM
     starts, 1 it is done, 2 the dW slot is free, 3 the update warps have the tile, 4 they are done.
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
@@ -488,21 +504,19 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     kmode = _kernel_mode(mode)
     nsm = _num_sms(x.device.index or 0)
     if config is None:
-        config = auto_config(N, K, T, nsm)
+        config = auto_config(N, K, T, nsm, dw_bf16)
     cfg = resolve_config(config, mode, (w, s1, s2))
+    if dw_bf16:
+        cfg["DW16"] = 1
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     ntiles = -(-N // BM) * -(-K // BN)
     if part is None or part.numel() != ntiles:
         part = torch.empty(ntiles, dtype=torch.float32, device=x.device)
-    dt = _gl_dtype(x.dtype)
-    a_layout = gl.NVMMASharedLayout.get_default_for([BT, BM], dt)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BT, BN], dt)
-    dy_desc = TensorDescriptor.from_tensor(dy, [BT, BM], a_layout)
-    x_desc = TensorDescriptor.from_tensor(x, [BT, BN], b_layout)
+    dy_desc = TensorDescriptor.from_tensor(dy, [BT, BM], _smem_layout((BT, BM), dy.dtype))
+    x_desc = TensorDescriptor.from_tensor(x, [BT, BN], _smem_layout((BT, BN), x.dtype))
     if cfg["STATE_TMA"]:  # [SUB, BN] slices of W and the states (K % 8 == 0 by supported(), 16-byte aligned bases above)
-        sdesc = [TensorDescriptor.from_tensor(
-            t, [cfg["SUB"], BN], gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], _gl_dtype(t.dtype)))
-            for t in (w, s1, s2)]
+        sdesc = [TensorDescriptor.from_tensor(t, [cfg["SUB"], BN], _smem_layout((cfg["SUB"], BN), t.dtype))
+                 for t in (w, s1, s2)]
     else:
         sdesc = [dy_desc] * 3  # (placeholders)
     k1 = 1 if nstate > 0 and kinds[0] == "bf16" else 0
@@ -576,7 +590,7 @@ def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", st
     """Self-check on this GPU, random inputs: the fused update (mode 0) against the kernel's own dW
     (mode 1) followed by ``kernel.py``'s update kernel (``bitwise``: W and every state equal bit for
     bit), that dW against ``dYᵀX`` in fp32 (``dw_rel_err``: max error over max entry), and how far W
-    moved (``moved``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
+    moved (``moved``); with ``DW16`` in ``config``, whether every dW entry is a bf16 value (``dw_is_bf16``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
     from .kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
 
     name = "sgd" if rule == "nesterov" else rule
@@ -604,5 +618,8 @@ def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", st
         return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
     same = torch.equal(bits(w1), bits(w2)) and all(torch.equal(bits(a), bits(b)) for a, b in zip(st1, st2, strict=True))
-    return {"bitwise": same, "dw_rel_err": ((g - ref).abs().max() / ref.abs().max()).item(),
-            "moved": (w1.float() - w0.float()).abs().max().item()}
+    out = {"bitwise": same, "dw_rel_err": ((g - ref).abs().max() / ref.abs().max()).item(),
+           "moved": (w1.float() - w0.float()).abs().max().item()}
+    if (config or {}).get("DW16"):
+        out["dw_is_bf16"] = torch.equal(g, g.to(torch.bfloat16).float())
+    return out
