@@ -8,6 +8,9 @@
 #   OUT=dir bash benchmarks/gpu_s28.sh second # bench_forge.py part (a), whose ws columns now run auto_config
 #   OUT=dir bash benchmarks/gpu_s28.sh third  # the bf16 dW hand-over (DW16): its bits (pytest, tune_ws check), then
 #                                           # its rings against auto (fp32 dW) on the four shapes, T = 512 ... 16384
+#   OUT=dir bash benchmarks/gpu_s28.sh fourth # DW16's tests (bits, the optimizer's bf16 hand-over), auto16 (DEEP16 from
+#                                           # T = 1024) against auto, and the graphed 1b step of session 21's FORGE
+#                                           # configuration (bf16 dW, fused layout) with its linears on the split path or ws
 # Work goes to /tmp/s28w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -44,6 +47,19 @@ gpu_part /tmp/s28w "${1:-first}"
       snap
       log "trace: DW16 with the deep ring and a 2-slot state ring"
       tunews 40 trace trace --shapes 2048x5632 --tokens 512,2048 --configs auto auto16 "${CS[1]}"
+      ;;
+    fourth)
+      gpuinfo
+      log "pytest: DW16 bits, the optimizer's ws path with grad_dtype"
+      gputest 120 tests/forge/test_forge_ws.py -k "bf16_dw or below_ws_tokens"
+      snap
+      log "sweep: auto16 (DEEP16 from T = 1024) against auto"
+      tunews 100 sweep time --tokens 512,1024,2048 --configs auto auto16
+      snap
+      F=forge_bf16_sr_bf16_states_bf16_dw_fp_sw_graph
+      LEANTRAIN_FORGE_WS_TOKENS=0 forgeb_cfg b_ws0 110 "1 2" torch_bf16_fp_sw_graph $F
+      snap
+      LEANTRAIN_FORGE_WS_TOKENS=4096 forgeb_cfg b_ws4096 70 "1 2" $F
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

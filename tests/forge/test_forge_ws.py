@@ -27,8 +27,8 @@ def _ptxas_ok() -> bool:
 
 
 # bf16 dW hand-over (DW16) with the rings its halved dW slot leaves room for
-_DW16 = {"DW16": {"DW16": 1}, "DEEP16": {"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 2},
-         "ROWS6416": {"DW16": 1, "BM": 64, "STAGES": 6}}
+_DW16 = {"DW16": {"DW16": 1}, "DEEP16": {"DW16": 1, **ws.DEEP16_CONFIG}, "ROWS6416": {"DW16": 1, **ws.ROWS64_CONFIG},
+         "PLAIN16": {"DW16": 1, **ws.PLAIN_CONFIG}}
 
 
 def _config(name):
@@ -100,9 +100,15 @@ def test_auto_config_deepens_the_operand_ring_for_long_token_runs_and_halves_the
     assert ws.auto_config(5632, 2048, 512, 132) == ws.ROWS64_CONFIG  # 704 tiles of 128 rows: 5.33 waves
     assert ws.auto_config(32000, 2048, 1024, 132) == {}  # 4000 tiles: 30.3 waves, the last nearly full
     assert ws.auto_config(2048, 2048, 512, 132) == {} and ws.auto_config(136, 264, 100, 132) == {}
-    for cfg in (ws.DEEP_CONFIG, ws.ROWS64_CONFIG):  # (what they cost in shared memory: the H200 has 227 KiB)
+    # a bf16 hand-over: the deep ring with a 2-slot state ring from T = 1024, the fp32 rule below
+    assert ws.auto_config(2048, 5632, 1024, 132, dw_bf16=True) == ws.DEEP16_CONFIG
+    assert ws.auto_config(32000, 2048, 16384, 132, dw_bf16=True) == ws.DEEP16_CONFIG
+    assert ws.auto_config(5632, 2048, 512, 132, dw_bf16=True) == ws.ROWS64_CONFIG
+    assert ws.auto_config(2048, 5632, 1024, 132) == ws.ROWS64_CONFIG
+    # (what they cost in shared memory: the H200 has 227 KiB; DEEP16's dW slot is bf16)
+    for cfg in (ws.DEEP_CONFIG, ws.ROWS64_CONFIG, {**ws.DEEP16_CONFIG, "DW16": 1}):
         c = {**ws.WS_CONFIG, **cfg}
-        smem = (c["STAGES"] * c["BT"] * (c["BM"] + c["BN"]) * 2 + c["BM"] * c["BN"] * 4
+        smem = (c["STAGES"] * c["BT"] * (c["BM"] + c["BN"]) * 2 + c["BM"] * c["BN"] * (2 if c["DW16"] else 4)
                 + c["SSTAGES"] * c["SUB"] * c["BN"] * 12)
         assert smem <= 227 * 1024
 
@@ -130,15 +136,24 @@ def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
 @gpu
 @pytest.mark.parametrize("config", [ws.PLAIN_CONFIG, {**ws.PLAIN_CONFIG, "PREFETCH": 1, "SUB": 16}, {"EVICT": 1},
                                     {**ws.PLAIN_CONFIG, "EVICT": 1}, ws.DEEP_CONFIG, ws.ROWS64_CONFIG,
-                                    {**ws.ROWS64_CONFIG, **ws.PLAIN_CONFIG}, {"BALANCE": 1, "CTAS": 2},
-                                    *_DW16.values(), {**_DW16["DW16"], **ws.PLAIN_CONFIG}])
+                                    {**ws.ROWS64_CONFIG, **ws.PLAIN_CONFIG}, {"BALANCE": 1, "CTAS": 2}])
 @pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
 def test_the_other_read_schedules_give_the_same_bits(config, wdt, sdt):
     for rule in ("adamw", "lion"):
         r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
         assert r["bitwise"] and r["moved"] > 0
-        if config.get("DW16"):  # the tile handed over in bf16: every dW entry a bf16 value, dYᵀX within its rounding
-            assert r["dw_is_bf16"] and r["dw_rel_err"] < 2.0**-8
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_DW16))
+@pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
+def test_a_bf16_dw_hand_over_gives_the_same_bits(name, wdt, sdt):
+    """DW16: fused equals its own (bf16-rounded) dW + the update kernel; every dW entry a bf16 value,
+    dYᵀX within its rounding."""
+    for rule in ("adamw", "lion"):
+        r = ws.check(136, 264, 100, rule, wdt, sdt, config=_DW16[name])
+        assert r["bitwise"] and r["moved"] > 0
+        assert r["dw_is_bf16"] and r["dw_rel_err"] < 2.0**-8
 
 
 @gpu
@@ -249,22 +264,25 @@ def test_a_non_finite_tile_keeps_its_weights():
 
 @gpu
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
+@pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
+def test_forge_layers_run_it_below_ws_tokens(state_dtype, grad_dtype, monkeypatch):
     """attach(ws_tokens=...): the model's linear layers take the Gluon kernel, and the weights follow
     the split path's (cuBLAS dW) within the two dW summation orders' difference (SGD with momentum: an
     update linear in dW; Adam's first steps are ±lr wherever |dW| is tiny, so a last-bit difference
-    of a near-zero gradient could move a weight by 2 lr)."""
+    of a near-zero gradient could move a weight by 2 lr). ``grad_dtype="bf16"``: the kernel hands the tile
+    over in bf16, as the split path's bf16 matmul rounds its dW."""
     import leantrain as lt
 
     calls = []
     real = ws.launch_ws
-    monkeypatch.setattr(ws, "launch_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ws, "launch_ws", lambda *a, **kw: calls.append(kw["dw_bf16"]) or real(*a, **kw))
 
     def run(ws_tokens):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.GELU(),
                                     torch.nn.Linear(512, 256, bias=False)).cuda()
-        opt = lt.forge.attach(model, lt.optim.SGD(lr=0.1, momentum=0.9), state_dtype=state_dtype, ws_tokens=ws_tokens)
+        opt = lt.forge.attach(model, lt.optim.SGD(lr=0.1, momentum=0.9), state_dtype=state_dtype, ws_tokens=ws_tokens,
+                              grad_dtype=grad_dtype)
         x = torch.randn(300, 256, device="cuda")
         for _ in range(3):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -278,7 +296,7 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, monkeypatch):
     split = run(None)
     assert calls == []
     fused = run(1 << 30)
-    assert len(calls) == 6  # two layers, three steps
+    assert calls == [grad_dtype == "bf16"] * 6  # two layers, three steps
     for a, b in zip(split, fused, strict=True):
         assert ((a - b).abs().mean() / a.abs().mean()).item() < 1e-4
 

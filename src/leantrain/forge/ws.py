@@ -104,6 +104,10 @@ PROBE_GEMM, PROBE_UPDATE = 2, 3
 # they only add operand traffic and the default stays.
 DEEP_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 1}
 ROWS64_CONFIG = {"BM": 64, "STAGES": 6}
+# With the bf16 hand-over (DW16) the 32 KiB it frees give the deep operand ring its 2-slot state ring back: from
+# T = 1024, as fast as the other DW16 rings tried or faster by up to 4 % (results/2026-12-03_H200_s28/third/);
+# below it the fp32 rule's picks stay.
+DEEP16_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 2}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
@@ -420,8 +424,11 @@ def _num_sms(index: int) -> int:
 
 def auto_config(N: int, K: int, T: int, nsm: int, dw_bf16: bool = False) -> dict:
     """The overrides of ``WS_CONFIG`` for a layer of ``N x K`` weights and ``T`` tokens on ``nsm`` SMs
-    (the comment at ``DEEP_CONFIG``): a deep operand ring from 2048 tokens, 64-row tiles below it where
-    128-row tiles fill less than 95 % of their last wave, else none."""
+    (the comments at ``DEEP_CONFIG`` and ``DEEP16_CONFIG``): a deep operand ring from 2048 tokens (from
+    1024 with a 2-slot state ring when ``dw_bf16``: the tile handed over in bf16), 64-row tiles below it
+    where 128-row tiles fill less than 95 % of their last wave, else none."""
+    if dw_bf16 and T >= 1024:
+        return dict(DEEP16_CONFIG)
     if T >= 2048:
         return dict(DEEP_CONFIG)
     tiles = -(-N // WS_CONFIG["BM"]) * -(-K // WS_CONFIG["BN"])
