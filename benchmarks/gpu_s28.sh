@@ -11,6 +11,8 @@
 #   OUT=dir bash benchmarks/gpu_s28.sh fourth # DW16's tests (bits, the optimizer's bf16 hand-over), auto16 (DEEP16 from
 #                                           # T = 1024) against auto, and the graphed 1b step of session 21's FORGE
 #                                           # configuration (bf16 dW, fused layout) with its linears on the split path or ws
+#   OUT=dir bash benchmarks/gpu_s28.sh fifth  # bf16 W + SR and bf16 states (what fourth/'s step runs): auto16 against
+#                                           # rings sized for the smaller state slices, on the 1b step's fused shapes
 # Work goes to /tmp/s28w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -60,6 +62,14 @@ gpu_part /tmp/s28w "${1:-first}"
       LEANTRAIN_FORGE_WS_TOKENS=0 forgeb_cfg b_ws0 110 "1 2" torch_bf16_fp_sw_graph $F
       snap
       LEANTRAIN_FORGE_WS_TOKENS=4096 forgeb_cfg b_ws4096 70 "1 2" $F
+      ;;
+    fifth)
+      gpuinfo
+      log "sweep (bf16 W + SR, bf16 states): the 1b step's shapes (fused q/k/v and gate/up)"
+      tunews 240 sweep16 time --dtype bf16 --shapes 2560x2048,2048x2048,11264x2048,2048x5632,32000x2048 \
+        --tokens 1024,2048 --configs auto16 '{"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 4}' \
+        '{"DW16": 1, "STAGES": 4, "SSTAGES": 4}' '{"DW16": 1, "BM": 64, "STAGES": 6, "SSTAGES": 4}' \
+        '{"DW16": 1, "BT": 32, "STAGES": 10, "SSTAGES": 2}'
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

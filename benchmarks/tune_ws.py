@@ -70,7 +70,7 @@ def check(args) -> int:
     return int(bad > 0)
 
 
-def _time_case(n, k, t, configs, hp, scal, flags) -> None:
+def _time_case(n, k, t, configs, hp, scal, flags, dtype="fp32") -> None:
     import torch
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -81,7 +81,10 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
     torch.manual_seed(0)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-    w = torch.randn(n, k, device="cuda") * 0.02
+    # dtype "bf16": bf16 W (stochastic rounding) and bf16 m / v, against torch's pure-bf16 AdamW
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    kinds = [dtype, dtype]
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(dt)
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     buf = torch.empty(n, k, device="cuda")
     p = torch.nn.Parameter(w.clone())
@@ -89,13 +92,13 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
                             capturable=True)
 
     def baseline():
-        p.grad = torch.matmul(dy.t(), x).float()
+        p.grad = torch.matmul(dy.t(), x).to(dt)
         opt.step()
         p.grad = None
 
     def split():
         mm_fp32(dy.t(), x, buf, allow_upcast=True)
-        launch_forge(MODE_UPDATE, g=buf, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
+        launch_forge(MODE_UPDATE, g=buf, w=w, states=[m, v], kinds=kinds, rule_name="adamw",
                      hp=hp, step=10)
 
     def mm():  # (the split path's dW alone: what the GEMM costs on its own)
@@ -105,7 +108,7 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
 
     def split16():  # (the split path with grad_dtype="bf16": the bf16 matmul's dW, read by the update kernel)
         torch.mm(dy.t(), x, out=buf16)
-        launch_forge(MODE_UPDATE, g=buf16, w=w, states=[m, v], kinds=["fp32", "fp32"], rule_name="adamw",
+        launch_forge(MODE_UPDATE, g=buf16, w=w, states=[m, v], kinds=kinds, rule_name="adamw",
                      hp=hp, step=10)
 
     fns = {"torch": baseline, "split": split, "mm": mm, "split16": split16}
@@ -116,9 +119,9 @@ def _time_case(n, k, t, configs, hp, scal, flags) -> None:
         c = None if c in (None, "auto16") else dict(c)
         mode = 0 if c is None else c.pop("MODE", 0)
         fns[f"ws{i}"] = (lambda c=c, mode=mode, dw16=dw16: ws.launch_ws(
-            mode, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], g=buf, scal=scal, flags=flags,
+            mode, x=x, dy=dy, w=w, states=[m, v], kinds=kinds, g=buf, scal=scal, flags=flags,
             rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16))
-    row = {"N": n, "K": k, "T": t, "configs": configs}
+    row = {"N": n, "K": k, "T": t, "dtype": dtype, "configs": configs}
     for name, fn in fns.items():
         try:
             fn()
@@ -202,7 +205,7 @@ def time_cases(args) -> int:
             if args.what == "trace":
                 _trace_case(n, k, t, configs, scal, flags)
             else:
-                _time_case(n, k, t, configs, hp, scal, flags)
+                _time_case(n, k, t, configs, hp, scal, flags, args.dtype)
     return 0
 
 
@@ -211,6 +214,8 @@ def main() -> int:
     ap.add_argument("what", choices=["check", "time", "trace"])
     ap.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048,32000x2048")
     ap.add_argument("--tokens", default="512,1024,2048,4096,16384")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="time: W and the AdamW states in fp32, or bf16 (W with stochastic rounding; torch: pure bf16)")
     ap.add_argument("--configs", nargs="*", default=None,
                     help="JSON dicts overriding ws.WS_CONFIG, or auto / auto16 (ws.auto_config for each shape, "
                          "fp32 / bf16 dW)")
