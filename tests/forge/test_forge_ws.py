@@ -296,6 +296,9 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, grad_dtype, monkeypatc
     split = run(None)
     assert calls == []
     fused = run(1 << 30)
+    if state_dtype == "bf16":  # (bf16 states stay on the split path: faster there, s28 fifth/)
+        assert calls == []
+        return
     assert calls == [grad_dtype == "bf16"] * 6  # two layers, three steps
     for a, b in zip(split, fused, strict=True):
         assert ((a - b).abs().mean() / a.abs().mean()).item() < 1e-4

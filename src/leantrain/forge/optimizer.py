@@ -375,11 +375,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _ws_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> bool:
         """Whether this layer's update runs the warp-specialized fused kernel (``forge/ws.py``): fewer
         than ``ws_tokens`` tokens, an sm_90 GPU, and nothing that needs dW first (data parallelism,
-        clipping by this step's norms, a ``fill`` caller) or is outside the kernel's scope
-        (a fused bias, 8-bit states, inputs ``ws.supported`` refuses). Otherwise the split path."""
+        clipping by this step's norms, a ``fill`` caller), is outside the kernel's scope (a fused bias,
+        8-bit states, inputs ``ws.supported`` refuses) or runs slower there: bf16 states (the
+        kernel supports them, but on every linear shape of the 1b step the split path was faster,
+        results/2026-12-03_H200_s28/fifth/). Otherwise the split path."""
         if (self.ws_tokens is None or fill is not None or x2 is None or x2.shape[0] >= self.ws_tokens
                 or self.dp_group is not None or self.clip not in ("none", "prev_global")
-                or layer.bias is not None or not layer.weight.is_cuda or self.storage.dtype not in ("fp32", "bf16")):
+                or layer.bias is not None or not layer.weight.is_cuda or self.storage.dtype != "fp32"):
             return False
         from . import ws
 
@@ -1142,8 +1144,10 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
         ws_tokens: on an sm_90 GPU (H100 / H200), a layer with fewer tokens than this runs the
             warp-specialized fused kernel of ``forge/ws.py`` (Gluon: the GEMM of one tile beside
             the update of another on every SM; no dW anywhere) instead of the split path, when its
-            update fits that kernel (bf16 / fp16 inputs, no fused bias, fp32 or bf16 states, no
-            data parallelism, ``clip`` none or prev_global, no device scalars); None: never.
+            update fits that kernel (bf16 / fp16 inputs, no fused bias, no data parallelism,
+            ``clip`` none or prev_global) and is faster there: fp32 states (with bf16 states the
+            split path was faster on every linear of the 1b step); None: never. With
+            ``grad_dtype="bf16"`` the kernel hands its dW tile to the update in bf16.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
