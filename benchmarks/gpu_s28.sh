@@ -13,6 +13,7 @@
 #                                           # configuration (bf16 dW, fused layout) with its linears on the split path or ws
 #   OUT=dir bash benchmarks/gpu_s28.sh fifth  # bf16 W + SR and bf16 states (what fourth/'s step runs): auto16 against
 #                                           # rings sized for the smaller state slices, on the 1b step's fused shapes
+#   OUT=dir bash benchmarks/gpu_s28.sh sixth  # the tests of ws_tokens' routing (fp32 states only) and the graphed step
 # Work goes to /tmp/s28w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -70,6 +71,11 @@ gpu_part /tmp/s28w "${1:-first}"
         --tokens 1024,2048 --configs auto16 '{"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 4}' \
         '{"DW16": 1, "STAGES": 4, "SSTAGES": 4}' '{"DW16": 1, "BM": 64, "STAGES": 6, "SSTAGES": 4}' \
         '{"DW16": 1, "BT": 32, "STAGES": 10, "SSTAGES": 2}'
+      ;;
+    sixth)
+      gpuinfo
+      log "pytest: ws_tokens routing, the graphed step through ws"
+      gputest 200 tests/forge/test_forge_ws.py tests/test_graphs.py -k "below_ws_tokens or graphed_forge_equals"
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"
