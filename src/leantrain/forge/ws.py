@@ -105,8 +105,8 @@ PROBE_GEMM, PROBE_UPDATE = 2, 3
 DEEP_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 1}
 ROWS64_CONFIG = {"BM": 64, "STAGES": 6}
 # With the bf16 hand-over (DW16) the 32 KiB it frees give the deep operand ring its 2-slot state ring back: from
-# T = 1024, as fast as the other DW16 rings tried or faster by up to 4 % (results/2026-12-03_H200_s28/third/);
-# below it the fp32 rule's picks stay.
+# T = 1024 the best of the DW16 rings tried, or within 2 % of it (6 % at T = 16384; results/2026-12-03_H200_s28/
+# third/); below it the fp32 rule's picks stay (64-row tiles where the last wave is short).
 DEEP16_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 2}
 
 if HAVE_GLUON:
