@@ -12,7 +12,9 @@
     calls; bytes moved
     (X + dY read once, W/m/v read and written) against the HBM floor at the *measured*
     copy bandwidth of this GPU. On an sm_90 GPU also the warp-specialized Gluon kernel
-    (``forge/ws.py``) alone ('ws') and through ForgeOptimizer ('layer_ws', ``ws_tokens``).
+    (``forge/ws.py``) alone ('ws') and through ForgeOptimizer ('layer_ws', ``ws_tokens``). With a bf16
+    dW, the baseline's own precision (``grad_dtype="bf16"``): the split path ('split16') and the Gluon
+    kernel handing its tile over in bf16 ('ws16').
 (b) A whole training step of the ``1b`` preset, T = 1024 tokens per sequence, B sequences:
     torch AdamW fused with fp32 master weights + bf16 autocast; torch AdamW fused, pure bf16;
     PyTorch optimizer-in-backward (``register_post_accumulate_grad_hook``, bf16); FORGE fp32
@@ -208,8 +210,14 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         opt.step()
         p.grad = None
 
+    buf16 = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+
+    def split16():  # grad_dtype="bf16": the bf16 matmul's dW (the baseline's precision), read by the update kernel
+        torch.mm(dy.t(), x, out=buf16)
+        launch_forge(MODE_UPDATE, g=buf16, **common)
+
     forge_layer, (lin, _) = _forge_layer_fn(w, x, dy, torch.float32, split_tokens=None)
-    cases = {"fused": fused, "split": split, "torch": baseline, "layer": forge_layer}
+    cases = {"fused": fused, "split": split, "torch": baseline, "layer": forge_layer, "split16": split16}
     lin_ws = None
     if ws.available():  # the warp-specialized Gluon kernel (sm_90), alone and through ForgeOptimizer
         scal, flags = _scalars("adamw", hp, 10)
@@ -218,7 +226,12 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
             ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
                          flags=flags, rule_id=RULE_IDS["adamw"])
 
+        def wsk16():  # the tile handed over in bf16 (grad_dtype="bf16"), auto_config(dw_bf16=True)'s schedule
+            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
+                         flags=flags, rule_id=RULE_IDS["adamw"], dw_bf16=True)
+
         cases["ws"] = wsk
+        cases["ws16"] = wsk16
         cases["layer_ws"], (lin_ws, _) = _forge_layer_fn(w, x, dy, torch.float32, ws_tokens=1 << 30)
     keep = []
     if product:
@@ -228,7 +241,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         try:
             fn()  # compile (fixed tile heuristic: nothing to autotune)
         except Exception as e:  # noqa: BLE001
-            if name in ("fused", "split", "torch", "layer", "ws", "layer_ws"):
+            if name in ("fused", "split", "torch", "layer", "ws", "layer_ws", "split16", "ws16"):
                 raise
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]  # (--product: costs its columns only)
             product = False
@@ -262,7 +275,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     row.update(bytes=nbytes, floor_ms=floor_ms, speedup_fused=row["torch_ms"] / row["fused_ms"],
                speedup_dispatch=row["torch_ms"] / paths[best_path], best_path=best_path,
                fused_vs_floor=row["fused_ms"] / floor_ms)
-    for p_ in ("split", "ws", "layer_ws"):
+    for p_ in ("split", "ws", "layer_ws", "split16", "ws16"):
         if row.get(f"{p_}_ms"):
             row[f"speedup_{p_}"] = row["torch_ms"] / row[f"{p_}_ms"]
         if row.get(f"{p_}_graph_ms") and row.get("torch_graph_ms"):
@@ -493,6 +506,19 @@ def markdown(res: dict) -> str:
                              f"{_f(r.get('torch_graph_ms'))} | {_f(r.get('split_graph_ms'))} | "
                              f"{_f(r.get('ws_graph_ms'))} | {_f(r.get('speedup_split_graph'), '×')} | "
                              f"{_f(r.get('speedup_ws_graph'), '×')} |")
+            lines.append("")
+        w16 = [r for r in a["rows"] if "ws16_ms" in r]
+        if w16:
+            lines += ["### bf16 dW (`grad_dtype=\"bf16\"`), the baseline's own dW precision", "",
+                      "torch's dW here is the bf16 matmul's, cast to fp32. 'split16': the split path with a bf16 dW;",
+                      "'ws16': the Gluon kernel handing its tile over in bf16 (`launch_ws(dw_bf16=True)`, the schedule",
+                      "of `auto_config(dw_bf16=True)`). CUDA-graph replays (GPU time).", "",
+                      "| N×K | T | torch graph ms | split16 graph ms | ws16 graph ms | torch/split16 | torch/ws16 |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in w16:
+                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {_f(r.get('torch_graph_ms'))} | "
+                             f"{_f(r.get('split16_graph_ms'))} | {_f(r.get('ws16_graph_ms'))} | "
+                             f"{_f(r.get('speedup_split16_graph'), '×')} | {_f(r.get('speedup_ws16_graph'), '×')} |")
             lines.append("")
         prod = [r for r in a["rows"] if "torch_over_layer_bf16_int8_fused" in r]
         if prod:

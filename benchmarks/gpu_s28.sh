@@ -14,6 +14,7 @@
 #   OUT=dir bash benchmarks/gpu_s28.sh fifth  # bf16 W + SR and bf16 states (what fourth/'s step runs): auto16 against
 #                                           # rings sized for the smaller state slices, on the 1b step's fused shapes
 #   OUT=dir bash benchmarks/gpu_s28.sh sixth  # the tests of ws_tokens' routing (fp32 states only) and the graphed step
+#   OUT=dir bash benchmarks/gpu_s28.sh seventh # bench_forge.py part (a) with its bf16-dW columns (split16, ws16)
 # Work goes to /tmp/s28w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -76,6 +77,11 @@ gpu_part /tmp/s28w "${1:-first}"
       gpuinfo
       log "pytest: ws_tokens routing, the graphed step through ws"
       gputest 200 tests/forge/test_forge_ws.py tests/test_graphs.py -k "below_ws_tokens or graphed_forge_equals"
+      ;;
+    seventh)
+      gpuinfo
+      log "bench_forge part (a), with split16 / ws16"
+      timeout 220 python3 benchmarks/bench_forge.py --part a --out "$D/a" 2>&1 | grep -v Warn | tail -40
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"
