@@ -1,0 +1,345 @@
+"""GIFT: the data-parallel gradient all-reduce in FP8, in K-FAC-whitened coordinates.
+
+A linear layer ``y = x Wᵀ`` has the K-FAC factors ``A = E[x xᵀ]`` (``K x K``, its inputs) and
+``B = E[δ δᵀ]`` (``N x N``, the gradients of its outputs). FP8 quantization of the raw gradient
+``G`` (``N x K``) spends its few mantissa bits the same way on every coordinate, and the
+coordinates of ``G`` are far from isotropic. GIFT sends the whitened gradient instead and maps the
+sum back:
+
+    G̃ = B^{-1/2} G A^{-1/2}    (each rank, its own gradient)
+    Σ G̃  through the FP8 all-reduce below
+    Ĝ = B^{1/2} (Σ G̃) A^{1/2}
+
+The map is linear, so summing in the whitened space is exact as long as every rank uses the same
+factors. The quantization error then is spread evenly in the geometry that K-FAC gives the loss:
+its norm in that metric, ``‖B^{-1/2} (Ĝ - G) A^{-1/2}‖``, is what whitening minimizes. This is the
+"distortion" that GIFT reduces against Euclidean FP8.
+
+**The factors.** Every ``refresh_every`` steps, each layer's input and output-gradient statistics
+are taken on that step by the layer's *root* rank (layer ``i``'s root is rank ``i mod n``: the
+eigendecompositions are spread over the ranks). The root keeps an EMA of them and takes the top
+``rank`` eigenpairs (``torch.linalg.eigh``), with the rest of the spectrum replaced by its mean
+``σ`` (``A ≈ U diag(s) Uᵀ + σ (I - U Uᵀ)``). It damps both by ``damping`` times the mean eigenvalue
+and broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms from the same
+numbers: the whitened sum maps back exactly, and the factors' traffic is ``(K + N) · rank`` floats
+a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale; that costs precision,
+never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step
+(low rank), or two dense products (full rank).
+
+**Which layers** (the selection "where it pays"): ``nn.Linear`` weights with at least ``min_numel``
+elements. Everything else (norms, embeddings, small layers, biases) goes through the same FP8
+all-reduce in its own coordinates, i.e. Euclidean FP8.
+
+**The FP8 all-reduce** (:func:`fp8_all_reduce`) is AGoQ's two-phase scheme (``int8_allreduce.py``)
+with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``block`` elements are
+scaled to E4M3's range (absmax → 448, one fp32 scale a block) and rounded to nearest by torch's
+cast. An all-to-all sends chunk ``i`` to rank ``i``. The owner adds its own chunk unquantized, sums
+in fp32, requantizes once and all-gathers. All ranks end with the same bytes. Bytes sent, counted by
+:mod:`leantrain.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
+``block = 1024``) plus padding, plus the factors' broadcasts on refresh steps.
+
+Use::
+
+    gift = lt.comm.GIFT(model)           # after the process group is up; before the first forward
+    loss.backward()
+    gift.reduce_gradients()              # averages every gradient over the group (instead of DDP)
+    opt.step()
+
+:meth:`GIFT.errors` measures, on the gradients at hand, the relative error of GIFT and of Euclidean
+FP8 against the exact average in both metrics; ``benchmarks/bench_gift.py`` reports it on a real model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import collectives as C
+
+__all__ = ["FP8_MAX", "GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize"]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``x`` (fp32, ``numel`` a multiple of ``block``) -> E4M3 codes as uint8 ``[numel]`` and one fp32
+    scale a block ``[numel / block]`` (absmax / 448; 1 for an all-zero block). Round to nearest even
+    (torch's cast); non-finite values stay non-finite (the optimizer's checks see them)."""
+    xb = x.reshape(-1, block)
+    amax = xb.abs().amax(1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    y = (xb / scale).clamp_(-FP8_MAX, FP8_MAX)  # (a last-ulp overshoot of 448 would cast to NaN)
+    y = torch.where(torch.isnan(xb), xb, y)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1), scale.reshape(-1)
+
+
+def fp8_dequantize(codes: Tensor, scale: Tensor, block: int) -> Tensor:
+    """Inverse of :func:`fp8_quantize`: fp32 ``[numel]``."""
+    return (codes.view(torch.float8_e4m3fn).float().view(-1, block) * scale.view(-1, 1)).reshape(-1)
+
+
+def _payload(codes: Tensor, scale: Tensor, k: int) -> Tensor:
+    """``k`` messages of codes + scale bytes: uint8 ``(k, C + 4 C / block)``."""
+    return torch.cat([codes.view(k, -1), scale.contiguous().view(k, -1).view(torch.uint8)], 1)
+
+
+def _unpayload(buf: Tensor, chunk: int, block: int) -> Tensor:
+    k = buf.shape[0]
+    codes = buf[:, :chunk].contiguous().reshape(-1)
+    scale = buf[:, chunk:].contiguous().view(torch.float32).reshape(-1)
+    return fp8_dequantize(codes, scale, block).view(k, chunk)
+
+
+def fp8_all_reduce(tensor: Tensor, group=None, *, block: int = 1024, average: bool = False,
+                   scope: str = "world") -> Tensor:
+    """All-reduce ``tensor`` in place through FP8 E4M3 (the module doc's two phases); returns it.
+    ``average`` divides the sum by the number of ranks."""
+    if block < 1:
+        raise ValueError(f"fp8_all_reduce: block must be >= 1, got {block}")
+    n = C.world_size(group)
+    if n == 1:
+        return tensor
+    me = C.rank(group)
+    flat = tensor.detach().reshape(-1).float()
+    numel = flat.numel()
+    chunk = -(-numel // (n * block)) * block
+    x = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
+    x[:numel] = flat
+    send = _payload(*fp8_quantize(x, block), n)
+    recv = torch.empty_like(send)
+    C.all_to_all_single(recv, send, group=group, scope=scope)
+    vals = _unpayload(recv, chunk, block)  # (n, C): every peer's quantized copy of my chunk
+    vals[me] = x.view(n, chunk)[me]  # my own chunk: exact
+    red = vals.sum(0)
+    if average:
+        red /= n
+    mine = _payload(*fp8_quantize(red, block), 1).reshape(-1)
+    out = torch.empty(n * mine.numel(), dtype=torch.uint8, device=tensor.device)
+    C.all_gather_into_tensor(out, mine, group=group, scope=scope)
+    tensor.copy_(_unpayload(out.view(n, -1), chunk, block).reshape(-1)[:numel].view_as(tensor))
+    return tensor
+
+
+class _Side:
+    """One K-FAC factor as low-rank eigenpairs + the mean of the rest: its powers ±1/2, damped.
+    Built on every rank from the same broadcast numbers (the same transforms everywhere)."""
+
+    def __init__(self, u: Tensor, s: Tensor, sigma: float, lam: float):
+        self.u = u  # (dim, r), orthonormal columns
+        self.full = u.shape[1] == u.shape[0]
+        self.inv = (s + lam).rsqrt()  # (r,)
+        self.fwd = (s + lam).sqrt()
+        self.c_inv = (sigma + lam) ** -0.5
+        self.c_fwd = (sigma + lam) ** 0.5
+
+    def apply(self, g: Tensor, left: bool, inverse: bool) -> Tensor:
+        """``F^{∓1/2} g`` (``left``) or ``g F^{∓1/2}``: ``c g + U diag(d - c) Uᵀ`` applied from that side."""
+        d, c = (self.inv, self.c_inv) if inverse else (self.fwd, self.c_fwd)
+        u = self.u
+        if left:
+            proj = (u.t() @ g) * (d - (0.0 if self.full else c))[:, None]
+            return u @ proj if self.full else c * g + u @ proj
+        proj = (g @ u) * (d - (0.0 if self.full else c))[None, :]
+        return proj @ u.t() if self.full else c * g + proj @ u.t()
+
+
+class _Layer:
+    def __init__(self, name: str, mod: nn.Linear, root: int):
+        self.name, self.mod, self.root = name, mod, root
+        self.a_ema: Tensor | None = None  # (root only) EMA of E[x xᵀ]
+        self.b_ema: Tensor | None = None  # (root only) EMA of E[δ δᵀ]
+        self.a_new: Tensor | None = None  # this refresh step's sums and token counts
+        self.b_new: Tensor | None = None
+        self.na = self.nb = 0
+        self.A: _Side | None = None  # the factors every rank uses
+        self.B: _Side | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.A is not None
+
+    def whiten(self, g: Tensor) -> Tensor:
+        return self.B.apply(self.A.apply(g, left=False, inverse=True), left=True, inverse=True)
+
+    def unwhiten(self, g: Tensor) -> Tensor:
+        return self.B.apply(self.A.apply(g, left=False, inverse=False), left=True, inverse=False)
+
+
+class GIFT:
+    """FP8 gradient all-reduce in K-FAC-whitened coordinates for a data-parallel ``model`` (module
+    doc). Call :meth:`reduce_gradients` after each backward instead of DDP's reduction.
+
+    ``rank``: eigenpairs kept a factor (``None``: full rank); ``refresh_every``: steps between factor
+    refreshes (statistics are taken on the refresh steps only); ``ema``: the roots' EMA of the
+    statistics across refreshes; ``damping``: added to each factor, times its mean eigenvalue;
+    ``min_numel``: the smallest ``nn.Linear`` weight sent whitened; ``block``: elements per FP8 scale;
+    ``whiten=False``: the same FP8 all-reduce in Euclidean coordinates (the baseline)."""
+
+    def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
+                 ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
+                 whiten: bool = True, scope: str = "world"):
+        if refresh_every < 1:
+            raise ValueError(f"GIFT: refresh_every must be >= 1, got {refresh_every}")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"GIFT: ema must be in [0, 1), got {ema}")
+        if damping <= 0:
+            raise ValueError(f"GIFT: damping must be > 0 (the factors are inverted), got {damping}")
+        if rank is not None and rank < 1:
+            raise ValueError(f"GIFT: rank must be >= 1 or None (full rank), got {rank}")
+        self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
+        self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
+        self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        self.me = C.rank(group) if self.world > 1 else 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.layers: dict[int, _Layer] = {}  # id(weight) -> layer
+        self.steps = 0
+        self._collect = True  # this step's forward / backward takes statistics (a refresh step)
+        self._hooks = []
+        if whiten:
+            mods = [(n, m) for n, m in model.named_modules()
+                    if isinstance(m, nn.Linear) and m.weight.requires_grad and m.weight.numel() >= min_numel]
+            for i, (name, mod) in enumerate(mods):
+                if id(mod.weight) in self.layers:  # (a weight shared by two layers: the first one's factors)
+                    continue
+                layer = _Layer(name, mod, root=i % self.world)
+                self.layers[id(mod.weight)] = layer
+                self._hooks.append(mod.register_forward_hook(self._forward_hook(layer)))
+
+    # ------------------------------------------------------------------ statistics
+
+    def _forward_hook(self, layer: _Layer):
+        def hook(mod, inputs, out):
+            if not (self._collect and layer.root == self.me and torch.is_grad_enabled() and mod.training):
+                return
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            a = x.t() @ x
+            layer.a_new = a if layer.a_new is None else layer.a_new + a
+            layer.na += x.shape[0]
+            if out.requires_grad:
+                def grad_hook(g):
+                    g = g.detach().reshape(-1, g.shape[-1]).float()
+                    b = g.t() @ g
+                    layer.b_new = b if layer.b_new is None else layer.b_new + b
+                    layer.nb += g.shape[0]
+                out.register_hook(grad_hook)
+        return hook
+
+    def remove(self) -> None:
+        """Remove the statistics hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ factors
+
+    def _eig(self, f: Tensor) -> tuple[Tensor, Tensor, float, float]:
+        """Top eigenpairs of the PSD factor ``f``, the mean of the rest of its spectrum, its damping."""
+        dim = f.shape[0]
+        s, u = torch.linalg.eigh(f.double())
+        s = s.clamp_min(0).flip(0).float()
+        u = u.flip(1).float().contiguous()
+        r = dim if self.rank is None else min(self.rank, dim)
+        lam = self.damping * float(s.mean()) + 1e-30
+        sigma = float(s[r:].mean()) if r < dim else 0.0
+        return u[:, :r].contiguous(), s[:r].contiguous(), sigma, lam
+
+    def _refresh(self) -> None:
+        """Each layer's root folds this step's statistics into its EMA, decomposes, and broadcasts;
+        every rank builds the same transforms."""
+        for layer in self.layers.values():
+            n_, k_ = layer.mod.weight.shape
+            ra = k_ if self.rank is None else min(self.rank, k_)
+            rb = n_ if self.rank is None else min(self.rank, n_)
+            # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
+            buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=layer.mod.weight.device)
+            if layer.root == self.me and layer.na and layer.nb:
+                a, b = layer.a_new / layer.na, layer.b_new / layer.nb
+                if layer.a_ema is None:
+                    layer.a_ema, layer.b_ema = a, b
+                else:
+                    layer.a_ema.mul_(self.ema).add_(a, alpha=1 - self.ema)
+                    layer.b_ema.mul_(self.ema).add_(b, alpha=1 - self.ema)
+                parts = [torch.ones(1, device=buf.device)]
+                for f in (layer.a_ema, layer.b_ema):
+                    u, s, sigma, lam = self._eig(f)
+                    parts += [u.reshape(-1), s, torch.tensor([sigma, lam], device=buf.device)]
+                buf.copy_(torch.cat(parts))
+            layer.a_new = layer.b_new = None
+            layer.na = layer.nb = 0
+            if self.world > 1:
+                C.broadcast(buf, self._global_rank(layer.root), group=self.group, scope=self.scope)
+            if not buf[0].item():  # (the root saw no statistics: the old factors stay)
+                continue
+            o = 1
+            sides = []
+            for dim, r in ((k_, ra), (n_, rb)):
+                u = buf[o:o + dim * r].view(dim, r)
+                o += dim * r
+                s = buf[o:o + r]
+                o += r
+                sigma, lam = buf[o].item(), buf[o + 1].item()
+                o += 2
+                sides.append(_Side(u.clone(), s.clone(), sigma, lam))
+            layer.A, layer.B = sides
+
+    def _global_rank(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    # ------------------------------------------------------------------ the reduction
+
+    def reduce_gradients(self) -> None:
+        """Average every parameter's gradient over the group: ``nn.Linear`` weights of at least
+        ``min_numel`` elements in whitened coordinates, the rest as they are, all in one FP8
+        all-reduce. On a refresh step (every ``refresh_every``, the first included) the factors are
+        rebuilt first from the statistics that step's forward and backward took."""
+        if self._collect and self.whiten:
+            self._refresh()
+        grads = [p for p in self.params if p.grad is not None]
+        if self.world > 1 and grads:
+            pieces = []
+            for p in grads:
+                layer = self.layers.get(id(p))
+                g = p.grad.float()
+                pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
+            flat = torch.cat(pieces)
+            fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=self.scope)
+            o = 0
+            for p in grads:
+                k = p.numel()
+                g = flat[o:o + k].view(p.shape)
+                o += k
+                layer = self.layers.get(id(p))
+                p.grad.copy_(layer.unwhiten(g) if layer is not None and layer.ready else g)
+        self.steps += 1
+        self._collect = self.steps % self.refresh_every == 0
+
+    # ------------------------------------------------------------------ measurement
+
+    @torch.no_grad()
+    def errors(self) -> dict[str, dict[str, float]]:
+        """For each whitened layer, on the gradients at hand (before :meth:`reduce_gradients`): the
+        relative error against the exact average (an fp32 all-reduce, not counted in the ledger) of
+        GIFT and of Euclidean FP8 (the same all-reduce on the raw gradient), each in the Euclidean
+        metric and in the whitened one (``‖B^{-1/2} E A^{-1/2}‖ / ‖B^{-1/2} Ḡ A^{-1/2}‖``)."""
+        out = {}
+        for layer in self.layers.values():
+            if not layer.ready or layer.mod.weight.grad is None:
+                continue
+            g = layer.mod.weight.grad.float()
+            exact = g.clone()
+            if self.world > 1:
+                dist.all_reduce(exact, group=self.group)
+                exact /= self.world
+            euc = fp8_all_reduce(g.clone(), self.group, block=self.block, average=True, scope="probe")
+            wh = fp8_all_reduce(layer.whiten(g), self.group, block=self.block, average=True, scope="probe")
+            gift = layer.unwhiten(wh)
+            w_exact = layer.whiten(exact)
+
+            def rel(e, ref):
+                return float(e.norm() / ref.norm().clamp_min(1e-30))
+
+            out[layer.name] = {"gift": rel(gift - exact, exact), "fp8": rel(euc - exact, exact),
+                               "gift_whitened": rel(layer.whiten(gift) - w_exact, w_exact),
+                               "fp8_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}
+        return out

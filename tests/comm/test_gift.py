@@ -1,0 +1,193 @@
+"""GIFT (comm/gift.py): the FP8 codec and all-reduce, the whitening transforms, and the data-parallel
+reduction on 2 gloo ranks: ranks end with identical gradients, close to the exact average; the
+error in the whitened metric is below Euclidean FP8's on anisotropic layers; bytes are counted."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_utils import run_distributed
+from leantrain.comm.gift import GIFT, _Side, fp8_all_reduce, fp8_dequantize, fp8_quantize
+from leantrain.ledger import COMM
+
+
+def test_fp8_codec_rounds_each_block_to_e4m3_within_half_an_ulp():
+    torch.manual_seed(0)
+    x = torch.randn(64 * 128) * torch.logspace(-3, 3, 64).repeat_interleave(128)
+    x[7] = 0.0
+    codes, scale = fp8_quantize(x, 128)
+    assert codes.dtype == torch.uint8 and codes.numel() == x.numel() and scale.numel() == 64
+    y = fp8_dequantize(codes, scale, 128)
+    # E4M3: 3 mantissa bits, so a normal value is within 2^-4 of itself; subnormals (below 2^-6 of
+    # the block's scale unit) within half of 2^-9 scale units
+    s = scale.repeat_interleave(128)
+    bound = torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10)
+    assert torch.all((y - x).abs() <= bound * 1.0001)
+    assert y[7] == 0.0
+    # each block's absmax maps to 448 and back exactly
+    xb, yb = x.view(64, 128), y.view(64, 128)
+    idx = xb.abs().argmax(1)
+    assert torch.allclose(yb.gather(1, idx[:, None]), xb.gather(1, idx[:, None]), rtol=1e-6)
+    z = torch.zeros(256)
+    assert torch.equal(fp8_dequantize(*fp8_quantize(z, 128), 128), z)
+
+
+def test_nan_stays_nan_through_the_codec():
+    x = torch.randn(256)
+    x[3] = float("nan")
+    y = fp8_dequantize(*fp8_quantize(x, 128), 128)
+    assert torch.isnan(y[:128]).any() and torch.isfinite(y[128:]).all()
+
+
+@pytest.mark.parametrize("rank", [None, 3])
+def test_whiten_then_unwhiten_is_the_identity(rank):
+    torch.manual_seed(1)
+    n, k = 12, 9
+
+    def side(dim):
+        m = torch.randn(dim, dim)
+        f = m @ m.t() + 0.1 * torch.eye(dim)
+        s, u = torch.linalg.eigh(f)
+        s, u = s.flip(0), u.flip(1)
+        r = dim if rank is None else rank
+        sigma = float(s[r:].mean()) if r < dim else 0.0
+        return _Side(u[:, :r].contiguous(), s[:r].contiguous(), sigma, 1e-3 * float(s.mean())), f
+
+    (a, fa), (b, fb) = side(k), side(n)
+    g = torch.randn(n, k)
+    w = b.apply(a.apply(g, left=False, inverse=True), left=True, inverse=True)
+    back = b.apply(a.apply(w, left=False, inverse=False), left=True, inverse=False)
+    assert torch.allclose(back, g, rtol=1e-4, atol=1e-5)
+    if rank is None:  # full rank: exactly (B + λI)^{-1/2} G (A + λI)^{-1/2}
+        def mpow(f, lam, p):
+            s, u = torch.linalg.eigh(f.double() + lam * torch.eye(f.shape[0], dtype=torch.float64))
+            return (u * s.pow(p)) @ u.t()
+
+        ref = mpow(fb, 1e-3 * float(torch.linalg.eigvalsh(fb).mean()), -0.5) @ g.double() @ mpow(
+            fa, 1e-3 * float(torch.linalg.eigvalsh(fa).mean()), -0.5)
+        assert torch.allclose(w.double(), ref, rtol=1e-3, atol=1e-4)
+
+
+def test_gift_checks_its_arguments():
+    m = nn.Linear(4, 4)
+    for kw in ({"refresh_every": 0}, {"ema": 1.0}, {"damping": 0.0}, {"rank": 0}):
+        with pytest.raises(ValueError):
+            GIFT(m, **kw)
+    with pytest.raises(ValueError):
+        fp8_all_reduce(torch.zeros(4), block=0)
+
+
+def _fp8_allreduce_worker(rank, world, numel):
+    torch.manual_seed(10 + rank)
+    x = torch.randn(numel) * (1 + rank)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    ref = torch.stack(parts).sum(0)
+    got = x.clone()
+    with COMM.capture() as led:
+        fp8_all_reduce(got, block=256)
+    from leantrain import collectives as C
+
+    with COMM.capture() as led16:
+        C.all_reduce(x.to(torch.bfloat16))
+    return {"got": got, "ref": ref, "fp8": led.total, "bf16": led16.total}
+
+
+@pytest.mark.distributed
+def test_fp8_all_reduce_sums_within_e4m3_precision_and_sends_half_of_bf16():
+    outs = run_distributed(_fp8_allreduce_worker, 2, args=(10_001,))
+    assert torch.equal(outs[0]["got"], outs[1]["got"])  # every rank the same bytes
+    got, ref = outs[0]["got"], outs[0]["ref"]
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 0.05  # quantized (not exact), within E4M3's precision
+    padded = -(-10_001 // (2 * 256)) * 2 * 256
+    for o in outs:  # codes + one fp32 scale a block, over the padded length
+        assert o["fp8"] / o["bf16"] <= (1 + 4 / 256) / 2 * padded / 10_001 * 1.0001
+
+
+class _Net(nn.Module):
+    """Two linear layers whose inputs are strongly anisotropic (scaled feature columns)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 96, bias=False)
+        self.fc2 = nn.Linear(96, 32)
+        self.norm = nn.LayerNorm(96)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def _data(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    scales = torch.logspace(-2, 1, 64)
+    x = torch.randn(256, 64, generator=g) * scales
+    y = torch.randn(256, 32, generator=g)
+    return x, y
+
+
+def _gift_worker(rank, world, kw, steps):
+    torch.manual_seed(0)
+    model = _Net()
+    gift = GIFT(model, min_numel=1024, refresh_every=2, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    errs, grads, exact = [], None, None
+    with COMM.capture() as led:
+        for step in range(steps):
+            x, y = _data(rank, step)
+            loss = (model(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == steps - 1:
+                errs = gift.errors()
+                exact = {n: p.grad.clone() for n, p in model.named_parameters()}
+                for g in exact.values():
+                    dist.all_reduce(g)
+                    g /= world
+            gift.reduce_gradients()
+            if step == steps - 1:
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()
+    return {"errs": errs, "grads": grads, "exact": exact, "bytes": led.by_op(), "scope": led.by_scope(),
+            "layers": sorted(la.name for la in gift.layers.values()), "params": sum(p.numel() for p in model.parameters())}
+
+
+@pytest.mark.distributed
+def test_gift_averages_gradients_identically_on_every_rank_and_beats_euclidean_fp8_in_its_metric():
+    outs = run_distributed(_gift_worker, 2, args=({"rank": 16}, 5))
+    o0, o1 = outs
+    assert o0["layers"] == ["fc1", "fc2"]  # the two linear weights of >= 1024 elements, not the norm
+    for n in o0["grads"]:  # identical on both ranks, and near the exact average
+        assert torch.equal(o0["grads"][n], o1["grads"][n]), n
+        g, ref = o0["grads"][n], o0["exact"][n]
+        assert ((g - ref).norm() / ref.norm()).item() < 0.1, n
+    for name, e in o0["errs"].items():
+        # quantized, so not exact; in the whitened metric GIFT's error is below Euclidean FP8's
+        assert 0 < e["gift_whitened"] < e["fp8_whitened"], (name, e)
+        assert e["gift"] < 0.1 and e["fp8"] < 0.1, (name, e)
+    # the gradients: all-to-all + all-gather of FP8 codes; the factors: broadcasts on refresh steps
+    ops = set(o0["bytes"])
+    assert {"all_to_all", "all_gather", "broadcast"} >= ops and "all_to_all" in ops
+
+
+@pytest.mark.distributed
+def test_gift_without_whitening_is_euclidean_fp8_and_full_rank_works():
+    outs = run_distributed(_gift_worker, 2, args=({"whiten": False}, 2))
+    assert outs[0]["layers"] == [] and outs[0]["errs"] == {}
+    assert all(torch.equal(outs[0]["grads"][n], outs[1]["grads"][n]) for n in outs[0]["grads"])
+    outs = run_distributed(_gift_worker, 2, args=({"rank": None}, 3))
+    for e in outs[0]["errs"].values():
+        assert e["gift_whitened"] < e["fp8_whitened"]
+
+
+def test_single_process_gift_leaves_gradients_alone():
+    torch.manual_seed(0)
+    model = _Net()
+    gift = GIFT(model, min_numel=1024)
+    x, y = _data(0, 0)
+    (model(x) - y).pow(2).mean().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    gift.reduce_gradients()
+    assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
+    assert all(la.ready for la in gift.layers.values())  # (factors built from the step's statistics)
