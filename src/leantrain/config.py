@@ -157,11 +157,15 @@ class AgoqConfig:
 @dataclass
 class DistConfig:
     mode: Literal["ddp", "sharded"] = "ddp"
-    comm: Literal["none", "int8", "sdp4bit", "scape"] = "none"
+    comm: Literal["none", "int8", "sdp4bit", "scape", "gift"] = "none"
     scape_density: float = 0.1  # dist.comm scape: fraction of each shard's coordinates sent a step
     scape_score: Literal["m", "m_age"] = "m_age"  # dist.comm scape: mask by |m|, or |m| times the steps since the update
     scape_dense_steps: int = 1  # dist.comm scape: the first steps are dense
     scape_catch_up: int = 10  # dist.comm scape: an update stands for the steps since the last, at most this many (0: off)
+    gift_rank: int = 64  # dist.comm gift: eigenpairs kept a K-FAC factor (0: full rank)
+    gift_refresh_every: int = 10  # dist.comm gift: steps between factor refreshes
+    gift_min_numel: int = 16384  # dist.comm gift: the smallest linear weight sent whitened (smaller: Euclidean FP8)
+    gift_whiten: bool = True  # dist.comm gift: false sends every gradient in Euclidean FP8 (the baseline GIFT improves on)
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
     timeout_s: float = 120.0
 

@@ -11,7 +11,8 @@ that the config asks for, composing the techniques:
   compressor ``dist.comm`` (``none`` / ``sdp4bit`` / ``scape``, with ``dist.scape_density``);
 - otherwise the reference :class:`leantrain.optim.Optimizer` (``--baseline``:
   ``torch.optim.AdamW``), wrapped in DDP under torchrun (``dist.comm=int8``:
-  AGoQ's 8-bit all-reduce as the DDP comm hook).
+  AGoQ's 8-bit all-reduce as the DDP comm hook; ``dist.comm=gift``: GIFT's FP8
+  all-reduce in K-FAC-whitened coordinates).
 
 It logs ``metrics.jsonl``, writes ``config.json``, ``summary.json``, a loss
 plot and atomic checkpoints, and ``resume=True`` continues bit-identically.
@@ -116,6 +117,7 @@ class Trainer:
         self.model.to(self.device)
         self.step = 0
         self.ddp = None
+        self.gift = None  # dist.comm gift: the DDP hook's state (K-FAC factors), saved with the rank state
         self.grad_acc = None
         self.agoq_policy = None
         self.graph = None  # train.cuda_graph: the captured forward + backward (made at the first unmeasured step)
@@ -151,6 +153,13 @@ class Trainer:
             raise ConfigError(f"dist.scape_density must be in (0, 1], got {c.dist.scape_density}")
         if c.dist.comm == "int8" and c.dist.mode != "ddp":
             raise ConfigError("dist.comm=int8 is a DDP all-reduce hook: use it with dist.mode=ddp")
+        if c.dist.comm == "gift" and (c.dist.mode != "ddp" or c.forge.enabled):
+            raise ConfigError("dist.comm=gift is a DDP all-reduce hook (whole layers' gradients after backward): use it "
+                              "with dist.mode=ddp and without forge.enabled, whose per-layer reduction runs inside "
+                              "backward (with FORGE use dist.comm int8)")
+        if c.dist.comm == "gift" and (c.dist.gift_rank < 0 or c.dist.gift_refresh_every < 1):
+            raise ConfigError(f"dist.gift_rank must be >= 0 (0: full rank) and dist.gift_refresh_every >= 1, got "
+                              f"{c.dist.gift_rank} and {c.dist.gift_refresh_every}")
         if c.train.cuda_graph:
             why = [w for bad, w in (
                 (self.device.type != "cuda", "a CUDA device"),
@@ -248,6 +257,13 @@ class Trainer:
             from . import comm
 
             self.ddp.register_comm_hook(comm.Int8AllReduceState(None), comm.int8_allreduce_hook)
+        elif self.cfg.dist.comm == "gift":
+            from . import comm
+
+            d = self.cfg.dist
+            self.gift = comm.GIFT(self.model, rank=d.gift_rank or None, refresh_every=d.gift_refresh_every,
+                                  min_numel=d.gift_min_numel, whiten=d.gift_whiten)
+            self.ddp.register_comm_hook(None, comm.GIFT.ddp_noop_hook)  # (GIFT reduces after backward)
         else:
             from .ddp_hooks import counted_allreduce_hook
 
@@ -318,6 +334,8 @@ class Trainer:
             total = lv if total is None else total + lv
         if self.grad_acc is not None:
             self.grad_acc.finalize()
+        if self.gift is not None:  # dist.comm gift: every gradient, in model order (DDP's hook sent nothing)
+            self.gift.reduce_gradients()
         if self.world > 1:  # log the global-batch loss (a 4-byte control message, not counted as traffic)
             t = total.reshape(1).clone()
             dist.all_reduce(t)
@@ -389,8 +407,11 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def _rank_state(self) -> dict:
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "torch_rng": torch.get_rng_state(), "step": self.step}
+        out = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+               "torch_rng": torch.get_rng_state(), "step": self.step}
+        if self.gift is not None:
+            out["gift"] = self.gift.state_dict()
+        return out
 
     def save_checkpoint(self) -> Path:
         return checkpoint.save(
@@ -419,6 +440,8 @@ class Trainer:
         self.opt.load_state_dict(rank_state["optimizer"])
         self.sched.load_state_dict(rank_state["scheduler"])
         torch.set_rng_state(rank_state["torch_rng"])
+        if self.gift is not None and "gift" in rank_state:
+            self.gift.load_state_dict(rank_state["gift"])
         self.step = rank_state["step"]
         log0(f"resumed from {path} at step {self.step}")
 
@@ -585,6 +608,8 @@ def recipe_name(cfg: Config, baseline: bool) -> str:
         parts.append("agoq")
     if cfg.dist.mode == "sharded":
         parts.append("sharded" + ("" if cfg.dist.comm == "none" else f"-{cfg.dist.comm}"))
+    elif cfg.dist.comm == "gift" and not cfg.dist.gift_whiten:
+        parts.append("ddp-fp8")  # (GIFT's all-reduce in Euclidean coordinates)
     elif cfg.dist.comm != "none":
         parts.append(f"ddp-{cfg.dist.comm}")
     return "+".join(parts) or f"reference-{cfg.optim.name}"

@@ -27,7 +27,8 @@ never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a l
 (low rank), or two dense products (full rank).
 
 **Which layers** (the selection "where it pays"): ``nn.Linear`` weights with at least ``min_numel``
-elements. Everything else (norms, embeddings, small layers, biases) goes through the same FP8
+elements (not subclasses with their own forward, such as the model's LM head that returns the loss).
+Everything else (norms, embeddings, small layers, biases) goes through the same FP8
 all-reduce in its own coordinates, i.e. Euclidean FP8.
 
 **The FP8 all-reduce** (:func:`fp8_all_reduce`) is AGoQ's two-phase scheme (``int8_allreduce.py``)
@@ -126,7 +127,7 @@ class _Side:
     Built on every rank from the same broadcast numbers (the same transforms everywhere)."""
 
     def __init__(self, u: Tensor, s: Tensor, sigma: float, lam: float):
-        self.u = u  # (dim, r), orthonormal columns
+        self.u, self.s, self.sigma, self.lam = u, s, sigma, lam  # u: (dim, r), orthonormal columns
         self.full = u.shape[1] == u.shape[0]
         self.inv = (s + lam).rsqrt()  # (r,)
         self.fwd = (s + lam).sqrt()
@@ -154,6 +155,7 @@ class _Layer:
         self.na = self.nb = 0
         self.A: _Side | None = None  # the factors every rank uses
         self.B: _Side | None = None
+        self.refreshed = -1  # the step of the last refresh
 
     @property
     def ready(self) -> bool:
@@ -197,8 +199,11 @@ class GIFT:
         self._collect = True  # this step's forward / backward takes statistics (a refresh step)
         self._hooks = []
         if whiten:
+            # (a subclass with its own forward, e.g. the model's LMHead that returns the loss, has no outputs
+            # to take B from: it stays Euclidean)
             mods = [(n, m) for n, m in model.named_modules()
-                    if isinstance(m, nn.Linear) and m.weight.requires_grad and m.weight.numel() >= min_numel]
+                    if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                    and m.weight.requires_grad and m.weight.numel() >= min_numel]
             for i, (name, mod) in enumerate(mods):
                 if id(mod.weight) in self.layers:  # (a weight shared by two layers: the first one's factors)
                     continue
@@ -210,7 +215,8 @@ class GIFT:
 
     def _forward_hook(self, layer: _Layer):
         def hook(mod, inputs, out):
-            if not (self._collect and layer.root == self.me and torch.is_grad_enabled() and mod.training):
+            if not (self._collect and layer.root == self.me and torch.is_grad_enabled() and mod.training
+                    and isinstance(out, Tensor) and out.shape[-1:] == (mod.out_features,)):
                 return
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
             a = x.t() @ x
@@ -244,44 +250,67 @@ class GIFT:
         sigma = float(s[r:].mean()) if r < dim else 0.0
         return u[:, :r].contiguous(), s[:r].contiguous(), sigma, lam
 
-    def _refresh(self) -> None:
-        """Each layer's root folds this step's statistics into its EMA, decomposes, and broadcasts;
-        every rank builds the same transforms."""
-        for layer in self.layers.values():
-            n_, k_ = layer.mod.weight.shape
-            ra = k_ if self.rank is None else min(self.rank, k_)
-            rb = n_ if self.rank is None else min(self.rank, n_)
-            # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
-            buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=layer.mod.weight.device)
-            if layer.root == self.me and layer.na and layer.nb:
-                a, b = layer.a_new / layer.na, layer.b_new / layer.nb
-                if layer.a_ema is None:
-                    layer.a_ema, layer.b_ema = a, b
-                else:
-                    layer.a_ema.mul_(self.ema).add_(a, alpha=1 - self.ema)
-                    layer.b_ema.mul_(self.ema).add_(b, alpha=1 - self.ema)
-                parts = [torch.ones(1, device=buf.device)]
-                for f in (layer.a_ema, layer.b_ema):
-                    u, s, sigma, lam = self._eig(f)
-                    parts += [u.reshape(-1), s, torch.tensor([sigma, lam], device=buf.device)]
-                buf.copy_(torch.cat(parts))
-            layer.a_new = layer.b_new = None
-            layer.na = layer.nb = 0
-            if self.world > 1:
-                C.broadcast(buf, self._global_rank(layer.root), group=self.group, scope=self.scope)
-            if not buf[0].item():  # (the root saw no statistics: the old factors stay)
-                continue
-            o = 1
-            sides = []
-            for dim, r in ((k_, ra), (n_, rb)):
-                u = buf[o:o + dim * r].view(dim, r)
-                o += dim * r
-                s = buf[o:o + r]
-                o += r
-                sigma, lam = buf[o].item(), buf[o + 1].item()
-                o += 2
-                sides.append(_Side(u.clone(), s.clone(), sigma, lam))
-            layer.A, layer.B = sides
+    def _refresh(self, layer: _Layer) -> None:
+        """The layer's root folds this step's statistics into its EMA, decomposes, and broadcasts;
+        every rank builds the same transforms. Once a refresh step (every rank calls it for the same
+        layers in the same order: the broadcasts pair up)."""
+        if layer.refreshed == self.steps:
+            return
+        layer.refreshed = self.steps
+        n_, k_ = layer.mod.weight.shape
+        ra = k_ if self.rank is None else min(self.rank, k_)
+        rb = n_ if self.rank is None else min(self.rank, n_)
+        # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
+        buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=layer.mod.weight.device)
+        if layer.root == self.me and layer.na and layer.nb:
+            a, b = layer.a_new / layer.na, layer.b_new / layer.nb
+            if layer.a_ema is None:
+                layer.a_ema, layer.b_ema = a, b
+            else:
+                layer.a_ema.mul_(self.ema).add_(a, alpha=1 - self.ema)
+                layer.b_ema.mul_(self.ema).add_(b, alpha=1 - self.ema)
+            parts = [torch.ones(1, device=buf.device)]
+            for f in (layer.a_ema, layer.b_ema):
+                u, s, sigma, lam = self._eig(f)
+                parts += [u.reshape(-1), s, torch.tensor([sigma, lam], device=buf.device)]
+            buf.copy_(torch.cat(parts))
+        layer.a_new = layer.b_new = None
+        layer.na = layer.nb = 0
+        if self.world > 1:
+            C.broadcast(buf, self._global_rank(layer.root), group=self.group, scope=self.scope)
+        if not buf[0].item():  # (the root saw no statistics: the old factors stay)
+            return
+        o = 1
+        sides = []
+        for dim, r in ((k_, ra), (n_, rb)):
+            u = buf[o:o + dim * r].view(dim, r)
+            o += dim * r
+            s = buf[o:o + r]
+            o += r
+            sigma, lam = buf[o].item(), buf[o + 1].item()
+            o += 2
+            sides.append(_Side(u.clone(), s.clone(), sigma, lam))
+        layer.A, layer.B = sides
+
+    def state_dict(self) -> dict:
+        """The step count, and per layer its root's statistics EMA and the factors in use (a resumed run
+        whitens as the uninterrupted one would)."""
+        def side(sd):
+            return None if sd is None else {"u": sd.u, "s": sd.s, "sigma": sd.sigma, "lam": sd.lam}
+
+        return {"steps": self.steps, "layers": {la.name: {"a_ema": la.a_ema, "b_ema": la.b_ema, "A": side(la.A),
+                                                           "B": side(la.B)} for la in self.layers.values()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        names = {la.name: la for la in self.layers.values()}
+        if set(state["layers"]) != set(names):
+            raise ValueError(f"GIFT state for layers {sorted(state['layers'])}, this model has {sorted(names)}")
+        self.steps = state["steps"]
+        self._collect = self.steps % self.refresh_every == 0
+        for name, st in state["layers"].items():
+            la = names[name]
+            la.a_ema, la.b_ema = st["a_ema"], st["b_ema"]
+            la.A, la.B = (None if sd is None else _Side(sd["u"], sd["s"], sd["sigma"], sd["lam"]) for sd in (st["A"], st["B"]))
 
     def _global_rank(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -293,26 +322,51 @@ class GIFT:
         ``min_numel`` elements in whitened coordinates, the rest as they are, all in one FP8
         all-reduce. On a refresh step (every ``refresh_every``, the first included) the factors are
         rebuilt first from the statistics that step's forward and backward took."""
-        if self._collect and self.whiten:
-            self._refresh()
         grads = [p for p in self.params if p.grad is not None]
-        if self.world > 1 and grads:
-            pieces = []
-            for p in grads:
-                layer = self.layers.get(id(p))
-                g = p.grad.float()
-                pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
-            flat = torch.cat(pieces)
-            fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=self.scope)
-            o = 0
-            for p in grads:
-                k = p.numel()
-                g = flat[o:o + k].view(p.shape)
-                o += k
-                layer = self.layers.get(id(p))
-                p.grad.copy_(layer.unwhiten(g) if layer is not None and layer.ready else g)
+        self._reduce(grads, [p.grad for p in grads])
+        self.step()
+
+    def step(self) -> None:
+        """Count a step (:meth:`reduce_gradients` does): the next step takes statistics if it is a
+        refresh step."""
         self.steps += 1
         self._collect = self.steps % self.refresh_every == 0
+
+    def _reduce(self, params: list, grads: list) -> None:
+        """Average ``grads`` (those of ``params``, in place) over the group in one FP8 all-reduce, the
+        whitened layers' in their coordinates (refreshing their factors first on a refresh step)."""
+        if self._collect:
+            for p in params:
+                if id(p) in self.layers:
+                    self._refresh(self.layers[id(p)])
+        if self.world == 1 or not grads:
+            return
+        pieces = []
+        for p, g in zip(params, grads, strict=True):
+            layer = self.layers.get(id(p))
+            g = g.float()
+            pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
+        flat = torch.cat(pieces)
+        fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=self.scope)
+        o = 0
+        for p, g in zip(params, grads, strict=True):
+            k = g.numel()
+            red = flat[o:o + k].view(g.shape)
+            o += k
+            layer = self.layers.get(id(p))
+            g.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
+
+    @staticmethod
+    def ddp_noop_hook(state, bucket):
+        """A DDP comm hook that sends nothing (``ddp.register_comm_hook(None, GIFT.ddp_noop_hook)``), for a
+        model wrapped in DDP whose gradients GIFT reduces after backward (:meth:`reduce_gradients`).
+        GIFT does not reduce DDP's buckets: their composition changes when DDP rebuilds them after the
+        first step, and FP8 blocks and chunk owners would change with it. Reduced once over all
+        parameters in model order, a gradient's result depends only on the gradients (a resumed run
+        reduces as the uninterrupted one did)."""
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
 
     # ------------------------------------------------------------------ measurement
 
