@@ -191,3 +191,12 @@ def test_single_process_gift_leaves_gradients_alone():
     gift.reduce_gradients()
     assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
     assert all(la.ready for la in gift.layers.values())  # (factors built from the step's statistics)
+
+
+@pytest.mark.distributed
+def test_gift_in_buckets_gives_identical_ranks_near_the_exact_average():
+    outs = run_distributed(_gift_worker, 2, args=({"rank": 16, "bucket_numel": 3000}, 3))
+    for n in outs[0]["grads"]:
+        assert torch.equal(outs[0]["grads"][n], outs[1]["grads"][n]), n
+        g, ref = outs[0]["grads"][n], outs[0]["exact"][n]
+        assert ((g - ref).norm() / ref.norm()).item() < 0.1, n

@@ -176,11 +176,12 @@ class GIFT:
     refreshes (statistics are taken on the refresh steps only); ``ema``: the roots' EMA of the
     statistics across refreshes; ``damping``: added to each factor, times its mean eigenvalue;
     ``min_numel``: the smallest ``nn.Linear`` weight sent whitened; ``block``: elements per FP8 scale;
-    ``whiten=False``: the same FP8 all-reduce in Euclidean coordinates (the baseline)."""
+    ``whiten=False``: the same FP8 all-reduce in Euclidean coordinates (the baseline); ``bucket_numel``:
+    elements a bucket of consecutive parameters (one FP8 all-reduce each)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
-                 whiten: bool = True, scope: str = "world"):
+                 whiten: bool = True, bucket_numel: int = 1 << 25, scope: str = "world"):
         if refresh_every < 1:
             raise ValueError(f"GIFT: refresh_every must be >= 1, got {refresh_every}")
         if not 0.0 <= ema < 1.0:
@@ -191,6 +192,7 @@ class GIFT:
             raise ValueError(f"GIFT: rank must be >= 1 or None (full rank), got {rank}")
         self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
         self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
+        self.bucket_numel = bucket_numel
         self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.me = C.rank(group) if self.world > 1 else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -341,6 +343,16 @@ class GIFT:
                     self._refresh(self.layers[id(p)])
         if self.world == 1 or not grads:
             return
+        # buckets of consecutive parameters, about bucket_numel elements each (the transient fp32 copies
+        # are a bucket's, not the model's); the split depends only on the parameters' order and sizes
+        start, size = 0, 0
+        for i, g in enumerate(grads):
+            size += g.numel()
+            if size >= self.bucket_numel or i == len(grads) - 1:
+                self._reduce_bucket(params[start:i + 1], grads[start:i + 1])
+                start, size = i + 1, 0
+
+    def _reduce_bucket(self, params: list, grads: list) -> None:
         pieces = []
         for p, g in zip(params, grads, strict=True):
             layer = self.layers.get(id(p))
