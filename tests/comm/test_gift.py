@@ -200,3 +200,23 @@ def test_gift_in_buckets_gives_identical_ranks_near_the_exact_average():
         assert torch.equal(outs[0]["grads"][n], outs[1]["grads"][n]), n
         g, ref = outs[0]["grads"][n], outs[0]["exact"][n]
         assert ((g - ref).norm() / ref.norm()).item() < 0.1, n
+
+
+def test_state_dict_round_trip_restores_the_factors():
+    torch.manual_seed(0)
+    model = _Net()
+    gift = GIFT(model, min_numel=1024, rank=8)
+    x, y = _data(0, 0)
+    (model(x) - y).pow(2).mean().backward()
+    gift.reduce_gradients()
+    state = gift.state_dict()
+    other = GIFT(_Net(), min_numel=1024, rank=8)
+    other.load_state_dict(state)
+    assert other.steps == gift.steps == 1 and not other._collect
+    g = torch.randn(96, 64)
+    for name in ("fc1",):
+        a = next(la for la in gift.layers.values() if la.name == name)
+        b = next(la for la in other.layers.values() if la.name == name)
+        assert torch.equal(a.whiten(g), b.whiten(g)) and torch.equal(a.unwhiten(g), b.unwhiten(g))
+    with pytest.raises(ValueError):
+        GIFT(_Net(), min_numel=10**9).load_state_dict(state)

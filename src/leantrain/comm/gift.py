@@ -311,8 +311,14 @@ class GIFT:
         self._collect = self.steps % self.refresh_every == 0
         for name, st in state["layers"].items():
             la = names[name]
-            la.a_ema, la.b_ema = st["a_ema"], st["b_ema"]
-            la.A, la.B = (None if sd is None else _Side(sd["u"], sd["s"], sd["sigma"], sd["lam"]) for sd in (st["A"], st["B"]))
+            dev = la.mod.weight.device  # (a checkpoint may load onto the CPU)
+
+            def to(t, dev=dev):
+                return None if t is None else t.to(dev)
+
+            la.a_ema, la.b_ema = to(st["a_ema"]), to(st["b_ema"])
+            la.A, la.B = (None if sd is None else _Side(to(sd["u"]), to(sd["s"]), sd["sigma"], sd["lam"])
+                          for sd in (st["A"], st["B"]))
 
     def _global_rank(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
