@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import collectives as C
+from .int8_allreduce import two_phase_all_reduce
 
 __all__ = ["FP8_MAX", "GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize"]
 
@@ -80,46 +81,24 @@ def fp8_dequantize(codes: Tensor, scale: Tensor, block: int) -> Tensor:
     return (codes.view(torch.float8_e4m3fn).float().view(-1, block) * scale.view(-1, 1)).reshape(-1)
 
 
-def _payload(codes: Tensor, scale: Tensor, k: int) -> Tensor:
-    """``k`` messages of codes + scale bytes: uint8 ``(k, C + 4 C / block)``."""
-    return torch.cat([codes.view(k, -1), scale.contiguous().view(k, -1).view(torch.uint8)], 1)
-
-
-def _unpayload(buf: Tensor, chunk: int, block: int) -> Tensor:
-    k = buf.shape[0]
-    codes = buf[:, :chunk].contiguous().reshape(-1)
-    scale = buf[:, chunk:].contiguous().view(torch.float32).reshape(-1)
-    return fp8_dequantize(codes, scale, block).view(k, chunk)
-
-
 def fp8_all_reduce(tensor: Tensor, group=None, *, block: int = 1024, average: bool = False,
                    scope: str = "world") -> Tensor:
-    """All-reduce ``tensor`` in place through FP8 E4M3 (the module doc's two phases); returns it.
-    ``average`` divides the sum by the number of ranks."""
+    """All-reduce ``tensor`` in place through FP8 E4M3 (the module doc's two phases, AGoQ's
+    ``two_phase_all_reduce`` with this codec); returns it. ``average`` divides the sum by the number of ranks."""
     if block < 1:
         raise ValueError(f"fp8_all_reduce: block must be >= 1, got {block}")
-    n = C.world_size(group)
-    if n == 1:
-        return tensor
-    me = C.rank(group)
-    flat = tensor.detach().reshape(-1).float()
-    numel = flat.numel()
-    chunk = -(-numel // (n * block)) * block
-    x = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
-    x[:numel] = flat
-    send = _payload(*fp8_quantize(x, block), n)
-    recv = torch.empty_like(send)
-    C.all_to_all_single(recv, send, group=group, scope=scope)
-    vals = _unpayload(recv, chunk, block)  # (n, C): every peer's quantized copy of my chunk
-    vals[me] = x.view(n, chunk)[me]  # my own chunk: exact
-    red = vals.sum(0)
-    if average:
-        red /= n
-    mine = _payload(*fp8_quantize(red, block), 1).reshape(-1)
-    out = torch.empty(n * mine.numel(), dtype=torch.uint8, device=tensor.device)
-    C.all_gather_into_tensor(out, mine, group=group, scope=scope)
-    tensor.copy_(_unpayload(out.view(n, -1), chunk, block).reshape(-1)[:numel].view_as(tensor))
-    return tensor
+
+    def encode(x, k, phase):  # k messages of codes + scale bytes: uint8 (k, C + 4 C / block)
+        codes, scale = fp8_quantize(x, block)
+        return torch.cat([codes.view(k, -1), scale.contiguous().view(k, -1).view(torch.uint8)], 1)
+
+    def decode(buf, chunk):
+        codes = buf[:, :chunk].contiguous().reshape(-1)
+        scale = buf[:, chunk:].contiguous().view(torch.float32).reshape(-1)
+        return fp8_dequantize(codes, scale, block).view(buf.shape[0], chunk)
+
+    return two_phase_all_reduce(tensor, group, block=block, encode=encode, decode=decode, average=average,
+                                scope=scope)
 
 
 class _Side:

@@ -41,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover
     from leantrain.ops.qtensor import QTensor
 
-__all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce"]
+__all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce", "two_phase_all_reduce"]
 
 
 @dataclass
@@ -71,41 +71,56 @@ def _unpayload(buf: Tensor, chunk: int, group_size: int) -> tuple[Tensor, Tensor
     return codes, scale
 
 
+def two_phase_all_reduce(tensor: Tensor, group, *, block: int, encode, decode, average: bool = False,
+                         scope: str = "world") -> Tensor:
+    """The module doc's two phases with any codec, in place on ``tensor``; returns it. The padded tensor's
+    ``n`` chunks are multiples of ``block`` elements. ``encode(x, k, phase)``: fp32 ``[k * C]`` -> uint8
+    ``(k, bytes)``, one message a chunk (phase 0: the copies sent to the owners, 1: the reduced chunk);
+    ``decode(buf, C)``: uint8 ``(k, bytes)`` -> fp32 ``(k, C)``. GIFT's FP8 all-reduce runs it too."""
+    n = C.world_size(group)
+    if n == 1:
+        return tensor
+    me = C.rank(group)
+    flat = tensor.detach().reshape(-1).float()
+    numel = flat.numel()
+    chunk = -(-numel // (n * block)) * block
+    x = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
+    x[:numel] = flat
+    send = encode(x, n, 0)
+    recv = torch.empty_like(send)
+    C.all_to_all_single(recv, send, group=group, scope=scope)
+    vals = decode(recv, chunk)  # (n, C): every peer's quantized copy of my chunk
+    vals[me] = x.view(n, chunk)[me]  # own chunk: exact, not its quantized copy
+    red = vals.sum(0)
+    if average:
+        red /= n
+    mine = encode(red, 1, 1).reshape(-1)
+    out = torch.empty(n * mine.numel(), dtype=torch.uint8, device=tensor.device)
+    C.all_gather_into_tensor(out, mine, group=group, scope=scope)
+    tensor.copy_(decode(out.view(n, -1), chunk).reshape(-1)[:numel].view_as(tensor))
+    return tensor
+
+
 def int8_all_reduce(tensor: Tensor, group=None, *, group_size: int = 256, average: bool = False,
                     stochastic: bool = False, seed: int = 0, scope: str = "world") -> Tensor:
     """All-reduce ``tensor`` in place through int8 (see the module doc); returns it.
 
     ``average=True`` divides the sum by the number of ranks (DDP's convention).
     """
-    n = C.world_size(group)
-    if n == 1:
+    if C.world_size(group) == 1:
         return tensor
     if group_size % 2 or group_size < 2:
         raise ValueError(f"int8_all_reduce: group_size must be even and >= 2, got {group_size}")
-    me = C.rank(group)
-    flat = tensor.detach().reshape(-1).float()
-    numel = flat.numel()
-    chunk = -(-numel // (n * group_size)) * group_size
-    x = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
-    x[:numel] = flat
-    q = quantize_q(x, 8, group_size=group_size, stochastic=stochastic, seed=seed)
-    send = _payload(q, n)
-    recv = torch.empty_like(send)
-    C.all_to_all_single(recv, send, group=group, scope=scope)
-    codes, scale = _unpayload(recv, chunk, group_size)
-    vals = codes.float() * scale  # (n, C/G, G)
-    vals[me] = x.view(n, -1, group_size)[me]  # own chunk: exact, not its quantized copy
-    red = vals.sum(0).reshape(-1)
-    if average:
-        red /= n
-    q2 = quantize_q(red, 8, group_size=group_size, stochastic=stochastic, seed=seed + 1)
-    mine = _payload(q2, 1).reshape(-1)
-    out = torch.empty(n * mine.numel(), dtype=torch.uint8, device=tensor.device)
-    C.all_gather_into_tensor(out, mine, group=group, scope=scope)
-    codes, scale = _unpayload(out.view(n, -1), chunk, group_size)
-    res = (codes.float() * scale).reshape(-1)[:numel]
-    tensor.copy_(res.view_as(tensor))
-    return tensor
+
+    def encode(x, k, phase):
+        return _payload(quantize_q(x, 8, group_size=group_size, stochastic=stochastic, seed=seed + phase), k)
+
+    def decode(buf, chunk):
+        codes, scale = _unpayload(buf, chunk, group_size)
+        return (codes.float() * scale).view(buf.shape[0], chunk)
+
+    return two_phase_all_reduce(tensor, group, block=group_size, encode=encode, decode=decode, average=average,
+                                scope=scope)
 
 
 def int8_allreduce_hook(state: Int8AllReduceState, bucket):
