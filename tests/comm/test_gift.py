@@ -91,14 +91,15 @@ def _fp8_allreduce_worker(rank, world, numel):
 
     with COMM.capture() as led16:
         C.all_reduce(x.to(torch.bfloat16))
-    return {"got": got, "ref": ref, "fp8": led.total, "bf16": led16.total}
+    # (numpy, not tensors: a tensor crosses the result queue by shared memory that dies with this process)
+    return {"got": got.numpy(), "ref": ref.numpy(), "fp8": led.total, "bf16": led16.total}
 
 
 @pytest.mark.distributed
 def test_fp8_all_reduce_sums_within_e4m3_precision_and_sends_half_of_bf16():
     outs = run_distributed(_fp8_allreduce_worker, 2, args=(10_001,))
-    assert torch.equal(outs[0]["got"], outs[1]["got"])  # every rank the same bytes
-    got, ref = outs[0]["got"], outs[0]["ref"]
+    got, ref = torch.from_numpy(outs[0]["got"]), torch.from_numpy(outs[0]["ref"])
+    assert torch.equal(got, torch.from_numpy(outs[1]["got"]))  # every rank the same bytes
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 1e-4 < rel < 0.05  # quantized (not exact), within E4M3's precision
     padded = -(-10_001 // (2 * 256)) * 2 * 256
@@ -149,7 +150,9 @@ def _gift_worker(rank, world, kw, steps):
             if step == steps - 1:
                 grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             opt.step()
-    return {"errs": errs, "grads": grads, "exact": exact, "bytes": led.by_op(), "scope": led.by_scope(),
+    grads = {n: g.numpy() for n, g in (grads or {}).items()}  # (numpy: see _fp8_allreduce_worker)
+    exact = {n: g.numpy() for n, g in (exact or {}).items()}
+    return {"errs": errs, "grads": grads, "exact": exact, "bytes": dict(led.by_op()), "scope": dict(led.by_scope()),
             "layers": sorted(la.name for la in gift.layers.values()), "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -159,8 +162,8 @@ def test_gift_averages_gradients_identically_on_every_rank_and_beats_euclidean_f
     o0, o1 = outs
     assert o0["layers"] == ["fc1", "fc2"]  # the two linear weights of >= 1024 elements, not the norm
     for n in o0["grads"]:  # identical on both ranks, and near the exact average
-        assert torch.equal(o0["grads"][n], o1["grads"][n]), n
-        g, ref = o0["grads"][n], o0["exact"][n]
+        assert (o0["grads"][n] == o1["grads"][n]).all(), n
+        g, ref = torch.from_numpy(o0["grads"][n]), torch.from_numpy(o0["exact"][n])
         assert ((g - ref).norm() / ref.norm()).item() < 0.1, n
     for name, e in o0["errs"].items():
         # quantized, so not exact; in the whitened metric GIFT's error is below Euclidean FP8's
@@ -175,7 +178,7 @@ def test_gift_averages_gradients_identically_on_every_rank_and_beats_euclidean_f
 def test_gift_without_whitening_is_euclidean_fp8_and_full_rank_works():
     outs = run_distributed(_gift_worker, 2, args=({"whiten": False}, 2))
     assert outs[0]["layers"] == [] and outs[0]["errs"] == {}
-    assert all(torch.equal(outs[0]["grads"][n], outs[1]["grads"][n]) for n in outs[0]["grads"])
+    assert all((outs[0]["grads"][n] == outs[1]["grads"][n]).all() for n in outs[0]["grads"])
     outs = run_distributed(_gift_worker, 2, args=({"rank": None}, 3))
     for e in outs[0]["errs"].values():
         assert e["gift_whitened"] < e["fp8_whitened"]
@@ -197,8 +200,8 @@ def test_single_process_gift_leaves_gradients_alone():
 def test_gift_in_buckets_gives_identical_ranks_near_the_exact_average():
     outs = run_distributed(_gift_worker, 2, args=({"rank": 16, "bucket_numel": 3000}, 3))
     for n in outs[0]["grads"]:
-        assert torch.equal(outs[0]["grads"][n], outs[1]["grads"][n]), n
-        g, ref = outs[0]["grads"][n], outs[0]["exact"][n]
+        assert (outs[0]["grads"][n] == outs[1]["grads"][n]).all(), n
+        g, ref = torch.from_numpy(outs[0]["grads"][n]), torch.from_numpy(outs[0]["exact"][n])
         assert ((g - ref).norm() / ref.norm()).item() < 0.1, n
 
 
