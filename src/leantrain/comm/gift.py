@@ -11,9 +11,10 @@ sum back:
     Ĝ = B^{1/2} (Σ G̃) A^{1/2}
 
 The map is linear, so summing in the whitened space is exact as long as every rank uses the same
-factors. The quantization error then is spread evenly in the geometry that K-FAC gives the loss:
-its norm in that metric, ``‖B^{-1/2} (Ĝ - G) A^{-1/2}‖``, is what whitening minimizes. This is the
-"distortion" that GIFT reduces against Euclidean FP8.
+factors. The quantization error is then spread evenly in the geometry that K-FAC gives the loss:
+in that metric, ``‖B^{-1/2} (Ĝ - G) A^{-1/2}‖``, it is FP8's rounding of a near-isotropic tensor, where
+Euclidean FP8's error is amplified along the directions of low curvature. This is the "distortion"
+that GIFT reduces; in the Euclidean metric its error is larger (``results/gift_2026-12-03_cpu.md``).
 
 **The factors.** Every ``refresh_every`` steps, each layer's input and output-gradient statistics
 are taken on that step by the layer's *root* rank (layer ``i``'s root is rank ``i mod n``: the
@@ -43,7 +44,8 @@ Use::
 
     gift = lt.comm.GIFT(model)           # after the process group is up; before the first forward
     loss.backward()
-    gift.reduce_gradients()              # averages every gradient over the group (instead of DDP)
+    gift.reduce_gradients()              # averages every gradient over the group (instead of DDP), in
+                                         # buckets of consecutive parameters in model order
     opt.step()
 
 :meth:`GIFT.errors` measures, on the gradients at hand, the relative error of GIFT and of Euclidean
