@@ -28,8 +28,9 @@ The dW tile never leaves the SM.
 Bytes per tile: ``T·(BM + BN)·2`` of dY and X read by TMA (from L2 for most tiles), and
 ``BM·BN·(sizeof W + Σ sizeof state)`` read and written once (fp32 AdamW: 24 B a weight element);
 no dW traffic. Shared memory: ``STAGES·BT·(BM + BN)·2 + BM·BN·4`` bytes (3 stages of 64 tokens
-at 128 × 128: 96 KiB + 64 KiB), and with ``STATE_TMA`` ``SSTAGES·SUB·BN·(sizeof W + Σ sizeof state)``
-(2 slots of 16 rows, fp32 W / m / v: 48 KiB).
+at 128 × 128: 96 KiB + 64 KiB; ``BM·BN·2`` for the dW slot with the bf16 hand-over, ``DW16``), and with
+``STATE_TMA`` ``SSTAGES·SUB·BN·(sizeof W + Σ sizeof state)`` (2 slots of 16 rows, fp32 W / m / v: 48 KiB).
+``DEEP16_CONFIG`` with ``DW16``: 8 slots of 32 tokens (128 KiB) + 32 KiB + 2 state slots (48 KiB).
 
 Scope: bf16 or fp16 X / dY with rows aligned to 16 bytes; W fp32 or bf16 (round to nearest or
 stochastic rounding with FORGE's counter hash); states fp32 or bf16; every rule of ``_rule``; no
