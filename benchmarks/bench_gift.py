@@ -1,9 +1,9 @@
 """GIFT on CPU (2 gloo ranks): its communication error against Euclidean FP8, its bytes, and training.
 
-    PYTHONPATH=src python3 benchmarks/bench_gift.py --out benchmarks/results [--steps 150]
+    PYTHONPATH=src python3 benchmarks/bench_gift.py --out benchmarks/results [--steps 150] [--ranks 2]
 
 Three runs of the trainer on the ``tiny`` preset (the embedded corpus), each under
-``torch.distributed.run`` with 2 processes and the same seed and data:
+``torch.distributed.run`` with ``--ranks`` processes (2) and the same seed and data:
 
 - ``exact``: DDP's fp32 all-reduce (``dist.comm none``);
 - ``fp8``: every gradient through the FP8 all-reduce in its own coordinates (``dist.comm gift
@@ -14,7 +14,7 @@ In the ``gift`` run, every ``--every`` steps and before the reduction, :meth:`GI
 each whitened layer's relative error against the exact average, for GIFT and for Euclidean FP8, on
 the same gradients, in the Euclidean metric and in the whitened one. Bytes a step come from each
 run's ledger (``summary.json``); the bf16 all-reduce of the same gradients is counted on the side.
-Writes ``gift_<date>_cpu.json`` and ``.md``.
+Writes ``gift_<date>_cpu.json`` and ``.md`` (``_r<ranks>`` appended for other than 2 ranks).
 """
 
 from __future__ import annotations
@@ -74,12 +74,12 @@ def worker(args) -> int:
     return 0
 
 
-def _launch(name: str, extra: list, out: Path, steps: int, every: int, errors: bool) -> dict:
+def _launch(name: str, extra: list, out: Path, steps: int, every: int, errors: bool, ranks: int) -> dict:
     run_out = out / name
     sets = [f"train.steps={steps}", "train.progress=false", "train.sample_tokens=0", "train.ckpt_every=0"]
     for a, b in zip(extra[::2], extra[1::2], strict=True):
         sets.append(f"{a[2:].replace('-', '_')}={b}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_port()),
            __file__, "worker", "--run-out", str(run_out), "--every", str(every), *(["--errors"] if errors else []),
            "--set", *sets]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
@@ -102,7 +102,7 @@ def _port() -> int:
 
 def markdown(res: dict) -> str:
     env = res["env"]
-    lines = [f"# GIFT on CPU, 2 gloo ranks — {env['date']}", "",
+    lines = [f"# GIFT on CPU, {res.get('ranks', 2)} gloo ranks — {env['date']}", "",
              f"torch {env['torch']}; command: `{res['command']}`; the `tiny` preset, {res['steps']} steps, embedded corpus.",
              "", "## Training: the same run with three gradient all-reduces", "",
              "| run | final loss | last val loss | val / exact's | bytes a step | bytes / exact's |", "|---|---|---|---|---|---|"]
@@ -151,6 +151,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU)")
     ap.add_argument("--run-out")
     ap.add_argument("--errors", action="store_true")
     ap.add_argument("--set", nargs="*", default=[])
@@ -163,17 +164,19 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     res = {"env": {"torch": torch.__version__, "date": date, "python": sys.version.split()[0]},
-           "command": f"PYTHONPATH=src python3 benchmarks/bench_gift.py --steps {args.steps} --every {args.every}",
-           "steps": args.steps, "runs": {}}
+           "command": f"PYTHONPATH=src python3 benchmarks/bench_gift.py --steps {args.steps} --every {args.every}"
+                      + (f" --ranks {args.ranks}" if args.ranks != 2 else ""),
+           "steps": args.steps, "ranks": args.ranks, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in RUNS.items():
             print(f"run {name} ...", flush=True)
-            r = _launch(name, extra, Path(tmp), args.steps, args.every, errors=name == "gift")
+            r = _launch(name, extra, Path(tmp), args.steps, args.every, errors=name == "gift", ranks=args.ranks)
             res["runs"][name] = r
             print(f"  final loss {r['summary'].get('final_loss')}, val {r['val'][-1] if r['val'] else None}, "
                   f"bytes/step {r['summary'].get('comm_bytes_per_step')}", flush=True)
-    (out / f"gift_{date}_cpu.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / f"gift_{date}_cpu.md").write_text(markdown(res))
+    stem = f"gift_{date}_cpu" + (f"_r{args.ranks}" if args.ranks != 2 else "")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
     return 0
 
