@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-RUNS = {"exact": [], "fp8": ["--dist.comm", "gift", "--dist.gift-whiten", "false"], "gift": ["--dist.comm", "gift"]}
+RUNS = {"exact": [], "fp8": ["dist.comm=gift", "dist.gift_whiten=false"], "gift": ["dist.comm=gift"]}  # config overrides
 
 
 def worker(args) -> int:
@@ -76,9 +76,7 @@ def worker(args) -> int:
 
 def _launch(name: str, extra: list, out: Path, steps: int, every: int, errors: bool, ranks: int) -> dict:
     run_out = out / name
-    sets = [f"train.steps={steps}", "train.progress=false", "train.sample_tokens=0", "train.ckpt_every=0"]
-    for a, b in zip(extra[::2], extra[1::2], strict=True):
-        sets.append(f"{a[2:].replace('-', '_')}={b}")
+    sets = [f"train.steps={steps}", "train.progress=false", "train.sample_tokens=0", "train.ckpt_every=0", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_port()),
            __file__, "worker", "--run-out", str(run_out), "--every", str(every), *(["--errors"] if errors else []),
            "--set", *sets]

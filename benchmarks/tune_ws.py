@@ -70,6 +70,16 @@ def check(args) -> int:
     return int(bad > 0)
 
 
+def _launch_args(c):
+    """A ``--configs`` entry as ``launch_ws``'s ``config``, mode and ``dw_bf16``: None / ``"auto16"``
+    are ``auto_config``'s schedule for the shape with fp32 / bf16 dW; a dict's ``"MODE"`` is the launch
+    mode (1 writes dW; the probes 2 and 3)."""
+    if c in (None, "auto16"):
+        return None, 0, c == "auto16"
+    c = dict(c)
+    return c, c.pop("MODE", 0), False
+
+
 def _time_case(n, k, t, configs, hp, scal, flags, dtype="fp32") -> None:
     import torch
     from triton.testing import do_bench, do_bench_cudagraph
@@ -114,10 +124,8 @@ def _time_case(n, k, t, configs, hp, scal, flags, dtype="fp32") -> None:
     fns = {"torch": baseline, "split": split, "mm": mm, "split16": split16}
     # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead; the probes 2 the GEMM alone,
     # 3 the update alone, as launch_ws runs them)
-    for i, c in enumerate(configs):  # (None / "auto16": launch_ws's auto_config for the shape, fp32 / bf16 dW)
-        dw16 = c == "auto16"
-        c = None if c in (None, "auto16") else dict(c)
-        mode = 0 if c is None else c.pop("MODE", 0)
+    for i, c in enumerate(configs):
+        c, mode, dw16 = _launch_args(c)
         fns[f"ws{i}"] = (lambda c=c, mode=mode, dw16=dw16: ws.launch_ws(
             mode, x=x, dy=dy, w=w, states=[m, v], kinds=kinds, g=buf, scal=scal, flags=flags,
             rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16))
@@ -156,10 +164,8 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-3
     w = torch.randn(n, k, device="cuda") * 0.02
     m, v = torch.zeros_like(w), torch.zeros_like(w)
-    for c in configs:  # (None / "auto16": launch_ws's auto_config for the shape, fp32 / bf16 dW)
-        dw16 = c == "auto16"
-        c = None if c in (None, "auto16") else dict(c)
-        mode = 0 if c is None else c.pop("MODE", 0)
+    for c in configs:
+        c, mode, dw16 = _launch_args(c)
         kw = dict(x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags,
                   rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16)
         for _ in range(5):

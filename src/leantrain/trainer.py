@@ -117,7 +117,7 @@ class Trainer:
         self.model.to(self.device)
         self.step = 0
         self.ddp = None
-        self.gift = None  # dist.comm gift: the DDP hook's state (K-FAC factors), saved with the rank state
+        self.gift = None  # dist.comm gift: the reducer run after backward (its K-FAC factors are in the rank state)
         self.grad_acc = None
         self.agoq_policy = None
         self.graph = None  # train.cuda_graph: the captured forward + backward (made at the first unmeasured step)
@@ -154,7 +154,7 @@ class Trainer:
         if c.dist.comm == "int8" and c.dist.mode != "ddp":
             raise ConfigError("dist.comm=int8 is a DDP all-reduce hook: use it with dist.mode=ddp")
         if c.dist.comm == "gift" and (c.dist.mode != "ddp" or c.forge.enabled):
-            raise ConfigError("dist.comm=gift is a DDP all-reduce hook (whole layers' gradients after backward): use it "
+            raise ConfigError("dist.comm=gift reduces DDP's gradients after backward (whole layers): use it "
                               "with dist.mode=ddp and without forge.enabled, whose per-layer reduction runs inside "
                               "backward (with FORGE use dist.comm int8)")
         if c.dist.comm == "gift" and (c.dist.gift_rank < 0 or c.dist.gift_refresh_every < 1):

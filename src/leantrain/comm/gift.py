@@ -136,7 +136,6 @@ class _Layer:
         self.na = self.nb = 0
         self.A: _Side | None = None  # the factors every rank uses
         self.B: _Side | None = None
-        self.refreshed = -1  # the step of the last refresh
 
     @property
     def ready(self) -> bool:
@@ -179,7 +178,6 @@ class GIFT:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layers: dict[int, _Layer] = {}  # id(weight) -> layer
         self.steps = 0
-        self._collect = True  # this step's forward / backward takes statistics (a refresh step)
         self._hooks = []
         if whiten:
             # (a subclass with its own forward, e.g. the model's LMHead that returns the loss, has no outputs
@@ -195,6 +193,11 @@ class GIFT:
                 self._hooks.append(mod.register_forward_hook(self._forward_hook(layer)))
 
     # ------------------------------------------------------------------ statistics
+
+    @property
+    def _collect(self) -> bool:
+        """Whether this step is a refresh step: its forward and backward take statistics."""
+        return self.steps % self.refresh_every == 0
 
     def _forward_hook(self, layer: _Layer):
         def hook(mod, inputs, out):
@@ -235,11 +238,8 @@ class GIFT:
 
     def _refresh(self, layer: _Layer) -> None:
         """The layer's root folds this step's statistics into its EMA, decomposes, and broadcasts;
-        every rank builds the same transforms. Once a refresh step (every rank calls it for the same
-        layers in the same order: the broadcasts pair up)."""
-        if layer.refreshed == self.steps:
-            return
-        layer.refreshed = self.steps
+        every rank builds the same transforms (every rank calls it for the same layers in the same
+        order: the broadcasts pair up)."""
         n_, k_ = layer.mod.weight.shape
         ra = k_ if self.rank is None else min(self.rank, k_)
         rb = n_ if self.rank is None else min(self.rank, n_)
@@ -289,7 +289,6 @@ class GIFT:
         if set(state["layers"]) != set(names):
             raise ValueError(f"GIFT state for layers {sorted(state['layers'])}, this model has {sorted(names)}")
         self.steps = state["steps"]
-        self._collect = self.steps % self.refresh_every == 0
         for name, st in state["layers"].items():
             la = names[name]
             dev = la.mod.weight.device  # (a checkpoint may load onto the CPU)
@@ -307,53 +306,41 @@ class GIFT:
     # ------------------------------------------------------------------ the reduction
 
     def reduce_gradients(self) -> None:
-        """Average every parameter's gradient over the group: ``nn.Linear`` weights of at least
-        ``min_numel`` elements in whitened coordinates, the rest as they are, all in one FP8
-        all-reduce. On a refresh step (every ``refresh_every``, the first included) the factors are
-        rebuilt first from the statistics that step's forward and backward took."""
-        grads = [p for p in self.params if p.grad is not None]
-        self._reduce(grads, [p.grad for p in grads])
-        self.step()
-
-    def step(self) -> None:
-        """Count a step (:meth:`reduce_gradients` does): the next step takes statistics if it is a
-        refresh step."""
-        self.steps += 1
-        self._collect = self.steps % self.refresh_every == 0
-
-    def _reduce(self, params: list, grads: list) -> None:
-        """Average ``grads`` (those of ``params``, in place) over the group in one FP8 all-reduce, the
-        whitened layers' in their coordinates (refreshing their factors first on a refresh step)."""
+        """Average every parameter's gradient over the group, in place: ``nn.Linear`` weights of at least
+        ``min_numel`` elements in whitened coordinates, the rest as they are. One FP8 all-reduce a bucket
+        of consecutive parameters of about ``bucket_numel`` elements (the transient fp32 copies are a
+        bucket's, not the model's; the split depends only on the parameters' order and sizes). On a
+        refresh step (every ``refresh_every``, the first included) the factors are rebuilt first from
+        the statistics that step's forward and backward took. Counts the step."""
+        params = [p for p in self.params if p.grad is not None]
         if self._collect:
             for p in params:
                 if id(p) in self.layers:
                     self._refresh(self.layers[id(p)])
-        if self.world == 1 or not grads:
-            return
-        # buckets of consecutive parameters, about bucket_numel elements each (the transient fp32 copies
-        # are a bucket's, not the model's); the split depends only on the parameters' order and sizes
-        start, size = 0, 0
-        for i, g in enumerate(grads):
-            size += g.numel()
-            if size >= self.bucket_numel or i == len(grads) - 1:
-                self._reduce_bucket(params[start:i + 1], grads[start:i + 1])
-                start, size = i + 1, 0
+        if self.world > 1:
+            start, size = 0, 0
+            for i, p in enumerate(params):
+                size += p.numel()
+                if size >= self.bucket_numel or i == len(params) - 1:
+                    self._reduce_bucket(params[start:i + 1])
+                    start, size = i + 1, 0
+        self.steps += 1
 
-    def _reduce_bucket(self, params: list, grads: list) -> None:
+    def _reduce_bucket(self, params: list) -> None:
         pieces = []
-        for p, g in zip(params, grads, strict=True):
+        for p in params:
             layer = self.layers.get(id(p))
-            g = g.float()
+            g = p.grad.float()
             pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
         flat = torch.cat(pieces)
         fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=self.scope)
         o = 0
-        for p, g in zip(params, grads, strict=True):
-            k = g.numel()
-            red = flat[o:o + k].view(g.shape)
+        for p in params:
+            k = p.numel()
+            red = flat[o:o + k].view(p.shape)
             o += k
             layer = self.layers.get(id(p))
-            g.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
+            p.grad.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
 
     @staticmethod
     def ddp_noop_hook(state, bucket):
@@ -374,7 +361,8 @@ class GIFT:
         """For each whitened layer, on the gradients at hand (before :meth:`reduce_gradients`): the
         relative error against the exact average (an fp32 all-reduce, not counted in the ledger) of
         GIFT and of Euclidean FP8 (the same all-reduce on the raw gradient), each in the Euclidean
-        metric and in the whitened one (``‖B^{-1/2} E A^{-1/2}‖ / ‖B^{-1/2} Ḡ A^{-1/2}‖``)."""
+        metric and in the whitened one (``‖B^{-1/2} E A^{-1/2}‖ / ‖B^{-1/2} Ḡ A^{-1/2}‖``). Its two FP8
+        all-reduces are counted in the ledger under the scope ``"probe"``."""
         out = {}
         for layer in self.layers.values():
             if not layer.ready or layer.mod.weight.grad is None:

@@ -513,9 +513,7 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     nsm = _num_sms(x.device.index or 0)
     if config is None:
         config = auto_config(N, K, T, nsm, dw_bf16)
-    cfg = resolve_config(config, mode, (w, s1, s2))
-    if dw_bf16:
-        cfg["DW16"] = 1
+    cfg = resolve_config({**config, "DW16": 1} if dw_bf16 else config, mode, (w, s1, s2))
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     ntiles = -(-N // BM) * -(-K // BN)
     if part is None or part.numel() != ntiles:
@@ -598,7 +596,8 @@ def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", st
     """Self-check on this GPU, random inputs: the fused update (mode 0) against the kernel's own dW
     (mode 1) followed by ``kernel.py``'s update kernel (``bitwise``: W and every state equal bit for
     bit), that dW against ``dYᵀX`` in fp32 (``dw_rel_err``: max error over max entry), and how far W
-    moved (``moved``); with ``DW16`` in ``config``, whether every dW entry is a bf16 value (``dw_is_bf16``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
+    moved (``moved``); with ``DW16`` in ``config``, whether every dW entry is a bf16 value
+    (``dw_is_bf16``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
     from .kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
 
     name = "sgd" if rule == "nesterov" else rule
