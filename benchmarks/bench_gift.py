@@ -1,6 +1,6 @@
 """GIFT on CPU (2 gloo ranks): its communication error against Euclidean FP8, its bytes, and training.
 
-    PYTHONPATH=src python3 benchmarks/bench_gift.py --out benchmarks/results [--steps 150] [--ranks 2]
+    PYTHONPATH=src python3 benchmarks/bench_gift.py --out benchmarks/results [--steps 150] [--ranks 2] [--format nvfp4]
 
 Three runs of the trainer on the ``tiny`` preset (the embedded corpus), each under
 ``torch.distributed.run`` with ``--ranks`` processes (2) and the same seed and data:
@@ -10,11 +10,15 @@ Three runs of the trainer on the ``tiny`` preset (the embedded corpus), each und
   --dist.gift-whiten false``): Euclidean FP8;
 - ``gift``: the linear weights in K-FAC-whitened coordinates (``dist.comm gift``).
 
+With ``--format nvfp4`` the two low-precision runs use GIFT's 4-bit format instead (the Euclidean
+one is then named ``fp4``).
+
 In the ``gift`` run, every ``--every`` steps and before the reduction, :meth:`GIFT.errors` measures
 each whitened layer's relative error against the exact average, for GIFT and for Euclidean FP8, on
 the same gradients, in the Euclidean metric and in the whitened one. Bytes a step come from each
 run's ledger (``summary.json``); the bf16 all-reduce of the same gradients is counted on the side.
-Writes ``gift_<date>_cpu.json`` and ``.md`` (``_r<ranks>`` appended for other than 2 ranks).
+Writes ``gift_<date>_cpu.json`` and ``.md`` (``_nvfp4`` appended for that format, ``_r<ranks>`` for other
+than 2 ranks).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-RUNS = {"exact": [], "fp8": ["dist.comm=gift", "dist.gift_whiten=false"], "gift": ["dist.comm=gift"]}  # config overrides
+
+
+def runs(fmt: str) -> dict[str, list[str]]:
+    """The three runs' config overrides."""
+    low = ["dist.comm=gift", f"dist.gift_format={fmt}"]
+    return {"exact": [], "fp8" if fmt == "e4m3" else "fp4": [*low, "dist.gift_whiten=false"], "gift": low}
 
 
 def worker(args) -> int:
@@ -100,7 +109,9 @@ def _port() -> int:
 
 def markdown(res: dict) -> str:
     env = res["env"]
-    lines = [f"# GIFT on CPU, {res.get('ranks', 2)} gloo ranks — {env['date']}", "",
+    fmt = res.get("format", "e4m3")
+    low = "FP8" if fmt == "e4m3" else "NVFP4"
+    lines = [f"# GIFT ({low}) on CPU, {res.get('ranks', 2)} gloo ranks — {env['date']}", "",
              f"torch {env['torch']}; command: `{res['command']}`; the `tiny` preset, {res['steps']} steps, embedded corpus.",
              "", "## Training: the same run with three gradient all-reduces", "",
              "| run | final loss | last val loss | val / exact's | bytes a step | bytes / exact's |", "|---|---|---|---|---|---|"]
@@ -119,7 +130,8 @@ def markdown(res: dict) -> str:
                   "Relative error against the exact average. Euclidean: `‖Ĝ - Ḡ‖ / ‖Ḡ‖`; whitened: the same in "
                   "GIFT's K-FAC coordinates (`‖B^-1/2 (Ĝ - Ḡ) A^-1/2‖ / ‖B^-1/2 Ḡ A^-1/2‖`). Median over the "
                   "whitened layers, and the fraction of layers where GIFT's error is the smaller.", "",
-                  "| step | layers | GIFT, Euclidean | FP8, Euclidean | GIFT, whitened | FP8, whitened | GIFT smaller (Euclidean) | GIFT smaller (whitened) |",
+                  f"| step | layers | GIFT, Euclidean | {low}, Euclidean | GIFT, whitened | {low}, whitened | "
+                  "GIFT smaller (Euclidean) | GIFT smaller (whitened) |",
                   "|---|---|---|---|---|---|---|---|"]
         for row in g:
             e = row["errors"]
@@ -131,9 +143,9 @@ def markdown(res: dict) -> str:
                 return v[len(v) // 2]
 
             n = len(e)
-            lines.append(f"| {row['step']} | {n} | {med('gift'):.4f} | {med('fp8'):.4f} | {med('gift_whitened'):.4f} | "
-                         f"{med('fp8_whitened'):.4f} | {sum(x['gift'] < x['fp8'] for x in e.values())}/{n} | "
-                         f"{sum(x['gift_whitened'] < x['fp8_whitened'] for x in e.values())}/{n} |")
+            lines.append(f"| {row['step']} | {n} | {med('gift'):.4f} | {med('euclidean'):.4f} | {med('gift_whitened'):.4f} | "
+                         f"{med('euclidean_whitened'):.4f} | {sum(x['gift'] < x['euclidean'] for x in e.values())}/{n} | "
+                         f"{sum(x['gift_whitened'] < x['euclidean_whitened'] for x in e.values())}/{n} |")
         bf = [row["bf16_bytes"] for row in g if row.get("bf16_bytes")]
         if bf:
             lines += ["", f"A bf16 all-reduce of the same gradients sends {bf[-1]} bytes a rank; GIFT's run "
@@ -150,6 +162,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU)")
+    ap.add_argument("--format", default="e4m3", choices=["e4m3", "nvfp4"], help="GIFT's wire format")
     ap.add_argument("--run-out")
     ap.add_argument("--errors", action="store_true")
     ap.add_argument("--set", nargs="*", default=[])
@@ -163,16 +176,18 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     res = {"env": {"torch": torch.__version__, "date": date, "python": sys.version.split()[0]},
            "command": f"PYTHONPATH=src python3 benchmarks/bench_gift.py --steps {args.steps} --every {args.every}"
-                      + (f" --ranks {args.ranks}" if args.ranks != 2 else ""),
-           "steps": args.steps, "ranks": args.ranks, "runs": {}}
+                      + (f" --ranks {args.ranks}" if args.ranks != 2 else "")
+                      + (f" --format {args.format}" if args.format != "e4m3" else ""),
+           "steps": args.steps, "ranks": args.ranks, "format": args.format, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in RUNS.items():
+        for name, extra in runs(args.format).items():
             print(f"run {name} ...", flush=True)
             r = _launch(name, extra, Path(tmp), args.steps, args.every, errors=name == "gift", ranks=args.ranks)
             res["runs"][name] = r
             print(f"  final loss {r['summary'].get('final_loss')}, val {r['val'][-1] if r['val'] else None}, "
                   f"bytes/step {r['summary'].get('comm_bytes_per_step')}", flush=True)
-    stem = f"gift_{date}_cpu" + (f"_r{args.ranks}" if args.ranks != 2 else "")
+    stem = (f"gift_{date}_cpu" + ("" if args.format == "e4m3" else f"_{args.format}")
+            + (f"_r{args.ranks}" if args.ranks != 2 else ""))
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))

@@ -166,6 +166,7 @@ class DistConfig:
     gift_refresh_every: int = 10  # dist.comm gift: steps between factor refreshes
     gift_min_numel: int = 16384  # dist.comm gift: the smallest linear weight sent whitened (smaller: Euclidean FP8)
     gift_whiten: bool = True  # dist.comm gift: false sends every gradient in Euclidean FP8 (the baseline GIFT improves on)
+    gift_format: Literal["e4m3", "nvfp4"] = "e4m3"  # dist.comm gift: FP8 E4M3, or NVFP4-style 4-bit (stochastic rounding)
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
     timeout_s: float = 120.0
 

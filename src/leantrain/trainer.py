@@ -262,7 +262,7 @@ class Trainer:
 
             d = self.cfg.dist
             self.gift = comm.GIFT(self.model, rank=d.gift_rank or None, refresh_every=d.gift_refresh_every,
-                                  min_numel=d.gift_min_numel, whiten=d.gift_whiten)
+                                  min_numel=d.gift_min_numel, whiten=d.gift_whiten, format=d.gift_format)
             self.ddp.register_comm_hook(None, comm.GIFT.ddp_noop_hook)  # (GIFT reduces after backward)
         else:
             from .ddp_hooks import counted_allreduce_hook
@@ -608,8 +608,9 @@ def recipe_name(cfg: Config, baseline: bool) -> str:
         parts.append("agoq")
     if cfg.dist.mode == "sharded":
         parts.append("sharded" + ("" if cfg.dist.comm == "none" else f"-{cfg.dist.comm}"))
-    elif cfg.dist.comm == "gift" and not cfg.dist.gift_whiten:
-        parts.append("ddp-fp8")  # (GIFT's all-reduce in Euclidean coordinates)
+    elif cfg.dist.comm == "gift":  # (unwhitened: GIFT's all-reduce in Euclidean coordinates)
+        fmt = "fp8" if cfg.dist.gift_format == "e4m3" else cfg.dist.gift_format
+        parts.append(f"ddp-gift{'' if fmt == 'fp8' else '-' + fmt}" if cfg.dist.gift_whiten else f"ddp-{fmt}")
     elif cfg.dist.comm != "none":
         parts.append(f"ddp-{cfg.dist.comm}")
     return "+".join(parts) or f"reference-{cfg.optim.name}"

@@ -59,9 +59,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import collectives as C
+from .fp4 import nvfp4_all_reduce
 from .int8_allreduce import two_phase_all_reduce
 
-__all__ = ["FP8_MAX", "GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize"]
+__all__ = ["FP8_MAX", "GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -103,6 +104,34 @@ def fp8_all_reduce(tensor: Tensor, group=None, *, block: int = 1024, average: bo
                                 scope=scope)
 
 
+_OVERSAMPLE = 16  # extra columns of the subspace iteration
+
+
+def top_eigenpairs(f: Tensor, r: int, *, warm: Tensor | None = None, seed: int = 0,
+                   iters: int | None = None) -> tuple[Tensor, Tensor]:
+    """The ``r`` largest eigenvalues (descending) and their eigenvectors ``(dim, r)`` of the symmetric PSD
+    ``f``, by subspace iteration with Rayleigh-Ritz: ``r + 16`` columns (``warm``'s, then Gaussian ones
+    from ``seed``, on the CPU so that every device draws the same), ``iters`` products with ``f`` and a
+    QR each (default 3 from a warm start, 8 from a cold one), then the eigenpairs of ``Qᵀ f Q``. The
+    vectors are orthonormal to the precision of ``f``'s dtype; the values are Ritz values (each at most
+    the true one). Costs ``O(dim² r)`` a product where ``eigh`` costs ``O(dim³)``."""
+    dim = f.shape[0]
+    k = min(dim, r + _OVERSAMPLE)
+    q = torch.randn(dim, k, generator=torch.Generator().manual_seed(seed % (1 << 63)), dtype=torch.float64)
+    q = q.to(device=f.device, dtype=f.dtype)
+    if warm is not None:
+        w = warm[:, :k].to(q)
+        q[:, :w.shape[1]] = w
+    if iters is None:
+        iters = 3 if warm is not None else 8
+    q = torch.linalg.qr(q).Q
+    for _ in range(iters):
+        q = torch.linalg.qr(f @ q).Q
+    s, v = torch.linalg.eigh(q.t() @ f @ q)
+    s, v = s.flip(0)[:r].clamp_min(0), v.flip(1)[:, :r]
+    return s, q @ v
+
+
 class _Side:
     """One K-FAC factor as low-rank eigenpairs + the mean of the rest: its powers ±1/2, damped.
     Built on every rank from the same broadcast numbers (the same transforms everywhere)."""
@@ -127,8 +156,8 @@ class _Side:
 
 
 class _Layer:
-    def __init__(self, name: str, mod: nn.Linear, root: int):
-        self.name, self.mod, self.root = name, mod, root
+    def __init__(self, name: str, mod: nn.Linear, index: int, root: int):
+        self.name, self.mod, self.index, self.root = name, mod, index, root
         self.a_ema: Tensor | None = None  # (root only) EMA of E[x xᵀ]
         self.b_ema: Tensor | None = None  # (root only) EMA of E[δ δᵀ]
         self.a_new: Tensor | None = None  # this refresh step's sums and token counts
@@ -157,11 +186,20 @@ class GIFT:
     statistics across refreshes; ``damping``: added to each factor, times its mean eigenvalue;
     ``min_numel``: the smallest ``nn.Linear`` weight sent whitened; ``block``: elements per FP8 scale;
     ``whiten=False``: the same FP8 all-reduce in Euclidean coordinates (the baseline); ``bucket_numel``:
-    elements a bucket of consecutive parameters (one FP8 all-reduce each)."""
+    elements a bucket of consecutive parameters (one FP8 all-reduce each). ``format="nvfp4"``: the
+    all-reduce in NVFP4-style 4-bit (``comm/fp4.py``, block 16; ``block`` is then unused), with
+    stochastic rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run
+    rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
+    subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
-                 whiten: bool = True, bucket_numel: int = 1 << 25, scope: str = "world"):
+                 whiten: bool = True, bucket_numel: int = 1 << 25, format: str = "e4m3",
+                 stochastic: bool = True, solver: str = "auto", scope: str = "world"):
+        if format not in ("e4m3", "nvfp4"):
+            raise ValueError(f"GIFT: format must be 'e4m3' or 'nvfp4', got {format!r}")
+        if solver not in ("auto", "eigh", "subspace"):
+            raise ValueError(f"GIFT: solver must be 'auto', 'eigh' or 'subspace', got {solver!r}")
         if refresh_every < 1:
             raise ValueError(f"GIFT: refresh_every must be >= 1, got {refresh_every}")
         if not 0.0 <= ema < 1.0:
@@ -172,7 +210,7 @@ class GIFT:
             raise ValueError(f"GIFT: rank must be >= 1 or None (full rank), got {rank}")
         self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
         self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
-        self.bucket_numel = bucket_numel
+        self.bucket_numel, self.format, self.stochastic, self.solver = bucket_numel, format, stochastic, solver
         self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.me = C.rank(group) if self.world > 1 else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -188,7 +226,7 @@ class GIFT:
             for i, (name, mod) in enumerate(mods):
                 if id(mod.weight) in self.layers:  # (a weight shared by two layers: the first one's factors)
                     continue
-                layer = _Layer(name, mod, root=i % self.world)
+                layer = _Layer(name, mod, index=i, root=i % self.world)
                 self.layers[id(mod.weight)] = layer
                 self._hooks.append(mod.register_forward_hook(self._forward_hook(layer)))
 
@@ -225,16 +263,22 @@ class GIFT:
 
     # ------------------------------------------------------------------ factors
 
-    def _eig(self, f: Tensor) -> tuple[Tensor, Tensor, float, float]:
-        """Top eigenpairs of the PSD factor ``f``, the mean of the rest of its spectrum, its damping."""
+    def _eig(self, f: Tensor, warm: Tensor | None, seed: int) -> tuple[Tensor, Tensor, float, float]:
+        """Top eigenpairs of the PSD factor ``f``, the mean of the rest of its spectrum, its damping.
+        Low rank on a large factor (``solver="auto"``: ``rank + 16 <= dim / 4``): :func:`top_eigenpairs`,
+        warm-started from the basis in use; otherwise the full ``eigh``."""
         dim = f.shape[0]
-        s, u = torch.linalg.eigh(f.double())
-        s = s.clamp_min(0).flip(0).float()
-        u = u.flip(1).float().contiguous()
+        f = f.double()
         r = dim if self.rank is None else min(self.rank, dim)
-        lam = self.damping * float(s.mean()) + 1e-30
-        sigma = float(s[r:].mean()) if r < dim else 0.0
-        return u[:, :r].contiguous(), s[:r].contiguous(), sigma, lam
+        trace = float(f.diagonal().sum())
+        lam = self.damping * trace / dim + 1e-30  # (the mean eigenvalue)
+        if self.solver == "subspace" or (self.solver == "auto" and r < dim and r + _OVERSAMPLE <= dim // 4):
+            s, u = top_eigenpairs(f, r, warm=warm, seed=seed)
+        else:
+            s, u = torch.linalg.eigh(f)
+            s, u = s.clamp_min(0).flip(0)[:r], u.flip(1)[:, :r]
+        sigma = max(trace - float(s.sum()), 0.0) / (dim - r) if r < dim else 0.0
+        return u.float().contiguous(), s.float().contiguous(), sigma, lam
 
     def _refresh(self, layer: _Layer) -> None:
         """The layer's root folds this step's statistics into its EMA, decomposes, and broadcasts;
@@ -253,8 +297,9 @@ class GIFT:
                 layer.a_ema.mul_(self.ema).add_(a, alpha=1 - self.ema)
                 layer.b_ema.mul_(self.ema).add_(b, alpha=1 - self.ema)
             parts = [torch.ones(1, device=buf.device)]
-            for f in (layer.a_ema, layer.b_ema):
-                u, s, sigma, lam = self._eig(f)
+            for j, (f, side) in enumerate(((layer.a_ema, layer.A), (layer.b_ema, layer.B))):
+                seed = (self.steps * 1_000_003 + layer.index) * 2 + j
+                u, s, sigma, lam = self._eig(f, None if side is None else side.u, seed)
                 parts += [u.reshape(-1), s, torch.tensor([sigma, lam], device=buf.device)]
             buf.copy_(torch.cat(parts))
         layer.a_new = layer.b_new = None
@@ -318,22 +363,28 @@ class GIFT:
                 if id(p) in self.layers:
                     self._refresh(self.layers[id(p)])
         if self.world > 1:
-            start, size = 0, 0
+            start, size, bucket = 0, 0, 0
             for i, p in enumerate(params):
                 size += p.numel()
                 if size >= self.bucket_numel or i == len(params) - 1:
-                    self._reduce_bucket(params[start:i + 1])
-                    start, size = i + 1, 0
+                    self._reduce_bucket(params[start:i + 1], self.steps * 65_537 + bucket)
+                    start, size, bucket = i + 1, 0, bucket + 1
         self.steps += 1
 
-    def _reduce_bucket(self, params: list) -> None:
+    def _all_reduce(self, flat: Tensor, seed: int, scope: str) -> Tensor:
+        """The average over the group of ``flat`` through the low-precision all-reduce, in place."""
+        if self.format == "nvfp4":
+            return nvfp4_all_reduce(flat, self.group, average=True, stochastic=self.stochastic, seed=seed, scope=scope)
+        return fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=scope)
+
+    def _reduce_bucket(self, params: list, seed: int) -> None:
         pieces = []
         for p in params:
             layer = self.layers.get(id(p))
             g = p.grad.float()
             pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
         flat = torch.cat(pieces)
-        fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=self.scope)
+        self._all_reduce(flat, seed, self.scope)
         o = 0
         for p in params:
             k = p.numel()
@@ -360,9 +411,10 @@ class GIFT:
     def errors(self) -> dict[str, dict[str, float]]:
         """For each whitened layer, on the gradients at hand (before :meth:`reduce_gradients`): the
         relative error against the exact average (an fp32 all-reduce, not counted in the ledger) of
-        GIFT and of Euclidean FP8 (the same all-reduce on the raw gradient), each in the Euclidean
-        metric and in the whitened one (``‖B^{-1/2} E A^{-1/2}‖ / ‖B^{-1/2} Ḡ A^{-1/2}‖``). Its two FP8
-        all-reduces are counted in the ledger under the scope ``"probe"``."""
+        GIFT (``"gift"``) and of the same low-precision all-reduce on the raw gradient (``"euclidean"``),
+        each in the Euclidean metric and in the whitened one (``"..._whitened"``:
+        ``‖B^{-1/2} E A^{-1/2}‖ / ‖B^{-1/2} Ḡ A^{-1/2}‖``). Its two all-reduces are counted in the ledger
+        under the scope ``"probe"``."""
         out = {}
         for layer in self.layers.values():
             if not layer.ready or layer.mod.weight.grad is None:
@@ -372,15 +424,16 @@ class GIFT:
             if self.world > 1:
                 dist.all_reduce(exact, group=self.group)
                 exact /= self.world
-            euc = fp8_all_reduce(g.clone(), self.group, block=self.block, average=True, scope="probe")
-            wh = fp8_all_reduce(layer.whiten(g), self.group, block=self.block, average=True, scope="probe")
+            seed = -(self.steps * 65_537 + layer.index + 1)  # (not a seed a reduction uses)
+            euc = self._all_reduce(g.clone(), seed, "probe")
+            wh = self._all_reduce(layer.whiten(g), seed, "probe")
             gift = layer.unwhiten(wh)
             w_exact = layer.whiten(exact)
 
             def rel(e, ref):
                 return float(e.norm() / ref.norm().clamp_min(1e-30))
 
-            out[layer.name] = {"gift": rel(gift - exact, exact), "fp8": rel(euc - exact, exact),
+            out[layer.name] = {"gift": rel(gift - exact, exact), "euclidean": rel(euc - exact, exact),
                                "gift_whitened": rel(layer.whiten(gift) - w_exact, w_exact),
-                               "fp8_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}
+                               "euclidean_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}
         return out
