@@ -61,3 +61,20 @@ def test_sqnr_floor_and_extremes(backend, device, fmt):
     assert abs(y[192].item() / -3e38 - 1) < 1e-6
     # denormal groups: bounded error; once amax / FMAX underflows fp32 they decode to 0 (documented)
     assert ((y[128:192] - z[128:192]).abs() <= z[128:192].abs().max()).all()
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_nonfinite_nan_marks_exactly_the_groups_holding_one(backend, device, fmt):
+    x = randn(1000, torch.float32, device)
+    x[5], x[250], x[999] = float("nan"), float("inf"), float("-inf")
+    q = quantize_fp8(x, fmt=fmt, group_size=128, nonfinite="nan", backend=backend)
+    r = quantize_fp8_ref(x, fmt=fmt, group_size=128, nonfinite="nan")
+    assert torch.equal(q.data, r.data) and equal_nan(q.scale, r.scale)
+    y = dequantize_fp8(q, backend=backend)
+    groups = torch.zeros(8, dtype=torch.bool, device=device)
+    groups[[0, 1, 7]] = True
+    assert torch.equal(torch.isnan(y), groups.repeat_interleave(128)[:1000])
+    # the default: treated as 0, everything finite
+    assert torch.isfinite(dequantize_fp8(quantize_fp8(x, fmt=fmt, group_size=128, backend=backend), backend=backend)).all()
+    with pytest.raises(ValueError):
+        quantize_fp8(x, nonfinite="keep")

@@ -162,3 +162,61 @@ def test_sqnr_floor(backend, device):
     q = quantize_nvfp4(x, backend=backend)
     assert q.nbytes == (1 << 15) + (1 << 12) + 4
     assert sqnr_db(x, dequantize_nvfp4(q, backend=backend)) >= SQNR_FLOOR_DB["nvfp4"]
+
+
+# --- the options for gradients on the wire: stochastic rounding, scales rounded up, NaN blocks
+
+OPTS = {"sr": {"stochastic": True, "seed": 11}, "up": {"scale_round": "up"}, "nan": {"nonfinite": "nan"},
+        "wire": {"stochastic": True, "seed": 2**40 + 3, "scale_round": "up", "nonfinite": "nan"}}
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+@pytest.mark.parametrize("n", [16, 4097, 3 * 4096 + 5])
+def test_options_kernel_matches_reference_bit_exact(backend, device, opt, n):
+    x = randn(n, torch.float32, device) * torch.logspace(-3, 3, n, device=device)
+    x[n // 3] = float("nan")
+    x[n // 2] = float("-inf")
+    kw = OPTS[opt]
+    q = quantize_nvfp4(x, backend=backend, **kw)
+    r = quantize_nvfp4_ref(x, **kw)
+    assert torch.equal(q.data, r.data) and torch.equal(q.block_scale, r.block_scale)
+    assert torch.equal(q.tensor_scale.view(torch.int32), r.tensor_scale.view(torch.int32))
+    y = dequantize_nvfp4(q, backend=backend)
+    assert _same_bits(y, dequantize_nvfp4_ref(r))
+    bad = torch.zeros(-(-n // 16) * 16, dtype=torch.bool, device=device)
+    bad[:n] = ~torch.isfinite(x)
+    bad_blocks = bad.view(-1, 16).any(1).repeat_interleave(16)[:n]
+    if kw.get("nonfinite") == "nan":  # exactly the blocks holding a non-finite value decode as NaN
+        assert torch.equal(torch.isnan(y), bad_blocks)
+    else:
+        assert torch.isfinite(y).all()
+    if kw.get("scale_round") == "up":  # no element is clamped: every block scale is at or above amax / 6
+        xb = torch.zeros(bad.numel(), device=device)
+        xb[:n] = torch.where(torch.isfinite(x), x, 0.0)
+        amax = xb.view(-1, 16).abs().amax(1)
+        eff = q.block_scale.view(torch.float8_e4m3fn).float() * q.tensor_scale
+        ok = ~bad.view(-1, 16).any(1) | (kw.get("nonfinite") != "nan")
+        assert torch.all((6 * eff >= amax * (1 - 2**-22))[ok])
+
+
+def test_stochastic_rounding_is_unbiased_and_seeded(backend, device):
+    x = torch.randn(64, device=device) * 3
+    x[0] = 9.0  # a block's largest element: unbiased too, with the scale rounded up
+    n = 3000  # copies in one call: the same blocks and scales, a draw of its own for every element
+    q = quantize_nvfp4(x.repeat(n), stochastic=True, seed=1, scale_round="up", backend=backend)
+    mean = dequantize_nvfp4(q, backend=backend).view(n, 64).mean(0)
+    # each draw is one of the two E2M1 values around x (step at most 2 units, unit <= 9 / 6): std < 0.75,
+    # so the mean of 3000 is within 0.075 (5.5 sigma) of x
+    assert (mean - x).abs().max() < 0.075
+    nearest = dequantize_nvfp4(quantize_nvfp4(x, scale_round="up", backend=backend), backend=backend)
+    assert (mean - x).abs().mean() < 0.3 * (nearest - x).abs().mean()
+    a = quantize_nvfp4(x, stochastic=True, seed=5, backend=backend).data
+    assert torch.equal(a, quantize_nvfp4(x, stochastic=True, seed=5, backend=backend).data)
+    assert not torch.equal(a, quantize_nvfp4(x, stochastic=True, seed=6, backend=backend).data)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError):
+        quantize_nvfp4(torch.zeros(16), scale_round="down")
+    with pytest.raises(ValueError):
+        quantize_nvfp4(torch.zeros(16), nonfinite="inf")

@@ -19,8 +19,10 @@ that GIFT reduces; in the Euclidean metric its error is larger (``results/gift_2
 **The factors.** Every ``refresh_every`` steps, each layer's input and output-gradient statistics
 are taken on that step by the layer's *root* rank (layer ``i``'s root is rank ``i mod n``: the
 eigendecompositions are spread over the ranks). The root keeps an EMA of them and takes the top
-``rank`` eigenpairs (``torch.linalg.eigh``), with the rest of the spectrum replaced by its mean
-``σ`` (``A ≈ U diag(s) Uᵀ + σ (I - U Uᵀ)``). It damps both by ``damping`` times the mean eigenvalue
+``rank`` eigenpairs, with the rest of the spectrum replaced by its mean ``σ`` (from the trace:
+``A ≈ U diag(s) Uᵀ + σ (I - U Uᵀ)``). On a factor much larger than ``rank`` the eigenpairs come from
+:func:`top_eigenpairs`, a subspace iteration warm-started from the basis in use (``O(dim² rank)``
+where the full ``torch.linalg.eigh``, used on small factors, is ``O(dim³)``). It damps both by ``damping`` times the mean eigenvalue
 and broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms from the same
 numbers: the whitened sum maps back exactly, and the factors' traffic is ``(K + N) · rank`` floats
 a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale; that costs precision,
@@ -34,11 +36,15 @@ all-reduce in its own coordinates, i.e. Euclidean FP8.
 
 **The FP8 all-reduce** (:func:`fp8_all_reduce`) is AGoQ's two-phase scheme (``int8_allreduce.py``)
 with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``block`` elements are
-scaled to E4M3's range (absmax → 448, one fp32 scale a block) and rounded to nearest by torch's
-cast. An all-to-all sends chunk ``i`` to rank ``i``. The owner adds its own chunk unquantized, sums
+scaled to E4M3's range (absmax → 448, one fp32 scale a block) and rounded to nearest even
+(``ops.quantize_fp8``: Triton on CUDA). An all-to-all sends chunk ``i`` to rank ``i``. The owner adds its own chunk unquantized, sums
 in fp32, requantizes once and all-gathers. All ranks end with the same bytes. Bytes sent, counted by
 :mod:`leantrain.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
 ``block = 1024``) plus padding, plus the factors' broadcasts on refresh steps.
+
+**4 bits** (``format="nvfp4"``, ``comm/fp4.py``): the same all-reduce with NVFP4 messages (E2M1
+codes, E4M3 scales of 16 elements, an fp32 scale a message; stochastic rounding): ``0.281`` of bf16's
+bytes. Whitening matters more there: E2M1 has one mantissa bit.
 
 Use::
 
@@ -59,29 +65,26 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import collectives as C
+from ..ops import QTensor, dequantize_fp8, quantize_fp8
 from .fp4 import nvfp4_all_reduce
 from .int8_allreduce import two_phase_all_reduce
 
-__all__ = ["FP8_MAX", "GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+__all__ = ["GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
 
 
 def fp8_quantize(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """``x`` (fp32, ``numel`` a multiple of ``block``) -> E4M3 codes as uint8 ``[numel]`` and one fp32
-    scale a block ``[numel / block]`` (absmax / 448; 1 for an all-zero block). Round to nearest even
-    (torch's cast); non-finite values stay non-finite (the optimizer's checks see them)."""
-    xb = x.reshape(-1, block)
-    amax = xb.abs().amax(1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    y = (xb / scale).clamp_(-FP8_MAX, FP8_MAX)  # (a last-ulp overshoot of 448 would cast to NaN)
-    y = torch.where(torch.isnan(xb), xb, y)
-    return y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1), scale.reshape(-1)
+    scale a block ``[numel / block]`` (absmax / 448): ``ops.quantize_fp8`` (Triton on CUDA), round to
+    nearest even; a block holding a non-finite value gets a NaN scale, so it decodes as NaN (the
+    optimizer's checks see it)."""
+    q = quantize_fp8(x, fmt="e4m3", group_size=block, nonfinite="nan")
+    return q.data, q.scale
 
 
 def fp8_dequantize(codes: Tensor, scale: Tensor, block: int) -> Tensor:
     """Inverse of :func:`fp8_quantize`: fp32 ``[numel]``."""
-    return (codes.view(torch.float8_e4m3fn).float().view(-1, block) * scale.view(-1, 1)).reshape(-1)
+    n = codes.numel()
+    return dequantize_fp8(QTensor(codes, scale, None, torch.Size([n]), torch.float32, 8, block, True, "e4m3"))
 
 
 def fp8_all_reduce(tensor: Tensor, group=None, *, block: int = 1024, average: bool = False,

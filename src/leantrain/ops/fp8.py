@@ -10,7 +10,9 @@ with ``pre`` the exact power-of-two rescale for denormal groups described in
 computes it with integer arithmetic on the fp32 bits (normal range) and an exact
 ``(k + 2**23) - 2**23`` rounding (subnormal range), so its bytes equal torch's cast bit for
 bit, on the interpreter and on any GPU (no dependence on hardware fp8 conversions).
-Non-finite inputs are treated as 0, all-zero groups give scale 0 and exact zeros. Groups of
+Non-finite inputs are treated as 0 (``nonfinite="zero"``, the default) or make their group's
+scale NaN (``nonfinite="nan"``: the group decodes as NaN, so a gradient's overflow stays visible
+after a trip through the wire); all-zero groups give scale 0 and exact zeros. Groups of
 denormals whose ``amax / FMAX`` underflows the fp32 scale (amax below ~1e-40 for e4m3, ~1e-38
 for e5m2) dequantize to 0.
 
@@ -39,9 +41,16 @@ def _fmt(fmt: str):
     return FP8_FORMATS[fmt]
 
 
-def quantize_fp8_ref(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128) -> QTensor:
+def _check_nonfinite(nonfinite: str) -> None:
+    if nonfinite not in ("zero", "nan"):
+        raise ValueError(f"nonfinite must be 'zero' or 'nan', got {nonfinite!r}")
+
+
+def quantize_fp8_ref(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128, nonfinite: str = "zero") -> QTensor:
+    _check_nonfinite(nonfinite)
     dt, _, _, _, fmax = _fmt(fmt)
     xg, _ = _pad_groups(x, group_size)
+    bad = ~torch.isfinite(xg).all(-1)
     xg = torch.where(torch.isfinite(xg), xg, 0.0)
     amax = xg.abs().amax(-1) if xg.shape[0] else xg.new_zeros(0)
     pre = torch.where(amax < _TINY, _PRE, 1.0)
@@ -49,6 +58,8 @@ def quantize_fp8_ref(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 12
     inv = torch.where(amax > 0, ieee_div(fmax, torch.where(amax > 0, amax * pre, 1.0)), 0.0)
     y = ((xg * pre[:, None]) * inv[:, None]).clamp(-fmax, fmax)
     data = y.to(dt).view(torch.uint8).reshape(-1)
+    if nonfinite == "nan":
+        scale = torch.where(bad, float("nan"), scale)
     return QTensor(data, scale, None, x.shape, x.dtype, 8, group_size, True, fmt)
 
 
@@ -98,13 +109,14 @@ if HAS_TRITON:
     @triton.jit
     def _qfp8_kernel(x_ptr, data_ptr, scale_ptr, n, n_groups, FMAX: tl.constexpr,
                      GS: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
-                     M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr):
+                     M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, KEEP_NAN: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, COLS)
         idx = rows[:, None] * GS + cols[None, :]
         valid = (cols[None, :] < GS) & (idx < n)
         x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
-        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
+        finite = tl.abs(x) < float("inf")
+        x = tl.where(finite, x, 0.0)
         amax = tl.max(tl.abs(x), axis=1)
         fmax = tl.zeros_like(amax) + FMAX
         pre = tl.where(amax < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
@@ -115,6 +127,8 @@ if HAS_TRITON:
         code = fp8_encode_tl(y, M, BIAS, EMIN)
         gmask = (cols[None, :] < GS) & (rows[:, None] < n_groups)
         tl.store(data_ptr + idx, code.to(tl.uint8), mask=gmask)
+        if KEEP_NAN:
+            scale = tl.where(tl.max(tl.where(finite, 0, 1), axis=1) > 0, float("nan"), scale)
         tl.store(scale_ptr + rows, scale, mask=rows < n_groups)
 
     @triton.jit
@@ -136,14 +150,16 @@ if HAS_TRITON:
         tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty, FAST), mask=m)
 
 
-def quantize_fp8(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128,
+def quantize_fp8(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128, nonfinite: str = "zero",
                  backend: str = "auto") -> QTensor:
-    """FP8 quantization with one fp32 scale per group; ``data`` is the uint8 view of the fp8 codes."""
+    """FP8 quantization with one fp32 scale per group; ``data`` is the uint8 view of the fp8 codes.
+    ``nonfinite="nan"``: a group with a NaN or an infinity gets a NaN scale (module doc)."""
     _, m, bias, emin, fmax = _fmt(fmt)
+    _check_nonfinite(nonfinite)
     if not (1 <= group_size <= 4096):
         raise ValueError(f"group_size must be in [1, 4096], got {group_size}")
     if resolve(backend, x) == "torch":
-        return quantize_fp8_ref(x, fmt=fmt, group_size=group_size)
+        return quantize_fp8_ref(x, fmt=fmt, group_size=group_size, nonfinite=nonfinite)
     xf = x.reshape(-1).contiguous()
     n = xf.numel()
     g = -(-n // group_size)
@@ -152,7 +168,8 @@ def quantize_fp8(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128,
     if g:
         cols, rows, warps = tile_shape(group_size)
         launch(_qfp8_kernel, (triton.cdiv(g, rows),), xf, data, scale, n, g, FMAX=fmax,
-               GS=group_size, COLS=cols, ROWS=rows, M=m, BIAS=bias, EMIN=emin, num_warps=warps)
+               GS=group_size, COLS=cols, ROWS=rows, M=m, BIAS=bias, EMIN=emin, KEEP_NAN=nonfinite == "nan",
+               num_warps=warps)
     return QTensor(data, scale, None, x.shape, x.dtype, 8, group_size, True, fmt)
 
 

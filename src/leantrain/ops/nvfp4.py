@@ -16,6 +16,17 @@ negative value that rounds to 0 is stored as +0 (code 0, no negative zero); code
 Two codes per byte (even element in the low nibble). Non-finite inputs are treated as 0
 (excluded from both amaxes, encoded as 0).
 
+Options for gradients on the wire (GIFT's 4-bit all-reduce), each off by default:
+- ``stochastic=True, seed``: ``code = lo + (u < p)``, with ``lo`` the E2M1 magnitude at or below
+  ``a = |y|``, ``p = (a - E2M1[lo]) / (E2M1[lo + 1] - E2M1[lo])`` (exact subtraction, one IEEE
+  division) and ``u = hash_uniform(seed, element index)`` of :mod:`leantrain.ops.rng`: the decoded
+  value's expectation is ``x`` (to the 2**-16 resolution of ``u``), when nothing is clamped.
+- ``scale_round="up"``: ``s_b`` is the E4M3 value at or above ``min(amax_b / 6 / tensor_scale, 448)``
+  (the cast, then the next code where the cast went down), so ``|y| <= 6`` up to one fp32 rounding
+  and stochastic rounding stays unbiased on the block's largest element.
+- ``nonfinite="nan"``: a block holding a NaN or an infinity gets the E4M3 NaN byte ``0x7F`` as its
+  scale, so it decodes as NaN (a gradient's overflow stays visible after the trip).
+
 Triton path: the tensor scale needs the global amax before any block can be encoded, so
 quantize is two passes over ``x``: a small kernel writes one partial amax (finite values) per
 4096 elements, torch reduces the partials (exact: max is order-free) and divides by 2688; then
@@ -40,6 +51,7 @@ import torch
 
 from ._backend import HAS_TRITON, launch, resolve
 from .quant import fast_bits, ieee_div
+from .rng import hash_uniform, kernel_key
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -81,12 +93,26 @@ def _tensor_scale(amax: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- torch reference
 
 
-def quantize_nvfp4_ref(x: torch.Tensor) -> NVFP4Tensor:
+_LOWER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)  # the E2M1 magnitudes that start an interval of stochastic rounding
+
+
+def _check_options(scale_round: str, nonfinite: str) -> None:
+    if scale_round not in ("nearest", "up"):
+        raise ValueError(f"scale_round must be 'nearest' or 'up', got {scale_round!r}")
+    if nonfinite not in ("zero", "nan"):
+        raise ValueError(f"nonfinite must be 'zero' or 'nan', got {nonfinite!r}")
+
+
+def quantize_nvfp4_ref(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, scale_round: str = "nearest",
+                       nonfinite: str = "zero") -> NVFP4Tensor:
     """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0), pure torch."""
+    _check_options(scale_round, nonfinite)
     flat = x.reshape(-1).to(torch.float32)
-    flat = torch.where(torch.isfinite(flat), flat, 0.0)
     n = flat.numel()
     nb = -(-n // BLOCK)
+    bad = torch.zeros(nb * BLOCK, dtype=torch.bool, device=x.device)
+    bad[:n] = ~torch.isfinite(flat)
+    flat = torch.where(torch.isfinite(flat), flat, 0.0)
     xg = torch.zeros(nb * BLOCK, dtype=torch.float32, device=x.device)
     xg[:n] = flat
     xg = xg.view(nb, BLOCK)
@@ -96,12 +122,27 @@ def quantize_nvfp4_ref(x: torch.Tensor) -> NVFP4Tensor:
     ts_safe = torch.where(ts > 0, ts, 1.0).expand_as(bamax)
     s = torch.where(ts > 0, ieee_div(ieee_div(bamax, 6.0), ts_safe), 0.0).clamp(max=448.0)
     s8 = s.to(torch.float8_e4m3fn)
+    if scale_round == "up":  # (s <= 448, so a cast that went down has a next code, at most 448's)
+        s8 = torch.where(s8.to(torch.float32) < s, s8.view(torch.uint8) + 1, s8.view(torch.uint8)).view(torch.float8_e4m3fn)
     eff = s8.to(torch.float32) * ts
     y = torch.where(eff[:, None] > 0, xg / torch.where(eff > 0, eff, 1.0)[:, None], 0.0).clamp(-6, 6)
-    code = _e2m1_rne(y.abs()) | ((y < 0).to(torch.int64) << 3)
+    a = y.abs()
+    if stochastic:
+        lo = sum((a >= t).to(torch.int64) for t in _LOWER)
+        vals = E2M1_VALUES.to(a.device)
+        glo = vals[lo]
+        p = ieee_div(a - glo, vals[lo + 1] - glo)
+        u = hash_uniform(seed, torch.arange(nb * BLOCK, device=x.device)).view(nb, BLOCK)
+        idx = lo + (u < p).to(torch.int64)
+    else:
+        idx = _e2m1_rne(a)
+    code = idx | ((y < 0).to(torch.int64) << 3)
     code = torch.where(code == 8, 0, code)  # no negative zero
     byte = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
-    return NVFP4Tensor(byte, s8.view(torch.uint8), ts.to(torch.float32), x.shape, x.dtype)
+    sbytes = s8.view(torch.uint8)
+    if nonfinite == "nan":
+        sbytes = torch.where(bad.view(nb, BLOCK).any(1), 0x7F, sbytes)
+    return NVFP4Tensor(byte, sbytes, ts.to(torch.float32), x.shape, x.dtype)
 
 
 def dequantize_nvfp4_ref(q: NVFP4Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -123,6 +164,7 @@ if HAS_TRITON:
 
     from .fp8 import fp8_decode_tl, fp8_encode_tl
     from .quant import cast_out_tl, pack_tile_tl, unpack_tile_tl
+    from .rng import uniform1_tl
 
     @triton.jit
     def _amax_partial_kernel(x_ptr, part_ptr, n, BLOCK_N: tl.constexpr):
@@ -133,13 +175,15 @@ if HAS_TRITON:
         a = tl.where(a < float("inf"), a, 0.0)  # NaN and +-inf -> 0
         tl.store(part_ptr + pid, tl.max(a, axis=0))
 
-    @triton.jit
-    def _qnvfp4_kernel(x_ptr, ts_ptr, data_ptr, bs_ptr, n, n_blocks, ROWS: tl.constexpr):
+    @triton.jit(do_not_specialize=["key"])
+    def _qnvfp4_kernel(x_ptr, ts_ptr, data_ptr, bs_ptr, n, n_blocks, key, ROWS: tl.constexpr,
+                       STOCHASTIC: tl.constexpr, SCALE_UP: tl.constexpr, KEEP_NAN: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, 16)
         idx = rows[:, None] * 16 + cols[None, :]
         x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
-        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)  # NaN and +-inf -> 0
+        finite = tl.abs(x) < float("inf")
+        x = tl.where(finite, x, 0.0)  # NaN and +-inf -> 0
         ts = tl.load(ts_ptr)
         bamax = tl.max(tl.abs(x), axis=1)
         six = tl.zeros_like(bamax) + 6.0
@@ -147,23 +191,36 @@ if HAS_TRITON:
         s = tl.where(ts > 0, tl.div_rn(tl.div_rn(bamax, six), ts_safe), 0.0)
         s = tl.minimum(s, 448.0)
         s8 = fp8_encode_tl(s, 3, 7, -6)  # E4M3 bits, RNE, == torch's cast (s >= 0, <= 448)
+        if SCALE_UP:
+            s8 = tl.where(fp8_decode_tl(s8, 3, 7, -6, True) < s, s8 + 1, s8)
         eff = fp8_decode_tl(s8, 3, 7, -6, True) * ts
         eff_safe = tl.broadcast_to(tl.where(eff > 0, eff, 1.0)[:, None], (ROWS, 16))
         y = tl.where(eff[:, None] > 0, tl.div_rn(x, eff_safe), 0.0)
         y = tl.minimum(tl.maximum(y, -6.0), 6.0)
         a = tl.abs(y)
-        # nearest E2M1 index: count of midpoints below a; a tie on an odd-index midpoint
-        # (0.75, 1.75, 3.5) goes up to the even index, one on an even-index midpoint stays
-        code = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-                + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
-                + (a > 5.0).to(tl.int32))
-        code += ((a == 0.75) | (a == 1.75) | (a == 3.5)).to(tl.int32)
+        if STOCHASTIC:  # the magnitude below, plus one with probability of the distance to it
+            lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+                  + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32))
+            glo = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0, 4.0)))
+            step = tl.where(lo < 4, 0.5, tl.where(lo < 6, 1.0, 2.0))
+            p = tl.div_rn(a - glo, step)
+            u = uniform1_tl(key, idx) - 1.0  # (exact: 1 + u holds u's 17 bits)
+            code = lo + (u < p).to(tl.int32)
+        else:
+            # nearest E2M1 index: count of midpoints below a; a tie on an odd-index midpoint
+            # (0.75, 1.75, 3.5) goes up to the even index, one on an even-index midpoint stays
+            code = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                    + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
+                    + (a > 5.0).to(tl.int32))
+            code += ((a == 0.75) | (a == 1.75) | (a == 3.5)).to(tl.int32)
         code = code | ((y < 0).to(tl.int32) << 3)
         code = tl.where(code == 8, 0, code)  # no negative zero
         byts = pack_tile_tl(code, ROWS, 16, 4)
         rmask = rows < n_blocks
         bcols = tl.arange(0, 8)
         tl.store(data_ptr + rows[:, None] * 8 + bcols[None, :], byts, mask=rmask[:, None])
+        if KEEP_NAN:
+            s8 = tl.where(tl.max(tl.where(finite, 0, 1), axis=1) > 0, 0x7F, s8)
         tl.store(bs_ptr + rows, s8.to(tl.uint8), mask=rmask)
 
     @triton.jit
@@ -189,7 +246,8 @@ if HAS_TRITON:
         tl.store(out_ptr + idx, cast_out_tl(v, out_ptr.dtype.element_ty, FAST), mask=idx < n)
 
 
-def _quantize_nvfp4_triton(x: torch.Tensor) -> NVFP4Tensor:
+def _quantize_nvfp4_triton(x: torch.Tensor, stochastic: bool, seed: int, scale_round: str,
+                           nonfinite: str) -> NVFP4Tensor:
     xf = x.reshape(-1)
     if not xf.is_contiguous():
         xf = xf.contiguous()
@@ -202,7 +260,8 @@ def _quantize_nvfp4_triton(x: torch.Tensor) -> NVFP4Tensor:
     parts = torch.empty(triton.cdiv(n, _AMAX_BLOCK), dtype=torch.float32, device=x.device)
     launch(_amax_partial_kernel, (parts.numel(),), xf, parts, n, BLOCK_N=_AMAX_BLOCK, num_warps=8)
     ts = _tensor_scale(parts.amax())
-    launch(_qnvfp4_kernel, (triton.cdiv(nb, _ROWS),), xf, ts, data, bs, n, nb, ROWS=_ROWS, num_warps=8)
+    launch(_qnvfp4_kernel, (triton.cdiv(nb, _ROWS),), xf, ts, data, bs, n, nb, kernel_key(seed), ROWS=_ROWS,
+           STOCHASTIC=stochastic, SCALE_UP=scale_round == "up", KEEP_NAN=nonfinite == "nan", num_warps=8)
     return NVFP4Tensor(data, bs, ts, x.shape, x.dtype)
 
 
@@ -220,15 +279,18 @@ def _dequantize_nvfp4_triton(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor
 # ----------------------------------------------------------------------------- public API
 
 
-def quantize_nvfp4(x: torch.Tensor, *, backend: str = "auto") -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, scale_round: str = "nearest",
+                   nonfinite: str = "zero", backend: str = "auto") -> NVFP4Tensor:
     """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0).
 
-    See the module docstring for the math; the Triton path reads ``x`` twice (global amax
-    pass, then the encode pass) and gives the same bytes as the torch reference.
+    See the module docstring for the math and the options (stochastic rounding of the elements from
+    ``seed``, block scales rounded up, non-finite blocks kept as NaN); the Triton path reads ``x``
+    twice (global amax pass, then the encode pass) and gives the same bytes as the torch reference.
     """
+    _check_options(scale_round, nonfinite)
     if resolve(backend, x) == "triton":
-        return _quantize_nvfp4_triton(x)
-    return quantize_nvfp4_ref(x)
+        return _quantize_nvfp4_triton(x, stochastic, seed, scale_round, nonfinite)
+    return quantize_nvfp4_ref(x, stochastic=stochastic, seed=seed, scale_round=scale_round, nonfinite=nonfinite)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, *, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
