@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 29's GPU call:
+#   OUT=dir bash benchmarks/gpu_s29.sh first  # the ops codecs' new options on the compiled kernels (NVFP4: stochastic
+#                                           # rounding, scales rounded up, NaN blocks; FP8: NaN groups), bit for bit
+#                                           # against torch; then GIFT's compute on the 1b preset (bench_gift_cost.py)
+# Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
+set -u -o pipefail
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_part /tmp/s29w "${1:-first}"
+{
+  case "$PART" in
+    first)
+      gpuinfo
+      log "pytest: the NVFP4 and FP8 kernels against torch"
+      gputest 240 tests/ops/test_nvfp4_triton.py tests/ops/test_fp8.py
+      snap
+      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
+      timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
+        | grep -v Warn | tail -40
+      ;;
+  esac
+} 2>&1 | tee "$D/log.txt"
+snap
