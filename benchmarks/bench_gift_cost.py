@@ -7,10 +7,12 @@ process (one rank's share), for the preset's model (random weights and tokens):
 
 - **step**: forward + backward of ``--batch`` x ``--seq`` tokens (bf16 autocast on CUDA) without and
   with the statistics GIFT takes on a refresh step (``x xᵀ`` and ``δ δᵀ`` of every whitened layer);
-- **refresh**: one layer's eigen-solve of its ``A`` and ``B`` factors, by each solver (subspace iteration
-  cold and warm-started, and the full ``eigh`` up to ``--eigh-max`` rows), per distinct layer shape;
-  the model's total is each shape's time times its count (on ``n`` ranks the roots share it ``n`` ways);
-- **transforms**: whiten + unwhiten of a gradient, per shape and for the model;
+- **refresh**: the eigen-solves of the ``A`` and ``B`` factors of all the layers of one shape, as a root
+  runs them (subspace iteration batched over the layers, cold and warm-started; the full ``eigh`` one
+  factor at a time, up to ``--eigh-max`` rows); the model's total is the sum over the shapes (on ``n``
+  ranks the roots share it about ``n`` ways);
+- **transforms**: whiten + unwhiten of a gradient (TF32 products, as GIFT runs them on CUDA, and fp32),
+  per shape and for the model (each shape's time times its count);
 - **codecs**: quantize + dequantize of the model's gradients in E4M3 (block 1024) and NVFP4, and each
   codec's throughput on one 2^26-element fp32 tensor against the device's copy bandwidth (the bytes a
   quantize moves: 4 read + codes and scales written; a dequantize: those read, 4 written).
@@ -37,7 +39,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from leantrain import config as C  # noqa: E402
 from leantrain.comm.fp4 import nvfp4_nbytes  # noqa: E402
-from leantrain.comm.gift import GIFT, _Side, fp8_dequantize, fp8_quantize  # noqa: E402
+from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, fp8_dequantize, fp8_quantize  # noqa: E402
 from leantrain.model import Llama  # noqa: E402
 from leantrain.ops import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 
@@ -59,33 +61,40 @@ def timeit(fn, reps: int, dev: torch.device) -> float:
     return statistics.median(ts)
 
 
-def measure_shape(gift: GIFT, n: int, k: int, args, dev: torch.device, gen: torch.Generator) -> dict:
-    """One ``n x k`` layer: its factors' eigen-solves by each solver, and whiten + unwhiten of a gradient."""
+def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.device, gen: torch.Generator) -> dict:
+    """The ``count`` layers of shape ``n x k``: their factors' eigen-solves (batched as a root runs them: all
+    the layers' factors of one size at once), by each solver; whiten + unwhiten of one gradient."""
     row = {}
     tok = args.batch * args.seq
     fa = {}
     for side, dim in (("A", k), ("B", n)):  # a factor of realistic spectrum: a Gram matrix of scaled features
         feats = torch.randn(tok, dim, device=dev, generator=gen) * torch.logspace(0, -2, dim, device=dev)
-        fa[side] = (feats.t() @ feats / tok).double()
+        fa[side] = feats.t() @ feats / tok
     reps = max(1, args.reps // 3)
+    seeds = list(range(count))
     for solver in ("subspace", "eigh"):
         if solver == "eigh" and max(n, k) > args.eigh_max:
             continue
         gift.solver = solver
-        row[f"refresh_{solver}_ms"] = timeit(lambda: [gift._eig(f, None, 0) for f in fa.values()], reps, dev) * 1e3
-        if solver == "subspace":
-            warm = {s: gift._eig(f, None, 0)[0] for s, f in fa.items()}
-            row["refresh_subspace_warm_ms"] = timeit(lambda w=warm: [gift._eig(f, w[s], 1) for s, f in fa.items()],
-                                                     reps, dev) * 1e3
+        if solver == "eigh":  # (one factor at a time: one layer's, times the count)
+            row["refresh_eigh_ms"] = count * timeit(lambda: [gift._decompose([f], [None], [0]) for f in fa.values()],
+                                                    reps, dev) * 1e3
+            continue
+        row["refresh_subspace_ms"] = timeit(lambda: [gift._decompose([f] * count, [None] * count, seeds)
+                                                     for f in fa.values()], reps, dev) * 1e3
+        warm = {s: [u for u, *_ in gift._decompose([f] * count, [None] * count, seeds)] for s, f in fa.items()}
+        row["refresh_subspace_warm_ms"] = timeit(lambda w=warm: [gift._decompose([f] * count, w[s], seeds)
+                                                                 for s, f in fa.items()], reps, dev) * 1e3
     gift.solver = "auto"
-    a, b = (_Side(*gift._eig(fa[s], None, 0)) for s in ("A", "B"))
+    (a, b) = (_Side(*gift._decompose([fa[s]], [None], [0])[0]) for s in ("A", "B"))
     g = torch.randn(n, k, device=dev, generator=gen)
 
     def transforms():
-        w = b.apply(a.apply(g, left=False, inverse=True), left=True, inverse=True)
-        return b.apply(a.apply(w, left=False, inverse=False), left=True, inverse=False)
+        return _two_sided(b, a, _two_sided(b, a, g, inverse=True), inverse=False)
 
-    row["transforms_ms"] = timeit(transforms, args.reps, dev) * 1e3
+    row["transforms_fp32_ms"] = timeit(transforms, args.reps, dev) * 1e3
+    with _tf32(True):
+        row["transforms_ms"] = timeit(transforms, args.reps, dev) * 1e3
     return row
 
 
@@ -140,7 +149,7 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(1)
     per_shape = {}
     for (n, k), count in shapes.items():
-        row = {"count": count, **measure_shape(gift, n, k, args, dev, gen)}
+        row = {"count": count, **measure_shape(gift, n, k, count, args, dev, gen)}
         per_shape[f"{n}x{k}"] = row
         print(f"{n}x{k} (x{count}): " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key != "count"),
               flush=True)
@@ -181,11 +190,13 @@ def main() -> int:
 
     # --- the model's totals a step (one rank doing every layer)
     tr = sum(r["transforms_ms"] * r["count"] for r in per_shape.values())
-    ref_sub = sum(r["refresh_subspace_ms"] * r["count"] for r in per_shape.values())
-    ref_warm = sum(r["refresh_subspace_warm_ms"] * r["count"] for r in per_shape.values())
-    res["model"] = {"transforms_ms": tr, "refresh_subspace_cold_ms": ref_sub, "refresh_subspace_warm_ms": ref_warm}
+    tr32 = sum(r["transforms_fp32_ms"] * r["count"] for r in per_shape.values())
+    ref_sub = sum(r["refresh_subspace_ms"] for r in per_shape.values())
+    ref_warm = sum(r["refresh_subspace_warm_ms"] for r in per_shape.values())
+    res["model"] = {"transforms_ms": tr, "transforms_fp32_ms": tr32, "refresh_subspace_cold_ms": ref_sub,
+                    "refresh_subspace_warm_ms": ref_warm}
     if all("refresh_eigh_ms" in r for r in per_shape.values()):
-        res["model"]["refresh_eigh_ms"] = sum(r["refresh_eigh_ms"] * r["count"] for r in per_shape.values())
+        res["model"]["refresh_eigh_ms"] = sum(r["refresh_eigh_ms"] for r in per_shape.values())
     print(json.dumps(res["model"]), flush=True)
 
     out = Path(args.out)
@@ -207,15 +218,17 @@ def markdown(res: dict) -> str:
              "| forward + backward | ms |", "|---|---|",
              f"| plain | {res['step_ms']['plain']:.2f} |",
              f"| with GIFT's statistics (a refresh step) | {res['step_ms']['with_statistics']:.2f} |", "",
-             "| layer N×K | count | refresh: subspace, cold ms | subspace, warm ms | full eigh ms | whiten + unwhiten ms |",
-             "|---|---|---|---|---|---|"]
+             "| layer N×K | count | refresh of the count layers: subspace, cold ms | subspace, warm ms | full eigh ms "
+             "| whiten + unwhiten of one layer, TF32 ms | fp32 ms |",
+             "|---|---|---|---|---|---|---|"]
     for shape, r in res["per_shape"].items():
         eigh = f"{r['refresh_eigh_ms']:.1f}" if "refresh_eigh_ms" in r else "(not run)"
         lines.append(f"| {shape} | {r['count']} | {r['refresh_subspace_ms']:.1f} | {r['refresh_subspace_warm_ms']:.1f} | "
-                     f"{eigh} | {r['transforms_ms']:.3f} |")
+                     f"{eigh} | {r['transforms_ms']:.3f} | {r['transforms_fp32_ms']:.3f} |")
     m = res["model"]
-    lines += ["", "Model totals (each shape's time × its count): "
-              f"transforms {m['transforms_ms']:.2f} ms a step; a refresh {m['refresh_subspace_warm_ms']:.0f} ms warm, "
+    lines += ["", "Model totals (refresh: the sum over the shapes; transforms: each shape's time × its count): "
+              f"transforms {m['transforms_ms']:.2f} ms a step in TF32 ({m['transforms_fp32_ms']:.2f} in fp32); "
+              f"a refresh {m['refresh_subspace_warm_ms']:.0f} ms warm, "
               f"{m['refresh_subspace_cold_ms']:.0f} ms cold (subspace)"
               + (f", {m['refresh_eigh_ms']:.0f} ms by the full eigh" if "refresh_eigh_ms" in m else "") + ".", ""]
     cb = res["codec_bandwidth"]

@@ -3,6 +3,9 @@
 #   OUT=dir bash benchmarks/gpu_s29.sh first  # the ops codecs' new options on the compiled kernels (NVFP4: stochastic
 #                                           # rounding, scales rounded up, NaN blocks; FP8: NaN groups), bit for bit
 #                                           # against torch; then GIFT's compute on the 1b preset (bench_gift_cost.py)
+#   OUT=dir bash benchmarks/gpu_s29.sh second # after first/: GIFT's statistics and transforms in TF32, the transforms
+#                                           # in three passes, the eigen-solves batched over a root's layers
+#                                           # (CholeskyQR2): its GPU tests, then bench_gift_cost.py again
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -13,6 +16,15 @@ gpu_part /tmp/s29w "${1:-first}"
       gpuinfo
       log "pytest: the NVFP4 and FP8 kernels against torch"
       gputest 240 tests/ops/test_nvfp4_triton.py tests/ops/test_fp8.py
+      snap
+      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
+      timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
+        | grep -v Warn | tail -40
+      ;;
+    second)
+      gpuinfo
+      log "pytest: GIFT on CUDA"
+      gputest 120 tests/comm/test_gift_gpu.py
       snap
       log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
       timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \

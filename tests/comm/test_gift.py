@@ -12,10 +12,12 @@ from leantrain.comm.fp4 import nvfp4_all_reduce, nvfp4_nbytes
 from leantrain.comm.gift import (
     GIFT,
     _Side,
+    _two_sided,
     fp8_all_reduce,
     fp8_dequantize,
     fp8_quantize,
     top_eigenpairs,
+    top_eigenpairs_batched,
 )
 from leantrain.ledger import COMM
 
@@ -77,6 +79,31 @@ def test_top_eigenpairs_matches_eigh_on_a_decaying_spectrum():
     assert err(top_eigenpairs(f, r, seed=2, iters=1)[0]) > 0.05
 
 
+def test_batched_eigenpairs_match_eigh_factor_by_factor_and_survive_a_singular_gram():
+    torch.manual_seed(3)
+    dim, r = 128, 8
+    fs, want = [], []
+    for i in range(3):
+        q = torch.linalg.qr(torch.randn(dim, dim, dtype=torch.float64)).Q
+        s = torch.logspace(0, -3 - i, dim, dtype=torch.float64)
+        fs.append(((q * s) @ q.t()).float())  # fp32 factors, as GIFT keeps them
+        want.append(s[:r])
+    warm = [None, torch.linalg.eigh(fs[1].double())[1].flip(1)[:, :r], None]
+    vals, vecs = top_eigenpairs_batched(fs, r, warm=warm, seeds=[1, 2, 3])
+    assert vals.shape == (3, r) and vecs.shape == (3, dim, r) and vals.dtype == torch.float64
+    for i in range(3):
+        assert torch.allclose(vals[i], want[i], rtol=1e-4), i
+        assert torch.allclose(vecs[i].t() @ vecs[i], torch.eye(r, dtype=torch.float64), atol=1e-10)
+    # a factor of rank 5 with 24 columns sought: the Gram matrix of the iterates is singular (CholeskyQR
+    # fails), Householder QR takes over; the 5 nonzero eigenvalues come out right and the rest at 0
+    x = torch.randn(5, dim, dtype=torch.float64)
+    vals, vecs = top_eigenpairs(x.t() @ x, r, seed=4)
+    assert torch.allclose(vals[:5], torch.linalg.eigvalsh(x @ x.t()).flip(0), rtol=1e-8)
+    assert vals[5:].abs().max() < 1e-8 and torch.allclose(vecs.t() @ vecs, torch.eye(r, dtype=torch.float64), atol=1e-8)
+    with pytest.raises(ValueError):
+        top_eigenpairs_batched([torch.eye(4), torch.eye(5)], 2)
+
+
 @pytest.mark.parametrize("rank", [None, 3])
 def test_whiten_then_unwhiten_is_the_identity(rank):
     torch.manual_seed(1)
@@ -93,9 +120,17 @@ def test_whiten_then_unwhiten_is_the_identity(rank):
 
     (a, fa), (b, fb) = side(k), side(n)
     g = torch.randn(n, k)
-    w = b.apply(a.apply(g, left=False, inverse=True), left=True, inverse=True)
-    back = b.apply(a.apply(w, left=False, inverse=False), left=True, inverse=False)
+    w = _two_sided(b, a, g, inverse=True)
+    back = _two_sided(b, a, w, inverse=False)
     assert torch.allclose(back, g, rtol=1e-4, atol=1e-5)
+
+    def dense(sd, inverse):  # F^{∓1/2} as a matrix: c I + U diag(e) Uᵀ, the rest of the spectrum at σ
+        c, e = sd.coef(inverse)
+        return c * torch.eye(sd.u.shape[0], dtype=torch.float64) + (sd.u.double() * e.double()) @ sd.u.double().t()
+
+    for inverse, out in ((True, w), (False, _two_sided(b, a, g, inverse=False))):
+        ref = dense(b, inverse) @ g.double() @ dense(a, inverse)
+        assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
     if rank is None:  # full rank: exactly (B + λI)^{-1/2} G (A + λI)^{-1/2}
         def mpow(f, lam, p):
             s, u = torch.linalg.eigh(f.double() + lam * torch.eye(f.shape[0], dtype=torch.float64))

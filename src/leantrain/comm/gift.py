@@ -60,6 +60,9 @@ FP8 against the exact average in both metrics; ``benchmarks/bench_gift.py`` repo
 
 from __future__ import annotations
 
+import contextlib
+from itertools import groupby
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -110,29 +113,85 @@ def fp8_all_reduce(tensor: Tensor, group=None, *, block: int = 1024, average: bo
 _OVERSAMPLE = 16  # extra columns of the subspace iteration
 
 
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    """Matrix products of fp32 CUDA tensors in TF32 inside the block (nothing changes on the CPU)."""
+    if not enabled or not torch.cuda.is_available():
+        yield
+        return
+    mm = torch.backends.cuda.matmul
+    new_api = hasattr(mm, "fp32_precision")
+    prev = mm.fp32_precision if new_api else mm.allow_tf32
+    if new_api:
+        mm.fp32_precision = "tf32"
+    else:  # pragma: no cover (torch before the fp32_precision settings)
+        mm.allow_tf32 = True
+    try:
+        yield
+    finally:
+        if new_api:
+            mm.fp32_precision = prev
+        else:  # pragma: no cover
+            mm.allow_tf32 = prev
+
+
+def _orthonormalize(y: Tensor) -> Tensor:
+    """Orthonormal columns spanning those of ``y`` (fp64, batched ``(b, d, k)``): CholeskyQR2, two rounds of
+    ``y ← y R⁻¹`` with ``Rᵀ R = yᵀ y`` (products, a ``k x k`` Cholesky and a triangular solve, which batch
+    well on a GPU); Householder QR when a Gram matrix is not positive definite or ``y`` is too ill-conditioned
+    for it (a Cholesky diagonal below ``1e-7`` of the largest: CholeskyQR2 is accurate up to about ``1e8``)."""
+    for _ in range(2):
+        low, info = torch.linalg.cholesky_ex(y.mT @ y)
+        diag = low.diagonal(dim1=-2, dim2=-1).abs()
+        if bool((info != 0).any() or (diag.amin(-1) < 1e-7 * diag.amax(-1)).any()):
+            return torch.linalg.qr(y).Q
+        y = torch.linalg.solve_triangular(low.mT, y, upper=True, left=False)
+    return y
+
+
 def top_eigenpairs(f: Tensor, r: int, *, warm: Tensor | None = None, seed: int = 0,
                    iters: int | None = None) -> tuple[Tensor, Tensor]:
-    """The ``r`` largest eigenvalues (descending) and their eigenvectors ``(dim, r)`` of the symmetric PSD
-    ``f``, by subspace iteration with Rayleigh-Ritz: ``r + 16`` columns (``warm``'s, then Gaussian ones
-    from ``seed``, on the CPU so that every device draws the same), ``iters`` products with ``f`` and a
-    QR each (default 3 from a warm start, 8 from a cold one), then the eigenpairs of ``Qᵀ f Q``. The
-    vectors are orthonormal to the precision of ``f``'s dtype; the values are Ritz values (each at most
-    the true one). Costs ``O(dim² r)`` a product where ``eigh`` costs ``O(dim³)``."""
-    dim = f.shape[0]
+    """The ``r`` largest eigenvalues (descending, fp64) and their eigenvectors ``(dim, r)`` of the
+    symmetric PSD ``f``: :func:`top_eigenpairs_batched` of one factor."""
+    s, u = top_eigenpairs_batched([f], r, warm=[warm], seeds=[seed], iters=iters)
+    return s[0], u[0]
+
+
+def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None] | None = None,
+                           seeds: list[int] | None = None, iters: int | None = None) -> tuple[Tensor, Tensor]:
+    """Top-``r`` eigenpairs of several symmetric PSD factors of one size, by subspace iteration with
+    Rayleigh-Ritz: ``r + 16`` columns a factor (its ``warm`` basis, then Gaussian ones from its seed,
+    drawn on the CPU so that every device draws the same), ``iters`` products with the factor and an
+    orthonormalization each (default 3 when every factor is warm-started, else 8), then the eigenpairs
+    of ``Qᵀ f Q``. The products with ``f`` run in its dtype (fp32 factors are not copied to fp64); the
+    bases and the small problems in fp64, batched over the factors. Returns values ``(b, r)`` and
+    orthonormal vectors ``(b, dim, r)``; the values are Ritz values (each at most the true one).
+    Costs ``O(dim² r)`` a product where ``eigh`` costs ``O(dim³)``."""
+    dim = fs[0].shape[0]
+    if any(f.shape != (dim, dim) for f in fs):
+        raise ValueError(f"top_eigenpairs_batched: factors of one square shape, got {[tuple(f.shape) for f in fs]}")
+    warm = warm or [None] * len(fs)
+    seeds = seeds or list(range(len(fs)))
     k = min(dim, r + _OVERSAMPLE)
-    q = torch.randn(dim, k, generator=torch.Generator().manual_seed(seed % (1 << 63)), dtype=torch.float64)
-    q = q.to(device=f.device, dtype=f.dtype)
-    if warm is not None:
-        w = warm[:, :k].to(q)
-        q[:, :w.shape[1]] = w
+    qs = []
+    for f, w, sd in zip(fs, warm, seeds):
+        q = torch.randn(dim, k, generator=torch.Generator().manual_seed(sd % (1 << 63)), dtype=torch.float64)
+        q = q.to(f.device)
+        if w is not None:
+            q[:, :min(k, w.shape[1])] = w[:, :k].to(q)
+        qs.append(q)
     if iters is None:
-        iters = 3 if warm is not None else 8
-    q = torch.linalg.qr(q).Q
+        iters = 3 if all(w is not None for w in warm) else 8
+
+    def product(q):  # f_i @ q_i, each in its factor's dtype, stacked in fp64
+        return torch.stack([(f @ qi.to(f.dtype)).double() for f, qi in zip(fs, q)])
+
+    q = _orthonormalize(torch.stack(qs))
     for _ in range(iters):
-        q = torch.linalg.qr(f @ q).Q
-    s, v = torch.linalg.eigh(q.t() @ f @ q)
-    s, v = s.flip(0)[:r].clamp_min(0), v.flip(1)[:, :r]
-    return s, q @ v
+        q = _orthonormalize(product(q))
+    t = q.mT @ product(q)
+    s, v = torch.linalg.eigh((t + t.mT) / 2)
+    return s.flip(-1)[..., :r].clamp_min(0), q @ v.flip(-1)[..., :r]
 
 
 class _Side:
@@ -147,15 +206,25 @@ class _Side:
         self.c_inv = (sigma + lam) ** -0.5
         self.c_fwd = (sigma + lam) ** 0.5
 
-    def apply(self, g: Tensor, left: bool, inverse: bool) -> Tensor:
-        """``F^{∓1/2} g`` (``left``) or ``g F^{∓1/2}``: ``c g + U diag(d - c) Uᵀ`` applied from that side."""
+    def coef(self, inverse: bool) -> tuple[float, Tensor]:
+        """``(c, e)`` with ``F^{∓1/2} = c I + U diag(e) Uᵀ`` (``-`` when ``inverse``); full rank: ``c = 0``."""
         d, c = (self.inv, self.c_inv) if inverse else (self.fwd, self.c_fwd)
-        u = self.u
-        if left:
-            proj = (u.t() @ g) * (d - (0.0 if self.full else c))[:, None]
-            return u @ proj if self.full else c * g + u @ proj
-        proj = (g @ u) * (d - (0.0 if self.full else c))[None, :]
-        return proj @ u.t() if self.full else c * g + proj @ u.t()
+        return (0.0, d) if self.full else (c, d - c)
+
+
+def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
+    """``B^{∓1/2} g A^{∓1/2}`` in three passes over ``g``. With ``F^p = c I + U diag(e) Uᵀ`` on each side,
+    ``P = g U_a``, ``Q = U_bᵀ g`` and ``S = U_bᵀ P``, the product is
+    ``c_a c_b g + [c_b P E_a + U_b E_b S E_a, U_b] @ [U_aᵀ ; c_a E_b Q]``: two thin products, then one
+    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds)."""
+    ca, ea = a.coef(inverse)
+    cb, eb = b.coef(inverse)
+    p = g @ a.u  # (N, ra)
+    q = b.u.t() @ g  # (rb, K)
+    sm = b.u.t() @ p  # (rb, ra)
+    left = torch.cat([cb * p * ea + b.u @ (eb[:, None] * sm * ea[None, :]), b.u], 1)
+    right = torch.cat([a.u.t(), ca * eb[:, None] * q], 0)
+    return torch.addmm(g, left, right, beta=ca * cb)
 
 
 class _Layer:
@@ -174,10 +243,10 @@ class _Layer:
         return self.A is not None
 
     def whiten(self, g: Tensor) -> Tensor:
-        return self.B.apply(self.A.apply(g, left=False, inverse=True), left=True, inverse=True)
+        return _two_sided(self.B, self.A, g, inverse=True)
 
     def unwhiten(self, g: Tensor) -> Tensor:
-        return self.B.apply(self.A.apply(g, left=False, inverse=False), left=True, inverse=False)
+        return _two_sided(self.B, self.A, g, inverse=False)
 
 
 class GIFT:
@@ -193,12 +262,14 @@ class GIFT:
     all-reduce in NVFP4-style 4-bit (``comm/fp4.py``, block 16; ``block`` is then unused), with
     stochastic rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run
     rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
-    subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``)."""
+    subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
+    CUDA, the statistics' and the transforms' matrix products in TF32 (a 10-bit mantissa, finer than
+    the FP8 / FP4 rounding they feed; the eigen-solves stay in fp32 / fp64)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
                  whiten: bool = True, bucket_numel: int = 1 << 25, format: str = "e4m3",
-                 stochastic: bool = True, solver: str = "auto", scope: str = "world"):
+                 stochastic: bool = True, solver: str = "auto", tf32: bool = True, scope: str = "world"):
         if format not in ("e4m3", "nvfp4"):
             raise ValueError(f"GIFT: format must be 'e4m3' or 'nvfp4', got {format!r}")
         if solver not in ("auto", "eigh", "subspace"):
@@ -214,6 +285,7 @@ class GIFT:
         self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
         self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
         self.bucket_numel, self.format, self.stochastic, self.solver = bucket_numel, format, stochastic, solver
+        self.tf32 = tf32
         self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.me = C.rank(group) if self.world > 1 else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -246,13 +318,15 @@ class GIFT:
                     and isinstance(out, Tensor) and out.shape[-1:] == (mod.out_features,)):
                 return
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-            a = x.t() @ x
+            with _tf32(self.tf32):
+                a = x.t() @ x
             layer.a_new = a if layer.a_new is None else layer.a_new + a
             layer.na += x.shape[0]
             if out.requires_grad:
                 def grad_hook(g):
                     g = g.detach().reshape(-1, g.shape[-1]).float()
-                    b = g.t() @ g
+                    with _tf32(self.tf32):
+                        b = g.t() @ g
                     layer.b_new = b if layer.b_new is None else layer.b_new + b
                     layer.nb += g.shape[0]
                 out.register_hook(grad_hook)
@@ -266,62 +340,77 @@ class GIFT:
 
     # ------------------------------------------------------------------ factors
 
-    def _eig(self, f: Tensor, warm: Tensor | None, seed: int) -> tuple[Tensor, Tensor, float, float]:
-        """Top eigenpairs of the PSD factor ``f``, the mean of the rest of its spectrum, its damping.
-        Low rank on a large factor (``solver="auto"``: ``rank + 16 <= dim / 4``): :func:`top_eigenpairs`,
-        warm-started from the basis in use; otherwise the full ``eigh``."""
-        dim = f.shape[0]
-        f = f.double()
+    def _decompose(self, fs: list[Tensor], warms: list, seeds: list[int]) -> list[tuple[Tensor, Tensor, float, float]]:
+        """For factors of one size: each one's top eigenpairs, the mean of the rest of its spectrum (from the
+        trace) and its damping (times the mean eigenvalue). Low rank on a large factor (``solver="auto"``:
+        ``rank + 16 <= dim / 4``): :func:`top_eigenpairs_batched`, warm-started from the bases in use;
+        otherwise the full ``eigh`` in fp64, one factor at a time."""
+        dim = fs[0].shape[0]
         r = dim if self.rank is None else min(self.rank, dim)
-        trace = float(f.diagonal().sum())
-        lam = self.damping * trace / dim + 1e-30  # (the mean eigenvalue)
+        traces = [float(f.diagonal().double().sum()) for f in fs]
         if self.solver == "subspace" or (self.solver == "auto" and r < dim and r + _OVERSAMPLE <= dim // 4):
-            s, u = top_eigenpairs(f, r, warm=warm, seed=seed)
+            vals, vecs = top_eigenpairs_batched(fs, r, warm=warms, seeds=seeds)
         else:
-            s, u = torch.linalg.eigh(f)
-            s, u = s.clamp_min(0).flip(0)[:r], u.flip(1)[:, :r]
-        sigma = max(trace - float(s.sum()), 0.0) / (dim - r) if r < dim else 0.0
-        return u.float().contiguous(), s.float().contiguous(), sigma, lam
+            pairs = [torch.linalg.eigh(f.double()) for f in fs]
+            vals = [v.clamp_min(0).flip(0)[:r] for v, _ in pairs]
+            vecs = [u.flip(1)[:, :r] for _, u in pairs]
+        out = []
+        for tr, sv, u in zip(traces, vals, vecs):
+            sigma = max(tr - float(sv.sum()), 0.0) / (dim - r) if r < dim else 0.0
+            out.append((u.float().contiguous(), sv.float().contiguous(), sigma, self.damping * tr / dim + 1e-30))
+        return out
 
-    def _refresh(self, layer: _Layer) -> None:
-        """The layer's root folds this step's statistics into its EMA, decomposes, and broadcasts;
-        every rank builds the same transforms (every rank calls it for the same layers in the same
-        order: the broadcasts pair up)."""
-        n_, k_ = layer.mod.weight.shape
-        ra = k_ if self.rank is None else min(self.rank, k_)
-        rb = n_ if self.rank is None else min(self.rank, n_)
-        # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
-        buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=layer.mod.weight.device)
-        if layer.root == self.me and layer.na and layer.nb:
-            a, b = layer.a_new / layer.na, layer.b_new / layer.nb
-            if layer.a_ema is None:
-                layer.a_ema, layer.b_ema = a, b
+    def _refresh_all(self, layers: list[_Layer]) -> None:
+        """Each root folds this step's statistics of its layers into their EMAs and decomposes all their
+        factors (batched by size); then, layer by layer in model order, the root broadcasts the layer's
+        factors and every rank builds the same transforms from them (every rank runs the same broadcasts
+        in the same order: they pair up)."""
+        mine = [la for la in layers if la.root == self.me and la.na and la.nb]
+        jobs = []  # (layer, side 0 = A / 1 = B, factor, warm basis, seed)
+        for la in mine:
+            a, b = la.a_new / la.na, la.b_new / la.nb
+            if la.a_ema is None:
+                la.a_ema, la.b_ema = a, b
             else:
-                layer.a_ema.mul_(self.ema).add_(a, alpha=1 - self.ema)
-                layer.b_ema.mul_(self.ema).add_(b, alpha=1 - self.ema)
-            parts = [torch.ones(1, device=buf.device)]
-            for j, (f, side) in enumerate(((layer.a_ema, layer.A), (layer.b_ema, layer.B))):
-                seed = (self.steps * 1_000_003 + layer.index) * 2 + j
-                u, s, sigma, lam = self._eig(f, None if side is None else side.u, seed)
-                parts += [u.reshape(-1), s, torch.tensor([sigma, lam], device=buf.device)]
-            buf.copy_(torch.cat(parts))
-        layer.a_new = layer.b_new = None
-        layer.na = layer.nb = 0
-        if self.world > 1:
-            C.broadcast(buf, self._global_rank(layer.root), group=self.group, scope=self.scope)
-        if not buf[0].item():  # (the root saw no statistics: the old factors stay)
-            return
-        o = 1
-        sides = []
-        for dim, r in ((k_, ra), (n_, rb)):
-            u = buf[o:o + dim * r].view(dim, r)
-            o += dim * r
-            s = buf[o:o + r]
-            o += r
-            sigma, lam = buf[o].item(), buf[o + 1].item()
-            o += 2
-            sides.append(_Side(u.clone(), s.clone(), sigma, lam))
-        layer.A, layer.B = sides
+                la.a_ema.mul_(self.ema).add_(a, alpha=1 - self.ema)
+                la.b_ema.mul_(self.ema).add_(b, alpha=1 - self.ema)
+            for j, (f, side) in enumerate(((la.a_ema, la.A), (la.b_ema, la.B))):
+                jobs.append((la, j, f, None if side is None else side.u, (self.steps * 1_000_003 + la.index) * 2 + j))
+        done = {}
+        jobs.sort(key=lambda jb: jb[2].shape[0])
+        for _, group in groupby(jobs, key=lambda jb: jb[2].shape[0]):
+            group = list(group)
+            res = self._decompose([jb[2] for jb in group], [jb[3] for jb in group], [jb[4] for jb in group])
+            done.update({(id(jb[0]), jb[1]): rs for jb, rs in zip(group, res)})
+        for la in layers:
+            n_, k_ = la.mod.weight.shape
+            ra = k_ if self.rank is None else min(self.rank, k_)
+            rb = n_ if self.rank is None else min(self.rank, n_)
+            # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
+            buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=la.mod.weight.device)
+            if (id(la), 0) in done:
+                parts = [torch.ones(1, device=buf.device)]
+                for j in (0, 1):
+                    u, sv, sigma, lam = done[(id(la), j)]
+                    parts += [u.reshape(-1), sv, torch.tensor([sigma, lam], device=buf.device)]
+                buf.copy_(torch.cat(parts))
+            la.a_new = la.b_new = None
+            la.na = la.nb = 0
+            if self.world > 1:
+                C.broadcast(buf, self._global_rank(la.root), group=self.group, scope=self.scope)
+            if not buf[0].item():  # (the root saw no statistics: the old factors stay)
+                continue
+            o = 1
+            sides = []
+            for dim, r in ((k_, ra), (n_, rb)):
+                u = buf[o:o + dim * r].view(dim, r)
+                o += dim * r
+                sv = buf[o:o + r]
+                o += r
+                sigma, lam = buf[o:o + 2].tolist()
+                o += 2
+                sides.append(_Side(u.clone(), sv.clone(), sigma, lam))
+            la.A, la.B = sides
 
     def state_dict(self) -> dict:
         """The step count, and per layer its root's statistics EMA and the factors in use (a resumed run
@@ -362,9 +451,7 @@ class GIFT:
         the statistics that step's forward and backward took. Counts the step."""
         params = [p for p in self.params if p.grad is not None]
         if self._collect:
-            for p in params:
-                if id(p) in self.layers:
-                    self._refresh(self.layers[id(p)])
+            self._refresh_all([self.layers[id(p)] for p in params if id(p) in self.layers])
         if self.world > 1:
             start, size, bucket = 0, 0, 0
             for i, p in enumerate(params):
@@ -382,19 +469,21 @@ class GIFT:
 
     def _reduce_bucket(self, params: list, seed: int) -> None:
         pieces = []
-        for p in params:
-            layer = self.layers.get(id(p))
-            g = p.grad.float()
-            pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
+        with _tf32(self.tf32):
+            for p in params:
+                layer = self.layers.get(id(p))
+                g = p.grad.float()
+                pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
         flat = torch.cat(pieces)
         self._all_reduce(flat, seed, self.scope)
         o = 0
-        for p in params:
-            k = p.numel()
-            red = flat[o:o + k].view(p.shape)
-            o += k
-            layer = self.layers.get(id(p))
-            p.grad.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
+        with _tf32(self.tf32):
+            for p in params:
+                k = p.numel()
+                red = flat[o:o + k].view(p.shape)
+                o += k
+                layer = self.layers.get(id(p))
+                p.grad.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
 
     @staticmethod
     def ddp_noop_hook(state, bucket):
@@ -429,14 +518,15 @@ class GIFT:
                 exact /= self.world
             seed = -(self.steps * 65_537 + layer.index + 1)  # (not a seed a reduction uses)
             euc = self._all_reduce(g.clone(), seed, "probe")
-            wh = self._all_reduce(layer.whiten(g), seed, "probe")
-            gift = layer.unwhiten(wh)
-            w_exact = layer.whiten(exact)
+            with _tf32(self.tf32):  # (as the reduction does)
+                wh = self._all_reduce(layer.whiten(g), seed, "probe")
+                gift = layer.unwhiten(wh)
+                w_exact = layer.whiten(exact)
 
             def rel(e, ref):
                 return float(e.norm() / ref.norm().clamp_min(1e-30))
 
             out[layer.name] = {"gift": rel(gift - exact, exact), "euclidean": rel(euc - exact, exact),
                                "gift_whitened": rel(layer.whiten(gift) - w_exact, w_exact),
-                               "euclidean_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}
+                               "euclidean_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}  # (fp32 metric)
         return out

@@ -1,0 +1,68 @@
+"""GIFT's compute on CUDA (run on the GPU machine with LEANTRAIN_TEST_GPU=1): the transforms in TF32 against
+the fp64 matrices, the batched eigen-solver against eigh, the statistics and refresh of a CUDA model, and the
+TF32 setting restored afterwards."""
+
+import pytest
+import torch
+from torch import nn
+
+from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, top_eigenpairs_batched
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _side(dim, r, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(dim, dim, device="cuda", dtype=torch.float64, generator=g)).Q
+    s = torch.logspace(0, -3, dim, device="cuda", dtype=torch.float64)
+    return _Side(q[:, :r].float().contiguous(), s[:r].float(), float(s[r:].mean()), 1e-3 * float(s.mean()))
+
+
+def _dense(sd, inverse):
+    c, e = sd.coef(inverse)
+    eye = torch.eye(sd.u.shape[0], device="cuda", dtype=torch.float64)
+    return c * eye + (sd.u.double() * e.double()) @ sd.u.double().t()
+
+
+@pytest.mark.parametrize("n,k", [(2560, 2048), (1024, 3000)])
+def test_two_sided_transform_in_tf32_matches_the_fp64_matrices(n, k):
+    a, b = _side(k, 64, 1), _side(n, 64, 2)
+    g = torch.randn(n, k, device="cuda")
+    before = torch.backends.cuda.matmul.fp32_precision
+    for inverse in (True, False):
+        ref = _dense(b, inverse) @ g.double() @ _dense(a, inverse)
+        with _tf32(True):
+            out = _two_sided(b, a, g, inverse)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 3e-3, rel  # TF32: a 10-bit mantissa in the products
+        exact = _two_sided(b, a, g, inverse)  # fp32 products outside the block
+        assert ((exact.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_batched_eigenpairs_on_cuda_match_eigh():
+    fs = []
+    for i in range(4):
+        x = torch.randn(4096, 1024, device="cuda") * torch.logspace(0, -2 - i, 1024, device="cuda")
+        fs.append(x.t() @ x / 4096)
+    vals, vecs = top_eigenpairs_batched(fs, 64, seeds=[1, 2, 3, 4])
+    for i, f in enumerate(fs):
+        want = torch.linalg.eigvalsh(f.double()).flip(0)[:64]
+        assert torch.allclose(vals[i], want, rtol=2e-3), i
+        eye = torch.eye(64, device="cuda", dtype=torch.float64)
+        assert torch.allclose(vecs[i].t() @ vecs[i], eye, atol=1e-9)
+
+
+def test_statistics_and_refresh_of_a_cuda_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda()
+    gift = GIFT(model, rank=32, min_numel=1024)
+    x = torch.randn(64, 512, device="cuda")
+    model(x).square().mean().backward()
+    gift.reduce_gradients()  # (one process: no reduction; the factors are built from the step's statistics)
+    assert all(la.ready for la in gift.layers.values()) and len(gift.layers) == 2
+    for la in gift.layers.values():
+        g = la.mod.weight.grad
+        with _tf32(True):
+            back = la.unwhiten(la.whiten(g))
+        assert ((back - g).norm() / g.norm()).item() < 3e-3
