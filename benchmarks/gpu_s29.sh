@@ -6,6 +6,8 @@
 #   OUT=dir bash benchmarks/gpu_s29.sh second # after first/: GIFT's statistics and transforms in TF32, the transforms
 #                                           # in three passes, the eigen-solves batched over a root's layers
 #                                           # (CholeskyQR2): its GPU tests, then bench_gift_cost.py again
+#   OUT=dir bash benchmarks/gpu_s29.sh third  # after second/: transforms back in fp32 with their thin products split by
+#                                           # hand, the random columns drawn on the device, Rayleigh-Ritz on the CPU
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -21,7 +23,7 @@ gpu_part /tmp/s29w "${1:-first}"
       timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
         | grep -v Warn | tail -40
       ;;
-    second)
+    second|third)
       gpuinfo
       log "pytest: GIFT on CUDA"
       gputest 120 tests/comm/test_gift_gpu.py

@@ -1,6 +1,6 @@
-"""GIFT's compute on CUDA (run on the GPU machine with LEANTRAIN_TEST_GPU=1): the transforms in TF32 against
-the fp64 matrices, the batched eigen-solver against eigh, the statistics and refresh of a CUDA model, and the
-TF32 setting restored afterwards."""
+"""GIFT's compute on CUDA (run on the GPU machine with LEANTRAIN_TEST_GPU=1): the transforms (their thin
+products split by hand) against the fp64 matrices, the batched eigen-solver against eigh, the statistics (TF32)
+and refresh of a CUDA model, and the TF32 setting restored afterwards."""
 
 import pytest
 import torch
@@ -24,20 +24,14 @@ def _dense(sd, inverse):
     return c * eye + (sd.u.double() * e.double()) @ sd.u.double().t()
 
 
-@pytest.mark.parametrize("n,k", [(2560, 2048), (1024, 3000)])
-def test_two_sided_transform_in_tf32_matches_the_fp64_matrices(n, k):
+@pytest.mark.parametrize("n,k", [(2560, 2048), (2048, 5632), (1000, 3000)])
+def test_two_sided_transform_matches_the_fp64_matrices(n, k):
     a, b = _side(k, 64, 1), _side(n, 64, 2)
     g = torch.randn(n, k, device="cuda")
-    before = torch.backends.cuda.matmul.fp32_precision
     for inverse in (True, False):
         ref = _dense(b, inverse) @ g.double() @ _dense(a, inverse)
-        with _tf32(True):
-            out = _two_sided(b, a, g, inverse)
-        rel = ((out.double() - ref).norm() / ref.norm()).item()
-        assert rel < 3e-3, rel  # TF32: a 10-bit mantissa in the products
-        exact = _two_sided(b, a, g, inverse)  # fp32 products outside the block
-        assert ((exact.double() - ref).norm() / ref.norm()).item() < 1e-5
-    assert torch.backends.cuda.matmul.fp32_precision == before
+        out = _two_sided(b, a, g, inverse)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_batched_eigenpairs_on_cuda_match_eigh():
@@ -48,7 +42,10 @@ def test_batched_eigenpairs_on_cuda_match_eigh():
     vals, vecs = top_eigenpairs_batched(fs, 64, seeds=[1, 2, 3, 4])
     for i, f in enumerate(fs):
         want = torch.linalg.eigvalsh(f.double()).flip(0)[:64]
-        assert torch.allclose(vals[i], want, rtol=2e-3), i
+        # the leading values converge first; the 64th sits in a flat part of the spectrum (8 iterations)
+        assert torch.allclose(vals[i, :16], want[:16], rtol=1e-3), i
+        captured = (vecs[i].t() @ f.double() @ vecs[i]).trace()
+        assert captured >= 0.99 * want.sum(), (i, float(captured / want.sum()))
         eye = torch.eye(64, device="cuda", dtype=torch.float64)
         assert torch.allclose(vecs[i].t() @ vecs[i], eye, atol=1e-9)
 
@@ -57,12 +54,16 @@ def test_statistics_and_refresh_of_a_cuda_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda()
     gift = GIFT(model, rank=32, min_numel=1024)
+    before = torch.backends.cuda.matmul.fp32_precision
     x = torch.randn(64, 512, device="cuda")
-    model(x).square().mean().backward()
+    model(x).square().mean().backward()  # (the statistics' products in TF32)
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    with _tf32(True):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == before
     gift.reduce_gradients()  # (one process: no reduction; the factors are built from the step's statistics)
     assert all(la.ready for la in gift.layers.values()) and len(gift.layers) == 2
     for la in gift.layers.values():
         g = la.mod.weight.grad
-        with _tf32(True):
-            back = la.unwhiten(la.whiten(g))
-        assert ((back - g).norm() / g.norm()).item() < 3e-3
+        back = la.unwhiten(la.whiten(g))
+        assert ((back - g).norm() / g.norm()).item() < 1e-4

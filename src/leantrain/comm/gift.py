@@ -160,10 +160,10 @@ def top_eigenpairs(f: Tensor, r: int, *, warm: Tensor | None = None, seed: int =
 def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None] | None = None,
                            seeds: list[int] | None = None, iters: int | None = None) -> tuple[Tensor, Tensor]:
     """Top-``r`` eigenpairs of several symmetric PSD factors of one size, by subspace iteration with
-    Rayleigh-Ritz: ``r + 16`` columns a factor (its ``warm`` basis, then Gaussian ones from its seed,
-    drawn on the CPU so that every device draws the same), ``iters`` products with the factor and an
-    orthonormalization each (default 3 when every factor is warm-started, else 8), then the eigenpairs
-    of ``Qᵀ f Q``. The products with ``f`` run in its dtype (fp32 factors are not copied to fp64); the
+    Rayleigh-Ritz: ``r + 16`` columns a factor (its ``warm`` basis, then Gaussian ones from its seed, on
+    its device), ``iters`` products with the factor and an orthonormalization each (default 3 when every
+    factor is warm-started, else 8), then the eigenpairs of ``Qᵀ f Q`` (``(r + 16)²``, on the CPU: small
+    symmetric eigenproblems are latency-bound on a GPU). The products with ``f`` run in its dtype (fp32 factors are not copied to fp64); the
     bases and the small problems in fp64, batched over the factors. Returns values ``(b, r)`` and
     orthonormal vectors ``(b, dim, r)``; the values are Ritz values (each at most the true one).
     Costs ``O(dim² r)`` a product where ``eigh`` costs ``O(dim³)``."""
@@ -175,11 +175,10 @@ def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None
     k = min(dim, r + _OVERSAMPLE)
     qs = []
     for f, w, sd in zip(fs, warm, seeds):
-        q = torch.randn(dim, k, generator=torch.Generator().manual_seed(sd % (1 << 63)), dtype=torch.float64)
-        q = q.to(f.device)
-        if w is not None:
-            q[:, :min(k, w.shape[1])] = w[:, :k].to(q)
-        qs.append(q)
+        have = 0 if w is None else min(k, w.shape[1])
+        rnd = torch.randn(dim, k - have, generator=torch.Generator(f.device).manual_seed(sd % (1 << 63)),
+                          device=f.device, dtype=torch.float64)
+        qs.append(rnd if w is None else torch.cat([w[:, :have].to(rnd), rnd], 1))
     if iters is None:
         iters = 3 if all(w is not None for w in warm) else 8
 
@@ -190,7 +189,8 @@ def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None
     for _ in range(iters):
         q = _orthonormalize(product(q))
     t = q.mT @ product(q)
-    s, v = torch.linalg.eigh((t + t.mT) / 2)
+    s, v = torch.linalg.eigh(((t + t.mT) / 2).cpu())
+    s, v = s.to(q.device), v.to(q.device)
     return s.flip(-1)[..., :r].clamp_min(0), q @ v.flip(-1)[..., :r]
 
 
@@ -212,6 +212,33 @@ class _Side:
         return (0.0, d) if self.full else (c, d - c)
 
 
+_SPLIT_K = True  # the thin products of the transforms as batched slices on CUDA (benchmarks/bench_gift_cost.py)
+
+
+def _split(length: int) -> int:
+    """Slices of a long reduction of ``length``: 16, 8, 4 or 2 of at least 256, else 1."""
+    return next((c for c in (16, 8, 4, 2) if length % c == 0 and length // c >= 256), 1)
+
+
+def _tn(a: Tensor, g: Tensor) -> Tensor:
+    """``aᵀ g`` for ``a`` ``(N, r)``, ``g`` ``(N, K)``: on CUDA, a sum over slices of ``N`` (a split-K by hand:
+    the ``r x K`` result alone has too few tiles to occupy the GPU)."""
+    c = _split(a.shape[0]) if _SPLIT_K and a.is_cuda else 1
+    if c == 1:
+        return a.t() @ g
+    n = a.shape[0] // c
+    return torch.bmm(a.view(c, n, -1).mT, g.view(c, n, -1)).sum(0)
+
+
+def _nn(g: Tensor, a: Tensor) -> Tensor:
+    """``g a`` for ``g`` ``(N, K)``, ``a`` ``(K, r)``: on CUDA, a sum over slices of ``K`` (as :func:`_tn`)."""
+    c = _split(a.shape[0]) if _SPLIT_K and a.is_cuda else 1
+    if c == 1:
+        return g @ a
+    k = a.shape[0] // c
+    return torch.bmm(g.view(g.shape[0], c, k).transpose(0, 1), a.view(c, k, -1)).sum(0)
+
+
 def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     """``B^{∓1/2} g A^{∓1/2}`` in three passes over ``g``. With ``F^p = c I + U diag(e) Uᵀ`` on each side,
     ``P = g U_a``, ``Q = U_bᵀ g`` and ``S = U_bᵀ P``, the product is
@@ -219,8 +246,8 @@ def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds)."""
     ca, ea = a.coef(inverse)
     cb, eb = b.coef(inverse)
-    p = g @ a.u  # (N, ra)
-    q = b.u.t() @ g  # (rb, K)
+    p = _nn(g, a.u)  # (N, ra)
+    q = _tn(b.u, g)  # (rb, K)
     sm = b.u.t() @ p  # (rb, ra)
     left = torch.cat([cb * p * ea + b.u @ (eb[:, None] * sm * ea[None, :]), b.u], 1)
     right = torch.cat([a.u.t(), ca * eb[:, None] * q], 0)
@@ -263,8 +290,9 @@ class GIFT:
     stochastic rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run
     rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
     subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
-    CUDA, the statistics' and the transforms' matrix products in TF32 (a 10-bit mantissa, finer than
-    the FP8 / FP4 rounding they feed; the eigen-solves stay in fp32 / fp64)."""
+    CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
+    and averaged; the transforms stay in fp32: in TF32 a whiten-unwhiten round trip was 0.9 % off on
+    the H200, ``results/2026-12-03_H200_s29/second``, for 10 % less time)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
@@ -469,21 +497,19 @@ class GIFT:
 
     def _reduce_bucket(self, params: list, seed: int) -> None:
         pieces = []
-        with _tf32(self.tf32):
-            for p in params:
-                layer = self.layers.get(id(p))
-                g = p.grad.float()
-                pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
+        for p in params:
+            layer = self.layers.get(id(p))
+            g = p.grad.float()
+            pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
         flat = torch.cat(pieces)
         self._all_reduce(flat, seed, self.scope)
         o = 0
-        with _tf32(self.tf32):
-            for p in params:
-                k = p.numel()
-                red = flat[o:o + k].view(p.shape)
-                o += k
-                layer = self.layers.get(id(p))
-                p.grad.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
+        for p in params:
+            k = p.numel()
+            red = flat[o:o + k].view(p.shape)
+            o += k
+            layer = self.layers.get(id(p))
+            p.grad.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
 
     @staticmethod
     def ddp_noop_hook(state, bucket):
@@ -518,15 +544,14 @@ class GIFT:
                 exact /= self.world
             seed = -(self.steps * 65_537 + layer.index + 1)  # (not a seed a reduction uses)
             euc = self._all_reduce(g.clone(), seed, "probe")
-            with _tf32(self.tf32):  # (as the reduction does)
-                wh = self._all_reduce(layer.whiten(g), seed, "probe")
-                gift = layer.unwhiten(wh)
-                w_exact = layer.whiten(exact)
+            wh = self._all_reduce(layer.whiten(g), seed, "probe")
+            gift = layer.unwhiten(wh)
+            w_exact = layer.whiten(exact)
 
             def rel(e, ref):
                 return float(e.norm() / ref.norm().clamp_min(1e-30))
 
             out[layer.name] = {"gift": rel(gift - exact, exact), "euclidean": rel(euc - exact, exact),
                                "gift_whitened": rel(layer.whiten(gift) - w_exact, w_exact),
-                               "euclidean_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}  # (fp32 metric)
+                               "euclidean_whitened": rel(layer.whiten(euc) - w_exact, w_exact)}
         return out
