@@ -11,9 +11,8 @@ process (one rank's share), for the preset's model (random weights and tokens):
   runs them (subspace iteration batched over the layers, cold and warm-started; the full ``eigh`` one
   factor at a time, up to ``--eigh-max`` rows); the model's total is the sum over the shapes (on ``n``
   ranks the roots share it about ``n`` ways);
-- **transforms**: whiten + unwhiten of a gradient (fp32, the thin products split by hand as GIFT runs
-  them on CUDA; also unsplit and in TF32), per shape and for the model (each shape's time times its
-  count), and one transform's three products alone;
+- **transforms**: whiten + unwhiten of a gradient (fp32, as GIFT runs them; also in TF32), per shape
+  and for the model (each shape's time times its count), and one transform's three products alone;
 - **codecs**: quantize + dequantize of the model's gradients in E4M3 (block 1024) and NVFP4, and each
   codec's throughput on one 2^26-element fp32 tensor against the device's copy bandwidth (the bytes a
   quantize moves: 4 read + codes and scales written; a dequantize: those read, 4 written).
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from leantrain import config as C  # noqa: E402
-from leantrain.comm import gift as G  # noqa: E402
+from leantrain.comm import gift as G  # noqa: E402  (top_eigenpairs_batched)
 from leantrain.comm.fp4 import nvfp4_nbytes  # noqa: E402
 from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, fp8_dequantize, fp8_quantize  # noqa: E402
 from leantrain.model import Llama  # noqa: E402
@@ -97,14 +96,11 @@ def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.devic
         return _two_sided(b, a, _two_sided(b, a, g, inverse=True), inverse=False)
 
     row["transforms_ms"] = timeit(transforms, args.reps, dev) * 1e3
-    G._SPLIT_K = False
-    row["transforms_nosplit_ms"] = timeit(transforms, args.reps, dev) * 1e3
-    G._SPLIT_K = True
     with _tf32(True):
         row["transforms_tf32_ms"] = timeit(transforms, args.reps, dev) * 1e3
-    # the three products alone (split as GIFT runs them)
-    row["product_P_ms"] = timeit(lambda: G._nn(g, a.u), args.reps, dev) * 1e3
-    row["product_Q_ms"] = timeit(lambda: G._tn(b.u, g), args.reps, dev) * 1e3
+    # the three products alone
+    row["product_P_ms"] = timeit(lambda: g @ a.u, args.reps, dev) * 1e3
+    row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
     lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
     row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
     return row
@@ -202,11 +198,10 @@ def main() -> int:
 
     # --- the model's totals a step (one rank doing every layer)
     tr = sum(r["transforms_ms"] * r["count"] for r in per_shape.values())
-    tr_ns = sum(r["transforms_nosplit_ms"] * r["count"] for r in per_shape.values())
     tr32 = sum(r["transforms_tf32_ms"] * r["count"] for r in per_shape.values())
     ref_sub = sum(r["refresh_subspace_ms"] for r in per_shape.values())
     ref_warm = sum(r["refresh_subspace_warm_ms"] for r in per_shape.values())
-    res["model"] = {"transforms_ms": tr, "transforms_nosplit_ms": tr_ns, "transforms_tf32_ms": tr32,
+    res["model"] = {"transforms_ms": tr, "transforms_tf32_ms": tr32,
                     "refresh_subspace_cold_ms": ref_sub,
                     "refresh_subspace_warm_ms": ref_warm}
     if all("refresh_eigh_ms" in r for r in per_shape.values()):
@@ -233,19 +228,18 @@ def markdown(res: dict) -> str:
              f"| plain | {res['step_ms']['plain']:.2f} |",
              f"| with GIFT's statistics (a refresh step) | {res['step_ms']['with_statistics']:.2f} |", "",
              "| layer N×K | count | refresh of the count layers: subspace, cold ms | subspace, warm ms | full eigh ms "
-             "| whiten + unwhiten of one layer ms | unsplit ms | TF32 ms | one transform's products P, Q, final ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| whiten + unwhiten of one layer ms | TF32 ms | one transform's products P, Q, final ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for shape, r in res["per_shape"].items():
         eigh = f"{r['refresh_eigh_ms']:.1f}" if "refresh_eigh_ms" in r else "(not run)"
         lines.append(f"| {shape} | {r['count']} | {r['refresh_subspace_ms']:.1f} | {r['refresh_subspace_warm_ms']:.1f} | "
-                     f"{eigh} | {r['transforms_ms']:.3f} | {r['transforms_nosplit_ms']:.3f} | {r['transforms_tf32_ms']:.3f} | "
+                     f"{eigh} | {r['transforms_ms']:.3f} | {r['transforms_tf32_ms']:.3f} | "
                      f"{r['product_P_ms']:.3f}, {r['product_Q_ms']:.3f}, {r['product_final_ms']:.3f} |")
     m = res["model"]
     lines += ["", "The refresh's set-up and Rayleigh-Ritz alone (no iteration), ms: "
               + ", ".join(f"{shape} {r['refresh_iters0_ms']:.1f}" for shape, r in res["per_shape"].items()), ""]
     lines += ["", "Model totals (refresh: the sum over the shapes; transforms: each shape's time × its count): "
-              f"transforms {m['transforms_ms']:.2f} ms a step ({m['transforms_nosplit_ms']:.2f} unsplit, "
-              f"{m['transforms_tf32_ms']:.2f} in TF32); "
+              f"transforms {m['transforms_ms']:.2f} ms a step ({m['transforms_tf32_ms']:.2f} in TF32); "
               f"a refresh {m['refresh_subspace_warm_ms']:.0f} ms warm, "
               f"{m['refresh_subspace_cold_ms']:.0f} ms cold (subspace)"
               + (f", {m['refresh_eigh_ms']:.0f} ms by the full eigh" if "refresh_eigh_ms" in m else "") + ".", ""]

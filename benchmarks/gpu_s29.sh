@@ -8,6 +8,8 @@
 #                                           # (CholeskyQR2): its GPU tests, then bench_gift_cost.py again
 #   OUT=dir bash benchmarks/gpu_s29.sh third  # after second/: transforms back in fp32 with their thin products split by
 #                                           # hand, the random columns drawn on the device, Rayleigh-Ritz on the CPU
+#   OUT=dir bash benchmarks/gpu_s29.sh fourth # the final code (third/'s hand split removed: slower): GIFT's GPU tests,
+#                                           # bench_gift_cost.py at B = 4 and 16
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -22,6 +24,18 @@ gpu_part /tmp/s29w "${1:-first}"
       log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
       timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
         | grep -v Warn | tail -40
+      ;;
+    fourth)
+      gpuinfo
+      log "pytest: GIFT on CUDA"
+      gputest 120 tests/comm/test_gift_gpu.py
+      snap
+      for b in 4 16; do
+        log "bench_gift_cost: 1b, B = $b, T = 1024, rank 64"
+        timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch $b --seq 1024 --out "$D/b$b" 2>&1 \
+          | grep -v Warn | tail -30
+        snap
+      done
       ;;
     second|third)
       gpuinfo

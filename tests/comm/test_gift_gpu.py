@@ -1,5 +1,5 @@
-"""GIFT's compute on CUDA (run on the GPU machine with LEANTRAIN_TEST_GPU=1): the transforms (their thin
-products split by hand) against the fp64 matrices, the batched eigen-solver against eigh, the statistics (TF32)
+"""GIFT's compute on CUDA (run on the GPU machine with LEANTRAIN_TEST_GPU=1): the transforms against the fp64
+matrices, the batched eigen-solver against eigh, the statistics (TF32)
 and refresh of a CUDA model, and the TF32 setting restored afterwards."""
 
 import pytest

@@ -212,42 +212,17 @@ class _Side:
         return (0.0, d) if self.full else (c, d - c)
 
 
-_SPLIT_K = True  # the thin products of the transforms as batched slices on CUDA (benchmarks/bench_gift_cost.py)
-
-
-def _split(length: int) -> int:
-    """Slices of a long reduction of ``length``: 16, 8, 4 or 2 of at least 256, else 1."""
-    return next((c for c in (16, 8, 4, 2) if length % c == 0 and length // c >= 256), 1)
-
-
-def _tn(a: Tensor, g: Tensor) -> Tensor:
-    """``aᵀ g`` for ``a`` ``(N, r)``, ``g`` ``(N, K)``: on CUDA, a sum over slices of ``N`` (a split-K by hand:
-    the ``r x K`` result alone has too few tiles to occupy the GPU)."""
-    c = _split(a.shape[0]) if _SPLIT_K and a.is_cuda else 1
-    if c == 1:
-        return a.t() @ g
-    n = a.shape[0] // c
-    return torch.bmm(a.view(c, n, -1).mT, g.view(c, n, -1)).sum(0)
-
-
-def _nn(g: Tensor, a: Tensor) -> Tensor:
-    """``g a`` for ``g`` ``(N, K)``, ``a`` ``(K, r)``: on CUDA, a sum over slices of ``K`` (as :func:`_tn`)."""
-    c = _split(a.shape[0]) if _SPLIT_K and a.is_cuda else 1
-    if c == 1:
-        return g @ a
-    k = a.shape[0] // c
-    return torch.bmm(g.view(g.shape[0], c, k).transpose(0, 1), a.view(c, k, -1)).sum(0)
-
-
 def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     """``B^{∓1/2} g A^{∓1/2}`` in three passes over ``g``. With ``F^p = c I + U diag(e) Uᵀ`` on each side,
     ``P = g U_a``, ``Q = U_bᵀ g`` and ``S = U_bᵀ P``, the product is
     ``c_a c_b g + [c_b P E_a + U_b E_b S E_a, U_b] @ [U_aᵀ ; c_a E_b Q]``: two thin products, then one
-    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds)."""
+    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32: on the
+    H200 they are compute-bound, ``results/2026-12-03_H200_s29/third``; splitting the thin products' long
+    reductions into batched slices by hand was slower there, TF32 12 % faster at a 0.9 % round-trip error)."""
     ca, ea = a.coef(inverse)
     cb, eb = b.coef(inverse)
-    p = _nn(g, a.u)  # (N, ra)
-    q = _tn(b.u, g)  # (rb, K)
+    p = g @ a.u  # (N, ra)
+    q = b.u.t() @ g  # (rb, K)
     sm = b.u.t() @ p  # (rb, ra)
     left = torch.cat([cb * p * ea + b.u @ (eb[:, None] * sm * ea[None, :]), b.u], 1)
     right = torch.cat([a.u.t(), ca * eb[:, None] * q], 0)
