@@ -21,9 +21,10 @@ are taken on that step by the layer's *root* rank (layer ``i``'s root is rank ``
 eigendecompositions are spread over the ranks). The root keeps an EMA of them and takes the top
 ``rank`` eigenpairs, with the rest of the spectrum replaced by its mean ``σ`` (from the trace:
 ``A ≈ U diag(s) Uᵀ + σ (I - U Uᵀ)``). On a factor much larger than ``rank`` the eigenpairs come from
-:func:`top_eigenpairs`, a subspace iteration warm-started from the basis in use (``O(dim² rank)``
-where the full ``torch.linalg.eigh``, used on small factors, is ``O(dim³)``). It damps both by ``damping`` times the mean eigenvalue
-and broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms from the same
+:func:`top_eigenpairs_batched`, a subspace iteration warm-started from the basis in use and batched
+over the root's factors of one size (``O(dim² rank)``, where the full ``torch.linalg.eigh``, used on
+small factors, is ``O(dim³)``). It damps both by ``damping`` times the mean eigenvalue and
+broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms from the same
 numbers: the whitened sum maps back exactly, and the factors' traffic is ``(K + N) · rank`` floats
 a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale; that costs precision,
 never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step
@@ -37,8 +38,8 @@ all-reduce in its own coordinates, i.e. Euclidean FP8.
 **The FP8 all-reduce** (:func:`fp8_all_reduce`) is AGoQ's two-phase scheme (``int8_allreduce.py``)
 with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``block`` elements are
 scaled to E4M3's range (absmax → 448, one fp32 scale a block) and rounded to nearest even
-(``ops.quantize_fp8``: Triton on CUDA). An all-to-all sends chunk ``i`` to rank ``i``. The owner adds its own chunk unquantized, sums
-in fp32, requantizes once and all-gathers. All ranks end with the same bytes. Bytes sent, counted by
+(``ops.quantize_fp8``: Triton on CUDA). An all-to-all sends chunk ``i`` to rank ``i``. The owner adds
+its own chunk unquantized, sums in fp32, requantizes once and all-gathers. All ranks end with the same bytes. Bytes sent, counted by
 :mod:`leantrain.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
 ``block = 1024``) plus padding, plus the factors' broadcasts on refresh steps.
 
@@ -163,8 +164,8 @@ def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None
     Rayleigh-Ritz: ``r + 16`` columns a factor (its ``warm`` basis, then Gaussian ones from its seed, on
     its device), ``iters`` products with the factor and an orthonormalization each (default 3 when every
     factor is warm-started, else 8), then the eigenpairs of ``Qᵀ f Q`` (``(r + 16)²``, on the CPU: small
-    symmetric eigenproblems are latency-bound on a GPU). The products with ``f`` run in its dtype (fp32 factors are not copied to fp64); the
-    bases and the small problems in fp64, batched over the factors. Returns values ``(b, r)`` and
+    symmetric eigenproblems are latency-bound on a GPU). The products with ``f`` run in its dtype (fp32
+    factors are not copied to fp64); the bases and the small problems in fp64, batched over the factors. Returns values ``(b, r)`` and
     orthonormal vectors ``(b, dim, r)``; the values are Ritz values (each at most the true one).
     Costs ``O(dim² r)`` a product where ``eigh`` costs ``O(dim³)``."""
     dim = fs[0].shape[0]
@@ -216,9 +217,10 @@ def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     """``B^{∓1/2} g A^{∓1/2}`` in three passes over ``g``. With ``F^p = c I + U diag(e) Uᵀ`` on each side,
     ``P = g U_a``, ``Q = U_bᵀ g`` and ``S = U_bᵀ P``, the product is
     ``c_a c_b g + [c_b P E_a + U_b E_b S E_a, U_b] @ [U_aᵀ ; c_a E_b Q]``: two thin products, then one
-    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32: on the
-    H200 they are compute-bound, ``results/2026-12-03_H200_s29/third``; splitting the thin products' long
-    reductions into batched slices by hand was slower there, TF32 12 % faster at a 0.9 % round-trip error)."""
+    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32; on the
+    H200, 26 TFLOP/s on the 1b's largest layers, ``results/2026-12-03_H200_s29/fourth``. Splitting the
+    thin products' long reductions into batched slices by hand was slower, ``third/``; TF32 saves a fifth
+    of the time at a 0.9 % round-trip error, ``second/``, and is not used)."""
     ca, ea = a.coef(inverse)
     cb, eb = b.coef(inverse)
     p = g @ a.u  # (N, ra)
@@ -266,8 +268,7 @@ class GIFT:
     rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
     subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
     CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
-    and averaged; the transforms stay in fp32: in TF32 a whiten-unwhiten round trip was 0.9 % off on
-    the H200, ``results/2026-12-03_H200_s29/second``, for 10 % less time)."""
+    and averaged; the transforms stay in fp32, see :func:`_two_sided`)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
