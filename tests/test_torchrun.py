@@ -132,11 +132,8 @@ def test_gift_follows_the_exact_all_reduce_and_resumes_bit_identically(corpus, t
     """dist.comm=gift (FP8 in K-FAC-whitened coordinates, the factors refreshed every 3 steps): the loss
     curve stays within 2 % of DDP's exact all-reduce; the traffic is the FP8 all-reduce's two hops plus the
     factors' broadcasts; resumed from the step-4 checkpoint, the run ends with the uninterrupted one's bits."""
-    import shutil
 
-    import torch
 
-    from leantrain import checkpoint
 
     exact, gift = tmp_path / "exact", tmp_path / "gift"
     r = subprocess.run([*_torchrun(2), *_args(exact, corpus, 2, steps=8), "--train.ckpt-every", "4", "--optim.lr", "1e-2"],
@@ -152,17 +149,27 @@ def test_gift_follows_the_exact_all_reduce_and_resumes_bit_identically(corpus, t
     assert s["recipe"] == "ddp-gift"
     by_op = s["comm"]["by_op"]
     assert by_op.get("all_to_all", 0) > 0 and by_op.get("all_gather", 0) > 0 and by_op.get("broadcast", 0) > 0
-    # resume: the step-4 checkpoint alone, continued to step 8
-    resumed = tmp_path / "resumed"
-    shutil.copytree(gift, resumed)
-    shutil.rmtree(checkpoint.latest(resumed))  # (the step-8 checkpoint: the run was "interrupted" after step 4)
-    assert checkpoint.latest(resumed).name != checkpoint.latest(gift).name
-    r = subprocess.run([*_torchrun(2), *_gift_args(resumed, corpus), "--resume"], env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    _assert_resumes_bit_identically(gift, tmp_path / "resumed", lambda out: _gift_args(out, corpus))
+
+
+def _assert_resumes_bit_identically(run, resumed, args):
+    """``run``'s step-4 checkpoint alone (its step-8 one removed: the run "interrupted" after step 4), continued
+    to step 8 with ``args(out)``: the weights end with the uninterrupted run's bits."""
+    import shutil
+
+    import torch
+
+    from leantrain import checkpoint
+
+    shutil.copytree(run, resumed)
+    shutil.rmtree(checkpoint.latest(resumed))
+    assert checkpoint.latest(resumed).name != checkpoint.latest(run).name
+    r = subprocess.run([*_torchrun(2), *args(resumed), "--resume"], env=_env(), capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    m1, _, _ = checkpoint.load(checkpoint.latest(gift))
+    m1, _, _ = checkpoint.load(checkpoint.latest(run))
     m2, _, _ = checkpoint.load(checkpoint.latest(resumed))
-    assert checkpoint.latest(resumed).name == checkpoint.latest(gift).name
+    assert checkpoint.latest(resumed).name == checkpoint.latest(run).name
     for k in m1:
         assert torch.equal(m1[k], m2[k]), k
 
@@ -171,28 +178,15 @@ def test_gift_in_nvfp4_learns_and_resumes_bit_identically(corpus, tmp_path):
     """dist.gift-format=nvfp4 (4-bit, stochastic rounding seeded by the step): the loss falls, and a run
     resumed from the step-4 checkpoint ends with the uninterrupted one's bits (the rounding draws depend on
     the step, not on the process's history)."""
-    import shutil
-
-    import torch
-
-    from leantrain import checkpoint
-
     run = tmp_path / "fp4"
-    args = [*_gift_args(run, corpus), "--dist.gift-format", "nvfp4"]
-    r = subprocess.run([*_torchrun(2), *args], env=_env(), capture_output=True, text=True, timeout=300)
+
+    def args(out):
+        return [*_gift_args(out, corpus), "--dist.gift-format", "nvfp4"]
+
+    r = subprocess.run([*_torchrun(2), *args(run)], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = _losses(run)
     assert len(losses) == 8 and losses[-1] < losses[0]
     s = json.loads((run / "summary.json").read_text())
     assert s["recipe"] == "ddp-gift-nvfp4"
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run, resumed)
-    shutil.rmtree(checkpoint.latest(resumed))
-    r = subprocess.run([*_torchrun(2), *[str(resumed) if a == str(run) else a for a in args], "--resume"],
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    m1, _, _ = checkpoint.load(checkpoint.latest(run))
-    m2, _, _ = checkpoint.load(checkpoint.latest(resumed))
-    assert checkpoint.latest(resumed).name == checkpoint.latest(run).name
-    for k in m1:
-        assert torch.equal(m1[k], m2[k]), k
+    _assert_resumes_bit_identically(run, tmp_path / "resumed", args)

@@ -153,58 +153,46 @@ def test_gift_checks_its_arguments():
         fp8_all_reduce(torch.zeros(4), block=0)
 
 
-def _fp8_allreduce_worker(rank, world, numel):
-    torch.manual_seed(10 + rank)
-    x = torch.randn(numel) * (1 + rank)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x)
-    ref = torch.stack(parts).sum(0)
-    got = x.clone()
-    with COMM.capture() as led:
-        fp8_all_reduce(got, block=256)
-    from leantrain import collectives as C
-
-    with COMM.capture() as led16:
-        C.all_reduce(x.to(torch.bfloat16))
-    # (numpy, not tensors: a tensor crosses the result queue by shared memory that dies with this process)
-    return {"got": got.numpy(), "ref": ref.numpy(), "fp8": led.total, "bf16": led16.total}
-
-
-@pytest.mark.distributed
-def test_fp8_all_reduce_sums_within_e4m3_precision_and_sends_half_of_bf16():
-    outs = run_distributed(_fp8_allreduce_worker, 2, args=(10_001,))
-    got, ref = torch.from_numpy(outs[0]["got"]), torch.from_numpy(outs[0]["ref"])
-    assert torch.equal(got, torch.from_numpy(outs[1]["got"]))  # every rank the same bytes
-    rel = ((got - ref).norm() / ref.norm()).item()
-    assert 1e-4 < rel < 0.05  # quantized (not exact), within E4M3's precision
-    padded = -(-10_001 // (2 * 256)) * 2 * 256
-    for o in outs:  # codes + one fp32 scale a block, over the padded length
-        assert o["fp8"] / o["bf16"] <= (1 + 4 / 256) / 2 * padded / 10_001 * 1.0001
-
-
-def _nvfp4_allreduce_worker(rank, world, numel):
+def _allreduce_worker(rank, world, numel, fmt):
     torch.manual_seed(10 + rank)
     x = torch.randn(numel) * (1 + rank)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x)
     ref = torch.stack(parts).sum(0)
     got, again, other = x.clone(), x.clone(), x.clone()
-    with COMM.capture() as led:
-        nvfp4_all_reduce(got, seed=5)
-    nvfp4_all_reduce(again, seed=5)
-    nvfp4_all_reduce(other, seed=6)
+    if fmt == "e4m3":
+        with COMM.capture() as led:
+            fp8_all_reduce(got, block=256)
+    else:  # (NVFP4: also the same seed twice, and another seed)
+        with COMM.capture() as led:
+            nvfp4_all_reduce(got, seed=5)
+        nvfp4_all_reduce(again, seed=5)
+        nvfp4_all_reduce(other, seed=6)
     from leantrain import collectives as C
 
     with COMM.capture() as led16:
         C.all_reduce(x.to(torch.bfloat16))
+    # (numpy, not tensors: a tensor crosses the result queue by shared memory that dies with this process)
     return {"got": got.numpy(), "again": again.numpy(), "other": other.numpy(), "ref": ref.numpy(),
-            "fp4": led.total, "bf16": led16.total}
+            "sent": led.total, "bf16": led16.total}
+
+
+@pytest.mark.distributed
+def test_fp8_all_reduce_sums_within_e4m3_precision_and_sends_half_of_bf16():
+    outs = run_distributed(_allreduce_worker, 2, args=(10_001, "e4m3"))
+    got, ref = torch.from_numpy(outs[0]["got"]), torch.from_numpy(outs[0]["ref"])
+    assert torch.equal(got, torch.from_numpy(outs[1]["got"]))  # every rank the same bytes
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 0.05  # quantized (not exact), within E4M3's precision
+    padded = -(-10_001 // (2 * 256)) * 2 * 256
+    for o in outs:  # codes + one fp32 scale a block, over the padded length
+        assert o["sent"] / o["bf16"] <= (1 + 4 / 256) / 2 * padded / 10_001 * 1.0001
 
 
 @pytest.mark.distributed
 def test_nvfp4_all_reduce_sums_within_its_precision_and_sends_under_a_third_of_bf16():
     numel = 10_001
-    outs = run_distributed(_nvfp4_allreduce_worker, 2, args=(numel,))
+    outs = run_distributed(_allreduce_worker, 2, args=(numel, "nvfp4"))
     got, ref = torch.from_numpy(outs[0]["got"]), torch.from_numpy(outs[0]["ref"])
     assert torch.equal(got, torch.from_numpy(outs[1]["got"]))  # every rank the same bytes
     assert (outs[0]["got"] == outs[0]["again"]).all()  # a seed gives the same rounding
@@ -213,8 +201,8 @@ def test_nvfp4_all_reduce_sums_within_its_precision_and_sends_under_a_third_of_b
     assert 0.01 < rel < 0.2  # quantized, within E2M1's precision (about 0.1 at 2 ranks)
     chunk = -(-numel // (2 * 16)) * 16
     for o in outs:  # 9/16 of a byte an element + 4 bytes a chunk message, over the padded length
-        assert o["fp4"] == 2 * nvfp4_nbytes(chunk)  # one message out in each phase
-        assert o["fp4"] / o["bf16"] < 0.29
+        assert o["sent"] == 2 * nvfp4_nbytes(chunk)  # one message out in each phase
+        assert o["sent"] / o["bf16"] < 0.29
 
 
 class _Net(nn.Module):
