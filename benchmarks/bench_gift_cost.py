@@ -170,10 +170,13 @@ def main() -> int:
         c, s = fp8_quantize(v, 1024)
         r["e4m3_quantize_ms"] = timeit(lambda: fp8_quantize(v, 1024), args.reps, dev) * 1e3
         r["e4m3_dequantize_ms"] = timeit(lambda: fp8_dequantize(c, s, 1024), args.reps, dev) * 1e3
-        wire = {"scale_round": "up", "nonfinite": "nan"}  # (GIFT's options, comm/fp4.py)
+        wire = {"scale_round": "up", "nonfinite": "nan", "local_scale": True}  # (GIFT's options, comm/fp4.py)
         q = quantize_nvfp4(v, stochastic=True, seed=2, **wire)
         r["nvfp4_quantize_ms"] = timeit(lambda: quantize_nvfp4(v, stochastic=True, seed=2, **wire), args.reps, dev) * 1e3
         r["nvfp4_quantize_nearest_ms"] = timeit(lambda: quantize_nvfp4(v, **wire), args.reps, dev) * 1e3
+        tensor_scale = {**wire, "local_scale": False}  # (one scale for the tensor: an amax pass first)
+        r["nvfp4_quantize_tensor_scale_ms"] = timeit(lambda: quantize_nvfp4(v, stochastic=True, seed=2, **tensor_scale),
+                                                     args.reps, dev) * 1e3
         r["nvfp4_dequantize_ms"] = timeit(lambda: dequantize_nvfp4(q), args.reps, dev) * 1e3
         return r
 
@@ -185,7 +188,8 @@ def main() -> int:
     fp8_bytes, fp4_bytes = big + 4 * big // 1024, nvfp4_nbytes(big)
     moved = {"e4m3_quantize_ms": 4 * big + fp8_bytes, "e4m3_dequantize_ms": 4 * big + fp8_bytes,
              "nvfp4_quantize_ms": 4 * big + fp4_bytes, "nvfp4_quantize_nearest_ms": 4 * big + fp4_bytes,
-             "nvfp4_dequantize_ms": 4 * big + fp4_bytes}  # (the quantizes read x twice: the amax pass, then the
+             "nvfp4_dequantize_ms": 4 * big + fp4_bytes,
+             "nvfp4_quantize_tensor_scale_ms": 4 * big + fp4_bytes}  # (that quantize reads x twice: the amax pass, then the
     # encode pass; counted once here, as the bytes a fused single-pass kernel would move)
     res["codec_bandwidth"] = {"numel": big, "copy_GBps": bw / 1e9,
                               **{k: {"ms": t, "GBps": moved[k] / (t / 1e3) / 1e9, "of_copy": moved[k] / (t / 1e3) / bw}

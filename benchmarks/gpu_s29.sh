@@ -10,6 +10,8 @@
 #                                           # hand, the random columns drawn on the device, Rayleigh-Ritz on the CPU
 #   OUT=dir bash benchmarks/gpu_s29.sh fourth # the final code (third/'s hand split removed: slower): GIFT's GPU tests,
 #                                           # bench_gift_cost.py at B = 4 and 16
+#   OUT=dir bash benchmarks/gpu_s29.sh fifth  # NVFP4 with one fp32 scale per 4096 elements (one pass; GIFT's messages):
+#                                           # the NVFP4 kernels' tests, GIFT's GPU tests, bench_gift_cost.py at B = 4
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -24,6 +26,15 @@ gpu_part /tmp/s29w "${1:-first}"
       log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
       timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
         | grep -v Warn | tail -40
+      ;;
+    fifth)
+      gpuinfo
+      log "pytest: the NVFP4 kernels against torch, GIFT on CUDA"
+      gputest 200 tests/ops/test_nvfp4_triton.py tests/comm/test_gift_gpu.py
+      snap
+      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
+      timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
+        | grep -v Warn | tail -30
       ;;
     fourth)
       gpuinfo

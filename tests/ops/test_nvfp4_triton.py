@@ -167,12 +167,14 @@ def test_sqnr_floor(backend, device):
 # --- the options for gradients on the wire: stochastic rounding, scales rounded up, NaN blocks
 
 OPTS = {"sr": {"stochastic": True, "seed": 11}, "up": {"scale_round": "up"}, "nan": {"nonfinite": "nan"},
-        "wire": {"stochastic": True, "seed": 2**40 + 3, "scale_round": "up", "nonfinite": "nan"}}
+        "local": {"local_scale": True},
+        "wire": {"stochastic": True, "seed": 2**40 + 3, "scale_round": "up", "nonfinite": "nan", "local_scale": True}}
 
 
 @pytest.mark.parametrize("opt", list(OPTS))
 @pytest.mark.parametrize("n", [16, 4097, 3 * 4096 + 5])
 def test_options_kernel_matches_reference_bit_exact(backend, device, opt, n):
+    """Each option for gradients on the wire: Triton == torch bit for bit, and what the option promises."""
     x = randn(n, torch.float32, device) * torch.logspace(-3, 3, n, device=device)
     x[n // 3] = float("nan")
     x[n // 2] = float("-inf")
@@ -194,7 +196,7 @@ def test_options_kernel_matches_reference_bit_exact(backend, device, opt, n):
         xb = torch.zeros(bad.numel(), device=device)
         xb[:n] = torch.where(torch.isfinite(x), x, 0.0)
         amax = xb.view(-1, 16).abs().amax(1)
-        eff = q.block_scale.view(torch.float8_e4m3fn).float() * q.tensor_scale
+        eff = q.block_scale.view(torch.float8_e4m3fn).float() * q.block_tensor_scale()
         ok = ~bad.view(-1, 16).any(1) | (kw.get("nonfinite") != "nan")
         assert torch.all((6 * eff >= amax * (1 - 2**-22))[ok])
 
@@ -213,6 +215,20 @@ def test_stochastic_rounding_is_unbiased_and_seeded(backend, device):
     a = quantize_nvfp4(x, stochastic=True, seed=5, backend=backend).data
     assert torch.equal(a, quantize_nvfp4(x, stochastic=True, seed=5, backend=backend).data)
     assert not torch.equal(a, quantize_nvfp4(x, stochastic=True, seed=6, backend=backend).data)
+
+
+def test_local_scales_are_per_4096_elements_and_one_pass():
+    # three 4096-element groups of very different ranges: each gets its own fp32 scale (amax / 2688), so the
+    # small group keeps its precision; with one tensor scale its E4M3 block scales underflow to zero
+    x = torch.cat([torch.randn(4096) * 1e3, torch.randn(4096) * 1e-3, torch.randn(100)])
+    q = quantize_nvfp4(x, local_scale=True)
+    nb = -(-x.numel() // 16)  # 519 blocks: codes, E4M3 scales, three fp32 scales
+    assert q.tensor_scale.shape == (3,) and q.nbytes == nb * 8 + nb + 3 * 4
+    assert torch.equal(q.tensor_scale, torch.stack([g.abs().max() for g in x.split(4096)]) / 2688)
+    rel = lambda y, a, b: ((y[a:b] - x[a:b]).norm() / x[a:b].norm()).item()  # noqa: E731
+    local = dequantize_nvfp4(q)
+    glob = dequantize_nvfp4(quantize_nvfp4(x))
+    assert rel(local, 4096, 8192) < 0.15 and rel(glob, 4096, 8192) > 0.9
 
 
 def test_options_are_checked():

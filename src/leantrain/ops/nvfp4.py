@@ -26,6 +26,9 @@ Options for gradients on the wire (GIFT's 4-bit all-reduce), each off by default
   and stochastic rounding stays unbiased on the block's largest element.
 - ``nonfinite="nan"``: a block holding a NaN or an infinity gets the E4M3 NaN byte ``0x7F`` as its
   scale, so it decodes as NaN (a gradient's overflow stays visible after the trip).
+- ``local_scale=True``: one fp32 scale per 4096 elements (256 blocks, one Triton program) in place of
+  the tensor's: ``tensor_scale`` is then a vector, the quantize reads ``x`` once (no amax pass) and the
+  block scales sit closer to their blocks' range; 4 more bytes a 4096 elements.
 
 Triton path: the tensor scale needs the global amax before any block can be encoded, so
 quantize is two passes over ``x``: a small kernel writes one partial amax (finite values) per
@@ -75,7 +78,13 @@ class NVFP4Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + self.block_scale.numel() + 4
+        return self.data.numel() + self.block_scale.numel() + 4 * self.tensor_scale.numel()
+
+    def block_tensor_scale(self) -> torch.Tensor:
+        """The fp32 scale each block's E4M3 scale multiplies: the tensor's, or its 4096-element group's."""
+        if self.tensor_scale.dim() == 0:
+            return self.tensor_scale.expand(self.block_scale.numel())
+        return self.tensor_scale.repeat_interleave(_ROWS)[:self.block_scale.numel()]
 
 
 def _e2m1_rne(a: torch.Tensor) -> torch.Tensor:
@@ -104,7 +113,7 @@ def _check_options(scale_round: str, nonfinite: str) -> None:
 
 
 def quantize_nvfp4_ref(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, scale_round: str = "nearest",
-                       nonfinite: str = "zero") -> NVFP4Tensor:
+                       nonfinite: str = "zero", local_scale: bool = False) -> NVFP4Tensor:
     """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0), pure torch."""
     _check_options(scale_round, nonfinite)
     flat = x.reshape(-1).to(torch.float32)
@@ -116,15 +125,22 @@ def quantize_nvfp4_ref(x: torch.Tensor, *, stochastic: bool = False, seed: int =
     xg = torch.zeros(nb * BLOCK, dtype=torch.float32, device=x.device)
     xg[:n] = flat
     xg = xg.view(nb, BLOCK)
-    amax = xg.abs().max() if n else torch.zeros((), device=x.device)
-    ts = _tensor_scale(amax)
     bamax = xg.abs().amax(1) if nb else xg.new_zeros(0)
-    ts_safe = torch.where(ts > 0, ts, 1.0).expand_as(bamax)
-    s = torch.where(ts > 0, ieee_div(ieee_div(bamax, 6.0), ts_safe), 0.0).clamp(max=448.0)
+    if local_scale:  # one scale per 256 blocks
+        groups = -(-nb // _ROWS)
+        gmax = torch.zeros(groups * _ROWS, device=x.device)
+        gmax[:nb] = bamax
+        ts = _tensor_scale(gmax.view(groups, _ROWS).amax(1))
+        tsb = ts.repeat_interleave(_ROWS)[:nb]
+    else:
+        ts = _tensor_scale(xg.abs().max() if n else torch.zeros((), device=x.device))
+        tsb = ts.expand_as(bamax)
+    ts_safe = torch.where(tsb > 0, tsb, 1.0)
+    s = torch.where(tsb > 0, ieee_div(ieee_div(bamax, 6.0), ts_safe), 0.0).clamp(max=448.0)
     s8 = s.to(torch.float8_e4m3fn)
     if scale_round == "up":  # (s <= 448, so a cast that went down has a next code, at most 448's)
         s8 = torch.where(s8.to(torch.float32) < s, s8.view(torch.uint8) + 1, s8.view(torch.uint8)).view(torch.float8_e4m3fn)
-    eff = s8.to(torch.float32) * ts
+    eff = s8.to(torch.float32) * tsb
     y = torch.where(eff[:, None] > 0, xg / torch.where(eff > 0, eff, 1.0)[:, None], 0.0).clamp(-6, 6)
     a = y.abs()
     if stochastic:
@@ -150,7 +166,7 @@ def dequantize_nvfp4_ref(q: NVFP4Tensor, dtype: torch.dtype | None = None) -> to
     code = torch.stack([d & 0xF, d >> 4], -1).reshape(-1, BLOCK)
     mag = E2M1_VALUES.to(q.data.device)[code & 7]
     v = torch.where((code >= 8) & (mag > 0), -mag, mag)  # code 8 ("-0") -> +0.0, as the kernel
-    eff = q.block_scale.view(torch.float8_e4m3fn).to(torch.float32) * q.tensor_scale
+    eff = q.block_scale.view(torch.float8_e4m3fn).to(torch.float32) * q.block_tensor_scale()
     eff = torch.where(eff == 0, 0.0, eff)  # a -0 block scale (never written) decodes as +0, as the kernel
     v = (v * eff[:, None]).reshape(-1)[: q.numel]
     return v.reshape(q.shape).to(dtype or q.dtype)
@@ -177,15 +193,20 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["key"])
     def _qnvfp4_kernel(x_ptr, ts_ptr, data_ptr, bs_ptr, n, n_blocks, key, ROWS: tl.constexpr,
-                       STOCHASTIC: tl.constexpr, SCALE_UP: tl.constexpr, KEEP_NAN: tl.constexpr):
+                       STOCHASTIC: tl.constexpr, SCALE_UP: tl.constexpr, KEEP_NAN: tl.constexpr,
+                       LOCAL: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, 16)
         idx = rows[:, None] * 16 + cols[None, :]
         x = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
         finite = tl.abs(x) < float("inf")
         x = tl.where(finite, x, 0.0)  # NaN and +-inf -> 0
-        ts = tl.load(ts_ptr)
         bamax = tl.max(tl.abs(x), axis=1)
+        if LOCAL:  # this program's 256 blocks share a scale: amax / 2688, written here
+            ts = tl.div_rn(tl.zeros_like(bamax) + tl.max(bamax, axis=0), tl.zeros_like(bamax) + 2688.0)
+            tl.store(ts_ptr + tl.program_id(0), tl.max(ts, axis=0))
+        else:
+            ts = tl.load(ts_ptr)
         six = tl.zeros_like(bamax) + 6.0
         ts_safe = tl.zeros_like(bamax) + tl.where(ts > 0, ts, 1.0)
         s = tl.where(ts > 0, tl.div_rn(tl.div_rn(bamax, six), ts_safe), 0.0)
@@ -224,7 +245,8 @@ if HAS_TRITON:
         tl.store(bs_ptr + rows, s8.to(tl.uint8), mask=rmask)
 
     @triton.jit
-    def _dqnvfp4_kernel(data_ptr, bs_ptr, ts_ptr, out_ptr, n, n_blocks, ROWS: tl.constexpr, FAST: tl.constexpr):
+    def _dqnvfp4_kernel(data_ptr, bs_ptr, ts_ptr, out_ptr, n, n_blocks, ROWS: tl.constexpr, FAST: tl.constexpr,
+                        LOCAL: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_blocks
         bcols = tl.arange(0, 8)
@@ -238,7 +260,11 @@ if HAS_TRITON:
         # compiler does not keep the sign of a zero through a select
         v = tl.where((code >= 8) & (mag > 0), -mag, mag)
         s8 = tl.load(bs_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        eff = fp8_decode_tl(s8, 3, 7, -6, True) * tl.load(ts_ptr)
+        if LOCAL:
+            ts = tl.load(ts_ptr + tl.program_id(0))
+        else:
+            ts = tl.load(ts_ptr)
+        eff = fp8_decode_tl(s8, 3, 7, -6, True) * ts
         eff = tl.where(eff == 0.0, 0.0, eff)  # a -0 block scale (never written) decodes as +0
         v = v * eff[:, None]
         cols = tl.arange(0, 16)
@@ -247,7 +273,7 @@ if HAS_TRITON:
 
 
 def _quantize_nvfp4_triton(x: torch.Tensor, stochastic: bool, seed: int, scale_round: str,
-                           nonfinite: str) -> NVFP4Tensor:
+                           nonfinite: str, local_scale: bool) -> NVFP4Tensor:
     xf = x.reshape(-1)
     if not xf.is_contiguous():
         xf = xf.contiguous()
@@ -256,12 +282,17 @@ def _quantize_nvfp4_triton(x: torch.Tensor, stochastic: bool, seed: int, scale_r
     data = torch.empty(nb * BLOCK // 2, dtype=torch.uint8, device=x.device)
     bs = torch.empty(nb, dtype=torch.uint8, device=x.device)
     if n == 0:
-        return NVFP4Tensor(data, bs, torch.zeros((), dtype=torch.float32, device=x.device), x.shape, x.dtype)
-    parts = torch.empty(triton.cdiv(n, _AMAX_BLOCK), dtype=torch.float32, device=x.device)
-    launch(_amax_partial_kernel, (parts.numel(),), xf, parts, n, BLOCK_N=_AMAX_BLOCK, num_warps=8)
-    ts = _tensor_scale(parts.amax())
+        ts = torch.zeros((0,) if local_scale else (), dtype=torch.float32, device=x.device)
+        return NVFP4Tensor(data, bs, ts, x.shape, x.dtype)
+    if local_scale:  # (written by the encode kernel, one a program)
+        ts = torch.empty(triton.cdiv(nb, _ROWS), dtype=torch.float32, device=x.device)
+    else:
+        parts = torch.empty(triton.cdiv(n, _AMAX_BLOCK), dtype=torch.float32, device=x.device)
+        launch(_amax_partial_kernel, (parts.numel(),), xf, parts, n, BLOCK_N=_AMAX_BLOCK, num_warps=8)
+        ts = _tensor_scale(parts.amax())
     launch(_qnvfp4_kernel, (triton.cdiv(nb, _ROWS),), xf, ts, data, bs, n, nb, kernel_key(seed), ROWS=_ROWS,
-           STOCHASTIC=stochastic, SCALE_UP=scale_round == "up", KEEP_NAN=nonfinite == "nan", num_warps=8)
+           STOCHASTIC=stochastic, SCALE_UP=scale_round == "up", KEEP_NAN=nonfinite == "nan", LOCAL=local_scale,
+           num_warps=8)
     return NVFP4Tensor(data, bs, ts, x.shape, x.dtype)
 
 
@@ -270,9 +301,9 @@ def _dequantize_nvfp4_triton(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor
     n = q.numel
     nb = -(-n // BLOCK)
     if nb:
-        ts = q.tensor_scale.to(device=q.data.device, dtype=torch.float32).reshape(1)
+        ts = q.tensor_scale.to(device=q.data.device, dtype=torch.float32).reshape(-1).contiguous()
         launch(_dqnvfp4_kernel, (triton.cdiv(nb, _ROWS),), q.data.contiguous(), q.block_scale.contiguous(),
-               ts, out, n, nb, ROWS=_ROWS, FAST=fast_bits(), num_warps=8)
+               ts, out, n, nb, ROWS=_ROWS, FAST=fast_bits(), LOCAL=q.tensor_scale.dim() == 1, num_warps=8)
     return out
 
 
@@ -280,17 +311,19 @@ def _dequantize_nvfp4_triton(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def quantize_nvfp4(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, scale_round: str = "nearest",
-                   nonfinite: str = "zero", backend: str = "auto") -> NVFP4Tensor:
+                   nonfinite: str = "zero", local_scale: bool = False, backend: str = "auto") -> NVFP4Tensor:
     """NVFP4 quantization of the flattened ``x`` (any shape, numel >= 0).
 
     See the module docstring for the math and the options (stochastic rounding of the elements from
-    ``seed``, block scales rounded up, non-finite blocks kept as NaN); the Triton path reads ``x``
-    twice (global amax pass, then the encode pass) and gives the same bytes as the torch reference.
+    ``seed``, block scales rounded up, non-finite blocks kept as NaN, one fp32 scale per 4096 elements);
+    the Triton path reads ``x`` twice (global amax pass, then the encode pass; once with
+    ``local_scale``) and gives the same bytes as the torch reference.
     """
     _check_options(scale_round, nonfinite)
     if resolve(backend, x) == "triton":
-        return _quantize_nvfp4_triton(x, stochastic, seed, scale_round, nonfinite)
-    return quantize_nvfp4_ref(x, stochastic=stochastic, seed=seed, scale_round=scale_round, nonfinite=nonfinite)
+        return _quantize_nvfp4_triton(x, stochastic, seed, scale_round, nonfinite, local_scale)
+    return quantize_nvfp4_ref(x, stochastic=stochastic, seed=seed, scale_round=scale_round, nonfinite=nonfinite,
+                              local_scale=local_scale)
 
 
 def dequantize_nvfp4(q: NVFP4Tensor, *, dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
