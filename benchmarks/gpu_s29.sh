@@ -12,6 +12,8 @@
 #                                           # bench_gift_cost.py at B = 4 and 16
 #   OUT=dir bash benchmarks/gpu_s29.sh fifth  # NVFP4 with one fp32 scale per 4096 elements (one pass; GIFT's messages):
 #                                           # the NVFP4 kernels' tests, GIFT's GPU tests, bench_gift_cost.py at B = 4
+#   OUT=dir bash benchmarks/gpu_s29.sh sixth  # the same after fifth/: one division a block (a reciprocal) in the NVFP4
+#                                           # encode, the stochastic interval's width exact, the one-word hash
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -27,7 +29,7 @@ gpu_part /tmp/s29w "${1:-first}"
       timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
         | grep -v Warn | tail -40
       ;;
-    fifth)
+    fifth|sixth)
       gpuinfo
       log "pytest: the NVFP4 kernels against torch, GIFT on CUDA"
       gputest 200 tests/ops/test_nvfp4_triton.py tests/comm/test_gift_gpu.py

@@ -6,7 +6,7 @@ Math (every division is one IEEE fp32 division, :func:`~leantrain.ops.quant.ieee
 torch, ``tl.div_rn`` in Triton, so the result does not depend on the device):
     tensor_scale = amax(x) / (6 * 448)                          (fp32; 0 for an all-zero x)
     s_b          = e4m3_rne(min(amax_b / 6 / tensor_scale, 448)) per 16-block b, stored as E4M3 bits
-    code         = e2m1_rne(x / (s_b * tensor_scale))            values {0, .5, 1, 1.5, 2, 3, 4, 6}, sign bit 3
+    code         = e2m1_rne(x * (1 / (s_b * tensor_scale)))      values {0, .5, 1, 1.5, 2, 3, 4, 6}, sign bit 3
     x'           = e2m1(code) * s_b * tensor_scale
 ``e4m3_rne`` is torch's ``.to(torch.float8_e4m3fn)`` (round to nearest even, subnormals
 included); ``e2m1_rne`` rounds to the nearest E2M1 magnitude, ties to the even index (0.25 -> 0,
@@ -18,8 +18,8 @@ Two codes per byte (even element in the low nibble). Non-finite inputs are treat
 
 Options for gradients on the wire (GIFT's 4-bit all-reduce), each off by default:
 - ``stochastic=True, seed``: ``code = lo + (u < p)``, with ``lo`` the E2M1 magnitude at or below
-  ``a = |y|``, ``p = (a - E2M1[lo]) / (E2M1[lo + 1] - E2M1[lo])`` (exact subtraction, one IEEE
-  division) and ``u = hash_uniform(seed, element index)`` of :mod:`leantrain.ops.rng`: the decoded
+  ``a = |y|``, ``p = (a - E2M1[lo]) / (E2M1[lo + 1] - E2M1[lo])`` (exact: a subtraction and a
+  power of two) and ``u = hash_uniform(seed, element index)`` of :mod:`leantrain.ops.rng`: the decoded
   value's expectation is ``x`` (to the 2**-16 resolution of ``u``), when nothing is clamped.
 - ``scale_round="up"``: ``s_b`` is the E4M3 value at or above ``min(amax_b / 6 / tensor_scale, 448)``
   (the cast, then the next code where the cast went down), so ``|y| <= 6`` up to one fp32 rounding
@@ -103,6 +103,8 @@ def _tensor_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 _LOWER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)  # the E2M1 magnitudes that start an interval of stochastic rounding
+_FMAX32 = 3.4028234663852886e38  # the largest finite fp32
+_INV_STEP = torch.tensor([2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 0.5])  # 1 / the interval's width (exact)
 
 
 def _check_options(scale_round: str, nonfinite: str) -> None:
@@ -141,13 +143,14 @@ def quantize_nvfp4_ref(x: torch.Tensor, *, stochastic: bool = False, seed: int =
     if scale_round == "up":  # (s <= 448, so a cast that went down has a next code, at most 448's)
         s8 = torch.where(s8.to(torch.float32) < s, s8.view(torch.uint8) + 1, s8.view(torch.uint8)).view(torch.float8_e4m3fn)
     eff = s8.to(torch.float32) * tsb
-    y = torch.where(eff[:, None] > 0, xg / torch.where(eff > 0, eff, 1.0)[:, None], 0.0).clamp(-6, 6)
+    inv = torch.where(eff > 0, ieee_div(torch.ones_like(eff), torch.where(eff > 0, eff, 1.0)), 0.0)
+    inv = inv.clamp(max=_FMAX32)  # (1 / a subnormal unit overflows: x * inf would give NaN at x = 0)
+    y = (xg * inv[:, None]).clamp(-6, 6)
     a = y.abs()
     if stochastic:
         lo = sum((a >= t).to(torch.int64) for t in _LOWER)
-        vals = E2M1_VALUES.to(a.device)
-        glo = vals[lo]
-        p = ieee_div(a - glo, vals[lo + 1] - glo)
+        glo = E2M1_VALUES.to(a.device)[lo]
+        p = (a - glo) * _INV_STEP.to(a.device)[lo]
         u = hash_uniform(seed, torch.arange(nb * BLOCK, device=x.device)).view(nb, BLOCK)
         idx = lo + (u < p).to(torch.int64)
     else:
@@ -194,7 +197,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["key"])
     def _qnvfp4_kernel(x_ptr, ts_ptr, data_ptr, bs_ptr, n, n_blocks, key, ROWS: tl.constexpr,
                        STOCHASTIC: tl.constexpr, SCALE_UP: tl.constexpr, KEEP_NAN: tl.constexpr,
-                       LOCAL: tl.constexpr):
+                       LOCAL: tl.constexpr, IDX32: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, 16)
         idx = rows[:, None] * 16 + cols[None, :]
@@ -215,17 +218,20 @@ if HAS_TRITON:
         if SCALE_UP:
             s8 = tl.where(fp8_decode_tl(s8, 3, 7, -6, True) < s, s8 + 1, s8)
         eff = fp8_decode_tl(s8, 3, 7, -6, True) * ts
-        eff_safe = tl.broadcast_to(tl.where(eff > 0, eff, 1.0)[:, None], (ROWS, 16))
-        y = tl.where(eff[:, None] > 0, tl.div_rn(x, eff_safe), 0.0)
+        inv = tl.where(eff > 0, tl.div_rn(tl.zeros_like(eff) + 1.0, tl.where(eff > 0, eff, 1.0)), 0.0)
+        inv = tl.minimum(inv, 3.4028234663852886e38)  # (1 / a subnormal unit overflows; as the reference)
+        y = x * inv[:, None]  # (one division a block, not one an element)
         y = tl.minimum(tl.maximum(y, -6.0), 6.0)
         a = tl.abs(y)
         if STOCHASTIC:  # the magnitude below, plus one with probability of the distance to it
             lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
                   + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32))
             glo = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0, 4.0)))
-            step = tl.where(lo < 4, 0.5, tl.where(lo < 6, 1.0, 2.0))
-            p = tl.div_rn(a - glo, step)
-            u = uniform1_tl(key, idx) - 1.0  # (exact: 1 + u holds u's 17 bits)
+            p = (a - glo) * tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, 0.5))  # (exact: powers of two)
+            if IDX32:  # (an index below 2**32: the hash's one-word form, the same bits)
+                u = uniform1_tl(key, idx.to(tl.uint32)) - 1.0
+            else:
+                u = uniform1_tl(key, idx) - 1.0  # (exact: 1 + u holds u's 17 bits)
             code = lo + (u < p).to(tl.int32)
         else:
             # nearest E2M1 index: count of midpoints below a; a tie on an odd-index midpoint
@@ -292,7 +298,7 @@ def _quantize_nvfp4_triton(x: torch.Tensor, stochastic: bool, seed: int, scale_r
         ts = _tensor_scale(parts.amax())
     launch(_qnvfp4_kernel, (triton.cdiv(nb, _ROWS),), xf, ts, data, bs, n, nb, kernel_key(seed), ROWS=_ROWS,
            STOCHASTIC=stochastic, SCALE_UP=scale_round == "up", KEEP_NAN=nonfinite == "nan", LOCAL=local_scale,
-           num_warps=8)
+           IDX32=nb * BLOCK < 2**32, num_warps=8)
     return NVFP4Tensor(data, bs, ts, x.shape, x.dtype)
 
 
