@@ -14,6 +14,7 @@
 #                                           # the NVFP4 kernels' tests, GIFT's GPU tests, bench_gift_cost.py at B = 4
 #   OUT=dir bash benchmarks/gpu_s29.sh sixth  # the same after fifth/: one division a block (a reciprocal) in the NVFP4
 #                                           # encode, the stochastic interval's width exact, the one-word hash
+#   OUT=dir bash benchmarks/gpu_s29.sh seventh # bench_gift_cost.py (B = 4) with the codecs timed by CUDA events
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -34,6 +35,12 @@ gpu_part /tmp/s29w "${1:-first}"
       log "pytest: the NVFP4 kernels against torch, GIFT on CUDA"
       gputest 200 tests/ops/test_nvfp4_triton.py tests/comm/test_gift_gpu.py
       snap
+      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
+      timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
+        | grep -v Warn | tail -30
+      ;;
+    seventh)
+      gpuinfo
       log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
       timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
         | grep -v Warn | tail -30
