@@ -25,9 +25,7 @@ from ._kernels import mix_seed
 
 __all__ = ["BLOCK", "nvfp4_all_reduce", "nvfp4_nbytes"]
 
-BLOCK = 16
-
-
+BLOCK = 16  # elements an E4M3 scale
 GROUP = 4096  # elements an fp32 scale (``local_scale``)
 
 
