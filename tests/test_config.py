@@ -74,3 +74,17 @@ def test_every_advertised_submodule_imports():
 
     for name in leantrain._SUBMODULES:
         assert getattr(leantrain, name).__name__ == f"leantrain.{name}"
+
+
+def test_recipe_names_of_the_gift_all_reduces():
+    from leantrain.trainer import recipe_name
+
+    names = {}
+    for fmt in ("e4m3", "nvfp4"):
+        for whiten in ("true", "false"):
+            cfg = C.build("tiny", overrides={"dist.comm": "gift", "dist.gift_format": fmt, "dist.gift_whiten": whiten})
+            names[fmt, whiten] = recipe_name(cfg, baseline=False)
+    assert names == {("e4m3", "true"): "ddp-gift", ("e4m3", "false"): "ddp-fp8",
+                     ("nvfp4", "true"): "ddp-gift-nvfp4", ("nvfp4", "false"): "ddp-nvfp4"}
+    with pytest.raises(ConfigError):
+        C.build("tiny", overrides={"dist.gift_format": "fp4"})
