@@ -19,6 +19,11 @@
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_part /tmp/s29w "${1:-first}"
+giftcost() {  # bench_gift_cost.py on the 1b preset, T = 1024, rank 64: $1 time limit, $2 batch, $3 output folder
+  log "bench_gift_cost: 1b, B = $2, T = 1024, rank 64"
+  timeout "$1" python3 benchmarks/bench_gift_cost.py --preset 1b --batch "$2" --seq 1024 --out "$3" 2>&1 \
+    | grep -v Warn | tail -40
+}
 {
   case "$PART" in
     first)
@@ -26,24 +31,18 @@ gpu_part /tmp/s29w "${1:-first}"
       log "pytest: the NVFP4 and FP8 kernels against torch"
       gputest 240 tests/ops/test_nvfp4_triton.py tests/ops/test_fp8.py
       snap
-      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
-      timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
-        | grep -v Warn | tail -40
+      giftcost 300 4 "$D"
       ;;
     fifth|sixth)
       gpuinfo
       log "pytest: the NVFP4 kernels against torch, GIFT on CUDA"
       gputest 200 tests/ops/test_nvfp4_triton.py tests/comm/test_gift_gpu.py
       snap
-      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
-      timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
-        | grep -v Warn | tail -30
+      giftcost 200 4 "$D"
       ;;
     seventh)
       gpuinfo
-      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
-      timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
-        | grep -v Warn | tail -30
+      giftcost 200 4 "$D"
       ;;
     fourth)
       gpuinfo
@@ -51,9 +50,7 @@ gpu_part /tmp/s29w "${1:-first}"
       gputest 120 tests/comm/test_gift_gpu.py
       snap
       for b in 4 16; do
-        log "bench_gift_cost: 1b, B = $b, T = 1024, rank 64"
-        timeout 200 python3 benchmarks/bench_gift_cost.py --preset 1b --batch $b --seq 1024 --out "$D/b$b" 2>&1 \
-          | grep -v Warn | tail -30
+        giftcost 200 $b "$D/b$b"
         snap
       done
       ;;
@@ -62,9 +59,7 @@ gpu_part /tmp/s29w "${1:-first}"
       log "pytest: GIFT on CUDA"
       gputest 120 tests/comm/test_gift_gpu.py
       snap
-      log "bench_gift_cost: 1b, B = 4, T = 1024, rank 64"
-      timeout 300 python3 benchmarks/bench_gift_cost.py --preset 1b --batch 4 --seq 1024 --out "$D" 2>&1 \
-        | grep -v Warn | tail -40
+      giftcost 300 4 "$D"
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"
