@@ -1,6 +1,7 @@
-"""GIFT (comm/gift.py): the FP8 codec and all-reduce, the whitening transforms, and the data-parallel
-reduction on 2 gloo ranks: ranks end with identical gradients, close to the exact average; the
-error in the whitened metric is below Euclidean FP8's on anisotropic layers; bytes are counted."""
+"""GIFT (comm/gift.py, comm/fp4.py): the FP8 codec, the FP8 and NVFP4 all-reduces, the eigen-solver, the
+whitening transforms, and the data-parallel reduction on 2 gloo ranks: ranks end with identical gradients,
+close to the exact average; the error in the whitened metric is below the Euclidean all-reduce's on
+anisotropic layers, in E4M3 and in NVFP4; bytes are counted."""
 
 import pytest
 import torch
