@@ -1,6 +1,7 @@
 """GIFT on CPU (2 gloo ranks): its communication error against Euclidean FP8, its bytes, and training.
 
     PYTHONPATH=src python3 benchmarks/bench_gift.py --out benchmarks/results [--steps 150] [--ranks 2] [--format nvfp4]
+        [--gift-rank 64]
 
 Three runs of the trainer on the ``tiny`` preset (the embedded corpus), each under
 ``torch.distributed.run`` with ``--ranks`` processes (2) and the same seed and data:
@@ -38,9 +39,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 
-def runs(fmt: str) -> dict[str, list[str]]:
-    """The three runs' config overrides."""
-    low = ["dist.comm=gift", f"dist.gift_format={fmt}"]
+def runs(fmt: str, rank: int = 64) -> dict[str, list[str]]:
+    """The three runs' config overrides (``rank``: GIFT's eigenpairs a factor)."""
+    low = ["dist.comm=gift", f"dist.gift_format={fmt}", f"dist.gift_rank={rank}"]
     return {"exact": [], "fp8" if fmt == "e4m3" else "fp4": [*low, "dist.gift_whiten=false"], "gift": low}
 
 
@@ -163,6 +164,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU)")
     ap.add_argument("--format", default="e4m3", choices=["e4m3", "nvfp4"], help="GIFT's wire format")
+    ap.add_argument("--gift-rank", type=int, default=64, help="eigenpairs kept a K-FAC factor")
     ap.add_argument("--run-out")
     ap.add_argument("--errors", action="store_true")
     ap.add_argument("--set", nargs="*", default=[])
@@ -177,17 +179,18 @@ def main() -> int:
     res = {"env": {"torch": torch.__version__, "date": date, "python": sys.version.split()[0]},
            "command": f"PYTHONPATH=src python3 benchmarks/bench_gift.py --steps {args.steps} --every {args.every}"
                       + (f" --ranks {args.ranks}" if args.ranks != 2 else "")
-                      + (f" --format {args.format}" if args.format != "e4m3" else ""),
+                      + (f" --format {args.format}" if args.format != "e4m3" else "")
+                      + (f" --gift-rank {args.gift_rank}" if args.gift_rank != 64 else ""),
            "steps": args.steps, "ranks": args.ranks, "format": args.format, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in runs(args.format).items():
+        for name, extra in runs(args.format, args.gift_rank).items():
             print(f"run {name} ...", flush=True)
             r = _launch(name, extra, Path(tmp), args.steps, args.every, errors=name == "gift", ranks=args.ranks)
             res["runs"][name] = r
             print(f"  final loss {r['summary'].get('final_loss')}, val {r['val'][-1] if r['val'] else None}, "
                   f"bytes/step {r['summary'].get('comm_bytes_per_step')}", flush=True)
     stem = (f"gift_{date}_cpu" + ("" if args.format == "e4m3" else f"_{args.format}")
-            + (f"_r{args.ranks}" if args.ranks != 2 else ""))
+            + (f"_r{args.ranks}" if args.ranks != 2 else "") + (f"_rank{args.gift_rank}" if args.gift_rank != 64 else ""))
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))

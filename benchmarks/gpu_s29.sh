@@ -15,14 +15,15 @@
 #   OUT=dir bash benchmarks/gpu_s29.sh sixth  # the same after fifth/: one division a block (a reciprocal) in the NVFP4
 #                                           # encode, the stochastic interval's width exact, the one-word hash
 #   OUT=dir bash benchmarks/gpu_s29.sh seventh # bench_gift_cost.py (B = 4) with the codecs timed by CUDA events
+#   OUT=dir bash benchmarks/gpu_s29.sh eighth # bench_gift_cost.py (B = 4) at rank 32 and 16: what a lower rank saves
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_part /tmp/s29w "${1:-first}"
-giftcost() {  # bench_gift_cost.py on the 1b preset, T = 1024, rank 64: $1 time limit, $2 batch, $3 output folder
-  log "bench_gift_cost: 1b, B = $2, T = 1024, rank 64"
-  timeout "$1" python3 benchmarks/bench_gift_cost.py --preset 1b --batch "$2" --seq 1024 --out "$3" 2>&1 \
-    | grep -v Warn | tail -40
+giftcost() {  # bench_gift_cost.py on the 1b preset, T = 1024: $1 time limit, $2 batch, $3 output folder, $4 rank (64)
+  log "bench_gift_cost: 1b, B = $2, T = 1024, rank ${4:-64}"
+  timeout "$1" python3 benchmarks/bench_gift_cost.py --preset 1b --batch "$2" --seq 1024 --rank "${4:-64}" --out "$3" \
+    2>&1 | grep -v Warn | tail -40
 }
 {
   case "$PART" in
@@ -39,6 +40,13 @@ giftcost() {  # bench_gift_cost.py on the 1b preset, T = 1024, rank 64: $1 time 
       gputest 200 tests/ops/test_nvfp4_triton.py tests/comm/test_gift_gpu.py
       snap
       giftcost 200 4 "$D"
+      ;;
+    eighth)
+      gpuinfo
+      for r in 32 16; do
+        giftcost 200 4 "$D/rank$r" $r
+        snap
+      done
       ;;
     seventh)
       gpuinfo
