@@ -44,7 +44,7 @@ its own chunk unquantized, sums in fp32, requantizes once and all-gathers. All r
 ``block = 1024``) plus padding, plus the factors' broadcasts on refresh steps.
 
 **4 bits** (``format="nvfp4"``, ``comm/fp4.py``): the same all-reduce with NVFP4 messages (E2M1
-codes, E4M3 scales of 16 elements, an fp32 scale a message; stochastic rounding): ``0.281`` of bf16's
+codes, E4M3 scales of 16 elements, an fp32 scale per 4096; stochastic rounding): ``0.282`` of bf16's
 bytes. Whitening matters more there: E2M1 has one mantissa bit.
 
 Use::
