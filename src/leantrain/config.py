@@ -164,8 +164,8 @@ class DistConfig:
     scape_catch_up: int = 10  # dist.comm scape: an update stands for the steps since the last, at most this many (0: off)
     gift_rank: int = 64  # dist.comm gift: eigenpairs kept a K-FAC factor (0: full rank)
     gift_refresh_every: int = 10  # dist.comm gift: steps between factor refreshes
-    gift_min_numel: int = 16384  # dist.comm gift: the smallest linear weight sent whitened (smaller: Euclidean FP8)
-    gift_whiten: bool = True  # dist.comm gift: false sends every gradient in Euclidean FP8 (the baseline GIFT improves on)
+    gift_min_numel: int = 16384  # dist.comm gift: the smallest linear weight sent whitened (smaller: sent as it is)
+    gift_whiten: bool = True  # dist.comm gift: false sends every gradient unwhitened (the baseline GIFT improves on)
     gift_format: Literal["e4m3", "nvfp4"] = "e4m3"  # dist.comm gift: FP8 E4M3, or NVFP4-style 4-bit (stochastic rounding)
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
     timeout_s: float = 120.0

@@ -201,7 +201,7 @@ def test_nvfp4_all_reduce_sums_within_its_precision_and_sends_under_a_third_of_b
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0.01 < rel < 0.2  # quantized, within E2M1's precision (about 0.1 at 2 ranks)
     chunk = -(-numel // (2 * 16)) * 16
-    for o in outs:  # 9/16 of a byte an element + 4 bytes a chunk message, over the padded length
+    for o in outs:  # 9/16 of a byte an element + 4 bytes a 4096, over the padded length
         assert o["sent"] == 2 * nvfp4_nbytes(chunk)  # one message out in each phase
         assert o["sent"] / o["bf16"] < 0.29
 

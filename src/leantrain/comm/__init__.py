@@ -6,8 +6,8 @@
   gradient half, FSDP2 (:class:`SDP4BitReduceScatter`).
 - :class:`SCAPE`: sparse gradient and weight communication over a global mask from the
   first moment (AdamS), for :class:`leantrain.dist.ShardedOptimizer`.
-- :class:`GIFT`: the data-parallel gradient all-reduce in FP8 E4M3, in K-FAC-whitened coordinates
-  (``comm/gift.py``); ``fp8_all_reduce``: its two-phase FP8 all-reduce.
+- :class:`GIFT`: the data-parallel gradient all-reduce in FP8 E4M3 or NVFP4, in K-FAC-whitened
+  coordinates (``comm/gift.py``); ``fp8_all_reduce`` / ``nvfp4_all_reduce``: its two-phase all-reduces.
 - ``Int8AllReduceState`` / ``int8_allreduce_hook`` / ``int8_all_reduce``: AGoQ's
   precision-preserving 8-bit all-reduce and its DDP comm hook (``comm/int8_allreduce.py``).
 - :func:`estimate_time`: alpha-beta model from ledger bytes to seconds.
@@ -27,6 +27,7 @@ from .topology import Topology, get_topology
 _LAZY = {
     "GIFT": "gift",
     "fp8_all_reduce": "gift",
+    "nvfp4_all_reduce": "fp4",
     "Int8AllReduceState": "int8_allreduce",
     "int8_allreduce_hook": "int8_allreduce",
     "int8_all_reduce": "int8_allreduce",

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import collectives as C
 from ..ops import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from ._kernels import mix_seed
+from .int8_allreduce import two_phase_all_reduce
 
 __all__ = ["BLOCK", "nvfp4_all_reduce", "nvfp4_nbytes"]
 
@@ -39,9 +41,6 @@ def nvfp4_all_reduce(tensor: Tensor, group=None, *, average: bool = False, stoch
     """All-reduce ``tensor`` in place through NVFP4 (module doc); returns it. ``average`` divides the sum by
     the number of ranks. ``stochastic``: stochastic rounding from ``seed`` (the same seed gives the same
     bits; vary it between calls)."""
-    from .. import collectives as C
-    from .int8_allreduce import two_phase_all_reduce
-
     if C.world_size(group) == 1:
         return tensor
     me = C.rank(group)

@@ -1,4 +1,4 @@
-"""GIFT: the data-parallel gradient all-reduce in FP8, in K-FAC-whitened coordinates.
+"""GIFT: the data-parallel gradient all-reduce in FP8 or NVFP4, in K-FAC-whitened coordinates.
 
 A linear layer ``y = x Wᵀ`` has the K-FAC factors ``A = E[x xᵀ]`` (``K x K``, its inputs) and
 ``B = E[δ δᵀ]`` (``N x N``, the gradients of its outputs). FP8 quantization of the raw gradient
@@ -28,7 +28,7 @@ broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms f
 numbers: the whitened sum maps back exactly, and the factors' traffic is ``(K + N) · rank`` floats
 a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale; that costs precision,
 never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step
-(low rank), or two dense products (full rank).
+(:func:`_two_sided`).
 
 **Which layers** (the selection "where it pays"): ``nn.Linear`` weights with at least ``min_numel``
 elements (not subclasses with their own forward, such as the model's LM head that returns the loss).
@@ -39,8 +39,8 @@ all-reduce in its own coordinates, i.e. Euclidean FP8.
 with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``block`` elements are
 scaled to E4M3's range (absmax → 448, one fp32 scale a block) and rounded to nearest even
 (``ops.quantize_fp8``: Triton on CUDA). An all-to-all sends chunk ``i`` to rank ``i``. The owner adds
-its own chunk unquantized, sums in fp32, requantizes once and all-gathers. All ranks end with the same bytes. Bytes sent, counted by
-:mod:`leantrain.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
+its own chunk unquantized, sums in fp32, requantizes once and all-gathers. All ranks end with the
+same bytes. Bytes sent, counted by :mod:`leantrain.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
 ``block = 1024``) plus padding, plus the factors' broadcasts on refresh steps.
 
 **4 bits** (``format="nvfp4"``, ``comm/fp4.py``): the same all-reduce with NVFP4 messages (E2M1
@@ -121,19 +121,11 @@ def _tf32(enabled: bool):
         yield
         return
     mm = torch.backends.cuda.matmul
-    new_api = hasattr(mm, "fp32_precision")
-    prev = mm.fp32_precision if new_api else mm.allow_tf32
-    if new_api:
-        mm.fp32_precision = "tf32"
-    else:  # pragma: no cover (torch before the fp32_precision settings)
-        mm.allow_tf32 = True
+    prev, mm.fp32_precision = mm.fp32_precision, "tf32"
     try:
         yield
     finally:
-        if new_api:
-            mm.fp32_precision = prev
-        else:  # pragma: no cover
-            mm.allow_tf32 = prev
+        mm.fp32_precision = prev
 
 
 def _orthonormalize(y: Tensor) -> Tensor:
@@ -165,8 +157,9 @@ def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None
     its device), ``iters`` products with the factor and an orthonormalization each (default 3 when every
     factor is warm-started, else 8), then the eigenpairs of ``Qᵀ f Q`` (``(r + 16)²``, on the CPU: small
     symmetric eigenproblems are latency-bound on a GPU). The products with ``f`` run in its dtype (fp32
-    factors are not copied to fp64); the bases and the small problems in fp64, batched over the factors. Returns values ``(b, r)`` and
-    orthonormal vectors ``(b, dim, r)``; the values are Ritz values (each at most the true one).
+    factors are not copied to fp64); the bases and the small problems in fp64, batched over the factors.
+    Returns values ``(b, r)`` and orthonormal vectors ``(b, dim, r)``; the values are Ritz values (each at
+    most the true one).
     Costs ``O(dim² r)`` a product where ``eigh`` costs ``O(dim³)``."""
     dim = fs[0].shape[0]
     if any(f.shape != (dim, dim) for f in fs):
@@ -202,15 +195,14 @@ class _Side:
     def __init__(self, u: Tensor, s: Tensor, sigma: float, lam: float):
         self.u, self.s, self.sigma, self.lam = u, s, sigma, lam  # u: (dim, r), orthonormal columns
         self.full = u.shape[1] == u.shape[0]
-        self.inv = (s + lam).rsqrt()  # (r,)
-        self.fwd = (s + lam).sqrt()
-        self.c_inv = (sigma + lam) ** -0.5
-        self.c_fwd = (sigma + lam) ** 0.5
+        self._coef = {}  # inverse -> (c, e), computed once (the transforms run every step)
+        for inverse, d, c in ((True, (s + lam).rsqrt(), (sigma + lam) ** -0.5),
+                              (False, (s + lam).sqrt(), (sigma + lam) ** 0.5)):
+            self._coef[inverse] = (0.0, d) if self.full else (c, d - c)
 
     def coef(self, inverse: bool) -> tuple[float, Tensor]:
         """``(c, e)`` with ``F^{∓1/2} = c I + U diag(e) Uᵀ`` (``-`` when ``inverse``); full rank: ``c = 0``."""
-        d, c = (self.inv, self.c_inv) if inverse else (self.fwd, self.c_fwd)
-        return (0.0, d) if self.full else (c, d - c)
+        return self._coef[inverse]
 
 
 def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
@@ -220,7 +212,7 @@ def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32). On the
     H200 (``results/2026-12-03_H200_s29/``) the three products take 0.13-0.41 ms on the 1b's layers, 4-7x
     the time of their 16 bytes an element, whatever the rank (``eighth/``); the small ops around them
-    add up to half of a small layer's time. Splitting the thin products by hand was slower (``third/``);
+    take the rest, more than half of a small layer's time (2048x2048: 0.42 of 0.69 ms, ``fourth/``). Splitting the thin products by hand was slower (``third/``);
     TF32 saves a fifth of the time at a 0.9 % round-trip error (``second/``) and is not used."""
     ca, ea = a.coef(inverse)
     cb, eb = b.coef(inverse)
