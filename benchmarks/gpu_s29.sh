@@ -16,6 +16,8 @@
 #                                           # encode, the stochastic interval's width exact, the one-word hash
 #   OUT=dir bash benchmarks/gpu_s29.sh seventh # bench_gift_cost.py (B = 4) with the codecs timed by CUDA events
 #   OUT=dir bash benchmarks/gpu_s29.sh eighth # bench_gift_cost.py (B = 4) at rank 32 and 16: what a lower rank saves
+#   OUT=dir bash benchmarks/gpu_s29.sh ninth  # after the review (coefficients cached, _tf32 simplified): GIFT's GPU
+#                                           # tests and bench_gift_cost.py (B = 4)
 # Work goes to /tmp/s29w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -38,6 +40,13 @@ giftcost() {  # bench_gift_cost.py on the 1b preset, T = 1024: $1 time limit, $2
       gpuinfo
       log "pytest: the NVFP4 kernels against torch, GIFT on CUDA"
       gputest 200 tests/ops/test_nvfp4_triton.py tests/comm/test_gift_gpu.py
+      snap
+      giftcost 200 4 "$D"
+      ;;
+    ninth)
+      gpuinfo
+      log "pytest: GIFT on CUDA"
+      gputest 120 tests/comm/test_gift_gpu.py
       snap
       giftcost 200 4 "$D"
       ;;
