@@ -70,14 +70,21 @@ def check(args) -> int:
     return int(bad > 0)
 
 
-def _launch_args(c):
+def _launch_args(c, shape=None):
     """A ``--configs`` entry as ``launch_ws``'s ``config``, mode and ``dw_bf16``: None / ``"auto16"``
     are ``auto_config``'s schedule for the shape with fp32 / bf16 dW; a dict's ``"MODE"`` is the launch
-    mode (1 writes dW; the probes 2 and 3)."""
+    mode (1 writes dW; the probes 2 and 3), and its ``"AUTO"`` (32 or 16) starts from ``auto_config``'s
+    schedule for ``shape`` (N, K, T) with fp32 / bf16 dW, the dict's other keys overriding it."""
     if c in (None, "auto16"):
         return None, 0, c == "auto16"
     c = dict(c)
-    return c, c.pop("MODE", 0), False
+    auto = c.pop("AUTO", 0)
+    if auto:
+        from leantrain.forge import ws
+
+        n, k, t = shape
+        c = {**ws.auto_config(n, k, t, ws._num_sms(0), dw_bf16=auto == 16), **c}
+    return c, c.pop("MODE", 0), auto == 16
 
 
 def _time_case(n, k, t, configs, hp, scal, flags, dtype="fp32") -> None:
@@ -125,7 +132,7 @@ def _time_case(n, k, t, configs, hp, scal, flags, dtype="fp32") -> None:
     # (a config's "MODE": 1 times the kernel writing dW to an fp32 buffer instead; the probes 2 the GEMM alone,
     # 3 the update alone, as launch_ws runs them)
     for i, c in enumerate(configs):
-        c, mode, dw16 = _launch_args(c)
+        c, mode, dw16 = _launch_args(c, (n, k, t))
         fns[f"ws{i}"] = (lambda c=c, mode=mode, dw16=dw16: ws.launch_ws(
             mode, x=x, dy=dy, w=w, states=[m, v], kinds=kinds, g=buf, scal=scal, flags=flags,
             rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16))
@@ -165,7 +172,7 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
     w = torch.randn(n, k, device="cuda") * 0.02
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     for c in configs:
-        c, mode, dw16 = _launch_args(c)
+        c, mode, dw16 = _launch_args(c, (n, k, t))
         kw = dict(x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags,
                   rule_id=RULE_IDS["adamw"], config=c, dw_bf16=dw16)
         for _ in range(5):
@@ -189,7 +196,7 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
         def q(a):
             return [round(float(a.min()), 2), round(float(a.median()), 2), round(float(a.max()), 2)]
 
-        print(json.dumps({"N": n, "K": k, "T": t, "config": "auto16" if dw16 else c, "mode": mode, "programs": int(st.shape[0]),
+        print(json.dumps({"N": n, "K": k, "T": t, "config": c, "dw16": dw16, "mode": mode, "programs": int(st.shape[0]),
                           "tiles_per_program": q(tiles.double()), "span_us": round(float(end.max()), 2),
                           "end_us": q(end), "first_gemm_us": q(us[:, 0, 1] - us[:, 0, 0]),
                           "gemm_us": q(gemm), "slot_wait_us": q(slot_wait), "update_us": q(upd),

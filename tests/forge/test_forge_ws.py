@@ -28,7 +28,8 @@ def _ptxas_ok() -> bool:
 
 # bf16 dW hand-over (DW16) with the rings its halved dW slot leaves room for
 _DW16 = {"DW16": {"DW16": 1}, "DEEP16": {"DW16": 1, **ws.DEEP16_CONFIG}, "ROWS6416": {"DW16": 1, **ws.ROWS64_CONFIG},
-         "PLAIN16": {"DW16": 1, **ws.PLAIN_CONFIG}}
+         "PLAIN16": {"DW16": 1, **ws.PLAIN_CONFIG}, "GROUP16": {"GROUP_M": 16},
+         "DEEP16G": {"DW16": 1, **ws.DEEP16_CONFIG, "GROUP_M": 8}}
 
 
 def _config(name):
@@ -44,7 +45,8 @@ for mode, wdt, sdt, name, dyn in [(0, "fp32", "fp32", "", 0), (0, "bf16", "bf16"
                                   (0, "fp32", "fp32", "PLAIN", 0), (2, "fp32", "fp32", "", 0), (0, "fp32", "fp32", "DEEP", 0),
                                   (0, "fp32", "fp32", "ROWS64", 0), (0, "fp32", "fp32", "DW16", 0),
                                   (1, "fp32", "fp32", "DW16", 0), (0, "bf16", "fp32", "DEEP16", 0),
-                                  (0, "fp32", "fp32", "ROWS6416", 0)]:
+                                  (0, "fp32", "fp32", "ROWS6416", 0), (0, "fp32", "fp32", "GROUP16", 0),
+                                  (0, "bf16", "fp32", "DEEP16G", 0)]:
     cfg = dw16[name] if name in dw16 else getattr(ws, name + "_CONFIG") if name else None
     ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=cfg)
     ptx = ck.asm["ptx"]
@@ -154,6 +156,33 @@ def test_a_bf16_dw_hand_over_gives_the_same_bits(name, wdt, sdt):
         r = ws.check(136, 264, 100, rule, wdt, sdt, config=_DW16[name])
         assert r["bitwise"] and r["moved"] > 0
         assert r["dw_is_bf16"] and r["dw_rel_err"] < 2.0**-8
+
+
+@gpu
+@pytest.mark.parametrize("group_m", [3, 8, 16])
+def test_the_grouped_tile_order_gives_the_row_major_bits(group_m):
+    """GROUP_M only changes which program runs which tile and when: W, the states and the tiles' sums
+    of squares (stored at the row-major tile index) equal the row-major order's bit for bit, also with a
+    partial last group (8 block rows by 3) and more tiles than programs (CTAS 5)."""
+    from leantrain.forge.kernel import RULE_IDS, _scalars
+
+    n, k, t = 1000, 1100, 300  # 8 x 9 tiles of 128 x 128
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-2
+    w0 = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    st0 = [(torch.randn(n, k, device="cuda", generator=gen) * 1e-3).abs() for _ in range(2)]
+    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    out = []
+    for cfg in ({"CTAS": 5}, {"CTAS": 5, "GROUP_M": group_m}, {"GROUP_M": group_m, "DW16": 1},
+                {"DW16": 1}):
+        w, st = w0.clone(), [s.clone() for s in st0]
+        part = ws.launch_ws(0, x=x, dy=dy, w=w, states=st, kinds=["fp32", "fp32"], scal=scal, flags=flags,
+                            rule_id=RULE_IDS["adamw"], config=cfg)
+        out.append((w, *st, part.clone()))
+    for a, b in ((out[0], out[1]), (out[3], out[2])):
+        assert all(torch.equal(u.view(torch.int32), v.view(torch.int32)) for u, v in zip(a, b, strict=True))
+    assert not torch.equal(out[0][0], w0)
 
 
 @gpu

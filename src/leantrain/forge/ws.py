@@ -91,7 +91,7 @@ if HAS_TRITON:
 # nearest, what a bf16 matmul's output is, and so torch's dW under bf16 autocast) before the hand-over: half the
 # dW slot's shared memory (32 KiB at 128 x 128), free for deeper rings, and half its shared-memory traffic.
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
-             "MMA_WARPS": 4, "EVICT": 0, "DW16": 0, "num_warps": 8, "mma_regs": 232}
+             "MMA_WARPS": 4, "EVICT": 0, "DW16": 0, "GROUP_M": 0, "num_warps": 8, "mma_regs": 232}
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
 # launch_ws's probe modes, beside kernel.py's MODE_FUSED (0) and MODE_WRITE_DW (1). This kernel has no
 # update-only mode: kernel.MODE_UPDATE is also 2, and passed here it would run the GEMM probe (call by name).
@@ -125,14 +125,36 @@ if HAVE_GLUON:
             gl.store(TR + (pid * tr_j + j) * 8 + EV_ID, t)
 
     @gluon.jit
-    def _ws_load(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb,
-                 BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+    def _ws_tile(tile, num_mb, num_nb, GROUP_M: gl.constexpr):
+        """The block row and column of the ``tile``-th tile in processing order. ``GROUP_M`` 0: row-major
+        (a wave of 132 consecutive tiles on a 16 x 44 grid of 2048x5632 reads 3 dY blocks and all 44 X
+        blocks); else ``GROUP_M`` block rows at a time, walked down the rows first (Triton's grouped order:
+        with 16, the same wave reads 16 dY and 9 X blocks, half the operand bytes, which L2 then holds
+        while the update streams W and the state through it)."""
+        if GROUP_M == 0:
+            mb = tile // num_nb
+            nb = tile % num_nb
+        else:
+            per_group = GROUP_M * num_nb
+            first = (tile // per_group) * GROUP_M
+            gsize = num_mb - first
+            if gsize > GROUP_M:
+                gsize = GROUP_M
+            mb = first + (tile % per_group) % gsize
+            nb = (tile % per_group) // gsize
+        return mb, nb
+
+    @gluon.jit
+    def _ws_load(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_mb, num_nb,
+                 BM: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+                 GROUP_M: gl.constexpr):
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         it = 0
         for tile in range(pid, num_tiles, nprog):
-            m0 = (tile // num_nb) * BM
-            n0 = (tile % num_nb) * BN
+            mb, nb = _ws_tile(tile, num_mb, num_nb, GROUP_M)
+            m0 = mb * BM
+            n0 = nb * BN
             for t in range(0, T, BT):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # (a new barrier: phase 1 done)
@@ -176,9 +198,9 @@ if HAVE_GLUON:
             n += 1
 
     @gluon.jit
-    def _ws_state_load(w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles, num_nb,
-                       NSTATE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-                       SSTAGES: gl.constexpr):
+    def _ws_state_load(w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles, num_mb,
+                       num_nb, NSTATE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
+                       SSTAGES: gl.constexpr, GROUP_M: gl.constexpr):
         """``STATE_TMA``: streams each slice's W and state by TMA into a ring of ``SSTAGES`` slots,
         in the order the update warps take them (rows and columns past W's are zero-filled)."""
         pid = gl.program_id(0)
@@ -187,8 +209,9 @@ if HAVE_GLUON:
                                 + (s2_desc.block_type.nbytes if NSTATE >= 2 else 0))
         it = 0
         for tile in range(pid, num_tiles, nprog):
-            m0 = (tile // num_nb) * BM
-            n0 = (tile % num_nb) * BN
+            mb, nb = _ws_tile(tile, num_mb, num_nb, GROUP_M)
+            m0 = mb * BM
+            n0 = nb * BN
             for r in range(BM // SUB):
                 s = it % SSTAGES
                 mbarrier.wait(st_empty.index(s), ((it // SSTAGES) & 1) ^ 1)
@@ -227,14 +250,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_update(dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
-                   W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_nb,
+                   W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_mb, num_nb,
                    lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                    MODE: gl.constexpr, RULE: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
-                   EV: gl.constexpr, TR, tr_j, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                   EV: gl.constexpr, GROUP_M: gl.constexpr, TR, tr_j, TRACE: gl.constexpr, num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -250,8 +273,9 @@ if HAVE_GLUON:
         n = 0
         st = 0  # (STATE_TMA: slices taken from the state ring)
         for tile in range(pid, num_tiles, nprog):
-            m0 = (tile // num_nb) * BM
-            n0 = (tile % num_nb) * BN
+            mb, nb = _ws_tile(tile, num_mb, num_nb, GROUP_M)
+            m0 = mb * BM
+            n0 = nb * BN
             cols = n0 + gl.arange(0, BN, layout=cols_l)
             mk = cols < K
             if MODE == 0:
@@ -264,7 +288,7 @@ if HAVE_GLUON:
             for r in gl.static_range(BM // SUB):
                 g = dw_smem.slice(r * SUB, SUB).load(layout).to(gl.float32)
                 ss += gl.sum(gl.sum(g * g, axis=1), axis=0)
-            gl.store(PART + tile, ss)
+            gl.store(PART + mb * num_nb + nb, ss)  # (row-major, whatever the processing order)
             tile_ok = gl.abs(ss) < float("inf")
             if HAS_SCALE:
                 tile_ok = tile_ok & (gl.abs(sc) < float("inf"))
@@ -338,9 +362,10 @@ if HAVE_GLUON:
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
                    SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
-                   DW16: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                   DW16: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
-        num_tiles = gl.cdiv(N, BM) * num_nb
+        num_mb = gl.cdiv(N, BM)
+        num_tiles = num_mb * num_nb
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BT, BM], dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BT, BN], x_desc.layout)
         # 128-byte swizzle: the MMA group's stores (8 rows x 8 bytes a warp) and the update warps' row
@@ -372,28 +397,30 @@ if HAVE_GLUON:
         if STATE_TMA:
             gl.warp_specialize([
                 (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
-                              W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_nb,
+                              W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_mb, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
-                              TR, tr_j, TRACE, num_warps)),
+                              GROUP_M, TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
                            BT, STAGES, MMA_WARPS, DW16, TRACE)),
-                (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
+                (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_mb, num_nb, BM, BN, BT,
+                            STAGES, GROUP_M)),
                 (_ws_state_load, (w_desc, s1_desc, s2_desc, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty, num_tiles,
-                                  num_nb, NSTATE, BM, BN, SUB, SSTAGES)),
+                                  num_mb, num_nb, NSTATE, BM, BN, SUB, SSTAGES, GROUP_M)),
             ], [MMA_WARPS, 1, 1], [MMA_REGS, 24, 24])
         else:
             gl.warp_specialize([
                 (_ws_update, (dw_smem, dw_ready, dw_empty, w_bufs, s1_bufs, s2_bufs, st_ready, st_empty,
-                              W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_nb,
+                              W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_mb, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
-                              TR, tr_j, TRACE, num_warps)),
+                              GROUP_M, TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
                            BT, STAGES, MMA_WARPS, DW16, TRACE)),
-                (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_nb, BM, BN, BT, STAGES)),
+                (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_mb, num_nb, BM, BN, BT,
+                            STAGES, GROUP_M)),
             ], [MMA_WARPS, 1], [MMA_REGS, 24])
 
 
@@ -455,7 +482,7 @@ def _schedule(cfg: dict) -> dict:
     return dict(BM=cfg["BM"], BN=cfg["BN"], BT=cfg["BT"], STAGES=cfg["STAGES"], SUB=cfg["SUB"],
                 PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=bool(cfg["STATE_TMA"]), SSTAGES=cfg["SSTAGES"],
                 MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
-                DW16=bool(cfg["DW16"]),
+                DW16=bool(cfg["DW16"]), GROUP_M=int(cfg["GROUP_M"]),
                 num_warps=cfg["num_warps"])
 
 
