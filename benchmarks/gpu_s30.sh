@@ -3,7 +3,8 @@
 #   OUT=dir bash benchmarks/gpu_s30.sh first  # FORGE's ws kernel with the grouped tile order (GROUP_M): its bits
 #                                           # (pytest, tune_ws check), then torch / ws on the four shapes of the
 #                                           # issue at T = 512 ... 2048 against auto_config's row-major order,
-#                                           # and the kernel's clock stamps on 2048x5632
+#                                           # and the kernel's clock stamps on 2048x5632; a probe: the update's
+#                                           # sqrt / divisions approximate (APPROX), without their slow-path branches
 # Work goes to /tmp/s30w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -18,13 +19,16 @@ gpu_part /tmp/s30w "${1:-first}"
       log "tune_ws check: GROUP_M"
       tunews 60 check check --configs '{"GROUP_M": 8}' '{"DW16": 1, "BT": 32, "STAGES": 8, "SSTAGES": 2, "GROUP_M": 16}'
       snap
-      CS=(auto16 '{"AUTO": 16, "GROUP_M": 8}' '{"AUTO": 16, "GROUP_M": 16}' auto '{"AUTO": 32, "GROUP_M": 8}')
+      # (APPROX: a probe, the rule's sqrt / divisions by the hardware's approximations, no slow-path branches)
+      CS=(auto16 '{"AUTO": 16, "GROUP_M": 8}' '{"AUTO": 16, "GROUP_M": 16}' '{"AUTO": 16, "APPROX": 1}'
+          '{"AUTO": 16, "GROUP_M": 16, "APPROX": 1}' auto '{"AUTO": 32, "GROUP_M": 8}')
       log "sweep: T <= 2048, row-major against grouped"
       tunews 300 sweep time --shapes 2048x5632,5632x2048,32000x2048,2048x2048 --tokens 512,1024,2048 \
         --configs "${CS[@]}"
       snap
       log "trace: 2048x5632"
-      tunews 60 trace trace --shapes 2048x5632 --tokens 1024,2048 --configs auto16 '{"AUTO": 16, "GROUP_M": 16}'
+      tunews 60 trace trace --shapes 2048x5632 --tokens 1024,2048 --configs auto16 '{"AUTO": 16, "GROUP_M": 16}' \
+        '{"AUTO": 16, "APPROX": 1}'
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

@@ -187,10 +187,12 @@ if HAS_TRITON:
     @triton.jit
     def _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, z,
               RULE: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
-              LERP_SMALL: tl.constexpr):
+              LERP_SMALL: tl.constexpr, APPROX: tl.constexpr = False):
         """One element-wise rule in fp32, in the exact operation order of rules.py. ``z``: zeros
         shaped like ``g`` (made by the caller, so that the Gluon kernel of ``ws.py``, whose tensors
-        carry layouts, calls this same function)."""
+        carry layouts, calls this same function). ``APPROX`` (a probe of ``ws.py``, not used in training):
+        AdamW's and AdamS's square root and divisions by the hardware's approximations (``sqrt.approx``,
+        ``div.full``: no branch to a slow path) instead of IEEE's correctly rounded ones."""
         p = w
         if HAS_DECAY:
             p = w * decay
@@ -210,8 +212,12 @@ if HAS_TRITON:
             else:
                 s1 = tl.fma(-(g - s1), lerp_c + z, g)
             s2 = s2 * b2 + omb2 * g * g
-            denom = tl.div_rn(tl.sqrt_rn(s2), bc2_sqrt + z) + eps
-            p = p - step_size * tl.div_rn(s1, denom)
+            if APPROX:
+                denom = tl.fdiv(tl.sqrt(s2), bc2_sqrt + z) + eps
+                p = p - step_size * tl.fdiv(s1, denom)
+            else:
+                denom = tl.div_rn(tl.sqrt_rn(s2), bc2_sqrt + z) + eps
+                p = p - step_size * tl.div_rn(s1, denom)
         elif RULE == 2:  # Lion
             c = b1 * s1 + omb1 * g
             sgn = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
@@ -220,7 +226,10 @@ if HAS_TRITON:
         else:  # AdamS
             m = b1 * s1 + omb1 * g
             v = b2 * s1 * s1 + omb2 * g * g
-            p = p - lr * tl.div_rn(m, tl.sqrt_rn(v) + eps)
+            if APPROX:
+                p = p - lr * tl.fdiv(m, tl.sqrt(v) + eps)
+            else:
+                p = p - lr * tl.div_rn(m, tl.sqrt_rn(v) + eps)
             s1 = m
         return p, s1, s2
 
