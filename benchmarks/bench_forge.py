@@ -14,7 +14,7 @@
     copy bandwidth of this GPU. On an sm_90 GPU also the warp-specialized Gluon kernel
     (``forge/ws.py``) alone ('ws') and through ForgeOptimizer ('layer_ws', ``ws_tokens``). With a bf16
     dW, the baseline's own precision (``grad_dtype="bf16"``): the split path ('split16') and the Gluon
-    kernel handing its tile over in bf16 ('ws16').
+    kernel handing its tile over in bf16 ('ws16'); both kernels with ``fast_math`` ('ws_fast', 'ws16_fast').
 (b) A whole training step of the ``1b`` preset, T = 1024 tokens per sequence, B sequences:
     torch AdamW fused with fp32 master weights + bf16 autocast; torch AdamW fused, pure bf16;
     PyTorch optimizer-in-backward (``register_post_accumulate_grad_hook``, bf16); FORGE fp32
@@ -230,8 +230,18 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
             ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
                          flags=flags, rule_id=RULE_IDS["adamw"], dw_bf16=True)
 
+        def wsk_fast():  # fast_math: the rule's sqrt / divisions by the GPU's approximate instructions
+            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
+                         flags=flags, rule_id=RULE_IDS["adamw"], approx=True)
+
+        def wsk16_fast():
+            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
+                         flags=flags, rule_id=RULE_IDS["adamw"], dw_bf16=True, approx=True)
+
         cases["ws"] = wsk
         cases["ws16"] = wsk16
+        cases["ws_fast"] = wsk_fast
+        cases["ws16_fast"] = wsk16_fast
         cases["layer_ws"], (lin_ws, _) = _forge_layer_fn(w, x, dy, torch.float32, ws_tokens=1 << 30)
     keep = []
     if product:
@@ -241,7 +251,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         try:
             fn()  # compile (fixed tile heuristic: nothing to autotune)
         except Exception as e:  # noqa: BLE001
-            if name in ("fused", "split", "torch", "layer", "ws", "layer_ws", "split16", "ws16"):
+            if name in ("fused", "split", "torch", "layer", "ws", "layer_ws", "split16", "ws16", "ws_fast", "ws16_fast"):
                 raise
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]  # (--product: costs its columns only)
             product = False
@@ -275,7 +285,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     row.update(bytes=nbytes, floor_ms=floor_ms, speedup_fused=row["torch_ms"] / row["fused_ms"],
                speedup_dispatch=row["torch_ms"] / paths[best_path], best_path=best_path,
                fused_vs_floor=row["fused_ms"] / floor_ms)
-    for p_ in ("split", "ws", "layer_ws", "split16", "ws16"):
+    for p_ in ("split", "ws", "layer_ws", "split16", "ws16", "ws_fast", "ws16_fast"):
         if row.get(f"{p_}_ms"):
             row[f"speedup_{p_}"] = row["torch_ms"] / row[f"{p_}_ms"]
         if row.get(f"{p_}_graph_ms") and row.get("torch_graph_ms"):
@@ -519,6 +529,21 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {_f(r.get('torch_graph_ms'))} | "
                              f"{_f(r.get('split16_graph_ms'))} | {_f(r.get('ws16_graph_ms'))} | "
                              f"{_f(r.get('speedup_split16_graph'), '×')} | {_f(r.get('speedup_ws16_graph'), '×')} |")
+            lines.append("")
+        wf = [r for r in a["rows"] if "ws_fast_graph_ms" in r]
+        if wf:
+            lines += ["### The Gluon kernel with `fast_math` (approximate sqrt / division in AdamW)", "",
+                      "'ws fast' / 'ws16 fast': 'ws' / 'ws16' with the rule's square root and divisions by the GPU's",
+                      "approximate instructions (`launch_ws(approx=True)`, FORGE's `fast_math=True`); the exact ones",
+                      "beside them. CUDA-graph replays (GPU time); ratios are torch's time over the path's.", "",
+                      "| N×K | T | torch graph ms | ws | ws16 | ws fast | ws16 fast | torch/ws | torch/ws16 | torch/ws fast "
+                      "| torch/ws16 fast |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in wf:
+                lines.append(f"| {r['N']}×{r['K']} | {r['T']} | {_f(r.get('torch_graph_ms'))} | "
+                             f"{_f(r.get('ws_graph_ms'))} | {_f(r.get('ws16_graph_ms'))} | "
+                             f"{_f(r.get('ws_fast_graph_ms'))} | {_f(r.get('ws16_fast_graph_ms'))} | "
+                             f"{_f(r.get('speedup_ws_graph'), '×')} | {_f(r.get('speedup_ws16_graph'), '×')} | "
+                             f"{_f(r.get('speedup_ws_fast_graph'), '×')} | {_f(r.get('speedup_ws16_fast_graph'), '×')} |")
             lines.append("")
         prod = [r for r in a["rows"] if "torch_over_layer_bf16_int8_fused" in r]
         if prod:

@@ -5,6 +5,10 @@
 #                                           # issue at T = 512 ... 2048 against auto_config's row-major order,
 #                                           # and the kernel's clock stamps on 2048x5632; a probe: the update's
 #                                           # sqrt / divisions approximate (APPROX), without their slow-path branches
+#   OUT=dir bash benchmarks/gpu_s30.sh second # the tests of GROUP_M and fast_math (bits, tolerance against the exact
+#                                           # kernels and torch), bench_forge.py part (a) with its fast_math columns,
+#                                           # and tune_ws's sweep of auto_config (now grouped on 2048x5632 at T = 2048)
+#                                           # with and without APPROX, a second time
 # Work goes to /tmp/s30w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -29,6 +33,19 @@ gpu_part /tmp/s30w "${1:-first}"
       log "trace: 2048x5632"
       tunews 60 trace trace --shapes 2048x5632 --tokens 1024,2048 --configs auto16 '{"AUTO": 16, "GROUP_M": 16}' \
         '{"AUTO": 16, "APPROX": 1}'
+      ;;
+    second)
+      gpuinfo
+      log "pytest: GROUP_M and fast_math on the GPU"
+      gputest 240 tests/forge/test_forge_ws.py tests/forge/test_forge_kernel.py \
+        -k "grouped or fast_math or auto_config or compiles or fused_equals or matches_torch"
+      snap
+      log "bench_forge part (a), with ws_fast / ws16_fast"
+      timeout 260 python3 benchmarks/bench_forge.py --part a --out "$D/a" 2>&1 | grep -v Warn | tail -40
+      snap
+      log "sweep: auto_config with and without APPROX"
+      tunews 160 sweep time --shapes 2048x5632,5632x2048,32000x2048,2048x2048 --tokens 512,1024,2048 \
+        --configs auto16 '{"AUTO": 16, "APPROX": 1}' auto '{"AUTO": 32, "APPROX": 1}'
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         fused = a.mode == "fused"
         if fused:
             sig.update(X="*bf16", DY="*bf16")
-        cons = dict(MODE=fk.MODE_FUSED if fused else fk.MODE_UPDATE, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2,
+        cons = dict(MODE=fk.MODE_FUSED if fused else fk.MODE_UPDATE, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2, APPROX=False,
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,

@@ -134,6 +134,9 @@ class ForgeConfig:
     # a materialized dW (the split path) in fp32, or for bf16 layers in bf16 as torch's bf16
     # backward gives it (half its traffic; see forge/README.md)
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    # AdamW's / AdamS's sqrt and divisions by the GPU's approximate instructions (a few ulps; the
+    # Triton kernels only; see forge/README.md)
+    fast_math: bool = False
 
 
 @dataclass

@@ -223,7 +223,8 @@ class Trainer:
                 allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
             opt = forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
                                backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce,
-                               grad_dtype=f.grad_dtype, param_groups=self._no_decay_groups() or None)
+                               grad_dtype=f.grad_dtype, param_groups=self._no_decay_groups() or None,
+                               fast_math=f.fast_math)
             if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
                 opt.set_device_scalars(True)
             return opt

@@ -238,6 +238,26 @@ def test_model_triton_matches_torch_backend(rule, state_dtype, tol):
         assert max_rel(b, a) <= tol
 
 
+@pytest.mark.parametrize("rule", ["adamw", "adams"])
+def test_fast_math_stays_within_the_exact_kernels_tolerance(rule):
+    """fast_math=True (the rule's sqrt / divisions approximate on a GPU; the interpreter computes them
+    exactly) against the exact kernels after 3 steps, and both against the torch backend: within the
+    tolerance the exact kernels meet (2e-5, the test above), the fast ones within 1e-6 of the exact."""
+    torch.manual_seed(14)
+    m0, m1 = pair(Net(33, 130, 40).to(DEV))
+    m2 = pair(m0)[1]
+    o0 = lt.forge.attach(m0, RULES[rule](), backend="torch")
+    o1 = lt.forge.attach(m1, RULES[rule](), backend="triton")
+    o2 = lt.forge.attach(m2, RULES[rule](), backend="triton", fast_math=True)
+    assert o2.fast_math and not o1.fast_math
+    data = [x.to(DEV) for x in batches(3)]
+    for m, o in ((m0, o0), (m1, o1), (m2, o2)):
+        train(m, o, data)
+    for a, b, c in zip(m0.parameters(), m1.parameters(), m2.parameters()):
+        assert max_rel(c, b) <= 1e-6
+        assert max_rel(c, a) <= 2e-5
+
+
 def test_model_triton_param_groups_match_torch_backend():
     """attach(param_groups=...) on the kernels: each fused layer and the rest read their own
     group's hyper-parameters (no decay for the norm and biases, another lr for fc2's weight)."""

@@ -98,13 +98,16 @@ def test_the_state_ring_is_used_where_tma_can_load_w_and_the_states():
 
 
 def test_auto_config_deepens_the_operand_ring_for_long_token_runs_and_halves_the_tail_below():
-    assert ws.auto_config(2048, 5632, 2048, 132) == ws.DEEP_CONFIG
+    assert ws.auto_config(2048, 5632, 2048, 132) == {**ws.DEEP_CONFIG, **ws.GROUPED_CONFIG}  # 44 block columns
+    assert ws.auto_config(5632, 2048, 2048, 132) == ws.DEEP_CONFIG  # 16 block columns: 8 rows a wave
+    assert ws.auto_config(2048, 5632, 2048, 132, dw_bf16=True) == {**ws.DEEP16_CONFIG, **ws.GROUPED_CONFIG}
     assert ws.auto_config(5632, 2048, 512, 132) == ws.ROWS64_CONFIG  # 704 tiles of 128 rows: 5.33 waves
     assert ws.auto_config(32000, 2048, 1024, 132) == {}  # 4000 tiles: 30.3 waves, the last nearly full
     assert ws.auto_config(2048, 2048, 512, 132) == {} and ws.auto_config(136, 264, 100, 132) == {}
     # a bf16 hand-over: the deep ring with a 2-slot state ring from T = 1024, the fp32 rule below
     assert ws.auto_config(2048, 5632, 1024, 132, dw_bf16=True) == ws.DEEP16_CONFIG
     assert ws.auto_config(32000, 2048, 16384, 132, dw_bf16=True) == ws.DEEP16_CONFIG
+    assert ws.auto_config(2048, 5632, 1024, 132, dw_bf16=True) == ws.DEEP16_CONFIG  # (grouped from T = 2048)
     assert ws.auto_config(5632, 2048, 512, 132, dw_bf16=True) == ws.ROWS64_CONFIG
     assert ws.auto_config(2048, 5632, 1024, 132) == ws.ROWS64_CONFIG
     # (what they cost in shared memory: the H200 has 227 KiB; DEEP16's dW slot is bf16)
@@ -166,7 +169,7 @@ def test_the_grouped_tile_order_gives_the_row_major_bits(group_m):
     partial last group (8 block rows by 3) and more tiles than programs (CTAS 5)."""
     from leantrain.forge.kernel import RULE_IDS, _scalars
 
-    n, k, t = 1000, 1100, 300  # 8 x 9 tiles of 128 x 128
+    n, k, t = 1000, 1104, 300  # 8 x 9 tiles of 128 x 128 (rows of 16-byte multiples: TMA)
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-2
@@ -183,6 +186,17 @@ def test_the_grouped_tile_order_gives_the_row_major_bits(group_m):
     for a, b in ((out[0], out[1]), (out[3], out[2])):
         assert all(torch.equal(u.view(torch.int32), v.view(torch.int32)) for u, v in zip(a, b, strict=True))
     assert not torch.equal(out[0][0], w0)
+
+
+@gpu
+@pytest.mark.parametrize("config", [{"APPROX": 1}, {"APPROX": 1, "DW16": 1, **ws.DEEP16_CONFIG, "GROUP_M": 16}])
+@pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16")])
+def test_fast_math_fused_equals_its_dw_then_the_fast_math_update_kernel(config, wdt, sdt):
+    """APPROX (fast_math): the fused update equals the kernel's own dW + the update-only kernel with the
+    same approximate rule, bit for bit, for the rules it changes (AdamW, AdamS) and one it does not."""
+    for rule in ("adamw", "adams", "lion"):
+        r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
+        assert r["bitwise"] and r["moved"] > 0
 
 
 @gpu

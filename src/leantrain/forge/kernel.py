@@ -245,7 +245,7 @@ if HAS_TRITON:
         HAS_SCALE: tl.constexpr, PREC: tl.constexpr, HAS_DYN: tl.constexpr, SUM_OUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
         IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
-        EARLY_LOADS: tl.constexpr, ROWS: tl.constexpr,
+        EARLY_LOADS: tl.constexpr, ROWS: tl.constexpr, APPROX: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -346,7 +346,7 @@ if HAS_TRITON:
                                           NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
             p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                               tl.zeros_like(g),
-                              RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+                              RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, APPROX)
             if W_BF16 and SR:
                 if ROWS:  # the element's offset in its own parameter, under its parameter's key
                     key_r = tl.load(KEYS + owner, mask=mn, other=0)
@@ -378,7 +378,7 @@ if HAS_TRITON:
                 if NSTATE >= 2:
                     t2 = tl.load(BS2 + offs_n, mask=bmask, other=0.0)
                 pb, t1, t2 = _rule(wb, gb, t1, t2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
-                                   eps, mom, tl.zeros_like(gb), RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
+                                   eps, mom, tl.zeros_like(gb), RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, APPROX)
                 if W_BF16:
                     if SR:
                         tl.store(B + offs_n, sr_bf16(pb, _draw(key, boffs, IDX32)), mask=bmask)
@@ -666,7 +666,7 @@ def _launch_gpu(plan: _Plan, pkey, args: tuple, ints: tuple) -> None:
 
 def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
                  qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
-                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None, rows=None):
+                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None, rows=None, approx=False):
     """Launch the kernel on one layer. Returns the per-tile sum-of-squares tensor.
 
     ``x: [T, K]``, ``dy: [T, N]`` (same dtype, contiguous rows); ``w: [N, K]`` (fp32/bf16);
@@ -688,6 +688,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     parameter, ``keys`` / ``row0`` (int32, one a parameter) its rounding key and first row, ``scale``
     (fp32, one a parameter) its gradient's scale, NaN where nothing of it may be stored. Each
     parameter gets the bits of its own launch with ``scale=scale[i]`` and ``key=keys[i]``.
+    ``approx``: AdamW's / AdamS's square root and divisions approximate (``_rule``'s ``APPROX``; FORGE's
+    ``fast_math``).
     """
     dummy = w if w is not None else g
     N, K = dummy.shape
@@ -722,13 +724,13 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
                          "parameter, no bias, no device scalars")
     pkey = (mode, N, K, T <= LARGE_T, rows is not None, rule_name, kind1, kind2, nstate, w_bf16, bool(sr), has_bias, signs,
             scale is not None, prec, flags, on_gpu, dyn is not None, sq is not None, None if tune is None else tuple(sorted(tune.items())),
-            os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(EARLY_LOADS_ENV))
+            os.environ.get(FIXED_CONFIG_ENV), os.environ.get(AUTOTUNE_ENV), os.environ.get(EARLY_LOADS_ENV), bool(approx))
     plan = _PLANS.get(pkey)
     if plan is None:
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=kind1, KIND2=kind2, NSTATE=nstate, W_BF16=w_bf16,
                     SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec, HAS_DYN=dyn is not None,
                     SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
-                    SIGN1=signs[0], SIGN2=signs[1], ROWS=rows is not None,
+                    SIGN1=signs[0], SIGN2=signs[1], ROWS=rows is not None, APPROX=bool(approx),
                     HAS_DECAY=flags[0], HAS_MOM=flags[1], NESTEROV=flags[2], LERP_SMALL=flags[3])
         plan = _PLANS[pkey] = _plan(mode, N, K, T, max(kind1, kind2) >= 2, tune, on_gpu, meta)
     s1 = states[0] if nstate > 0 else dummy
@@ -797,7 +799,7 @@ class Buckets:
 
 
 def update_many(ws: list, gs: list, states: list, kinds, qtables, *, rule_name: str, hp: dict, step: int,
-                sr: bool, keys: torch.Tensor | None, scale: torch.Tensor) -> None:
+                sr: bool, keys: torch.Tensor | None, scale: torch.Tensor, approx: bool = False) -> None:
     """The update-only mode on several 1-D tensors in one launch (:func:`bucket_ok` each).
 
     ``ws`` the parameters' data, ``gs`` their gradients (fp32 or bf16), ``states[j]`` the ``j``-th
@@ -821,7 +823,8 @@ def update_many(ws: list, gs: list, states: list, kinds, qtables, *, rule_name: 
     flats = [torch.cat([t.view(-1) for t in ts]) for ts in states]
     views = [f.view(-1, 1, 16, 16) if kind == "int8p" else f.view(-1, 16) for f, kind in zip(flats, kinds, strict=True)]
     launch_forge(MODE_UPDATE, w=w.view(-1, 16), states=views, kinds=kinds, qtables=qtables, rule_name=rule_name,
-                 hp=hp, step=step, sr=sr, g=g.view(-1, 16), scale=scale, rows=(owner, row0 if keys is None else keys, row0))
+                 hp=hp, step=step, sr=sr, g=g.view(-1, 16), scale=scale, rows=(owner, row0 if keys is None else keys, row0),
+                 approx=approx)
     by_dtype: dict = {}
     for dst, flat in [(ws, w)] + list(zip(states, flats, strict=True)):
         d, src = by_dtype.setdefault(flat.dtype, ([], []))

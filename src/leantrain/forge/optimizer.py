@@ -196,7 +196,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
-                 allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None, ws_tokens=WS_TOKENS):
+                 allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None, ws_tokens=WS_TOKENS,
+                 fast_math=False):
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)
@@ -221,6 +222,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.ws_tokens = _env_ws_tokens(ws_tokens)
         self._ws: dict = {}  # device -> whether forge/ws.py's kernel runs there
         self.grad_dtype = grad_dtype
+        self.fast_math = bool(fast_math)
         self.seed = int(seed)
         self.overlap = _env_overlap(overlap)
         self._side: torch.cuda.Stream | None = None  # the updates' stream (overlap, CUDA)
@@ -705,7 +707,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                       step=step, sr=self.stochastic_rounding, key=key, g=g, gb=gb, scale=scale,
                                       part=h.upart, dyn=dyn, sq=None if own is None else own[0],
-                                      ticket=None if own is None else own[1])
+                                      ticket=None if own is None else own[1], approx=self.fast_math)
             if side is not None:
                 self._workspace.read_on(side)
             h.upart = part  # reused next step, like h.part
@@ -722,7 +724,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                       step=step, sr=self.stochastic_rounding, key=key,
                                       scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part,
-                                      dyn=dyn, sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot])
+                                      dyn=dyn, sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot],
+                                      approx=self.fast_math)
                 h.part = part  # reused next step (its last program has summed it, stream-ordered)
         torch.autograd.graph.increment_version(w)
         if b is not None:
@@ -738,7 +741,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         part = ws.launch_ws(K.MODE_FUSED, x=x2, dy=dy2, w=w, states=h.states, kinds=h.kinds, part=h.wpart,
                             scal=scal, flags=flags, rule_id=K.RULE_IDS[self.rule.name], sr=self.stochastic_rounding,
                             key=key, scale=self._clip_scale if self.clip == "prev_global" else None, dyn=dyn,
-                            dw_bf16=self.grad_dtype == "bf16" and x2.dtype == dy2.dtype == torch.bfloat16)
+                            dw_bf16=self.grad_dtype == "bf16" and x2.dtype == dy2.dtype == torch.bfloat16,
+                            approx=self.fast_math)
         h.wpart = part  # reused next step
         torch.sum(part, 0, out=sums.sq_views[layer.slot])  # the layer's sum of squares (norm, NaN report)
 
@@ -911,7 +915,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=states, kinds=kinds, qtables=qt,
                        rule_name=self.rule.name, hp=self.param_groups[self._group_of[id(p)]], step=step,
                        sr=self.stochastic_rounding, key=_KERNEL[1](self._seed(self.param_index[p], step)),
-                       g=as2d(g.contiguous()), scale=gate)
+                       g=as2d(g.contiguous()), scale=gate, approx=self.fast_math)
 
     def _bucket_key(self, p: Tensor, g: Tensor, state: dict) -> tuple | None:
         """What a non-fused parameter on the kernel must share with others to be stepped in the
@@ -945,7 +949,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                       [self.storage.kind_of(sts[0], k) for k in names],
                       [self.storage.kernel_table(sts[0], k, k in self.rule.signed_states, dev) for k in names],
                       rule_name=self.rule.name, hp=self.param_groups[self._group_of[id(ps[0])]], step=step, sr=sr,
-                      keys=keys, scale=gates.index_select(0, index))
+                      keys=keys, scale=gates.index_select(0, index), approx=self.fast_math)
 
     def _reduce_grads(self, params: list[Tensor]) -> None:
         """Average non-fused grads over DP; sum sequence-parallel partial grads over their TP group."""
@@ -1085,7 +1089,7 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
            backend: str = "auto", clip: str = "none", clip_value: float = 1.0, dp_group=None,
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
            grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None,
-           ws_tokens: int | None = WS_TOKENS) -> ForgeOptimizer:
+           ws_tokens: int | None = WS_TOKENS, fast_math: bool = False) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``.
 
     Args:
@@ -1148,11 +1152,18 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             ``clip`` none or prev_global) and is faster there: fp32 states (with bf16 states the
             split path was faster on every linear of the 1b step); None: never. With
             ``grad_dtype="bf16"`` the kernel hands its dW tile to the update in bf16.
+        fast_math: on the Triton backend, AdamW's and AdamS's square root and divisions use the
+            GPU's approximate instructions (``sqrt.approx``, ``div.full``: a few ulps) instead of
+            IEEE's correctly rounded ones, whose rare-case branches cost the warp-specialized
+            kernel a tenth of its time or more (forge/README.md). Every kernel of the optimizer
+            then uses them, so fused still equals write-dW + update bit for bit; against
+            ``torch.optim.AdamW`` the weights stay within the same 1e-6 as the exact kernels'
+            (forge/README.md). Default off: the exact rule.
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
-                          overlap=overlap, param_groups=param_groups, ws_tokens=ws_tokens)
+                          overlap=overlap, param_groups=param_groups, ws_tokens=ws_tokens, fast_math=fast_math)
 
 
 def detach(model: nn.Module) -> None:

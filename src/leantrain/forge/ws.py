@@ -109,6 +109,11 @@ ROWS64_CONFIG = {"BM": 64, "STAGES": 6}
 # T = 1024 the best of the DW16 rings tried, or within 2 % of it (6 % at T = 16384; results/2026-12-03_H200_s28/
 # third/); below it the fp32 rule's picks stay (64-row tiles where the last wave is short).
 DEEP16_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 2}
+# Tiles walked 16 block rows at a time (GROUP_M, _ws_tile) where a row-major wave would span fewer than 4 block
+# rows: on 2048x5632 (16 x 44 tiles) at T = 2048 a wave then reads 25 operand blocks instead of 47, and
+# torch / ws went 1.375 -> 1.441 (DEEP16; 1.449 -> 1.540 with fast_math); on the K = 2048 shapes, whose waves
+# span 8 block rows already, it was no faster or slower (results/2026-12-03_H200_s30/).
+GROUPED_CONFIG = {"GROUP_M": 16}
 
 if HAVE_GLUON:
     from leantrain.forge.kernel import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
@@ -454,13 +459,17 @@ def _num_sms(index: int) -> int:
 
 def auto_config(N: int, K: int, T: int, nsm: int, dw_bf16: bool = False) -> dict:
     """The overrides of ``WS_CONFIG`` for a layer of ``N x K`` weights and ``T`` tokens on ``nsm`` SMs
-    (the comments at ``DEEP_CONFIG`` and ``DEEP16_CONFIG``): a deep operand ring from 2048 tokens (from
-    1024 with a 2-slot state ring when ``dw_bf16``: the tile handed over in bf16), 64-row tiles below it
-    where 128-row tiles fill less than 95 % of their last wave, else none."""
+    (the comments at ``DEEP_CONFIG``, ``DEEP16_CONFIG`` and ``GROUPED_CONFIG``): a deep operand ring from
+    2048 tokens (from 1024 with a 2-slot state ring when ``dw_bf16``: the tile handed over in bf16), with
+    the grouped tile order from 2048 tokens where a row-major wave spans fewer than 4 block rows; 64-row
+    tiles below it where 128-row tiles fill less than 95 % of their last wave, else none."""
+    group = {}
+    if T >= 2048 and nsm < 4 * -(-K // WS_CONFIG["BN"]):  # a wave of row-major tiles spans < 4 block rows
+        group = dict(GROUPED_CONFIG)
     if dw_bf16 and T >= 1024:
-        return dict(DEEP16_CONFIG)
+        return {**DEEP16_CONFIG, **group}
     if T >= 2048:
-        return dict(DEEP_CONFIG)
+        return {**DEEP_CONFIG, **group}
     tiles = -(-N // WS_CONFIG["BM"]) * -(-K // WS_CONFIG["BN"])
     waves = -(-tiles // nsm)
     if tiles >= nsm and tiles / (waves * nsm) < 0.95:
@@ -520,7 +529,8 @@ def _smem_layout(block: tuple, dtype: torch.dtype):
 
 def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, scal=(), flags=(),
               rule_id: int = 1, sr: bool = True, key: int = 0, scale=None, dyn=None,
-              config: dict | None = None, trace: dict | None = None, dw_bf16: bool = False) -> torch.Tensor:
+              config: dict | None = None, trace: dict | None = None, dw_bf16: bool = False,
+              approx: bool = False) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
     into ``g``); the probes ``PROBE_GEMM`` (2: the GEMM alone, nothing stored but the sums of squares)
     and ``PROBE_UPDATE`` (3: the update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``;
@@ -529,7 +539,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
     and ``key`` (a launch captured in a CUDA graph). ``config``: overrides of ``WS_CONFIG`` (``{}``: it
     as is); ``None``: ``auto_config``'s for this shape. ``dw_bf16``: the tile rounded to bf16 before the update
-    (``DW16``; ``grad_dtype="bf16"``). ``trace`` (a probe): a dict that gets ``"stamps"``,
+    (``DW16``; ``grad_dtype="bf16"``). ``approx``: the rule's square root and divisions approximate
+    (``APPROX``; FORGE's ``fast_math``). ``trace`` (a probe): a dict that gets ``"stamps"``,
     int64 ``[programs, tiles a program, 8]``, the GPU clock (ns) at each tile's events: 0 the GEMM
     starts, 1 it is done, 2 the dW slot is free, 3 the update warps have the tile, 4 they are done.
     Returns the per-tile sums of squares (``part``, reused when its size is the tile count)."""
@@ -542,7 +553,9 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     nsm = _num_sms(x.device.index or 0)
     if config is None:
         config = auto_config(N, K, T, nsm, dw_bf16)
-    cfg = resolve_config({**config, "DW16": 1} if dw_bf16 else config, mode, (w, s1, s2))
+    if dw_bf16 or approx:
+        config = {**config, **({"DW16": 1} if dw_bf16 else {}), **({"APPROX": 1} if approx else {})}
+    cfg = resolve_config(config, mode, (w, s1, s2))
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     ntiles = -(-N // BM) * -(-K // BN)
     if part is None or part.numel() != ntiles:
@@ -629,6 +642,7 @@ def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", st
     (``dw_is_bf16``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
     from .kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
 
+    approx = bool((config or {}).get("APPROX"))  # (then the update kernel's rule is the approximate one too)
     name = "sgd" if rule == "nesterov" else rule
     hp = RULE_HP[rule]
     nst = {"sgd": 1, "adamw": 2, "lion": 1, "adams": 1}[name]
@@ -649,7 +663,7 @@ def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", st
               rule_id=RULE_IDS[name], key=1234, config=config)
     w2, st2 = w0.clone(), [s.clone() for s in st0]
     launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=[state_dtype] * nst, rule_name=name, hp=hp, step=3,
-                 key=1234)
+                 key=1234, approx=approx)
     def bits(t):
         return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
