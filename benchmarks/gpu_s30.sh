@@ -9,6 +9,10 @@
 #                                           # kernels and torch), bench_forge.py part (a) with its fast_math columns,
 #                                           # and tune_ws's sweep of auto_config (now grouped on 2048x5632 at T = 2048)
 #                                           # with and without APPROX, a second time
+#   OUT=dir bash benchmarks/gpu_s30.sh third  # IEEE_FAST (now the ws kernel's default): the fast paths' bits against
+#                                           # CUDA's IEEE division / sqrt, fused == dW + the exact update kernel, the
+#                                           # tests of second/ again; tune_ws's sweep (IEEE_FAST against the branchy
+#                                           # rule and APPROX); bench_forge.py part (a)
 # Work goes to /tmp/s30w/PART; $OUT/PART.tgz is rewritten after each stage (what a time-out leaves comes back).
 set -u -o pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -46,6 +50,19 @@ gpu_part /tmp/s30w "${1:-first}"
       log "sweep: auto_config with and without APPROX"
       tunews 160 sweep time --shapes 2048x5632,5632x2048,32000x2048,2048x2048 --tokens 512,1024,2048 \
         --configs auto16 '{"AUTO": 16, "APPROX": 1}' auto '{"AUTO": 32, "APPROX": 1}'
+      ;;
+    third)
+      gpuinfo
+      log "pytest: IEEE_FAST's bits, GROUP_M, fast_math"
+      gputest 260 tests/forge/test_forge_ws.py tests/forge/test_forge_kernel.py \
+        -k "fast_paths or ieee_fast or grouped or fast_math or fused_equals or other_read or bf16_dw"
+      snap
+      log "sweep: IEEE_FAST against the branchy rule (IEEE_FAST 0) and APPROX"
+      tunews 170 sweep time --shapes 2048x5632,5632x2048,32000x2048,2048x2048 --tokens 512,1024,2048 \
+        --configs auto16 '{"AUTO": 16, "IEEE_FAST": 0}' '{"AUTO": 16, "APPROX": 1}' auto '{"AUTO": 32, "IEEE_FAST": 0}'
+      snap
+      log "bench_forge part (a)"
+      timeout 200 python3 benchmarks/bench_forge.py --part a --out "$D/a" 2>&1 | grep -v Warn | tail -30
       ;;
   esac
 } 2>&1 | tee "$D/log.txt"

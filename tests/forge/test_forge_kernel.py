@@ -241,8 +241,8 @@ def test_model_triton_matches_torch_backend(rule, state_dtype, tol):
 @pytest.mark.parametrize("rule", ["adamw", "adams"])
 def test_fast_math_stays_within_the_exact_kernels_tolerance(rule):
     """fast_math=True (the rule's sqrt / divisions approximate on a GPU; the interpreter computes them
-    exactly) against the exact kernels after 3 steps, and both against the torch backend: within the
-    tolerance the exact kernels meet (2e-5, the test above), the fast ones within 1e-6 of the exact."""
+    exactly): within 1e-6 of the exact kernels after one step, and after three within the tolerance the
+    exact kernels meet against the torch backend (2e-5, the test above)."""
     torch.manual_seed(14)
     m0, m1 = pair(Net(33, 130, 40).to(DEV))
     m2 = pair(m0)[1]
@@ -251,10 +251,13 @@ def test_fast_math_stays_within_the_exact_kernels_tolerance(rule):
     o2 = lt.forge.attach(m2, RULES[rule](), backend="triton", fast_math=True)
     assert o2.fast_math and not o1.fast_math
     data = [x.to(DEV) for x in batches(3)]
-    for m, o in ((m0, o0), (m1, o1), (m2, o2)):
-        train(m, o, data)
-    for a, b, c in zip(m0.parameters(), m1.parameters(), m2.parameters()):
+    for m, o in ((m0, o0), (m1, o1), (m2, o2)):  # one step: only the rule's arithmetic differs
+        train(m, o, data[:1])
+    for b, c in zip(m1.parameters(), m2.parameters()):
         assert max_rel(c, b) <= 1e-6
+    for m, o in ((m0, o0), (m1, o1), (m2, o2)):  # two more: the differences feed the next gradients
+        train(m, o, data[1:])
+    for a, c in zip(m0.parameters(), m2.parameters()):
         assert max_rel(c, a) <= 2e-5
 
 
