@@ -247,19 +247,20 @@ if HAS_TRITON:
         return tl.fma(e, h, sx), ok
 
     @triton.jit
-    def _div_rn_fast(x, y):
+    def _div_rn_fast(x, y, z):
         """``div_rn``'s fast path as the GPU runs it (ptxas's expansion of ``div.rn.f32`` on sm_90:
         ``MUFU.RCP``, one Newton step, the quotient and one remainder correction, five FMAs) and
         whether ``x`` and ``y`` are well inside its range: both normal, ``y``'s exponent within ±120,
         ``x``'s within [-100, 120] (the remainder stays exact) and the quotient's within ±100. The
         expansion's own check (``FCHK``) is not documented; these bounds are narrower than the range
         where the remainder correction's arithmetic is exact, and the GPU tests compare the bits with
-        ``div_rn`` on random operands across them (tests/forge/test_forge_ws.py)."""
+        ``div_rn`` on random operands across them (tests/forge/test_forge_ws.py). ``z``: zeros shaped like
+        ``x`` (the constants' layout in the Gluon kernel, as in :func:`_rule`)."""
         r0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
                                        is_pure=True, pack=1)
-        e = tl.fma(-y, r0, 1.0)
+        e = tl.fma(-y, r0, 1.0 + z)
         r = tl.fma(r0, e, r0)
-        q0 = tl.fma(x, r, 0.0)
+        q0 = tl.fma(x, r, z)
         rem = tl.fma(-y, q0, x)
         ex = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
         ey = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -286,16 +287,16 @@ if HAS_TRITON:
                     s1 = tl.fma(-(g - s1), lerp_c + z, g)
                 s2 = s2 * b2 + omb2 * g * g
                 rt, ok1 = _sqrt_rn_fast(s2)
-                d1, ok2 = _div_rn_fast(rt, bc2_sqrt + z)
+                d1, ok2 = _div_rn_fast(rt, bc2_sqrt + z, z)
                 denom = d1 + eps
-                d2, ok3 = _div_rn_fast(s1, denom)
+                d2, ok3 = _div_rn_fast(s1, denom, z)
                 p = p - step_size * d2
                 ok = ok1 & ok2 & ok3
             else:
                 m = b1 * s1 + omb1 * g
                 v = b2 * s1 * s1 + omb2 * g * g
                 rt, ok1 = _sqrt_rn_fast(v)
-                d2, ok2 = _div_rn_fast(m, rt + eps)
+                d2, ok2 = _div_rn_fast(m, rt + eps, z)
                 p = p - lr * d2
                 s1 = m
                 ok = ok1 & ok2
@@ -312,7 +313,7 @@ if HAS_TRITON:
         mask = offs < n
         x = tl.load(X + offs, mask=mask, other=1.0)
         y = tl.load(Y + offs, mask=mask, other=1.0)
-        q, okd = _div_rn_fast(x, y)
+        q, okd = _div_rn_fast(x, y, tl.zeros_like(x))
         sq, oks = _sqrt_rn_fast(x)
         tl.store(Q + offs, q, mask=mask)
         tl.store(S + offs, sq, mask=mask)
