@@ -233,93 +233,6 @@ if HAS_TRITON:
             s1 = m
         return p, s1, s2
 
-    @triton.jit
-    def _sqrt_rn_fast(x):
-        """``sqrt_rn``'s fast path as the GPU runs it (ptxas's expansion of ``sqrt.rn.f32`` on sm_90:
-        ``MUFU.RSQ``, two products, two FMAs) and whether ``x`` is in its range (``x`` in
-        ``[2^-101, FLT_MAX]``, the check of that expansion): where it is, the bits of ``sqrt_rn``."""
-        r = tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-        sx = x * r
-        h = r * 0.5
-        e = tl.fma(-sx, sx, x)
-        ok = (x.to(tl.int32, bitcast=True) - 0x0D000000).to(tl.uint32, bitcast=True) <= 0x727FFFFF
-        return tl.fma(e, h, sx), ok
-
-    @triton.jit
-    def _div_rn_fast(x, y, z):
-        """``div_rn``'s fast path as the GPU runs it (ptxas's expansion of ``div.rn.f32`` on sm_90:
-        ``MUFU.RCP``, one Newton step, the quotient and one remainder correction, five FMAs) and
-        whether ``x`` and ``y`` are well inside its range: both normal, ``y``'s exponent within ±120,
-        ``x``'s within [-100, 120] (the remainder stays exact) and the quotient's within ±100. The
-        expansion's own check (``FCHK``) is not documented; these bounds are narrower than the range
-        where the remainder correction's arithmetic is exact, and the GPU tests compare the bits with
-        ``div_rn`` on random operands across them (tests/forge/test_forge_ws.py). ``z``: zeros shaped like
-        ``x`` (the constants' layout in the Gluon kernel, as in :func:`_rule`)."""
-        r0 = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
-                                       is_pure=True, pack=1)
-        e = tl.fma(-y, r0, 1.0 + z)
-        r = tl.fma(r0, e, r0)
-        q0 = tl.fma(x, r, z)
-        rem = tl.fma(-y, q0, x)
-        ex = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        ey = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        ok = (ex >= 27) & (ex <= 247) & (ey >= 7) & (ey <= 247) & (ex - ey <= 100) & (ey - ex <= 100)
-        return tl.fma(r, rem, q0), ok
-
-    @triton.jit
-    def _rule_fast(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, z,
-                   RULE: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
-                   LERP_SMALL: tl.constexpr):
-        """:func:`_rule` with AdamW's and AdamS's ``sqrt_rn`` / ``div_rn`` replaced by their fast paths
-        (no branch to a slow path), and ``ok``: whether every one of them was in its range, so that the
-        result has ``_rule``'s bits. The caller recomputes with ``_rule`` where some element is not
-        (``ws.py``'s ``IEEE_FAST``: the slice, on one branch, uniform across the update warps)."""
-        ok = z == z
-        if RULE == 1 or RULE == 3:
-            p = w
-            if HAS_DECAY:
-                p = w * decay
-            if RULE == 1:
-                if LERP_SMALL:
-                    s1 = tl.fma(omb1 + z, g - s1, s1)
-                else:
-                    s1 = tl.fma(-(g - s1), lerp_c + z, g)
-                s2 = s2 * b2 + omb2 * g * g
-                rt, ok1 = _sqrt_rn_fast(s2)
-                d1, ok2 = _div_rn_fast(rt, bc2_sqrt + z, z)
-                denom = d1 + eps
-                d2, ok3 = _div_rn_fast(s1, denom, z)
-                p = p - step_size * d2
-                ok = ok1 & ok2 & ok3
-            else:
-                m = b1 * s1 + omb1 * g
-                v = b2 * s1 * s1 + omb2 * g * g
-                rt, ok1 = _sqrt_rn_fast(v)
-                d2, ok2 = _div_rn_fast(m, rt + eps, z)
-                p = p - lr * d2
-                s1 = m
-                ok = ok1 & ok2
-        else:
-            p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, z,
-                              RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
-        return p, s1, s2, ok
-
-    @triton.jit
-    def _fast_check(X, Y, Q, S, OKD, OKS, n, BLOCK: tl.constexpr):
-        """A probe of the fast paths (the GPU tests): ``Q = _div_rn_fast(X, Y)``, ``S = _sqrt_rn_fast(X)`` and
-        their range flags."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(X + offs, mask=mask, other=1.0)
-        y = tl.load(Y + offs, mask=mask, other=1.0)
-        q, okd = _div_rn_fast(x, y, tl.zeros_like(x))
-        sq, oks = _sqrt_rn_fast(x)
-        tl.store(Q + offs, q, mask=mask)
-        tl.store(S + offs, sq, mask=mask)
-        tl.store(OKD + offs, okd.to(tl.int8), mask=mask)
-        tl.store(OKS + offs, oks.to(tl.int8), mask=mask)
-
     @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
                                    "omb2", "lerp_c", "eps", "mom", "dyn_off"])
     def _forge_kernel(
@@ -842,17 +755,6 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     else:
         plan.kernel[plan.grid](*args, **plan.meta)
     return part
-
-
-def fast_paths(x: torch.Tensor, y: torch.Tensor):
-    """The fast paths of ``div_rn`` / ``sqrt_rn`` that ``ws.py``'s ``IEEE_FAST`` runs, on fp32 CUDA tensors
-    (a probe for the tests): ``(x / y, sqrt(x), ok_div, ok_sqrt)``, the flags where each is in its range."""
-    n = x.numel()
-    q, sq = torch.empty_like(x), torch.empty_like(x)
-    okd = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-    oks = torch.empty_like(okd)
-    _fast_check[(triton.cdiv(n, 1024),)](x, y, q, sq, okd, oks, n, BLOCK=1024)
-    return q, sq, okd.bool(), oks.bool()
 
 
 BUCKET_MAX = 1 << 20  # update_many: at most this many elements a tensor ...

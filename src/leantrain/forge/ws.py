@@ -90,13 +90,8 @@ if HAS_TRITON:
 # DW16=1 (launch_ws(dw_bf16=True), FORGE's grad_dtype="bf16"): the MMA group rounds its tile to bf16 (round to
 # nearest, what a bf16 matmul's output is, and so torch's dW under bf16 autocast) before the hand-over: half the
 # dW slot's shared memory (32 KiB at 128 x 128), free for deeper rings, and half its shared-memory traffic.
-# IEEE_FAST=1 (the default from session 30): AdamW's / AdamS's sqrt_rn and div_rn by the fast paths ptxas expands
-# them to, without their per-element branch to a slow path (kernel._rule_fast); a slice with an element outside
-# their range is recomputed with the branchy rule. The same bits; the branches cost the update warps about a tenth
-# of the kernel's time (results/2026-12-03_H200_s30/). APPROX=1 (fast_math): the approximate instructions instead.
 WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
-             "MMA_WARPS": 4, "EVICT": 0, "DW16": 0, "GROUP_M": 0, "APPROX": 0, "IEEE_FAST": 1,
-             "num_warps": 8, "mma_regs": 232}
+             "MMA_WARPS": 4, "EVICT": 0, "DW16": 0, "GROUP_M": 0, "APPROX": 0, "num_warps": 8, "mma_regs": 232}
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
 # launch_ws's probe modes, beside kernel.py's MODE_FUSED (0) and MODE_WRITE_DW (1). This kernel has no
 # update-only mode: kernel.MODE_UPDATE is also 2, and passed here it would run the GEMM probe (call by name).
@@ -121,14 +116,7 @@ DEEP16_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 2}
 GROUPED_CONFIG = {"GROUP_M": 16}
 
 if HAVE_GLUON:
-    from leantrain.forge.kernel import (
-        DYN_COLS,
-        _draw,
-        _dyn_scalars,
-        _rule,
-        _rule_fast,
-        _store_plain,
-    )
+    from leantrain.forge.kernel import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
     from leantrain.ops.sr import sr_bf16
 
     @gluon.jit
@@ -274,8 +262,8 @@ if HAVE_GLUON:
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
-                   EV: gl.constexpr, GROUP_M: gl.constexpr, APPROX: gl.constexpr, IEEE_FAST: gl.constexpr, TR, tr_j,
-                   TRACE: gl.constexpr, num_warps: gl.constexpr):
+                   EV: gl.constexpr, GROUP_M: gl.constexpr, APPROX: gl.constexpr, TR, tr_j, TRACE: gl.constexpr,
+                   num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -356,20 +344,8 @@ if HAVE_GLUON:
                         g = g * sc
                     z = gl.zeros_like(g)
                     smask = mask & tile_ok
-                    if IEEE_FAST and not APPROX and (RULE == 1 or RULE == 3):
-                        # sqrt_rn / div_rn by their fast paths (no branch a element); the slice again with
-                        # _rule, on one branch for all the update warps, if an element was out of their range
-                        pf, s1f, s2f, ok = _rule_fast(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1,
-                                                      omb2, lerp_c, eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV,
-                                                      LERP_SMALL)
-                        nbad = gl.max(gl.max(gl.where(ok | (mask == 0), 0, 1), axis=1), axis=0)
-                        if nbad > 0:
-                            pf, s1f, s2f = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2,
-                                                 lerp_c, eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL)
-                        p, s1, s2 = pf, s1f, s2f
-                    else:
-                        p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
-                                          eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, APPROX)
+                    p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
+                                      eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, APPROX)
                     if W_BF16 and SR:
                         gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask, eviction_policy=EV)
                     else:
@@ -392,8 +368,8 @@ if HAVE_GLUON:
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                    BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
                    SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
-                   DW16: gl.constexpr, GROUP_M: gl.constexpr, APPROX: gl.constexpr, IEEE_FAST: gl.constexpr,
-                   TRACE: gl.constexpr, num_warps: gl.constexpr):
+                   DW16: gl.constexpr, GROUP_M: gl.constexpr, APPROX: gl.constexpr, TRACE: gl.constexpr,
+                   num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
         num_mb = gl.cdiv(N, BM)
         num_tiles = num_mb * num_nb
@@ -432,7 +408,7 @@ if HAVE_GLUON:
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
-                              GROUP_M, APPROX, IEEE_FAST, TR, tr_j, TRACE, num_warps)),
+                              GROUP_M, APPROX, TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
                            BT, STAGES, MMA_WARPS, DW16, TRACE)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_mb, num_nb, BM, BN, BT,
@@ -447,7 +423,7 @@ if HAVE_GLUON:
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
                               LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
-                              GROUP_M, APPROX, IEEE_FAST, TR, tr_j, TRACE, num_warps)),
+                              GROUP_M, APPROX, TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
                            BT, STAGES, MMA_WARPS, DW16, TRACE)),
                 (_ws_load, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, T, num_tiles, num_mb, num_nb, BM, BN, BT,
@@ -518,7 +494,6 @@ def _schedule(cfg: dict) -> dict:
                 PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=bool(cfg["STATE_TMA"]), SSTAGES=cfg["SSTAGES"],
                 MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
                 DW16=bool(cfg["DW16"]), GROUP_M=int(cfg["GROUP_M"]), APPROX=bool(cfg["APPROX"]),
-                IEEE_FAST=bool(cfg["IEEE_FAST"]),
                 num_warps=cfg["num_warps"])
 
 
