@@ -14,9 +14,9 @@ def test_presets_build_and_have_the_documented_shapes():
 
 def test_overrides_are_typed():
     cfg = C.build("tiny", overrides={"model.dim": "96", "optim.betas": "0.8,0.9", "forge.enabled": "true",
-                                     "forge.state-dtype": "int8", "data.path": "none"})
+                                     "forge.state-dtype": "int8", "data.path": "none", "forge.fast-math": "true"})
     assert cfg.model.dim == 96 and cfg.optim.betas == (0.8, 0.9) and cfg.forge.enabled is True
-    assert cfg.forge.state_dtype == "int8" and cfg.data.path is None
+    assert cfg.forge.state_dtype == "int8" and cfg.data.path is None and cfg.forge.fast_math is True
 
 
 @pytest.mark.parametrize("key,value,match", [

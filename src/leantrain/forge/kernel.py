@@ -190,9 +190,9 @@ if HAS_TRITON:
               LERP_SMALL: tl.constexpr, APPROX: tl.constexpr = False):
         """One element-wise rule in fp32, in the exact operation order of rules.py. ``z``: zeros
         shaped like ``g`` (made by the caller, so that the Gluon kernel of ``ws.py``, whose tensors
-        carry layouts, calls this same function). ``APPROX`` (a probe of ``ws.py``, not used in training):
-        AdamW's and AdamS's square root and divisions by the hardware's approximations (``sqrt.approx``,
-        ``div.full``: no branch to a slow path) instead of IEEE's correctly rounded ones."""
+        carry layouts, calls this same function). ``APPROX`` (FORGE's ``fast_math``): AdamW's and AdamS's
+        square root and divisions by the hardware's approximations (``sqrt.approx``, ``div.full``: a few
+        ulps, no branch to a slow path) instead of IEEE's correctly rounded ones."""
         p = w
         if HAS_DECAY:
             p = w * decay

@@ -134,8 +134,7 @@ if HAVE_GLUON:
         """The block row and column of the ``tile``-th tile in processing order. ``GROUP_M`` 0: row-major
         (a wave of 132 consecutive tiles on a 16 x 44 grid of 2048x5632 reads 3 dY blocks and all 44 X
         blocks); else ``GROUP_M`` block rows at a time, walked down the rows first (Triton's grouped order:
-        with 16, the same wave reads 16 dY and 9 X blocks, half the operand bytes, which L2 then holds
-        while the update streams W and the state through it)."""
+        with 16, the same wave reads 16 dY and 9 X blocks, about half the operand bytes)."""
         if GROUP_M == 0:
             mb = tile // num_nb
             nb = tile % num_nb
