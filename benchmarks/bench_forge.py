@@ -176,6 +176,10 @@ def _product_fns(n: int, k: int, w, x, dy) -> tuple[dict, list]:
     return fns, keep
 
 
+# part (a)'s paths: a failure in one of them fails the benchmark (--product's extra columns only cost themselves)
+_PATHS = ("fused", "split", "torch", "layer", "ws", "layer_ws", "split16", "ws16", "ws_fast", "ws16_fast")
+
+
 def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = False) -> dict:
     import torch
     from triton.testing import do_bench
@@ -222,26 +226,16 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     if ws.available():  # the warp-specialized Gluon kernel (sm_90), alone and through ForgeOptimizer
         scal, flags = _scalars("adamw", hp, 10)
 
-        def wsk():
-            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
-                         flags=flags, rule_id=RULE_IDS["adamw"])
+        def wsk(dw_bf16: bool, approx: bool):
+            """The kernel alone: dw_bf16, the tile handed over in bf16 (grad_dtype="bf16",
+            auto_config(dw_bf16=True)'s schedule); approx, fast_math's approximate sqrt / divisions."""
+            return lambda: ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
+                                        scal=scal, flags=flags, rule_id=RULE_IDS["adamw"], dw_bf16=dw_bf16,
+                                        approx=approx)
 
-        def wsk16():  # the tile handed over in bf16 (grad_dtype="bf16"), auto_config(dw_bf16=True)'s schedule
-            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
-                         flags=flags, rule_id=RULE_IDS["adamw"], dw_bf16=True)
-
-        def wsk_fast():  # fast_math: the rule's sqrt / divisions by the GPU's approximate instructions
-            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
-                         flags=flags, rule_id=RULE_IDS["adamw"], approx=True)
-
-        def wsk16_fast():
-            ws.launch_ws(MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal,
-                         flags=flags, rule_id=RULE_IDS["adamw"], dw_bf16=True, approx=True)
-
-        cases["ws"] = wsk
-        cases["ws16"] = wsk16
-        cases["ws_fast"] = wsk_fast
-        cases["ws16_fast"] = wsk16_fast
+        for name, dw_bf16, approx in (("ws", False, False), ("ws16", True, False), ("ws_fast", False, True),
+                                      ("ws16_fast", True, True)):
+            cases[name] = wsk(dw_bf16, approx)
         cases["layer_ws"], (lin_ws, _) = _forge_layer_fn(w, x, dy, torch.float32, ws_tokens=1 << 30)
     keep = []
     if product:
@@ -251,7 +245,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
         try:
             fn()  # compile (fixed tile heuristic: nothing to autotune)
         except Exception as e:  # noqa: BLE001
-            if name in ("fused", "split", "torch", "layer", "ws", "layer_ws", "split16", "ws16", "ws_fast", "ws16_fast"):
+            if name in _PATHS:
                 raise
             row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]  # (--product: costs its columns only)
             product = False
@@ -285,7 +279,7 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     row.update(bytes=nbytes, floor_ms=floor_ms, speedup_fused=row["torch_ms"] / row["fused_ms"],
                speedup_dispatch=row["torch_ms"] / paths[best_path], best_path=best_path,
                fused_vs_floor=row["fused_ms"] / floor_ms)
-    for p_ in ("split", "ws", "layer_ws", "split16", "ws16", "ws_fast", "ws16_fast"):
+    for p_ in (p for p in _PATHS if p not in ("fused", "torch", "layer")):  # (fused's ratios: above and below)
         if row.get(f"{p_}_ms"):
             row[f"speedup_{p_}"] = row["torch_ms"] / row[f"{p_}_ms"]
         if row.get(f"{p_}_graph_ms") and row.get("torch_graph_ms"):

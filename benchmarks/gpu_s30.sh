@@ -9,7 +9,8 @@
 #                                           # kernels and torch), bench_forge.py part (a) with its fast_math columns,
 #                                           # and tune_ws's sweep of auto_config (now grouped on 2048x5632 at T = 2048)
 #                                           # with and without APPROX, a second time
-#   OUT=dir bash benchmarks/gpu_s30.sh third  # IEEE_FAST (now the ws kernel's default): the fast paths' bits against
+#   OUT=dir bash benchmarks/gpu_s30.sh third  # IEEE_FAST (then the ws kernel's default; reverted in 391b907, so its
+#                                           # tests and config no longer exist): the fast paths' bits against
 #                                           # CUDA's IEEE division / sqrt, fused == dW + the exact update kernel, the
 #                                           # tests of second/ again; tune_ws's sweep (IEEE_FAST against the branchy
 #                                           # rule and APPROX); bench_forge.py part (a)

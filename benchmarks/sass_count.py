@@ -5,6 +5,7 @@
     PYTHONPATH=src python3 benchmarks/sass_count.py dequant --kind 1 --bits 4 --rows 16 --tpp 4 --aligned 1
     PYTHONPATH=src python3 benchmarks/sass_count.py clip --idx64 0
     PYTHONPATH=src python3 benchmarks/sass_count.py forge --bn 16 --bk 128 --warps 8 --sdtype bf16 --early 1
+    PYTHONPATH=src python3 benchmarks/sass_count.py ws --approx 1
 
 Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``, so a kernel compiles for
 sm_90 (the H200) on any machine. Printed per kernel: the static instruction count, the count up
@@ -48,7 +49,13 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisibl
         opts["maxnreg"] = maxnreg
     if num_stages:
         opts["num_stages"] = num_stages
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return disassemble(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
+
+
+def disassemble(ck):
+    """(SASS text, resource line) of a compiled kernel (Triton's or Gluon's ``CompiledKernel``)."""
+    import triton
+
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -86,7 +93,7 @@ def counts(sass: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge", "swiglu"])
+    ap.add_argument("kernel", choices=["quant", "multi", "dequant", "state8", "clip", "forge", "swiglu", "ws"])
     ap.add_argument("--bits", type=int, default=4, help="4 or 8 (multi: 0 = widths mixed)")
     ap.add_argument("--fast", type=int, default=31, help="the quant.FAST constexpr")
     ap.add_argument("--warps", type=int, default=4)
@@ -108,8 +115,19 @@ def main(argv=None) -> int:
                     help="forge: the update-only mode (a graph's launch) or the fused dW + update (bf16 X / dY); "
                          "swiglu: forward or backward")
     ap.add_argument("--bt", type=int, default=64, help="forge --mode fused: BLOCK_T")
+    ap.add_argument("--approx", type=int, default=0, help="ws: APPROX (fast_math's approximate sqrt / division)")
     ap.add_argument("--stages", type=int, default=3, help="forge --mode fused: num_stages")
     a = ap.parse_args(argv)
+    if a.kernel == "ws":  # FORGE's warp-specialized kernel (Gluon, fp32 W / m / v, AdamW, WS_CONFIG), whole
+        from leantrain.forge import ws
+
+        sass, res = disassemble(ws.compile_sm90(0, config={"APPROX": a.approx}))
+        c = counts(sass)
+        ins = [ln for ln in sass.splitlines() if _INSN.match(ln)]
+        print(f"ws APPROX={a.approx}: instructions {c['total']} (every partition), CALL {sum('CALL' in ln for ln in ins)}, "
+              f"BRA {sum(' BRA' in ln for ln in ins)}, FCHK {sum('FCHK' in ln for ln in ins)}")
+        print(f"resources: {res}")
+        return 0
     qhi = (1 << (a.bits - 1)) - 1 if a.bits else 0
     if a.kernel == "quant":
         from leantrain.ops import quant

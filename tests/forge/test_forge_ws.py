@@ -105,9 +105,8 @@ def test_auto_config_deepens_the_operand_ring_for_long_token_runs_and_halves_the
     assert ws.auto_config(32000, 2048, 1024, 132) == {}  # 4000 tiles: 30.3 waves, the last nearly full
     assert ws.auto_config(2048, 2048, 512, 132) == {} and ws.auto_config(136, 264, 100, 132) == {}
     # a bf16 hand-over: the deep ring with a 2-slot state ring from T = 1024, the fp32 rule below
-    assert ws.auto_config(2048, 5632, 1024, 132, dw_bf16=True) == ws.DEEP16_CONFIG
-    assert ws.auto_config(32000, 2048, 16384, 132, dw_bf16=True) == ws.DEEP16_CONFIG
     assert ws.auto_config(2048, 5632, 1024, 132, dw_bf16=True) == ws.DEEP16_CONFIG  # (grouped from T = 2048)
+    assert ws.auto_config(32000, 2048, 16384, 132, dw_bf16=True) == ws.DEEP16_CONFIG
     assert ws.auto_config(5632, 2048, 512, 132, dw_bf16=True) == ws.ROWS64_CONFIG
     assert ws.auto_config(2048, 5632, 1024, 132) == ws.ROWS64_CONFIG
     # (what they cost in shared memory: the H200 has 227 KiB; DEEP16's dW slot is bf16)

@@ -212,8 +212,9 @@ def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32). On the
     H200 (``results/2026-12-03_H200_s29/``) the three products take 0.13-0.41 ms on the 1b's layers, 4-7x
     the time of their 16 bytes an element, whatever the rank (``eighth/``); the small ops around them
-    take the rest, more than half of a small layer's time (2048x2048: 0.42 of 0.69 ms, ``fourth/``). Splitting the thin products by hand was slower (``third/``);
-    TF32 saves a fifth of the time at a 0.9 % round-trip error (``second/``) and is not used."""
+    take the rest, more than half of a small layer's time (2048x2048: 0.42 of 0.69 ms, ``fourth/``).
+    Splitting the thin products by hand was slower (``third/``); TF32 saves a fifth of the time at a
+    0.9 % round-trip error (``second/``) and is not used."""
     ca, ea = a.coef(inverse)
     cb, eb = b.coef(inverse)
     p = g @ a.u  # (N, ra)

@@ -1155,7 +1155,7 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
         fast_math: on the Triton backend, AdamW's and AdamS's square root and divisions use the
             GPU's approximate instructions (``sqrt.approx``, ``div.full``: a few ulps) instead of
             IEEE's correctly rounded ones, whose per-element branches to a slow path cost the
-            warp-specialized kernel 3-16 % of its time on an H200 (forge/README.md). Every kernel of
+            warp-specialized kernel 3-14 % of its time on an H200 (forge/README.md). Every kernel of
             the optimizer then uses them, so fused still equals write-dW + update bit for bit; the
             weights stay within 1e-6 of the exact kernels' after a step (max |ΔW| / max |W|).
             Default off: the exact rule.

@@ -552,9 +552,8 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
     nsm = _num_sms(x.device.index or 0)
     if config is None:
         config = auto_config(N, K, T, nsm, dw_bf16)
-    if dw_bf16 or approx:
-        config = {**config, **({"DW16": 1} if dw_bf16 else {}), **({"APPROX": 1} if approx else {})}
-    cfg = resolve_config(config, mode, (w, s1, s2))
+    flags_on = {k: 1 for k, on in (("DW16", dw_bf16), ("APPROX", approx)) if on}
+    cfg = resolve_config({**config, **flags_on}, mode, (w, s1, s2))
     BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
     ntiles = -(-N // BM) * -(-K // BN)
     if part is None or part.numel() != ntiles:
