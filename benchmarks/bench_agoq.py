@@ -47,7 +47,7 @@ def _child(args) -> dict:
 
     from leantrain.agoq import Policy, apply, quantize_activations
     from leantrain.config import preset
-    from leantrain.ledger import SavedActivationMeter
+    from leantrain.runtime.ledger import SavedActivationMeter
     from leantrain.model import Llama
 
     cuda = args.device == "cuda"
@@ -148,13 +148,13 @@ def _child(args) -> dict:
 
 
 def _graphed(args, m, idx, tgt, sync) -> dict:
-    """The same step captured as one CUDA graph (leantrain.graphs.GraphedStep) and replayed:
+    """The same step captured as one CUDA graph (leantrain.runtime.capture.GraphedStep) and replayed:
     median of replays timed alone, mean of replays back to back, the graph pool's peak; and a
     check that a replay on a new batch gives the eager step's loss on it (the forward is exact
     under AGoQ too: only what backward reads is packed)."""
     import torch
 
-    from leantrain.graphs import GraphedStep
+    from leantrain.runtime.capture import GraphedStep
 
     for p in m.parameters():  # (the eager steps' gradients: not counted in "before", as in the eager steps)
         p.grad = None
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
                          if "agoq_" + v in r else " - | - |")
         lines.append(line)
     if gpu and args.graph:
-        lines += ["", "The step captured as one CUDA graph (`leantrain.graphs.GraphedStep`), baseline and AGoQ (applied):", "",
+        lines += ["", "The step captured as one CUDA graph (`leantrain.runtime.capture.GraphedStep`), baseline and AGoQ (applied):", "",
                   "| preset | step base / AGoQ (s) | ratio | back to back base / AGoQ (s) | ratio |"
                   " graph pool peak above the weights, base / AGoQ (GiB) | ratio | new-batch loss, graph / eager (AGoQ) |",
                   "|---|---|---|---|---|---|---|---|"]

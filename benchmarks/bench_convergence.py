@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from leantrain.cli import RECIPES  # noqa: E402
-from leantrain.report import write_report  # noqa: E402
+from leantrain.train.report import write_report  # noqa: E402
 
 DIST_RECIPES = {
     "ddp": {},

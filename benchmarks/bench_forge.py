@@ -24,7 +24,7 @@
     (reported per configuration as ``warmup_s``). Reports peak memory,
     memory held between steps, peak above it, median step time; OOM is caught and reported.
     ``--configs ..._graph``: the same step with forward + backward (and FORGE's update) replayed
-    from a CUDA graph (``lt.graphs.GraphedStep``), captured after the eager warm-up; its peak
+    from a CUDA graph (``lt.runtime.capture.GraphedStep``), captured after the eager warm-up; its peak
     includes the graph's pool and, for torch, the gradients the graph keeps. ``..._ckpt``: with
     activation checkpointing per block (``model.activation_checkpointing``).
 
@@ -61,7 +61,7 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "forge_bf16_sr_bf16_states_bf16_dw",
                  # and torch's rounding: bf16 weights rounded to nearest (no SR): torch bf16's numerics exactly
                  "forge_bf16_rtn_bf16_states_bf16_dw", "forge_bf16_rtn_bf16_states_bf16_dw_graph",
-                 # forward + backward captured as one CUDA graph (lt.graphs.GraphedStep; FORGE's update
+                 # forward + backward captured as one CUDA graph (lt.runtime.capture.GraphedStep; FORGE's update
                  # inside it), then opt.step() for the rest: the host-bound small batches
                  "torch_bf16_graph", "forge_bf16_sr_fp32_states_graph", "forge_bf16_sr_bf16_states_graph",
                  "forge_bf16_sr_int8_states_graph", "forge_bf16_sr_bf16_states_bf16_dw_graph",
@@ -402,7 +402,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if graphed:  # captured after the eager warm-up (optimizer states exist); its pool counts in the peak
-        from leantrain.graphs import GraphedStep
+        from leantrain.runtime.capture import GraphedStep
 
         idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda", generator=g)
         graph.append(GraphedStep(fwd, model.parameters(), idx[:, :-1], idx[:, 1:]))
@@ -420,11 +420,11 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     params = sum(p.numel() for p in model.parameters())
     state_bytes = 0
     if opt is not None:
-        from leantrain.ledger import count_bytes, tensors_in
+        from leantrain.runtime.ledger import count_bytes, tensors_in
 
         state_bytes = count_bytes(tensors_in(list(opt.state.values())))
     else:
-        from leantrain.ledger import count_bytes, tensors_in
+        from leantrain.runtime.ledger import count_bytes, tensors_in
 
         state_bytes = count_bytes(tensors_in([o.state for o in opts.values()]))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -49,10 +49,10 @@ def worker(args) -> int:
     """One trainer run (under torch.distributed.run); with ``--errors``, GIFT's errors every ``--every`` steps."""
     import torch
 
-    from leantrain import collectives as Cc
+    from leantrain.runtime import collectives as Cc
     from leantrain import config as C
-    from leantrain.ledger import COMM
-    from leantrain.trainer import Trainer
+    from leantrain.runtime.ledger import COMM
+    from leantrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
     overrides = dict(kv.split("=", 1) for kv in args.set)

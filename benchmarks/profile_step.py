@@ -6,7 +6,7 @@ configs: torch_bf16 (AdamW fused, pure bf16), forge_bf16 (FORGE bf16+SR, fp32 st
 forge_bf16_states (bf16 states), forge_bf16_states_bf16_dw (and bf16 dW), agoq (bf16, AdamW fused,
 AGoQ default policy), agoq_forge; a ``_fp`` / ``_fp_sw`` / ``_sw`` suffix sets ``model.fused_proj`` /
 both / ``model.fused_swiglu``, as in ``bench_forge.py``. ``--graph``: forward + backward (and FORGE's update) replayed
-from a CUDA graph (``lt.graphs.GraphedStep``, captured after the eager warm-up), ``opt.step()``
+from a CUDA graph (``lt.runtime.capture.GraphedStep``, captured after the eager warm-up), ``opt.step()``
 after it, as ``bench_forge.py``'s ``*_graph`` configurations. Writes ``profile_<config>.txt``:
 wall time per step (median of 5), then the top operators by CUDA and by CPU time; with
 ``--cprofile`` also ``cprofile_<config>_b<B>.txt``, the host's Python time by function.
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         step()
     torch.cuda.synchronize()
     if a.graph:
-        from leantrain.graphs import GraphedStep
+        from leantrain.runtime.capture import GraphedStep
 
         idx = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device="cuda", generator=g)
         graph.append(GraphedStep(model, model.parameters(), idx[:, :-1], idx[:, 1:]))

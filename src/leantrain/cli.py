@@ -17,8 +17,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from . import config as config_mod
-from .config import ConfigError
+from leantrain import config as config_mod
+from leantrain.config import ConfigError
 
 # name -> config overrides; the baseline is plain torch.optim.AdamW
 RECIPES: dict[str, dict] = {
@@ -69,7 +69,7 @@ def _build_config(args, rest: list[str]) -> config_mod.Config:
 
 
 def cmd_train(args, rest) -> int:
-    from .trainer import Trainer
+    from leantrain.train.trainer import Trainer
 
     cfg = _build_config(args, rest)
     trainer = Trainer(cfg, args.out, baseline=args.baseline, resume=args.resume)
@@ -88,8 +88,8 @@ def cmd_train(args, rest) -> int:
 
 
 def cmd_compare(args, rest) -> int:
-    from .report import write_report
-    from .trainer import Trainer
+    from leantrain.train.report import write_report
+    from leantrain.train.trainer import Trainer
 
     recipes = args.recipes.split(",") if args.recipes else default_recipes()
     unknown = [r for r in recipes if r not in RECIPES]
@@ -127,7 +127,7 @@ def cmd_bench(args, rest) -> int:
 
 
 def cmd_finetune(args, rest) -> int:
-    from .finetune.run import finetune
+    from leantrain.finetune.run import finetune
 
     finetune(method=args.method, task=args.task, out=args.out, source=args.source, preset=args.preset,
              steps=args.steps, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, batch_size=args.batch_size,
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"leantrain: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001
-        from .trainer import NonFiniteLoss
+        from leantrain.train.trainer import NonFiniteLoss
 
         if isinstance(e, NonFiniteLoss):
             print(f"leantrain: error: {e}", file=sys.stderr)

@@ -34,7 +34,7 @@ class ModelConfig:
     # (1/8 of the K/V activation bytes at 1b). false: repeat K/V before SDPA (for SDPA backends
     # without GQA; the same values).
     sdpa_gqa: bool = True
-    # the LM head and the cross-entropy fused (leantrain.losses): the logits are computed, used and
+    # the LM head and the cross-entropy fused (leantrain.model.losses): the logits are computed, used and
     # dropped in vocabulary slices, forward and backward; no logits tensor, no log-softmax saved
     # (at 1b, B = 8: 0.5 GiB of bf16 logits, 1 GiB of fp32 log-softmax, 0.5 GiB of their gradient).
     # false: the logits, then the cross-entropy in chunks of loss_chunk tokens.

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, DataConfig
+from leantrain.config import ConfigError, DataConfig
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from leantrain.agoq import Int8GradAccumulator
-from leantrain.ledger import MemoryLedger
+from leantrain.runtime.ledger import MemoryLedger
 
 
 def _run(acc_kw, micro=8, seed=0):

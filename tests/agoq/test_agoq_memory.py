@@ -12,7 +12,7 @@ import torch
 
 from leantrain.agoq import Policy, quantize_activations
 from leantrain.config import preset
-from leantrain.ledger import SavedActivationMeter
+from leantrain.runtime.ledger import SavedActivationMeter
 from leantrain.model import Llama
 
 TARGET = 0.3

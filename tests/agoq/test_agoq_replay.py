@@ -11,7 +11,7 @@ from torch import nn
 
 from leantrain.agoq import Policy, apply, remove
 from leantrain.config import ModelConfig
-from leantrain.ledger import SavedActivationMeter
+from leantrain.runtime.ledger import SavedActivationMeter
 from leantrain.model import Llama
 
 SMALL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)

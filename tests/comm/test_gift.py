@@ -20,7 +20,7 @@ from leantrain.comm.gift import (
     top_eigenpairs,
     top_eigenpairs_batched,
 )
-from leantrain.ledger import COMM
+from leantrain.runtime.ledger import COMM
 
 
 def test_fp8_codec_rounds_each_block_to_e4m3_within_half_an_ulp():
@@ -169,7 +169,7 @@ def _allreduce_worker(rank, world, numel, fmt):
             nvfp4_all_reduce(got, seed=5)
         nvfp4_all_reduce(again, seed=5)
         nvfp4_all_reduce(other, seed=6)
-    from leantrain import collectives as C
+    from leantrain.runtime import collectives as C
 
     with COMM.capture() as led16:
         C.all_reduce(x.to(torch.bfloat16))

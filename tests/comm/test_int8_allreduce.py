@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from leantrain.comm.int8_allreduce import Int8AllReduceState, int8_all_reduce, int8_allreduce_hook
-from leantrain.ledger import COMM
+from leantrain.runtime.ledger import COMM
 
 G = 256
 
@@ -32,7 +32,7 @@ def _allreduce_worker(rank, world, numel, average):
     with COMM.capture() as led:
         int8_all_reduce(got, average=average, group_size=G)
     sent_int8 = led.total
-    from leantrain import collectives as C
+    from leantrain.runtime import collectives as C
 
     bf = x.to(torch.bfloat16)
     with COMM.capture() as led16:

@@ -142,7 +142,7 @@ def _bytes(rank, world, density, steps):
     opt = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.05, compression=SCAPE(density) if density else None)
     for s in range(steps):
         x, y = batch(s, rank, world)
-        with lt.ledger.COMM.capture() as led:
+        with lt.runtime.ledger.COMM.capture() as led:
             m(x, y).backward()
             opt.step()
             opt.zero_grad()

@@ -80,7 +80,7 @@ def _reduce_scatter_checks(rank, world):
         for intra, had, pipe in CASES:
             comp = SDP4Bit(hadamard=had, pipeline=pipe)
             topo = get_topology(None, intra)
-            with lt.ledger.COMM.capture() as led:
+            with lt.runtime.ledger.COMM.capture() as led:
                 got = comp.reduce_scatter(xs[rank], topo, seed=3)
             err = got - exact
             B = _bound(xs, comp, intra, world // intra, rank)
@@ -108,7 +108,7 @@ def _sdp4bit_optimizer_checks(rank, world):
     for step in range(4):
         g = torch.Generator().manual_seed(step * 10 + rank)
         x = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
-        with lt.ledger.COMM.capture() as led:
+        with lt.runtime.ledger.COMM.capture() as led:
             model(x, x.roll(-1, 1)).backward()
             opt.step()
             opt.zero_grad()
@@ -240,7 +240,7 @@ def _fsdp(rank, world):
         if isinstance(m, FSDPModule):
             m.set_custom_reduce_scatter(rs)
     xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    with lt.ledger.COMM.capture() as led:
+    with lt.runtime.ledger.COMM.capture() as led:
         model(xs[rank]).pow(2).mean().backward()
     grads = [p.grad.full_tensor() for p in model.parameters()]
     ref(torch.cat(xs)).pow(2).mean().backward()
@@ -270,7 +270,7 @@ def test_bytes_model_and_time_estimate():
     assert math.isclose(b["world"], 15 / 16 * (0.5 + 4 / 2048))
     t = estimate_time({"intra": 450e9, "inter": 25e9}, alpha_us=0.0)
     assert math.isclose(t["intra"], 1.0) and math.isclose(t["inter"], 1.0) and math.isclose(t["total"], 2.0)
-    led = lt.ledger.CommLedger()
+    led = lt.runtime.ledger.CommLedger()
     led.record("all_gather", 25e9, "world")
     t = estimate_time(led, alpha_us=1e6)  # one call, one second of latency
     assert math.isclose(t["world"], 2.0)

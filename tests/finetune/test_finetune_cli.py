@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from helpers import tiny_config
-from leantrain import checkpoint
+from leantrain.runtime import checkpoint
 from leantrain.cli import main as cli_main
 from leantrain.finetune import tasks
-from leantrain.trainer import Trainer
+from leantrain.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from dist_utils import run_distributed
 from leantrain import config as C
 from leantrain.finetune import GRZO, MeZO
-from leantrain.ledger import CommLedger
+from leantrain.runtime.ledger import CommLedger
 from leantrain.model import Llama
 
 pytestmark = pytest.mark.distributed

@@ -29,7 +29,7 @@ class FullMLP(torch.nn.Module):
 class TPMLP(torch.nn.Module):
     def __init__(self, full: FullMLP, sp: bool):
         super().__init__()
-        from leantrain.dist import tp
+        from leantrain.parallel import tp
 
         self.norm = copy.deepcopy(full.norm)
         if sp:
@@ -49,7 +49,7 @@ def _data(steps):
 
 def _tp_worker(rank, world, sp):
     import leantrain as lt
-    from leantrain.dist import tp
+    from leantrain.parallel import tp
 
     torch.manual_seed(0)
     full = FullMLP()
@@ -88,7 +88,7 @@ def test_tensor_parallel_equals_unsharded(sp):
 
 def _dp_worker(rank, world):
     import leantrain as lt
-    from leantrain.ledger import COMM
+    from leantrain.runtime.ledger import COMM
 
     torch.manual_seed(0)
     model = Net()

@@ -80,7 +80,7 @@ def test_saved_tensors_go_through_hooks():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = lin(x)
     assert any(t is x for t in seen) and any(t is lin.weight for t in seen)
-    from leantrain.ledger import SavedActivationMeter
+    from leantrain.runtime.ledger import SavedActivationMeter
 
     with SavedActivationMeter(lin.parameters()) as meter:
         y = lin(x)

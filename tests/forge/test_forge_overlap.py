@@ -157,7 +157,7 @@ def test_graphed_overlap_equals_in_line(slow, request):
     4 replays with overlap == 4 replays in line, bit for bit (both captured the same way)."""
     if slow:
         request.getfixturevalue("slow_side")
-    from leantrain.graphs import GraphedStep
+    from leantrain.runtime.capture import GraphedStep
 
     ref_model, ref, model, opt, data = _pair("adamw_bf16_sr_int8")
     steps = {}

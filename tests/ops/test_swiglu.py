@@ -61,7 +61,7 @@ def test_kernel_equals_torch_path(dtype):
 
 def test_saves_two_tensors_not_three():
     """Autograd's form saves g, silu(g) and u; this saves g and u (or the one tensor holding both)."""
-    from leantrain.ledger import SavedActivationMeter
+    from leantrain.runtime.ledger import SavedActivationMeter
 
     g, u = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64, requires_grad=True)
     unit = 8 * 64 * 4
@@ -86,7 +86,7 @@ def test_bad_input():
 def test_model_with_fused_swiglu(fused_proj):
     """model.fused_swiglu: the loss and gradients of the op-by-op MLP (fp32), fewer saved bytes."""
     from leantrain.config import ModelConfig
-    from leantrain.ledger import SavedActivationMeter
+    from leantrain.runtime.ledger import SavedActivationMeter
     from leantrain.model import Llama
 
     base = dict(vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=64, max_seq_len=32,

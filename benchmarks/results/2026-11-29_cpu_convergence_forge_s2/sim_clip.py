@@ -12,7 +12,7 @@ import sys
 import torch
 
 from leantrain import config as config_mod
-from leantrain.trainer import Trainer
+from leantrain.train.trainer import Trainer
 
 out, mode = sys.argv[1], sys.argv[2]
 alpha = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0

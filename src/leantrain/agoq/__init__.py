@@ -12,11 +12,11 @@
 The 8-bit all-reduce lives in :mod:`leantrain.comm.int8_allreduce`. See ``README.md`` here.
 """
 
-from .calibrate import calibrate, gradient_error
-from .grad import Int8GradAccumulator
-from .hooks import Packer, apply, load, quantize_activations, remove, role_of_module, save
-from .pack import Packed, pack, unpack
-from .policy import ALLOWED_BITS, ROLES, Policy
+from leantrain.agoq.calibrate import calibrate, gradient_error
+from leantrain.agoq.grad import Int8GradAccumulator
+from leantrain.agoq.hooks import Packer, apply, load, quantize_activations, remove, role_of_module, save
+from leantrain.agoq.pack import Packed, pack, unpack
+from leantrain.agoq.policy import ALLOWED_BITS, ROLES, Policy
 
 __all__ = [
     "Policy",

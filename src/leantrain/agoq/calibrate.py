@@ -29,8 +29,8 @@ import math
 
 from torch import nn
 
-from .hooks import Packer, quantize_activations
-from .policy import KEEP, ROLES, Policy
+from leantrain.agoq.hooks import Packer, quantize_activations
+from leantrain.agoq.policy import KEEP, ROLES, Policy
 
 __all__ = ["calibrate", "gradient_error", "param_grads"]
 

@@ -23,7 +23,7 @@ launch per batch; flushed at ``policy.batch_mib`` waiting bytes and at the end o
 A tensor saved twice (same storage, offset, shape, strides and version, still alive) is
 packed once and shared. Every decision is counted in ``Packer.stats``, so nothing is skipped
 silently; every byte kept is reported to the memory ledger through
-:func:`leantrain.ledger.note_saved`.
+:func:`leantrain.runtime.ledger.note_saved`.
 
 Replay (persistent :func:`apply`, what the trainer uses): the decisions above cost Python on
 each of the ~940 saves of a 1b forward, and the role module hooks slow every module call; on
@@ -43,7 +43,7 @@ dropped, so the next forward records anew. Matching is by shape and dtype: a mod
 change with state the signature does not see (a flag on a module) can have saves packed at
 the widths of the recorded saves of the same shape, until a mismatch shows;
 ``apply(..., replay=False)`` avoids it. Forwards metered by a
-:class:`leantrain.ledger.SavedActivationMeter`, and packers with ``record=True``, always run
+:class:`leantrain.runtime.ledger.SavedActivationMeter`, and packers with ``record=True``, always run
 the full path.
 """
 
@@ -59,9 +59,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..ledger import metering, note_saved
-from .pack import TINY, PackBatch, Packed, dequantize_q, pack, unpack
-from .policy import KEEP, Policy
+from leantrain.runtime.ledger import metering, note_saved
+from leantrain.agoq.pack import TINY, PackBatch, Packed, dequantize_q, pack, unpack
+from leantrain.agoq.policy import KEEP, Policy
 
 __all__ = ["Packer", "Derived", "quantize_activations", "apply", "remove", "save", "load", "role_of_module"]
 
@@ -223,7 +223,7 @@ def _mul(a: Tensor, b: Tensor) -> Tensor:
 def _swiglu(g: Tensor, u: Tensor | None = None) -> Tensor:
     """SwiGLU's output from its saves (``model.fused_swiglu``): ``g`` and ``u``, or one tensor
     holding both as halves."""
-    from ..ops.swiglu import swiglu
+    from leantrain.ops.swiglu import swiglu
 
     return swiglu(g, u)
 

@@ -2,10 +2,10 @@
 
 - :class:`SDP4Bit`: 4-bit weight-difference all-gather and two-level (8-bit intra-node,
   4-bit inter-node) Hadamard-smoothed gradient reduce-scatter, for
-  :class:`leantrain.dist.ShardedOptimizer` (``compression=lt.comm.SDP4Bit()``) and, for the
+  :class:`leantrain.parallel.ShardedOptimizer` (``compression=lt.comm.SDP4Bit()``) and, for the
   gradient half, FSDP2 (:class:`SDP4BitReduceScatter`).
 - :class:`SCAPE`: sparse gradient and weight communication over a global mask from the
-  first moment (AdamS), for :class:`leantrain.dist.ShardedOptimizer`.
+  first moment (AdamS), for :class:`leantrain.parallel.ShardedOptimizer`.
 - :class:`GIFT`: the data-parallel gradient all-reduce in FP8 E4M3 or NVFP4, in K-FAC-whitened
   coordinates (``comm/gift.py``); ``fp8_all_reduce`` / ``nvfp4_all_reduce``: its two-phase all-reduces.
 - ``Int8AllReduceState`` / ``int8_allreduce_hook`` / ``int8_all_reduce``: AGoQ's
@@ -18,11 +18,11 @@ See ``comm/README.md`` for the schemes, bytes per parameter and measured numbers
 
 import importlib
 
-from .cost import estimate_time
-from .fsdp import SDP4BitReduceScatter
-from .scape import SCAPE
-from .sdp4bit import NoCompression, Pending, SDP4Bit, bytes_per_element
-from .topology import Topology, get_topology
+from leantrain.comm.cost import estimate_time
+from leantrain.comm.fsdp import SDP4BitReduceScatter
+from leantrain.comm.scape import SCAPE
+from leantrain.comm.sdp4bit import NoCompression, Pending, SDP4Bit, bytes_per_element
+from leantrain.comm.topology import Topology, get_topology
 
 _LAZY = {
     "GIFT": "gift",

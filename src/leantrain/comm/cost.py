@@ -2,7 +2,7 @@
 
     t = sum over scopes s of  calls_s * alpha_s  +  bytes_s / bandwidth_s
 
-``bytes_s`` are the bytes one rank sends in scope ``s`` (what :class:`leantrain.ledger.CommLedger`
+``bytes_s`` are the bytes one rank sends in scope ``s`` (what :class:`leantrain.runtime.ledger.CommLedger`
 records; per-rank, NCCL "bus bandwidth" convention), so ``bandwidth_s`` is the per-GPU link
 bandwidth: NVLink inside a node (``intra``, default 450 GB/s per direction on H100/H200), the
 NIC across nodes (``inter``, default 25 GB/s = 200 Gb/s per GPU). A collective over the whole
@@ -30,7 +30,7 @@ def estimate_time(
 
     Args:
         bytes_by_scope: ``{"intra": B, "inter": B, "world": B}`` (bytes sent by one rank), or a
-            :class:`leantrain.ledger.CommLedger` (its bytes and call counts are used).
+            :class:`leantrain.runtime.ledger.CommLedger` (its bytes and call counts are used).
         intra_GBps / inter_GBps: per-GPU bandwidths in GB/s (1e9 bytes).
         alpha_us: latency per collective call, microseconds (one number, or per scope).
         calls_by_scope: number of collective calls per scope (latency term); 0 if not given.

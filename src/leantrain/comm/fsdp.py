@@ -15,7 +15,7 @@ Weight path: FSDP2 all-gathers the *sharded parameters themselves* before every 
 backward (ZeRO-3), and keeps no full copy between steps, so SDP4Bit's weight-difference
 all-gather (which needs the previous full weights on every rank) does not map onto
 ``set_custom_all_gather`` without adding a full model copy per rank. It is not offered here;
-use :class:`leantrain.dist.ShardedOptimizer` for the weight half.
+use :class:`leantrain.parallel.ShardedOptimizer` for the weight half.
 
 The call is synchronous (FSDP2 already runs it on its reduce-scatter stream and ignores the
 return value); it returns ``None``.
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .sdp4bit import SDP4Bit
-from .topology import get_topology
+from leantrain.comm.sdp4bit import SDP4Bit
+from leantrain.comm.topology import get_topology
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase

@@ -40,7 +40,7 @@ with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``bloc
 scaled to E4M3's range (absmax → 448, one fp32 scale a block) and rounded to nearest even
 (``ops.quantize_fp8``: Triton on CUDA). An all-to-all sends chunk ``i`` to rank ``i``. The owner adds
 its own chunk unquantized, sums in fp32, requantizes once and all-gathers. All ranks end with the
-same bytes. Bytes sent, counted by :mod:`leantrain.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
+same bytes. Bytes sent, counted by :mod:`leantrain.runtime.collectives`: ``(1 + 4 / block) / 2`` of a bf16 all-reduce (0.502 at the default
 ``block = 1024``) plus padding, plus the factors' broadcasts on refresh steps.
 
 **4 bits** (``format="nvfp4"``, ``comm/fp4.py``): the same all-reduce with NVFP4 messages (E2M1
@@ -68,10 +68,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import collectives as C
-from ..ops import QTensor, dequantize_fp8, quantize_fp8
-from .fp4 import nvfp4_all_reduce
-from .int8_allreduce import two_phase_all_reduce
+from leantrain.runtime import collectives as C
+from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
+from leantrain.comm.fp4 import nvfp4_all_reduce
+from leantrain.comm.int8_allreduce import two_phase_all_reduce
 
 __all__ = ["GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
 

@@ -16,7 +16,7 @@ Never requantized at a hop (a ring all-reduce of int8 would round ``n - 1`` time
 element: ``<= sum_{j != owner} s_j / 2 + s_out / 2`` for round-to-nearest, ``s = absmax/127``
 of the element's group on rank ``j`` / of the reduced group.
 
-Bytes this rank sends (counted by :mod:`leantrain.collectives`): ``2 (n-1)/n * n C (1 + 4/G)``,
+Bytes this rank sends (counted by :mod:`leantrain.runtime.collectives`): ``2 (n-1)/n * n C (1 + 4/G)``,
 i.e. ``(1 + 4/G) / 2`` of a bf16 all-reduce of the same tensor (0.508 at G = 256,
 0.504 at G = 512) plus padding; an fp32 all-reduce costs 4x more. Eight-bit codes plus any
 per-group scale cannot be below one half of bf16: the scales are the price of the precision.
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import collectives as C
-from ..agoq.pack import quantize_q
+from leantrain.runtime import collectives as C
+from leantrain.agoq.pack import quantize_q
 
 try:
     from leantrain.ops import QTensor

@@ -1,6 +1,6 @@
 """SCAPE: sparse gradient communication with masks from the first moment (arXiv 2607.01678).
 
-A compressor of :class:`leantrain.dist.ShardedOptimizer` (``compression=lt.comm.SCAPE(0.1)``)
+A compressor of :class:`leantrain.parallel.ShardedOptimizer` (``compression=lt.comm.SCAPE(0.1)``)
 for rules with a first moment (``exp_avg``: AdamS, which it was designed for; AdamW, Lion,
 SGD with momentum work too). Per bucket and step, with ``S`` elements a shard, ``world`` ranks
 and ``k = round(density * S)``:
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import collectives as C
-from .sdp4bit import NoCompression, Pending, _wait
-from .topology import Topology
+from leantrain.runtime import collectives as C
+from leantrain.comm.sdp4bit import NoCompression, Pending, _wait
+from leantrain.comm.topology import Topology
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 

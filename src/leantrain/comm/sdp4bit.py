@@ -1,6 +1,6 @@
 """SDP4Bit: ~4-bit communication for sharded data parallelism (arXiv 2410.15526).
 
-A compressor has two halves, both used by :class:`leantrain.dist.ShardedOptimizer` once per
+A compressor has two halves, both used by :class:`leantrain.parallel.ShardedOptimizer` once per
 bucket and step (the plain, uncompressed versions are :class:`NoCompression`):
 
 ``start_reduce_scatter(flat, topo)`` -- the gradient reduce-scatter. ``flat`` holds ``n``
@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import collectives as C
-from ._kernels import (
+from leantrain.runtime import collectives as C
+from leantrain.comm._kernels import (
     QTensor,
     dequant_sum_requant,
     dequantize,
@@ -58,7 +58,7 @@ from ._kernels import (
     mix_seed,
     quantize,
 )
-from .topology import Topology
+from leantrain.comm.topology import Topology
 
 
 class Pending:

@@ -2,8 +2,8 @@
 (back-propagation into one working set of the parameters at a time) on tasks the project
 generates itself; ``leantrain finetune`` runs them (:mod:`leantrain.finetune.run`)."""
 
-from . import tasks
-from .chunkft import ChunkFT
-from .zo import GRZO, MeZO
+from leantrain.finetune import tasks
+from leantrain.finetune.chunkft import ChunkFT
+from leantrain.finetune.zo import GRZO, MeZO
 
 __all__ = ["MeZO", "GRZO", "ChunkFT", "tasks"]

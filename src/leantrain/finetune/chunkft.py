@@ -397,7 +397,7 @@ class ChunkFT(torch.optim.Optimizer):
         """Bytes on the device beyond the weights now: the state arena (the largest chunk's state)
         and the gradients held, the rows' buffers and the ordinary ``.grad`` of the active
         parameters autograd steps whole."""
-        from leantrain.ledger import count_bytes
+        from leantrain.runtime.ledger import count_bytes
 
         plain = [pc.param.grad for pc in self.chunks[self.active] if pc.param.grad is not None]
         held = [self.arena, *(g for _, g in self.grads.values() if g is not None), *plain]
@@ -408,7 +408,7 @@ class ChunkFT(torch.optim.Optimizer):
     def host_state_bytes(self) -> int:
         """Bytes of the chunks' state block in host memory (0 without ``offload``): every chunk's
         state, allocated at construction."""
-        from leantrain.ledger import count_bytes
+        from leantrain.runtime.ledger import count_bytes
 
         return count_bytes([self._block]) if self.offload else 0
 

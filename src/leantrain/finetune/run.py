@@ -36,13 +36,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leantrain import checkpoint, collectives, data
+from leantrain.runtime import checkpoint, collectives
+
+from leantrain import data
 from leantrain import config as config_mod
 from leantrain.config import ConfigError
 from leantrain.finetune import tasks
 from leantrain.finetune.chunkft import ChunkFT
 from leantrain.finetune.zo import GRZO, MeZO
-from leantrain.ledger import count_bytes, tensors_in
+from leantrain.runtime.ledger import count_bytes, tensors_in
 from leantrain.model import Llama
 
 METHODS = ("mezo", "grzo", "chunkft", "full")

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from leantrain import collectives
+from leantrain.runtime import collectives
 from leantrain.ops.rng import step_seed
 
 NOISE_MIN, NOISE_MAX, NOISE_SHARE = 1 << 16, 1 << 22, 256

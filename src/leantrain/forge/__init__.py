@@ -7,6 +7,6 @@
 See ``forge/README.md`` for the exactness statement and the limits.
 """
 
-from .optimizer import CLIPS, ForgeOptimizer, attach, detach
+from leantrain.forge.optimizer import CLIPS, ForgeOptimizer, attach, detach
 
 __all__ = ["attach", "detach", "ForgeOptimizer", "CLIPS"]

@@ -109,7 +109,7 @@ def patch(layer: ForgeLayer) -> None:
     else:
         m.forward = _LinearForward(layer)
     m._forge_layer = layer
-    # updated inside backward: leantrain.graphs finds the optimizer through this mark
+    # updated inside backward: leantrain.runtime.capture finds the optimizer through this mark
     layer.weight._lt_forge = weakref.ref(layer.opt)
 
 

@@ -32,15 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain import collectives
+from leantrain.runtime import collectives
 from leantrain.ops._backend import mm_fp32
 from leantrain.ops.rng import step_seed
 from leantrain.optim.rules import Rule
 from leantrain.optim.state import StateStorage
 
-from .gradsums import CLIP_EPS as _CLIP_EPS
-from .gradsums import GradSums
-from .linear import ForgeLayer, patch, unpatch
+from leantrain.forge.gradsums import CLIP_EPS as _CLIP_EPS
+from leantrain.forge.gradsums import GradSums
+from leantrain.forge.linear import ForgeLayer, patch, unpatch
 
 OVERLAP_RING = 2  # dW workspaces per dtype when the updates run on a side stream
 SPLIT_TOKENS = 1  # default of attach(split_tokens=): always the split path on CUDA (measured faster)
@@ -147,7 +147,7 @@ def _kernel():
     if not _KERNEL:
         from leantrain.ops.rng import kernel_key
 
-        from . import kernel
+        from leantrain.forge import kernel
 
         _KERNEL[:] = [kernel, kernel_key]
     return _KERNEL[0]
@@ -159,7 +159,7 @@ class _DynTable:
     copy per step, issued on the current stream before the step's backward (or graph replay)."""
 
     def __init__(self, rows: int, device):
-        from .kernel import DYN_COLS
+        from leantrain.forge.kernel import DYN_COLS
 
         self.dev = torch.zeros(rows, DYN_COLS, dtype=torch.float32, device=device)
         pin = self.dev.is_cuda
@@ -331,7 +331,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Update ``layer`` from ``dW = dy2ᵀ x2``, or, with ``fill``, from the dW that ``fill(g, gb)``
         writes into the fp32 workspace views ``g [n, k]`` / ``gb [n]`` (``gb`` None without a
         fused bias): for a caller that computes dW in pieces (the fused LM head + loss,
-        :mod:`leantrain.losses`). Either way the same reduction, clip, NaN gate and rule follow."""
+        :mod:`leantrain.model.losses`). Either way the same reduction, clip, NaN gate and rule follow."""
         if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
             with torch.no_grad():
                 return self._update_layer_impl(layer, x2, dy2, fill)
@@ -385,7 +385,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 or self.dp_group is not None or self.clip not in ("none", "prev_global")
                 or layer.bias is not None or not layer.weight.is_cuda or self.storage.dtype != "fp32"):
             return False
-        from . import ws
+        from leantrain.forge import ws
 
         dev = layer.weight.device
         ok = self._ws.get(dev)
@@ -434,7 +434,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def set_device_scalars(self, enabled: bool = True) -> None:
         """Read each step's kernel scalars (lr, bias corrections, rounding keys) from a device
         table filled by one host-to-device copy per step, instead of launch arguments: the same
-        bits, and what lets :class:`leantrain.graphs.GraphedStep` capture the fused update (a
+        bits, and what lets :class:`leantrain.runtime.capture.GraphedStep` capture the fused update (a
         replay reads the table, which is refilled before it). Triton backend only."""
         if not enabled:
             self._dyn, self._dyn_ready = None, False
@@ -466,7 +466,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         the last replay's launch (:meth:`_graph_advance`) when no step count changed since."""
         import numpy as np
 
-        from .kernel import DYN_COLS, dyn_row
+        from leantrain.forge.kernel import DYN_COLS, dyn_row
 
         nxt, self._dyn_next = self._dyn_next, None
         if nxt is not None and nxt[0] == self._step_id:
@@ -595,7 +595,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if done and gb is not None:
                 torch.sum(dy2, 0, dtype=torch.float32, out=gb)
         if not done:  # the kernel in "write dW" mode: fp32 accumulation, no upcast copies
-            from .kernel import MODE_WRITE_DW, launch_forge
+            from leantrain.forge.kernel import MODE_WRITE_DW, launch_forge
 
             launch_forge(MODE_WRITE_DW, x=x2.contiguous(), dy=dy2.contiguous(), g=g, gb=gb)
         if self.dp_group is not None:
@@ -733,7 +733,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _ws_launch(self, layer, h, x2, dy2, step, key, dyn, sums) -> None:
         """The layer's fused update by ``forge/ws.py`` (chosen by :meth:`_ws_layer`)."""
-        from . import ws
+        from leantrain.forge import ws
 
         K = _KERNEL[0]
         w = layer.weight

@@ -638,7 +638,7 @@ def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", st
     bit), that dW against ``dYᵀX`` in fp32 (``dw_rel_err``: max error over max entry), and how far W
     moved (``moved``); with ``DW16`` in ``config``, whether every dW entry is a bf16 value
     (``dw_is_bf16``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
-    from .kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
+    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
 
     approx = bool((config or {}).get("APPROX"))  # (then the update kernel's rule is the approximate one too)
     name = "sgd" if rule == "nesterov" else rule

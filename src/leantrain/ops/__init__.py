@@ -18,18 +18,18 @@ behind one dispatcher (``backend="auto" | "torch" | "triton"``; auto = Triton on
 | ``rope``      | rotary position embedding in one pass each way                       |
 """
 
-from ._backend import HAS_TRITON
-from .bits import pack_bits, unpack_bits
-from .fp8 import dequantize_fp8, quantize_fp8
-from .hadamard import hadamard, hadamard_quantize
-from .multi import dequantize_many, quantize_many
-from .nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
-from .qtensor import QTensor
-from .quant import dequantize, quantize
-from .reduce import dequant_sum_requant
-from .rng import hash_uniform, kernel_key, seed_key
-from .sr import bf16_stochastic_round
-from .state8 import StateCodec8
+from leantrain.ops._backend import HAS_TRITON
+from leantrain.ops.bits import pack_bits, unpack_bits
+from leantrain.ops.fp8 import dequantize_fp8, quantize_fp8
+from leantrain.ops.hadamard import hadamard, hadamard_quantize
+from leantrain.ops.multi import dequantize_many, quantize_many
+from leantrain.ops.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant import dequantize, quantize
+from leantrain.ops.reduce import dequant_sum_requant
+from leantrain.ops.rng import hash_uniform, kernel_key, seed_key
+from leantrain.ops.sr import bf16_stochastic_round
+from leantrain.ops.state8 import StateCodec8
 
 __all__ = [
     "HAS_TRITON", "QTensor", "quantize", "dequantize", "quantize_many", "dequantize_many", "quantize_fp8", "dequantize_fp8",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, launch, resolve
+from leantrain.ops._backend import HAS_TRITON, launch, resolve
 
 _WEIGHTS = [1, 2, 4, 8, 16, 32, 64, 128]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, launch, resolve
-from .qtensor import QTensor
-from .quant import _PRE, _TINY, _pad_groups, fast_bits, ieee_div, tile_shape
+from leantrain.ops._backend import HAS_TRITON, launch, resolve
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant import _PRE, _TINY, _pad_groups, fast_bits, ieee_div, tile_shape
 
 # fmt -> (torch dtype, mantissa bits, exponent bias, min normal exponent, max finite)
 FP8_FORMATS = {
@@ -75,7 +75,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import cast_out_tl
+    from leantrain.ops.quant import cast_out_tl
 
     @triton.jit
     def fp8_encode_tl(y, M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr):

@@ -39,11 +39,11 @@ import math
 
 import torch
 
-from . import quant
-from ._backend import HAS_TRITON, interpreting, launch, resolve
-from .qtensor import QTensor
-from .quant import _check, _qrange, quantize_ref
-from .rng import kernel_key
+from leantrain.ops import quant
+from leantrain.ops._backend import HAS_TRITON, interpreting, launch, resolve
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant import _check, _qrange, quantize_ref
+from leantrain.ops.rng import kernel_key
 
 
 def _check_block(block: int) -> None:
@@ -87,7 +87,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import cast_out_tl, encode_pack_tl
+    from leantrain.ops.quant import cast_out_tl, encode_pack_tl
 
     @triton.jit
     def _h_tl(B: tl.constexpr, LOG2B: tl.constexpr):
@@ -272,7 +272,7 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
     if block == 256:
         # The fused kernel's H_16 (x) H_16 path followed by the regrouping reshape gave wrong
         # values on an H200 (Triton 3.6) while the standalone transform is right: two passes.
-        from .quant import quantize
+        from leantrain.ops.quant import quantize
 
         q = quantize(hadamard(x.float(), block=block, normalized=normalized, backend="triton"), bits=bits,
                      group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,

@@ -32,11 +32,11 @@ from array import array
 
 import torch
 
-from . import quant
-from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
-from .qtensor import QTensor
-from .quant import _check, dequantize_ref, quantize_ref, tile_shape
-from .rng import kernel_key
+from leantrain.ops import quant
+from leantrain.ops._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant import _check, dequantize_ref, quantize_ref, tile_shape
+from leantrain.ops.rng import kernel_key
 
 __all__ = ["quantize_many", "dequantize_many", "quantize_flat", "dequantize_flat", "flat_qtensor", "FlatLayout"]
 
@@ -118,7 +118,7 @@ def _table(rows: list[list[int]], progs: list[int], device, keyed: bool = False)
         _CAPTURED_TABLES.append(host)
         dev = host.to(device, non_blocking=True)
         if keyed:  # each replay rounds with new noise: the keys XOR the replay's salt, in the graph
-            from ..graphs import replay_salt
+            from leantrain.runtime.capture import replay_salt
 
             salt = replay_salt(device, create=False)
             if salt is not None:
@@ -135,7 +135,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import (
+    from leantrain.ops.quant import (
         dequant_tile_tl,
         encode_pack_tl,
         encode_words_tl,

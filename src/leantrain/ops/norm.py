@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from leantrain.ops._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
 
 __all__ = ["rms_norm", "rms_norm_fwd", "rms_norm_bwd", "MAX_DIM"]
 
@@ -164,7 +164,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import cast_out_tl  # (round to nearest even, under the interpreter too)
+    from leantrain.ops.quant import cast_out_tl  # (round to nearest even, under the interpreter too)
 
     @triton.jit(do_not_specialize=["eps"])
     def _fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, D, eps, R: tl.constexpr, BLOCK: tl.constexpr,

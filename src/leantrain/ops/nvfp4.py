@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._backend import HAS_TRITON, launch, resolve
-from .quant import fast_bits, ieee_div
-from .rng import hash_uniform, kernel_key
+from leantrain.ops._backend import HAS_TRITON, launch, resolve
+from leantrain.ops.quant import fast_bits, ieee_div
+from leantrain.ops.rng import hash_uniform, kernel_key
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -181,9 +181,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .fp8 import fp8_decode_tl, fp8_encode_tl
-    from .quant import cast_out_tl, pack_tile_tl, unpack_tile_tl
-    from .rng import uniform1_tl
+    from leantrain.ops.fp8 import fp8_decode_tl, fp8_encode_tl
+    from leantrain.ops.quant import cast_out_tl, pack_tile_tl, unpack_tile_tl
+    from leantrain.ops.rng import uniform1_tl
 
     @triton.jit
     def _amax_partial_kernel(x_ptr, part_ptr, n, BLOCK_N: tl.constexpr):

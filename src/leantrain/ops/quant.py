@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
-from .qtensor import QTensor
-from .rng import hash_uniform, kernel_key
+from leantrain.ops._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.rng import hash_uniform, kernel_key
 
 _TINY = 2.0**-64
 TINY = torch.finfo(torch.float32).tiny  # dequantize(log=True) clamps here (the kernel's literal)
@@ -165,7 +165,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .rng import uniform1_pair_tl, uniform1_tl
+    from leantrain.ops.rng import uniform1_pair_tl, uniform1_tl
 
     @triton.jit
     def _range_tl(x, valid, QHI: tl.constexpr, SYMMETRIC: tl.constexpr):
@@ -687,7 +687,7 @@ def dequantize(q: QTensor, *, dtype: torch.dtype | None = None, log: bool = Fals
     if q.fmt != "int":
         if log:
             raise ValueError("dequantize(log=True) is for integer QTensors")
-        from .fp8 import dequantize_fp8
+        from leantrain.ops.fp8 import dequantize_fp8
 
         return dequantize_fp8(q, dtype=dtype, backend=backend)
     dtype = dtype or q.dtype

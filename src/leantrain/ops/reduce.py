@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from . import quant
-from ._backend import HAS_TRITON, launch, resolve
-from .fp8 import FP8_FORMATS
-from .qtensor import QTensor
-from .quant import (
+from leantrain.ops import quant
+from leantrain.ops._backend import HAS_TRITON, launch, resolve
+from leantrain.ops.fp8 import FP8_FORMATS
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant import (
     _check,
     _pad_groups,
     _qrange,
@@ -35,7 +35,7 @@ from .quant import (
     pack_codes,
     tile_shape,
 )
-from .rng import kernel_key
+from leantrain.ops.rng import kernel_key
 
 
 def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_out, stochastic,
@@ -43,7 +43,7 @@ def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_o
     if q.fmt == "int":
         v = dequantize_ref(q, torch.float32)
     else:
-        from .fp8 import dequantize_fp8_ref
+        from leantrain.ops.fp8 import dequantize_fp8_ref
 
         v = dequantize_fp8_ref(q, torch.float32)
     v = v.reshape(q.num_peers, -1)
@@ -67,8 +67,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .fp8 import fp8_decode_tl
-    from .quant import (
+    from leantrain.ops.fp8 import fp8_decode_tl
+    from leantrain.ops.quant import (
         encode_pack_tl,
         store_packed_tl,
         tile_index_tl,

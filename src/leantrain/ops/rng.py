@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON
+from leantrain.ops._backend import HAS_TRITON
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9

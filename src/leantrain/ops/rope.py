@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from leantrain.ops._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
 
 __all__ = ["rope", "rope_ref"]
 
@@ -137,7 +137,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .quant import cast_out_tl
+    from leantrain.ops.quant import cast_out_tl
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, N, H, T, sb, sh, st, ob, oh, ot, HALF: tl.constexpr,

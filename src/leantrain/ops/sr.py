@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, launch, resolve
-from .rng import hash_u32, kernel_key
+from leantrain.ops._backend import HAS_TRITON, launch, resolve
+from leantrain.ops.rng import hash_u32, kernel_key
 
 
 def bf16_stochastic_round_ref(x: torch.Tensor, *, seed: int, offset: int = 0) -> torch.Tensor:
@@ -34,7 +34,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .rng import hash_u32_tl
+    from leantrain.ops.rng import hash_u32_tl
 
     @triton.jit
     def sr_bf16(x, rand_u32):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._backend import HAS_TRITON, launch, next_pow2, resolve
+from leantrain.ops._backend import HAS_TRITON, launch, next_pow2, resolve
 
 __all__ = ["swiglu", "swiglu_ref"]
 

@@ -1,4 +1,4 @@
-"""The element-wise passes of the fused LM head + cross-entropy (:mod:`leantrain.losses`), one
+"""The element-wise passes of the fused LM head + cross-entropy (:mod:`leantrain.model.losses`), one
 read of a logits slice each.
 
 For a slice ``z [N, C]`` (fp32, contiguous: columns ``j0 .. j0 + C`` of the vocabulary):
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import HAS_TRITON, launch, next_pow2, resolve
+from leantrain.ops._backend import HAS_TRITON, launch, next_pow2, resolve
 
 __all__ = ["slice_lse", "softmax_grad"]
 

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from ..ops._backend import resolve
-from .rules import Rule
-from .state import StateStorage
+from leantrain.ops._backend import resolve
+from leantrain.optim.rules import Rule
+from leantrain.optim.state import StateStorage
 
 
 class Optimizer(torch.optim.Optimizer):

@@ -11,7 +11,7 @@ from leantrain import data as data_mod
 from leantrain.agoq import ROLES, Policy
 from leantrain.agoq.calibrate import param_grads
 from leantrain.agoq.policy import KEEP
-from leantrain.checkpoint import load as ck_load
+from leantrain.runtime.checkpoint import load as ck_load
 from leantrain.config import preset
 from leantrain.model import Llama
 

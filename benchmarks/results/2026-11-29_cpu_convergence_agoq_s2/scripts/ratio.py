@@ -8,7 +8,7 @@ import torch
 
 from leantrain.agoq import Policy, quantize_activations
 from leantrain.config import preset
-from leantrain.ledger import SavedActivationMeter
+from leantrain.runtime.ledger import SavedActivationMeter
 from leantrain.model import Llama
 
 kw = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}

@@ -3,8 +3,8 @@ import torch.distributed as dist
 
 import leantrain as lt
 from dist_utils import run_distributed
-from leantrain import collectives
-from leantrain.ledger import COMM, MemoryLedger, SavedActivationMeter
+from leantrain.runtime import collectives
+from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 
 
 def test_memory_ledger_counts_each_role_once():

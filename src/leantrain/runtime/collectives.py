@@ -1,7 +1,7 @@
 """Counted collectives: thin wrappers over ``torch.distributed`` that record bytes sent.
 
 Every byte leantrain puts on the wire goes through these functions, so the
-communication ledger (:mod:`leantrain.ledger`) is a count of real calls with
+communication ledger (:mod:`leantrain.runtime.ledger`) is a count of real calls with
 real tensor sizes. They take the same arguments as their ``torch.distributed``
 namesakes plus ``scope`` (``"intra"``, ``"inter"`` or ``"world"``), the label
 the ledger files the bytes under. With one rank (or no process group) they
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from .ledger import record_comm
+from leantrain.runtime.ledger import record_comm
 
 
 def world_size(group=None) -> int:

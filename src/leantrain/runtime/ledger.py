@@ -12,7 +12,7 @@ both are *measured*:
   AGoQ's through :func:`note_saved`). On CUDA it also reads the allocator's peak.
   Storage shared by several tensors is counted once.
 - :class:`CommLedger` counts the bytes each rank sends, per collective, at the
-  call (see :mod:`leantrain.collectives`), split into ``intra`` and ``inter``
+  call (see :mod:`leantrain.runtime.collectives`), split into ``intra`` and ``inter``
   node traffic.
 
 Bytes sent per collective, for a group of ``n`` ranks and a tensor of ``B``
@@ -265,7 +265,7 @@ class CommLedger:
             _comm_stack().remove(sub)
 
 
-#: the process-wide ledger; :mod:`leantrain.collectives` records into it
+#: the process-wide ledger; :mod:`leantrain.runtime.collectives` records into it
 COMM = CommLedger()
 
 

@@ -7,7 +7,7 @@ that the config asks for, composing the techniques:
   inside backward; under torchrun each layer's gradient is all-reduced there);
 - ``agoq.enabled``: saved activations packed by :mod:`leantrain.agoq` around
   forward+backward; ``agoq.grad_bits=8``: int8 gradient accumulation buffers;
-- ``dist.mode="sharded"``: :class:`leantrain.dist.ShardedOptimizer` with the
+- ``dist.mode="sharded"``: :class:`leantrain.parallel.ShardedOptimizer` with the
   compressor ``dist.comm`` (``none`` / ``sdp4bit`` / ``scape``, with ``dist.scape_density``);
 - otherwise the reference :class:`leantrain.optim.Optimizer` (``--baseline``:
   ``torch.optim.AdamW``), wrapped in DDP under torchrun (``dist.comm=int8``:
@@ -37,12 +37,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives
-from . import data as data_mod
-from .config import Config, ConfigError
-from .ledger import COMM, MemoryLedger, SavedActivationMeter
-from .model import Llama
-from .optim import Optimizer, make_rule
+from leantrain.runtime import checkpoint, collectives
+from leantrain import data as data_mod
+from leantrain.config import Config, ConfigError
+from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
+from leantrain.model import Llama
+from leantrain.optim import Optimizer, make_rule
 
 
 class NonFiniteLoss(RuntimeError):
@@ -200,11 +200,11 @@ class Trainer:
                                      fused=self.device.type == "cuda")
         rule = rule_from_config(c)
         if c.agoq.enabled:
-            from . import agoq
+            from leantrain import agoq
 
             self.agoq_policy = agoq.Policy.from_config(c.agoq)
         if c.forge.enabled:
-            from . import forge
+            from leantrain import forge
 
             f = c.forge
             # global-norm clipping needs every gradient before the first update: impossible
@@ -218,7 +218,7 @@ class Trainer:
                      "of the step's global norm instead (forge.clip=est_global; see forge/README.md)")
             allreduce = None
             if c.dist.comm == "int8":  # AGoQ's precision-preserving 8-bit all-reduce for FORGE's per-layer dW
-                from . import comm
+                from leantrain import comm
 
                 allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
             opt = forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
@@ -229,8 +229,8 @@ class Trainer:
                 opt.set_device_scalars(True)
             return opt
         if c.dist.mode == "sharded":
-            from . import comm
-            from . import dist as ltdist
+            from leantrain import comm
+            from leantrain import parallel as ltdist
 
             d, compression = c.dist, None
             if d.comm == "sdp4bit":
@@ -242,7 +242,7 @@ class Trainer:
                                            compression=compression, max_grad_norm=c.optim.grad_clip or None)
         self._wrap_ddp()
         if c.agoq.grad_bits == 8:
-            from . import agoq
+            from leantrain import agoq
 
             self.grad_acc = agoq.Int8GradAccumulator(list(model.parameters()))
         return Optimizer(self._groups(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed,
@@ -255,18 +255,18 @@ class Trainer:
 
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         if self.cfg.dist.comm == "int8":
-            from . import comm
+            from leantrain import comm
 
             self.ddp.register_comm_hook(comm.Int8AllReduceState(None), comm.int8_allreduce_hook)
         elif self.cfg.dist.comm == "gift":
-            from . import comm
+            from leantrain import comm
 
             d = self.cfg.dist
             self.gift = comm.GIFT(self.model, rank=d.gift_rank or None, refresh_every=d.gift_refresh_every,
                                   min_numel=d.gift_min_numel, whiten=d.gift_whiten, format=d.gift_format)
             self.ddp.register_comm_hook(None, comm.GIFT.ddp_noop_hook)  # (GIFT reduces after backward)
         else:
-            from .ddp_hooks import counted_allreduce_hook
+            from leantrain.runtime.ddp_hooks import counted_allreduce_hook
 
             self.ddp.register_comm_hook(None, counted_allreduce_hook)
 
@@ -283,7 +283,7 @@ class Trainer:
         pk = getattr(self.model, "_agoq_packer", None)
         stage = self.cfg.agoq.pipeline_stage
         if pk is None or pk.policy is not self.agoq_policy or pk.stage != stage:  # (another trainer's)
-            from . import agoq
+            from leantrain import agoq
 
             agoq.apply(self.model, self.agoq_policy, stage=stage, replay=self.cfg.agoq.replay)
 
@@ -371,7 +371,7 @@ class Trainer:
         """Forward + backward replayed from the CUDA graph (captured at the first call); the
         loss is copied out of the graph's tensor, which the next replay overwrites."""
         if self.graph is None:
-            from .graphs import GraphedStep
+            from leantrain.runtime.capture import GraphedStep
 
             def fwd(x, y):
                 with self._autocast():

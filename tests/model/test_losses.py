@@ -1,4 +1,4 @@
-"""The fused LM head + cross-entropy (``leantrain.losses``) against the unfused form: losses,
+"""The fused LM head + cross-entropy (``leantrain.model.losses``) against the unfused form: losses,
 gradients (h, W, bias; fp32, bf16, autocast), ignored and out-of-range targets, what backward
 keeps (nothing of the vocabulary's size), the Llama with and without it, FORGE's update of
 the head from the slices (torch backend; Triton under the interpreter) and AGoQ's roles."""
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import leantrain as lt
 from leantrain.config import ModelConfig
-from leantrain.losses import linear_cross_entropy, slice_cols
+from leantrain.model.losses import linear_cross_entropy, slice_cols
 from leantrain.model import Llama
 from leantrain.ops._backend import interpreting
 

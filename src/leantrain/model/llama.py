@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
-from .losses import linear_cross_entropy
-from .ops.norm import rms_norm, rms_norm_fwd_ref
-from .ops.rope import rope, rope_ref
-from .ops.swiglu import swiglu, swiglu_ref
+from leantrain.config import ModelConfig
+from leantrain.model.losses import linear_cross_entropy
+from leantrain.ops.norm import rms_norm, rms_norm_fwd_ref
+from leantrain.ops.rope import rope, rope_ref
+from leantrain.ops.swiglu import swiglu, swiglu_ref
 
 
 class RMSNorm(nn.Module):
@@ -167,7 +167,7 @@ class Block(nn.Module):
 class LMHead(nn.Linear):
     """The output projection. ``head(h)``: the logits. ``head(h, targets)``: the per-token
     cross-entropy of those logits, computed in vocabulary slices without the logits tensor
-    (:func:`leantrain.losses.linear_cross_entropy`; ``budget``: logits held at once, in tokens).
+    (:func:`leantrain.model.losses.linear_cross_entropy`; ``budget``: logits held at once, in tokens).
 
     Its matmul goes through ``linear_fn`` (as ``lt.dist.tp``'s layers' does), which FORGE
     replaces; the fused loss instead hands FORGE its dW slice by slice. Called as a module, so

@@ -21,7 +21,7 @@ see only this rank's tokens, so their gradients are partial sums: mark them with
 them over the TP group in ``step()``; with another optimizer call
 :func:`allreduce_sequence_parallel_grads` before ``step()``.
 
-All traffic goes through :mod:`leantrain.collectives` (counted in the communication ledger).
+All traffic goes through :mod:`leantrain.runtime.collectives` (counted in the communication ledger).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leantrain import collectives as C
+from leantrain.runtime import collectives as C
 
 
 def _ws(group) -> int:

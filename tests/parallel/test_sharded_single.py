@@ -57,7 +57,7 @@ def test_state_dict_round_trip_and_memory_ledger():
     o2.load_state_dict(sd)
     _steps(m2, o2, 2)
     assert all(torch.equal(a, b) for a, b in zip(after, m2.parameters(), strict=True))
-    led = lt.ledger.MemoryLedger.measure(m2, o2)
+    led = lt.runtime.ledger.MemoryLedger.measure(m2, o2)
     n = sum(p.numel() for p in m2.parameters())
     assert led.optimizer_states >= 3 * 4 * n  # master + exp_avg + exp_avg_sq, fp32
     bad = copy.deepcopy(sd)

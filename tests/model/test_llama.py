@@ -56,7 +56,7 @@ def test_backward_reaches_every_parameter():
 
 def _loss_and_saved_bytes(models: dict) -> dict:
     """Each model's loss on one batch (backward run: the gradients) and the bytes it saved for backward."""
-    from leantrain.ledger import SavedActivationMeter
+    from leantrain.runtime.ledger import SavedActivationMeter
 
     x = torch.randint(0, 97, (3, 16))
     out = {}

@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .ops._backend import addmm_fp32, autocast_dtype, mm_fp32
-from .ops.xent import slice_lse, softmax_grad
+from leantrain.ops._backend import addmm_fp32, autocast_dtype, mm_fp32
+from leantrain.ops.xent import slice_lse, softmax_grad
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyFn", "slice_cols"]
 

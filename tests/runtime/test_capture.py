@@ -9,9 +9,9 @@ import torch
 from helpers import tiny_config
 from leantrain.agoq import Policy, apply
 from leantrain.config import ConfigError, preset
-from leantrain.graphs import GraphedStep
+from leantrain.runtime.capture import GraphedStep
 from leantrain.model import Llama
-from leantrain.trainer import Trainer
+from leantrain.train.trainer import Trainer
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU error path")

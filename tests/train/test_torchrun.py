@@ -159,7 +159,7 @@ def _assert_resumes_bit_identically(run, resumed, args):
 
     import torch
 
-    from leantrain import checkpoint
+    from leantrain.runtime import checkpoint
 
     shutil.copytree(run, resumed)
     shutil.rmtree(checkpoint.latest(resumed))

@@ -13,7 +13,7 @@ from helpers import tiny_config
 from leantrain.config import ConfigError, preset
 from leantrain.model import Llama
 from leantrain.ops._backend import HAS_TRITON, interpreting
-from leantrain.trainer import Trainer
+from leantrain.train.trainer import Trainer
 
 
 def _models(small=False):

@@ -2,7 +2,7 @@
 
 The baseline must be measured the same way as the compressed schemes, so plain
 DDP runs register this hook: it divides by the world size and all-reduces the
-bucket through :func:`leantrain.collectives.all_reduce` (which records the
+bucket through :func:`leantrain.runtime.collectives.all_reduce` (which records the
 bytes), exactly what DDP's built-in all-reduce does.
 """
 
@@ -10,7 +10,7 @@ bytes), exactly what DDP's built-in all-reduce does.
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from leantrain.runtime import collectives
 
 
 def counted_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -108,7 +108,7 @@ def main() -> int:
             opt = lt.dist.ShardedOptimizer(model, lt.optim.AdamW(lr=3e-3), intra_node_size=intra,
                                            compression=lt.comm.SDP4Bit(pipeline=2), bucket_mb=0.2)
             x, y = batch(0, rank, dev)  # one fixed batch: the loss must fall
-            with lt.ledger.COMM.capture() as led:
+            with lt.runtime.ledger.COMM.capture() as led:
                 same, losses = fit_fixed_batch(model, opt, x, y)
             report(f"sdp4bit intra={intra} {dtype}", same and losses[-1] < 0.7 * losses[0],
                    f"identical={same} loss {losses[0]:.3f}->{losses[-1]:.3f} bytes={led.by_scope()}")
@@ -160,7 +160,7 @@ def main() -> int:
             ddp.register_comm_hook(lt.comm.Int8AllReduceState(), lt.comm.int8_allreduce_hook)
         o = torch.optim.AdamW(m.parameters(), lr=3e-3)
         losses = []
-        with lt.ledger.COMM.capture() as led:
+        with lt.runtime.ledger.COMM.capture() as led:
             for s in range(30):
                 g = torch.Generator().manual_seed(100 * s + rank)  # next token = current + 1
                 start = torch.randint(0, 200, (4, 1), generator=g)

@@ -6,9 +6,9 @@ import torch
 
 import leantrain as lt
 from helpers import tiny_config
-from leantrain import checkpoint
+from leantrain.runtime import checkpoint
 from leantrain.cli import main as cli_main
-from leantrain.trainer import NonFiniteLoss, Trainer, lr_lambda, rule_from_config
+from leantrain.train.trainer import NonFiniteLoss, Trainer, lr_lambda, rule_from_config
 
 
 def test_trains_logs_and_writes_every_artifact(corpus, tmp_path):

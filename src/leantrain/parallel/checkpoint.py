@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives as C
+from leantrain.runtime import collectives as C
 
 SHARDED_FORMAT = "leantrain.sharded/1"
 CONSOLIDATED_FORMAT = "leantrain.consolidated/1"

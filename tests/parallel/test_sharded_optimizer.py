@@ -81,7 +81,7 @@ def _bytes(rank, world):
     model = make_model()
     opt = lt.dist.ShardedOptimizer(model, lt.optim.AdamW(lr=1e-3), bucket_mb=0.05)
     x, y = batch(0, rank, world)
-    with lt.ledger.COMM.capture() as led:
+    with lt.runtime.ledger.COMM.capture() as led:
         model(x, y).backward()
         opt.step()
     padded = sum(b.padded for b in opt.buckets)

@@ -9,7 +9,7 @@
 
 import importlib
 
-from .sharded import ShardedOptimizer
+from leantrain.parallel.sharded import ShardedOptimizer
 
 _LAZY = {"ColumnParallelLinear": "tp", "RowParallelLinear": "tp"}
 
