@@ -273,7 +273,7 @@ def test_lr_scheduler_errors_and_detach():
 
     f = _llama()
     lt.forge.attach(f, lt.optim.AdamW(lr=1e-3), backend="torch")
-    with pytest.raises(ValueError, match="attached to FORGE"):
+    with pytest.raises(ValueError, match="already taken over by FORGE"):
         ChunkFT(f, "adamw")
 
 

@@ -69,13 +69,13 @@ def test_replay_order_equals_the_eager_step(case):
     model = copy.deepcopy(ref_model)
     ref, opt = _attach(ref_model, case), _attach(model, case)
     data = [x.to(DEV) for x in batches(4, shape=(2, 12, 40), dtype=dtype)]
-    opt._graph_check()
+    opt.capture_check()
     before = copy.deepcopy(model)
     for phase in ("dry", "capture"):
-        opt._graph_phase(phase)
+        opt.capture_phase(phase)
         _loss(model, data[0]).backward()
         if phase == "dry":
-            opt._graph_phase(None)
+            opt.capture_phase(None)
         for p in model.parameters():
             p.grad = None
     for p, q in zip(model.parameters(), before.parameters()):
@@ -84,16 +84,16 @@ def test_replay_order_equals_the_eager_step(case):
     slots = list(opt._graph_slots)
     assert slots == [1, 0]  # fc2 then fc1: backward order
     for x in data:
-        opt._graph_prepare()
+        opt.capture_prepare()
         _loss(model, x).backward()  # the "replay"
-        opt._graph_advance()
+        opt.capture_advance()
         opt._graph_slots = list(slots)  # (a real replay runs no Python: nothing re-recorded)
         opt.step()
         opt.zero_grad()
         _loss(ref_model, x).backward()
         ref.step()
         ref.zero_grad()
-    opt._graph_phase(None)
+    opt.capture_phase(None)
     _same(model, opt, ref_model, ref)
     assert opt.state[model.fc1.weight]["step"] == len(data)
 
@@ -102,19 +102,19 @@ def test_replay_order_equals_the_eager_step(case):
 def test_replayed_twice_without_step_is_an_error():
     model = _model(torch.float32)
     opt = _attach(model, "adamw_fp32")
-    opt._graph_check()
+    opt.capture_check()
     x = batches(1, shape=(2, 12, 40))[0].to(DEV)
-    opt._graph_phase("capture")
+    opt.capture_phase("capture")
     with pytest.raises(RuntimeError, match="created inside a CUDA graph capture"):
         _loss(model, x).backward()  # no warm-up pass: the states do not exist yet
-    opt._graph_phase("dry")
+    opt.capture_phase("dry")
     _loss(model, x).backward()
-    opt._graph_phase("capture")
+    opt.capture_phase("capture")
     _loss(model, x).backward()
-    opt._graph_prepare()
-    opt._graph_advance()
+    opt.capture_prepare()
+    opt.capture_advance()
     with pytest.raises(RuntimeError, match="replayed twice"):
-        opt._graph_prepare()
+        opt.capture_prepare()
 
 
 def test_graph_check_says_what_is_missing():
@@ -123,16 +123,16 @@ def test_graph_check_says_what_is_missing():
     with pytest.raises(ValueError, match="Triton backend"):
         opt.set_device_scalars(True)
     with pytest.raises(ValueError, match="GraphedStep with FORGE needs the Triton backend"):
-        opt._graph_check()
+        opt.capture_check()
     lt.forge.detach(model)
     if HAS_TRITON and interpreting():
         opt = lt.forge.attach(model, RULES["adamw"](), backend="triton", clip="prev_global")
         with pytest.raises(ValueError, match="prev_global': one eager step first"):
-            opt._graph_check()
+            opt.capture_check()
 
 
 def test_next_table_made_after_the_replay_equals_a_fresh_one():
-    """_graph_advance makes the next replay's steps and rounding keys while the GPU runs the
+    """capture_advance makes the next replay's steps and rounding keys while the GPU runs the
     current one; the table uploaded from them equals one made from scratch, also after the lr
     changed in between (an LR scheduler), and nothing stale is used after an eager update or a
     load_state_dict (both move step counts)."""
@@ -153,8 +153,8 @@ def test_next_table_made_after_the_replay_equals_a_fresh_one():
         return opt._dyn.dev.clone()
 
     for lr in (1e-2, 3e-3):  # the second round: the scheduler moved lr after the precompute
-        opt._graph_prepare()
-        opt._graph_advance()
+        opt.capture_prepare()
+        opt.capture_advance()
         assert opt._dyn_next is not None and opt._dyn_next[0] == opt._step_id + 1
         opt._step_id += 1  # (what step() does)
         for g in opt.param_groups:
@@ -167,10 +167,10 @@ def test_next_table_made_after_the_replay_equals_a_fresh_one():
         assert torch.equal(torch.from_numpy(nxt[1]), torch.tensor([opt.state[layer.weight]["step"] + 1
                                                                    for layer in opt.layers]))
         assert cached[0, 0].item() == pytest.approx(lr)
-    opt._graph_advance()
+    opt.capture_advance()
     sw, sb = opt._layer_states(opt.layers[0])
     opt._advance(opt.layers[0], sw, sb)  # an eager update: step counts moved
     assert opt._dyn_next is None
-    opt._graph_advance()
+    opt.capture_advance()
     opt.load_state_dict(opt.state_dict())
     assert opt._dyn_next is None

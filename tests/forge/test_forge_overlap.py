@@ -162,7 +162,8 @@ def test_graphed_overlap_equals_in_line(slow, request):
     ref_model, ref, model, opt, data = _pair("adamw_bf16_sr_int8")
     steps = {}
     for m, o in ((ref_model, ref), (model, opt)):
-        steps[id(o)] = GraphedStep(lambda x, m=m: _loss(m, x), m.parameters(), data[0])
+        steps[id(o)] = GraphedStep(lambda x, m=m: _loss(m, x), m.parameters(), data[0],
+                                   hooks=[o.capture_hooks] if hasattr(o, "capture_hooks") else [])
     for x in data[1:]:
         for o in (ref, opt):
             steps[id(o)](x)

@@ -21,16 +21,17 @@ def test_needs_cuda():
         GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
 
 
-def test_forge_on_torch_backend_is_refused_and_detach_clears_the_mark():
+def test_forge_on_torch_backend_is_refused_and_detach_releases_the_module():
     import leantrain as lt
+    from leantrain.model.extension import owner_of
 
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     opt = lt.forge.attach(m, lt.optim.AdamW(lr=1e-3), backend="torch")
-    assert m[0].weight._lt_forge() is opt and not hasattr(m[1].weight, "_lt_forge")
+    assert owner_of(m[0]) == "FORGE" and owner_of(m[1]) is None
     with pytest.raises(ValueError, match="FORGE needs the Triton backend"):  # (checked before anything needs CUDA)
-        GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4))
+        GraphedStep(lambda x: m(x).sum(), m.parameters(), torch.zeros(2, 4), hooks=[opt.capture_hooks])
     lt.forge.detach(m)
-    assert not hasattr(m[0].weight, "_lt_forge")
+    assert owner_of(m[0]) is None and "forward" not in m[0].__dict__
 
 
 def _grads(m):
@@ -150,7 +151,7 @@ def test_graphed_forge_equals_eager_forge(case, monkeypatch):
             loss.backward()
         else:
             if step is None:
-                step = GraphedStep(lambda x, y: model(x, y), model.parameters(), *b)
+                step = GraphedStep(lambda x, y: model(x, y), model.parameters(), *b, hooks=[opt.capture_hooks])
             loss = step(*b)
         losses.append(loss.detach().float().clone())
         del loss  # (an eager step's autograd graph kept alive through the capture would invalidate it)

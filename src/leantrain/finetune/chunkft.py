@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leantrain.model.extension import claim, owner_of, release
 from leantrain.ops._backend import mm_fp32
 from leantrain.optim.rules import Rule, make_rule
 
@@ -241,9 +242,13 @@ class ChunkFT(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ model hooks
     def _patch(self, model: nn.Module) -> None:
+        for name, m in model.named_modules():  # (all checked before any is patched)
+            if owner_of(m) not in (None, "ChunkFT"):
+                raise ValueError(f"ChunkFT: module {name} is already taken over by {owner_of(m)}; "
+                                 f"detach {owner_of(m)} first")
         for name, m in model.named_modules():
-            if "_forge_layer" in m.__dict__:
-                raise ValueError(f"ChunkFT: {name} is attached to FORGE; detach it first (lt.forge.detach)")
+            if isinstance(m, (nn.Linear, nn.Embedding)) or hasattr(type(m), "linear_fn"):
+                claim(m, "ChunkFT", name)
             if hasattr(type(m), "linear_fn"):
                 m.linear_fn = _LinearFn(self)
                 self._patched.append((m, "linear_fn"))
@@ -263,6 +268,7 @@ class ChunkFT(torch.optim.Optimizer):
         for m, attr in self._patched:
             if attr in m.__dict__:
                 delattr(m, attr)
+            release(m, "ChunkFT")
         self._patched.clear()
         for p in self.param_groups[0]["params"]:
             p.requires_grad_(True)

@@ -3,7 +3,7 @@
 ``forward`` saves its input (and the weight) with ``ctx.save_for_backward`` so
 ``saved_tensors_hooks`` (the memory ledger, AGoQ) see every saved tensor. ``backward``
 computes ``dX = dY W`` with the *old* W first, then hands ``(X, dY)`` to
-:meth:`ForgeOptimizer._update_layer`, which applies the optimizer step to W (and the bias)
+:meth:`ForgeOptimizer.update_layer`, which applies the optimizer step to W (and the bias)
 from ``dW = dYᵀ X`` without keeping ``dW``: the fused Triton kernel never writes it; the
 torch backend computes it, consumes it and drops it before the next layer's backward.
 The weight's gradient returned to autograd is ``None``: nothing accumulates in ``.grad``.
@@ -11,13 +11,13 @@ The weight's gradient returned to autograd is ``None``: nothing accumulates in `
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leantrain.model.extension import Fill, claim, release
 from leantrain.ops._backend import autocast_dtype
 
 
@@ -36,6 +36,11 @@ class ForgeLayer:
     updated_in: int = -1  # optimizer step id of the last update (gradient accumulation guard)
     opt: object = field(default=None, repr=False)
     host: object = field(default=None, repr=False)  # the optimizer's per-layer launch cache
+
+    def take(self, inputs: Tensor, fill: Fill) -> None:
+        """:class:`leantrain.model.extension.GradSink`: the layer's update from a gradient that
+        ``fill`` writes (the LM head's fused loss)."""
+        self.opt.update_layer(self, inputs, None, fill=fill)
 
 
 class ForgeLinearFn(torch.autograd.Function):
@@ -64,7 +69,7 @@ class ForgeLinearFn(torch.autograd.Function):
             dx = dy.matmul(weight if weight.dtype == dy.dtype else weight.to(dy.dtype))
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
-        layer.opt._update_layer(layer, x2, dy2)
+        layer.opt.update_layer(layer, x2, dy2)
         return dx, None, None, None
 
 
@@ -103,23 +108,28 @@ class _LinearFn:
 
 
 def patch(layer: ForgeLayer) -> None:
+    """Route ``layer.module``'s matmul through :class:`ForgeLinearFn` (its ``linear_fn`` where it
+    has one, else its ``forward``); a module with a ``grad_sink`` (the LM head's fused loss) hands
+    its weight gradient to the layer. The module is claimed for FORGE
+    (:func:`leantrain.model.extension.claim`)."""
     m = layer.module
+    claim(m, "FORGE", layer.name)
     if hasattr(type(m), "linear_fn"):
         m.linear_fn = _LinearFn(layer)
     else:
         m.forward = _LinearForward(layer)
-    m._forge_layer = layer
-    # updated inside backward: leantrain.runtime.capture finds the optimizer through this mark
-    layer.weight._lt_forge = weakref.ref(layer.opt)
+    if hasattr(m, "grad_sink"):
+        m.grad_sink = layer
 
 
-def unpatch(m: nn.Module) -> None:
-    layer = m.__dict__.get("_forge_layer")
-    if layer is not None and "_lt_forge" in layer.weight.__dict__:
-        del layer.weight._lt_forge
-    for attr in ("linear_fn", "forward", "_forge_layer"):
+def unpatch(layer: ForgeLayer) -> None:
+    m = layer.module
+    for attr in ("linear_fn", "forward"):
         if attr in m.__dict__:
             delattr(m, attr)
+    if getattr(m, "grad_sink", None) is layer:
+        m.grad_sink = None
+    release(m, "FORGE")
 
 
 __all__ = ["ForgeLayer", "ForgeLinearFn", "forge_linear", "patch", "unpatch"]

@@ -8,7 +8,7 @@ parameters (norms, embeddings, tied weights, non-fused biases) with the same rul
 their ``.grad`` and closes the step (norms for ``clip="prev_global"`` / ``"est_global"``, non-finite
 report).
 
-Per layer, in backward (``_update_layer``):
+Per layer, in backward (``update_layer``):
 1. gradient-accumulation guard (a layer updated twice before ``step()`` is an error);
 2. dW: fused into the Triton kernel's tile loop (nothing materialized), or, when it must be
    seen whole first (data parallel all-reduce, ``clip="layer"`` / ``"est_global"``, the torch backend, or
@@ -22,6 +22,8 @@ No host synchronization: flags and norms stay on the device until someone reads
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import contextlib
 import math
@@ -41,6 +43,8 @@ from leantrain.optim.state import StateStorage
 from leantrain.forge.gradsums import CLIP_EPS as _CLIP_EPS
 from leantrain.forge.gradsums import GradSums
 from leantrain.forge.linear import ForgeLayer, patch, unpatch
+from leantrain.model.extension import owner_of
+from leantrain.runtime.capture import CaptureHooks
 
 OVERLAP_RING = 2  # dW workspaces per dtype when the updates run on a side stream
 SPLIT_TOKENS = 1  # default of attach(split_tokens=): always the split path on CUDA (measured faster)
@@ -205,7 +209,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         if grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"grad_dtype must be 'fp32' or 'bf16', got {grad_dtype!r}")
-        if getattr(model, "_forge_optimizer", None) is not None:
+        if any(owner_of(m) == "FORGE" for m in model.modules()):
             raise RuntimeError("FORGE is already attached to this model; call lt.forge.detach(model) first")
         wrapped = [type(m).__name__ for m in model.modules()
                    if type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel")]
@@ -250,10 +254,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._dyn: _DynTable | None = None
         self._dyn_meta = None  # (layer indices, param group of each layer as numpy arrays, their state dicts)
         # (step id, each layer's next step, their rounding keys): the next replay's table columns that
-        # do not depend on the param groups, made by _graph_advance while the GPU runs the replay
+        # do not depend on the param groups, made by capture_advance while the GPU runs the replay
         self._dyn_next: tuple | None = None
         self._last_update_sid = -1  # the step id of the last layer update (the graph's guard: O(1) when older)
-        self._graph_plan = None  # (layer, weight state, bias state) of each captured slot (_graph_advance)
+        self._graph_plan = None  # (layer, weight state, bias state) of each captured slot (capture_advance)
         self._dyn_ready = False
         self._phase: str | None = None
         self._graph_slots: list[int] = []
@@ -287,7 +291,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._allreduce = allreduce
         for layer in layers:
             patch(layer)
-        model._forge_optimizer = self
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -327,7 +330,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the per-layer update
 
-    def _update_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill=None) -> None:
+    def update_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill=None) -> None:
         """Update ``layer`` from ``dW = dy2ᵀ x2``, or, with ``fill``, from the dW that ``fill(g, gb)``
         writes into the fp32 workspace views ``g [n, k]`` / ``gb [n]`` (``gb`` None without a
         fused bias): for a caller that computes dW in pieces (the fused LM head + loss,
@@ -463,7 +466,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _upload_dyn(self, gate: float) -> None:
         """This step's rows (each layer at its next step) into the device table, in one copy.
         Host cost: one row per distinct (param group, step); the steps and keys were made after
-        the last replay's launch (:meth:`_graph_advance`) when no step count changed since."""
+        the last replay's launch (:meth:`capture_advance`) when no step count changed since."""
         import numpy as np
 
         from leantrain.forge.kernel import DYN_COLS, dyn_row
@@ -493,7 +496,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _update_layer_graph(self, layer, x2, dy2, fill) -> None:
         """A GraphedStep's warm-up ("dry": the kernels run and store nothing) or capture pass:
         the launches of an eager step on the device table, without the host bookkeeping (step
-        counts, the accumulation guard), which :meth:`_graph_prepare` / :meth:`_graph_advance` do
+        counts, the accumulation guard), which :meth:`capture_prepare` / :meth:`capture_advance` do
         around each replay."""
         w, b = layer.weight, layer.bias
         if self._phase == "capture" and (not self.state[w] or (b is not None and not self.state[b])):
@@ -509,7 +512,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._phase == "capture":
             self._graph_slots.append(layer.slot)
 
-    def _graph_check(self) -> None:
+    @property
+    def capture_hooks(self) -> CaptureHooks:
+        """The optimizer's part in a :class:`leantrain.runtime.capture.GraphedStep` (pass it as
+        ``hooks=[opt.capture_hooks]``)."""
+        return SimpleNamespace(check=self.capture_check, phase=self.capture_phase,
+                               prepare=self.capture_prepare, advance=self.capture_advance)
+
+    def capture_check(self) -> None:
         """What a captured FORGE step needs; raises otherwise (GraphedStep calls it)."""
         why = []
         if not self.layers or self._backend_for(self.layers[0].weight) != "triton":
@@ -525,7 +535,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._dyn is None:
             self.set_device_scalars(True)
 
-    def _graph_phase(self, phase: str | None) -> None:
+    def capture_phase(self, phase: str | None) -> None:
         """Enter ("dry", "capture") or leave (None) a GraphedStep pass."""
         if phase is None:
             self.join()  # (done by the backward's end already, unless it raised)
@@ -541,9 +551,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._ran = []
         self._phase = phase
 
-    def _graph_prepare(self) -> None:
+    def capture_prepare(self) -> None:
         """Before a replay: the accumulation guard, this step's table rows (on the stream, before
-        the replay). Host time here delays the replay, so the step counts wait for :meth:`_graph_advance`."""
+        the replay). Host time here delays the replay, so the step counts wait for :meth:`capture_advance`."""
         plan = self._graph_plan
         if plan is None:
             plan = self._graph_plan = [(layer, *self._layer_states(layer))
@@ -554,7 +564,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                "(gradient accumulation is not supported; see forge/README.md)")
         self._upload_dyn(1.0)
 
-    def _graph_advance(self) -> None:
+    def capture_advance(self) -> None:
         """After a replay is launched: the bookkeeping the captured backward skipped (each layer's
         step count, the accumulation guard's mark, the layers ``step()`` reads the sums of)."""
         sid = self._step_id
@@ -1169,9 +1179,9 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
 def detach(model: nn.Module) -> None:
     """Restore the original forward of every layer ``attach`` patched."""
     for m in model.modules():
-        unpatch(m)
-    if "_forge_optimizer" in model.__dict__:
-        del model.__dict__["_forge_optimizer"]
+        layer = getattr(m.__dict__.get("linear_fn") or m.__dict__.get("forward"), "layer", None)
+        if isinstance(layer, ForgeLayer):
+            unpatch(layer)
 
 
 __all__ = ["attach", "detach", "ForgeOptimizer", "CLIPS"]

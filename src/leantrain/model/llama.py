@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from leantrain.config import ModelConfig
+from leantrain.model.extension import GradSink
 from leantrain.model.losses import linear_cross_entropy
 from leantrain.ops.norm import rms_norm, rms_norm_fwd_ref
 from leantrain.ops.rope import rope, rope_ref
@@ -169,21 +170,24 @@ class LMHead(nn.Linear):
     cross-entropy of those logits, computed in vocabulary slices without the logits tensor
     (:func:`leantrain.model.losses.linear_cross_entropy`; ``budget``: logits held at once, in tokens).
 
-    Its matmul goes through ``linear_fn`` (as ``lt.dist.tp``'s layers' does), which FORGE
-    replaces; the fused loss instead hands FORGE its dW slice by slice. Called as a module, so
-    AGoQ sees the saved input under the LM head's role."""
+    Its matmul goes through ``linear_fn`` (as ``lt.parallel.tp``'s layers' does), which a
+    technique may replace. ``grad_sink`` (:class:`leantrain.model.extension.GradSink`, None by
+    default): set by a technique that consumes the head's weight gradient in backward; the fused
+    loss then writes dW into it slice by slice. Called as a module, so saved-tensor hooks see the
+    saved input under the LM head's role."""
 
     linear_fn = staticmethod(F.linear)
 
     def __init__(self, dim: int, vocab: int, budget: int):
         super().__init__(dim, vocab, bias=False)
         self.budget = budget
+        self.grad_sink: GradSink | None = None
 
     def forward(self, x: Tensor, targets: Tensor | None = None, ignore_index: int = -100) -> Tensor:
         if targets is None:
             return self.linear_fn(x, self.weight, self.bias)
         return linear_cross_entropy(x, self.weight, targets, bias=self.bias, budget=self.budget,
-                                    ignore_index=ignore_index, forge_layer=self.__dict__.get("_forge_layer"))
+                                    ignore_index=ignore_index, grad_sink=self.grad_sink)
 
 
 def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_index: int = -100) -> Tensor:

@@ -22,10 +22,10 @@ A slice holds ``ceil(budget · V / N)`` columns rounded up to a multiple of 128 
 ``budget``: ``ModelConfig.loss_chunk`` tokens' worth of logits), so its fp32 logits are about
 ``budget × V × 4`` bytes whatever the batch: 125 MiB at 1b with the default 1024.
 
-FORGE (``forge_layer``): the head's weight is updated inside this backward. The slices write
-dW into FORGE's fp32 workspace (:meth:`ForgeOptimizer._update_layer` with ``fill``) and the
-layer's data-parallel reduction, clip, NaN gate and rule follow as for any fused layer; ``dh``
-is computed with the old W (the slices run before the update). AGoQ: ``h`` is saved with
+``grad_sink`` (a :class:`leantrain.model.extension.GradSink`): the head's weight gradient goes to
+it instead of autograd. The slices write dW into the sink's buffer (``sink.take(h, fill)``);
+whatever the sink does with it (an optimizer step inside backward) follows; ``dh`` is computed
+with the old W (the slices run before ``fill`` returns). AGoQ: ``h`` is saved with
 ``ctx.save_for_backward`` under the LM head's module (role ``head_in``); the log-sum-exp
 (``[N, 1]``: a reduced statistic) and the integer targets are kept exact.
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from leantrain.model.extension import GradSink
 from leantrain.ops._backend import addmm_fp32, autocast_dtype, mm_fp32
 from leantrain.ops.xent import slice_lse, softmax_grad
 
@@ -130,7 +131,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
 
         dw = db = None
         if layer is not None:
-            layer.opt._update_layer(layer, h, None, fill=fill)
+            layer.take(h, fill)
         else:
             if need_w:
                 dw = torch.empty_like(weight, dtype=torch.float32 if weight.dtype == torch.float32 else h.dtype)
@@ -141,11 +142,12 @@ class LinearCrossEntropyFn(torch.autograd.Function):
 
 
 def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
-                         budget: int = 1024, ignore_index: int = -100, forge_layer=None) -> Tensor:
+                         budget: int = 1024, ignore_index: int = -100,
+                         grad_sink: GradSink | None = None) -> Tensor:
     """Per-token ``F.cross_entropy(h @ weight.T + bias, targets, reduction="none")`` without the
     logits tensor (module docstring). ``h [N, D]``, ``weight [V, D]``, ``targets [N]`` (``ignore_index``:
     loss 0, no gradient). ``budget``: logits held at once, in rows of ``V`` (0: all at once).
-    ``forge_layer``: the head is a FORGE layer; its weight (and bias) are updated in backward."""
+    ``grad_sink``: the head's weight (and bias) gradient goes to it in backward, not to ``.grad``."""
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: h {tuple(h.shape)} and weight {tuple(weight.shape)} "
                          "must be [N, D] and [V, D]")
@@ -153,7 +155,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, *, bias: Te
         raise ValueError(f"linear_cross_entropy: targets {tuple(targets.shape)} must be [{h.shape[0]}]")
     if budget < 0:
         raise ValueError(f"linear_cross_entropy: budget must be >= 0, got {budget}")
-    if forge_layer is not None and not torch.is_grad_enabled():
-        forge_layer = None
+    if grad_sink is not None and not torch.is_grad_enabled():
+        grad_sink = None
     cols = slice_cols(h.shape[0], weight.shape[0], budget)
-    return LinearCrossEntropyFn.apply(h, weight, bias, targets, cols, ignore_index, forge_layer)
+    return LinearCrossEntropyFn.apply(h, weight, bias, targets, cols, ignore_index, grad_sink)

@@ -118,7 +118,7 @@ def _table(rows: list[list[int]], progs: list[int], device, keyed: bool = False)
         _CAPTURED_TABLES.append(host)
         dev = host.to(device, non_blocking=True)
         if keyed:  # each replay rounds with new noise: the keys XOR the replay's salt, in the graph
-            from leantrain.runtime.capture import replay_salt
+            from leantrain.ops.rng import replay_salt
 
             salt = replay_salt(device, create=False)
             if salt is not None:

@@ -179,3 +179,26 @@ if HAS_TRITON:
             return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
         else:
             return _one_plus_u16_tl(h & 0xFFFF), _one_plus_u16_tl(h >> 16)
+
+
+# ---------------------------------------------------------------- CUDA-graph replay salt
+
+_SALTS: dict[torch.device, Tensor] = {}
+GOLDEN31 = 0x9E3779B1  # the Weyl increment a replay adds to its salt
+
+
+def _cuda_device(device) -> torch.device:
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.index is None else d
+
+
+def replay_salt(device, *, create: bool = True) -> Tensor | None:
+    """A device int64 scalar in [0, 2**31): 0 until a :class:`GraphedStep` on ``device`` is
+    captured, then advanced at the start of every replay, inside the graph. Captured code that
+    draws random numbers from integer keys XORs it into them so that replays differ.
+    ``create=False``: None when no GraphedStep made it (a graph captured some other way)."""
+    d = _cuda_device(device)
+    t = _SALTS.get(d)
+    if t is None and create:
+        t = _SALTS[d] = torch.zeros((), dtype=torch.int64, device=d)
+    return t

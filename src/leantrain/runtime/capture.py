@@ -22,41 +22,38 @@ loss kept without ``.detach()``): its gradient-accumulation nodes would run on t
 and invalidate the capture.
 The memory the step allocates lives in the graph's private pool for as long as the graph does.
 
-FORGE (``lt.forge.attach``) is captured too: its in-backward update is part of the graph. The
-optimizer reads each step's scalars (lr, bias corrections, stochastic-rounding keys) from a device
-table (:meth:`ForgeOptimizer.set_device_scalars`) that every call refills, with the step counts,
-before the replay; the warm-up passes run its kernels with a NaN gate, so they store nothing;
-``opt.step()`` after each call steps the other parameters as usual. Needs the Triton backend on
-CUDA, no data or tensor parallelism; ``clip="prev_global"`` / ``"est_global"`` need one eager step
-before the capture. A ``load_state_dict`` of the optimizer afterwards needs a new GraphedStep.
+Work a technique runs inside the step on its own (an optimizer that updates weights in backward)
+takes part through :class:`CaptureHooks`: it is told when a pass is a warm-up or the capture,
+refills its device-side scalars before each replay and advances its host-side counts after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-_SALTS: dict[torch.device, Tensor] = {}
-_GOLDEN31 = 0x9E3779B1
+from leantrain.ops.rng import GOLDEN31 as _GOLDEN31
+from leantrain.ops.rng import replay_salt
+
+__all__ = ["CaptureHooks", "GraphedStep", "replay_salt"]
 
 
-def _cuda_device(device) -> torch.device:
-    d = torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if d.index is None else d
 
+class CaptureHooks(Protocol):
+    """What a technique that runs its own work inside the step (an optimizer updating weights in
+    backward) does around a capture. :class:`GraphedStep` calls them in this order: ``check()``
+    once, before anything else; ``phase("dry")`` / ``phase(None)`` around each warm-up pass (its
+    work runs and stores nothing), ``phase("capture")`` / ``phase(None)`` around the capture;
+    then every call ``prepare()`` before the replay (this step's host-side scalars into device
+    tensors) and ``advance()`` after it (host-side step counts)."""
 
-def replay_salt(device, *, create: bool = True) -> Tensor | None:
-    """A device int64 scalar in [0, 2**31): 0 until a :class:`GraphedStep` on ``device`` is
-    captured, then advanced at the start of every replay, inside the graph. Captured code that
-    draws random numbers from integer keys XORs it into them so that replays differ.
-    ``create=False``: None when no GraphedStep made it (a graph captured some other way)."""
-    d = _cuda_device(device)
-    t = _SALTS.get(d)
-    if t is None and create:
-        t = _SALTS[d] = torch.zeros((), dtype=torch.int64, device=d)
-    return t
+    def check(self) -> None: ...
+    def phase(self, name: str | None) -> None: ...
+    def prepare(self) -> None: ...
+    def advance(self) -> None: ...
 
 
 class GraphedStep:
@@ -64,18 +61,17 @@ class GraphedStep:
 
     ``inputs`` are copied into static tensors owned by the step; each call copies its arguments
     into them and replays. ``warmup`` eager steps run first on a side stream (kernels compile,
-    AGoQ records its plan, cuBLAS picks its algorithms), as capture requires.
+    AGoQ records its plan, cuBLAS picks its algorithms), as capture requires. ``hooks``: the
+    :class:`CaptureHooks` of whatever runs inside the step on its own (an optimizer that
+    updates weights in backward is one; pass it).
     """
 
     def __init__(self, fn: Callable[..., Tensor], params: Iterable[torch.nn.Parameter], *inputs: Tensor,
-                 warmup: int = 2):
+                 warmup: int = 2, hooks: Sequence[CaptureHooks] = ()):
         self.params = [p for p in params if p.requires_grad]
-        forge = {id(o): o for o in (p.__dict__.get("_lt_forge", lambda: None)() for p in self.params) if o is not None}
-        if len(forge) > 1:
-            raise ValueError("GraphedStep: the parameters belong to more than one FORGE optimizer")
-        self.forge = next(iter(forge.values()), None)
-        if self.forge is not None:
-            self.forge._graph_check()  # (before anything needs CUDA: says what FORGE needs)
+        self.hooks = list(hooks)
+        for h in self.hooks:
+            h.check()  # (before anything needs CUDA: says what the technique needs)
         if not torch.cuda.is_available():
             raise RuntimeError("GraphedStep needs a CUDA device (CUDA graphs)")
         if not inputs or any(not isinstance(x, Tensor) or x.device.type != "cuda" for x in inputs):
@@ -84,29 +80,29 @@ class GraphedStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(max(warmup, 1 if self.forge is not None else 0)):
+            for _ in range(max(warmup, 1 if self.hooks else 0)):
                 self._zero()
-                self._forge_phase("dry")  # FORGE's kernels run and store nothing
+                self._phase("dry")
                 fn(*self.inputs).backward()
-                self._forge_phase(None)
+                self._phase(None)
         torch.cuda.current_stream().wait_stream(side)
         self._zero()
         salt = replay_salt(self.inputs[0].device)  # (made outside the graph's memory)
         self.graph = torch.cuda.CUDAGraph()
-        self._forge_phase("capture")
+        self._phase("capture")
         try:
             with torch.cuda.graph(self.graph):
                 salt.add_(_GOLDEN31).bitwise_and_(0x7FFFFFFF)  # a new salt every replay (a Weyl sequence)
                 loss = fn(*self.inputs)
                 loss.backward()
         finally:
-            self._forge_phase(None)
+            self._phase(None)
         self.loss = loss.detach()
         self.grads = [p.grad for p in self.params]
 
-    def _forge_phase(self, phase) -> None:
-        if self.forge is not None:
-            self.forge._graph_phase(phase)
+    def _phase(self, phase) -> None:
+        for h in self.hooks:
+            h.phase(phase)
 
     def _zero(self) -> None:
         for p in self.params:
@@ -121,11 +117,11 @@ class GraphedStep:
                 raise ValueError(f"GraphedStep: input of shape {tuple(x.shape)}, captured with {tuple(s.shape)}")
             if x.data_ptr() != s.data_ptr():
                 s.copy_(x, non_blocking=True)
-        if self.forge is not None:  # this step's scalars into the device table
-            self.forge._graph_prepare()
+        for h in self.hooks:  # this step's scalars into their device tensors
+            h.prepare()
         self.graph.replay()
-        if self.forge is not None:  # the step counts (host time while the GPU runs the replay)
-            self.forge._graph_advance()
+        for h in self.hooks:  # host-side counts (host time while the GPU runs the replay)
+            h.advance()
         for p, g in zip(self.params, self.grads):  # (in case something set p.grad = None in between)
             p.grad = g
         return self.loss

@@ -377,7 +377,7 @@ class Trainer:
                 with self._autocast():
                     return self.model(x, y)
 
-            self.graph = GraphedStep(fwd, self.model.parameters(), x, y)
+            self.graph = GraphedStep(fwd, self.model.parameters(), x, y, hooks=self._capture_hooks())
         return self.graph(x, y).clone()
 
     def _skip(self, loss) -> None:
