@@ -1,38 +1,69 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of leantrain in one call (the device tool runs this on an H200):
-#   bash benchmarks/gpu_all.sh [quick]
-# Writes everything under $OUT (default ./gpu_out): results.tgz (all result files) and run.log.
+# Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
+#   OUT=dir bash benchmarks/gpu.sh [quick]
+# Runs from the repository root with PYTHONPATH=src. Writes $OUT/run.log, $OUT/tests/gpu_tests.txt and
+# each topic's result files under $OUT/<topic>/ (<date>_<hardware>[_what].json and .md). To commit a
+# result, copy it to benchmarks/results/<topic>/ and run `python benchmarks/report.py`.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
 MODE=${1:-full}
-RES=/tmp/leantrain_results
-rm -rf "$RES"; mkdir -p "$RES" "$OUT"
-export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LEANTRAIN_CACHE=/tmp/leantrain_cache
+mkdir -p "$OUT"
+export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 Q=""; [ "$MODE" = quick ] && Q="--quick"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
+train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps, every step logged
+  local name=$1; shift
+  timeout 300 python3 -m leantrain train --preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 \
+    --train.eval-every 0 --train.ckpt-every 0 --optim.warmup-steps 2 --train.sample-tokens 0 \
+    --train.progress false --train.log-every 1 "$@" --out "$OUT/step/train-1b/$name" 2>&1 | tail -3
+}
 {
   log "environment"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
   log "GPU tests"
-  timeout 420 python3 -m pytest tests -q -m gpu -x -p no:cacheprovider -o addopts="" 2>&1 | tail -40 | tee "$RES/gpu_tests.txt"
+  mkdir -p "$OUT/tests"
+  timeout 900 python3 -m pytest tests -q -m gpu -p no:cacheprovider -o addopts="" 2>&1 | tail -40 \
+    | tee "$OUT/tests/gpu_tests.txt"
 
-  for b in ops forge agoq comm; do
-    [ -f benchmarks/bench_$b.py ] || continue
-    log "bench $b"
-    timeout 600 python3 benchmarks/bench_$b.py --out "$RES/$b" $Q 2>&1 | tail -80
+  log "ops: kernel bandwidth; RMSNorm and RoPE"
+  timeout 600 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 $Q --out "$OUT/ops" 2>&1 | tail -30
+  timeout 300 python3 benchmarks/bench_ops.py norm --tokens 65536 --out "$OUT/ops" 2>&1 | tail -8
+
+  log "forge: one linear, every kernel path (part a)"
+  timeout 600 python3 benchmarks/bench_forge.py --part a $Q --out "$OUT/forge" 2>&1 | tail -40
+
+  log "step: the whole 1b step, FORGE against torch, graphed (bench_forge part b)"
+  timeout 600 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 70 $Q --out "$OUT/step" 2>&1 | tail -24
+  log "step: the 1b preset through the trainer"
+  train1b baseline --baseline
+  train1b forge_agoq --forge --agoq
+  train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+
+  log "agoq: saved activations, peak, step time (1b, B = 8)"
+  timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph $Q --out "$OUT/agoq" 2>&1 | tail -6
+
+  log "comm: SDP4Bit compression path; GIFT's compute"
+  timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
+  timeout 300 python3 benchmarks/bench_comm.py gift-cost --preset 1b --batch 4 --out "$OUT/comm" 2>&1 | tail -20
+
+  log "finetune: ChunkFT, GRZO, MeZO, full on the 1b preset from random weights"
+  for m in full chunkft grzo mezo; do
+    timeout 300 python3 -m leantrain finetune --preset 1b --method $m --task compare --steps 10 \
+      --data.batch-size 16 --finetune.eval-examples 64 --data.max-corpus-mb 6 --out "$OUT/finetune/1b-$m" 2>&1 | tail -2
+    rm -rf "$OUT/finetune/1b-$m/checkpoints"
   done
 
-  log "1b preset, bf16, a few training steps through the trainer"
-  for recipe in "--baseline" "" "--forge"; do
-    name=train_1b${recipe:-_reference}
-    timeout 400 python3 -m leantrain train --preset 1b --steps 6 --out /tmp/$name $recipe \
-      --data.max-corpus-mb 8 --train.eval-every 0 --train.ckpt-every 0 --train.sample-tokens 0 \
-      --train.log-every 1 --optim.warmup-steps 2 2>&1 | tail -12
-    cp /tmp/$name/summary.json "$RES/$name.json" 2>/dev/null
-  done
+  if [ "$NGPU" -ge 2 ]; then
+    log "scale: NCCL smoke test and the trainer on 2 GPUs against 1 at the same global batch"
+    smoke=$(find tests -name torchrun_smoke.py | head -1)
+    [ -n "$smoke" ] && timeout 300 torchrun --standalone --nproc-per-node 2 "$smoke" 2>&1 | tail -14
+    A="--preset small --steps 30 --forge --agoq --train.eval-every 10 --train.log-every 5"
+    timeout 300 torchrun --standalone --nproc-per-node 2 -m leantrain train $A --data.batch-size 8 --out "$OUT/scale/two" 2>&1 | tail -4
+    timeout 300 python3 -m leantrain train $A --data.batch-size 16 --out "$OUT/scale/one" 2>&1 | tail -4
+  fi
   log "done"
 } 2>&1 | tee "$OUT/run.log"
-tar czf "$OUT/results.tgz" -C "$RES" .
