@@ -44,7 +44,7 @@ train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps,
   train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
 
   log "agoq: saved activations, peak, step time (1b, B = 8)"
-  timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph $Q --out "$OUT/agoq" 2>&1 | tail -6
+  timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
 
   log "comm: SDP4Bit compression path; GIFT's compute"
   timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
