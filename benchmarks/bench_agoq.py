@@ -13,7 +13,7 @@ median step time (each step timed alone: a sync before it and after it), and on 
 mean time of the same number of steps run back to back with one sync at the end (the host
 issues a step while the GPU finishes the last, as a training loop that does not wait for each
 step does). Targets (SPEC §3): saved bytes <= 0.3x, step time <= 1.15x.
-Writes ``agoq_<date>_<device>.json`` and ``.md`` into ``--out``.
+Writes ``<date>_<hardware>.json`` and ``.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
+sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
 
 
 def _set_field(obj, kv: str) -> None:
@@ -337,10 +339,10 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in row.items() if k not in ("baseline", "agoq", "agoq_ctx", "agoq_noreplay")}))
     ver = _versions(args.device)
     stamp = dt.datetime.now().strftime("%Y-%m-%d")
-    tag = "".join(c if c.isalnum() else "-" for c in ver["device"])[:40].strip("-") or args.device
+    name = f"{stamp}_{harness.short_name(ver['device']) if args.device == 'cuda' else 'cpu'}"
     cmd = "PYTHONPATH=src python3 benchmarks/bench_agoq.py " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = {"date": stamp, "versions": ver, "command": cmd, "rows": rows}
-    (out / f"agoq_{stamp}_{tag}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     gib = 2**30
     lines = [f"# AGoQ benchmark, {stamp}, {ver['device']}", "",
              f"torch {ver['torch']}, triton {ver.get('triton', '-')}; `{cmd}`", "",
@@ -380,7 +382,7 @@ def main(argv=None) -> int:
                          f"{r['graph_peak_above_ratio']:.3f} | {ga['new_batch_loss']:.5f} / {ga['new_batch_eager_loss']:.5f} |")
     if args.errors and not gpu:
         lines += _errors(out, stamp)
-    (out / f"agoq_{stamp}_{tag}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -36,6 +36,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 from leantrain.comm import SDP4Bit, bytes_per_element, estimate_time  # noqa: E402
 from leantrain.comm._kernels import QTensor, dequant_sum_requant, dequantize, quantize  # noqa: E402
@@ -175,7 +177,7 @@ def to_markdown(res: dict, meta: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="directory for bench_comm.json and bench_comm.md")
+    ap.add_argument("--out", required=True, help="directory for <date>_<hardware>_sdp4bit.json and .md")
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--params", type=int, default=None, help="override the parameter count (e.g. small CPU runs)")
     ap.add_argument("--nodes", type=int, default=2)
@@ -198,14 +200,29 @@ def main(argv=None) -> dict:
             "torch": torch.__version__, "triton": tv,
             "preset": args.preset if n == count_params(args.preset) else f"{args.preset}, capped to {n:,}"}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_comm.json"), "w") as f:
+    with open(os.path.join(args.out, harness.stem("sdp4bit") + ".json"), "w") as f:
         json.dump({"meta": meta, **res}, f, indent=2)
     md = to_markdown(res, meta)
-    with open(os.path.join(args.out, "bench_comm.md"), "w") as f:
+    with open(os.path.join(args.out, harness.stem("sdp4bit") + ".md"), "w") as f:
         f.write(md)
     print(md)
     return res
 
 
+def dispatch(argv: list[str]) -> int:
+    """``gift`` and ``gift-cost`` run GIFT's benchmarks (``parts/gift.py``, ``parts/gift_cost.py``);
+    anything else is SDP4Bit's (``main``)."""
+    if argv and argv[0] == "gift":
+        from parts.gift import main as gift
+
+        return gift(argv[1:])
+    if argv and argv[0] == "gift-cost":
+        from parts.gift_cost import main as gift_cost
+
+        return gift_cost(argv[1:])
+    main(argv[1:] if argv and argv[0] == "sdp4bit" else argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(dispatch(sys.argv[1:]))

@@ -28,7 +28,7 @@
     includes the graph's pool and, for torch, the gradients the graph keeps. ``..._ckpt``: with
     activation checkpointing per block (``model.activation_checkpointing``).
 
-Writes ``forge_<date>_<gpu>.json`` and ``.md`` into ``--out``. Every configuration is
+Writes ``<date>_<hardware>_{layer,step}.json`` and ``.md`` into ``--out``. Every configuration is
 guarded: a failure is recorded with its error and the run continues.
 """
 
@@ -48,6 +48,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)]
 TOKENS = [512, 1024, 2048, 4096, 16384]
@@ -70,7 +72,7 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt",
                  # 8-bit states with each block's absmax packed into its codes' low bits (1 byte an element)
                  "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph",
-                 # q/k/v and gate/up as one linear each (model.fused_proj, session 19): 4 FORGE updates a block, not 7
+                 # q/k/v and gate/up as one linear each (model.fused_proj): 4 FORGE updates a block, not 7
                  "torch_bf16_fp_graph", "forge_bf16_sr_bf16_states_bf16_dw_fp_graph", "torch_bf16_fp",
                  "forge_bf16_sr_bf16_states_bf16_dw_fp", "forge_bf16_sr_int8p_states_fp_graph",
                  # and SwiGLU as one function (model.fused_swiglu: gate and up saved, not silu(gate) too)
@@ -322,8 +324,8 @@ def bench_layer(quick: bool, log, product: bool = False, tokens: list[int] | Non
 
 def set_layout(cfg, config: str) -> str:
     """The model layout a configuration's suffix names, set in ``cfg`` (a ModelConfig): ``_sw``
-    model.fused_swiglu, ``_fp`` model.fused_proj (``_fp_sw`` both; none: neither, the layout of
-    the results before session 20). Returns the name without them."""
+    model.fused_swiglu, ``_fp`` model.fused_proj (``_fp_sw`` both; none: neither, the op-by-op
+    layout). Returns the name without them."""
     cfg.fused_swiglu = config.endswith("_sw")
     config = config.removesuffix("_sw")
     cfg.fused_proj = config.endswith("_fp")
@@ -625,7 +627,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = _env()
-    stem = f"forge_{env['date'][:10]}_{env.get('gpu', 'gpu').replace(' ', '-')}"
+    stem = harness.stem({"a": "layer", "b": "step"}.get(args.part, ""))
 
     def log(msg):
         print(msg, flush=True)

@@ -24,7 +24,8 @@ import platform
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="256,512,1024,2048", help="input sizes in MiB, comma-separated")
     p.add_argument("--quick", action="store_true", help="one size (256 MiB), fewer repetitions")
-    p.add_argument("--out", default=None, help="JSON file (*.json) or directory to write the results to")
+    p.add_argument("--out", default=None, help="JSON file (*.json) or directory (then <date>_<hardware>.json)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
         res["sizes"].append(row)
         torch.cuda.empty_cache()
     if a.out:
-        path = a.out if a.out.endswith(".json") else os.path.join(a.out, "bench_ops.json")
+        path = a.out if a.out.endswith(".json") else os.path.join(a.out, harness.stem() + ".json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
@@ -170,4 +171,8 @@ def gpu_ms(fn, calls: int = 10) -> float:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["norm"]:  # RMSNorm and RoPE against op by op and torch (parts/norm.py)
+        from parts.norm import main as norm
+
+        sys.exit(norm(sys.argv[2:]))
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""benchmarks/sass_count.py compiles a kernel for sm_90 without a GPU and counts its SASS: the
-method behind session 5's kernel changes. The clean-tile branch (``quant.FAST & 16``) must cut
+"""benchmarks/tools/sass_count.py compiles a kernel for sm_90 without a GPU and counts its SASS: the
+method behind the quantizers' clean-tile branch. The clean-tile branch (``quant.FAST & 16``) must cut
 the path a clean tile runs, and the counter must see the branch it skips."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOL = os.path.join(HERE, "..", "benchmarks", "sass_count.py")
+TOOL = os.path.join(HERE, "..", "benchmarks", "tools", "sass_count.py")
 
 
 def _have_ptxas() -> bool:

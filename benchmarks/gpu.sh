@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
+#   OUT=dir bash benchmarks/gpu.sh [quick]
+# Runs from the repository root with PYTHONPATH=src. Writes $OUT/run.log, $OUT/tests/gpu_tests.txt and
+# each topic's result files under $OUT/<topic>/ (<date>_<hardware>[_what].json and .md). To commit a
+# result, copy it to benchmarks/results/<topic>/ and run `python benchmarks/report.py`.
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu_out}
+MODE=${1:-full}
+mkdir -p "$OUT"
+export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+Q=""; [ "$MODE" = quick ] && Q="--quick"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+log() { echo "=== $(date +%T) $*"; }
+train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps, every step logged
+  local name=$1; shift
+  timeout 300 python3 -m leantrain train --preset 1b --steps 16 --data.batch-size 8 --data.max-corpus-mb 6 \
+    --train.eval-every 0 --train.ckpt-every 0 --optim.warmup-steps 2 --train.sample-tokens 0 \
+    --train.progress false --train.log-every 1 "$@" --out "$OUT/step/train-1b/$name" 2>&1 | tail -3
+}
+{
+  log "environment"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+  log "GPU tests"
+  mkdir -p "$OUT/tests"
+  timeout 900 python3 -m pytest tests -q -m gpu -p no:cacheprovider -o addopts="" 2>&1 | tail -40 \
+    | tee "$OUT/tests/gpu_tests.txt"
+
+  log "ops: kernel bandwidth; RMSNorm and RoPE"
+  timeout 600 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 $Q --out "$OUT/ops" 2>&1 | tail -30
+  timeout 300 python3 benchmarks/bench_ops.py norm --tokens 65536 --out "$OUT/ops" 2>&1 | tail -8
+
+  log "forge: one linear, every kernel path (part a)"
+  timeout 600 python3 benchmarks/bench_forge.py --part a $Q --out "$OUT/forge" 2>&1 | tail -40
+
+  log "step: the whole 1b step, FORGE against torch, graphed (bench_forge part b)"
+  timeout 600 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 70 $Q --out "$OUT/step" 2>&1 | tail -24
+  log "step: the 1b preset through the trainer"
+  train1b baseline --baseline
+  train1b forge_agoq --forge --agoq
+  train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+
+  log "agoq: saved activations, peak, step time (1b, B = 8)"
+  timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
+
+  log "comm: SDP4Bit compression path; GIFT's compute"
+  timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
+  timeout 300 python3 benchmarks/bench_comm.py gift-cost --preset 1b --batch 4 --out "$OUT/comm" 2>&1 | tail -20
+
+  log "finetune: ChunkFT, GRZO, MeZO, full on the 1b preset from random weights"
+  for m in full chunkft grzo mezo; do
+    timeout 300 python3 -m leantrain finetune --preset 1b --method $m --task compare --steps 10 \
+      --data.batch-size 16 --finetune.eval-examples 64 --data.max-corpus-mb 6 --out "$OUT/finetune/1b-$m" 2>&1 | tail -2
+    rm -rf "$OUT/finetune/1b-$m/checkpoints"
+  done
+
+  if [ "$NGPU" -ge 2 ]; then
+    log "scale: NCCL smoke test and the trainer on 2 GPUs against 1 at the same global batch"
+    smoke=$(find tests -name torchrun_smoke.py | head -1)
+    [ -n "$smoke" ] && timeout 300 torchrun --standalone --nproc-per-node 2 "$smoke" 2>&1 | tail -14
+    A="--preset small --steps 30 --forge --agoq --train.eval-every 10 --train.log-every 5"
+    timeout 300 torchrun --standalone --nproc-per-node 2 -m leantrain train $A --data.batch-size 8 --out "$OUT/scale/two" 2>&1 | tail -4
+    timeout 300 python3 -m leantrain train $A --data.batch-size 16 --out "$OUT/scale/one" 2>&1 | tail -4
+  fi
+  log "done"
+} 2>&1 | tee "$OUT/run.log"

@@ -1,0 +1,288 @@
+"""GIFT's compute on one device: statistics, factor refreshes, transforms and codecs of a real model.
+
+    PYTHONPATH=src python3 benchmarks/bench_comm.py gift-cost --preset 1b --out DIR     (CUDA; --preset tiny on CPU)
+
+Everything GIFT adds to a data-parallel step except the communication itself, measured on one
+process (one rank's share), for the preset's model (random weights and tokens):
+
+- **step**: forward + backward of ``--batch`` x ``--seq`` tokens (bf16 autocast on CUDA) without and
+  with the statistics GIFT takes on a refresh step (``x xᵀ`` and ``δ δᵀ`` of every whitened layer);
+- **refresh**: the eigen-solves of the ``A`` and ``B`` factors of all the layers of one shape, as a root
+  runs them (subspace iteration batched over the layers, cold and warm-started; the full ``eigh`` one
+  factor at a time, up to ``--eigh-max`` rows); the model's total is the sum over the shapes (on ``n``
+  ranks the roots share it about ``n`` ways);
+- **transforms**: whiten + unwhiten of a gradient (fp32, as GIFT runs them; also in TF32), per shape
+  and for the model (each shape's time times its count), and one transform's three products alone;
+- **codecs**: quantize + dequantize of the model's gradients in E4M3 (block 1024) and NVFP4, and each
+  codec's throughput on one 2^26-element fp32 tensor against the device's copy bandwidth (the bytes a
+  quantize moves: 4 read + codes and scales written; a dequantize: those read, 4 written).
+
+Times are medians of ``--reps`` calls after a warm-up, with the device synchronized around each call;
+the codecs' and the copy's are device times (CUDA events around 20 back-to-back calls, median of
+``--reps`` trials).
+Writes ``gift_cost_<date>_<device>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "src"))
+import harness  # noqa: E402
+
+from leantrain import config as C  # noqa: E402
+from leantrain.comm import gift as G  # noqa: E402  (top_eigenpairs_batched)
+from leantrain.comm.fp4 import nvfp4_nbytes  # noqa: E402
+from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, fp8_dequantize, fp8_quantize  # noqa: E402
+from leantrain.model import Llama  # noqa: E402
+from leantrain.ops import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+
+
+def timeit(fn, reps: int, dev: torch.device) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one warm-up call, the device synchronized around
+    each call (wall time: the host's launches included)."""
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def gpu_time(fn, reps: int, dev: torch.device, calls: int = 20) -> float:
+    """Seconds a call of ``fn()`` on the device: median over ``reps`` trials of ``calls`` back-to-back calls
+    between two CUDA events (the host's launches overlap the device's work); wall time off CUDA."""
+    if dev.type != "cuda":
+        return timeit(fn, reps, dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    ts = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(ts)
+
+
+def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.device, gen: torch.Generator) -> dict:
+    """The ``count`` layers of shape ``n x k``: their factors' eigen-solves (batched as a root runs them: all
+    the layers' factors of one size at once), by each solver; whiten + unwhiten of one gradient."""
+    row = {}
+    tok = args.batch * args.seq
+    fa = {}
+    for side, dim in (("A", k), ("B", n)):  # a factor of realistic spectrum: a Gram matrix of scaled features
+        feats = torch.randn(tok, dim, device=dev, generator=gen) * torch.logspace(0, -2, dim, device=dev)
+        fa[side] = feats.t() @ feats / tok
+    reps = max(1, args.reps // 3)
+    seeds = list(range(count))
+    for solver in ("subspace", "eigh"):
+        if solver == "eigh" and max(n, k) > args.eigh_max:
+            continue
+        gift.solver = solver
+        if solver == "eigh":  # (one factor at a time: one layer's, times the count)
+            row["refresh_eigh_ms"] = count * timeit(lambda: [gift._decompose([f], [None], [0]) for f in fa.values()],
+                                                    reps, dev) * 1e3
+            continue
+        row["refresh_subspace_ms"] = timeit(lambda: [gift._decompose([f] * count, [None] * count, seeds)
+                                                     for f in fa.values()], reps, dev) * 1e3
+        row["refresh_iters0_ms"] = timeit(lambda: [G.top_eigenpairs_batched([f] * count, args.rank, seeds=seeds, iters=0)
+                                                   for f in fa.values()], reps, dev) * 1e3  # (the set-up and Rayleigh-Ritz alone)
+        warm = {s: [u for u, *_ in gift._decompose([f] * count, [None] * count, seeds)] for s, f in fa.items()}
+        row["refresh_subspace_warm_ms"] = timeit(lambda w=warm: [gift._decompose([f] * count, w[s], seeds)
+                                                                 for s, f in fa.items()], reps, dev) * 1e3
+    gift.solver = "auto"
+    (a, b) = (_Side(*gift._decompose([fa[s]], [None], [0])[0]) for s in ("A", "B"))
+    g = torch.randn(n, k, device=dev, generator=gen)
+
+    def transforms():
+        return _two_sided(b, a, _two_sided(b, a, g, inverse=True), inverse=False)
+
+    row["transforms_ms"] = timeit(transforms, args.reps, dev) * 1e3
+    with _tf32(True):
+        row["transforms_tf32_ms"] = timeit(transforms, args.reps, dev) * 1e3
+    # the three products alone
+    row["product_P_ms"] = timeit(lambda: g @ a.u, args.reps, dev) * 1e3
+    row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
+    lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
+    row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--eigh-max", type=int, default=6000, help="largest factor the full eigh is timed on")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = C.build(args.preset)
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, args.seq)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Llama(cfg.model)
+    gift = GIFT(model, rank=args.rank)
+    layers = list(gift.layers.values())
+    shapes = Counter(tuple(la.mod.weight.shape) for la in layers)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    res = {"env": {"torch": torch.__version__, "device": name, "date": datetime.date.today().isoformat()},
+           "command": "PYTHONPATH=src python3 benchmarks/bench_comm.py gift-cost " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "preset": args.preset, "batch": args.batch, "seq": args.seq, "rank": args.rank,
+           "params": sum(p.numel() for p in model.parameters()),
+           "whitened_params": sum(la.mod.weight.numel() for la in layers),
+           "shapes": {f"{n}x{k}": c for (n, k), c in shapes.items()}}
+    print(f"{name}: {args.preset}, {len(layers)} whitened layers, shapes {res['shapes']}", flush=True)
+
+    # --- the step, without and with the statistics
+    x = torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq + 1), device=dev)
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        for la in layers:  # (the statistics are summed until a refresh: drop them, as the refresh would)
+            la.a_new = la.b_new = None
+            la.na = la.nb = 0
+
+    gift.steps = 1  # not a refresh step: no statistics
+    t_plain = timeit(step, args.reps, dev)
+    gift.steps = 0  # a refresh step (the roots, here every layer's, take statistics)
+    t_stats = timeit(step, args.reps, dev)
+    res["step_ms"] = {"plain": t_plain * 1e3, "with_statistics": t_stats * 1e3}
+    print(f"step {t_plain * 1e3:.2f} ms, with statistics {t_stats * 1e3:.2f} ms", flush=True)
+
+    # --- per shape: the eigen-solves and the transforms
+    gen = torch.Generator(device=dev).manual_seed(1)
+    per_shape = {}
+    for (n, k), count in shapes.items():
+        row = {"count": count, **measure_shape(gift, n, k, count, args, dev, gen)}
+        per_shape[f"{n}x{k}"] = row
+        print(f"{n}x{k} (x{count}): " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key != "count"),
+              flush=True)
+    res["per_shape"] = per_shape
+
+    # --- codecs on the model's gradients (one flat tensor a parameter, padded as the all-reduce pads)
+    def codec_times(numel: int) -> dict:
+        v = torch.randn(-(-numel // 1024) * 1024, device=dev, generator=gen)
+        r = {}
+        c, s = fp8_quantize(v, 1024)
+        r["e4m3_quantize_ms"] = gpu_time(lambda: fp8_quantize(v, 1024), args.reps, dev) * 1e3
+        r["e4m3_dequantize_ms"] = gpu_time(lambda: fp8_dequantize(c, s, 1024), args.reps, dev) * 1e3
+        wire = {"scale_round": "up", "nonfinite": "nan", "local_scale": True}  # (GIFT's options, comm/fp4.py)
+        q = quantize_nvfp4(v, stochastic=True, seed=2, **wire)
+        r["nvfp4_quantize_ms"] = gpu_time(lambda: quantize_nvfp4(v, stochastic=True, seed=2, **wire), args.reps, dev) * 1e3
+        r["nvfp4_quantize_nearest_ms"] = gpu_time(lambda: quantize_nvfp4(v, **wire), args.reps, dev) * 1e3
+        tensor_scale = {**wire, "local_scale": False}  # (one scale for the tensor: an amax pass first)
+        r["nvfp4_quantize_tensor_scale_ms"] = gpu_time(lambda: quantize_nvfp4(v, stochastic=True, seed=2, **tensor_scale),
+                                                     args.reps, dev) * 1e3
+        r["nvfp4_dequantize_ms"] = gpu_time(lambda: dequantize_nvfp4(q), args.reps, dev) * 1e3
+        return r
+
+    big = 1 << 26 if dev.type == "cuda" else 1 << 22
+    one = codec_times(big)
+    v = torch.randn(big, device=dev)
+    copy_s = gpu_time(lambda: v.clone(), args.reps, dev)
+    bw = 2 * 4 * big / copy_s
+    fp8_bytes, fp4_bytes = big + 4 * big // 1024, nvfp4_nbytes(big)
+    moved = {"e4m3_quantize_ms": 4 * big + fp8_bytes, "e4m3_dequantize_ms": 4 * big + fp8_bytes,
+             "nvfp4_quantize_ms": 4 * big + fp4_bytes, "nvfp4_quantize_nearest_ms": 4 * big + fp4_bytes,
+             "nvfp4_dequantize_ms": 4 * big + fp4_bytes,
+             "nvfp4_quantize_tensor_scale_ms": 4 * big + fp4_bytes}  # (that quantize reads x twice: the amax pass, then the
+    # encode pass; counted once here, as the bytes a fused single-pass kernel would move)
+    res["codec_bandwidth"] = {"numel": big, "copy_GBps": bw / 1e9,
+                              **{k: {"ms": t, "GBps": moved[k] / (t / 1e3) / 1e9, "of_copy": moved[k] / (t / 1e3) / bw}
+                                 for k, t in one.items()}}
+    print(f"copy {bw / 1e9:.0f} GB/s; " + ", ".join(f"{k} {v['GBps']:.1f} GB/s ({v['of_copy']:.3f})"
+                                                    for k, v in res["codec_bandwidth"].items() if isinstance(v, dict)),
+          flush=True)
+    total = sum(p.numel() for p in model.parameters())
+    res["model_codecs_ms"] = codec_times(total)
+
+    # --- the model's totals a step (one rank doing every layer)
+    tr = sum(r["transforms_ms"] * r["count"] for r in per_shape.values())
+    tr32 = sum(r["transforms_tf32_ms"] * r["count"] for r in per_shape.values())
+    ref_sub = sum(r["refresh_subspace_ms"] for r in per_shape.values())
+    ref_warm = sum(r["refresh_subspace_warm_ms"] for r in per_shape.values())
+    res["model"] = {"transforms_ms": tr, "transforms_tf32_ms": tr32,
+                    "refresh_subspace_cold_ms": ref_sub,
+                    "refresh_subspace_warm_ms": ref_warm}
+    if all("refresh_eigh_ms" in r for r in per_shape.values()):
+        res["model"]["refresh_eigh_ms"] = sum(r["refresh_eigh_ms"] for r in per_shape.values())
+    print(json.dumps(res["model"]), flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = harness.stem("gift-cost")
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+def markdown(res: dict) -> str:
+    e = res["env"]
+    lines = [f"# GIFT's compute, {res['preset']} preset — {e['device']}, {e['date']}", "",
+             f"torch {e['torch']}; command: `{res['command']}`. One process does every layer (on `n` ranks the "
+             f"factor refreshes are shared `n` ways; the transforms and codecs are not). {res['whitened_params']:,} "
+             f"of {res['params']:,} parameters whitened, rank {res['rank']}; statistics from {res['batch']} x "
+             f"{res['seq']} tokens.", "",
+             "| forward + backward | ms |", "|---|---|",
+             f"| plain | {res['step_ms']['plain']:.2f} |",
+             f"| with GIFT's statistics (a refresh step) | {res['step_ms']['with_statistics']:.2f} |", "",
+             "| layer N×K | count | refresh of the count layers: subspace, cold ms | subspace, warm ms | full eigh ms "
+             "| whiten + unwhiten of one layer ms | TF32 ms | one transform's products P, Q, final ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for shape, r in res["per_shape"].items():
+        eigh = f"{r['refresh_eigh_ms']:.1f}" if "refresh_eigh_ms" in r else "(not run)"
+        lines.append(f"| {shape} | {r['count']} | {r['refresh_subspace_ms']:.1f} | {r['refresh_subspace_warm_ms']:.1f} | "
+                     f"{eigh} | {r['transforms_ms']:.3f} | {r['transforms_tf32_ms']:.3f} | "
+                     f"{r['product_P_ms']:.3f}, {r['product_Q_ms']:.3f}, {r['product_final_ms']:.3f} |")
+    m = res["model"]
+    lines += ["", "The refresh's set-up and Rayleigh-Ritz alone (no iteration), ms: "
+              + ", ".join(f"{shape} {r['refresh_iters0_ms']:.1f}" for shape, r in res["per_shape"].items()), ""]
+    lines += ["", "Model totals (refresh: the sum over the shapes; transforms: each shape's time × its count): "
+              f"transforms {m['transforms_ms']:.2f} ms a step ({m['transforms_tf32_ms']:.2f} in TF32); "
+              f"a refresh {m['refresh_subspace_warm_ms']:.0f} ms warm, "
+              f"{m['refresh_subspace_cold_ms']:.0f} ms cold (subspace)"
+              + (f", {m['refresh_eigh_ms']:.0f} ms by the full eigh" if "refresh_eigh_ms" in m else "") + ".", ""]
+    cb = res["codec_bandwidth"]
+    lines += [f"Codecs on one {cb['numel']:,}-element fp32 tensor, device time (CUDA events; copy bandwidth "
+              f"{cb['copy_GBps']:.0f} GB/s):", "",
+              "| codec | ms | GB/s | of copy |", "|---|---|---|---|"]
+    for k, v in cb.items():
+        if isinstance(v, dict):
+            lines.append(f"| {k.removesuffix('_ms')} | {v['ms']:.3f} | {v['GBps']:.1f} | {v['of_copy']:.3f} |")
+    mc = res["model_codecs_ms"]
+    lines += ["", "On the whole model's gradient (ms): " + ", ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in mc.items()),
+              ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""Build the docs' measured tables and ``benchmarks/results/INDEX.md`` from the committed result files.
+
+    python benchmarks/report.py            # rewrite the generated blocks and the index
+    python benchmarks/report.py --check    # exit 1 if any of them is stale (a CPU test runs this)
+
+A generated block sits between ``<!-- generated:NAME -->`` and ``<!-- /generated -->`` in
+README.md or a page under docs/; ``TABLES`` below says which rows each block holds and which
+result file each number comes from. No number in the docs is typed by hand: change a result
+file (or add a newer one and point its row at it) and run this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+GIB = 2**30
+
+
+def load(rel: str) -> dict:
+    return json.loads((RESULTS / rel).read_text())
+
+
+def x(v: float, nd: int = 2) -> str:
+    return f"{v:.{nd}f}×"
+
+
+def pct(v: float, nd: int = 2) -> str:
+    return f"{v * 100:+.{nd}f} %"
+
+
+def span(vals, fmt=x) -> str:
+    lo, hi = min(vals), max(vals)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}–{fmt(hi)}"
+
+
+# ---- the figures, each from one file --------------------------------------------------------
+
+def forge_layer(d, key_sets, tokens):
+    """Best graphed speedup per row over ``key_sets``, for rows whose T is in ``tokens``."""
+    return [max(r.get(k, 0.0) for k in key_sets) for r in d["layer"]["rows"] if r["T"] in tokens]
+
+
+EXACT = ("speedup_fused_graph", "speedup_split_graph", "speedup_split16_graph", "speedup_ws_graph",
+         "speedup_ws16_graph")
+FAST = EXACT + ("speedup_ws_fast_graph", "speedup_ws16_fast_graph")
+
+
+def layer_small_fast(d):
+    v = forge_layer(d, FAST, {512, 1024, 2048})
+    return f"{span(v)}; ≥ 1.5× in {sum(s >= 1.5 for s in v)} of {len(v)} (shape, T) pairs"
+
+
+def layer_small_exact(d):
+    v = forge_layer(d, EXACT, {512, 1024, 2048})
+    return f"{span(v)}; ≥ 1.5× in {sum(s >= 1.5 for s in v)} of {len(v)}"
+
+
+def layer_16k(d):
+    return span(forge_layer(d, EXACT, {16384}))
+
+
+def graphed_step(d):
+    by = {}
+    for rnd in d["rounds"]:
+        steps = {(s["config"].startswith("torch"), s["B"]): s["step_ms"] for s in rnd["steps"] if s["status"] == "ok"}
+        for (is_torch, b), ms in steps.items():
+            if not is_torch and (True, b) in steps:
+                by.setdefault(b, []).append(ms / steps[(True, b)])
+    return "; ".join(f"B = {b}: {span(v, lambda r: x(r, 3))}" for b, v in sorted(by.items()))
+
+
+def int8p_bytes(d):
+    f = [s for s in d["steps"] if s["config"].startswith("forge")][0]
+    t = [s for s in d["steps"] if s["config"].startswith("torch")][0]
+    return f"{f['persistent_bytes_per_param']:.2f} B/parameter (torch pure bf16: {t['persistent_bytes_per_param']:.2f})"
+
+
+def median_tps(run):
+    return statistics.median(m["tokens_per_second"] for m in run["metrics"] if m["step"] >= 3)
+
+
+def train1b(name, what):
+    def f(d):
+        base, r = d["runs"]["baseline"], d["runs"][name]
+        if what == "peak":
+            b, v = base["summary"]["peak_memory_bytes"], r["summary"]["peak_memory_bytes"]
+            return f"{v / GIB:.2f} vs {b / GIB:.2f} GiB ({x(v / b)})"
+        if what == "acts":
+            b, v = base["summary"]["memory"]["activations"], r["summary"]["memory"]["activations"]
+            return f"{v / GIB:.2f} vs {b / GIB:.2f} GiB ({x(v / b)})"
+        return f"{median_tps(r):,.0f} vs {median_tps(base):,.0f} tokens/s ({x(median_tps(r) / median_tps(base))})"
+    return f
+
+
+def val_delta(name, base="baseline"):
+    def f(d):
+        runs = d.get("runs", d)
+        return pct(runs[name]["val_loss"] / runs[base]["val_loss"] - 1)
+    return f
+
+
+def agoq(key, fmt=x):
+    return lambda d: fmt(d["rows"][0][key])
+
+
+def sdp4bit_estimate(d):
+    e = d["estimate"]["450/25"]
+    return (f"{e['bf16_rs_ag_s'] * 1e3:.0f} ms → {e['sdp4bit_comm_s'] * 1e3:.0f} ms + "
+            f"{e['sdp4bit_compute_s'] * 1e3:.0f} ms compression ({x(e['speedup'])})")
+
+
+def bytes_vs(name, ref, half=False):
+    def f(d):
+        runs = d.get("runs", d)
+        get = (lambda r: r["summary"]["comm_bytes_per_step"]) if "summary" in runs[name] else \
+            (lambda r: r["comm_bytes_per_step"])
+        return x(get(runs[name]) / (get(runs[ref]) / (2 if half else 1)), 3)
+    return f
+
+
+def gift_loss(d):
+    r = d["runs"]
+    return x(r["gift"]["summary"]["val_loss"] / r["exact"]["summary"]["val_loss"], 4)
+
+
+def scape_seeds(d):
+    return ", ".join(pct(d[f"sharded-scape90_seed{s}"]["val_loss"] / d[f"sharded-adams_seed{s}"]["val_loss"] - 1, 1)
+                     for s in (1, 2))
+
+
+def chunkft_peak(d):
+    full = d["b1_full_1_1"]["peak_above_weights_bytes"]
+    parts = [(v["num_chunks"], v["peak_above_weights_bytes"] / full) for k, v in d.items()
+             if k.startswith("b1_chunkft") and v.get("interval") == 1]
+    return " / ".join(f"{x(r, 3)} ({n} chunks)" for n, r in sorted(parts))
+
+
+def chunkft_step(d):
+    full = d["b1_full_1_1"]["median_step_seconds"]
+    parts = [(v["num_chunks"], v["median_step_seconds"]) for k, v in d.items()
+             if k.startswith("b1_chunkft") and v.get("interval") == 1]
+    return " / ".join(f"{s:.3f}" for _, s in sorted(parts)) + f" s against {full:.3f} s"
+
+
+def finetune_acc(method, lr=None):
+    def f(d):
+        v = [r["accuracy_after"] for r in d["runs"] if r["method"] == method and (lr is None or r["lr"] == lr)]
+        return f"{statistics.mean(v):.3f}"
+    return f
+
+
+def zo_peak(d):
+    return " / ".join(f"{m} {x(d[m]['peak_vs_inference'], 3)}" for m in ("grzo", "mezo", "full"))
+
+
+def ops_frac(size, names):
+    def f(d):
+        row = next(s for s in d["sizes"] if s["size_mib"] == size)
+        return span([row["kernels"][n]["frac_copy"] for n in names], lambda v: f"{v * 100:.0f} %")
+    return f
+
+
+def norm_rope(d):
+    r = {row["impl"]: row["forward_backward_ms"] for row in d["rows"]}
+    return (f"RMSNorm {r['leantrain (ops.norm)']:.3f} ms vs {r['op by op (fused_norm=false)']:.3f} op by op, "
+            f"{r['torch F.rms_norm']:.3f} F.rms_norm; RoPE {r['rope: leantrain (ops.rope)']:.3f} vs "
+            f"{r['rope: op by op (fused_rope=false)']:.3f} ms")
+
+
+def make_test(d):
+    t = d["make_test"]
+    return f"{t['passed']} tests passed in {t['pytest_seconds'] / 60:.1f} min of pytest ({t['total_seconds'] / 60:.1f} min with the install)"
+
+
+def make_train(d):
+    t = d["make_train"]
+    return f"{t['seconds']:.0f} s; validation loss {t['val_loss_before']:.2f} → {t['val_loss_after']:.2f}"
+
+
+# ---- the blocks: (what, function, target, file) ---------------------------------------------
+
+F_LAYER = "forge/2026-12-03_H200_layer.json"
+F_STEP = "step/2026-12-02_H200_forge-graphed.json"
+F_1B = "step/2026-12-02_H200_train-1b.json"
+F_CONV = "convergence/2026-12-02_cpu_tiny-forge-agoq.json"
+F_INT8 = "convergence/2026-12-01_cpu_tiny-int8-states.json"
+F_DIST = "convergence/2026-11-29_cpu_tiny-distributed.json"
+F_AGOQ = "agoq/2026-12-01_H200.json"
+F_125 = "convergence/2026-12-01_H200_125m-agoq.json"
+F_SCAPE = "comm/2026-12-03_cpu_scape.json"
+F_GIFT = "comm/2026-12-03_cpu_gift-nvfp4.json"
+F_GIFT4 = "comm/2026-12-03_cpu_gift-nvfp4-4ranks.json"
+F_GIFT8 = "comm/2026-12-03_cpu_gift-e4m3.json"
+F_CHUNK = "finetune/2026-12-03_H200_chunkft-1b.json"
+F_ZO = "finetune/2026-12-02_H200_zo-1b.json"
+
+TABLES: dict[str, list[tuple]] = {
+    "readme": [
+        ("FORGE, one linear vs matmul + fused AdamW, T ≤ 2048, H200 (`fast_math`)", layer_small_fast, "≥ 1.5×", F_LAYER),
+        ("FORGE whole 1b step vs torch bf16 AdamW, both graphed, H200", graphed_step, "no slower", F_STEP),
+        ("FORGE int8 states + AGoQ, 1b trainer, allocator peak vs baseline", train1b("forge_int8_agoq", "peak"),
+         "≤ 0.5×", F_1B),
+        ("AGoQ saved activations vs bf16, 1b, B = 8", agoq("saved_ratio", lambda v: x(v, 3)), "≤ 0.3×", F_AGOQ),
+        ("AGoQ step time vs baseline, CUDA graph", agoq("graph_step_time_ratio", lambda v: x(v, 3)), "≤ 1.15×", F_AGOQ),
+        ("SDP4Bit convergence, 4 gloo ranks (2 × 2), tiny", val_delta("sharded-sdp4bit-x4"), "within 1 %", F_DIST),
+        ("SCAPE bytes vs dense sharded AdamS, 90 % sparse", bytes_vs("sharded-scape90x2", "sharded-adamsx2"),
+         "≤ 0.1×", F_SCAPE),
+        ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
+        ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
+        ("GRZO / MeZO / AdamW peak vs inference, 1b", zo_peak, "≤ 1.1×", F_ZO),
+    ],
+    "timings": [
+        ("`make test` (fresh clone, 2-core CPU)", make_test, "", "ci/2026-12-03_cpu_make-timings.json"),
+        ("`make train` (venv installed)", make_train, "", "ci/2026-12-03_cpu_make-timings.json"),
+    ],
+    "forge": [
+        ("one linear, best path vs matmul + fused AdamW, T ≤ 2048, `fast_math`", layer_small_fast, "≥ 1.5×", F_LAYER),
+        ("the same, exact rule (default)", layer_small_exact, "≥ 1.5×", F_LAYER),
+        ("one linear, T = 16384, best exact path", layer_16k, "≥ 1.0×", F_LAYER),
+        ("whole 1b step, bf16 + SR, bf16 states, graphed, time vs torch", graphed_step, "≤ 1.0×", F_STEP),
+        ("persistent state, bf16 weights + int8p states", int8p_bytes, "≤ 4", "forge/2026-12-01_H200_int8p-states.json"),
+        ("1b trainer, FORGE int8 + AGoQ: allocator peak", train1b("forge_int8_agoq", "peak"), "≤ 0.5×", F_1B),
+        ("1b trainer, FORGE int8 + AGoQ: tokens/s", train1b("forge_int8_agoq", "tps"), "", F_1B),
+        ("tiny, 300 steps: FORGE fp32 val loss vs baseline", val_delta("forge"), "within 1 %", F_CONV),
+        ("tiny: FORGE bf16 + SR", val_delta("forge-bf16"), "within 1 %", F_CONV),
+        ("tiny: FORGE bf16 + SR, int8 / int8p states", lambda d: val_delta("forge-bf16-int8")(d) + " / "
+         + val_delta("forge-bf16-int8p")(d), "within 1 %", F_INT8),
+    ],
+    "agoq": [
+        ("saved activations vs bf16, 1b, B = 8", agoq("saved_ratio", lambda v: x(v, 3)), "≤ 0.3×", F_AGOQ),
+        ("allocator peak above the weights vs baseline", agoq("peak_above_static_ratio", lambda v: x(v, 3)), "", F_AGOQ),
+        ("step time vs baseline, both as CUDA graphs", agoq("graph_step_time_ratio", lambda v: x(v, 3)), "≤ 1.15×", F_AGOQ),
+        ("step time vs baseline, eager", agoq("step_time_ratio", lambda v: x(v, 3)), "≤ 1.15×", F_AGOQ),
+        ("1b trainer, FORGE + AGoQ: saved activations", train1b("forge_agoq", "acts"), "≤ 0.3×", F_1B),
+        ("tiny, 300 steps: FORGE + AGoQ val loss vs baseline", val_delta("agoq+forge"), "within 1 %", F_CONV),
+        ("125m, 1000 steps: AGoQ val loss vs baseline", val_delta("agoq"), "within 1 %", F_125),
+    ],
+    "sdp4bit": [
+        ("estimated comm time, 1b, 2 × 8 GPUs at 450 / 25 GB/s", sdp4bit_estimate, "", "comm/2026-11-29_H200_sdp4bit.json"),
+        ("gradient encode throughput vs a device copy",
+         lambda d: f"{d['ops']['grad.encode']['vs_copy'] * 100:.0f} %", "≥ 50 %", "comm/2026-11-29_H200_sdp4bit.json"),
+        ("tiny, 300 steps: ShardedOptimizer × 4 val loss vs baseline", val_delta("sharded-x4"), "within 1 %", F_DIST),
+        ("tiny, 300 steps: ShardedOptimizer + SDP4Bit × 4 (2 × 2)", val_delta("sharded-sdp4bit-x4"), "within 1 %", F_DIST),
+    ],
+    "scape": [
+        ("bytes a step vs dense sharded AdamS, 90 % sparse", bytes_vs("sharded-scape90x2", "sharded-adamsx2"),
+         "≤ 0.1×", F_SCAPE),
+        ("the same, 99 % sparse", bytes_vs("sharded-scape99x2", "sharded-adamsx2"), "", F_SCAPE),
+        ("val loss vs dense sharded AdamS, 90 % sparse", val_delta("sharded-scape90x2", "sharded-adamsx2"),
+         "within 1 %", F_SCAPE),
+        ("the same, 99 % sparse", val_delta("sharded-scape99x2", "sharded-adamsx2"), "within 2 %", F_SCAPE),
+        ("90 % sparse, seeds 1 and 2", scape_seeds, "within 1 %", "comm/2026-12-03_cpu_scape-seeds.json"),
+    ],
+    "gift": [
+        ("NVFP4 bytes vs a bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
+        ("NVFP4 bytes, 4 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT4),
+        ("E4M3 bytes, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT8),
+        ("NVFP4 val loss vs the exact all-reduce, 2 ranks", gift_loss, "within 1 %", F_GIFT),
+        ("NVFP4 val loss vs exact, 4 ranks", gift_loss, "within 1 %", F_GIFT4),
+        ("whitening transforms a step, 1b, B = 4, H200", lambda d: f"{d['model']['transforms_ms']:.1f} ms", "",
+         "comm/2026-12-03_H200_gift-cost.json"),
+    ],
+    "chunkft": [
+        ("peak above weights vs AdamW, 1b, B = 16", chunkft_peak, "≤ 1/chunks", F_CHUNK),
+        ("median step, 4 / 8 / 16 chunks vs AdamW", chunkft_step, "", F_CHUNK),
+        ("accuracy on `compare`, tiny, lr 1e-4, 3 seeds (AdamW in brackets)",
+         lambda d: f"{finetune_acc('chunkft', 1e-4)(d)} ({finetune_acc('full')(d)})", "as AdamW",
+         "finetune/2026-12-03_cpu_chunkft-tiny.json"),
+    ],
+    "zo": [
+        ("allocator peak vs inference, 1b, B = 16", zo_peak, "≤ 1.1×", F_ZO),
+        ("seconds a step, GRZO / MeZO / AdamW",
+         lambda d: " / ".join(f"{d[m]['seconds_per_step']:.3f}" for m in ("grzo", "mezo", "full")), "", F_ZO),
+        ("accuracy on `compare`, tiny, 3 seeds, H200: GRZO / MeZO",
+         lambda d: f"{finetune_acc('grzo')(d)} / {finetune_acc('mezo')(d)}", "GRZO higher",
+         "finetune/2026-12-02_H200_zo-tiny.json"),
+        ("the same on the CPU", lambda d: f"{finetune_acc('grzo')(d)} / {finetune_acc('mezo')(d)}", "GRZO higher",
+         "finetune/2026-12-02_cpu_zo-tiny.json"),
+    ],
+    "ops": [
+        ("quantize / dequantize int8, int4 (fp32, g128), 2 GiB, vs copy",
+         ops_frac(2048, ["quantize int8 g128 fp32", "dequantize int8 g128 ->fp32", "quantize int4 g128 fp32",
+                         "dequantize int4 g128 ->fp32"]), "≥ 50 %", "ops/2026-11-30_H200.json"),
+        ("AGoQ's int4 from bf16 with SR / its dequantize, 2 GiB",
+         ops_frac(2048, ["quantize int4 g128 SR bf16 (AGoQ)", "dequantize int4 g128 ->bf16 (AGoQ)"]), "≥ 50 %",
+         "ops/2026-11-30_H200.json"),
+        ("RMSNorm, RoPE forward + backward, 1b shapes, 65 536 tokens", norm_rope, "",
+         "ops/2026-12-01_H200_norm-rope.json"),
+    ],
+}
+
+PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge"], "docs/agoq.md": ["agoq"],
+         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape"], "docs/gift.md": ["gift"],
+         "docs/chunkft.md": ["chunkft"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"]}
+
+
+def link(page: str, rel: str) -> str:
+    base = "benchmarks/results/" if page == "README.md" else "../benchmarks/results/"
+    return f"[`{rel}`]({base}{rel})"
+
+
+def table(name: str, page: str) -> str:
+    cache: dict[str, dict] = {}
+    lines = ["| what | measured | target | from |", "|---|---|---|---|"]
+    for what, fn, target, rel in TABLES[name]:
+        data = cache.setdefault(rel, load(rel))
+        lines.append(f"| {what} | {fn(data)} | {target or '—'} | {link(page, rel)} |")
+    cmds = []
+    for rel in dict.fromkeys(r[3] for r in TABLES[name]):
+        cmd = cache[rel].get("command")
+        if cmd:
+            cmds.append(f"- `{rel}`: `{cmd}`")
+    if cmds and name != "readme":
+        lines += ["", "Commands:", "", *cmds]
+    return "\n".join(lines)
+
+
+BLOCK = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- /generated -->)", re.S)
+
+
+def render(page: str, text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + table(m.group(2), page) + "\n" + m.group(4), text)
+
+
+def index() -> str:
+    lines = ["# Benchmark results", "", "Generated by `python benchmarks/report.py` from the files below; do not edit.",
+             "Names: `<topic>/<date>_<hardware>[_<what>].json`, with `.md` / `.png` beside where a script writes them.",
+             "", "| topic | date | hardware | file | what | command |", "|---|---|---|---|---|---|"]
+    for p in sorted(RESULTS.glob("*/*.json")):
+        d = json.loads(p.read_text())
+        date, hw = p.stem.split("_")[:2]
+        extra = ", ".join(f"[{q.suffix[1:]}]({q.relative_to(RESULTS)})" for q in sorted(p.parent.glob(p.stem + ".*"))
+                          if q.suffix != ".json")
+        name = f"[{p.name}]({p.relative_to(RESULTS)})" + (f" ({extra})" if extra else "")
+        cmd = d.get("command", "") if isinstance(d, dict) else ""
+        what = d.get("what", "") if isinstance(d, dict) else ""
+        lines.append(f"| {p.parent.name} | {date} | {hw} | {name} | {what} | {'`' + cmd + '`' if cmd else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def outputs() -> dict[Path, str]:
+    out = {RESULTS / "INDEX.md": index()}
+    for page in PAGES:
+        path = ROOT / page
+        if path.exists():
+            out[path] = render(page, path.read_text())
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a generated block or the index is stale")
+    a = ap.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        old = path.read_text() if path.exists() else None
+        if old != text:
+            stale.append(path.relative_to(ROOT))
+            if not a.check:
+                path.write_text(text)
+    if a.check and stale:
+        print("stale (run python benchmarks/report.py): " + ", ".join(map(str, stale)), file=sys.stderr)
+        return 1
+    if not a.check:
+        print("updated: " + (", ".join(map(str, stale)) or "nothing"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
