@@ -29,14 +29,14 @@ from leantrain.train.report import write_report  # noqa: E402
 
 DIST_RECIPES = {
     "ddp": {},
-    "ddp-int8": {"dist.comm": "int8"},
+    "ddp-int8": {"comm.method": "int8"},
     "sharded": {"dist.mode": "sharded"},
-    "sharded-sdp4bit": {"dist.mode": "sharded", "dist.comm": "sdp4bit"},
+    "sharded-sdp4bit": {"dist.mode": "sharded", "comm.method": "sdp4bit"},
     # SCAPE's recipes use AdamS (masks from its first moment): compare them with sharded-adams
     "sharded-adams": {"dist.mode": "sharded", "optim.name": "adams"},
-    "sharded-scape90": {"dist.mode": "sharded", "optim.name": "adams", "dist.comm": "scape", "dist.scape_density": 0.1},
-    "sharded-scape99": {"dist.mode": "sharded", "optim.name": "adams", "dist.comm": "scape",
-                        "dist.scape_density": 0.01},
+    "sharded-scape90": {"dist.mode": "sharded", "optim.name": "adams", "comm.method": "scape", "comm.scape.density": 0.1},
+    "sharded-scape99": {"dist.mode": "sharded", "optim.name": "adams", "comm.method": "scape",
+                        "comm.scape.density": 0.01},
 }
 
 

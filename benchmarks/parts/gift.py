@@ -6,10 +6,10 @@
 Three runs of the trainer on the ``tiny`` preset (the embedded corpus), each under
 ``torch.distributed.run`` with ``--ranks`` processes (2) and the same seed and data:
 
-- ``exact``: DDP's fp32 all-reduce (``dist.comm none``);
-- ``fp8``: every gradient through the FP8 all-reduce in its own coordinates (``dist.comm gift
-  --dist.gift-whiten false``): Euclidean FP8;
-- ``gift``: the linear weights in K-FAC-whitened coordinates (``dist.comm gift``).
+- ``exact``: DDP's fp32 all-reduce (``comm.method none``);
+- ``fp8``: every gradient through the FP8 all-reduce in its own coordinates (``comm.method gift
+  --comm.gift.whiten false``): Euclidean FP8;
+- ``gift``: the linear weights in K-FAC-whitened coordinates (``comm.method gift``).
 
 With ``--format nvfp4`` the two low-precision runs use GIFT's 4-bit format instead (the Euclidean
 one is then named ``fp4``).
@@ -42,8 +42,8 @@ import harness  # noqa: E402
 
 def runs(fmt: str, rank: int = 64) -> dict[str, list[str]]:
     """The three runs' config overrides (``rank``: GIFT's eigenpairs a factor)."""
-    low = ["dist.comm=gift", f"dist.gift_format={fmt}", f"dist.gift_rank={rank}"]
-    return {"exact": [], "fp8" if fmt == "e4m3" else "fp4": [*low, "dist.gift_whiten=false"], "gift": low}
+    low = ["comm.method=gift", f"comm.gift.format={fmt}", f"comm.gift.rank={rank}"]
+    return {"exact": [], "fp8" if fmt == "e4m3" else "fp4": [*low, "comm.gift.whiten=false"], "gift": low}
 
 
 def worker(args) -> int:

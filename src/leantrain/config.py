@@ -1,7 +1,8 @@
 """One tree of typed dataclasses: the whole configuration of a leantrain run.
 
 ``Config`` has one section per concern (``model``, ``data``, ``optim``,
-``train``, ``forge``, ``agoq``, ``dist``). Presets are functions returning a
+``train``, ``forge``, ``agoq``, ``dist``, ``comm`` with ``comm.scape`` and ``comm.gift``,
+``finetune``). Presets are functions returning a
 full ``Config``; a TOML file or ``--section.field value`` arguments override
 fields of a preset. Unknown keys and ill-typed values are rejected with a
 message that lists the valid choices.
@@ -159,19 +160,60 @@ class AgoqConfig:
 
 @dataclass
 class DistConfig:
+    """How the processes of a ``torchrun`` job share the work."""
+
+    # ddp: every rank holds the whole model and optimizer; gradients all-reduced (DDP, or inside
+    # backward with FORGE). sharded: lt.parallel.ShardedOptimizer (ZeRO-style: optimizer state and
+    # fp32 master weights sharded; gradients reduce-scattered, weights all-gathered)
     mode: Literal["ddp", "sharded"] = "ddp"
-    comm: Literal["none", "int8", "sdp4bit", "scape", "gift"] = "none"
-    scape_density: float = 0.1  # dist.comm scape: fraction of each shard's coordinates sent a step
-    scape_score: Literal["m", "m_age"] = "m_age"  # dist.comm scape: mask by |m|, or |m| times the steps since the update
-    scape_dense_steps: int = 1  # dist.comm scape: the first steps are dense
-    scape_catch_up: int = 10  # dist.comm scape: an update stands for the steps since the last, at most this many (0: off)
-    gift_rank: int = 64  # dist.comm gift: eigenpairs kept a K-FAC factor (0: full rank)
-    gift_refresh_every: int = 10  # dist.comm gift: steps between factor refreshes
-    gift_min_numel: int = 16384  # dist.comm gift: the smallest linear weight sent whitened (smaller: sent as it is)
-    gift_whiten: bool = True  # dist.comm gift: false sends every gradient unwhitened (the baseline GIFT improves on)
-    gift_format: Literal["e4m3", "nvfp4"] = "e4m3"  # dist.comm gift: FP8 E4M3, or NVFP4-style 4-bit (stochastic rounding)
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # a collective that waits longer fails the job
+
+
+@dataclass
+class ScapeConfig:
+    """SCAPE (``--comm.method scape``): sparse gradient traffic from first-moment masks."""
+
+    density: float = 0.1  # fraction of each shard's coordinates sent a step
+    score: Literal["m", "m_age"] = "m_age"  # mask by |m|, or |m| times the steps since the last update
+    dense_steps: int = 1  # the first steps are dense
+    catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
+
+
+@dataclass
+class GiftConfig:
+    """GIFT (``--comm.method gift``): FP8 / NVFP4 gradient all-reduce in K-FAC-whitened coordinates."""
+
+    rank: int = 64  # eigenpairs kept per K-FAC factor (0: full rank)
+    refresh_every: int = 10  # steps between factor refreshes
+    min_numel: int = 16384  # the smallest linear weight sent whitened (smaller ones: sent as they are)
+    whiten: bool = True  # false: every gradient sent unwhitened (the baseline GIFT improves on)
+    format: Literal["e4m3", "nvfp4"] = "e4m3"  # FP8 E4M3, or NVFP4-style 4-bit (stochastic rounding)
+
+
+@dataclass
+class CommConfig:
+    """Compressed gradient communication between data-parallel ranks.
+
+    method: none (bf16/fp32 as the weights are); int8 (AGoQ's precision-preserving 8-bit
+    all-reduce; dist.mode ddp, with or without FORGE); sdp4bit and scape (dist.mode sharded);
+    gift (dist.mode ddp, without FORGE)."""
+
+    method: Literal["none", "int8", "sdp4bit", "scape", "gift"] = "none"
+    scape: ScapeConfig = field(default_factory=ScapeConfig)
+    gift: GiftConfig = field(default_factory=GiftConfig)
+
+
+@dataclass
+class FinetuneConfig:
+    """``leantrain finetune``: the method and the generated task it is measured on."""
+
+    method: Literal["full", "chunkft", "mezo", "grzo"] = "full"
+    task: Literal["compare", "lookup", "parity"] = "compare"
+    eps: float = 1e-3  # the perturbation's scale (MeZO's eps, GRZO's sigma)
+    num_chunks: int = 4  # ChunkFT: chunks of the parameters
+    interval: int = 1  # ChunkFT: steps each chunk stays active
+    eval_examples: int = 512  # examples of the task scored before and after
 
 
 @dataclass
@@ -183,6 +225,8 @@ class Config:
     forge: ForgeConfig = field(default_factory=ForgeConfig)
     agoq: AgoqConfig = field(default_factory=AgoqConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     preset: str = "tiny"
 
     def to_dict(self) -> dict:
@@ -296,32 +340,92 @@ def _coerce(value, tp, where: str):
     raise ConfigError(f"{where}: unsupported field type {tp}")
 
 
+# keys of older configs -> their place in this tree
+RENAMED = {
+    "dist.comm": "comm.method",
+    **{f"dist.scape_{k}": f"comm.scape.{k}" for k in ("density", "score", "dense_steps", "catch_up")},
+    **{f"dist.gift_{k}": f"comm.gift.{k}" for k in ("rank", "refresh_every", "min_numel", "whiten", "format")},
+}
+
+
 def set_field(cfg: Config, dotted: str, value) -> None:
-    """Set ``section.field`` (dashes allowed for underscores) to ``value``, with type checks."""
+    """Set ``section.field`` or ``section.sub.field`` (dashes allowed for underscores) to
+    ``value``, with type checks."""
     key = dotted.replace("-", "_")
+    if key in RENAMED:
+        raise ConfigError(f"--{dotted} is now --{RENAMED[key].replace('_', '-')}")
     sections = _sections(cfg)
     if "." not in key:
         raise ConfigError(f"config key {dotted!r} must look like section.field; sections: {sorted(sections)}")
-    sec_name, fname = key.split(".", 1)
-    if sec_name not in sections:
-        raise ConfigError(f"unknown config section {sec_name!r}; valid sections: {sorted(sections)}")
-    sec = sections[sec_name]
+    parts = key.split(".")
+    if parts[0] not in sections:
+        raise ConfigError(f"unknown config section {parts[0]!r}; valid sections: {sorted(sections)}"
+                          + _suggest(parts[0], sections))
+    sec, where = sections[parts[0]], parts[0]
+    for name in parts[1:-1]:  # nested sections (comm.scape.density)
+        sub = getattr(sec, name, None)
+        if not dataclasses.is_dataclass(sub):
+            raise ConfigError(f"unknown config section {where}.{name}; [{where}] has no sub-section {name!r}")
+        sec, where = sub, f"{where}.{name}"
+    fname = parts[-1]
     hints = get_type_hints(type(sec))
-    if fname not in hints:
-        valid = [f.name for f in dataclasses.fields(sec)]
-        raise ConfigError(f"unknown config key {sec_name}.{fname}; valid keys of [{sec_name}]: {valid}")
-    setattr(sec, fname, _coerce(value, hints[fname], f"{sec_name}.{fname}"))
+    fields = {f.name for f in dataclasses.fields(sec)}
+    if fname not in fields or dataclasses.is_dataclass(getattr(sec, fname)):
+        valid = _leaf_names(sec)
+        raise ConfigError(f"unknown config key {where}.{fname}; valid keys of [{where}]: {valid}"
+                          + _suggest(fname, valid, prefix=f"{where}."))
+    setattr(sec, fname, _coerce(value, hints[fname], f"{where}.{fname}"))
+
+
+def _leaf_names(sec) -> list[str]:
+    out = []
+    for f in dataclasses.fields(sec):
+        v = getattr(sec, f.name)
+        out += [f"{f.name}.{n}" for n in _leaf_names(v)] if dataclasses.is_dataclass(v) else [f.name]
+    return out
+
+
+def _suggest(word: str, choices, prefix: str = "") -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def field_docs() -> dict[str, str]:
+    """``section.field`` -> the comment beside the field in this file (its documentation)."""
+    import inspect
+    import re
+
+    docs, cls_of = {}, {}
+    for name, sec in _sections(Config()).items():
+        stack = [(name, sec)]
+        while stack:
+            where, obj = stack.pop()
+            cls_of[type(obj).__name__] = where
+            stack += [(f"{where}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                      if dataclasses.is_dataclass(getattr(obj, f.name))]
+    current = None
+    for line in inspect.getsource(inspect.getmodule(Config)).splitlines():
+        if line.startswith("class "):
+            current = cls_of.get(line[6:].split(":")[0].split("(")[0])
+            continue
+        m = re.match(r"    (\w+): [^=]+= [^#]*(?:#\s*(.*))?$", line)
+        if current and m:
+            docs[f"{current}.{m.group(1)}"] = (m.group(2) or "").strip()
+    return docs
 
 
 def apply_dict(cfg: Config, d: dict, prefix: str = "") -> None:
+    """Set every leaf of a nested dict (a TOML file, a saved config) on ``cfg``."""
     for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
         if isinstance(v, dict):
-            for kk, vv in v.items():
-                set_field(cfg, f"{k}.{kk}", vv)
-        elif k == "preset":
+            apply_dict(cfg, v, key)
+        elif key == "preset":
             continue
         else:
-            set_field(cfg, k, v)
+            set_field(cfg, key, v)
 
 
 def load_toml(path: str | Path) -> dict:
@@ -346,15 +450,23 @@ def build(preset_name: str = "tiny", toml_path: str | None = None, overrides: di
 
 
 def from_dict(d: dict) -> Config:
-    """Rebuild a Config from ``to_dict()`` output (e.g. a checkpoint's config.json)."""
+    """Rebuild a Config from ``to_dict()`` output (e.g. a checkpoint's config.json); keys of older
+    configs (``RENAMED``) are read at their new place."""
     cfg = Config(preset=d.get("preset", "tiny"))
-    apply_dict(cfg, {k: v for k, v in d.items() if isinstance(v, dict)})
+    flat = {}
+
+    def walk(x: dict, prefix: str) -> None:
+        for k, v in x.items():
+            key = f"{prefix}.{k}" if prefix else k
+            walk(v, key) if isinstance(v, dict) else flat.__setitem__(RENAMED.get(key, key), v)
+
+    walk({k: v for k, v in d.items() if isinstance(v, dict)}, "")
+    for k, v in flat.items():
+        set_field(cfg, k, v)
     return cfg
 
 
 def validate(cfg: Config) -> None:
-    from leantrain.agoq.policy import DERIVATIONS
-
     m, d, t = cfg.model, cfg.data, cfg.train
     checks = [
         (d.seq_len >= 2, "data.seq_len must be at least 2"),
@@ -367,8 +479,6 @@ def validate(cfg: Config) -> None:
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
         (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,
          "agoq.batch_mib and agoq.unpack_mib must be >= 0 (0: pack each save at once / dequantize a whole batch)"),
-        (all(x in DERIVATIONS for x in cfg.agoq.derive.split(",") if x),
-         f"agoq.derive must be a comma list of {', '.join(DERIVATIONS)} ('' for none), got {cfg.agoq.derive!r}"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -319,10 +319,10 @@ def test_one_process_matches_the_reference_on_cuda():
 
 
 def test_the_trainers_defaults_are_the_compressors():
-    from leantrain.config import DistConfig
+    from leantrain.config import ScapeConfig
 
-    c, s = DistConfig(), SCAPE()
-    assert (c.scape_density, c.scape_score, c.scape_catch_up, c.scape_dense_steps) == \
+    c, s = ScapeConfig(), SCAPE()
+    assert (c.density, c.score, c.catch_up, c.dense_steps) == \
         (s.density, s.score, s.catch_up, s.dense_steps)
 
 

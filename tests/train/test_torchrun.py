@@ -85,14 +85,14 @@ def test_sharded_optimizer_in_the_trainer_matches_ddp_sdp4bit_and_scape_split_tr
     for x, y in zip(_losses(ddp), _losses(sh)):
         assert abs(x - y) <= 1e-4 * abs(x)
     q = tmp_path / "sdp4bit"
-    r = subprocess.run([*_torchrun(4), *_args(q, corpus, 1, steps=6), "--dist.mode", "sharded", "--dist.comm", "sdp4bit",
+    r = subprocess.run([*_torchrun(4), *_args(q, corpus, 1, steps=6), "--dist.mode", "sharded", "--comm.method", "sdp4bit",
                         "--dist.intra-node-size", "2"], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((q / "summary.json").read_text())
     assert s["comm"]["by_scope"]["inter"] > 0 and s["comm"]["by_scope"]["intra"] > 0
     assert all(x == x for x in _losses(q))  # finite
     sc = tmp_path / "scape"  # SCAPE at 90 % sparsity, AdamS: after its dense first step, ~0.09x the traffic
-    r = subprocess.run([*_torchrun(2), *_args(sc, corpus, 2, steps=6), "--dist.mode", "sharded", "--dist.comm", "scape",
+    r = subprocess.run([*_torchrun(2), *_args(sc, corpus, 2, steps=6), "--dist.mode", "sharded", "--comm.method", "scape",
                         "--optim.name", "adams"], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     dense = json.loads((sh / "summary.json").read_text())["comm_bytes_per_step"]
@@ -105,7 +105,7 @@ def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
     """FORGE (per-layer dW reduced through AGoQ's int8 all-reduce) + AGoQ activations, 2 ranks."""
     out = tmp_path / "fa"
     r = subprocess.run([*_torchrun(2), *_args(out, corpus, 2, steps=8), "--forge.enabled", "true",
-                        "--agoq.enabled", "true", "--dist.comm", "int8", "--optim.lr", "1e-2"],
+                        "--agoq.enabled", "true", "--comm.method", "int8", "--optim.lr", "1e-2"],
                        env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -124,12 +124,12 @@ def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
 
 
 def _gift_args(out, corpus, steps=8):
-    return [*_args(out, corpus, 2, steps=steps), "--dist.comm", "gift", "--dist.gift-min-numel", "1000",
-            "--dist.gift-refresh-every", "3", "--dist.gift-rank", "8", "--train.ckpt-every", "4", "--optim.lr", "1e-2"]
+    return [*_args(out, corpus, 2, steps=steps), "--comm.method", "gift", "--comm.gift.min-numel", "1000",
+            "--comm.gift.refresh-every", "3", "--comm.gift.rank", "8", "--train.ckpt-every", "4", "--optim.lr", "1e-2"]
 
 
 def test_gift_follows_the_exact_all_reduce_and_resumes_bit_identically(corpus, tmp_path):
-    """dist.comm=gift (FP8 in K-FAC-whitened coordinates, the factors refreshed every 3 steps): the loss
+    """comm.method=gift (FP8 in K-FAC-whitened coordinates, the factors refreshed every 3 steps): the loss
     curve stays within 2 % of DDP's exact all-reduce; the traffic is the FP8 all-reduce's two hops plus the
     factors' broadcasts; resumed from the step-4 checkpoint, the run ends with the uninterrupted one's bits."""
 
@@ -175,13 +175,13 @@ def _assert_resumes_bit_identically(run, resumed, args):
 
 
 def test_gift_in_nvfp4_learns_and_resumes_bit_identically(corpus, tmp_path):
-    """dist.gift-format=nvfp4 (4-bit, stochastic rounding seeded by the step): the loss falls, and a run
+    """comm.gift.format=nvfp4 (4-bit, stochastic rounding seeded by the step): the loss falls, and a run
     resumed from the step-4 checkpoint ends with the uninterrupted one's bits (the rounding draws depend on
     the step, not on the process's history)."""
     run = tmp_path / "fp4"
 
     def args(out):
-        return [*_gift_args(out, corpus), "--dist.gift-format", "nvfp4"]
+        return [*_gift_args(out, corpus), "--comm.gift.format", "nvfp4"]
 
     r = subprocess.run([*_torchrun(2), *args(run)], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -173,17 +173,18 @@ def test_agoq_is_applied_once_and_replaced_for_another_policy(corpus, tmp_path):
                                  "agoq.enabled": "true"})
     tr = Trainer(cfg, tmp_path / "a")
     tr.fit()
-    pk = tr.model._agoq_packer
+    tech = next(t for t in tr.techniques if t.name == "agoq")
+    pk = tech.packer
     hooks = len(tr.model._forward_hooks) + len(tr.model._forward_pre_hooks)
     packed = pk.stats["packed"]
-    assert pk.policy is tr.agoq_policy and packed > 0
+    assert pk.policy is tech.policy and packed > 0
     tr.train_step()
-    assert tr.model._agoq_packer is pk and pk.stats["packed"] > packed
-    tr.agoq_policy = agoq.Policy(qkv_in=8)
+    assert tech.packer is pk and pk.stats["packed"] > packed
+    tech.policy, tech.packer = agoq.Policy(qkv_in=8), None  # another policy: applied at the next forward
     tr.train_step()
-    assert tr.model._agoq_packer is not pk and tr.model._agoq_packer.policy is tr.agoq_policy
+    assert tech.packer is not pk and tech.packer.policy is tech.policy
     assert len(tr.model._forward_hooks) + len(tr.model._forward_pre_hooks) == hooks
-    assert tr.model._agoq_packer._plans  # the training forward's plan, replayed by the next steps
+    assert tech.packer._plans  # the training forward's plan, replayed by the next steps
 
 
 def test_agoq_replay_can_be_turned_off(corpus, tmp_path):

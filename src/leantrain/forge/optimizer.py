@@ -1134,7 +1134,7 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
         seed: seed of the stochastic-rounding streams.
         allreduce: ``fn(tensor, group)`` summing ``tensor`` in place over ``group``, used for the
             data-parallel gradient reductions instead of the plain all-reduce (the trainer passes
-            ``lt.comm.int8_all_reduce`` for ``--dist.comm int8``). FORGE does not import it:
+            ``lt.comm.int8_all_reduce`` for ``--comm.method int8``). FORGE does not import it:
             techniques are composed by the caller.
         grad_dtype: ``"fp32"`` (a materialized dW is accumulated and stored in fp32: the exactness
             statement of forge/README.md) or ``"bf16"`` (on the Triton backend, a layer whose

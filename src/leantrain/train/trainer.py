@@ -1,26 +1,19 @@
 """The training loop: one code path for CPU, one GPU and ``torchrun``.
 
-``Trainer(cfg, out_dir).fit()`` builds the data, the model and the optimizer
-that the config asks for, composing the techniques:
-
-- ``forge.enabled``: :func:`leantrain.forge.attach` (the optimizer step runs
-  inside backward; under torchrun each layer's gradient is all-reduced there);
-- ``agoq.enabled``: saved activations packed by :mod:`leantrain.agoq` around
-  forward+backward; ``agoq.grad_bits=8``: int8 gradient accumulation buffers;
-- ``dist.mode="sharded"``: :class:`leantrain.parallel.ShardedOptimizer` with the
-  compressor ``dist.comm`` (``none`` / ``sdp4bit`` / ``scape``, with ``dist.scape_density``);
-- otherwise the reference :class:`leantrain.optim.Optimizer` (``--baseline``:
-  ``torch.optim.AdamW``), wrapped in DDP under torchrun (``dist.comm=int8``:
-  AGoQ's 8-bit all-reduce as the DDP comm hook; ``dist.comm=gift``: GIFT's FP8
-  all-reduce in K-FAC-whitened coordinates).
+``Trainer(cfg, out_dir).fit()`` builds the data, the model and the techniques the config asks
+for (:mod:`leantrain.technique`: each registered technique says when it is wanted, checks the
+combination, and joins the run through its hooks), then the optimizer: the one of the technique
+that owns the step, else the reference :class:`leantrain.optim.Optimizer` (``--baseline``:
+``torch.optim.AdamW``), wrapped in DDP under torchrun unless a technique reduces the gradients
+itself.
 
 It logs ``metrics.jsonl``, writes ``config.json``, ``summary.json``, a loss
 plot and atomic checkpoints, and ``resume=True`` continues bit-identically.
-The host does not wait for a step's backward: its loss (and grad norm, FORGE's
-non-finite count) stay on the device and its row is written once the next step
-has been issued (before an evaluation or a checkpoint at once). A non-finite
-loss stops the run when its row is written (``train.on_nonfinite=stop``), or is
-checked before its update and skipped (``skip``: a sync a step).
+The host does not wait for a step's backward: its loss (and grad norm, a technique's non-finite
+count) stay on the device and its row is written once the next step has been issued (before an
+evaluation or a checkpoint at once). A non-finite loss stops the run when its row is written
+(``train.on_nonfinite=stop``), or is checked before its update and skipped (``skip``: a sync a
+step).
 """
 
 from __future__ import annotations
@@ -43,6 +36,9 @@ from leantrain.config import Config, ConfigError
 from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 from leantrain.model import Llama
 from leantrain.optim import Optimizer, make_rule
+from leantrain.runtime.ddp_hooks import counted_allreduce_hook
+from leantrain.technique import Run
+from leantrain.train import techniques
 
 
 class NonFiniteLoss(RuntimeError):
@@ -105,6 +101,7 @@ class Trainer:
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.technique_classes = [] if baseline else techniques.wanted(cfg)
         self._check_combination()
         self.data = data_mod.load(cfg.data, log=log0)
         cfg.model.vocab_size = self.data.vocab_size
@@ -117,10 +114,9 @@ class Trainer:
         self.model.to(self.device)
         self.step = 0
         self.ddp = None
-        self.gift = None  # dist.comm gift: the reducer run after backward (its K-FAC factors are in the rank state)
-        self.grad_acc = None
-        self.agoq_policy = None
         self.graph = None  # train.cuda_graph: the captured forward + backward (made at the first unmeasured step)
+        self.run = Run(cfg, self.model, self.device, self.rank, self.world, log=log0, param_groups=self._groups())
+        self.techniques = [] if baseline else techniques.build(self.technique_classes, self.run)
         self.opt = self._build_optimizer()
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         if resume:
@@ -130,47 +126,15 @@ class Trainer:
 
     def _check_combination(self) -> None:
         c = self.cfg
-        if self.baseline and (c.forge.enabled or c.agoq.enabled or c.dist.mode != "ddp" or c.dist.comm != "none"):
-            raise ConfigError("--baseline is plain PyTorch AdamW: do not combine it with forge/agoq/dist options")
-        if c.forge.enabled and c.dist.mode == "sharded":
-            raise ConfigError("forge.enabled and dist.mode=sharded both own the optimizer step; choose one")
-        if not c.optim.decay_1d and c.dist.mode == "sharded":
-            raise ConfigError("optim.decay_1d false needs per-parameter weight decay, which the sharded optimizer "
-                              "does not have; use dist.mode ddp or keep optim.decay_1d true")
-        if c.forge.enabled and c.data.grad_accum > 1:
-            raise ConfigError("FORGE updates weights inside backward, so data.grad_accum must be 1 "
-                              "(raise data.batch_size instead; see forge/README.md)")
-        if c.model.activation_checkpointing and c.agoq.enabled:
-            raise ConfigError("model.activation_checkpointing and agoq.enabled: checkpointing keeps no activations "
-                              "inside the blocks for AGoQ to compress; choose one (AGoQ: ~0.3x the activation "
-                              "bytes at ~1.1x the step; checkpointing: the blocks' inputs only, ~1.33x the compute)")
-        if c.dist.comm in ("sdp4bit", "scape") and c.dist.mode != "sharded":
-            raise ConfigError(f"dist.comm={c.dist.comm} needs dist.mode=sharded")
-        if c.dist.comm == "scape" and c.optim.name == "sgd" and c.optim.momentum == 0:
-            raise ConfigError("dist.comm=scape takes its masks from the first moment: use optim.name adams "
-                              "(or adamw, lion, sgd with momentum)")
-        if c.dist.comm == "scape" and not 0 < c.dist.scape_density <= 1:
-            raise ConfigError(f"dist.scape_density must be in (0, 1], got {c.dist.scape_density}")
-        if c.dist.comm == "int8" and c.dist.mode != "ddp":
-            raise ConfigError("dist.comm=int8 is a DDP all-reduce hook: use it with dist.mode=ddp")
-        if c.dist.comm == "gift" and (c.dist.mode != "ddp" or c.forge.enabled):
-            raise ConfigError("dist.comm=gift reduces DDP's gradients after backward (whole layers): use it "
-                              "with dist.mode=ddp and without forge.enabled, whose per-layer reduction runs inside "
-                              "backward (with FORGE use dist.comm int8)")
-        if c.dist.comm == "gift" and (c.dist.gift_rank < 0 or c.dist.gift_refresh_every < 1):
-            raise ConfigError(f"dist.gift_rank must be >= 0 (0: full rank) and dist.gift_refresh_every >= 1, got "
-                              f"{c.dist.gift_rank} and {c.dist.gift_refresh_every}")
+        asked = [cls.name for cls in techniques.wanted(c)]
+        if self.baseline and asked:
+            raise ConfigError(f"--baseline is plain PyTorch AdamW: do not combine it with {', '.join(asked)}")
+        techniques.check(self.technique_classes, c, device=self.device, world=self.world)
         if c.train.cuda_graph:
             why = [w for bad, w in (
                 (self.device.type != "cuda", "a CUDA device"),
                 (self.world > 1, "one process (DDP's reducer is not captured)"),
-                (c.forge.enabled and c.forge.backend == "torch", "FORGE on its Triton backend (forge.backend "
-                                                                 "auto or triton; the torch backend syncs)"),
-                (c.forge.enabled and c.train.on_nonfinite == "skip",
-                 "train.on_nonfinite stop with FORGE (its update runs inside the replay, before the loss can be "
-                 "checked; non-finite gradient tiles are still never stored)"),
                 (c.data.grad_accum > 1, "data.grad_accum 1 (a replay overwrites the gradients)"),
-                (c.agoq.grad_bits == 8, "no agoq.grad_bits 8"),
                 (c.dist.mode != "ddp", "dist.mode ddp")) if bad]
             if why:
                 raise ConfigError("train.cuda_graph needs " + "; ".join(why))
@@ -194,98 +158,32 @@ class Trainer:
     def _build_optimizer(self):
         c, model = self.cfg, self.model
         if self.baseline:
-            self._wrap_ddp()
+            self._wrap_ddp(None)
             o = c.optim
             return torch.optim.AdamW(self._groups(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                      fused=self.device.type == "cuda")
         rule = rule_from_config(c)
-        if c.agoq.enabled:
-            from leantrain import agoq
-
-            self.agoq_policy = agoq.Policy.from_config(c.agoq)
-        if c.forge.enabled:
-            from leantrain import forge
-
-            f = c.forge
-            # global-norm clipping needs every gradient before the first update: impossible
-            # inside backward. "auto" clips by an estimate of this step's global norm (est_global,
-            # the closest to the baseline on tiny/300 steps: forge/README.md), unclipped when
-            # optim.grad_clip is 0 and no forge.clip_value is given.
-            clip_value = f.clip_value or c.optim.grad_clip
-            clip = ("est_global" if clip_value > 0 else "none") if f.clip == "auto" else f.clip
-            if f.clip == "auto" and clip != "none":
-                log0("FORGE: optim.grad_clip (global norm) cannot run inside backward; clipping by an estimate "
-                     "of the step's global norm instead (forge.clip=est_global; see forge/README.md)")
-            allreduce = None
-            if c.dist.comm == "int8":  # AGoQ's precision-preserving 8-bit all-reduce for FORGE's per-layer dW
-                from leantrain import comm
-
-                allreduce = lambda t, group: comm.int8_all_reduce(t, group)  # noqa: E731
-            opt = forge.attach(model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
-                               backend=f.backend, clip=clip, clip_value=clip_value, allreduce=allreduce,
-                               grad_dtype=f.grad_dtype, param_groups=self._no_decay_groups() or None,
-                               fast_math=f.fast_math)
-            if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
-                opt.set_device_scalars(True)
-            return opt
-        if c.dist.mode == "sharded":
-            from leantrain import comm
-            from leantrain import parallel as ltdist
-
-            d, compression = c.dist, None
-            if d.comm == "sdp4bit":
-                compression = comm.SDP4Bit()
-            elif d.comm == "scape":
-                compression = comm.SCAPE(d.scape_density, catch_up=d.scape_catch_up, score=d.scape_score,
-                                         dense_steps=d.scape_dense_steps)
-            return ltdist.ShardedOptimizer(model, rule, intra_node_size=c.dist.intra_node_size or None,
-                                           compression=compression, max_grad_norm=c.optim.grad_clip or None)
-        self._wrap_ddp()
-        if c.agoq.grad_bits == 8:
-            from leantrain import agoq
-
-            self.grad_acc = agoq.Int8GradAccumulator(list(model.parameters()))
+        owner = next((t for t in self.techniques if t.owns_step), None)
+        if not any(t.reduces_gradients for t in self.techniques):
+            hooks = [h for h in (t.ddp_comm_hook() for t in self.techniques) if h is not None]
+            self._wrap_ddp(hooks[0] if hooks else None)
+        if owner is not None:
+            return owner.optimizer(self.run, rule)
         return Optimizer(self._groups(), rule, stochastic_rounding=c.train.weights == "bf16", seed=c.train.seed,
                          backend=c.optim.backend)
 
-    def _wrap_ddp(self) -> None:
+    def _wrap_ddp(self, comm_hook) -> None:
+        """DDP under torchrun, with a technique's comm hook (``(state, hook)``) or the counted all-reduce."""
         if self.world == 1:
             return
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if self.cfg.dist.comm == "int8":
-            from leantrain import comm
-
-            self.ddp.register_comm_hook(comm.Int8AllReduceState(None), comm.int8_allreduce_hook)
-        elif self.cfg.dist.comm == "gift":
-            from leantrain import comm
-
-            d = self.cfg.dist
-            self.gift = comm.GIFT(self.model, rank=d.gift_rank or None, refresh_every=d.gift_refresh_every,
-                                  min_numel=d.gift_min_numel, whiten=d.gift_whiten, format=d.gift_format)
-            self.ddp.register_comm_hook(None, comm.GIFT.ddp_noop_hook)  # (GIFT reduces after backward)
-        else:
-            from leantrain.runtime.ddp_hooks import counted_allreduce_hook
-
-            self.ddp.register_comm_hook(None, counted_allreduce_hook)
+        self.ddp.register_comm_hook(*(comm_hook or (None, counted_allreduce_hook)))
 
     @property
     def forward_module(self):
         return self.ddp if self.ddp is not None else self.model
-
-    def _apply_agoq(self) -> None:
-        """AGoQ is applied once, persistently, at the first training forward (after FORGE and DDP
-        are set up): a packer made and its module hooks installed per step cost host time, and
-        a 1b step at B = 8 is host-bound already. Forwards under ``no_grad`` save nothing."""
-        if self.agoq_policy is None:
-            return
-        pk = getattr(self.model, "_agoq_packer", None)
-        stage = self.cfg.agoq.pipeline_stage
-        if pk is None or pk.policy is not self.agoq_policy or pk.stage != stage:  # (another trainer's)
-            from leantrain import agoq
-
-            agoq.apply(self.model, self.agoq_policy, stage=stage, replay=self.cfg.agoq.replay)
 
     def _autocast(self):
         if self.cfg.train.dtype == "bf16" and self.cfg.train.weights == "fp32":
@@ -308,10 +206,10 @@ class Trainer:
                     sync = self.ddp.no_sync()
                 elif hasattr(self.opt, "no_sync"):
                     sync = self.opt.no_sync()
-            # the meter is entered first: saved-tensor hooks nest, and the innermost (AGoQ's
-            # packer, entered by the model's forward when on) sees each tensor and reports what
-            # it keeps to the meter
-            self._apply_agoq()
+            # the meter is entered first: saved-tensor hooks nest, and the innermost (a technique's,
+            # entered by the model's forward) sees each tensor and reports what it keeps to the meter
+            for t in self.techniques:
+                t.before_forward()
             # A non-finite loss: with train.on_nonfinite=skip the step is checked here (a sync: the
             # update must not happen); with stop (the default) fit() finds it when it logs the step,
             # without a sync per step, and stops before any later checkpoint is written.
@@ -329,39 +227,27 @@ class Trainer:
                         self._skip(loss)
                         return {"loss": float("nan"), "skipped": True}
                     loss.backward()
-            if self.grad_acc is not None:
-                self.grad_acc.accumulate()
+            for t in self.techniques:
+                t.after_micro_batch()
             lv = loss.detach().float()
             total = lv if total is None else total + lv
-        if self.grad_acc is not None:
-            self.grad_acc.finalize()
-        if self.gift is not None:  # dist.comm gift: every gradient, in model order (DDP's hook sent nothing)
-            self.gift.reduce_gradients()
+        for t in self.techniques:
+            t.after_backward()
         if self.world > 1:  # log the global-batch loss (a 4-byte control message, not counted as traffic)
             t = total.reshape(1).clone()
             dist.all_reduce(t)
             total = t[0] / self.world
         info = {"loss": total}
-        # FORGE clips per layer inside backward (forge.clip); the sharded optimizer clips the
-        # reduced gradient itself (max_grad_norm), since its hooks may already have sent .grad
-        if c.optim.grad_clip > 0 and not c.forge.enabled and c.dist.mode != "sharded":
+        if c.optim.grad_clip > 0 and not any(t.clips_gradients() for t in self.techniques):
             info["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
         if measure:
-            self.last_memory = MemoryLedger.measure(self.model, self.opt, activations=meter.bytes,
-                                                    grad_buffers=self.grad_acc.tensors() if self.grad_acc else ())
+            buffers = [b for t in self.techniques for b in t.grad_buffers()]
+            self.last_memory = MemoryLedger.measure(self.model, self.opt, activations=meter.bytes, grad_buffers=buffers)
         self.opt.step()
-        if getattr(self.opt, "grad_norm", None) is not None:
-            info["grad_norm"] = self.opt.grad_norm
         if measure:  # optimizer state may be created lazily by the first step: count it after
             self.last_memory.optimizer_states = MemoryLedger.measure(self.model, self.opt).optimizer_states
-        if hasattr(self.opt, "nonfinite_flags"):  # FORGE: a device tensor, counted when the step is logged
-            flags = self.opt.nonfinite_flags()
-            if flags is not None:
-                info["nonfinite_layers"] = flags.sum()
-        else:
-            nonfinite = getattr(self.opt, "last_nonfinite", None)
-            if nonfinite:
-                info["nonfinite_layers"] = nonfinite if isinstance(nonfinite, int) else len(nonfinite)
+        for t in self.techniques:
+            info.update(t.step_metrics(self.opt))
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         COMM.step()
@@ -379,6 +265,9 @@ class Trainer:
 
             self.graph = GraphedStep(fwd, self.model.parameters(), x, y, hooks=self._capture_hooks())
         return self.graph(x, y).clone()
+
+    def _capture_hooks(self) -> list:
+        return [h for t in self.techniques for h in t.capture_hooks(self.opt)]
 
     def _skip(self, loss) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -410,8 +299,7 @@ class Trainer:
     def _rank_state(self) -> dict:
         out = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
                "torch_rng": torch.get_rng_state(), "step": self.step}
-        if self.gift is not None:
-            out["gift"] = self.gift.state_dict()
+        out["techniques"] = {t.name: t.state_dict() for t in self.techniques}
         return out
 
     def save_checkpoint(self) -> Path:
@@ -441,8 +329,10 @@ class Trainer:
         self.opt.load_state_dict(rank_state["optimizer"])
         self.sched.load_state_dict(rank_state["scheduler"])
         torch.set_rng_state(rank_state["torch_rng"])
-        if self.gift is not None and "gift" in rank_state:
-            self.gift.load_state_dict(rank_state["gift"])
+        saved = rank_state.get("techniques", {})
+        for t in self.techniques:
+            if t.name in saved:
+                t.load_state_dict(saved[t.name])
         self.step = rank_state["step"]
         log0(f"resumed from {path} at step {self.step}")
 
@@ -599,22 +489,11 @@ class Trainer:
 
 
 def recipe_name(cfg: Config, baseline: bool) -> str:
+    """The run's recipe: its techniques' tags joined by "+" (``reference-<rule>`` with none)."""
     if baseline:
         return "baseline"
-    parts = []
-    if cfg.forge.enabled:
-        parts.append("forge" + ("" if cfg.train.weights == "fp32" else "-bf16") +
-                     ("" if cfg.forge.state_dtype == "fp32" else f"-{cfg.forge.state_dtype}"))
-    if cfg.agoq.enabled:
-        parts.append("agoq")
-    if cfg.dist.mode == "sharded":
-        parts.append("sharded" + ("" if cfg.dist.comm == "none" else f"-{cfg.dist.comm}"))
-    elif cfg.dist.comm == "gift":  # (unwhitened: GIFT's all-reduce in Euclidean coordinates)
-        fmt = "fp8" if cfg.dist.gift_format == "e4m3" else cfg.dist.gift_format
-        parts.append(f"ddp-gift{'' if fmt == 'fp8' else '-' + fmt}" if cfg.dist.gift_whiten else f"ddp-{fmt}")
-    elif cfg.dist.comm != "none":
-        parts.append(f"ddp-{cfg.dist.comm}")
-    return "+".join(parts) or f"reference-{cfg.optim.name}"
+    tags = [cls.tag(cfg) for cls in techniques.wanted(cfg)]
+    return "+".join(t for t in tags if t) or f"reference-{cfg.optim.name}"
 
 
 def _fmt_bytes(n: int) -> str:

@@ -1,0 +1,126 @@
+"""The compressed collectives as techniques of a run (``[comm]``; :mod:`leantrain.technique`).
+
+- ``int8``: AGoQ's precision-preserving 8-bit all-reduce: DDP's comm hook, and the per-layer
+  all-reduce a technique that reduces inside backward (FORGE) uses (``Run.all_reduce``).
+- ``gift``: GIFT's FP8 / NVFP4 all-reduce in K-FAC-whitened coordinates, after backward.
+- ``sdp4bit`` / ``scape``: the compressor of the sharded optimizer (``Run.compression``).
+"""
+
+from __future__ import annotations
+
+from leantrain.comm.gift import GIFT
+from leantrain.comm.int8_allreduce import Int8AllReduceState, int8_all_reduce, int8_allreduce_hook
+from leantrain.comm.scape import SCAPE
+from leantrain.comm.sdp4bit import SDP4Bit
+from leantrain.config import Config, ConfigError
+from leantrain.technique import Run, Technique, register
+
+
+@register
+class Int8AllReduce(Technique):
+    name = "int8"
+
+    @classmethod
+    def wanted(cls, cfg: Config) -> bool:
+        return cfg.comm.method == "int8"
+
+    @classmethod
+    def check(cls, cfg: Config, *, device, world: int) -> None:
+        if cfg.dist.mode != "ddp":
+            raise ConfigError("comm.method int8 is an all-reduce of whole gradients: use it with --dist.mode ddp "
+                              "(with --dist.mode sharded use --comm.method sdp4bit or scape)")
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        run.all_reduce = int8_all_reduce
+
+    def ddp_comm_hook(self):
+        return Int8AllReduceState(None), int8_allreduce_hook
+
+    @classmethod
+    def tag(cls, cfg: Config) -> str:
+        return "ddp-int8"
+
+
+@register
+class Gift(Technique):
+    name = "gift"
+
+    @classmethod
+    def wanted(cls, cfg: Config) -> bool:
+        return cfg.comm.method == "gift"
+
+    @classmethod
+    def check(cls, cfg: Config, *, device, world: int) -> None:
+        g = cfg.comm.gift
+        if cfg.dist.mode != "ddp" or cfg.forge.enabled:
+            raise ConfigError("comm.method gift reduces whole gradients after backward: use it with --dist.mode ddp "
+                              "and without --forge, whose per-layer reduction runs inside backward (with FORGE use "
+                              "--comm.method int8)")
+        if g.rank < 0 or g.refresh_every < 1:
+            raise ConfigError(f"comm.gift.rank must be >= 0 (0: full rank) and comm.gift.refresh_every >= 1, got "
+                              f"{g.rank} and {g.refresh_every}")
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        g = run.cfg.comm.gift
+        self.gift = None
+        if run.world > 1:  # (one process: nothing to reduce)
+            self.gift = GIFT(run.model, rank=g.rank or None, refresh_every=g.refresh_every, min_numel=g.min_numel,
+                             whiten=g.whiten, format=g.format)
+
+    def ddp_comm_hook(self):
+        return (None, GIFT.ddp_noop_hook) if self.gift is not None else None  # (GIFT reduces after backward)
+
+    def after_backward(self) -> None:
+        if self.gift is not None:  # every gradient, in model order (DDP's hook sent nothing)
+            self.gift.reduce_gradients()
+
+    def state_dict(self) -> dict:
+        return self.gift.state_dict() if self.gift is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.gift is not None and state:
+            self.gift.load_state_dict(state)
+
+    @classmethod
+    def tag(cls, cfg: Config) -> str:
+        g = cfg.comm.gift
+        fmt = "fp8" if g.format == "e4m3" else g.format
+        if not g.whiten:  # (GIFT's all-reduce in unwhitened coordinates)
+            return f"ddp-{fmt}"
+        return "ddp-gift" + ("" if fmt == "fp8" else f"-{fmt}")
+
+
+@register
+class ShardCompression(Technique):
+    name = "shard-compression"
+
+    @classmethod
+    def wanted(cls, cfg: Config) -> bool:
+        return cfg.comm.method in ("sdp4bit", "scape")
+
+    @classmethod
+    def check(cls, cfg: Config, *, device, world: int) -> None:
+        c = cfg.comm
+        if cfg.dist.mode != "sharded":
+            raise ConfigError(f"comm.method {c.method} compresses the sharded optimizer's traffic: add "
+                              "--dist.mode sharded")
+        if c.method == "scape" and cfg.optim.name == "sgd" and cfg.optim.momentum == 0:
+            raise ConfigError("comm.method scape takes its masks from the first moment: use --optim.name adams "
+                              "(or adamw, lion, sgd with momentum)")
+        if c.method == "scape" and not 0 < c.scape.density <= 1:
+            raise ConfigError(f"comm.scape.density must be in (0, 1], got {c.scape.density}")
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        c = run.cfg.comm
+        if c.method == "sdp4bit":
+            run.compression = SDP4Bit()
+        else:
+            s = c.scape
+            run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps)
+
+    @classmethod
+    def tag(cls, cfg: Config) -> str:
+        return ""  # (the sharded optimizer names its compressor)

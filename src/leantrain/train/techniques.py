@@ -1,0 +1,48 @@
+"""The built-in techniques: importing their modules registers them (:func:`leantrain.technique.register`),
+in this order (a technique built earlier may offer something to one built later)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from leantrain.config import Config, ConfigError
+from leantrain.technique import Run, Technique, registered
+
+BUILTIN = (
+    "leantrain.forge.technique",
+    "leantrain.agoq.technique",
+    "leantrain.parallel.technique",
+    "leantrain.comm.technique",
+)
+
+
+def load_builtin() -> None:
+    for name in BUILTIN:
+        importlib.import_module(name)
+
+
+def wanted(cfg: Config) -> list[type[Technique]]:
+    """The registered techniques ``cfg`` asks for, in registration order."""
+    load_builtin()
+    return [cls for cls in registered().values() if cls.wanted(cfg)]
+
+
+def check(classes: list[type[Technique]], cfg: Config, *, device, world: int) -> None:
+    """Each technique's own checks, then the rules of composition: one owner of the step, one
+    zeroth-order step."""
+    owners = [c.name for c in classes if c.owns_step]
+    if len(owners) > 1:
+        raise ConfigError(f"{' and '.join(owners)} both own the optimizer step; choose one")
+    for cls in classes:
+        cls.check(cfg, device=device, world=world)
+
+
+def validate(cfg: Config, *, device=None, world: int = 1) -> None:
+    """Every check a run of ``cfg`` makes before it builds anything (``leantrain config`` and tests)."""
+    check(wanted(cfg), cfg, device=device or torch.device("cpu"), world=world)
+
+
+def build(classes: list[type[Technique]], run: Run) -> list[Technique]:
+    return [cls(run) for cls in classes]
