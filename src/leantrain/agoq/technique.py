@@ -48,7 +48,7 @@ class Agoq(Technique):
         """AGoQ is applied once, persistently: a packer made and its module hooks installed per
         step would cost host time. Forwards under ``no_grad`` save nothing."""
         if self.policy is not None and self.packer is None:
-            a = cfg.agoq
+            a = self.run.cfg.agoq
             self.packer = apply(self.run.model, self.policy, stage=a.pipeline_stage, replay=a.replay)
 
     def after_micro_batch(self) -> None:
