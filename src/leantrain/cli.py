@@ -4,10 +4,11 @@
     leantrain train --preset tiny --baseline --out runs/base
     leantrain compare --preset tiny --steps 300 --out runs/cmp
     leantrain finetune --method grzo|mezo|chunkft|full --task compare --from runs/a --out runs/ft
-    leantrain bench ops|forge|agoq|comm [--out DIR]
+    leantrain config --preset tiny [--section.field value ...]   (the resolved config, every field documented)
 
-Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``);
-``--forge``/``--agoq`` are shorthands for ``--forge.enabled true``/``--agoq.enabled true``.
+Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``,
+``--comm.scape.density 0.01``); ``--forge``/``--agoq`` are shorthands for ``--forge.enabled
+true``/``--agoq.enabled true``. Benchmarks are scripts: ``python benchmarks/bench_<topic>.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ RECIPES: dict[str, dict] = {
     "agoq+forge": {"agoq.enabled": "true", "forge.enabled": "true"},
 }
 _RECIPE_NEEDS = {"forge": "leantrain.forge", "agoq": "leantrain.agoq"}
+
+
+TRAIN_EPILOG = """recipes (flags that turn techniques on; they compose):
+  --forge                      FORGE: the optimizer step inside backward, no weight gradients
+  --agoq                       AGoQ: ~4-bit saved activations
+  --baseline                   plain PyTorch AdamW, nothing else
+  --forge.state-dtype int8 --train.weights bf16    bf16 weights + 8-bit optimizer states
+  --comm.method int8           8-bit gradient all-reduce (under torchrun)
+  --dist.mode sharded [--comm.method sdp4bit|scape]   sharded optimizer, compressed traffic
+  --comm.method gift           FP8 all-reduce in K-FAC-whitened coordinates
+config fields: every field is --section.field value; `leantrain config` prints them all with docs.
+"""
 
 
 def _available(recipe: str) -> bool:
@@ -115,15 +128,30 @@ def cmd_compare(args, rest) -> int:
     return 0
 
 
-def cmd_bench(args, rest) -> int:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / f"bench_{args.what}.py"
-    if not script.exists():
-        raise ConfigError(f"no benchmark {args.what!r}: {script} is missing (benchmarks ship with the source tree)")
-    spec = importlib.util.spec_from_file_location(f"bench_{args.what}", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main(rest) or 0
+def cmd_config(args, rest) -> int:
+    """Print the resolved config tree (preset, TOML file, overrides), each field with its doc."""
+    cfg = _build_config(args, rest)
+    docs = config_mod.field_docs()
+
+    def walk(obj, where: str) -> None:
+        import dataclasses
+
+        leaves = [f for f in dataclasses.fields(obj) if not dataclasses.is_dataclass(getattr(obj, f.name))]
+        print(f"[{where}]")
+        for f in leaves:
+            doc = docs.get(f"{where}.{f.name}", "")
+            print(f"  {f.name} = {getattr(obj, f.name)!r}" + (f"    # {doc}" if doc else ""))
+        for f in dataclasses.fields(obj):
+            if dataclasses.is_dataclass(getattr(obj, f.name)):
+                walk(getattr(obj, f.name), f"{where}.{f.name}")
+
+    import dataclasses
+
+    print(f"# preset {cfg.preset}; set any field with --section.field value (dashes or underscores)")
+    for f in dataclasses.fields(cfg):
+        if dataclasses.is_dataclass(getattr(cfg, f.name)):
+            walk(getattr(cfg, f.name), f.name)
+    return 0
 
 
 def cmd_finetune(args, rest) -> int:
@@ -140,7 +168,8 @@ def cmd_finetune(args, rest) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model")
+    p = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=TRAIN_EPILOG)
     _common(p)
     p.add_argument("--baseline", action="store_true", help="plain PyTorch AdamW, no technique")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
@@ -167,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="continue from the latest checkpoint in --out (same method, task, seed, batch size, ranks)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", required=True, help="output directory")
-    p = sub.add_parser("bench", help="kernel and step micro-benchmarks")
-    p.add_argument("what", choices=["ops", "forge", "agoq", "comm"])
+    p = sub.add_parser("config", help="print the resolved config tree with each field's doc")
+    p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
+    p.add_argument("--config", help="TOML file of config overrides")
+    p.set_defaults(steps=None, data=None)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -177,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args, rest)
         if args.command == "finetune":
             return cmd_finetune(args, rest)
-        return cmd_bench(args, rest)
+        return cmd_config(args, rest)
     except ConfigError as e:
         print(f"leantrain: error: {e}", file=sys.stderr)
         return 2

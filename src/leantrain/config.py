@@ -405,14 +405,18 @@ def field_docs() -> dict[str, str]:
             cls_of[type(obj).__name__] = where
             stack += [(f"{where}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)
                       if dataclasses.is_dataclass(getattr(obj, f.name))]
-    current = None
+    current, above = None, []
     for line in inspect.getsource(inspect.getmodule(Config)).splitlines():
         if line.startswith("class "):
-            current = cls_of.get(line[6:].split(":")[0].split("(")[0])
+            current, above = cls_of.get(line[6:].split(":")[0].split("(")[0]), []
+            continue
+        if line.strip().startswith("#"):
+            above.append(line.strip().lstrip("#").strip())
             continue
         m = re.match(r"    (\w+): [^=]+= [^#]*(?:#\s*(.*))?$", line)
         if current and m:
-            docs[f"{current}.{m.group(1)}"] = (m.group(2) or "").strip()
+            docs[f"{current}.{m.group(1)}"] = (m.group(2) or " ".join(above)).strip()
+        above = []
     return docs
 
 
