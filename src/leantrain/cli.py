@@ -35,6 +35,15 @@ RECIPES: dict[str, dict] = {
 _RECIPE_NEEDS = {"forge": "leantrain.forge", "agoq": "leantrain.agoq"}
 
 
+FINETUNE_EPILOG = """tasks (generated, scored by the model's choice among a few answer tokens):
+  compare   max(3, 7) ==  -> 7        lookup   d = {'a': 3, 'b': 7}; d['b'] ==  -> 7
+  parity    sum([1, 0, 1, 1]) % 2 ==  -> 1
+options (config fields): --finetune.num-chunks N --finetune.interval K (ChunkFT), --finetune.eps E
+  (MeZO's eps, GRZO's sigma), --finetune.eval-examples N, --optim.lr (default: the method's),
+  --optim.weight-decay (default 0), --data.batch-size, --train.seed (default 0), --train.log-every,
+  --train.ckpt-every (default: at the end only), --train.device.
+"""
+
 TRAIN_EPILOG = """recipes (flags that turn techniques on; they compose):
   --forge                      FORGE: the optimizer step inside backward, no weight gradients
   --agoq                       AGoQ: ~4-bit saved activations
@@ -154,14 +163,30 @@ def cmd_config(args, rest) -> int:
     return 0
 
 
-def cmd_finetune(args, rest) -> int:
-    from leantrain.finetune.run import finetune
+# run options of `leantrain finetune` (the rest of the tree describes the model, which --from brings)
+FINETUNE_RUN_KEYS = ("finetune.", "optim.lr", "optim.weight_decay", "data.batch_size", "train.seed",
+                     "train.log_every", "train.ckpt_every", "train.device")
 
-    finetune(method=args.method, task=args.task, out=args.out, source=args.source, preset=args.preset,
-             steps=args.steps, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay, batch_size=args.batch_size,
-             eval_examples=args.eval_examples, seed=args.seed, log_every=args.log_every, device=args.device,
-             overrides=config_mod.parse_overrides(rest) if rest else None, num_chunks=args.num_chunks,
-             interval=args.interval, ckpt_every=args.ckpt_every, resume=args.resume)
+
+def cmd_finetune(args, rest) -> int:
+    from leantrain.finetune.run import DEFAULT_LR, finetune
+
+    overrides = {k.replace("-", "_"): v for k, v in config_mod.parse_overrides(rest).items()} if rest else {}
+    for key, value in (("finetune.method", args.method), ("finetune.task", args.task)):
+        if value is not None:
+            overrides[key] = value
+    run_keys = {k: v for k, v in overrides.items() if k.startswith(FINETUNE_RUN_KEYS)}
+    model_keys = {k: v for k, v in overrides.items() if k not in run_keys}
+    cfg = config_mod.build(args.preset, None, {**overrides, "train.steps": args.steps})
+    f, given = cfg.finetune, set(run_keys)
+    finetune(method=f.method, task=f.task, out=args.out, source=args.source, preset=args.preset, steps=args.steps,
+             lr=cfg.optim.lr if "optim.lr" in given else DEFAULT_LR[f.method], eps=f.eps,
+             weight_decay=cfg.optim.weight_decay if "optim.weight_decay" in given else 0.0,
+             batch_size=cfg.data.batch_size, eval_examples=f.eval_examples,
+             seed=cfg.train.seed if "train.seed" in given else 0, log_every=cfg.train.log_every,
+             device=None if cfg.train.device == "auto" else cfg.train.device, overrides=model_keys or None,
+             num_chunks=f.num_chunks, interval=f.interval,
+             ckpt_every=cfg.train.ckpt_every if "train.ckpt_every" in given else 0, resume=args.resume)
     return 0
 
 
@@ -176,25 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="baseline and every technique side by side")
     _common(p)
     p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")
-    p = sub.add_parser("finetune", help="fine-tune on a generated task: MeZO, GRZO, ChunkFT or back-propagation")
-    p.add_argument("--method", required=True, choices=["mezo", "grzo", "chunkft", "full"])
-    p.add_argument("--task", required=True, choices=["compare", "lookup", "parity"])
+    p = sub.add_parser("finetune", help="fine-tune on a generated task: MeZO, GRZO, ChunkFT or back-propagation",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=FINETUNE_EPILOG)
+    p.add_argument("--method", help="full | chunkft | mezo | grzo (finetune.method)")
+    p.add_argument("--task", help="compare | lookup | parity (finetune.task)")
     p.add_argument("--from", dest="source", help="run directory or checkpoint directory (default: random weights)")
     p.add_argument("--preset", default="tiny", help="the model without --from")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, help="learning rate (default: the method's, finetune/run.py)")
-    p.add_argument("--eps", type=float, default=1e-3, help="the perturbation's scale (MeZO's eps, GRZO's sigma)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--eval-examples", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--num-chunks", type=int, default=4, help="ChunkFT: chunks of the parameters")
-    p.add_argument("--interval", type=int, default=1, help="ChunkFT: steps each chunk stays active")
-    p.add_argument("--ckpt-every", type=int, default=0, help="also save a checkpoint every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out (same method, task, seed, batch size, ranks)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--out", required=True, help="output directory")
     p = sub.add_parser("config", help="print the resolved config tree with each field's doc")
     p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
