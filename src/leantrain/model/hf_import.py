@@ -270,7 +270,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def load_hf_state(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """The weights of a Hugging Face directory under leantrain's names for ``cfg`` (in
-    ``cfg.fused_proj``'s layout; no ``lm_head.weight`` when tied), read with ``safetensors``.
+    ``cfg.fused_proj``'s layout; when tied, ``lm_head.weight`` is the embeddings' tensor), read with ``safetensors``.
     A tensor that maps to nothing, a missing one, or one of the wrong shape is refused by name."""
     from safetensors import safe_open
 
@@ -294,7 +294,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype | No
         head = state.pop("lm_head.weight")
         if "embed_tokens.weight" in state and not torch.equal(head, state["embed_tokens.weight"]):
             raise ConfigError(f"{path}: lm_head.weight differs from the embeddings but tie_word_embeddings is true")
-    missing = [k for k in want if k not in state and not (k == "lm_head.weight" and cfg.tie_embeddings)]
+    if cfg.tie_embeddings and "embed_tokens.weight" in state:  # (one tensor under both names, as Llama's state_dict has)
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = [k for k in want if k not in state]
     if missing:
         hf_name = missing[0] if missing[0].startswith("lm_head") else f"model.{missing[0]}"
         raise ConfigError(f"{path}: the checkpoint lacks {hf_name!r}" + (f" and {len(missing) - 1} more tensors"
