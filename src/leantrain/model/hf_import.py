@@ -26,7 +26,8 @@ _HARMLESS_FIELDS = frozenset({
     "is_encoder_decoder", "is_decoder", "add_cross_attention", "id2label", "label2id", "problem_type",
     "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
     "chunk_size_feed_forward", "cross_attention_hidden_size", "finetuning_task", "max_length",
-    "use_return_dict", "auto_map", "max_window_layers",
+    "use_return_dict", "auto_map", "max_window_layers", "_attn_implementation_autoset", "attn_implementation",
+    "do_sample", "temperature", "top_p", "top_k", "num_beams", "repetition_penalty", "max_new_tokens", "min_length",
 })
 # fields read by config_from_hf (each checked, mapped, or refused when its value changes the math)
 _MAPPED_FIELDS = frozenset({
@@ -279,7 +280,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype | No
     state: dict[str, Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as reader:
-            for hf_name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for hf_name in reader.keys():
                 name = _hf_to_leantrain_name(hf_name)
                 if name.endswith("rotary_emb.inv_freq"):  # (RoPE's frequencies: recomputed from the config)
                     continue
