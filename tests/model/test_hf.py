@@ -5,6 +5,7 @@ tiny random Llama / Mistral / Qwen2 / Qwen3 models built and saved with ``save_p
 Tolerance: fp32 logits of magnitude ~1 agree to atol 2e-5, rtol 1e-5 (the same math; the
 summation order of SDPA and the matmuls differs)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from leantrain.config import ConfigError, ModelConfig  # noqa: E402
+from leantrain.config import ConfigError, ModelConfig, preset  # noqa: E402
 from leantrain.model import Llama  # noqa: E402
 from leantrain.model.hf import from_pretrained, load_hf, save_hf, save_hf_state  # noqa: E402
 
@@ -106,8 +107,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_leantrain_model_exports_as_llama(tied, tmp_path):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                      tie_embeddings=tied)
+    cfg = dataclasses.replace(preset("tiny").model, tie_embeddings=tied)
     model = Llama(cfg).eval()
     save_hf(model, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
