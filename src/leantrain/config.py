@@ -31,6 +31,27 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # the width of one attention head; None: dim // n_heads. Set apart from dim / n_heads by Qwen3
+    # and some Llama / Mistral models (q / k / v / o_proj are then n_heads x head_dim wide).
+    head_dim: int | None = None
+    # biases on q, k and v (Qwen2 / Qwen2.5; o_proj has none): in qkv_proj they are concatenated
+    # like the weights' rows, [q; k; v].
+    attention_bias: bool = False
+    # RMSNorm over each head of q and of k (weights of head_dim, eps norm_eps) before RoPE (Qwen3).
+    qk_norm: bool = False
+    # RoPE frequency scaling. "linear": every frequency divided by rope_factor (positions
+    # interpolated). "llama3" (Llama-3.1 / 3.2): wavelengths longer than
+    # rope_original_max_seq_len / rope_low_freq_factor divided by rope_factor, shorter than
+    # rope_original_max_seq_len / rope_high_freq_factor kept, the band between blended linearly.
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # "llama3" only
+    rope_high_freq_factor: float = 4.0  # "llama3" only
+    rope_original_max_seq_len: int = 8192  # "llama3" only: the context length the model was trained at
+    # sliding-window attention (Mistral): each token sees this many tokens; None: no window. The
+    # attention here is causal over the whole sequence, which is the window's attention for
+    # sequences up to the window; forward refuses a longer sequence.
+    sliding_window: int | None = None
     # GQA inside SDPA (enable_gqa): attention saves K/V at n_kv_heads, not repeated to n_heads
     # (1/8 of the K/V activation bytes at 1b). false: repeat K/V before SDPA (for SDPA backends
     # without GQA; the same values).

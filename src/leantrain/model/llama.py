@@ -9,10 +9,12 @@ fused with the LM head in vocabulary slices, no logits tensor (``fused_loss``,
 (:func:`chunked_cross_entropy`); optional activation checkpointing per block
 (``activation_checkpointing``); q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
 (``fused_proj``, the default: fewer, larger GEMMs and optimizer updates; checkpoints load either
-way), and SwiGLU as one function saving gate and up only (``fused_swiglu``, the default). With
-both, the graphed 1b step at T = 1024 took 18.9–19.1 / 50.2–51.4 / 185.9–186.3 ms at B = 1 / 4 / 16
-under torch's AdamW against 19.9–20.0 / 53.9–54.0 / 197.2 with neither (one H200,
-``benchmarks/results/2026-12-02_H200_s20/``).
+way), and SwiGLU as one function saving gate and up only (``fused_swiglu``, the default).
+Options for models brought from Hugging Face (:mod:`leantrain.model.hf`), all off by default:
+q/k/v biases (``attention_bias``, concatenated like the weights), an RMSNorm per head on q and k
+(``qk_norm``), a head width apart from ``dim / n_heads`` (``head_dim``), RoPE frequency scaling
+(``rope_scaling``: "linear" or "llama3"), and a sliding window (``sliding_window``: stored; a
+longer sequence is refused).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
 logits; ``reduction="none"`` gives per-example losses (zeroth-order fine-tuning uses them).
@@ -52,11 +54,47 @@ class RMSNorm(nn.Module):
         return rms_norm_fwd_ref(x, self.weight, self.eps)[0]  # (the same ops, through autograd)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
+def head_dim_of(cfg: ModelConfig) -> int:
+    """The width of one attention head: ``cfg.head_dim``, else ``dim // n_heads``."""
+    return cfg.head_dim if cfg.head_dim is not None else cfg.dim // cfg.n_heads
+
+
+def rope_inv_freq(head_dim: int, theta: float, *, scaling: str = "none", factor: float = 1.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_seq_len: int = 8192, device=None) -> Tensor:
+    """RoPE's ``head_dim / 2`` angular frequencies ``theta^(-2i / head_dim)``, scaled as
+    :class:`leantrain.config.ModelConfig`'s ``rope_scaling`` says ("none", "linear", "llama3";
+    the formulas of Hugging Face's ``rope_type`` of the same names)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling == "none":
+        return inv_freq
+    if scaling == "linear":
+        return inv_freq / factor
+    if scaling != "llama3":
+        raise ValueError(f"rope scaling {scaling!r} is not modelled; use 'none', 'linear' or 'llama3'")
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_seq_len / low_freq_factor  # longer: divided by factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor  # shorter: kept
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, **scaling) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` of shape ``(seq_len, head_dim / 2)``; ``scaling``: :func:`rope_inv_freq`'s
+    keywords."""
+    inv_freq = rope_inv_freq(head_dim, theta, device=device, **scaling)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     return freqs.cos(), freqs.sin()
+
+
+def rope_scaling_of(cfg: ModelConfig) -> dict:
+    """:func:`rope_inv_freq`'s scaling keywords from a :class:`ModelConfig`."""
+    return dict(scaling=cfg.rope_scaling, factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor, original_max_seq_len=cfg.rope_original_max_seq_len)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -67,12 +105,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _fuse_keys(parts: tuple[str, ...], fused: str):
     """A load_state_dict pre-hook: a checkpoint of the separate linears (``parts``) loads into
-    the fused one (their weights stacked by rows, in order)."""
+    the fused one (their weights, and biases if any, stacked by rows, in order)."""
 
     def hook(state_dict, prefix, *args):
-        names = [f"{prefix}{p}.weight" for p in parts]
-        if f"{prefix}{fused}.weight" not in state_dict and all(n in state_dict for n in names):
-            state_dict[f"{prefix}{fused}.weight"] = torch.cat([state_dict.pop(n) for n in names], 0)
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{p}.{kind}" for p in parts]
+            if f"{prefix}{fused}.{kind}" not in state_dict and all(n in state_dict for n in names):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(n) for n in names], 0)
 
     return hook
 
@@ -81,31 +120,40 @@ def _split_keys(fused: str, parts: tuple[str, ...], sizes):
     """A load_state_dict pre-hook: a checkpoint of the fused linear loads into the separate ones."""
 
     def hook(state_dict, prefix, *args):
-        name = f"{prefix}{fused}.weight"
-        if name in state_dict and not any(f"{prefix}{p}.weight" in state_dict for p in parts):
-            for p, w in zip(parts, state_dict.pop(name).split(list(sizes), 0)):
-                state_dict[f"{prefix}{p}.weight"] = w
+        for kind in ("weight", "bias"):
+            name = f"{prefix}{fused}.{kind}"
+            if name in state_dict and not any(f"{prefix}{p}.{kind}" in state_dict for p in parts):
+                for p, w in zip(parts, state_dict.pop(name).split(list(sizes), 0)):
+                    state_dict[f"{prefix}{p}.{kind}"] = w
 
     return hook
 
 
 class Attention(nn.Module):
+    """Causal grouped-query attention: q/k/v projections (with biases: ``attention_bias``), an
+    RMSNorm per head on q and k (``qk_norm``), RoPE, SDPA, ``o_proj``."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_dim_of(cfg)
         self.sdpa_gqa = cfg.sdpa_gqa
         self.rope = rope if cfg.fused_rope else apply_rope
         self.sizes = (cfg.n_heads * self.head_dim, cfg.n_kv_heads * self.head_dim, cfg.n_kv_heads * self.head_dim)
         self.fused = cfg.fused_proj
+        bias = cfg.attention_bias
         if self.fused:  # rows [q; k; v]
-            self.qkv_proj = nn.Linear(cfg.dim, sum(self.sizes), bias=False)
+            self.qkv_proj = nn.Linear(cfg.dim, sum(self.sizes), bias=bias)
             self._register_load_state_dict_pre_hook(_fuse_keys(("q_proj", "k_proj", "v_proj"), "qkv_proj"))
         else:
-            self.q_proj = nn.Linear(cfg.dim, self.sizes[0], bias=False)
-            self.k_proj = nn.Linear(cfg.dim, self.sizes[1], bias=False)
-            self.v_proj = nn.Linear(cfg.dim, self.sizes[2], bias=False)
+            self.q_proj = nn.Linear(cfg.dim, self.sizes[0], bias=bias)
+            self.k_proj = nn.Linear(cfg.dim, self.sizes[1], bias=bias)
+            self.v_proj = nn.Linear(cfg.dim, self.sizes[2], bias=bias)
             self._register_load_state_dict_pre_hook(_split_keys("qkv_proj", ("q_proj", "k_proj", "v_proj"), self.sizes))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.fused_norm)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.fused_norm)
+        self.qk_norm = cfg.qk_norm
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -115,8 +163,11 @@ class Attention(nn.Module):
             v = v.contiguous()  # (attention saves v: as a view it would keep all of q, k, v alive)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         gqa = self.n_kv != self.n_heads
@@ -201,9 +252,7 @@ def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_in
     n = logits.shape[0]
     if chunk <= 0 or n <= chunk:
         return F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=ignore_index)
-    # (split's backward concatenates the chunks' gradients. Writing each into the result as it
-    # arrived, through views of the logits, measured a higher peak on the H200:
-    # benchmarks/results/2026-11-30_H200_s9/second.)
+    # (split's backward concatenates the chunks' gradients.)
     return torch.cat([F.cross_entropy(x.float(), t, reduction="none", ignore_index=ignore_index)
                       for x, t in zip(logits.split(chunk), targets.split(chunk), strict=True)])
 
@@ -211,11 +260,12 @@ def chunked_cross_entropy(logits: Tensor, targets: Tensor, chunk: int, ignore_in
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or (cfg.dim // cfg.n_heads) % 2:
-            raise ValueError(
-                f"model: dim ({cfg.dim}) must divide into n_heads ({cfg.n_heads}) heads of even size, "
-                f"and n_heads must be a multiple of n_kv_heads ({cfg.n_kv_heads})"
-            )
+        if cfg.head_dim is None and cfg.dim % cfg.n_heads:
+            raise ValueError(f"model: dim ({cfg.dim}) must divide into n_heads ({cfg.n_heads}) heads, "
+                             "or head_dim must be set")
+        if cfg.n_heads % cfg.n_kv_heads or head_dim_of(cfg) % 2 or head_dim_of(cfg) < 2:
+            raise ValueError(f"model: heads must be of even size (got {head_dim_of(cfg)}) and n_heads "
+                             f"({cfg.n_heads}) a multiple of n_kv_heads ({cfg.n_kv_heads})")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -223,7 +273,7 @@ class Llama(nn.Module):
         self.lm_head = LMHead(cfg.dim, cfg.vocab_size, cfg.loss_chunk)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(head_dim_of(cfg), cfg.max_seq_len, cfg.rope_theta, **rope_scaling_of(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -231,7 +281,9 @@ class Llama(nn.Module):
     def reset_parameters(self) -> None:
         std = 0.02
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
@@ -245,6 +297,10 @@ class Llama(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if self.cfg.sliding_window is not None and T > self.cfg.sliding_window:
+            raise ValueError(f"sequence length {T} exceeds the model's sliding window "
+                             f"({self.cfg.sliding_window} tokens), which is not modelled; use sequences "
+                             "of at most that many tokens")
         x = self.embed_tokens(idx)
         ckpt = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
