@@ -4,6 +4,7 @@
     leantrain train --preset tiny --baseline --out runs/base
     leantrain compare --preset tiny --steps 300 --out runs/cmp
     leantrain finetune --method grzo|mezo|chunkft|full --task compare --from runs/a --out runs/ft
+    leantrain export runs/a hf_out          (a Hugging Face model directory: from_pretrained loads it)
     leantrain config --preset tiny [--section.field value ...]   (the resolved config, every field documented)
 
 Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``,
@@ -163,6 +164,25 @@ def cmd_config(args, rest) -> int:
     return 0
 
 
+def cmd_export(args, rest) -> int:
+    """A run directory (its newest checkpoint) or one checkpoint directory as a Hugging Face model."""
+    from leantrain.model.hf import save_hf_state
+    from leantrain.runtime import checkpoint
+
+    src = Path(args.source)
+    ckpt = src if (src / "meta.json").exists() else checkpoint.latest(src)
+    if ckpt is None:
+        raise ConfigError(f"{src}: neither a checkpoint directory nor a run directory with checkpoints")
+    state, meta = checkpoint.load_model_state(ckpt)
+    if "config" not in meta:
+        raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")
+    tok = next((p for p in (ckpt.parent.parent / "tokenizer.json", src / "tokenizer.json") if p.exists()), None)
+    out = save_hf_state(config_mod.from_dict(meta["config"]).model, state, args.out, tokenizer=tok,
+                        overwrite=args.overwrite)
+    print(f"exported {ckpt} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 # run options of `leantrain finetune` (the rest of the tree describes the model, which --from brings)
 FINETUNE_RUN_KEYS = ("finetune.", "optim.lr", "optim.weight_decay", "data.batch_size", "train.seed",
                      "train.log_every", "train.ckpt_every", "train.device")
@@ -211,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out (same method, task, seed, batch size, ranks)")
     p.add_argument("--out", required=True, help="output directory")
+    p = sub.add_parser("export", help="write a run or checkpoint as a Hugging Face model directory")
+    p.add_argument("source", help="run directory (its newest checkpoint) or checkpoint directory")
+    p.add_argument("out", help="the Hugging Face model directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p = sub.add_parser("config", help="print the resolved config tree with each field's doc")
     p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
     p.add_argument("--config", help="TOML file of config overrides")
@@ -223,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args, rest)
         if args.command == "finetune":
             return cmd_finetune(args, rest)
+        if args.command == "export":
+            return cmd_export(args, rest)
         return cmd_config(args, rest)
     except ConfigError as e:
         print(f"leantrain: error: {e}", file=sys.stderr)

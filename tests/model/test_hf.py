@@ -220,3 +220,24 @@ def test_mistral_window_is_kept_and_enforced(tmp_path):
     assert model.cfg.sliding_window == 32
     with pytest.raises(ValueError, match="sliding window"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_export_command_writes_a_model_transformers_loads(corpus, tmp_path):
+    """`leantrain export RUN OUT`: the run's newest checkpoint as an HF directory, no missing or
+    unexpected keys, the same logits as the run's model."""
+    from helpers import tiny_config
+
+    from leantrain.cli import main as cli_main
+    from leantrain.train import Trainer
+
+    run = tmp_path / "run"
+    tr = Trainer(tiny_config(corpus, **{"train.steps": "2", "train.ckpt_every": "2"}), run)
+    tr.fit()
+    assert cli_main(["export", str(run), str(tmp_path / "hf")]) == 0
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    idx = torch.randint(0, tr.cfg.model.vocab_size, (2, 16))
+    tr.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf.float()(idx).logits, tr.model.float()(idx), atol=2e-5, rtol=1e-5)
+    assert cli_main(["export", str(tmp_path / "nothing"), str(tmp_path / "hf2")]) == 2
