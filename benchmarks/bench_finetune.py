@@ -4,7 +4,7 @@ each at a few learning rates and seeds, from one trained checkpoint.
     PYTHONPATH=src python3 benchmarks/bench_finetune.py --from runs/default --task compare \\
         --out benchmarks/results/DIR [--methods mezo:1e-4,3e-4 grzo:3e-6,1e-5 full:1e-4] [--seeds 0 1 2]
 
-Every run is ``leantrain.finetune.run.finetune`` (the CLI's code); its ``summary.json`` goes to
+Every run is ``leantrain.train.finetune.finetune`` (the CLI's code); its ``summary.json`` goes to
 ``DIR/runs/<task>-<method>-<lr>-s<seed>/``. ``finetune.json`` holds every summary and
 ``finetune.md`` a table: accuracy before and after (mean and each seed), seconds a step, the
 counted memory against the weights, and on CUDA the allocator's peak against inference's.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from leantrain.finetune.run import finetune  # noqa: E402
+from leantrain.train.finetune import finetune  # noqa: E402
 
 DEFAULT_METHODS = ["mezo:3e-5,1e-4,3e-4", "grzo:3e-6,1e-5,3e-5", "full:1e-4"]
 

@@ -189,7 +189,7 @@ FINETUNE_RUN_KEYS = ("finetune.", "optim.lr", "optim.weight_decay", "data.batch_
 
 
 def cmd_finetune(args, rest) -> int:
-    from leantrain.finetune.run import DEFAULT_LR, finetune
+    from leantrain.train.finetune import DEFAULT_LR, finetune
 
     overrides = {k.replace("-", "_"): v for k, v in config_mod.parse_overrides(rest).items()} if rest else {}
     for key, value in (("finetune.method", args.method), ("finetune.task", args.task)):

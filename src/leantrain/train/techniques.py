@@ -15,6 +15,7 @@ BUILTIN = (
     "leantrain.agoq.technique",
     "leantrain.parallel.technique",
     "leantrain.comm.technique",
+    "leantrain.finetune.technique",
 )
 
 

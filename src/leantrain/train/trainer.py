@@ -24,13 +24,12 @@ import math
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from leantrain.runtime import checkpoint, collectives
+from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain import data as data_mod
 from leantrain.config import Config, ConfigError
 from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
@@ -52,19 +51,7 @@ def log0(*args) -> None:
 
 def setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     """Device and process group from the environment (torchrun sets RANK/WORLD_SIZE)."""
-    want = cfg.train.device
-    use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if use_cuda:
-            torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
-    rank = collectives.rank()
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
-    return device, rank, collectives.world_size()
+    return distributed.setup(cfg.train.device, cfg.dist.timeout_s)
 
 
 def lr_lambda(cfg: Config):
@@ -130,6 +117,9 @@ class Trainer:
         if self.baseline and asked:
             raise ConfigError(f"--baseline is plain PyTorch AdamW: do not combine it with {', '.join(asked)}")
         techniques.check(self.technique_classes, c, device=self.device, world=self.world)
+        zo = [cls.name for cls in self.technique_classes if cls.zeroth_order]
+        if zo:
+            raise ConfigError(f"{zo[0]} is a zeroth-order fine-tuning method: run it with leantrain finetune --method {zo[0]}")
         if c.train.cuda_graph:
             why = [w for bad, w in (
                 (self.device.type != "cuda", "a CUDA device"),

@@ -4,6 +4,12 @@ AdamW), and measure accuracy and memory.
 
     leantrain finetune --method grzo --task compare --from runs/default --steps 300 --out runs/ft
 
+The methods are techniques (:mod:`leantrain.finetune.technique`, found through the registry of
+:mod:`leantrain.technique`): ``chunkft`` owns the step, ``mezo`` / ``grzo`` replace forward and
+backward by their zeroth-order step, ``full`` is plain AdamW. The run shares the trainer's
+runtime: device and process group (:mod:`leantrain.runtime.distributed`), checkpoints, the
+typed config tree (``[finetune]``, ``[optim]``, ``[train]``).
+
 ``--from`` is a run directory of ``leantrain train`` (its newest checkpoint) or one checkpoint
 directory, with the run's ``tokenizer.json`` (the trainer writes it); without it the model of
 ``--preset`` (and ``--section.field value`` overrides) starts from random weights (smoke tests,
@@ -34,7 +40,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from leantrain.runtime import checkpoint, collectives
 
@@ -42,10 +47,11 @@ from leantrain import data
 from leantrain import config as config_mod
 from leantrain.config import ConfigError
 from leantrain.finetune import tasks
-from leantrain.finetune.chunkft import ChunkFT
-from leantrain.finetune.zo import GRZO, MeZO
-from leantrain.runtime.ledger import count_bytes, tensors_in
 from leantrain.model import Llama
+from leantrain.runtime import distributed
+from leantrain.runtime.ledger import count_bytes, tensors_in
+from leantrain.technique import Run
+from leantrain.train import techniques
 
 METHODS = ("mezo", "grzo", "chunkft", "full")
 DEFAULT_LR = {"mezo": 3e-4, "grzo": 1e-5, "chunkft": 1e-4, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
@@ -80,20 +86,18 @@ def load_model(source: str | None, preset: str, device, overrides: dict | None =
     return cfg, model.to(device), str(ckpt), tok if tok.exists() else None
 
 
-def _step(method: str, opt, model, b: tasks.Batch, params: list, noise: int) -> tuple[float, int]:
-    """One step of ``method`` on batch ``b``: (its loss, the bytes the method held beyond the
-    weights at its peak: counted tensors; ``noise``: the bytes of a zeroth-order step's noise block)."""
-    if method == "mezo":  # (the mean in fp64: MeZO's (ℓ₊ - ℓ₋) / 2ε magnifies a mean's rounding)
-        return opt.step(lambda: tasks.losses(model, b).double().mean()), noise
-    if method == "grzo":
-        loss = opt.step(lambda: tasks.losses(model, b))
-        return loss, opt.last["sign_bytes"] + noise
-    model.train()  # back-propagation: full, or ChunkFT's active chunk
+def _step(tech, opt, model, b: tasks.Batch, params: list) -> tuple[float, int]:
+    """One step on batch ``b``: (its loss, the bytes the method held beyond the weights at its peak:
+    counted tensors)."""
+    if tech is not None and tech.zeroth_order:
+        loss = tech.zo_step(opt, lambda: tasks.losses(model, b))
+        return loss, tech.held_bytes(opt)
+    model.train()  # back-propagation: full AdamW, or a technique that owns the step (ChunkFT)
     opt.zero_grad(set_to_none=True)
     lv = tasks.losses(model, b).mean()
     lv.backward()
-    if method == "chunkft":  # the active chunk's gradient rows and state arena: what it holds on the device
-        held = opt.device_state_bytes()
+    if tech is not None:
+        held = tech.held_bytes(opt)
         opt.step()
     else:
         grads = count_bytes(p.grad for p in params if p.grad is not None)
@@ -115,19 +119,11 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         raise ConfigError(f"--task must be one of {', '.join(tasks.TASKS)}, got {task!r}")
     if steps < 1 or batch_size < 2:
         raise ConfigError("finetune needs --steps >= 1 and --batch-size >= 2 (GRZO normalizes over the batch)")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        if method in ("full", "chunkft"):
-            raise ConfigError(f"finetune --method {method} runs in one process; under torchrun use mezo or grzo "
-                              "(or leantrain train for data-parallel back-propagation)")
-        if not dist.is_initialized():
-            if dev.type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-        if dev.type == "cuda":
-            dev = torch.device(f"cuda:{torch.cuda.current_device()}")
-    rank = collectives.rank()
+    if world > 1 and method == "full":
+        raise ConfigError("finetune --method full runs in one process; under torchrun use mezo or grzo "
+                          "(or leantrain train for data-parallel back-propagation)")
+    dev, rank, world = distributed.setup(device or "auto")
     if rank:
         log = lambda *a: None  # noqa: E731 (rank 0 reports)
     out_dir = Path(out)
@@ -142,10 +138,18 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         except FileNotFoundError as e:
             raise ConfigError(f"--resume: {e}") from None
         ft = meta.get("finetune", {})
-        mine = {"method": method, "task": task, "seed": seed, "batch_size": batch_size, "world_size": world}
-        theirs = {k: ft.get(k) for k in mine}
-        if theirs != mine:
-            raise ConfigError(f"--resume: the checkpoint {ckpt} was made with {theirs}, this run asks for {mine}")
+        mine = {"method": method, "task": task, "seed": seed, "batch_size": batch_size, "world_size": world,
+                "num_chunks": num_chunks, "interval": interval}
+        if method != "chunkft":
+            del mine["num_chunks"], mine["interval"]
+        differ = [k for k in mine if k in ft and ft[k] != mine[k]]
+        if differ:
+            flags = {"method": "--method", "task": "--task", "seed": "--train.seed", "batch_size": "--data.batch-size",
+                     "world_size": "torchrun --nproc-per-node", "num_chunks": "--finetune.num-chunks",
+                     "interval": "--finetune.interval"}
+            raise ConfigError(f"--resume: the checkpoint {ckpt} was made with "
+                              + ", ".join(f"{k} {ft[k]} (this run: {mine[k]}; pass {flags[k]} {ft[k]})" for k in differ)
+                              + "; nothing was changed")
         resumed = (rank_state, ft)
         source, overrides = str(ckpt), None  # (its weights, config and the run's tokenizer.json)
     cfg, model, origin, tok_path = load_model(source, preset, dev, overrides)
@@ -195,22 +199,14 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         torch.cuda.reset_peak_memory_stats(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     t_setup = time.perf_counter()
-    if method == "mezo":
-        opt = MeZO(params, lr, eps=eps, weight_decay=weight_decay, seed=seed)
-    elif method == "grzo":
-        opt = GRZO(model, lr, sigma=eps, weight_decay=weight_decay, seed=seed)
-        if opt.frozen:
-            log(f"GRZO leaves {len(opt.frozen)} parameters as they are: {', '.join(opt.frozen[:4])}"
-                f"{' ...' if len(opt.frozen) > 4 else ''}")
-    elif method == "chunkft":
-        try:
-            opt = ChunkFT(model, "adamw", num_chunks=num_chunks, interval=interval, lr=lr, weight_decay=weight_decay)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        log(f"ChunkFT: {num_chunks} chunks of {', '.join(str(len(c)) for c in opt.chunks)} pieces, "
-            f"each active {interval} step(s) in turn")
-    else:
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    cfg.finetune.method, cfg.finetune.eps = method, eps
+    cfg.finetune.num_chunks, cfg.finetune.interval = num_chunks, interval
+    cfg.optim.lr, cfg.optim.weight_decay, cfg.train.seed = lr, weight_decay, seed
+    classes = techniques.wanted(cfg)
+    techniques.check(classes, cfg, device=dev, world=world)
+    run = Run(cfg, model, dev, rank, world, log=log)
+    tech = next((t for t in techniques.build(classes, run) if t.owns_step), None)
+    opt = tech.optimizer(run, None) if tech is not None else torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     setup = time.perf_counter() - t_setup  # (ChunkFT page-locks its host block here)
     start = 0
     if resumed is not None:
@@ -221,16 +217,12 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         log(f"resumed at step {start} from {out_dir / 'checkpoints'}")
     meta = {"config": cfg.to_dict(), "finetune": {
         "method": method, "task": task, "from": origin, "lr": lr, "seed": seed, "batch_size": batch_size,
-        "world_size": world, "accuracy_before": acc0, "eval_loss_before": loss0}}
+        "world_size": world, "num_chunks": num_chunks, "interval": interval, "accuracy_before": acc0, "eval_loss_before": loss0}}
 
     def save(step: int) -> Path:
         return checkpoint.save(out_dir, step, model.state_dict(), {"optimizer": opt.state_dict(), "step": step}, meta,
                                rank=rank, world=world, barrier=collectives.barrier)
     weights = count_bytes(model.parameters())
-    noise = 0  # the largest noise block a zeroth-order step draws (fp32)
-    if method in ("mezo", "grzo"):
-        sizes = [p.numel() for p in params] if method == "mezo" else [m.weight.numel() for m in opt.modules]
-        noise = 4 * min(opt.block, max(sizes))
     extra, t0, times = 0, time.perf_counter(), []
     metrics = out_dir / "metrics.jsonl"
     if resumed is not None and rank == 0 and metrics.exists():  # drop lines past the checkpoint (logged, then lost)
@@ -239,7 +231,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     with open(metrics, "a" if resumed is not None else "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(start + 1, steps + 1):
             t = time.perf_counter()
-            loss, held = _step(method, opt, model, batch_of(step), params, noise)  # (ends on a loss read back)
+            loss, held = _step(tech, opt, model, batch_of(step), params)  # (ends on a loss read back)
             times.append(time.perf_counter() - t)
             extra = max(extra, held)
             if step % log_every == 0 or step == steps:
@@ -252,8 +244,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     secs = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) if cuda else 0  # (the steps only: read before the evaluation)
     model.eval()
-    if method == "chunkft":
-        opt.detach()  # (the model's own forwards again)
+    if hasattr(opt, "detach"):  # (ChunkFT: the model's own forwards again)
+        opt.detach()
     acc1, loss1 = tasks.accuracy(model, evalb)
     ckpt = save(steps)
     if rank:
@@ -267,10 +259,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         "median_step_seconds": sorted(times)[len(times) // 2], "setup_seconds": setup, "weights_bytes": weights, "method_bytes": extra,
         "memory_vs_weights": (weights + extra) / weights,
     }
-    if method == "grzo":
-        summary["grzo_frozen"] = opt.frozen
-    if method == "chunkft":
-        summary.update(num_chunks=num_chunks, interval=interval, offloaded_bytes=opt.host_state_bytes())
+    if tech is not None:
+        summary.update(tech.summary(opt))
     if cuda:
         summary.update(peak_memory_bytes=peak, inference_peak_bytes=infer_peak, peak_vs_inference=peak / infer_peak,
                        peak_above_weights_bytes=peak - weights)

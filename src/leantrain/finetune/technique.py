@@ -1,0 +1,122 @@
+"""The fine-tuning methods as techniques of a run (``--finetune.method``; :mod:`leantrain.technique`).
+
+``full`` is no technique: plain AdamW over every parameter. ``chunkft`` owns the step (one chunk
+of the parameters gets gradients and device state at a time). ``mezo`` and ``grzo`` are
+zeroth-order: they replace forward + backward by loss evaluations at perturbed weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from leantrain.config import Config, ConfigError
+from leantrain.finetune.chunkft import ChunkFT as ChunkFTOptimizer
+from leantrain.finetune.zo import GRZO, MeZO, noise_block_for
+from leantrain.technique import Run, Technique, register
+
+
+class _FinetuneMethod(Technique):
+    method = ""
+
+    @classmethod
+    def wanted(cls, cfg: Config) -> bool:
+        return cfg.finetune.method == cls.method
+
+    def held_bytes(self, opt) -> int:
+        """Bytes the method holds beyond the weights at its peak in a step (counted tensors)."""
+        return 0
+
+    def summary(self, opt) -> dict:
+        """The method's own figures for ``summary.json``."""
+        return {}
+
+
+@register
+class ChunkFT(_FinetuneMethod):
+    name = method = "chunkft"
+    owns_step = True
+
+    @classmethod
+    def check(cls, cfg: Config, *, device, world: int) -> None:
+        if world > 1:
+            raise ConfigError("finetune --method chunkft runs in one process; under torchrun use mezo or grzo "
+                              "(or leantrain train for data-parallel back-propagation)")
+        if cfg.finetune.num_chunks < 1 or cfg.finetune.interval < 1:
+            raise ConfigError("finetune.num_chunks and finetune.interval must be >= 1")
+
+    def optimizer(self, run: Run, rule):
+        f, o = run.cfg.finetune, run.cfg.optim
+        try:
+            opt = ChunkFTOptimizer(run.model, "adamw", num_chunks=f.num_chunks, interval=f.interval, lr=o.lr,
+                                   weight_decay=o.weight_decay)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        run.log(f"ChunkFT: {f.num_chunks} chunks of {', '.join(str(len(c)) for c in opt.chunks)} pieces, "
+                f"each active {f.interval} step(s) in turn")
+        return opt
+
+    def held_bytes(self, opt) -> int:
+        return opt.device_state_bytes()  # (the active chunk's gradient rows and state arena)
+
+    def summary(self, opt) -> dict:
+        f = self.run.cfg.finetune
+        return {"num_chunks": f.num_chunks, "interval": f.interval, "offloaded_bytes": opt.host_state_bytes()}
+
+
+class _ZerothOrder(_FinetuneMethod):
+    owns_step = True
+    zeroth_order = True
+
+    def noise_bytes(self, opt) -> int:
+        """The largest noise block a step draws (fp32)."""
+        return 4 * min(opt.block, max(self._sizes(opt)))
+
+
+@register
+class Mezo(_ZerothOrder):
+    name = method = "mezo"
+
+    def optimizer(self, run: Run, rule):
+        params = [p for p in run.model.parameters() if p.requires_grad]
+        return MeZO(params, run.cfg.optim.lr, eps=run.cfg.finetune.eps, weight_decay=run.cfg.optim.weight_decay,
+                    seed=run.cfg.train.seed)
+
+    def zo_step(self, opt, losses: Callable[[], Tensor]) -> float:
+        # (the mean in fp64: MeZO's (l+ - l-) / 2 eps magnifies a mean's rounding)
+        return opt.step(lambda: losses().double().mean())
+
+    def _sizes(self, opt) -> list[int]:
+        return [p.numel() for g in opt.param_groups for p in g["params"]]
+
+    def held_bytes(self, opt) -> int:
+        return self.noise_bytes(opt)
+
+
+@register
+class Grzo(_ZerothOrder):
+    name = method = "grzo"
+
+    def optimizer(self, run: Run, rule):
+        opt = GRZO(run.model, run.cfg.optim.lr, sigma=run.cfg.finetune.eps, weight_decay=run.cfg.optim.weight_decay,
+                   seed=run.cfg.train.seed)
+        if opt.frozen:
+            run.log(f"GRZO leaves {len(opt.frozen)} parameters as they are: {', '.join(opt.frozen[:4])}"
+                    f"{' ...' if len(opt.frozen) > 4 else ''}")
+        return opt
+
+    def zo_step(self, opt, losses: Callable[[], Tensor]) -> float:
+        return opt.step(losses)
+
+    def _sizes(self, opt) -> list[int]:
+        return [m.weight.numel() for m in opt.modules]
+
+    def held_bytes(self, opt) -> int:
+        return opt.last["sign_bytes"] + self.noise_bytes(opt)
+
+    def summary(self, opt) -> dict:
+        return {"grzo_frozen": opt.frozen}
+
+
+__all__ = ["ChunkFT", "Grzo", "Mezo", "noise_block_for"]

@@ -1,0 +1,28 @@
+"""Device and process group of a run: one code path for CPU, one GPU and ``torchrun``."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from leantrain.config import ConfigError
+from leantrain.runtime import collectives
+
+
+def setup(device: str = "auto", timeout_s: float = 120.0) -> tuple[torch.device, int, int]:
+    """``(device, rank, world size)`` from the environment (torchrun sets RANK / WORLD_SIZE /
+    LOCAL_RANK); the process group is made once, NCCL on CUDA, gloo on CPU. ``device``: auto
+    (CUDA when present), cpu or cuda."""
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use --train.device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    dev = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
+    return dev, collectives.rank(), collectives.world_size()
