@@ -74,6 +74,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     p.add_argument("--data", help="text file, directory, .jsonl or .bin tokens (default: embedded corpus)")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
 
 
 def _build_config(args, rest: list[str]) -> config_mod.Config:
@@ -95,7 +96,7 @@ def cmd_train(args, rest) -> int:
     from leantrain.train.trainer import Trainer
 
     cfg = _build_config(args, rest)
-    trainer = Trainer(cfg, args.out, baseline=args.baseline, resume=args.resume)
+    trainer = Trainer(cfg, args.out, baseline=args.baseline, resume=args.resume, overwrite=args.overwrite)
     summary = trainer.fit()
     if trainer.rank == 0:
         val = ""
@@ -131,7 +132,7 @@ def cmd_compare(args, rest) -> int:
             config_mod.set_field(cfg, k, v)
         cfg.train.sample_tokens = 0
         print(f"[compare] {name}")
-        tr = Trainer(cfg, out / name, baseline=name == "baseline")
+        tr = Trainer(cfg, out / name, baseline=name == "baseline", overwrite=args.overwrite)
         results[name] = tr.fit()
     path = write_report(out, results)
     print(f"report: {path}")
@@ -253,12 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"leantrain: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("leantrain: interrupted (a second Ctrl-C): nothing written since the last checkpoint", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001
-        from leantrain.train.trainer import NonFiniteLoss
+        from leantrain.train.trainer import Interrupted, NonFiniteLoss
 
         if isinstance(e, NonFiniteLoss):
             print(f"leantrain: error: {e}", file=sys.stderr)
             return 3
+        if isinstance(e, Interrupted):
+            print(f"leantrain: {e}", file=sys.stderr)
+            return 130
         raise
 
 

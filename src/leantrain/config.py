@@ -11,6 +11,7 @@ message that lists the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -498,8 +499,13 @@ def validate(cfg: Config) -> None:
         (d.seq_len <= m.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
         (d.batch_size >= 1 and d.grad_accum >= 1, "data.batch_size and data.grad_accum must be >= 1"),
         (0.0 < d.val_fraction < 1.0, "data.val_fraction must be in (0, 1)"),
-        (t.steps >= 0, "train.steps must be >= 0"),
-        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (t.steps >= 1, f"train.steps must be at least 1, got {t.steps}"),
+        (math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0, f"optim.lr must be a finite number > 0, got {cfg.optim.lr}"),
+        (m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads == 0,
+         f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})"),
+        (m.head_dim is not None or (m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2 == 0),
+         f"model.dim ({m.dim}) must divide into model.n_heads ({m.n_heads}) heads of even size "
+         f"(e.g. --model.dim {max(m.n_heads * 2, (m.dim // (2 * m.n_heads)) * 2 * m.n_heads)})"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
         (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from leantrain.train.trainer import plot_losses
+from leantrain.train.progress import plot_losses
 
 
 def _ratio(x, base) -> str:

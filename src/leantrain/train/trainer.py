@@ -22,6 +22,8 @@ import contextlib
 import json
 import math
 import os
+import signal
+import threading
 import sys
 import time
 from pathlib import Path
@@ -37,11 +39,49 @@ from leantrain.model import Llama
 from leantrain.optim import Optimizer, make_rule
 from leantrain.runtime.ddp_hooks import counted_allreduce_hook
 from leantrain.technique import Run
-from leantrain.train import techniques
+from leantrain.train import rundir, techniques
+from leantrain.train.progress import Progress, plot_losses
 
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+class Interrupted(RuntimeError):
+    """SIGINT / SIGTERM stopped the run after a step; its checkpoint, summary and plot are written."""
+
+
+class StopSignals:
+    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT stops it at
+    once: the default handler again). Installed in the main thread only; under torchrun every rank
+    gets the signal and the ranks agree on the step (``requested`` all-reduces the flag)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a second Ctrl-C: at once)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def requested(self, world: int, device) -> bool:
+        if world == 1:
+            return self.signum != 0
+        flag = torch.tensor([float(self.signum != 0)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def log0(*args) -> None:
@@ -82,18 +122,19 @@ def rule_from_config(cfg: Config):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, out_dir: str | Path, *, baseline: bool = False, resume: bool = False):
+    def __init__(self, cfg: Config, out_dir: str | Path, *, baseline: bool = False, resume: bool = False,
+                 overwrite: bool = False):
         self.cfg, self.out, self.baseline, self.resume = cfg, Path(out_dir), baseline, resume
         self.device, self.rank, self.world = setup_distributed(cfg)
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
-        self.out.mkdir(parents=True, exist_ok=True)
+        rundir.prepare(self.out, resume=resume, overwrite=overwrite and self.rank == 0)
         self.technique_classes = [] if baseline else techniques.wanted(cfg)
         self._check_combination()
+        self.resume_from = self._check_resume() if resume else None  # (before anything is written)
         self.data = data_mod.load(cfg.data, log=log0)
         cfg.model.vocab_size = self.data.vocab_size
-        if self.rank == 0 and self.data.tokenizer is not None:  # the run's own copy (leantrain finetune reads it)
-            self.data.tokenizer.save(self.out / "tokenizer.json")
+        self._keep_tokenizer()
         torch.manual_seed(cfg.train.seed)
         self.model = Llama(cfg.model)
         if cfg.train.weights == "bf16":
@@ -106,10 +147,47 @@ class Trainer:
         self.techniques = [] if baseline else techniques.build(self.technique_classes, self.run)
         self.opt = self._build_optimizer()
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
-        if resume:
-            self._load_latest()
+        if self.resume_from is not None:
+            self._load(self.resume_from)
 
     # ------------------------------------------------------------ composition
+
+    def _check_resume(self) -> Path | None:
+        """The checkpoint ``--resume`` continues from, after checking that it was made by this run's
+        config (``rundir.RESUMABLE`` fields may differ); refused with one sentence naming every
+        difference and the flag that matches, before anything in the run directory is written."""
+        path = checkpoint.latest(self.out)
+        if path is None:
+            log0(f"--resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
+            return None
+        meta = json.loads((path / "meta.json").read_text())
+        diffs = rundir.resume_mismatch(meta.get("config", {}), self.cfg.to_dict())
+        if meta.get("baseline", False) != self.baseline:
+            diffs.append(f"recipe {'--baseline' if meta.get('baseline') else 'not --baseline'} (pass "
+                         f"{'--baseline' if meta.get('baseline') else 'no --baseline'})")
+        if meta.get("world_size", 1) != self.world:
+            diffs.append(f"{meta.get('world_size', 1)} processes (this run: {self.world}; run torchrun "
+                         f"--nproc-per-node {meta.get('world_size', 1)})")
+        if diffs:
+            raise ConfigError(f"--resume: checkpoint {path} was made with " + "; ".join(diffs)
+                              + ". Nothing in the run directory was changed.")
+        return path
+
+    def _keep_tokenizer(self) -> None:
+        """The run's copy of its tokenizer (``leantrain finetune`` and ``export`` read it); a resumed
+        run's data must tokenize as the checkpoint's did."""
+        tok = self.data.tokenizer
+        if tok is None:
+            return
+        saved = self.out / "tokenizer.json"
+        if self.resume_from is not None and saved.exists():
+            old, probe = data_mod.Tokenizer.load(saved), "def f(x):\n    return x + 1  # tokenizer probe\n"
+            if old.vocab_size != tok.vocab_size or old.encode(probe) != tok.encode(probe):
+                raise ConfigError(f"--resume: the data's tokenizer differs from {saved} (another corpus or "
+                                  "data.tokenizer_vocab); nothing in the run directory was changed")
+            return
+        if self.rank == 0:
+            tok.save(saved)
 
     def _check_combination(self) -> None:
         c = self.cfg
@@ -208,14 +286,14 @@ class Trainer:
                 loss = self._graph_step(x, y)
                 if skip and not torch.isfinite(loss).item():
                     self._skip(loss)
-                    return {"loss": float("nan"), "skipped": True}
+                    return {"loss": float("nan"), "skipped": True, "lr": self.sched.get_last_lr()[0]}
             else:
                 with sync, meter if (meter is not None and micro == 0) else contextlib.nullcontext():
                     with self._autocast():
                         loss = self.forward_module(x, y) / d.grad_accum
                     if skip and not torch.isfinite(loss.detach()).item():
                         self._skip(loss)
-                        return {"loss": float("nan"), "skipped": True}
+                        return {"loss": float("nan"), "skipped": True, "lr": self.sched.get_last_lr()[0]}
                     loss.backward()
             for t in self.techniques:
                 t.after_micro_batch()
@@ -227,7 +305,7 @@ class Trainer:
             t = total.reshape(1).clone()
             dist.all_reduce(t)
             total = t[0] / self.world
-        info = {"loss": total}
+        info = {"loss": total, "lr": self.sched.get_last_lr()[0]}  # (the lr this step used)
         if c.optim.grad_clip > 0 and not any(t.clips_gradients() for t in self.techniques):
             info["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
         if measure:
@@ -264,10 +342,11 @@ class Trainer:
         log0(f"step {self.step + 1}: non-finite loss ({loss.item()}); update skipped (train.on_nonfinite=skip)")
 
     def _stop(self, step: int, loss: float) -> NonFiniteLoss:
-        return NonFiniteLoss(
-            f"step {step}: the loss is {loss}; training stopped. The last good checkpoint is kept in "
-            f"{self.out / 'checkpoints'}. Lower optim.lr, or pass --train.on_nonfinite skip to skip such steps."
-        )
+        last = checkpoint.latest(self.out)
+        kept = (f"The last good checkpoint, {last}, is kept (--resume continues from it)." if last is not None
+                else "No checkpoint was written before it.")
+        return NonFiniteLoss(f"step {step}: the loss is {loss}; training stopped. {kept} Lower optim.lr, or pass "
+                             "--train.on-nonfinite skip to skip such steps.")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -299,23 +378,11 @@ class Trainer:
             rank=self.rank, world=self.world, barrier=collectives.barrier, keep=self.cfg.train.keep_checkpoints,
         )
 
-    def _load_latest(self) -> None:
-        path = checkpoint.latest(self.out)
-        if path is None:
-            log0(f"--resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
-            return
+    def _load(self, path: Path) -> None:
         model_state, rank_state, meta = checkpoint.load(path, rank=self.rank)
-        if meta.get("world_size", 1) != self.world:
-            raise ConfigError(f"checkpoint {path} was written by {meta['world_size']} processes; resume with the same number")
-        # (a checkpoint's model loads into either layout, its optimizer state only into its own; a
-        # checkpoint older than model.fused_proj was written with the separate linears)
-        fused = meta.get("config", {}).get("model", {}).get("fused_proj", False)
-        if fused != self.cfg.model.fused_proj:
-            raise ConfigError(f"checkpoint {path} was written with model.fused_proj={str(fused).lower()}: resume with "
-                              f"--model.fused-proj {str(fused).lower()} (the optimizer state is kept per linear layer)")
         missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()}, strict=False)
         if unexpected or any(k != "lm_head.weight" for k in missing):
-            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+            raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
         self.opt.load_state_dict(rank_state["optimizer"])
         self.sched.load_state_dict(rank_state["scheduler"])
         torch.set_rng_state(rank_state["torch_rng"])
@@ -339,10 +406,11 @@ class Trainer:
         log0(f"model: {n_params / 1e6:.2f} M parameters | preset {c.preset} | device {self.device} x{self.world} | "
              f"recipe {recipe_name(c, self.baseline)}")
         metrics_path = self.out / "metrics.jsonl"
-        mode = "a" if self.resume and self.step > 0 else "w"
-        mfile = open(metrics_path, mode) if is0 else None
+        if is0 and self.step > 0:
+            rundir.truncate_metrics(metrics_path, self.step)  # (rows logged after the checkpoint are replayed)
+        mfile = open(metrics_path, "a" if self.step > 0 else "w") if is0 else None
         tokens_per_step = c.data.seq_len * c.data.batch_size * c.data.grad_accum * self.world
-        bar = _progress(t.steps, self.step, enabled=is0 and t.progress)
+        bar = Progress(t.steps, self.step, t.log_every, enabled=is0 and t.progress)
         self.last_memory, val_loss, first_val = None, None, None
         losses, train_time, run_tokens, start_step = [], 0.0, 0, self.step
         if self.device.type == "cuda":
@@ -355,7 +423,7 @@ class Trainer:
         # once the next step has been issued, when they are ready: the host does not wait for
         # each backward to finish, and issues the next step while the GPU runs it. Evaluation
         # and checkpoints write the pending row first.
-        pending: list = []  # [step, info, lr, when its train_step returned] of the step not logged yet
+        pending: list = []  # [step, info, when its train_step returned] of the step not logged yet
         t_last = time.perf_counter()  # when the last logged step's train_step returned
         t_first = None  # when the warm-up steps were done (the GPU included)
         n_warm = 2 if t.cuda_graph else 1
@@ -365,7 +433,7 @@ class Trainer:
             nonlocal t_last
             if not pending:
                 return
-            step, info, lr, done = pending.pop()
+            step, info, done = pending.pop()
             info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
             if not math.isfinite(info["loss"]) and not info.get("skipped"):  # (train.on_nonfinite=stop)
                 # (this model stepped on it, and the next step may be issued: resume from the checkpoint)
@@ -373,7 +441,7 @@ class Trainer:
             if not info.get("nonfinite_layers", 1):
                 del info["nonfinite_layers"]
             losses.append(info["loss"])
-            row = {"step": step, "loss": info["loss"], "lr": lr,
+            row = {"step": step, "loss": info["loss"], "lr": info.pop("lr"),
                    "tokens_per_second": tokens_per_step / max(done - t_last, 1e-9)}
             t_last = done
             row.update({k: v for k, v in info.items() if k not in row})
@@ -383,20 +451,18 @@ class Trainer:
             if mfile:
                 mfile.write(json.dumps(row) + "\n")
                 mfile.flush()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{row['tokens_per_second']:.0f}",
-                                mem=_fmt_bytes(self._peak()))
-            elif is0 and (step % t.log_every == 0 or step == t.steps):
-                print(f"step {step}/{t.steps} loss {info['loss']:.4f} tok/s {row['tokens_per_second']:.0f}", flush=True)
+            bar.update(row, self._peak())
 
         val_at: dict[int, float] = {}
+        stop, interrupted, saved_at = StopSignals(), False, None
+        check_every = 1 if self.world == 1 or self.device.type == "cpu" else max(t.log_every, 1)
         try:
+            stop.__enter__()
             while self.step < last:
                 info = self.train_step(measure=self.step == start_step)
                 self.step += 1
                 log_pending()  # the last step's row: its values are ready once this step was issued
-                pending.append([self.step, info, self.sched.get_last_lr()[0], time.perf_counter()])
+                pending.append([self.step, info, time.perf_counter()])
                 if t_first is None and self.step - start_step >= min(n_warm, last - start_step):
                     # warm-up steps are not timed: the first (and with a CUDA graph the second, its capture)
                     self._sync()
@@ -410,12 +476,18 @@ class Trainer:
                     log_pending()
                     if ckpt:
                         self.save_checkpoint()
+                        saved_at = self.step
                     pause = time.perf_counter() - p0
                     paused_all += pause
                     if t_first is not None:  # (a pause inside the warm-up is not in the timed span)
                         paused += pause
                     t_last += pause  # (the next row's rate counts training only)
+                if self.step % check_every == 0 and stop.requested(self.world, self.device):
+                    interrupted = True
+                    break
             log_pending()
+            if interrupted and saved_at != self.step:
+                self.save_checkpoint()
             self._sync()
             if t_first is not None:
                 n_timed = self.step - start_step - n_warm
@@ -426,14 +498,17 @@ class Trainer:
                     run_tokens = (self.step - start_step) * tokens_per_step
                     train_time = time.perf_counter() - t_start - paused_all
         finally:
-            if bar is not None:
-                bar.close()
+            stop.__exit__()
+            bar.close()
             if mfile:
                 mfile.close()
         summary = self._summary(losses, val_loss, first_val, run_tokens / max(train_time, 1e-9), n_params)
         if is0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
+        if interrupted:
+            raise Interrupted(f"stopped by {signal.Signals(stop.signum).name} after step {self.step}: checkpoint, "
+                              f"summary and plot written to {self.out}; continue with the same command and --resume")
         return summary
 
     def _sync(self) -> None:
@@ -484,51 +559,3 @@ def recipe_name(cfg: Config, baseline: bool) -> str:
         return "baseline"
     tags = [cls.tag(cfg) for cls in techniques.wanted(cfg)]
     return "+".join(t for t in tags if t) or f"reference-{cfg.optim.name}"
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f}{unit}"
-        n /= 1024
-    return f"{n:.1f}TiB"
-
-
-def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
-                disable=not sys.stderr.isatty() and os.environ.get("LEANTRAIN_PROGRESS") != "1")
-
-
-def plot_losses(curves: dict[str, Path], path: Path, title: str = "training loss") -> bool:
-    """Loss (and validation loss) against step for each run; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, mpath in curves.items():
-        rows = [json.loads(line) for line in Path(mpath).read_text().splitlines() if line.strip()]
-        if not rows:
-            continue
-        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, alpha=0.8, label=f"{name} train")
-        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        if val:
-            ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(), ms=3, label=f"{name} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
