@@ -6,12 +6,25 @@ from __future__ import annotations
 
 import torch
 
+from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW
 from leantrain.ops._backend import HAS_TRITON, interpreting
 from leantrain.ops.update import DYN_COLS, FLAG_NAMES, RULE_IDS, STATE_KIND
-from leantrain.ops.update_launch import (Buckets, DirectLauncher, Plan, bucket_ok, cdiv, device_keys, dyn_row,
-                                         epilogue_args, launch_update, rule_scalars, scalars, state_args,
-                                         update_many, update_tile)
-from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW
+from leantrain.ops.update_launch import (
+    Buckets,
+    DirectLauncher,
+    Plan,
+    bucket_ok,
+    cdiv,
+    device_keys,
+    dyn_row,
+    epilogue_args,
+    launch_update,
+    rule_scalars,
+    scalars,
+    state_args,
+    update_many,
+    update_tile,
+)
 
 if HAS_TRITON:
     from leantrain.forge.kernel import _forge_kernel
