@@ -74,6 +74,7 @@ def test_compiles_for_sm90_with_its_schedule():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
     tools = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools")
     r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_DW16), tools], capture_output=True, text=True, env=env,
                        timeout=600)
