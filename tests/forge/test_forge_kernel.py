@@ -327,7 +327,7 @@ def test_heuristic_config():
     K = _kernel()
     small = K.heuristic_config(K.MODE_FUSED, 1024)
     assert (small["BLOCK_N"], small["BLOCK_K"], small["BLOCK_T"], small["num_warps"]) == (64, 64, 64, 4)
-    assert small["maxnreg"] == K.FUSED_MAXNREG  # three programs an SM (s18)
+    assert small["maxnreg"] == K.FUSED_MAXNREG  # three programs an SM
     assert "maxnreg" not in K.heuristic_config(K.MODE_WRITE_DW, 1024)  # (measured on the fused mode only)
     assert "maxnreg" not in K.heuristic_config(K.MODE_FUSED, 1024, int8=True)
     big = K.heuristic_config(K.MODE_FUSED, 16384)

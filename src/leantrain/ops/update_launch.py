@@ -153,8 +153,8 @@ def update_tile(w_bf16: bool, states_bf16: bool, int8: bool) -> dict:
     arithmetic); bf16 W: 16 x 128 at 8 warps, with bf16 states also ``EARLY_LOADS`` (W and the
     state read before the tile's sum); fp32 W: 32 x 128 at 16 warps."""
     def tile(bn, bk, warps, early=False):
-        return {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": 8, "num_warps": warps, "num_stages": 1,
-                "EARLY_LOADS": early}
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": warps, "num_stages": 1,
+                "EARLY_LOADS": early}  # (BLOCK_T: no token loop here; kept for tools that print tiles)
 
     if int8:  # also packed ("int8p")
         return tile(16, 64, 2)
