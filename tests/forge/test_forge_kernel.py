@@ -16,8 +16,8 @@ from _forge_util import RULES, Net, batches, max_rel, pair, train
 
 import leantrain as lt
 from leantrain.ops._backend import HAS_TRITON, interpreting
-from leantrain.optim.state import StateStorage, qmap_on
 from leantrain.ops.update_launch import map_sign
+from leantrain.optim.state import StateStorage, qmap_on
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.cuda.is_available())),
                                 reason="needs Triton (interpreter or CUDA)")

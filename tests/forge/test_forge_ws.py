@@ -175,7 +175,8 @@ def test_the_grouped_tile_order_gives_the_row_major_bits(group_m):
     """GROUP_M only changes which program runs which tile and when: W, the states and the tiles' sums
     of squares (stored at the row-major tile index) equal the row-major order's bit for bit, also with a
     partial last group (8 block rows by 3) and more tiles than programs (CTAS 5)."""
-    from leantrain.forge.launch import RULE_IDS, scalars as _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 1000, 1104, 300  # 8 x 9 tiles of 128 x 128 (rows of 16-byte multiples: TMA)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -210,7 +211,8 @@ def test_fast_math_fused_equals_its_dw_then_the_fast_math_update_kernel(config, 
 @gpu
 def test_a_bf16_dw_tile_is_the_fp32_tile_rounded_to_nearest():
     """DW16 rounds the same fp32 accumulator that mode 1 writes: dW(DW16) == dW(fp32).to(bf16), entry for entry."""
-    from leantrain.forge.launch import RULE_IDS, scalars as _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 512, 384, 1000
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -228,7 +230,8 @@ def test_a_bf16_dw_tile_is_the_fp32_tile_rounded_to_nearest():
 
 @gpu
 def test_unaligned_weights_and_states_fall_back_to_plain_loads():
-    from leantrain.forge.launch import RULE_IDS, scalars as _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 136, 264, 100  # W and its states at a 4-byte offset: TMA cannot load them
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -249,7 +252,8 @@ def test_unaligned_weights_and_states_fall_back_to_plain_loads():
 
 @gpu
 def test_the_probes_run_the_gemm_alone_and_the_update_alone():
-    from leantrain.forge.launch import MODE_UPDATE, RULE_IDS, scalars as _scalars, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, RULE_IDS, launch_forge
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 256, 384, 200
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -273,7 +277,8 @@ def test_the_probes_run_the_gemm_alone_and_the_update_alone():
 
 @gpu
 def test_a_traced_launch_gives_the_same_bits_and_ordered_stamps():
-    from leantrain.forge.launch import RULE_IDS, scalars as _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 512, 640, 300  # 20 tiles on 8 programs: each runs 2 or 3
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -358,7 +363,8 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, grad_dtype, monkeypatc
 @gpu
 @pytest.mark.parametrize("scale", [0.25, float("nan")])
 def test_a_clip_scale_is_applied_as_the_update_kernel_applies_it(scale):
-    from leantrain.forge.launch import MODE_UPDATE, scalars as _scalars, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, launch_forge
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 256, 384, 200
     torch.manual_seed(2)
@@ -415,7 +421,8 @@ def test_device_scalars_give_the_argument_bits_and_a_nan_gate_stores_nothing(wdt
     nothing but still writes the tile sums."""
     import numpy as np
 
-    from leantrain.forge.launch import DYN_COLS, RULE_IDS, scalars as _scalars, dyn_row
+    from leantrain.forge.launch import DYN_COLS, RULE_IDS, dyn_row
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t, key = 136, 264, 100, 1234
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
