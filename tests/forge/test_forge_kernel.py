@@ -459,12 +459,16 @@ def test_the_last_program_sums_the_tiles(mode):
 def test_32_bit_offsets_draw_the_64_bit_bits(monkeypatch):
     """Layers below 2**31 elements index in 32 bits and hash one round per rounding draw
     (``IDX32``); the 64-bit path of larger layers must give the same bits (bf16 W + SR, bias)."""
+    from leantrain.ops import update_launch
+
     K = _kernel()
     outs = []
     for limit in (1 << 31, 16):  # 16: every layer counts as "large"
-        monkeypatch.setattr(K, "_I32", limit)
-        monkeypatch.setattr(K, "_PLANS", {})
-        monkeypatch.setattr(K, "_FAST", {})
+        for mod in (K, update_launch):  # (the fused launch and the update-only launch)
+            monkeypatch.setattr(mod, "_I32", limit)
+            monkeypatch.setattr(mod, "_PLANS", {})
+            if mod._DIRECT is not None:
+                monkeypatch.setattr(mod._DIRECT, "cache", {})
         outs.append(_run_pair("adamw", bias=True, n=20, k=33, steps=2, wdtype=torch.bfloat16, state_dtype="bf16")[0])
     (w0, b0, s0, _), (w1, b1, s1, _) = outs
     assert torch.equal(w0, w1) and torch.equal(b0, b1)
