@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+import forge_probes  # noqa: E402  (benchmarks/tools, the script's directory)
+
 os.environ.pop("TRITON_INTERPRET", None)  # (a compiled kernel, not the interpreter's)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
     if a.kernel == "ws":  # FORGE's warp-specialized kernel (Gluon, fp32 W / m / v, AdamW, WS_CONFIG), whole
         from leantrain.forge import ws
 
-        sass, res = disassemble(ws.compile_sm90(0, config={"APPROX": a.approx}))
+        sass, res = disassemble(forge_probes.compile_sm90(0, config={"APPROX": a.approx}))
         c = counts(sass)
         ins = [ln for ln in sass.splitlines() if _INSN.match(ln)]
         print(f"ws APPROX={a.approx}: instructions {c['total']} (every partition), CALL {sum('CALL' in ln for ln in ins)}, "

@@ -398,7 +398,7 @@ def tune_agoq(log) -> list[dict]:
 
 
 def tune_forge(log) -> list[dict]:
-    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, launch_forge
+    from leantrain.forge.launch import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -462,7 +462,7 @@ def tune_forge(log) -> list[dict]:
 
 def tune_forge_paths(log) -> list[dict]:
     """Update-only tiles (the split path's second half) and low-stage fused tiles, 2048x5632."""
-    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+    from leantrain.forge.launch import MODE_FUSED, MODE_UPDATE, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -513,7 +513,7 @@ def tune_forge_split(log) -> list[dict]:
     launch of the update was no faster in the step; git history has it.)"""
     from triton.testing import do_bench_cudagraph
 
-    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, launch_forge
+    from leantrain.forge.launch import MODE_FUSED, MODE_UPDATE, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -589,7 +589,7 @@ def tune_forge_carve(log) -> list[dict]:
     against the split path (same W / m / v bits, or the largest difference)."""
     from triton.testing import do_bench_cudagraph
 
-    from leantrain.forge.kernel import MODE_UPDATE, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, launch_forge
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     graphed = os.environ.get("TUNE_CARVE_GRAPH", "0") == "1"
@@ -745,7 +745,7 @@ def tune_forge_group(log) -> list[dict]:
     import numpy as np
     from triton.testing import do_bench_cudagraph
 
-    from leantrain.forge.kernel import MODE_UPDATE, dyn_row, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, dyn_row, launch_forge
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     row_np = dyn_row("adamw", hp, 10)
@@ -803,7 +803,7 @@ def tune_forge_update16(log) -> list[dict]:
     Every tile must give the same W / m / v bits (checked against the first tile)."""
     import numpy as np
 
-    from leantrain.forge.kernel import DYN_COLS, MODE_UPDATE, dyn_row, launch_forge
+    from leantrain.forge.launch import DYN_COLS, MODE_UPDATE, dyn_row, launch_forge
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     tiles = [(64, 64, 8), (64, 64, 4), (64, 128, 8), (64, 128, 4), (128, 128, 8), (128, 64, 8), (64, 256, 8),
@@ -939,7 +939,7 @@ def tune_tiles(log) -> list[dict]:
     M.SPLIT_PATHS, M.MIXED_MAXNREG = False, 0
     torch.cuda.empty_cache()
     # (3) FORGE split path in L2-sized row chunks
-    from leantrain.forge.kernel import MODE_UPDATE, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -1195,7 +1195,7 @@ def tune_forge_int8(log) -> list[dict]:
     the fp32-state update for reference. Each tile's W and states are checked equal to the
     default tile's (the SR hash and the 16 x 16 state blocks do not depend on the tile)."""
     from leantrain.forge import attach
-    from leantrain.forge.kernel import MODE_UPDATE, heuristic_config, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, heuristic_config, launch_forge
     from leantrain.optim import AdamW
 
     rows = []

@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+import forge_probes  # noqa: E402  (benchmarks/tools, the script's directory)
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 
@@ -32,7 +34,7 @@ def check(args) -> int:
     import torch
 
     from leantrain.forge import ws
-    from leantrain.forge.kernel import _scalars
+    from leantrain.forge.launch import scalars as _scalars
 
     assert ws.available(), "no sm_90 GPU or no Gluon"
     bad = 0
@@ -45,7 +47,7 @@ def check(args) -> int:
                 for wdt, sdt in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
                     if rule != "adamw" and (n, k, t) != (136, 264, 100):
                         continue
-                    r = ws.check(n, k, t, rule, wdt, sdt, config=config)
+                    r = forge_probes.check(n, k, t, rule, wdt, sdt, config=config)
                     # (DW16: dW rounded to bf16, within half a bf16 ulp of the largest entry)
                     tol = 2.0**-8 if config.get("DW16") else 1e-5
                     ok = r["bitwise"] and r["dw_rel_err"] < tol and r["moved"] > 0 and r.get("dw_is_bf16", True)
@@ -60,7 +62,7 @@ def check(args) -> int:
     w = torch.randn(n, k, device="cuda")
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     w0 = w.clone()
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 1)
+    scal, flags = _scalars("adamw", forge_probes.RULE_HP["adamw"], 1)
     ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=1)
     torch.cuda.synchronize()
     kept = torch.equal(w[:128], w0[:128]) and not torch.equal(w[128:], w0[128:]) and bool(torch.isfinite(w).all())
@@ -92,7 +94,7 @@ def _time_case(n, k, t, configs, hp, scal, flags, dtype="fp32") -> None:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from leantrain.forge import ws
-    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, RULE_IDS, launch_forge
     from leantrain.ops._backend import mm_fp32
 
     torch.manual_seed(0)
@@ -164,7 +166,7 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
     import torch
 
     from leantrain.forge import ws
-    from leantrain.forge.kernel import RULE_IDS
+    from leantrain.forge.launch import RULE_IDS
 
     torch.manual_seed(0)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -205,7 +207,7 @@ def _trace_case(n, k, t, configs, scal, flags) -> None:
 
 
 def time_cases(args) -> int:
-    from leantrain.forge.kernel import _scalars
+    from leantrain.forge.launch import scalars as _scalars
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     scal, flags = _scalars("adamw", hp, 10)

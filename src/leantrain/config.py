@@ -160,6 +160,10 @@ class ForgeConfig:
     # AdamW's / AdamS's sqrt and divisions by the GPU's approximate instructions (a few ulps; the
     # Triton kernels only; see forge/README.md)
     fast_math: bool = False
+    # the dW kernel: auto (the measured per-shape choice: leantrain.forge.dispatch), tiles (the
+    # fused tile loop), split (cuBLAS dW into one reused buffer + the update kernel), ws (the
+    # warp-specialized fused kernel, Hopper)
+    kernel: Literal["auto", "tiles", "split", "ws"] = "auto"
 
 
 @dataclass

@@ -16,6 +16,7 @@ from _forge_util import RULES, Net, batches, max_rel, pair, train
 
 import leantrain as lt
 from leantrain.ops._backend import HAS_TRITON, interpreting
+from leantrain.ops.update_launch import map_sign
 from leantrain.optim.state import StateStorage, qmap_on
 
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and (interpreting() or torch.cuda.is_available())),
@@ -27,15 +28,12 @@ DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 def _ieee_sqrt(monkeypatch):
     sqrt = torch.Tensor.sqrt
     monkeypatch.setattr(torch.Tensor, "sqrt", lambda t: sqrt(t.double()).to(t.dtype))
-    # on CUDA: one fixed tile shape for every mode (the autotuner could pick different token
-    # blocks, i.e. different summation orders, for "fused" and "write dW")
-    monkeypatch.setenv("LEANTRAIN_FORGE_TILE", "32,32,32,4,2")
 
 
 def _kernel():
-    from leantrain.forge import kernel
+    from leantrain.forge import launch
 
-    return kernel
+    return launch
 
 
 def _hp(rule):
@@ -199,8 +197,7 @@ def test_update_mode_equals_fused():
         assert torch.equal(a, c)
 
 
-def test_nonfinite_tiles_untouched(monkeypatch):
-    monkeypatch.setenv("LEANTRAIN_FORGE_TILE", "16,16,16,4,2")
+def test_nonfinite_tiles_untouched():
     """NaN in the gradient rows of one 16-row tile block: those tiles keep W and state; others step."""
     K = _kernel()
     rule = RULES["adamw"]()
@@ -211,8 +208,9 @@ def test_nonfinite_tiles_untouched(monkeypatch):
     x, dy = x.to(DEV), dy.to(DEV)
     w0 = torch.randn(n, k, generator=g).to(DEV)
     w, s1, s2 = w0.clone(), torch.zeros(n, k, device=DEV), torch.zeros(n, k, device=DEV)
+    tile = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": 4, "num_stages": 2}
     part = K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, states=[s1, s2], kinds=["fp32", "fp32"],
-                          rule_name="adamw", hp=_hp(rule), step=1)
+                          rule_name="adamw", hp=_hp(rule), step=1, tune=tile)
     assert not torch.isfinite(part.sum())
     assert torch.equal(w[16:32], w0[16:32]) and (s1[16:32] == 0).all() and (s2[16:32] == 0).all()
     assert (w[:16] != w0[:16]).all() and (w[32:] != w0[32:]).all()
@@ -329,7 +327,7 @@ def test_heuristic_config():
     K = _kernel()
     small = K.heuristic_config(K.MODE_FUSED, 1024)
     assert (small["BLOCK_N"], small["BLOCK_K"], small["BLOCK_T"], small["num_warps"]) == (64, 64, 64, 4)
-    assert small["maxnreg"] == K.FUSED_MAXNREG  # three programs an SM (s18)
+    assert small["maxnreg"] == K.FUSED_MAXNREG  # three programs an SM
     assert "maxnreg" not in K.heuristic_config(K.MODE_WRITE_DW, 1024)  # (measured on the fused mode only)
     assert "maxnreg" not in K.heuristic_config(K.MODE_FUSED, 1024, int8=True)
     big = K.heuristic_config(K.MODE_FUSED, 16384)
@@ -345,30 +343,25 @@ def test_heuristic_config():
     assert upd8["BLOCK_N"] % 16 == 0 and upd8["BLOCK_K"] % 16 == 0
 
 
-def test_early_loads_default_and_override(monkeypatch):
-    """The GPU plan turns ``EARLY_LOADS`` on for bf16 W with bf16 states only (what was measured
-    faster); ``LEANTRAIN_FORGE_EARLY_LOADS`` forces it either way, an explicit ``tune`` dict wins."""
-    K = _kernel()
-    if not hasattr(K, "_CONST_NAMES"):
+def test_early_loads_default_and_explicit_tile():
+    """The GPU plan of the update kernel turns ``EARLY_LOADS`` on for bf16 W with bf16 states only
+    (what was measured faster); an explicit ``tune`` tile decides for itself."""
+    from leantrain.ops import update_launch as U
+
+    if U._DIRECT is None:
         pytest.skip("needs triton")
 
-    def early(kind, w_bf16, tune=None, mode=None):
-        meta = dict(MODE=K.MODE_UPDATE if mode is None else mode, KIND1=kind, KIND2=kind, NSTATE=2, W_BF16=w_bf16)
-        meta.update((n, 0) for n in K._CONST_NAMES if n not in meta and n not in ("BLOCK_N", "BLOCK_K", "BLOCK_T",
-                                                                                  "GROUP_N", "EARLY_LOADS"))
-        return K._plan(meta["MODE"], 64, 64, 0, kind == 2, tune, True, meta).meta["EARLY_LOADS"]
+    def early(kind, w_bf16, tune=None):
+        meta = dict(KIND1=kind, KIND2=kind, NSTATE=2, W_BF16=w_bf16)
+        meta.update((n, 0) for n in U._DIRECT.const_names if n not in meta and n not in ("BLOCK_N", "BLOCK_K",
+                                                                                       "GROUP_N", "EARLY_LOADS"))
+        return U._update_plan(64, 64, tune, True, meta).meta["EARLY_LOADS"]
 
-    bf16, fp32 = K.STATE_KIND["bf16"], K.STATE_KIND["fp32"]
-    monkeypatch.delenv(K.EARLY_LOADS_ENV, raising=False)
-    monkeypatch.delenv(K.FIXED_CONFIG_ENV, raising=False)  # (set by this file's fixture)
+    bf16, fp32 = U.STATE_KIND["bf16"], U.STATE_KIND["fp32"]
     assert early(bf16, True) and not early(fp32, True) and not early(fp32, False)
-    assert not early(bf16, True, mode=K.MODE_FUSED)  # an update-only option
-    monkeypatch.setenv(K.EARLY_LOADS_ENV, "0")
-    assert not early(bf16, True)
-    monkeypatch.setenv(K.EARLY_LOADS_ENV, "1")
-    assert early(fp32, False)
-    tile = dict(K.heuristic_config(K.MODE_UPDATE, 0), EARLY_LOADS=False)
-    assert not early(fp32, False, tune=tile)
+    tile = dict(U.update_tile(False, False, False), EARLY_LOADS=True)
+    assert early(fp32, False, tune=tile)
+    assert not early(bf16, True, tune=dict(tile, EARLY_LOADS=False))
 
 
 def test_part_buffer_reused():
@@ -419,16 +412,16 @@ def test_direct_launch_equals_jit_launch():
     w0 = torch.randn(80, 96, generator=g).cuda()
     outs = []
     for direct in (False, True):
-        K._DIRECT[0] = direct
-        K._FAST.clear()
+        K._DIRECT.enabled = direct
+        K._DIRECT.cache.clear()
         w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
         for step in range(1, 4):
             K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"],
                            rule_name="adamw", hp=_hp(rule), step=step, key=step)
         if direct:
-            assert K._FAST, "the direct launch path was not taken"
+            assert K._DIRECT.cache, "the direct launch path was not taken"
         outs.append((w, m, v))
-    K._DIRECT[0] = None
+    K._DIRECT.enabled = None
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 
@@ -466,12 +459,16 @@ def test_the_last_program_sums_the_tiles(mode):
 def test_32_bit_offsets_draw_the_64_bit_bits(monkeypatch):
     """Layers below 2**31 elements index in 32 bits and hash one round per rounding draw
     (``IDX32``); the 64-bit path of larger layers must give the same bits (bf16 W + SR, bias)."""
+    from leantrain.ops import update_launch
+
     K = _kernel()
     outs = []
     for limit in (1 << 31, 16):  # 16: every layer counts as "large"
-        monkeypatch.setattr(K, "_I32", limit)
-        monkeypatch.setattr(K, "_PLANS", {})
-        monkeypatch.setattr(K, "_FAST", {})
+        for mod in (K, update_launch):  # (the fused launch and the update-only launch)
+            monkeypatch.setattr(mod, "_I32", limit)
+            monkeypatch.setattr(mod, "_PLANS", {})
+            if mod._DIRECT is not None:
+                monkeypatch.setattr(mod._DIRECT, "cache", {})
         outs.append(_run_pair("adamw", bias=True, n=20, k=33, steps=2, wdtype=torch.bfloat16, state_dtype="bf16")[0])
     (w0, b0, s0, _), (w1, b1, s1, _) = outs
     assert torch.equal(w0, w1) and torch.equal(b0, b1)
@@ -500,7 +497,7 @@ def test_int8_encoder_compiled_for_the_map_sign_equals_the_generic_one():
         for s in rule.state_names:
             q = qmap_on(s in rule.signed_states, w.device)
             qt.append((q.clone() if copy else q, st[s + "_absmax"]))
-        assert [K._map_sign(q) for q, _ in qt] == ([-1, -1] if copy else [1, 0])
+        assert [map_sign(q) for q, _ in qt] == ([-1, -1] if copy else [1, 0])
         K.launch_forge(K.MODE_UPDATE, g=grad, w=w, states=[st[s] for s in rule.state_names], kinds=["int8", "int8"],
                        qtables=qt, rule_name="adamw", hp=_hp(rule), step=3)
         outs.append([w] + [st[k] for k in sorted(st) if torch.is_tensor(st[k])])

@@ -13,7 +13,7 @@ from _forge_util import square_loss as _loss
 from torch import nn
 
 import leantrain as lt
-from leantrain.forge import kernel as forge_kernel
+from leantrain.forge import launch as forge_kernel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -72,16 +72,12 @@ def slow_side(monkeypatch):
     return streams
 
 
-def test_overlap_option_is_checked(monkeypatch):
-    """attach(overlap=...) takes a boolean; LEANTRAIN_FORGE_OVERLAP = 0 / 1 overrides it."""
+def test_overlap_option_is_checked():
+    """attach(overlap=...) takes a boolean."""
     with pytest.raises(TypeError, match="overlap"):
         lt.forge.attach(Deep(), RULES["adamw"](), overlap="yes")
-    monkeypatch.setenv("LEANTRAIN_FORGE_OVERLAP", "2")
-    with pytest.raises(ValueError, match="LEANTRAIN_FORGE_OVERLAP"):
-        lt.forge.attach(Deep(), RULES["adamw"]())
-    for env, want in (("1", True), ("0", False)):
-        monkeypatch.setenv("LEANTRAIN_FORGE_OVERLAP", env)
-        assert lt.forge.attach(Deep(), RULES["adamw"](), overlap=not want).overlap is want
+    for want in (True, False):
+        assert lt.forge.attach(Deep(), RULES["adamw"](), overlap=want).overlap is want
 
 
 def test_workspace_ring_takes_turns():

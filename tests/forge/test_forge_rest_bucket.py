@@ -130,11 +130,12 @@ def test_bucket_checkpoint_resumes_bit_identically():
 
 
 def test_buckets_split_at_their_element_limit(monkeypatch):
-    """A launch takes at most kernel.BUCKET_TOTAL elements: six 32-element parameters under a
+    """A launch takes at most update_launch.BUCKET_TOTAL elements: six 32-element parameters under a
     limit of 70 go in three launches of two, with the same bits as one launch each."""
-    from leantrain.forge import kernel as K
+    from leantrain.forge import launch as K
+    from leantrain.ops import update_launch
 
-    monkeypatch.setattr(K, "BUCKET_TOTAL", 70)
+    monkeypatch.setattr(update_launch, "BUCKET_TOTAL", 70)
     sizes = []
     real = K.update_many
     monkeypatch.setattr(K, "update_many", lambda ws, *a, **k: sizes.append([w.numel() for w in ws]) or real(ws, *a, **k))

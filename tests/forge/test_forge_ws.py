@@ -4,16 +4,22 @@ CPU: the kernel compiles for sm_90 (each variant), with the schedule it is writt
 partitions, asynchronous wgmma reading dY transposed from shared memory, TMA loads, register
 reallocation, and a shared-memory footprint that fits an H200's SM. CUDA (an sm_90 GPU): the fused
 update equals, bit for bit, the kernel's own dW (mode 1) followed by the update-only kernel of
-kernel.py, for every rule and fp32 / bf16 + SR weights; its dW is dYᵀX within fp32 summation error;
+ops/update.py, for every rule and fp32 / bf16 + SR weights; its dW is dYᵀX within fp32 summation error;
 a tile with a non-finite gradient keeps its weights.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from leantrain.forge import ws
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
+import forge_probes as probes  # noqa: E402  (the probes and self-test live with the benchmark tools)
 
 needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="Triton without Gluon")
 
@@ -38,6 +44,8 @@ def _config(name):
 
 _COMPILE = r"""
 import json, sys
+sys.path.insert(0, sys.argv[2])
+import forge_probes as probes
 from leantrain.forge import ws
 dw16 = json.loads(sys.argv[1])
 out = []
@@ -48,7 +56,7 @@ for mode, wdt, sdt, name, dyn in [(0, "fp32", "fp32", "", 0), (0, "bf16", "bf16"
                                   (0, "fp32", "fp32", "ROWS6416", 0), (0, "fp32", "fp32", "GROUP16", 0),
                                   (0, "bf16", "fp32", "DEEP16G", 0)]:
     cfg = dw16[name] if name in dw16 else getattr(ws, name + "_CONFIG") if name else None
-    ck = ws.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=cfg)
+    ck = probes.compile_sm90(mode, w_dtype=wdt, state_dtype=sdt, dyn=bool(dyn), config=cfg)
     ptx = ck.asm["ptx"]
     out.append({"mode": mode, "name": name, "elem": 4 if wdt == "fp32" else 2, "wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"),
                 "tma": "cp.async.bulk.tensor" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
@@ -66,7 +74,9 @@ def test_compiles_for_sm90_with_its_schedule():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
-    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_DW16)], capture_output=True, text=True, env=env,
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    tools = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools")
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(_DW16), tools], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     for v in json.loads(r.stdout.strip().splitlines()[-1]):
@@ -132,19 +142,18 @@ gpu = pytest.mark.skipif(not ws.available(), reason="needs an sm_90 GPU and Gluo
 @pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
 @pytest.mark.parametrize("n,k,t", [(136, 264, 100), (512, 384, 1000)])
 def test_fused_equals_its_dw_then_the_update_kernel(rule, wdt, sdt, n, k, t):
-    r = ws.check(n, k, t, rule, wdt, sdt)
+    r = probes.check(n, k, t, rule, wdt, sdt)
     assert r["dw_rel_err"] < 1e-5 and r["moved"] > 0
     assert r["bitwise"]
 
 
 @gpu
-@pytest.mark.parametrize("config", [ws.PLAIN_CONFIG, {**ws.PLAIN_CONFIG, "PREFETCH": 1, "SUB": 16}, {"EVICT": 1},
-                                    {**ws.PLAIN_CONFIG, "EVICT": 1}, ws.DEEP_CONFIG, ws.ROWS64_CONFIG,
+@pytest.mark.parametrize("config", [ws.PLAIN_CONFIG, ws.DEEP_CONFIG, ws.ROWS64_CONFIG,
                                     {**ws.ROWS64_CONFIG, **ws.PLAIN_CONFIG}, {"BALANCE": 1, "CTAS": 2}])
 @pytest.mark.parametrize("wdt,sdt", [("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")])
 def test_the_other_read_schedules_give_the_same_bits(config, wdt, sdt):
     for rule in ("adamw", "lion"):
-        r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
+        r = probes.check(136, 264, 100, rule, wdt, sdt, config=config)
         assert r["bitwise"] and r["moved"] > 0
 
 
@@ -155,7 +164,7 @@ def test_a_bf16_dw_hand_over_gives_the_same_bits(name, wdt, sdt):
     """DW16: fused equals its own (bf16-rounded) dW + the update kernel; every dW entry a bf16 value,
     dYᵀX within its rounding."""
     for rule in ("adamw", "lion"):
-        r = ws.check(136, 264, 100, rule, wdt, sdt, config=_DW16[name])
+        r = probes.check(136, 264, 100, rule, wdt, sdt, config=_DW16[name])
         assert r["bitwise"] and r["moved"] > 0
         assert r["dw_is_bf16"] and r["dw_rel_err"] < 2.0**-8
 
@@ -166,7 +175,8 @@ def test_the_grouped_tile_order_gives_the_row_major_bits(group_m):
     """GROUP_M only changes which program runs which tile and when: W, the states and the tiles' sums
     of squares (stored at the row-major tile index) equal the row-major order's bit for bit, also with a
     partial last group (8 block rows by 3) and more tiles than programs (CTAS 5)."""
-    from leantrain.forge.kernel import RULE_IDS, _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 1000, 1104, 300  # 8 x 9 tiles of 128 x 128 (rows of 16-byte multiples: TMA)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -174,7 +184,7 @@ def test_the_grouped_tile_order_gives_the_row_major_bits(group_m):
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-2
     w0 = torch.randn(n, k, device="cuda", generator=gen) * 0.02
     st0 = [(torch.randn(n, k, device="cuda", generator=gen) * 1e-3).abs() for _ in range(2)]
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    scal, flags = _scalars("adamw", probes.RULE_HP["adamw"], 3)
     out = []
     for cfg in ({"CTAS": 5}, {"CTAS": 5, "GROUP_M": group_m}, {"GROUP_M": group_m, "DW16": 1},
                 {"DW16": 1}):
@@ -194,21 +204,22 @@ def test_fast_math_fused_equals_its_dw_then_the_fast_math_update_kernel(config, 
     """APPROX (fast_math): the fused update equals the kernel's own dW + the update-only kernel with the
     same approximate rule, bit for bit, for the rules it changes (AdamW, AdamS) and one it does not."""
     for rule in ("adamw", "adams", "lion"):
-        r = ws.check(136, 264, 100, rule, wdt, sdt, config=config)
+        r = probes.check(136, 264, 100, rule, wdt, sdt, config=config)
         assert r["bitwise"] and r["moved"] > 0
 
 
 @gpu
 def test_a_bf16_dw_tile_is_the_fp32_tile_rounded_to_nearest():
     """DW16 rounds the same fp32 accumulator that mode 1 writes: dW(DW16) == dW(fp32).to(bf16), entry for entry."""
-    from leantrain.forge.kernel import RULE_IDS, _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 512, 384, 1000
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(n, k, device="cuda")
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 1)
+    scal, flags = _scalars("adamw", probes.RULE_HP["adamw"], 1)
     g32, g16 = torch.empty(n, k, device="cuda"), torch.empty(n, k, device="cuda")
     for g, dw16 in ((g32, False), (g16, True)):
         ws.launch_ws(1, x=x, dy=dy, w=w, g=g, scal=scal, flags=flags, rule_id=RULE_IDS["adamw"], config={},
@@ -219,7 +230,8 @@ def test_a_bf16_dw_tile_is_the_fp32_tile_rounded_to_nearest():
 
 @gpu
 def test_unaligned_weights_and_states_fall_back_to_plain_loads():
-    from leantrain.forge.kernel import RULE_IDS, _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 136, 264, 100  # W and its states at a 4-byte offset: TMA cannot load them
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -230,7 +242,7 @@ def test_unaligned_weights_and_states_fall_back_to_plain_loads():
     assert w.data_ptr() % 16
     ref = [t_.clone() for t_ in (w, m, v)]  # (aligned copies, through the plain loads)
     w0 = w.clone()
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    scal, flags = _scalars("adamw", probes.RULE_HP["adamw"], 3)
     for ww, st, cfg in ((w, [m, v], None), (ref[0], ref[1:], ws.PLAIN_CONFIG)):
         ws.launch_ws(0, x=x, dy=dy, w=ww, states=st, kinds=["fp32", "fp32"], scal=scal, flags=flags,
                      rule_id=RULE_IDS["adamw"], config=cfg)
@@ -240,7 +252,8 @@ def test_unaligned_weights_and_states_fall_back_to_plain_loads():
 
 @gpu
 def test_the_probes_run_the_gemm_alone_and_the_update_alone():
-    from leantrain.forge.kernel import MODE_UPDATE, RULE_IDS, _scalars, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, RULE_IDS, launch_forge
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 256, 384, 200
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -248,7 +261,7 @@ def test_the_probes_run_the_gemm_alone_and_the_update_alone():
     w = torch.randn(n, k, device="cuda") * 0.02
     m, v = (torch.randn(n, k, device="cuda") * 1e-3).abs(), (torch.randn(n, k, device="cuda") * 1e-3).abs()
     w0, m0, v0 = w.clone(), m.clone(), v.clone()
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    scal, flags = _scalars("adamw", probes.RULE_HP["adamw"], 3)
     kw = dict(x=x, dy=dy, kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=RULE_IDS["adamw"])
     g = torch.empty(n, k, device="cuda")
     part1 = ws.launch_ws(1, w=w.clone(), g=g, **kw).clone()
@@ -258,18 +271,19 @@ def test_the_probes_run_the_gemm_alone_and_the_update_alone():
     part3 = ws.launch_ws(ws.PROBE_UPDATE, w=w, states=[m, v], **kw)  # the update alone: the update kernel's bits on dW = 0
     assert bool((part3 == 0).all()) and not torch.equal(w, w0)
     launch_forge(MODE_UPDATE, g=torch.zeros_like(g), w=w0, states=[m0, v0], kinds=["fp32", "fp32"], rule_name="adamw",
-                 hp=ws.RULE_HP["adamw"], step=3)
+                 hp=probes.RULE_HP["adamw"], step=3)
     assert torch.equal(w, w0) and torch.equal(m, m0) and torch.equal(v, v0)
 
 
 @gpu
 def test_a_traced_launch_gives_the_same_bits_and_ordered_stamps():
-    from leantrain.forge.kernel import RULE_IDS, _scalars
+    from leantrain.forge.launch import RULE_IDS
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 512, 640, 300  # 20 tiles on 8 programs: each runs 2 or 3
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 1e-2
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 3)
+    scal, flags = _scalars("adamw", probes.RULE_HP["adamw"], 3)
     outs = []
     for trace in (None, {}):
         w = torch.ones(n, k, device="cuda") * 0.02
@@ -288,7 +302,7 @@ def test_a_traced_launch_gives_the_same_bits_and_ordered_stamps():
 
 @gpu
 def test_a_non_finite_tile_keeps_its_weights():
-    from leantrain.forge.kernel import _scalars
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 256, 256, 128
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -297,7 +311,7 @@ def test_a_non_finite_tile_keeps_its_weights():
     w = torch.randn(n, k, device="cuda")
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     w0 = w.clone()
-    scal, flags = _scalars("adamw", ws.RULE_HP["adamw"], 1)
+    scal, flags = _scalars("adamw", probes.RULE_HP["adamw"], 1)
     part = ws.launch_ws(0, x=x, dy=dy, w=w, states=[m, v], kinds=["fp32", "fp32"], scal=scal, flags=flags, rule_id=1)
     assert torch.equal(w[:128], w0[:128]) and torch.equal(m[:128], torch.zeros_like(m[:128]))
     assert not torch.equal(w[128:], w0[128:]) and bool(torch.isfinite(w).all())
@@ -349,7 +363,8 @@ def test_forge_layers_run_it_below_ws_tokens(state_dtype, grad_dtype, monkeypatc
 @gpu
 @pytest.mark.parametrize("scale", [0.25, float("nan")])
 def test_a_clip_scale_is_applied_as_the_update_kernel_applies_it(scale):
-    from leantrain.forge.kernel import MODE_UPDATE, _scalars, launch_forge
+    from leantrain.forge.launch import MODE_UPDATE, launch_forge
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t = 256, 384, 200
     torch.manual_seed(2)
@@ -357,7 +372,7 @@ def test_a_clip_scale_is_applied_as_the_update_kernel_applies_it(scale):
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     w0 = torch.randn(n, k, device="cuda")
     sc = torch.tensor(scale, device="cuda")
-    hp = ws.RULE_HP["adamw"]
+    hp = probes.RULE_HP["adamw"]
     scal, flags = _scalars("adamw", hp, 2)
     g = torch.empty(n, k, device="cuda")
     ws.launch_ws(1, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags)
@@ -369,24 +384,33 @@ def test_a_clip_scale_is_applied_as_the_update_kernel_applies_it(scale):
     assert torch.equal(w1, w0) == (scale != scale)  # a NaN scale stores nothing
 
 
-def test_ws_tokens_is_checked_and_the_environment_overrides_it(monkeypatch):
+def test_ws_tokens_and_kernel_are_checked():
     import leantrain as lt
 
     model = torch.nn.Linear(8, 8)
     with pytest.raises(ValueError, match="ws_tokens"):
         lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=0)
-    opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=4096)
-    assert opt.ws_tokens == 4096
+    with pytest.raises(ValueError, match="kernel"):
+        lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), kernel="fast")
+    opt = lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=4096, kernel="ws")
+    assert opt.ws_tokens == 4096 and opt.kernel == "ws"
     lt.forge.detach(model)
-    monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "0")
-    assert lt.forge.attach(model, lt.optim.AdamW(lr=1e-3), ws_tokens=4096).ws_tokens is None
-    lt.forge.detach(model)
-    monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "2048")
-    assert lt.forge.attach(model, lt.optim.AdamW(lr=1e-3)).ws_tokens == 2048
-    lt.forge.detach(model)
-    monkeypatch.setenv("LEANTRAIN_FORGE_WS_TOKENS", "many")
-    with pytest.raises(ValueError, match="LEANTRAIN_FORGE_WS_TOKENS"):
-        lt.forge.attach(model, lt.optim.AdamW(lr=1e-3))
+
+
+def test_the_dispatch_rule():
+    """``choose_path``: the table of forge/dispatch.py."""
+    from leantrain.forge.dispatch import choose_path
+
+    def path(kernel, t, **kw):
+        args = dict(on_cuda=True, must_materialize=False, ws_ok=True, split_tokens=1, ws_tokens=None) | kw
+        return choose_path(kernel, t, **args)
+
+    assert path("auto", 512) == "split" and path("auto", 512, on_cuda=False) == "tiles"
+    assert path("auto", 512, ws_tokens=4096) == "ws" and path("auto", 8192, ws_tokens=4096) == "split"
+    assert path("auto", 512, split_tokens=None) == "tiles" and path("auto", 512, split_tokens=1024) == "tiles"
+    assert path("ws", 1 << 20) == "ws" and path("ws", 512, ws_ok=False) == "split"
+    assert path("tiles", 512) == "tiles" and path("split", 512, on_cuda=False) == "split"
+    assert path("tiles", 512, must_materialize=True) == "split"
 
 
 @gpu
@@ -397,7 +421,8 @@ def test_device_scalars_give_the_argument_bits_and_a_nan_gate_stores_nothing(wdt
     nothing but still writes the tile sums."""
     import numpy as np
 
-    from leantrain.forge.kernel import DYN_COLS, RULE_IDS, _scalars, dyn_row
+    from leantrain.forge.launch import DYN_COLS, RULE_IDS, dyn_row
+    from leantrain.forge.launch import scalars as _scalars
 
     n, k, t, key = 136, 264, 100, 1234
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -405,7 +430,7 @@ def test_device_scalars_give_the_argument_bits_and_a_nan_gate_stores_nothing(wdt
     dt = torch.float32 if wdt == "fp32" else torch.bfloat16
     w0 = (torch.randn(n, k, device="cuda") * 0.02).to(dt)
     st0 = [(torch.randn(n, k, device="cuda") * 1e-3).abs().to(dt) for _ in range(2)]
-    hp = ws.RULE_HP["adamw"]
+    hp = probes.RULE_HP["adamw"]
     scal, flags = _scalars("adamw", hp, 3)
     row = dyn_row("adamw", hp, 3)
     row[12:13].view(np.int32)[:] = key

@@ -250,7 +250,7 @@ def test_triton_backend_bf16_params_round_stochastically():
 def test_triton_backend_buckets_equal_one_launch_each(rule, dtype, state_dtype, sr, monkeypatch):
     """The small 1-D parameters in one launch (kernel.update_many): the bits of one launch each,
     weights (stochastic rounding included) and states; a 2-D and an odd-sized one beside them."""
-    from leantrain.forge import kernel as K
+    from leantrain.ops import update_launch as K
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(7)

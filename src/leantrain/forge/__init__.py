@@ -4,9 +4,10 @@
     loss.backward()              # every nn.Linear weight is updated inside backward
     opt.step(); opt.zero_grad()  # the other parameters; closes the step
 
-See ``forge/README.md`` for the exactness statement and the limits.
+See ``docs/forge.md`` for the exactness statement and the limits.
 """
 
-from leantrain.forge.optimizer import CLIPS, ForgeOptimizer, attach, detach
+from leantrain.forge.attach import attach, detach
+from leantrain.forge.optimizer import CLIPS, ForgeOptimizer
 
 __all__ = ["attach", "detach", "ForgeOptimizer", "CLIPS"]

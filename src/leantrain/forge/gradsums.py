@@ -11,8 +11,7 @@ the non-fused parameters together. :class:`GradSums` keeps, on the device:
 
 Why a kernel. Both clipping modes need a layer's norm before its update. In torch that is
 ~20 small operations a layer (squares, sum, finiteness, the estimate's running sums, clamp)
-and the step of the ``1b`` preset (155 fused layers) became host-bound: 226 ms against 164 ms
-unclipped on an H200 (benchmarks/results/2026-11-30_H200_s8/why). :meth:`GradSums.scale_kernel`
+and the step of the ``1b`` preset (155 fused layers) became host-bound. :meth:`GradSums.scale_kernel`
 does it in one launch: each program sums the squares of its chunk of the materialized dW, stores
 the partial, and takes a ticket (an acq_rel atomic); the program holding the last ticket
 adds the partials in a fixed order (deterministic) and does the scalar arithmetic. The

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from leantrain.config import Config, ConfigError
-from leantrain.forge.optimizer import attach
+from leantrain.forge.attach import attach
 from leantrain.technique import Run, Technique, register
 
 
@@ -46,7 +46,8 @@ class Forge(Technique):
         decay_groups = [g for g in run.param_groups if isinstance(g, dict) and g.get("weight_decay") == 0.0]
         opt = attach(run.model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
                      backend=f.backend, clip=clip, clip_value=clip_value, allreduce=run.all_reduce,
-                     grad_dtype=f.grad_dtype, param_groups=decay_groups or None, fast_math=f.fast_math)
+                     grad_dtype=f.grad_dtype, param_groups=decay_groups or None, fast_math=f.fast_math,
+                     kernel=f.kernel)
         if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
             opt.set_device_scalars(True)
         return opt

@@ -2,8 +2,7 @@
 
 The plain Triton kernel of ``kernel.py`` runs a tile's GEMM and then its update one after the
 other, so the tensor cores idle while the update streams W and the states, and HBM idles while
-the GEMM runs. Occupancy did not make them overlap (session 22), nor did split SMs (session 23).
-This kernel schedules the overlap itself, inside each SM (one persistent CTA an SM, three
+the GEMM runs; neither occupancy nor splitting the SMs makes them overlap. This kernel schedules the overlap itself, inside each SM (one persistent CTA an SM, three
 partitions of warps that run side by side and talk through mbarriers):
 
 - the **loader** (1 warp) streams ``dY[t:t+BT, m0:m0+BM]`` and ``X[t:t+BT, n0:n0+BN]`` by TMA
@@ -13,12 +12,11 @@ partitions of warps that run side by side and talk through mbarriers):
   until the one shared-memory dW slot is free and stores the tile there;
 - the **update warps** (the default partition, ``num_warps``) take the tile from the slot, sum
   its squares (the tile's non-finite gate and its share of the layer norm, ``PART[tile]``),
-  then read W and the state in row slices of ``SUB`` rows, apply the rule of ``kernel._rule``
+  then read W and the state in row slices of ``SUB`` rows, apply the rule of ``leantrain.ops.update._rule``
   (the same function, hence the same bits as the update-only kernel given the same dW) and
-  store W and the state. How they read W and the state (``WS_CONFIG``): by TMA from a fourth
-  partition, one warp, into a ring of ``SSTAGES`` shared-memory slots (``STATE_TMA``, the
-  default; W and the states need 16-byte aligned bases, else the plain loads), or with plain
-  loads as each slice is updated, or one slice ahead (``PREFETCH``).
+  store W and the state. They read W and the state by TMA from a fourth partition, one warp,
+  into a ring of ``SSTAGES`` shared-memory slots (``STATE_TMA``; W and the states need 16-byte
+  aligned bases, else plain loads as each slice is updated: ``PLAIN_CONFIG``).
 
 While the update warps work on tile ``i`` the MMA warp group already accumulates tile ``i + 1``
 in its registers: the GEMM (tensor cores, shared memory) and the update (HBM) of two tiles
@@ -38,15 +36,14 @@ bias (it keeps the other paths); a clip scale known before the layer's backward
 (``clip="prev_global"``) is read from a device scalar, and the step's scalars may be (``dyn``: the
 table of ``kernel.launch_forge``, for CUDA graphs). ``MODE`` 1 writes the
 tile's dW to ``G`` instead of updating (the bit-exactness tests: fused == write dW + the
-update-only kernel). Probes of where the time goes (``benchmarks/tune_ws.py``): ``launch_ws``'s
-mode 2 runs the GEMM alone (the update warps only take each tile's sum of squares) and mode 3 the
-update alone (no token is loaded: dW = 0, the rule still reads and writes all of W and the state; over
-many calls the moments decay, so time it on fresh states); ``trace`` records the GPU clock at each
-tile's events; ``CTAS`` / ``BALANCE`` set the number of programs.
+update-only kernel). For measurements (``benchmarks/tools/tune_ws.py``, ``forge_probes.py``):
+``launch_ws``'s ``PROBE_GEMM`` runs the GEMM alone (the update warps only take each tile's sum of
+squares) and ``PROBE_UPDATE`` the update alone (no token is loaded: dW = 0); ``trace`` records the
+GPU clock at each tile's events; ``CTAS`` / ``BALANCE`` set the number of programs.
 
 The schedule (``WS_CONFIG`` and its overrides) is picked per layer shape by ``auto_config`` when the
-caller gives none: the stamps of session 27 showed the GEMM bounding the time from T = 2048 (a deeper
-operand ring) and the update below it, with the last wave's tail (64-row tiles).
+caller gives none: the GEMM bounds the time from T = 2048 (a deeper operand ring) and the update
+below it, with the last wave's tail (64-row tiles).
 
 Needs Triton's Gluon (Triton >= 3.6) and an sm_90 GPU; ``available()`` says whether it can run.
 """
@@ -79,45 +76,36 @@ if HAS_TRITON:
     except Exception:  # (an older Triton: no Gluon, or another API)
         HAVE_GLUON = False
 
-# The default (the H200, results/2026-12-03_H200_s25/ and _s26/): 128 x 128 tiles of W, 64 tokens a stage,
-# 3 stages; 8 update warps (4 took twice as long) on 16-row slices whose W and state a fourth partition (one
-# warp) loads by TMA into a ring of SSTAGES slots (STATE_TMA: as fast as plain loads at T = 2048, up to 15 %
-# faster at T = 512; 208 KiB of shared memory). Measured, not faster, kept as options: plain loads as each
-# slice is updated (STATE_TMA=0, with SUB=32) or one slice ahead (PREFETCH=1, SUB=16); EVICT=1 (W and the
-# state evict-first, to keep X and dY in L2); two MMA warp groups (MMA_WARPS=8) for 128 x 256 tiles (a quarter
-# fewer dY / X bytes a dW element; 2.0-3.5x slower with the 4 update warps that fit beside them, 1.6-2.4x with
-# 8 and two 32-token operand slots, s27 first/: the 128 KiB dW slot leaves too little shared memory).
-# DW16=1 (launch_ws(dw_bf16=True), FORGE's grad_dtype="bf16"): the MMA group rounds its tile to bf16 (round to
-# nearest, what a bf16 matmul's output is, and so torch's dW under bf16 autocast) before the hand-over: half the
-# dW slot's shared memory (32 KiB at 128 x 128), free for deeper rings, and half its shared-memory traffic.
-WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "PREFETCH": 0, "STATE_TMA": 1, "SSTAGES": 2,
-             "MMA_WARPS": 4, "EVICT": 0, "DW16": 0, "GROUP_M": 0, "APPROX": 0, "num_warps": 8, "mma_regs": 232}
+# The default (measured on an H200, docs/forge.md): 128 x 128 tiles of W, 64 tokens a stage, 3 stages; 8
+# update warps on 16-row slices whose W and state a fourth partition (one warp) loads by TMA into a ring of
+# SSTAGES slots (STATE_TMA; 208 KiB of shared memory). DW16=1 (launch_ws(dw_bf16=True), FORGE's
+# grad_dtype="bf16"): the MMA group rounds its tile to bf16 (round to nearest, what a bf16 matmul's output
+# is) before the hand-over: half the dW slot's shared memory, free for deeper rings.
+WS_CONFIG = {"BM": 128, "BN": 128, "BT": 64, "STAGES": 3, "SUB": 16, "STATE_TMA": 1, "SSTAGES": 2,
+             "DW16": 0, "GROUP_M": 0, "APPROX": 0, "num_warps": 8, "mma_regs": 232}
+MMA_WARPS = 4  # one warp group computes a tile's dW
 PLAIN_CONFIG = {"STATE_TMA": 0, "SUB": 32}  # plain loads (what STATE_TMA falls back to on unaligned tensors)
-# launch_ws's probe modes, beside kernel.py's MODE_FUSED (0) and MODE_WRITE_DW (1). This kernel has no
-# update-only mode: kernel.MODE_UPDATE is also 2, and passed here it would run the GEMM probe (call by name).
+# launch_ws's probe modes, beside MODE_FUSED (0) and MODE_WRITE_DW (1) of forge.kernel. This kernel has no
+# update-only mode: MODE_UPDATE is also 2, and passed here it would run the GEMM probe (call by name).
 PROBE_GEMM, PROBE_UPDATE = 2, 3
-# What launch_ws picks by the layer's shape when not given a config (auto_config; results/2026-12-03_H200_s27/).
-# The kernel's clock stamps showed two limits. At T >= 2048 the GEMM beside the update took 1.7-1.9x its time
-# alone, waiting on operands with three 64-token slots in flight: DEEP_CONFIG keeps 256 tokens in flight and
-# pays with a one-slot state ring (2048x5632: 0.1489 against 0.1605 ms). Below it the update bounds the time
-# and 704 tiles on 132 SMs leave 88 SMs idle in a sixth wave: ROWS64_CONFIG's 64-row tiles halve that tail
-# (2048x5632 at T = 512: 0.0916 against 0.0982 ms); where the last wave is nearly full (32000x2048, 2048x2048)
-# they only add operand traffic and the default stays.
+# What launch_ws picks by the layer's shape when not given a config (auto_config). At T >= 2048 the GEMM
+# beside the update waits on operands with three 64-token slots in flight: DEEP_CONFIG keeps 256 tokens in
+# flight and pays with a one-slot state ring. Below it the update bounds the time, and a short last wave
+# leaves SMs idle: ROWS64_CONFIG's 64-row tiles halve that tail; where the last wave is nearly full they
+# only add operand traffic and the default stays.
 DEEP_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 1}
 ROWS64_CONFIG = {"BM": 64, "STAGES": 6}
-# With the bf16 hand-over (DW16) the 32 KiB it frees give the deep operand ring its 2-slot state ring back: from
-# T = 1024 the best of the DW16 rings tried, or within 2 % of it (6 % at T = 16384; results/2026-12-03_H200_s28/
-# third/); below it the fp32 rule's picks stay (64-row tiles where the last wave is short).
+# With the bf16 hand-over (DW16) the 32 KiB it frees give the deep operand ring its 2-slot state ring back
+# from T = 1024; below it the fp32 rule's picks stay.
 DEEP16_CONFIG = {"BT": 32, "STAGES": 8, "SSTAGES": 2}
 # Tiles walked 16 block rows at a time (GROUP_M, _ws_tile) where a row-major wave would span fewer than 4 block
-# rows: on 2048x5632 (16 x 44 tiles) at T = 2048 a wave then reads 25 operand blocks instead of 47, and
-# torch / ws went 1.375 -> 1.441 (DEEP16; 1.449 -> 1.540 with fast_math); on the K = 2048 shapes, whose waves
-# span 8 block rows already, it was no faster or slower (results/2026-12-03_H200_s30/).
+# rows (on 2048x5632 at T = 2048 a wave then reads 25 operand blocks instead of 47); on shapes whose waves
+# span 8 block rows already it is not faster.
 GROUPED_CONFIG = {"GROUP_M": 16}
 
 if HAVE_GLUON:
-    from leantrain.forge.kernel import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
     from leantrain.ops.sr import sr_bf16
+    from leantrain.ops.update import DYN_COLS, _draw, _dyn_scalars, _rule, _store_plain
 
     @gluon.jit
     def _stamp(TR, tr_j, pid, j, EV_ID: gl.constexpr, TRACE: gl.constexpr):
@@ -240,16 +228,15 @@ if HAVE_GLUON:
         return offs, mask
 
     @gluon.jit
-    def _ws_read(W, S1, S2, offs, mask, NSTATE: gl.constexpr, EV: gl.constexpr):
-        """A slice's W and state, in fp32 (zeros for states the rule does not have); ``EV``: the loads'
-        eviction policy."""
-        w = gl.load(W + offs, mask=mask, other=0.0, eviction_policy=EV).to(gl.float32)
+    def _ws_read(W, S1, S2, offs, mask, NSTATE: gl.constexpr):
+        """A slice's W and state, in fp32 (zeros for states the rule does not have)."""
+        w = gl.load(W + offs, mask=mask, other=0.0).to(gl.float32)
         s1 = gl.zeros_like(w)
         s2 = gl.zeros_like(w)
         if NSTATE >= 1:
-            s1 = gl.load(S1 + offs, mask=mask, other=0.0, eviction_policy=EV).to(gl.float32)
+            s1 = gl.load(S1 + offs, mask=mask, other=0.0).to(gl.float32)
         if NSTATE >= 2:
-            s2 = gl.load(S2 + offs, mask=mask, other=0.0, eviction_policy=EV).to(gl.float32)
+            s2 = gl.load(S2 + offs, mask=mask, other=0.0).to(gl.float32)
         return w, s1, s2
 
     @gluon.jit
@@ -260,8 +247,8 @@ if HAVE_GLUON:
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
-                   EV: gl.constexpr, GROUP_M: gl.constexpr, APPROX: gl.constexpr, TR, tr_j, TRACE: gl.constexpr,
+                   SUB: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
+                   GROUP_M: gl.constexpr, APPROX: gl.constexpr, TR, tr_j, TRACE: gl.constexpr,
                    num_warps: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
@@ -283,10 +270,6 @@ if HAVE_GLUON:
             n0 = nb * BN
             cols = n0 + gl.arange(0, BN, layout=cols_l)
             mk = cols < K
-            if MODE == 0:
-                if PREFETCH:  # slice 0's W and state do not depend on dW: read them before waiting for it
-                    offs0, mask0 = _ws_offs(m0, 0, cols, mk, N, K, SUB, IDX32, rows_l)
-                    w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs0, mask0, NSTATE, EV)
             mbarrier.wait(dw_ready, n & 1)
             _stamp(TR, tr_j, pid, n, 3, TRACE)  # (3: the update warps have the tile)
             ss = 0.0
@@ -309,16 +292,8 @@ if HAVE_GLUON:
                     offs, mask = _ws_offs(m0, r, cols, mk, N, K, SUB, IDX32, rows_l)
                     gl.store(G + offs, g, mask=mask)
             else:
-                # W and the state of a slice are read one slice ahead (PREFETCH): slice r + 1's loads are
-                # in flight while slice r is computed and stored (the first slice's were issued before
-                # the wait for dW), so the update warps keep two slices of HBM reads outstanding
                 for r in gl.static_range(BM // SUB):
                     offs, mask = _ws_offs(m0, r, cols, mk, N, K, SUB, IDX32, rows_l)
-                    if PREFETCH:  # (constexpr branches: their names stay defined after them)
-                        w, s1, s2 = w_n, s1_n, s2_n
-                        if r + 1 < BM // SUB:
-                            offs_n, mask_n = _ws_offs(m0, r + 1, cols, mk, N, K, SUB, IDX32, rows_l)
-                            w_n, s1_n, s2_n = _ws_read(W, S1, S2, offs_n, mask_n, NSTATE, EV)
                     g = dw_smem.slice(r * SUB, SUB).load(layout).to(gl.float32)
                     if r == BM // SUB - 1:
                         mbarrier.arrive(dw_empty)  # the slot is read: the MMA warps may store the next tile
@@ -335,8 +310,8 @@ if HAVE_GLUON:
                         fence_async_shared()  # (these reads before the next TMA write of the slot)
                         mbarrier.arrive(st_empty.index(slot))
                         st += 1
-                    elif not PREFETCH:
-                        w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE, EV)
+                    else:
+                        w, s1, s2 = _ws_read(W, S1, S2, offs, mask, NSTATE)
                     if HAS_DYN:
                         g = g * gate
                     if HAS_SCALE:
@@ -346,13 +321,13 @@ if HAVE_GLUON:
                     p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
                                       eps, mom, z, RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, APPROX)
                     if W_BF16 and SR:
-                        gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask, eviction_policy=EV)
+                        gl.store(W + offs, sr_bf16(p, _draw(key, offs, IDX32)), mask=smask)
                     else:
-                        _store_plain(p, W, offs, smask, W_BF16, True, EV)
+                        _store_plain(p, W, offs, smask, W_BF16, True, "")
                     if NSTATE >= 1:
-                        _store_plain(s1, S1, offs, smask, KIND1 == 1, True, EV)
+                        _store_plain(s1, S1, offs, smask, KIND1 == 1, True, "")
                     if NSTATE >= 2:
-                        _store_plain(s2, S2, offs, smask, KIND2 == 1, True, EV)
+                        _store_plain(s2, S2, offs, smask, KIND2 == 1, True, "")
             _stamp(TR, tr_j, pid, n, 4, TRACE)  # (4: the tile's stores are issued)
             n += 1
 
@@ -365,8 +340,8 @@ if HAVE_GLUON:
                    NSTATE: gl.constexpr, W_BF16: gl.constexpr, SR: gl.constexpr, HAS_DECAY: gl.constexpr,
                    HAS_MOM: gl.constexpr, NESTEROV: gl.constexpr, LERP_SMALL: gl.constexpr, IDX32: gl.constexpr,
                    HAS_SCALE: gl.constexpr, HAS_DYN: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, PREFETCH: gl.constexpr, STATE_TMA: gl.constexpr,
-                   SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EV: gl.constexpr, MMA_REGS: gl.constexpr,
+                   BT: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr, STATE_TMA: gl.constexpr,
+                   SSTAGES: gl.constexpr, MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr,
                    DW16: gl.constexpr, GROUP_M: gl.constexpr, APPROX: gl.constexpr, TRACE: gl.constexpr,
                    num_warps: gl.constexpr):
         num_nb = gl.cdiv(K, BN)
@@ -406,7 +381,7 @@ if HAVE_GLUON:
                               W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_mb, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
-                              LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
+                              LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, STATE_TMA, SSTAGES,
                               GROUP_M, APPROX, TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
                            BT, STAGES, MMA_WARPS, DW16, TRACE)),
@@ -421,7 +396,7 @@ if HAVE_GLUON:
                               W, S1, S2, G, PART, SCALE, DYN, dyn_off, N, K, num_tiles, num_mb, num_nb,
                               lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                               MODE, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_DECAY, HAS_MOM, NESTEROV,
-                              LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, PREFETCH, STATE_TMA, SSTAGES, EV,
+                              LERP_SMALL, IDX32, HAS_SCALE, HAS_DYN, BM, BN, SUB, STATE_TMA, SSTAGES,
                               GROUP_M, APPROX, TR, tr_j, TRACE, num_warps)),
                 (_ws_mma, (a_bufs, b_bufs, ready, empty, dw_smem, dw_ready, dw_empty, T, num_tiles, TR, tr_j, BM, BN,
                            BT, STAGES, MMA_WARPS, DW16, TRACE)),
@@ -490,8 +465,8 @@ def resolve_config(config: dict | None, mode: int, tensors=()) -> dict:
 def _schedule(cfg: dict) -> dict:
     """The kernel's tile and schedule constexprs from a resolved configuration (launch and compile)."""
     return dict(BM=cfg["BM"], BN=cfg["BN"], BT=cfg["BT"], STAGES=cfg["STAGES"], SUB=cfg["SUB"],
-                PREFETCH=bool(cfg["PREFETCH"]), STATE_TMA=bool(cfg["STATE_TMA"]), SSTAGES=cfg["SSTAGES"],
-                MMA_WARPS=cfg["MMA_WARPS"], EV="evict_first" if cfg["EVICT"] else "", MMA_REGS=cfg["mma_regs"],
+                STATE_TMA=bool(cfg["STATE_TMA"]), SSTAGES=cfg["SSTAGES"],
+                MMA_WARPS=MMA_WARPS, MMA_REGS=cfg["mma_regs"],
                 DW16=bool(cfg["DW16"]), GROUP_M=int(cfg["GROUP_M"]), APPROX=bool(cfg["APPROX"]),
                 num_warps=cfg["num_warps"])
 
@@ -511,7 +486,7 @@ def _kernel_mode(mode: int) -> int:
     """The kernel's ``MODE`` constexpr for a launch mode: the update probe runs mode 0's code on no tokens."""
     if mode not in (0, 1, PROBE_GEMM, PROBE_UPDATE):
         raise ValueError(f"ws: mode {mode}: 0 (fused), 1 (write dW), {PROBE_GEMM} or {PROBE_UPDATE} (probes); "
-                         "an update-only launch is kernel.launch_forge's")
+                         "an update-only launch is ops.update_launch.launch_update's")
     return 0 if mode == PROBE_UPDATE else mode
 
 
@@ -532,10 +507,10 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
               approx: bool = False) -> torch.Tensor:
     """Run the kernel on one layer: ``mode`` 0 (fused dW + update of ``w`` and ``states``) or 1 (dW
     into ``g``); the probes ``PROBE_GEMM`` (2: the GEMM alone, nothing stored but the sums of squares)
-    and ``PROBE_UPDATE`` (3: the update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``kernel._scalars``;
+    and ``PROBE_UPDATE`` (3: the update alone, with dW = 0: no token is read). ``scal``: the 11 rule scalars of ``ops.update_launch.scalars``;
     ``flags``: its 4 flags; ``scale``: an optional fp32 device scalar multiplied into dW before the rule (the clip scale;
-    not finite: nothing is stored), as ``kernel.launch_forge``'s; ``dyn``: ``(table, row)``, the step's
-    scalars, gate and key read from that row of ``kernel.launch_forge``'s device table instead of ``scal``
+    not finite: nothing is stored), as ``ops.update_launch.launch_update``'s; ``dyn``: ``(table, row)``, the step's
+    scalars, gate and key read from that row of the device table of ``ops.update_launch`` instead of ``scal``
     and ``key`` (a launch captured in a CUDA graph). ``config``: overrides of ``WS_CONFIG`` (``{}``: it
     as is); ``None``: ``auto_config``'s for this shape. ``dw_bf16``: the tile rounded to bf16 before the update
     (``DW16``; ``grad_dtype="bf16"``). ``approx``: the rule's square root and divisions approximate
@@ -583,91 +558,3 @@ def launch_ws(mode: int, *, x, dy, w, states=(), kinds=(), g=None, part=None, sc
         **_schedule(cfg),
         enable_fp_fusion=False)  # (no a * b + c contracted into an FMA: the rule's bits, as kernel.py's)
     return part
-
-
-def compile_sm90(mode: int = 0, *, w_dtype: str = "fp32", state_dtype: str = "fp32", rule_id: int = 1,
-                 dyn: bool = False, config: dict | None = None, trace: bool = False):
-    """Compile the kernel for sm_90 without a GPU (Triton's wheel carries ptxas): the compiled
-    kernel (``.asm["ptx"]``, ``.metadata.shared`` ...). For tests and instruction counts. ``config``:
-    overrides of ``WS_CONFIG`` (``None``: it as is; there is no shape here for ``auto_config``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    cfg = resolve_config(config, mode)
-    BM, BN, BT = cfg["BM"], cfg["BN"], cfg["BT"]
-    la = gl.NVMMASharedLayout.get_default_for([BT, BM], gl.bfloat16)
-    lb = gl.NVMMASharedLayout.get_default_for([BT, BN], gl.bfloat16)
-    sig = {"dy_desc": f"tensordesc<bf16[{BT}, {BM}],{la!r}>", "x_desc": f"tensordesc<bf16[{BT}, {BN}],{lb!r}>"}
-    for name, dt in (("w_desc", w_dtype), ("s1_desc", state_dtype), ("s2_desc", state_dtype)):
-        if cfg["STATE_TMA"]:
-            ls = gl.NVMMASharedLayout.get_default_for([cfg["SUB"], BN], gl.float32 if dt == "fp32" else gl.bfloat16)
-            sig[name] = f"tensordesc<{dt}[{cfg['SUB']}, {BN}],{ls!r}>"
-        else:
-            sig[name] = sig["dy_desc"]
-    sig.update({"W": f"*{w_dtype}", "S1": f"*{state_dtype}", "S2": f"*{state_dtype}", "G": "*fp32", "PART": "*fp32",
-           "SCALE": "*fp32", "DYN": "*fp32", "dyn_off": "i32", "TR": "*i64", "tr_j": "i32", "T": "i32", "N": "i32",
-           "K": "i32"})
-    sig.update({k: "fp32" for k in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
-                                     "eps", "mom")})
-    sig["key"] = "i32"
-    names = list(sig)
-    bf = state_dtype == "bf16"
-    const = dict(MODE=_kernel_mode(mode), RULE=rule_id, KIND1=int(bf), KIND2=int(bf), NSTATE=2,
-                 W_BF16=w_dtype == "bf16", SR=True,
-                 HAS_DECAY=True, HAS_MOM=False, NESTEROV=False, LERP_SMALL=True, IDX32=True, HAS_SCALE=False,
-                 HAS_DYN=dyn, TRACE=trace, **_schedule(cfg))
-    sig.update({k: "constexpr" for k in const})
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in ("W", "S1", "S2", "G", "PART", "N", "K")}
-    src = GluonASTSource(fn=_ws_kernel, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False})
-
-
-RULE_HP = {"sgd": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01},
-           "nesterov": {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
-           "adamw": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
-           "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.1},
-           "adams": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}}  # check()'s hyper-parameters
-
-
-def check(n: int, k: int, t: int, rule: str = "adamw", w_dtype: str = "fp32", state_dtype: str = "fp32",
-          seed: int = 1, config: dict | None = None) -> dict:
-    """Self-check on this GPU, random inputs: the fused update (mode 0) against the kernel's own dW
-    (mode 1) followed by ``kernel.py``'s update kernel (``bitwise``: W and every state equal bit for
-    bit), that dW against ``dYᵀX`` in fp32 (``dw_rel_err``: max error over max entry), and how far W
-    moved (``moved``); with ``DW16`` in ``config``, whether every dW entry is a bf16 value
-    (``dw_is_bf16``). ``rule``: a rule of ``kernel.RULE_IDS`` or ``"nesterov"`` (SGD with it)."""
-    from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW, RULE_IDS, _scalars, launch_forge
-
-    approx = bool((config or {}).get("APPROX"))  # (then the update kernel's rule is the approximate one too)
-    name = "sgd" if rule == "nesterov" else rule
-    hp = RULE_HP[rule]
-    nst = {"sgd": 1, "adamw": 2, "lion": 1, "adams": 1}[name]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-2
-    wd = torch.bfloat16 if w_dtype == "bf16" else torch.float32
-    sd = torch.bfloat16 if state_dtype == "bf16" else torch.float32
-    w0 = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(wd)
-    st0 = [(torch.randn(n, k, device="cuda", generator=gen) * 1e-3).abs().to(sd) for _ in range(nst)]
-    scal, flags = _scalars(name, hp, 3)
-    g = torch.empty(n, k, device="cuda")
-    launch_ws(MODE_WRITE_DW, x=x, dy=dy, w=w0.clone(), g=g, scal=scal, flags=flags, rule_id=RULE_IDS[name],
-              config=config)
-    ref = dy.float().t() @ x.float()
-    w1, st1 = w0.clone(), [s.clone() for s in st0]
-    launch_ws(MODE_FUSED, x=x, dy=dy, w=w1, states=st1, kinds=[state_dtype] * nst, scal=scal, flags=flags,
-              rule_id=RULE_IDS[name], key=1234, config=config)
-    w2, st2 = w0.clone(), [s.clone() for s in st0]
-    launch_forge(MODE_UPDATE, g=g, w=w2, states=st2, kinds=[state_dtype] * nst, rule_name=name, hp=hp, step=3,
-                 key=1234, approx=approx)
-    def bits(t):
-        return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-    same = torch.equal(bits(w1), bits(w2)) and all(torch.equal(bits(a), bits(b)) for a, b in zip(st1, st2, strict=True))
-    out = {"bitwise": same, "dw_rel_err": ((g - ref).abs().max() / ref.abs().max()).item(),
-           "moved": (w1.float() - w0.float()).abs().max().item()}
-    if (config or {}).get("DW16"):
-        out["dw_is_bf16"] = torch.equal(g, g.to(torch.bfloat16).float())
-    return out

@@ -10,12 +10,13 @@ fp32 and written back either with round-to-nearest or, with
 ``stochastic_rounding=True``, with unbiased stochastic rounding.
 
 ``backend="triton"`` (or ``"auto"`` on a CUDA device) steps each 1-D / 2-D parameter with fp32
-or bf16 states in one launch of FORGE's update-only kernel instead of ~15 torch ops: the same
+or bf16 states in one launch of the update kernel (:mod:`leantrain.ops.update`, which FORGE
+shares) instead of ~15 torch ops: the same
 rule in fp32 registers (within 1e-6 relative of the reference in fp32, tested), far less host
 time a step. Stochastic rounding then draws from the kernel's counter hash, not from
 ``bf16_stochastic_round``'s stream: unbiased either way, not the same bits. The small 1-D ones
-(norm weights and biases: ``kernel.bucket_ok``) that share a dtype, state kinds, param group and
-step count go in one launch over their concatenation (``kernel.update_many``), with the bits of
+(norm weights and biases: ``update_launch.bucket_ok``) that share a dtype, state kinds, param group and
+step count go in one launch over their concatenation (``update_launch.update_many``), with the bits of
 one launch each; a non-finite gradient there reaches the weights as in the reference (one
 launch a parameter leaves a non-finite tile alone).
 """
@@ -45,7 +46,7 @@ class Optimizer(torch.optim.Optimizer):
         state_dtype: how optimizer state is kept between steps: ``"fp32"``, ``"bf16"``,
             ``"int8"`` or ``"int8p"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
         backend: ``"torch"`` (the rule op by op, any device: the reference), ``"triton"``
-            (FORGE's update-only kernel for each parameter it takes: 1-D or 2-D, fp32 or bf16,
+            (the update kernel of :mod:`leantrain.ops.update` for each parameter it takes: 1-D or 2-D, fp32 or bf16,
             fp32 or bf16 states; the others op by op) or ``"auto"`` (triton for CUDA parameters
             when Triton is installed).
     """
@@ -65,7 +66,7 @@ class Optimizer(torch.optim.Optimizer):
         self._backends: dict[bool, str] = {}  # p.is_cuda -> the resolved backend
         self.buckets = True  # small 1-D parameters of a kind in one kernel launch (False: one launch each)
         self._ones: dict = {}  # (count, device) -> the unit scales of a bucket
-        self._kernel = None  # leantrain.forge.kernel, once a parameter resolves to the Triton backend
+        self._kernel = None  # leantrain.ops.update_launch, once a parameter resolves to the Triton backend
         super().__init__(params, rule.hyper())
 
     @torch.no_grad()
@@ -76,7 +77,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hp = {k: v for k, v in group.items() if k != "params"}
-            buckets = None  # the small 1-D parameters stepped together (kernel.Buckets, update_many)
+            buckets = None  # the small 1-D parameters stepped together (Buckets, update_many)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -116,10 +117,10 @@ class Optimizer(torch.optim.Optimizer):
         if backend is None:  # (errors as the ops' backends say them: no Triton, a CPU tensor without the interpreter)
             backend = resolve(self.backend, p)
             if backend == "triton":
-                from leantrain.forge import kernel
+                from leantrain.ops import update_launch
 
-                self._kernel = kernel  # (imported here, once: it imports Triton)
-                if self.rule.name not in kernel.RULE_IDS:  # (a rule the kernel does not have: op by op)
+                self._kernel = update_launch  # (imported here, once: it imports Triton)
+                if self.rule.name not in update_launch.RULE_IDS:  # (a rule the kernel does not have: op by op)
                     backend = "torch"
             self._backends[p.is_cuda] = backend
         floats = (torch.float32, torch.bfloat16)
@@ -157,10 +158,9 @@ class Optimizer(torch.optim.Optimizer):
         return index
 
     def _step_kernel(self, p: Tensor, state: dict, hp: dict) -> None:
-        """One launch of FORGE's update-only kernel: reads W, the gradient (fp32 or bf16, as
+        """One launch of the update kernel: reads W, the gradient (fp32 or bf16, as
         stored) and the states, applies the rule in fp32, stores W (stochastic rounding for bf16 W when asked)
         and the states."""
-        from leantrain.forge import kernel as K
         from leantrain.ops.rng import kernel_key, step_seed
 
         as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(1, -1))
@@ -168,11 +168,11 @@ class Optimizer(torch.optim.Optimizer):
         step = state["step"]
         g = p.grad  # fp32 or bf16: the kernel reads either in fp32
         key = kernel_key(step_seed(self.seed, self._param_index(p), step))
-        K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=[as2d(state[k]) for k in names],
-                       kinds=[StateStorage.kind_of(state, k) for k in names], qtables=[None] * len(names),
-                       rule_name=self.rule.name, hp=hp, step=step,
-                       sr=self.stochastic_rounding and p.dtype == torch.bfloat16, key=key, g=as2d(g.contiguous()))
-
+        self._kernel.launch_update(w=as2d(p.data), states=[as2d(state[k]) for k in names],
+                                   kinds=[StateStorage.kind_of(state, k) for k in names],
+                                   qtables=[None] * len(names),
+                                   rule_name=self.rule.name, hp=hp, step=step,
+                                   sr=self.stochastic_rounding and p.dtype == torch.bfloat16, key=key, g=as2d(g.contiguous()))
 
 
 def write_param(p: Tensor, value: Tensor, *, stochastic: bool, seed: int) -> None:

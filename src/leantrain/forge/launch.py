@@ -1,0 +1,139 @@
+"""Launching FORGE's kernel (:mod:`leantrain.forge.kernel`): tile configurations, launch plans
+cached per signature, and :func:`launch_forge`, one call for the three modes of a layer (the
+update-only mode runs the shared update kernel of :mod:`leantrain.ops.update`)."""
+
+from __future__ import annotations
+
+import torch
+
+from leantrain.forge.kernel import MODE_FUSED, MODE_UPDATE, MODE_WRITE_DW
+from leantrain.ops._backend import HAS_TRITON, interpreting
+from leantrain.ops.update import DYN_COLS, FLAG_NAMES, RULE_IDS, STATE_KIND
+from leantrain.ops.update_launch import (
+    Buckets,
+    DirectLauncher,
+    Plan,
+    bucket_ok,
+    cdiv,
+    device_keys,
+    dyn_row,
+    epilogue_args,
+    launch_update,
+    rule_scalars,
+    scalars,
+    state_args,
+    update_many,
+    update_tile,
+)
+
+if HAS_TRITON:
+    from leantrain.forge.kernel import _forge_kernel
+
+LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tiles at 8 warps
+FUSED_MAXNREG = 168  # the fused 64 x 64 tile's register cap (three programs an SM; heuristic_config)
+INTERP_TILE = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}  # the CPU interpreter's
+_I32 = 1 << 31
+
+
+def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False) -> dict:
+    """The tile configuration of a launch on a GPU when the caller pins none (measured on an H200:
+    ``benchmarks/tools/tune_kernels.py``, docs/forge.md).
+
+    Fused / write-dW: 64 x 64 tiles, 64-token steps, 4 warps, 3 stages up to ``LARGE_T`` tokens
+    (and always with 8-bit states: the 16 x 16 block requantization needs the registers);
+    128 x 128 x 32 at 8 warps above. The fused mode's 64 x 64 tile (fp32 / bf16 states) is
+    compiled with at most ``FUSED_MAXNREG`` registers a thread: three programs an SM instead of
+    two. Update-only: :func:`leantrain.ops.update_launch.update_tile`."""
+    if mode == MODE_UPDATE:
+        return update_tile(w_bf16, states_bf16, int8)
+    if T <= LARGE_T or int8:
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_T": 64, "GROUP_N": 8, "num_warps": 4, "num_stages": 3}
+        if mode == MODE_FUSED and not int8:
+            cfg["maxnreg"] = FUSED_MAXNREG
+        return cfg
+    return {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
+
+
+_PLANS: dict = {}
+_DIRECT = DirectLauncher(_forge_kernel, "T", "MODE") if HAS_TRITON else None
+
+
+def _plan(mode: int, N: int, K: int, T: int, int8: bool, tune: dict | None, on_gpu: bool, meta: dict) -> Plan:
+    """The launch plan of the fused / write-dW modes: tiles (the interpreter's, ``tune``, or
+    :func:`heuristic_config`), grid and the constexpr arguments."""
+    if not on_gpu:
+        cfg = dict(INTERP_TILE)
+    elif tune is not None:
+        cfg = {k: v for k, v in tune.items() if k != "EARLY_LOADS"}  # (an update-only option)
+    else:
+        cfg = heuristic_config(mode, T, int8)
+    meta = dict(meta, **cfg)
+    consts = _DIRECT.consts(meta) if on_gpu else None
+    grid = cdiv(N, cfg["BLOCK_N"]) * cdiv(K, cfg["BLOCK_K"])
+    meta["enable_fp_fusion"] = False  # see leantrain.ops._backend
+    return Plan(_forge_kernel, meta, consts, (grid,), grid)
+
+
+def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_states=(), kinds=(),
+                 qtables=(), g=None, gb=None, scale=None, rule_name="adamw", hp=None, step=1,
+                 sr=True, key=0, tune=None, part=None, dyn=None, sq=None, ticket=None, rows=None, approx=False):
+    """Launch FORGE's kernel on one layer. Returns the per-tile sum-of-squares tensor.
+
+    ``mode``: ``MODE_FUSED`` (dW of ``x: [T, K]`` and ``dy: [T, N]``, same dtype, contiguous rows,
+    and the update of ``w: [N, K]`` and ``b``), ``MODE_WRITE_DW`` (dW / db into ``g`` / ``gb``),
+    ``MODE_UPDATE`` (the update from ``g`` / ``gb``: :func:`leantrain.ops.update_launch.launch_update`,
+    whose docstring describes ``states``, ``kinds``, ``qtables``, ``scale``, ``dyn``, ``sq`` /
+    ``ticket``, ``rows`` and ``approx``). ``tune``: a tile configuration (``BLOCK_N, BLOCK_K,
+    BLOCK_T, GROUP_N, num_warps[, num_stages, maxnreg, EARLY_LOADS]``) pinned instead of
+    :func:`heuristic_config`'s: for tuning scripts and tests."""
+    if mode == MODE_UPDATE:
+        return launch_update(w=w, g=g, b=b, gb=gb, states=states, bias_states=bias_states, kinds=kinds,
+                             qtables=qtables, scale=scale, rule_name=rule_name, hp=hp, step=step, sr=sr, key=key,
+                             tune=tune, part=part, dyn=dyn, sq=sq, ticket=ticket, rows=rows, approx=approx)
+    if rows is not None:
+        raise ValueError("launch_forge(rows=...): the update-only mode only")
+    dummy = w if w is not None else g
+    N, K = dummy.shape
+    dev = dummy.device
+    on_gpu = dev.type == "cuda" and not interpreting()
+    T = x.shape[0]
+    assert x.stride(-1) == 1 and dy.stride(-1) == 1 and x.dtype == dy.dtype
+    if not on_gpu and x.dtype != torch.float32 and interpreting():  # the interpreter's tl.dot: wrong on bf16
+        x, dy = x.float(), dy.float()  # exact: same products, fp32 accumulation
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    if mode == MODE_WRITE_DW:
+        states, bias_states, kinds, dyn, b = (), (), (), None, None
+        e = epilogue_args("sgd", {"lr": 0.0}, 1, kinds, qtables, None)
+    else:
+        e = epilogue_args(rule_name, hp, step, kinds, qtables, dyn)
+    has_bias = (b is not None) if mode != MODE_WRITE_DW else (gb is not None)
+    w_bf16 = w is not None and w.dtype == torch.bfloat16
+    pkey = (mode, N, K, T <= LARGE_T, rule_name, e.kind1, e.kind2, len(states), w_bf16, bool(sr), has_bias,
+            e.signs, scale is not None, prec, e.flags, on_gpu, dyn is not None, sq is not None,
+            None if tune is None else tuple(sorted(tune.items())), bool(approx))
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=e.kind1, KIND2=e.kind2, NSTATE=len(states),
+                    W_BF16=w_bf16, SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec,
+                    HAS_DYN=dyn is not None, SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
+                    SIGN1=e.signs[0], SIGN2=e.signs[1], APPROX=bool(approx),
+                    **dict(zip(FLAG_NAMES, e.flags, strict=True)))
+        plan = _PLANS[pkey] = _plan(mode, N, K, T, max(e.kind1, e.kind2) >= STATE_KIND["int8"], tune, on_gpu, meta)
+    if part is None or part.numel() != plan.nparts or part.device != dev:
+        part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
+    sx, sdy = x.stride(0), dy.stride(0)
+    args = (x, dy, dummy if w is None else w, dummy if b is None else b,
+            *state_args(dummy, states, bias_states, qtables, e.kind1, e.kind2),
+            dummy if g is None else g, dummy if gb is None else gb, part, part if scale is None else scale,
+            part if dyn is None else dyn[0], part if sq is None else sq, part if ticket is None else ticket,
+            T, N, K, sx, sdy, *e.scal, 0 if dyn is not None else int(key), 0 if dyn is None else dyn[1] * DYN_COLS)
+    if on_gpu:
+        _DIRECT(plan, pkey, args, (N, K, sx, sdy), (T, *args[-2:]))
+    else:
+        plan.kernel[plan.grid](*args, **plan.meta)
+    return part
+
+
+__all__ = ["launch_forge", "heuristic_config", "MODE_FUSED", "MODE_WRITE_DW", "MODE_UPDATE", "LARGE_T",
+           "update_many", "bucket_ok", "Buckets", "device_keys", "rule_scalars", "dyn_row", "scalars", "DYN_COLS",
+           "RULE_IDS", "STATE_KIND"]
