@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from leantrain.ops._backend import HAS_TRITON, interpreting, launch, resolve
-from leantrain.ops.quant import ieee_div
+from leantrain.ops.tiles import ieee_div
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
