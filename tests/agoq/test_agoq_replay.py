@@ -201,3 +201,24 @@ def test_a_failed_forward_leaves_no_plan():
     with pytest.raises(ValueError):
         m(idx, idx)
     assert not pk._plans and not pk._ctx
+
+
+def test_apply_returns_its_packer_and_is_idempotent():
+    """apply returns the Packer; packer_of finds it; applying an equal policy at the same stage
+    again returns the same packer (no second set of hooks); another policy replaces it; remove
+    forgets it. Nothing is stored on the model."""
+    from leantrain.agoq import packer_of
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert packer_of(m) is None
+    pk = apply(m, Policy(min_numel=1))
+    hooks = len(m._forward_hooks) + len(m._forward_pre_hooks)
+    assert packer_of(m) is pk and "_agoq_packer" not in vars(m)
+    assert apply(m, Policy(min_numel=1)) is pk
+    assert len(m._forward_hooks) + len(m._forward_pre_hooks) == hooks
+    other = apply(m, Policy(min_numel=1, qkv_in=8))
+    assert other is not pk and packer_of(m) is other
+    assert len(m._forward_hooks) + len(m._forward_pre_hooks) == hooks
+    assert apply(m, Policy(min_numel=1, qkv_in=8), stage=1) is not other
+    remove(m)
+    assert packer_of(m) is None and len(m._forward_hooks) + len(m._forward_pre_hooks) == 0

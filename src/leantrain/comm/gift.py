@@ -68,10 +68,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.runtime import collectives as C
-from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
 from leantrain.comm.fp4 import nvfp4_all_reduce
 from leantrain.comm.int8_allreduce import two_phase_all_reduce
+from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
+from leantrain.runtime import collectives as C
 
 __all__ = ["GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
 
