@@ -11,8 +11,8 @@ from torch import nn
 
 from leantrain.agoq import Policy, apply, remove
 from leantrain.config import ModelConfig
-from leantrain.runtime.ledger import SavedActivationMeter
 from leantrain.model import Llama
+from leantrain.runtime.ledger import SavedActivationMeter
 
 SMALL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 NEAREST = Policy(stochastic=False)
@@ -154,16 +154,16 @@ class _Loss(nn.Module):
 
 def test_a_log_softmax_slot_takes_only_a_log_softmax(monkeypatch):
     """A slot recorded as a log-softmax (stored as probabilities) never packs another tensor."""
-    import leantrain.agoq.hooks as H
+    import leantrain.agoq.packer as P
 
     made = []
 
-    class Counted(H.ProbPacked):
+    class Counted(P.ProbPacked):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             made.append(self.dtype)
 
-    monkeypatch.setattr(H, "ProbPacked", Counted)
+    monkeypatch.setattr(P, "ProbPacked", Counted)
     torch.manual_seed(0)
     m = _Loss()
     x, t = torch.randn(16, 64, requires_grad=True), torch.randint(0, 32, (16,))

@@ -39,9 +39,10 @@ from collections import Counter, defaultdict
 import torch
 from torch import Tensor, nn
 
+from leantrain.agoq.derive import DeriveMixin
 from leantrain.agoq.pack import PackBatch, pack
 from leantrain.agoq.policy import KEEP, Policy
-from leantrain.agoq.replay import Plan, signature
+from leantrain.agoq.replay import Plan, ReplayMixin, signature
 from leantrain.agoq.roles import role_of_module
 from leantrain.agoq.saved import ProbPacked, add_use, is_log_softmax, storage_ptr, unpack_saved
 from leantrain.runtime.ledger import metering, note_saved
@@ -79,7 +80,7 @@ def active_packers() -> list[Packer]:
     return _local.stack
 
 
-class Packer:
+class Packer(ReplayMixin, DeriveMixin):
     """Packs saved activations of ``model`` by ``policy``; counts every decision in ``stats``.
 
     ``batch_devices`` / ``batch_backend``: where 4/8-bit saves go through :class:`PackBatch`

@@ -32,6 +32,7 @@ Tiling / bytes: a device helper, no memory traffic of its own.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from leantrain.ops._backend import HAS_TRITON
 
