@@ -222,7 +222,7 @@ def _quantize_triton(x, bits, group_size, symmetric, stochastic, seed, exp=False
     scale = torch.empty(g, dtype=torch.float32, device=x.device)
     zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
     if g:
-        word_elems, word_warps, _ = WORD_TILE
+        word_elems, word_warps, _ = Tile(*WORD_TILE)
         cols, rows, warps = tile_shape(group_size, word_elems if words else 0)
         warps = (word_warps if words else QUANT_WARPS) or warps
         qlo, qhi = int_code_range(bits, symmetric)
