@@ -47,7 +47,7 @@ def _child(args) -> dict:
     sys.path.insert(0, str(SRC))
     import torch
 
-    from leantrain.agoq import Policy, apply, quantize_activations
+    from leantrain.agoq import Policy, apply, packer_of, quantize_activations
     from leantrain.config import preset
     from leantrain.runtime.ledger import SavedActivationMeter
     from leantrain.model import Llama
@@ -138,7 +138,7 @@ def _child(args) -> dict:
         "step_s_median": sorted(times)[len(times) // 2], "step_s_all": times, "forward_host_s_all": fwd_host,
         "gc_off": bool(args.gc_off), "gc_freeze": bool(args.gc_freeze),
     }
-    pk = getattr(m, "_agoq_packer", None)
+    pk = packer_of(m)
     if pk is not None:  # every save's fate over all forwards (replay:diverged: forwards that left their plan)
         out["packer_stats"] = dict(pk.stats)
     if cuda:

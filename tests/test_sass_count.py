@@ -1,5 +1,5 @@
 """benchmarks/tools/sass_count.py compiles a kernel for sm_90 without a GPU and counts its SASS: the
-method behind the quantizers' clean-tile branch. The clean-tile branch (``quant.FAST & 16``) must cut
+method behind the quantizers' clean-tile branch. The clean-tile branch (``FAST & CLEAN_TILE``, :mod:`leantrain.ops.tiles`) must cut
 the path a clean tile runs, and the counter must see the branch it skips."""
 
 import importlib.util

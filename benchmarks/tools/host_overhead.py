@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     B = importlib.import_module("leantrain.ops._backend")
     P = importlib.import_module("leantrain.agoq.pack")
-    H = importlib.import_module("leantrain.agoq.hooks")
+    H = importlib.import_module("leantrain.agoq.packer")
     dev = "cuda"
     x = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)
     xr = x.clone().requires_grad_()
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     case("quantize_many (10 tensors, int4 SR)", lambda: M.quantize_many(xs, bits=4, stochastic=True, seeds=list(range(10))))
     qs = M.quantize_many(xs, bits=4, stochastic=True, seeds=list(range(10)))
     case("dequantize_many (10 tensors)", lambda: M.dequantize_many(qs))
-    case("the launch table of 10 tensors", lambda: M._table([[0] * 8 for _ in range(10)], [1] * 10, x.device))
+    case("the launch table of 10 tensors", lambda: M.launch_table([[0] * 8 for _ in range(10)], [1] * 10, x.device))
     rows["direct_launch"] = B._DIRECT[0]
     rows["direct_cache_entries"] = len(B._FAST)
     print("direct launch:", B._DIRECT[0], "cached kernels:", len(B._FAST))

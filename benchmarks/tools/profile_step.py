@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         pr.disable()
         with open(os.path.join(a.out, f"cprofile_{a.config}_b{a.batch}.txt"), "w") as f:
-            packer = getattr(model, "_agoq_packer", None)
+            packer = lt.agoq.packer_of(model)
             if packer is not None:
                 f.write(f"AGoQ packer stats (all steps so far): {dict(packer.stats)}\n")
             st = pstats.Stats(pr, stream=f)

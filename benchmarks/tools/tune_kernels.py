@@ -164,6 +164,7 @@ def tune_fast(log) -> list[dict]:
     from leantrain import ops
 
     Q = importlib.import_module("leantrain.ops.quant")
+    T = importlib.import_module("leantrain.ops.tiles")
     M = importlib.import_module("leantrain.ops.multi")
     d = _fast_inputs(log)
     n, xb, x32, xs, widths, nb_many, seeds, rows = (d[k] for k in ("n", "xb", "x32", "xs", "widths", "nb_many",
@@ -178,11 +179,11 @@ def tune_fast(log) -> list[dict]:
         return [q4.data, q4.scale, ops.dequantize(q4), q8.data, q8.scale, q8.zero, ops.dequantize(q8),
                 h4.data, h4.scale, *[q.data for q in qs], *M.dequantize_many(qs)]
 
-    defaults = Q.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE, Q.TILE_ELEMS, Q.QUANT_WARPS
-    Q.FAST, Q.WORD_PAIRS = 0, False
+    defaults = T.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE, T.TILE_ELEMS, Q.QUANT_WARPS
+    T.FAST, Q.WORD_PAIRS = 0, False
     ref = outputs()
     for fast, words in ((0, False), (7, False), (7, True)):
-        Q.FAST, Q.WORD_PAIRS = fast, words
+        T.FAST, Q.WORD_PAIRS = fast, words
         tag = f"FAST={fast} WORDS={int(words)}"
         same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
         q4 = ops.quantize(xb, bits=4, stochastic=True, seed=1)
@@ -197,11 +198,11 @@ def tune_fast(log) -> list[dict]:
                 x32.numel() * (4.5 + 1 / 32), same)
     for elems in (2048, 4096, 8192):
         for w in (4, 8, 16):
-            Q.TILE_ELEMS, Q.QUANT_WARPS = elems, w
+            T.TILE_ELEMS, Q.QUANT_WARPS = elems, w
             same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
             rec(f"FAST=7 WORDS=1 quantize int4 g128 SR bf16 elems={elems} warps={w}",
                 lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1), 2.5 * n + n / 32, same)
-    Q.TILE_ELEMS, Q.QUANT_WARPS = defaults[4:]
+    T.TILE_ELEMS, Q.QUANT_WARPS = defaults[4:]
     for qt, dt in (((2048, 4, 1), (2048, 4, 2)), ((2048, 4, 2), (2048, 4, 4)), ((4096, 8, 2), (2048, 4, 8)),
                    ((2048, 8, 2), (4096, 8, 4)), ((4096, 4, 1), (4096, 4, 2))):
         M.Q_TILE, M.DQ_TILE = qt, dt
@@ -210,7 +211,7 @@ def tune_fast(log) -> list[dict]:
         rec(f"FAST=7 WORDS=1 quantize_many 10 tensors int4/8 SR bf16 tile={qt}",
             lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, same)
         rec(f"FAST=7 dequantize_many 10 tensors -> bf16 tile={dt}", lambda: M.dequantize_many(qs), nb_many, same)
-    Q.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE, Q.TILE_ELEMS, Q.QUANT_WARPS = defaults
+    T.FAST, Q.WORD_PAIRS, M.Q_TILE, M.DQ_TILE, T.TILE_ELEMS, Q.QUANT_WARPS = defaults
     H = importlib.import_module("leantrain.ops.hadamard")
     hdef = H.HQ_ELEMS, H.HQ_WARPS
     for pairs in (True, False):
@@ -218,7 +219,7 @@ def tune_fast(log) -> list[dict]:
         for elems, w in ((0, 4), (8192, 8), (16384, 8), (16384, 16)):
             H.HQ_ELEMS, H.HQ_WARPS = elems, w
             same = all(torch.equal(a, b) for a, b in zip(outputs(), ref))
-            rec(f"FAST={Q.FAST} PAIRS={int(pairs)} hadamard_quantize b32 int4 SR g128 fp32 elems={elems} warps={w}",
+            rec(f"FAST={T.FAST} PAIRS={int(pairs)} hadamard_quantize b32 int4 SR g128 fp32 elems={elems} warps={w}",
                 lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), x32.numel() * (4.5 + 1 / 32),
                 same)
     Q.PAIR_SR = True
@@ -236,6 +237,7 @@ def tune_fast2(log) -> list[dict]:
     from leantrain import ops
 
     Q = importlib.import_module("leantrain.ops.quant")
+    T = importlib.import_module("leantrain.ops.tiles")
     M = importlib.import_module("leantrain.ops.multi")
     H = importlib.import_module("leantrain.ops.hadamard")
     d = _fast_inputs(log)
@@ -258,12 +260,12 @@ def tune_fast2(log) -> list[dict]:
     def same():
         return all(torch.equal(a, b) for a, b in zip(outputs(), ref, strict=True))
 
-    defaults = Q.FAST, Q.WORD_TILE, M.Q_TILE, H.HQ_ELEMS, H.HQ_WARPS
-    Q.FAST = 0
+    defaults = T.FAST, Q.WORD_TILE, M.Q_TILE, H.HQ_ELEMS, H.HQ_WARPS
+    T.FAST = 0
     ref = outputs()
     nq4, nq8, nh = 2.5 * n + n / 32, 3 * n + n / 32, x32.numel() * (4.5 + 1 / 32)
     for fast in (7, 15, 23, 31):
-        Q.FAST = fast
+        T.FAST = fast
         ok = same()
         q4 = ops.quantize(xb, bits=4, stochastic=True, seed=1)
         rec(f"FAST={fast} quantize int4 g128 SR bf16", lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1),
@@ -275,22 +277,22 @@ def tune_fast2(log) -> list[dict]:
             lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), nh, ok)
         rec(f"FAST={fast} quantize_many 10 tensors int4/8 SR bf16",
             lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, ok)
-    Q.FAST = defaults[0]
+    T.FAST = defaults[0]
     for tile in ((4096, 8), (4096, 4), (8192, 8), (8192, 4), (2048, 2), (2048, 4), (16384, 8)):
         Q.WORD_TILE = tile
-        rec(f"FAST={Q.FAST} quantize int4 g128 SR bf16 word tile={tile}",
+        rec(f"FAST={T.FAST} quantize int4 g128 SR bf16 word tile={tile}",
             lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1), nq4, same())
     Q.WORD_TILE = defaults[1]
     for qt in ((2048, 4, 2), (4096, 4, 1), (4096, 4, 2), (2048, 2, 2), (4096, 8, 2), (8192, 8, 1), (2048, 2, 4)):
         M.Q_TILE = qt
-        rec(f"FAST={Q.FAST} quantize_many 10 tensors int4/8 SR bf16 tile={qt}",
+        rec(f"FAST={T.FAST} quantize_many 10 tensors int4/8 SR bf16 tile={qt}",
             lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, same())
     M.Q_TILE = defaults[2]
     for elems, w in ((0, 4), (8192, 4), (8192, 8), (16384, 8), (4096, 2)):
         H.HQ_ELEMS, H.HQ_WARPS = elems, w
-        rec(f"FAST={Q.FAST} hadamard_quantize b32 int4 SR g128 fp32 elems={elems} warps={w}",
+        rec(f"FAST={T.FAST} hadamard_quantize b32 int4 SR g128 fp32 elems={elems} warps={w}",
             lambda: ops.hadamard_quantize(x32, block=32, bits=4, stochastic=True), nh, same())
-    Q.FAST, Q.WORD_TILE, M.Q_TILE, H.HQ_ELEMS, H.HQ_WARPS = defaults
+    T.FAST, Q.WORD_TILE, M.Q_TILE, H.HQ_ELEMS, H.HQ_WARPS = defaults
     return rows
 
 
@@ -302,7 +304,7 @@ def tune_multi(log) -> list[dict]:
 
     from leantrain import ops
 
-    Q = importlib.import_module("leantrain.ops.quant")
+    T = importlib.import_module("leantrain.ops.tiles")
     M = importlib.import_module("leantrain.ops.multi")
     d = _fast_inputs(log)
     xb, xs, widths, nb_many, seeds, rows, bad = (d[k] for k in ("xb", "xs", "widths", "nb_many", "seeds", "rows",
@@ -315,21 +317,21 @@ def tune_multi(log) -> list[dict]:
         q32 = M.quantize_many([xs[0].float(), xs[1]], bits=[4, 8], stochastic=True, seeds=[1, 2])
         return [t for q in [*qs, *q32] for t in (q.data, q.scale)]
 
-    defaults = Q.FAST, M.Q_TILE, M.FAST_MASK
-    Q.FAST = 0
+    defaults = T.FAST, M.Q_TILE, M.FAST_MASK
+    T.FAST = 0
     ref = outputs()
-    Q.FAST = defaults[0]
+    T.FAST = defaults[0]
     for mask in (~16, ~0):
         M.FAST_MASK = mask
         for qt in ((2048, 4, 2), (4096, 4, 1), (4096, 4, 2), (2048, 2, 2), (4096, 8, 1), (2048, 2, 1), (8192, 8, 1)):
             M.Q_TILE = qt
-            tag = f"FAST={Q.FAST & mask} tile={qt}"
+            tag = f"FAST={T.FAST & mask} tile={qt}"
             ok = all(torch.equal(a, b) for a, b in zip(outputs(), ref, strict=True))
             rec(f"{tag} quantize_many 10 tensors int4/8 SR bf16",
                 lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb_many, ok)
             rec(f"{tag} quantize_many 10 tensors int4 SR bf16",
                 lambda: M.quantize_many(xs, bits=4, stochastic=True, seeds=seeds), nb4, ok)
-    Q.FAST, M.Q_TILE, M.FAST_MASK = defaults
+    T.FAST, M.Q_TILE, M.FAST_MASK = defaults
     rec("default single quantize int4 g128 SR bf16 (reference point)",
         lambda: ops.quantize(xb, bits=4, stochastic=True, seed=1), 2.5 * xb.numel() + xb.numel() / 32, True)
     return rows
@@ -353,7 +355,7 @@ def tune_agoq(log) -> list[dict]:
     rows = [{"case": "copy bf16", "ms": copy_ms, "gbps": copy_gbps}]
     log(f"agoq layer: {tot / 2**20:.0f} M elements, copy {copy_ms:.3f} ms {copy_gbps:.0f} GB/s")
     seeds = list(range(len(xs)))
-    defaults = dict(M.ALIGN_HINTS), M.Q_TILE, M.DQ_TILE
+    defaults = M.Q_TILE, M.DQ_TILE
 
     def rec(case, fn, nb):
         ms = _bench(fn, rep=40)
@@ -384,16 +386,14 @@ def tune_agoq(log) -> list[dict]:
         rec(f"single quantize x10 int{bits} SR bf16", lambda: [ops.quantize(x, bits=bits, stochastic=True, seed=1)
                                                              for x in xs], nb)
         rec(f"single dequantize x10 int{bits} -> bf16", lambda: [ops.dequantize(q) for q in q1], nb)
-        for align in (True, False) if VARIANTS else ():
-            M.ALIGN_HINTS = {"quantize": align, "dequantize": align}
-            for elems, w in ((2048, 4), (4096, 8)):
+        for elems, w in ((2048, 4), (4096, 8)) if VARIANTS else ():
                 M.Q_TILE = M.DQ_TILE = (elems, w, 1)
                 qs = M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds)
-                tag = f"align={align} elems={elems} warps={w}"
+                tag = f"elems={elems} warps={w}"
                 rec(f"quantize_many int{bits} SR bf16 {tag}",
                     lambda: M.quantize_many(xs, bits=bits, stochastic=True, seeds=seeds), nb)
                 rec(f"dequantize_many int{bits} -> bf16 {tag}", lambda: M.dequantize_many(qs), nb)
-    M.ALIGN_HINTS, M.Q_TILE, M.DQ_TILE = defaults
+    M.Q_TILE, M.DQ_TILE = defaults
     return rows
 
 
@@ -930,13 +930,9 @@ def tune_tiles(log) -> list[dict]:
     rows.append({"case": "copy (flush bytes)", "ms": copy_ms, "gbps": copy_gbps})
     rec = _recorder(rows, copy_gbps, log, rep=40, note="same_as_default")
     ref = [t for q in M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds) for t in (q.data, q.scale)]
-    for split, mr in ((False, 0), (False, 128), (False, 112), (False, 96), (True, 0), (True, 128), (True, 96)):
-        M.SPLIT_PATHS, M.MIXED_MAXNREG = split, mr
-        got = [t for q in M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds) for t in (q.data, q.scale)]
-        ok = all(torch.equal(u, v) for u, v in zip(got, ref, strict=True))
-        rec(f"quantize_many AGoQ-like flush (12 tensors, bf16 4/8-bit, fp32 4-bit) split={split} maxnreg={mr}",
-            lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb, ok)
-    M.SPLIT_PATHS, M.MIXED_MAXNREG = False, 0
+    rec("quantize_many AGoQ-like flush (12 tensors, bf16 4/8-bit, fp32 4-bit)",
+        lambda: M.quantize_many(xs, bits=widths, stochastic=True, seeds=seeds), nb, True)
+    del ref
     torch.cuda.empty_cache()
     # (3) FORGE split path in L2-sized row chunks
     from leantrain.forge.launch import MODE_UPDATE, launch_forge
@@ -1030,14 +1026,14 @@ def tune_host(log) -> list[dict]:
 
     from array import array
     flat = array("q", range(128))
-    pageable_table = M._table
+    pageable_table = M.launch_table
 
     def pinned_table(rows_, progs, device):  # the page-locked variant (multi.py keeps pageable)
         tab, s = pageable_table(rows_, progs, torch.device("cpu"))
         return torch.empty_like(tab, pin_memory=True).copy_(tab).to(device, non_blocking=True), s
 
     for pinned in (False, True):
-        M._table = pinned_table if pinned else pageable_table
+        M.launch_table = pinned_table if pinned else pageable_table
         qs = M.quantize_many(xs, bits=4, stochastic=True, seeds=seeds)
         for name, fn in (("quantize_many 10 x 64K bf16 int4", lambda: M.quantize_many(xs, bits=4, stochastic=True,
                                                                                         seeds=seeds)),
@@ -1045,7 +1041,7 @@ def tune_host(log) -> list[dict]:
             r = {"case": f"{name} pinned_table={pinned}", "host_us": host_us(fn)}
             rows.append(r)
             log(json.dumps(r))
-    M._table = pageable_table
+    M.launch_table = pageable_table
     h = torch.frombuffer(flat, dtype=torch.int64)
     for name, fn in (("table copy, pageable", lambda: h.to("cuda", non_blocking=True)),
                      ("table copy, pinned (alloc + fill + copy)",
@@ -1124,10 +1120,8 @@ def _capture_flushes(name: str = "1b", batch: int = 8, seq: int = 1024, device: 
 def tune_agoq_launches(log) -> list[dict]:
     """the quantize / dequantize launches of one AGoQ step on the 1b preset (B = 8,
     T = 1024, the flushes captured from the model, inputs random), timed whole, per launch
-    configuration: the word path's rows apart (default) with the others in one mixed launch or
-    one per (bits, dtype) (``SPLIT_KINDS``), at several tiles (``Q_TILE_OTHER``); dequantize
-    with / without the alignment and size hints, at several tiles, split per (bits, dtype) or
-    not. Each variant's bytes are checked equal to the default's before it is timed."""
+    configuration: quantize and dequantize at several tiles (``Q_TILE``, ``DQ_TILE``). Each
+    variant's bytes are checked equal to the default's before it is timed."""
     import importlib
 
     M = importlib.import_module("leantrain.ops.multi")
@@ -1155,17 +1149,15 @@ def tune_agoq_launches(log) -> list[dict]:
     def quantize_all():
         return [M.quantize_flat(xs, ws, ss, stochastic=True) for xs, ws, ss in zip(flushes, widths, seeds)]
 
-    defaults = M.SPLIT_PATHS, M.SPLIT_KINDS, M.Q_TILE_OTHER, dict(M.ALIGN_HINTS), M.DQ_TILE, M.DQ_SPLIT
+    defaults = M.Q_TILE, M.DQ_TILE
     ref = quantize_all()
-    for kinds, tile in ((False, M.Q_TILE), (True, M.Q_TILE), (True, (2048, 4, 1)), (True, (4096, 8, 1)),
-                        (True, (2048, 2, 1)), (True, (1024, 2, 1)), (True, (8192, 8, 1)), (True, (2048, 4, 2)),
-                        (False, (2048, 4, 1)), (False, (4096, 8, 1))):
-        M.SPLIT_KINDS, M.Q_TILE_OTHER = kinds, tile
+    for tile in ((4096, 4, 1), (2048, 4, 1), (4096, 8, 1), (2048, 4, 2)):
+        M.Q_TILE = tile
         got = quantize_all()
         ok = all(torch.equal(u[0], v[0]) for u, v in zip(got, ref))
         del got
-        rec(f"quantize, one step's flushes: split_kinds={kinds} other_tile={tile}", quantize_all, q_bytes, ok)
-    M.SPLIT_KINDS, M.Q_TILE_OTHER = defaults[1], defaults[2]
+        rec(f"quantize, one step's flushes: tile={tile}", quantize_all, q_bytes, ok)
+    M.Q_TILE = defaults[0]
     # dequantize: every flush's members (as the backward takes them: one call per flush here)
     members = [[(lay, (x.numel(),), x.dtype, w) for lay, x, w in zip(layout, xs, ws)]
                for (buf, layout), xs, ws in zip(ref, flushes, widths)]
@@ -1175,17 +1167,13 @@ def tune_agoq_launches(log) -> list[dict]:
         return [M.dequantize_flat(buf, mem) for buf, mem in zip(bufs, members)]
 
     dref = dequantize_all()
-    for align, tile, split in ((False, (2048, 4, 4), False), (True, (2048, 4, 4), False), (True, (4096, 4, 2), False),
-                               (True, (2048, 4, 2), False), (True, (4096, 8, 1), False), (True, (1024, 4, 4), False),
-                               (True, (4096, 4, 4), False), (True, (2048, 4, 4), True), (False, (2048, 4, 4), True),
-                               (True, (8192, 8, 1), False)):
-        M.ALIGN_HINTS = {"quantize": True, "dequantize": align}
-        M.DQ_TILE, M.DQ_SPLIT = tile, split
+    for tile in ((4096, 4, 2), (2048, 4, 4), (2048, 4, 2), (4096, 8, 1), (1024, 4, 4), (4096, 4, 4), (8192, 8, 1)):
+        M.DQ_TILE = tile
         got = dequantize_all()
         ok = all(torch.equal(u, v) for gu, gv in zip(got, dref) for u, v in zip(gu, gv))
         del got
-        rec(f"dequantize, one step's flushes: align={align} tile={tile} split={split}", dequantize_all, q_bytes, ok)
-    M.SPLIT_PATHS, M.SPLIT_KINDS, M.Q_TILE_OTHER, M.ALIGN_HINTS, M.DQ_TILE, M.DQ_SPLIT = defaults
+        rec(f"dequantize, one step's flushes: tile={tile}", dequantize_all, q_bytes, ok)
+    M.Q_TILE, M.DQ_TILE = defaults
     return rows
 
 

@@ -49,7 +49,7 @@ def _grads(model, idx, tgt, policy):
 def _assert_eager_equal(monkeypatch, m, idx, tgt, pol, loss_b, g_b):
     """Eager packing (no batches) with the same seeds and rounding math: the same loss and
     gradients, bit for bit, as the batched run that gave ``loss_b``, ``g_b``."""
-    monkeypatch.setattr(importlib.import_module("leantrain.agoq.hooks"), "_PACKERS", iter(range(100, 200)))
+    monkeypatch.setattr(importlib.import_module("leantrain.agoq.packer"), "_PACKERS", iter(range(100, 200)))
     monkeypatch.setattr(Packer, "batch_devices", ())
     _, loss_e, g_e = _grads(m, idx, tgt, pol)
     assert torch.equal(loss_b, loss_e)
@@ -77,7 +77,7 @@ def test_batched_gradients_equal_eager_packing(batching, monkeypatch):
     monkeypatch.setattr(pack_mod, "dequantize_flat", dq)
     _reference_ops(monkeypatch)  # the eagerly packed log-softmax: the same RNG in both runs
     pol = Policy(min_numel=16, seed=5)
-    hooks_mod = importlib.import_module("leantrain.agoq.hooks")
+    hooks_mod = importlib.import_module("leantrain.agoq.packer")
     monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
     pk, loss_b, g_b = _grads(m, idx, tgt, pol)
     n_packed = pk.stats["packed"]  # (the fused loss saves no log-softmax)
@@ -104,7 +104,7 @@ def test_bf16_word_path_batched_apart(batching, monkeypatch):
     monkeypatch.setattr(pack_mod, "quantize_flat", q)
     _reference_ops(monkeypatch)
     pol = Policy(min_numel=16, seed=5)
-    hooks_mod = importlib.import_module("leantrain.agoq.hooks")
+    hooks_mod = importlib.import_module("leantrain.agoq.packer")
     monkeypatch.setattr(hooks_mod, "_PACKERS", iter(range(100, 200)))
     pk, loss_b, g_b = _grads(m, idx, idx, pol)
     assert sorted(map(sorted, calls), key=str) == sorted([[(4, torch.bfloat16)], [(8, torch.bfloat16)]], key=str)

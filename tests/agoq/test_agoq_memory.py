@@ -12,8 +12,8 @@ import torch
 
 from leantrain.agoq import Policy, quantize_activations
 from leantrain.config import preset
-from leantrain.runtime.ledger import SavedActivationMeter
 from leantrain.model import Llama
+from leantrain.runtime.ledger import SavedActivationMeter
 
 TARGET = 0.3
 

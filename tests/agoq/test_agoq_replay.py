@@ -11,8 +11,8 @@ from torch import nn
 
 from leantrain.agoq import Policy, apply, remove
 from leantrain.config import ModelConfig
-from leantrain.runtime.ledger import SavedActivationMeter
 from leantrain.model import Llama
+from leantrain.runtime.ledger import SavedActivationMeter
 
 SMALL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 NEAREST = Policy(stochastic=False)
@@ -154,16 +154,16 @@ class _Loss(nn.Module):
 
 def test_a_log_softmax_slot_takes_only_a_log_softmax(monkeypatch):
     """A slot recorded as a log-softmax (stored as probabilities) never packs another tensor."""
-    import leantrain.agoq.hooks as H
+    import leantrain.agoq.packer as P
 
     made = []
 
-    class Counted(H.ProbPacked):
+    class Counted(P.ProbPacked):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             made.append(self.dtype)
 
-    monkeypatch.setattr(H, "ProbPacked", Counted)
+    monkeypatch.setattr(P, "ProbPacked", Counted)
     torch.manual_seed(0)
     m = _Loss()
     x, t = torch.randn(16, 64, requires_grad=True), torch.randint(0, 32, (16,))
@@ -201,3 +201,24 @@ def test_a_failed_forward_leaves_no_plan():
     with pytest.raises(ValueError):
         m(idx, idx)
     assert not pk._plans and not pk._ctx
+
+
+def test_apply_returns_its_packer_and_is_idempotent():
+    """apply returns the Packer; packer_of finds it; applying an equal policy at the same stage
+    again returns the same packer (no second set of hooks); another policy replaces it; remove
+    forgets it. Nothing is stored on the model."""
+    from leantrain.agoq import packer_of
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert packer_of(m) is None
+    pk = apply(m, Policy(min_numel=1))
+    hooks = len(m._forward_hooks) + len(m._forward_pre_hooks)
+    assert packer_of(m) is pk and "_agoq_packer" not in vars(m)
+    assert apply(m, Policy(min_numel=1)) is pk
+    assert len(m._forward_hooks) + len(m._forward_pre_hooks) == hooks
+    other = apply(m, Policy(min_numel=1, qkv_in=8))
+    assert other is not pk and packer_of(m) is other
+    assert len(m._forward_hooks) + len(m._forward_pre_hooks) == hooks
+    assert apply(m, Policy(min_numel=1, qkv_in=8), stage=1) is not other
+    remove(m)
+    assert packer_of(m) is None and len(m._forward_hooks) + len(m._forward_pre_hooks) == 0

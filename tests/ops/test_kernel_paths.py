@@ -133,7 +133,7 @@ def test_quantize_uint32_counter_equals_int64_and_reference(monkeypatch, bits, g
 
 def _tiles_with_bad_groups(dtype, denormals=True):
     """Clean 4096-element tiles, then tiles with NaN, -inf, a denormal-range group (each sends
-    its tile down the general branch of ``quant._pair_y_tl``) and an all-zero group (clean)."""
+    its tile down the general branch of ``quant_tl._pair_y_tl``) and an all-zero group (clean)."""
     x = randn(4096 * 6 + 256, device=DEVICE)
     x[4096 + 17] = float("nan")
     x[2 * 4096 + 300] = float("-inf")
@@ -147,7 +147,7 @@ def _tiles_with_bad_groups(dtype, denormals=True):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_clean_tile_branch_and_general_branch_equal_reference(dtype, bits, stochastic):
-    """The clean-tile branch (``quant.FAST & 16``, portable: the interpreter runs it) and the
+    """The clean-tile branch (``FAST & CLEAN_TILE``, portable: the interpreter runs it) and the
     general branch of the same launch give the reference's codes and scales."""
     _needs_triton()
     from leantrain.ops.multi import quantize_many
@@ -164,7 +164,7 @@ def test_clean_tile_branch_and_general_branch_equal_reference(dtype, bits, stoch
 
 
 def test_symmetric_4bit_rounding_needs_no_clamp():
-    """The clamp-free symmetric rounding (``quant._round_tl``): groups whose extreme element
+    """The clamp-free symmetric rounding (``quant_tl._round_tl``): groups whose extreme element
     lands one ulp above 7 (``absmax * RN(7 / absmax) > 7``), every draw of ``u``, stay in
     [-7, 7] and equal the (clamping) reference."""
     _needs_triton()

@@ -99,8 +99,8 @@ def test_several_tiles_per_program(device, monkeypatch, tpp):
     import importlib
 
     M = importlib.import_module("leantrain.ops.multi")
-    monkeypatch.setattr(M, "Q_TILE", (256, 4, tpp))
-    monkeypatch.setattr(M, "DQ_TILE", (256, 4, tpp))
+    monkeypatch.setattr(M, "Q_TILE", M.Tile(256, 4, tpp))
+    monkeypatch.setattr(M, "DQ_TILE", M.Tile(256, 4, tpp))
     xs = [randn(n, torch.bfloat16, device) for n in (2, 700, 2048, 5001)]  # 4-bit ones even: word path
     qs = quantize_many(xs, bits=[4, 8, 4, 8], stochastic=True, seeds=[1, 2, 3, 4], backend="triton")
     for x, s, b, q in zip(xs, [1, 2, 3, 4], [4, 8, 4, 8], qs, strict=True):
@@ -144,25 +144,15 @@ def test_word_path_and_its_fallback(device, dtype, symmetric, monkeypatch):
             assert torch.equal(d, dequantize(q, backend="torch"))
 
 
-@pytest.mark.parametrize("split,maxnreg,dq_split,kinds", [(False, 0, False, False), (True, 0, True, False),
-                                                          (True, 128, False, False), (False, 96, True, False),
-                                                          (True, 0, False, True)])
-def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, dq_split, kinds, monkeypatch):
+def test_mixed_dtypes_in_one_launch(backend, device, monkeypatch):
     """fp32, bf16 and fp16 tensors (4 and 8 bits) in one call, dequantized to their own dtypes
-    or to one asked for: each equals its own quantize / dequantize; with the word-path rows in
-    a launch of their own (``SPLIT_PATHS``), the others split per (bits, dtype) with a tile of
-    their own (``SPLIT_KINDS``, ``Q_TILE_OTHER``), a register cap on mixed launches, and
-    dequantize launched once per (bits, dtype) (``DQ_SPLIT``) as well."""
+    or to one asked for: each equals its own quantize / dequantize; the word-path rows go to a
+    launch of their own, the others to one mixed launch, and dequantize is one launch."""
     import leantrain.ops.multi as M
 
     launches = []
     real = M.launch
     monkeypatch.setattr(M, "launch", lambda k, g, *a, **kw: (launches.append(kw), real(k, g, *a, **kw)))
-    monkeypatch.setattr(M, "SPLIT_PATHS", split)
-    monkeypatch.setattr(M, "SPLIT_KINDS", kinds)
-    monkeypatch.setattr(M, "Q_TILE_OTHER", (512, 2, 2) if kinds else M.Q_TILE)
-    monkeypatch.setattr(M, "MIXED_MAXNREG", maxnreg)
-    monkeypatch.setattr(M, "DQ_SPLIT", dq_split)
     xs = [randn(n, dt, device) for n, dt in ((300, torch.float32), (256, torch.bfloat16), (77, torch.float16),
                                               (1000, torch.bfloat16), (130, torch.float32))]
     bits, seeds = [4, 4, 8, 8, 4], [1, 2, 3, 4, 5]
@@ -170,21 +160,18 @@ def test_mixed_dtypes_in_one_launch(backend, device, split, maxnreg, dq_split, k
     for x, b, s, q in zip(xs, bits, seeds, qs, strict=True):
         r = quantize(x, bits=b, stochastic=True, seed=s, backend="torch")
         assert q.dtype == x.dtype and torch.equal(q.data, r.data) and torch.equal(q.scale, r.scale)
-    if backend == "triton":  # one launch, or two with the word path's rows (the 4-bit bf16 one) apart
+    if backend == "triton":  # two launches: the word path's rows (the 4-bit bf16 one) apart from the rest
         words = [kw for kw in launches if kw.get("WORDS")]
-        # the others: fp32 4-bit, fp16 8-bit, bf16 8-bit, each alone with SPLIT_KINDS
-        assert len(launches) == (1 + (3 if kinds else 1) if split and words else 1)
-        if split and words:
-            assert words[0]["KIND"] == 1 and words[0]["BITS"] == 4  # the bf16 4-bit row alone
-        if kinds and words:
-            assert all(kw["BITS"] and kw["KIND"] >= 0 and kw["num_warps"] == 2 for kw in launches if not kw["WORDS"])
-    for dt, groups in ((None, 4), (torch.float32, 2)):  # distinct (bits, output dtype)
+        assert len(launches) == 2 and len(words) == 1
+        assert words[0]["KIND"] == 1 and words[0]["BITS"] == 4  # the bf16 4-bit row alone
+        rest = [kw for kw in launches if not kw.get("WORDS")][0]
+        assert rest["BITS"] == 0 and rest["KIND"] == -1  # fp32 4-bit, fp16 8-bit, bf16 8-bit: mixed
+    for dt in (None, torch.float32):
         launches.clear()
         for q, d in zip(qs, dequantize_many(qs, dtype=dt, backend=backend), strict=True):
             assert torch.equal(d, dequantize(q, dtype=dt, backend="torch"))
         if backend == "triton":
-            assert len(launches) == (groups if dq_split else 1)
-            assert not dq_split or all(kw["BITS"] and kw["KIND"] >= 0 for kw in launches)
+            assert len(launches) == 1
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

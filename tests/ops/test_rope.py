@@ -117,7 +117,7 @@ def test_model_with_the_kernels_equals_the_torch_path(monkeypatch):
     """A tiny Llama whose norm and RoPE run the Triton kernels (the interpreter on CPU) against the
     same model on the torch references: the layouts the model hands them (q / k as transposed
     views of the projections, the residual stream) go through the kernels as on a GPU."""
-    import leantrain.model as model_mod
+    import leantrain.model.llama as model_mod
     import leantrain.ops.norm as norm_mod
     import leantrain.ops.rope as rope_mod
 

@@ -48,7 +48,7 @@ def test_kernel_equals_torch_path(dtype):
     """The kernel computes the torch path's formulas in its order: equal up to exp's last bits,
     on strided halves (a view of a wider tensor) too. Compiled for a GPU, the kernel's exp is
     the hardware's approximate one: one fp32 element of 16800 was 2.5e-7 (4e-6 relative) off
-    torch's on the H200 (session 20), so the fp32 tolerance is wider there."""
+    torch's on an H200, so the fp32 tolerance is wider there."""
     torch.manual_seed(1)
     gu = (torch.randn(4, 7, 2 * 300) * 2).to(DEV, dtype)
     hk, (dk,) = _grads(lambda a: swiglu(a, backend="triton"), gu)

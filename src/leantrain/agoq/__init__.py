@@ -14,7 +14,16 @@ The 8-bit all-reduce lives in :mod:`leantrain.comm.int8_allreduce`. See ``README
 
 from leantrain.agoq.calibrate import calibrate, gradient_error
 from leantrain.agoq.grad import Int8GradAccumulator
-from leantrain.agoq.hooks import Packer, apply, load, quantize_activations, remove, role_of_module, save
+from leantrain.agoq.hooks import (
+    Packer,
+    apply,
+    load,
+    packer_of,
+    quantize_activations,
+    remove,
+    role_of_module,
+    save,
+)
 from leantrain.agoq.pack import Packed, pack, unpack
 from leantrain.agoq.policy import ALLOWED_BITS, ROLES, Policy
 
@@ -27,6 +36,7 @@ __all__ = [
     "remove",
     "save",
     "load",
+    "packer_of",
     "Packer",
     "role_of_module",
     "pack",

@@ -3,12 +3,10 @@
 Formats (all per group of ``group_size`` consecutive elements of the flattened tensor, in
 logical order: a non-contiguous view is copied first, so groups run along its last dim):
 
-- 8 and 4 bits: :func:`leantrain.ops.quantize` / ``dequantize`` (the Triton kernels) on CUDA,
-  several tensors per launch through :class:`PackBatch` (``ops.multi.quantize_flat``);
-  on CPU an equivalent vectorized torch path writing the same ``QTensor`` layout (the ops
-  reference draws its stochastic-rounding noise from a counter hash, ~1 s per 10^6 elements
-  on a small CPU, too slow for saved activations; here ``torch.rand`` with a seeded
-  generator supplies it). Symmetric absmax (``scale = absmax / (2**(b-1)-1)``) or, for one-sided data such as
+- 8 and 4 bits: :func:`leantrain.ops.quant_fast.quantize_q` / ``dequantize_q``: the Triton
+  kernels on CUDA (several tensors per launch through :class:`PackBatch`,
+  ``ops.multi.quantize_flat``), on CPU a vectorized torch path writing the same ``QTensor``
+  layout with ``torch.rand`` noise. Symmetric absmax (``scale = absmax / (2**(b-1)-1)``) or, for one-sided data such as
   log-probabilities, asymmetric min/max (``scale = (max-min)/(2**b-1)``, ``zero = min``).
 - 3 and 2 bits: asymmetric min/max codes ``0 .. 2**b-1`` (a symmetric 2-bit grid has only
   three levels), packed by this module in pure torch: four 2-bit codes per byte, eight 3-bit
@@ -31,20 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from leantrain.ops.quant import TINY
-
-try:  # the kernels package exports these once its __init__ exists
-    from leantrain.ops import dequantize, quantize
-except ImportError:  # pragma: no cover - during concurrent development of ops/
-    from leantrain.ops.quant import dequantize, quantize
-
-try:
-    from leantrain.ops import QTensor, hash_uniform
-except ImportError:  # pragma: no cover
-    from leantrain.ops.qtensor import QTensor
-    from leantrain.ops.rng import hash_uniform
 from leantrain.ops._backend import resolve
 from leantrain.ops.multi import FlatLayout, dequantize_flat, flat_qtensor, quantize_flat
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant_fast import dequantize_q, group_uniforms, pad_groups_edge, quantize_q
 
 __all__ = ["Packed", "PackBatch", "pack", "unpack", "pack_mask", "unpack_mask", "quantize_q",
            "dequantize_q", "SUPPORTED_BITS"]
@@ -181,73 +169,11 @@ def _out_bytes(p: Packed) -> int:
     return math.prod(p.shape) * p.dtype.itemsize
 
 
-def _uniform(seed: int, n_groups: int, group_size: int, device) -> Tensor:
-    if device.type == "cpu":
-        gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
-        return torch.rand(n_groups, group_size, generator=gen)
-    idx = torch.arange(n_groups * group_size, device=device, dtype=torch.int64)
-    return hash_uniform(seed, idx).view(n_groups, group_size)
-
-
-def _quantize_torch(x: Tensor, bits: int, group_size: int, symmetric: bool, stochastic: bool,
-                    seed: int) -> QTensor:
-    """4/8-bit codes in the layout of :class:`leantrain.ops.QTensor` (fast CPU path)."""
-    xg = _groups(x, group_size)
-    xg = torch.nan_to_num(xg, nan=0.0, posinf=0.0, neginf=0.0)
-    if symmetric:
-        qmax, lo = 2 ** (bits - 1) - 1, -(2 ** (bits - 1) - 1)
-        rng = xg.abs().amax(1, keepdim=True)
-        zero, base = None, xg
-    else:
-        qmax, lo = 2**bits - 1, 0
-        mn = xg.amin(1, keepdim=True)
-        rng = xg.amax(1, keepdim=True) - mn
-        zero, base = mn, xg - mn
-    scale = rng / qmax
-    y = base * torch.where(rng > 0, qmax / rng, 0.0)
-    y += _uniform(seed, *xg.shape, xg.device) if stochastic else 0.5
-    code = y.floor_().clamp_(lo, qmax).to(torch.int32)
-    if bits == 8:
-        data = (code & 0xFF).to(torch.uint8).reshape(-1)
-    else:
-        c = code & 0xF
-        data = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).reshape(-1)
-    return QTensor(data, scale.view(-1), None if zero is None else zero.view(-1), x.shape, x.dtype,
-                   bits, group_size, symmetric)
-
-
-def _dequantize_torch(q: QTensor) -> Tensor:
-    d = q.data
-    if q.bits == 8:
-        code = d.view(torch.int8) if q.symmetric else d
-    else:
-        lo, hi = d & 0xF, d >> 4
-        code = torch.stack([lo, hi], 1).reshape(-1)
-        if q.symmetric:
-            code = code.to(torch.int8)
-            code = torch.where(code >= 8, code - 16, code)
-    v = code.view(-1, q.group_size).float() * q.scale.unsqueeze(1)
-    if q.zero is not None:
-        v += q.zero.unsqueeze(1)
-    return v.reshape(-1)[: q.numel].view(q.shape).to(q.dtype)
-
-
-def _groups(x: Tensor, group_size: int) -> Tensor:
-    """Flattened fp32 ``x`` padded (with its last value, so min/max are unchanged) to ``[G, gs]``."""
-    flat = x.reshape(-1).float()
-    n = flat.numel()
-    g = -(-n // group_size)
-    pad = g * group_size - n
-    if pad:
-        flat = torch.cat([flat, flat[-1:].expand(pad)])
-    return flat.view(g, group_size)
-
-
 def _pack_low(x: Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
     """2/3-bit asymmetric codes, returns ``(data uint8, scale fp32, zero fp32)``."""
     if group_size % 8:
         raise ValueError(f"2/3-bit packing needs group_size divisible by 8, got {group_size}")
-    xg = _groups(x, group_size)
+    xg = pad_groups_edge(x, group_size)
     xg = torch.where(torch.isfinite(xg), xg, 0.0)
     mn, mx = xg.amin(1, keepdim=True), xg.amax(1, keepdim=True)
     qmax = 2**bits - 1
@@ -255,7 +181,7 @@ def _pack_low(x: Tensor, bits: int, group_size: int, stochastic: bool, seed: int
     inv = torch.where(scale > 0, 1.0 / scale, 0.0)
     y = (xg - mn) * inv
     if stochastic:
-        y = y + _uniform(seed, *xg.shape, xg.device)
+        y = y + group_uniforms(seed, *xg.shape, xg.device)
     else:
         y = y + 0.5
     code = y.floor_().clamp_(0, qmax).to(torch.int32)
@@ -393,24 +319,3 @@ def _unpack(p: Packed) -> Tensor:
         return dequantize_flat(p.payload[0], [(p.payload[1], p.shape, p.dtype, p.bits)], group_size=b.group_size,
                                symmetric=b.symmetric, backend=b.backend)[0]
     return dequantize_q(p.payload).reshape(p.shape)
-
-
-def quantize_q(x: Tensor, bits: int, *, group_size: int = 128, symmetric: bool = True,
-               stochastic: bool = False, seed: int = 0, exp: bool = False) -> QTensor:
-    """4/8-bit :class:`QTensor` (of ``exp(x)`` with ``exp``): the ops Triton kernel on CUDA, the
-    vectorized torch path on CPU."""
-    if x.is_cuda:
-        return quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
-                        exp=exp)
-    return _quantize_torch(x.float().exp() if exp else x, bits, group_size, symmetric, stochastic, seed)
-
-
-def dequantize_q(q: QTensor, dtype: torch.dtype | None = None, log: bool = False) -> Tensor:
-    """Values of a 4/8-bit :class:`QTensor` (non-stacked), in ``dtype`` or its own dtype;
-    ``log``: ``log(max(v, TINY))`` (fp32 math; on CUDA in the dequantize kernel)."""
-    if q.data.is_cuda:
-        return dequantize(q, dtype=dtype, log=log)
-    v = _dequantize_torch(q)
-    if log:
-        v = v.float().clamp_min_(TINY).log_()
-    return v if dtype is None else v.to(dtype)

@@ -23,9 +23,9 @@ role           saved tensor (Llama)                                        bits
 Derived (``derive``, default ``"silu,mul,swiglu"``): not stored at all, recomputed in backward
 from saves already packed: SiLU's output from its input ``ĝ``, the down projection's input as
 ``silu(ĝ)·û`` (op by op: ``mul``; ``model.fused_swiglu``'s one function: ``swiglu``)
-(:class:`leantrain.agoq.hooks.Derived`). Measured on the tiny preset, this lowers
+(:class:`leantrain.agoq.saved.Derived`). Measured on the tiny preset, this lowers
 the gradient error too (every parameter together: 0.147 → 0.137; down_proj's worst layer:
-0.29 → 0.25; ``benchmarks/results/2026-12-01_cpu_s10/agoq_derive_error.md``). Its input is then
+0.29 → 0.25; ``benchmarks/tools/agoq_derive_error.py``). Its input is then
 the product of two 4-bit tensors, not a heavy-tailed product quantized on its own grid.
 ``derive=""`` packs them at their roles' widths (4 bits) as before.
 
@@ -98,10 +98,8 @@ class Policy:
     # On CUDA, 4/8-bit saves are packed in batches: one quantize launch per batch (flushed when
     # the tensors waiting hold this many MiB, and at the end of the forward) and dequantize
     # launches of up to unpack_mib each in backward. The waiting tensors stay alive until the flush: this
-    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor). 512 MiB
-    # (128 in sessions 9-10, when one unpack dequantized the whole batch): fewer flushes, each
-    # ~0.27 ms of host time under the profiler, on a forward that is host-bound (session 11,
-    # benchmarks/results/2026-12-01_H200_s11/host/ and third/).
+    # bounds the extra memory. 0: each tensor is packed at once (one launch per tensor). 512 MiB:
+    # few flushes, each ~0.27 ms of host time under the profiler, on a forward that is host-bound.
     batch_mib: float = 512.0
     # In backward, a batch member's first unpack dequantizes, in the same launch, the members saved
     # before it (the next ones backward takes), up to this many MiB of dequantized tensors: this

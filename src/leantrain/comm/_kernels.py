@@ -9,20 +9,14 @@ reduce-scatter). Each dispatches to Triton on CUDA and to its torch reference el
 
 from __future__ import annotations
 
-try:  # the package's public names
-    from leantrain.ops import (  # noqa: F401
-        QTensor,
-        dequant_sum_requant,
-        dequantize,
-        hadamard,
-        hadamard_quantize,
-        quantize,
-    )
-except ImportError:  # ops/__init__ not exporting them (yet): the defining modules
-    from leantrain.ops.hadamard import hadamard, hadamard_quantize  # noqa: F401
-    from leantrain.ops.qtensor import QTensor  # noqa: F401
-    from leantrain.ops.quant import dequantize, quantize  # noqa: F401
-    from leantrain.ops.reduce import dequant_sum_requant  # noqa: F401
+from leantrain.ops import (  # noqa: F401
+    QTensor,
+    dequant_sum_requant,
+    dequantize,
+    hadamard,
+    hadamard_quantize,
+    quantize,
+)
 
 
 def mix_seed(*parts: int) -> int:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leantrain.runtime import collectives as C
-from leantrain.ops import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from leantrain.comm._kernels import mix_seed
 from leantrain.comm.int8_allreduce import two_phase_all_reduce
+from leantrain.ops import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from leantrain.runtime import collectives as C
 
 __all__ = ["BLOCK", "nvfp4_all_reduce", "nvfp4_nbytes"]
 

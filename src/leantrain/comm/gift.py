@@ -68,10 +68,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.runtime import collectives as C
-from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
 from leantrain.comm.fp4 import nvfp4_all_reduce
 from leantrain.comm.int8_allreduce import two_phase_all_reduce
+from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
+from leantrain.runtime import collectives as C
 
 __all__ = ["GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
 
@@ -209,12 +209,11 @@ def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
     """``B^{∓1/2} g A^{∓1/2}`` in three passes over ``g``. With ``F^p = c I + U diag(e) Uᵀ`` on each side,
     ``P = g U_a``, ``Q = U_bᵀ g`` and ``S = U_bᵀ P``, the product is
     ``c_a c_b g + [c_b P E_a + U_b E_b S E_a, U_b] @ [U_aᵀ ; c_a E_b Q]``: two thin products, then one
-    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32). On the
-    H200 (``results/2026-12-03_H200_s29/``) the three products take 0.13-0.41 ms on the 1b's layers, 4-7x
-    the time of their 16 bytes an element, whatever the rank (``eighth/``); the small ops around them
-    take the rest, more than half of a small layer's time (2048x2048: 0.42 of 0.69 ms, ``fourth/``).
-    Splitting the thin products by hand was slower (``third/``); TF32 saves a fifth of the time at a
-    0.9 % round-trip error (``second/``) and is not used."""
+    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32). On an
+    H200 the three products take 0.13-0.41 ms on the 1b's layers, 4-7x the time of their 16 bytes an
+    element, whatever the rank; the small ops around them take the rest, more than half of a small
+    layer's time (2048x2048: 0.42 of 0.69 ms). Splitting the thin products by hand was slower; TF32
+    saves a fifth of the time at a 0.9 % round-trip error and is not used."""
     ca, ea = a.coef(inverse)
     cb, eb = b.coef(inverse)
     p = g @ a.u  # (N, ra)

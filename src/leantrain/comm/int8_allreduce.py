@@ -33,13 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from leantrain.ops.qtensor import QTensor
+from leantrain.ops.quant_fast import quantize_q
 from leantrain.runtime import collectives as C
-from leantrain.agoq.pack import quantize_q
-
-try:
-    from leantrain.ops import QTensor
-except ImportError:  # pragma: no cover
-    from leantrain.ops.qtensor import QTensor
 
 __all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce", "two_phase_all_reduce"]
 

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from leantrain.runtime import collectives as C
 from leantrain.comm.sdp4bit import NoCompression, Pending, _wait
 from leantrain.comm.topology import Topology
+from leantrain.runtime import collectives as C
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 

@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from leantrain.runtime import collectives as C
 from leantrain.comm._kernels import (
     QTensor,
     dequant_sum_requant,
@@ -59,6 +58,7 @@ from leantrain.comm._kernels import (
     quantize,
 )
 from leantrain.comm.topology import Topology
+from leantrain.runtime import collectives as C
 
 
 class Pending:

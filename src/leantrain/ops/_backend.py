@@ -60,7 +60,6 @@ def resolve(backend: str, *tensors: torch.Tensor) -> str:
     return "triton"
 
 
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 _I32 = 1 << 31
 _FAST: dict = {}  # specialization key -> (CompiledKernel, names of the constexpr arguments)
 _DIRECT = [None]  # None: undecided; False: off (old Triton, interpreter, or a failed direct call)
@@ -78,8 +77,7 @@ def direct_launch_supported() -> bool:
 
 def _direct_ok() -> bool:
     if _DIRECT[0] is None:
-        _DIRECT[0] = (os.environ.get("LEANTRAIN_DIRECT_LAUNCH", "1") not in ("", "0") and not interpreting()
-                      and direct_launch_supported())
+        _DIRECT[0] = not interpreting() and direct_launch_supported()
     return _DIRECT[0]
 
 
@@ -102,8 +100,7 @@ def launch(kernel, grid, *args, **meta) -> None:
     arguments (see :func:`_spec`) and later calls with the same specialization call it
     directly: Triton's per-call argument binding and cache-key hashing cost tens of µs of host
     time, more than a small kernel runs (AGoQ packs hundreds of tensors per step). Any
-    failure of a direct call turns the fast path off for good (``LEANTRAIN_DIRECT_LAUNCH=0``
-    turns it off from the start)."""
+    failure of a direct call turns the fast path off for good."""
     if _DIRECT[0] is False or (_DIRECT[0] is None and not _direct_ok()) or callable(grid):
         kernel[grid](*args, enable_fp_fusion=False, **meta)
         return

@@ -26,7 +26,7 @@ import torch
 
 from leantrain.ops._backend import HAS_TRITON, launch, resolve
 from leantrain.ops.qtensor import QTensor
-from leantrain.ops.quant import _PRE, _TINY, _pad_groups, fast_bits, ieee_div, tile_shape
+from leantrain.ops.tiles import PRE_SCALE, TINY_RANGE, fast_bits, ieee_div, pad_groups, tile_shape
 
 # fmt -> (torch dtype, mantissa bits, exponent bias, min normal exponent, max finite)
 FP8_FORMATS = {
@@ -49,11 +49,11 @@ def _check_nonfinite(nonfinite: str) -> None:
 def quantize_fp8_ref(x: torch.Tensor, *, fmt: str = "e4m3", group_size: int = 128, nonfinite: str = "zero") -> QTensor:
     _check_nonfinite(nonfinite)
     dt, _, _, _, fmax = _fmt(fmt)
-    xg, _ = _pad_groups(x, group_size)
+    xg, _ = pad_groups(x, group_size)
     bad = ~torch.isfinite(xg).all(-1)
     xg = torch.where(torch.isfinite(xg), xg, 0.0)
     amax = xg.abs().amax(-1) if xg.shape[0] else xg.new_zeros(0)
-    pre = torch.where(amax < _TINY, _PRE, 1.0)
+    pre = torch.where(amax < TINY_RANGE, PRE_SCALE, 1.0)
     scale = ieee_div(amax, fmax)
     inv = torch.where(amax > 0, ieee_div(fmax, torch.where(amax > 0, amax * pre, 1.0)), 0.0)
     y = ((xg * pre[:, None]) * inv[:, None]).clamp(-fmax, fmax)
@@ -75,7 +75,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from leantrain.ops.quant import cast_out_tl
+    from leantrain.ops.tl_helpers import cast_out_tl
 
     @triton.jit
     def fp8_encode_tl(y, M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr):

@@ -42,8 +42,9 @@ import torch
 from leantrain.ops import quant
 from leantrain.ops._backend import HAS_TRITON, interpreting, launch, resolve
 from leantrain.ops.qtensor import QTensor
-from leantrain.ops.quant import _check, _qrange, quantize_ref
+from leantrain.ops.quant import quantize, quantize_ref
 from leantrain.ops.rng import kernel_key
+from leantrain.ops.tiles import check_int_format, fast_bits, int_code_range
 
 
 def _check_block(block: int) -> None:
@@ -87,7 +88,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from leantrain.ops.quant import cast_out_tl, encode_pack_tl
+    from leantrain.ops.quant_tl import encode_pack_tl
+    from leantrain.ops.tl_helpers import cast_out_tl
 
     @triton.jit
     def _h_tl(B: tl.constexpr, LOG2B: tl.constexpr):
@@ -245,7 +247,7 @@ def hadamard(x: torch.Tensor, *, block: int = 32, normalized: bool = True, inver
         r = _rows(block)
         launch(_hadamard_kernel, (triton.cdiv(n_pad, r * block),), xf, y, n, n_pad,
                _factor(block, normalized, inverse), B=block, LOG2B=int(math.log2(block)), R=r,
-               PREC=_prec(x.dtype), FAST=quant.fast_bits(), num_warps=8 if block >= 64 else 4)
+               PREC=_prec(x.dtype), FAST=fast_bits(), num_warps=8 if block >= 64 else 4)
     return y
 
 
@@ -260,7 +262,7 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
     runs as two kernels there (see the note in the code).
     """
     _check_block(block)
-    _check(bits, group_size)
+    check_int_format(bits, group_size)
     if resolve(backend, x) == "torch":
         y = hadamard_ref(x.to(torch.float32), block=block, normalized=normalized)
         q = quantize_ref(y, bits=bits, group_size=group_size, symmetric=symmetric,
@@ -272,8 +274,6 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
     if block == 256:
         # The fused kernel's H_16 (x) H_16 path followed by the regrouping reshape gave wrong
         # values on an H200 (Triton 3.6) while the standalone transform is right: two passes.
-        from leantrain.ops.quant import quantize
-
         q = quantize(hadamard(x.float(), block=block, normalized=normalized, backend="triton"), bits=bits,
                      group_size=group_size, symmetric=symmetric, stochastic=stochastic, seed=seed,
                      backend="triton")
@@ -289,11 +289,11 @@ def hadamard_quantize(x: torch.Tensor, *, block: int = 32, normalized: bool = Tr
     zero = None if symmetric else torch.empty(g, dtype=torch.float32, device=x.device)
     if n:
         r = max(_rows(block, group_size // block), HQ_ELEMS // block)
-        qlo, qhi = _qrange(bits, symmetric)
+        qlo, qhi = int_code_range(bits, symmetric)
         launch(_hadamard_quantize_kernel, (triton.cdiv(n_pad, r * block),), xf, data, scale,
                scale if zero is None else zero, n, n_pad, g, _factor(block, normalized, False),
                kernel_key(seed), B=block, LOG2B=int(math.log2(block)), R=r, GS=group_size, BITS=bits,
                SYMMETRIC=symmetric, STOCHASTIC=stochastic, QLO=qlo, QHI=qhi, PREC=_prec(x.dtype),
-               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=quant.PAIR_SR, FAST=quant.fast_bits(),
+               IDX32=g * group_size <= _IDX32_LIMIT, PAIRS=quant.PAIR_SR, FAST=fast_bits(),
                num_warps=HQ_WARPS)
     return QTensor(data, scale, zero, shape, x.dtype, bits, group_size, symmetric)

@@ -34,6 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from leantrain.ops._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from leantrain.ops.tiles import FAST_HW_CAST
 
 __all__ = ["rms_norm", "rms_norm_fwd", "rms_norm_bwd", "MAX_DIM"]
 
@@ -98,7 +99,7 @@ def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, *, backend: str =
         block = next_pow2(d)
         r = _rows(block)
         launch(_fwd_kernel, (-(-n // r),), x2, w.contiguous(), out, rstd, n, d, float(eps), R=r, BLOCK=block,
-               FAST=0 if interpreting() else 4, num_warps=_warps(block * r))
+               FAST=0 if interpreting() else FAST_HW_CAST, num_warps=_warps(block * r))
     return out, rstd
 
 
@@ -120,7 +121,7 @@ def rms_norm_bwd(dout: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, w: tor
     progs = min(tiles, _programs(x.device))
     part = torch.empty(progs, d, dtype=torch.float32, device=x.device)
     launch(_bwd_kernel, (progs,), g2, x2, w.contiguous(), rstd, dx, part, n, d, tiles, R=r, BLOCK=block,
-           FAST=0 if interpreting() else 4, num_warps=_warps(block * r))
+           FAST=0 if interpreting() else FAST_HW_CAST, num_warps=_warps(block * r))
     return dx, part.sum(0).to(w.dtype)
 
 
@@ -164,7 +165,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from leantrain.ops.quant import cast_out_tl  # (round to nearest even, under the interpreter too)
+    from leantrain.ops.tl_helpers import (
+        cast_out_tl,  # (round to nearest even, under the interpreter too)
+    )
 
     @triton.jit(do_not_specialize=["eps"])
     def _fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, N, D, eps, R: tl.constexpr, BLOCK: tl.constexpr,

@@ -2,7 +2,7 @@
 one fp32 tensor scale. Pure-torch reference and Triton kernels behind one dispatcher
 (``backend="auto" | "torch" | "triton"``), bit-identical to each other.
 
-Math (every division is one IEEE fp32 division, :func:`~leantrain.ops.quant.ieee_div` in
+Math (every division is one IEEE fp32 division, :func:`~leantrain.ops.tiles.ieee_div` in
 torch, ``tl.div_rn`` in Triton, so the result does not depend on the device):
     tensor_scale = amax(x) / (6 * 448)                          (fp32; 0 for an all-zero x)
     s_b          = e4m3_rne(min(amax_b / 6 / tensor_scale, 448)) per 16-block b, stored as E4M3 bits
@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from leantrain.ops._backend import HAS_TRITON, launch, resolve
-from leantrain.ops.quant import fast_bits, ieee_div
 from leantrain.ops.rng import hash_uniform, kernel_key
+from leantrain.ops.tiles import fast_bits, ieee_div
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -182,8 +182,9 @@ if HAS_TRITON:
     import triton.language as tl
 
     from leantrain.ops.fp8 import fp8_decode_tl, fp8_encode_tl
-    from leantrain.ops.quant import cast_out_tl, pack_tile_tl, unpack_tile_tl
+    from leantrain.ops.quant_tl import pack_tile_tl, unpack_tile_tl
     from leantrain.ops.rng import uniform1_tl
+    from leantrain.ops.tl_helpers import cast_out_tl
 
     @triton.jit
     def _amax_partial_kernel(x_ptr, part_ptr, n, BLOCK_N: tl.constexpr):

@@ -24,18 +24,18 @@ import torch
 
 from leantrain.ops import quant
 from leantrain.ops._backend import HAS_TRITON, launch, resolve
-from leantrain.ops.fp8 import FP8_FORMATS
+from leantrain.ops.fp8 import FP8_FORMATS, dequantize_fp8_ref
 from leantrain.ops.qtensor import QTensor
-from leantrain.ops.quant import (
-    _check,
-    _pad_groups,
-    _qrange,
-    dequantize_ref,
-    encode_groups_ref,
-    pack_codes,
+from leantrain.ops.quant import dequantize_ref, encode_groups_ref, pack_codes
+from leantrain.ops.rng import kernel_key
+from leantrain.ops.tiles import (
+    FAST_CLEAN_TILE,
+    check_int_format,
+    fast_bits,
+    int_code_range,
+    pad_groups,
     tile_shape,
 )
-from leantrain.ops.rng import kernel_key
 
 
 def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_out, stochastic,
@@ -43,14 +43,12 @@ def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_o
     if q.fmt == "int":
         v = dequantize_ref(q, torch.float32)
     else:
-        from leantrain.ops.fp8 import dequantize_fp8_ref
-
         v = dequantize_fp8_ref(q, torch.float32)
     v = v.reshape(q.num_peers, -1)
     s = v[0]
     for p in range(1, q.num_peers):
         s = s + v[p]
-    xg, valid = _pad_groups(s, group_size_out)
+    xg, valid = pad_groups(s, group_size_out)
     code, scale, zero = encode_groups_ref(xg, valid, bits=bits_out, symmetric=symmetric_out,
                                           stochastic=stochastic, seed=seed)
     return QTensor(pack_codes(code, bits_out), scale, zero, q.shape, torch.float32, bits_out,
@@ -59,7 +57,7 @@ def dequant_sum_requant_ref(q: QTensor, *, bits_out, group_size_out, symmetric_o
 
 _UNROLL_MAX = 16  # peers up to this count: the peer loop is unrolled at compile time
 TILE_ELEMS = 2048  # output elements per program (whole output groups); 2048 at 4 warps measured
-#   best and stable across runs on an H200 (tune_s2a/b)
+#   best on an H200
 NUM_WARPS = 4
 _IDX32_LIMIT = 2**32  # outputs up to this many elements use the uint32 RNG counter
 
@@ -68,7 +66,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from leantrain.ops.fp8 import fp8_decode_tl
-    from leantrain.ops.quant import (
+    from leantrain.ops.quant_tl import (
         encode_pack_tl,
         store_packed_tl,
         tile_index_tl,
@@ -171,7 +169,7 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
     q = qs if isinstance(qs, QTensor) else QTensor.stack(list(qs))
     if not q.stacked:
         q = QTensor.stack([q])
-    _check(bits_out, group_size_out)
+    check_int_format(bits_out, group_size_out)
     if resolve(backend, q.data) == "torch":
         return dequant_sum_requant_ref(q, bits_out=bits_out, group_size_out=group_size_out,
                                        symmetric_out=symmetric_out, stochastic=stochastic, seed=seed)
@@ -186,7 +184,7 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
         _, m, bias, emin, _ = FP8_FORMATS[q.fmt] if fp8 else (None, 0, 0, 0, 0)
         cols, rows, warps = tile_shape(group_size_out, TILE_ELEMS)
         warps = NUM_WARPS or warps
-        qlo, qhi = _qrange(bits_out, symmetric_out)
+        qlo, qhi = int_code_range(bits_out, symmetric_out)
         qd, qsc = q.data.contiguous(), q.scale.contiguous()
         qz = qsc if q.zero is None else q.zero.contiguous()
         launch(_dsr_kernel, (triton.cdiv(g, rows),), qd, qsc, qz, data, scale,
@@ -196,5 +194,5 @@ def dequant_sum_requant(qs: QTensor | list[QTensor], *, bits_out: int = 4, group
                COLS=cols, ROWS=rows, BITS=bits_out, SYMMETRIC=symmetric_out, STOCHASTIC=stochastic,
                QLO=qlo, QHI=qhi, K=k if k <= _UNROLL_MAX else 0,
                ROW_SCALE=q.group_size % group_size_out == 0, IDX32=g * group_size_out <= _IDX32_LIMIT,
-               PAIRS=quant.PAIR_SR, FAST=quant.fast_bits() & ~16, num_warps=warps)
+               PAIRS=quant.PAIR_SR, FAST=fast_bits() & ~FAST_CLEAN_TILE, num_warps=warps)
     return QTensor(data, scale, zero, q.shape, torch.float32, bits_out, group_size_out, symmetric_out)

@@ -22,7 +22,7 @@ unbiased up to 2**-17 of a quantization step (the grid's own resolution). Kernel
 straight from the bits (``0x3F800040 | h16 << 7`` is that float): no integer-to-float
 conversion and no ``- 1.0``, which the rounding folds into its directed add. A kernel
 quantizing a pair of neighbours computes one hash for both (:func:`uniform1_pair_tl`); on a
-GPU (``FAST & 8``) the two floats are built by integer multiply-adds, which run beside the
+GPU (``FAST & HASH_IMAD``) the two floats are built by integer multiply-adds, which run beside the
 logic unit that the hash keeps busy. bf16 stochastic rounding (:mod:`leantrain.ops.sr`) adds
 ``x >> 16`` to the dropped bits directly.
 
@@ -32,6 +32,7 @@ Tiling / bytes: a device helper, no memory traffic of its own.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from leantrain.ops._backend import HAS_TRITON
 
@@ -126,6 +127,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from leantrain.ops.tl_helpers import HASH_IMAD
+
     @triton.jit
     def fmix32(x):
         x ^= x >> 16
@@ -166,12 +169,12 @@ if HAS_TRITON:
 
     @triton.jit
     def uniform1_pair_tl(key, pair, FAST: tl.constexpr):
-        """``1 + u`` of elements ``2 * pair`` and ``2 * pair + 1``, from one hash. ``FAST & 8``
+        """``1 + u`` of elements ``2 * pair`` and ``2 * pair + 1``, from one hash. ``FAST & HASH_IMAD``
         (GPU): ``(h << 16) >> 9`` by ``mad.hi`` and ``(h >> 16) << 7`` by ``mad.lo``, each with
         the ``0x3F800040`` added: integer multiply-adds instead of shift-mask-or logic (same
         bits: the fields never overlap the constant)."""
         h = hash_u32_tl(key, pair)
-        if FAST & 8:
+        if HASH_IMAD & FAST:
             lo = tl.inline_asm_elementwise("mad.hi.u32 $0, $1, 8388608, 1065353280;", "=r,r", [h << 16],
                                            dtype=tl.uint32, is_pure=True, pack=1)
             hi = tl.inline_asm_elementwise("mad.lo.u32 $0, $1, 128, 1065353280;", "=r,r", [h >> 16],

@@ -28,6 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from leantrain.ops._backend import HAS_TRITON, interpreting, launch, next_pow2, resolve
+from leantrain.ops.tiles import FAST_HW_CAST
 
 __all__ = ["rope", "rope_ref"]
 
@@ -82,7 +83,7 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.
     bh = next_pow2(half)
     r = max(1, min(64, 4096 // bh))
     launch(_rope_kernel, (-(-n // r),), src, cos, sin, dst, n, H, T, *src.stride()[:3], *dst.stride()[:3],
-           HALF=half, BH=bh, R=r, BACKWARD=backward, FAST=0 if interpreting() else 4, num_warps=4)
+           HALF=half, BH=bh, R=r, BACKWARD=backward, FAST=0 if interpreting() else FAST_HW_CAST, num_warps=4)
 
 
 class RopeFn(torch.autograd.Function):
@@ -137,7 +138,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from leantrain.ops.quant import cast_out_tl
+    from leantrain.ops.tl_helpers import cast_out_tl
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, N, H, T, sb, sh, st, ob, oh, ot, HALF: tl.constexpr,

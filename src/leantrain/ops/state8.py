@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from leantrain.ops._backend import HAS_TRITON, interpreting, launch, resolve
-from leantrain.ops.quant import ieee_div
+from leantrain.ops.tiles import ieee_div
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
@@ -186,10 +186,10 @@ def block_inverse(absmax: torch.Tensor) -> torch.Tensor:
 
 
 # Elements per program of the encode kernel (whole blocks) and its warps. Measured on an H200
-# (tune_kernels --what s6, session 6): 1024 elements at 2 warps 57.9 % / 59.3 % of a copy at
-# 256 MiB / 2 GiB of fp32, against 52.1 % / 52.2 % for session 2's 4096 at 4 warps (121 registers
-# a thread there, 64 at 16 elements a thread: benchmarks/sass_count.py state8, results in
-# 2026-11-30_cpu_sass_s5/); 8192-element tiles 38-40 %.
+# (benchmarks/tools/tune_kernels.py): 1024 elements at 2 warps 57.9 % / 59.3 % of a copy at
+# 256 MiB / 2 GiB of fp32, against 52.1 % / 52.2 % for 4096 at 4 warps (121 registers a thread
+# there, 64 at 16 elements a thread: benchmarks/tools/sass_count.py state8); 8192-element tiles
+# 38-40 %.
 ENCODE_ELEMS = 1024
 ENCODE_WARPS = 2
 ENCODE_MAXNREG = 0  # register cap a thread of the encode kernel (0: none; tuning)
