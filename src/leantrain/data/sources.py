@@ -60,7 +60,8 @@ def refuse_non_text(path: Path) -> None:
     hint = ("decompress it first" if "compressed" in what or "archive" in what else
             "export its text to a .jsonl file with one {\"text\": ...} per line" if "table" in what or "Parquet" in what
             or "Arrow" in what else f"give {_FORMATS}")
-    raise ConfigError(f"data file {path} is {what}, not text: {hint}")
+    not_text = "" if what.startswith("not UTF-8") else ", not text"
+    raise ConfigError(f"data file {path} is {what}{not_text}: {hint}")
 
 
 # ---------------------------------------------------------------- documents
