@@ -45,7 +45,7 @@ from leantrain.data.tokenizer import Tokenizer
 
 __all__ = ["TEXT_SUFFIXES", "TokenData", "Tokenizer", "cache_dir", "load", "stdlib_files"]
 # (a corpus larger than this is sampled for the tokenizer's training; see DataConfig.tokenizer_sample_mb)
-DEFAULT_TOKENIZER_SAMPLE_MB = 256.0
+DEFAULT_TOKENIZER_SAMPLE_MB = 64.0
 
 
 def cache_dir() -> Path:
