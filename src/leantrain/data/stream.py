@@ -32,8 +32,9 @@ def safe_cut(text: str, lo: int, hi: int) -> int:
     return hi
 
 
-def safe_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
-    """``text`` in pieces of at most ``size`` characters, cut where the tokenizer cuts."""
+def safe_pieces(text: str, size: int | None = None) -> Iterator[str]:
+    """``text`` in pieces of at most ``size`` (default ``PIECE_CHARS``) characters, cut where the tokenizer cuts."""
+    size = size or PIECE_CHARS
     start = 0
     while len(text) - start > size:
         cut = safe_cut(text, start + size // 2, start + size)
@@ -43,8 +44,9 @@ def safe_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
         yield text[start:]
 
 
-def file_pieces(path: Path, size: int = PIECE_CHARS) -> Iterator[str]:
+def file_pieces(path: Path, size: int | None = None) -> Iterator[str]:
     """A UTF-8 text file (undecodable bytes replaced, newlines universal) in pieces, never read whole."""
+    size = size or PIECE_CHARS
     with open(path, encoding="utf-8", errors="replace") as f:
         buf = ""
         while block := f.read(size):
