@@ -5,10 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from test_data import cfg
 
 from leantrain import data as D
 from leantrain.config import ConfigError
-from test_data import cfg
 
 
 def _refused(path, match, **kw):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_data import cfg
 
 from leantrain import data as D
 from leantrain.data import stream
-from test_data import cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 TRICKY = "x = 1\n\n\n    def f():\n  \treturn  'it''s'  \n\u00e9t\u00e9 42 000\r\nend" * 7 + "\n \n"
