@@ -233,6 +233,9 @@ def save(out_dir: str | Path, step: int, model_state: dict, rank_state: dict, me
     A failed write (a full disk, say) removes the partial temporary directory, leaves the
     previous checkpoints as they were and raises ``CheckpointError`` saying which step is intact.
     ``keep`` > 0 keeps the checkpoint just written and the ``keep - 1`` newest intact others (by step).
+    Under several ranks the rank whose write fails raises; the others wait at ``barrier`` until
+    the launcher ends the job (torchrun ends every rank when one exits with an error). Rank 0
+    hashes every rank's files for the manifest, so the ranks must share the filesystem.
     """
     root = Path(out_dir) / "checkpoints"
     final = root / f"step_{step:07d}"
