@@ -9,7 +9,13 @@ from leantrain.config import ConfigError, DataConfig
 
 
 def cfg(path, **kw):
-    return DataConfig(path=str(path), tokenizer_vocab=400, **kw)
+    """A DataConfig; fields DataConfig does not declare (yet) are set as attributes, as the loader reads them."""
+    known = {k: v for k, v in kw.items() if k in DataConfig.__dataclass_fields__}
+    out = DataConfig(path=str(path), tokenizer_vocab=400, **known)
+    for k, v in kw.items():
+        if k not in known:
+            object.__setattr__(out, k, v)
+    return out
 
 
 def test_directory_corpus_splits_by_file_and_roundtrips_text(corpus):
@@ -49,6 +55,7 @@ def test_pretokenized_bin(tmp_path):
     ids = (np.arange(5000) % 300).astype(np.uint16)
     f = tmp_path / "tokens.bin"
     ids.tofile(f)
+    (tmp_path / "tokens.bin.json").write_text('{"vocab_size": 300, "dtype": "uint16"}')
     d = D.load(cfg(f))
     assert d.vocab_size == 300 and d.tokenizer is None
     assert len(d.train) + len(d.val) == 5000
@@ -67,6 +74,6 @@ def test_missing_and_empty_data_fail_clearly(tmp_path):
 
 def test_too_short_split_fails_clearly(tmp_path):
     (np.arange(40) % 300).astype(np.uint16).tofile(tmp_path / "t.bin")
-    d = D.load(cfg(tmp_path / "t.bin"))
+    d = D.load(cfg(tmp_path / "t.bin", bin_vocab_size=300))
     with pytest.raises(ConfigError, match="fewer than data.seq_len"):
         d.batch("val", 32, 1, seed=0, step=0)

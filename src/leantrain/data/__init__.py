@@ -1,0 +1,253 @@
+"""Corpora, tokenizers and batches.
+
+The embedded default corpus is the Python standard library's own source: the
+``.py`` files of the running interpreter, present on every machine with
+Python. Files are split into train and validation *by file* (a stable hash of
+the relative path), a byte-level BPE tokenizer is trained on the training files
+with the ``tokenizers`` library, and both splits are tokenized once into
+memory-mapped ``.bin`` files under the user's cache directory
+(``$XDG_CACHE_HOME/leantrain`` or ``~/.cache/leantrain``).
+
+Users' own data: a text file, a directory of text files (``.txt``, ``.md``,
+``.py``), a JSONL file (one ``{"text": ...}`` per line), or a pre-tokenized
+``.bin`` file of uint16 or uint32 token ids with its vocabulary size (in
+``<file>.bin.json`` or ``meta.json`` beside it, or ``data.bin_vocab_size``). Text
+data gets its own cached tokenizer. Text is streamed: read, encoded and written in
+pieces (``stream``), so memory does not grow with the corpus; the tokenizer is
+trained on at most ``data.tokenizer_sample_mb`` of it, sampled over the whole
+corpus. Inputs that cannot be trained on are refused with one sentence
+(``sources``).
+
+Batches are a pure function of (seed, step, micro-batch, rank): no sampler state
+to save, so a resumed run draws exactly the batches an uninterrupted run would,
+and ``N`` ranks with batch ``B`` see the same global batch as one rank with
+batch ``N·B``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from leantrain.config import ConfigError, DataConfig
+from leantrain.data.sources import TEXT_SUFFIXES, Doc, Source, token_file, user_source
+from leantrain.data.stream import TokenWriter, sampled, token_dtype
+from leantrain.data.tokenizer import Tokenizer
+
+__all__ = ["TEXT_SUFFIXES", "TokenData", "Tokenizer", "cache_dir", "load", "stdlib_files"]
+# (a corpus larger than this is sampled for the tokenizer's training; see DataConfig.tokenizer_sample_mb)
+DEFAULT_TOKENIZER_SAMPLE_MB = 64.0
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LEANTRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "leantrain"
+    )
+    p = Path(root)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+# ---------------------------------------------------------------- sources
+
+
+def stdlib_files(max_mb: float) -> list[Path]:
+    """The standard library's .py files (no site-packages), sorted, up to ``max_mb`` of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        if "site-packages" in rel or "dist-packages" in rel:
+            continue
+        files.append(f)
+    # spread the cap over the whole tree: take files in a stable pseudo-random order
+    files.sort(key=lambda f: zlib.crc32(f.relative_to(root).as_posix().encode()))
+    out, total = [], 0
+    for f in files:
+        size = f.stat().st_size
+        if total + size > max_mb * 2**20:
+            continue
+        out.append(f)
+        total += size
+    return sorted(out)
+
+
+def _is_val(name: str, val_fraction: float) -> bool:
+    return (zlib.crc32(name.encode()) % 10_000) < val_fraction * 10_000
+
+
+# ---------------------------------------------------------------- token data
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray  # 1-D token ids (memory-mapped)
+    val: np.ndarray
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    source: str
+
+    def batch(self, split: str, seq_len: int, batch_size: int, *, seed: int, step: int, micro: int = 0,
+              rank: int = 0, world: int = 1, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``micro`` of ``step`` for ``rank``: a slice of one global batch of ``world·batch_size``."""
+        data = self.train if split == "train" else self.val
+        hi = len(data) - seq_len - 1
+        if hi <= 0:
+            raise ConfigError(f"the {split} split has {len(data)} tokens, fewer than data.seq_len+1 = {seq_len + 1}; "
+                              "use more data or a shorter data.seq_len")
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step * 1009 + micro * 17 + (split == "val")) % 2**63)
+        starts = torch.randint(0, hi, (world * batch_size,), generator=g)[rank * batch_size:(rank + 1) * batch_size]
+        idx = starts.numpy()[:, None] + np.arange(seq_len + 1)[None, :]
+        chunk = torch.from_numpy(data[idx].astype(np.int64))
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        if str(device) != "cpu":
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x, y
+
+
+
+# ---------------------------------------------------------------- text corpora
+
+
+@dataclass
+class _Split:
+    """How a corpus divides into train and validation: by document name, or one document by characters."""
+
+    val_fraction: float
+    single: Doc | None = None  # the only non-blank document: its first ``cut`` characters train
+    cut: int = 0
+    flipped: str | None = None  # the document moved to the split its name does not hash to (one split empty)
+    train_size: int = 0  # characters or bytes of the training text (for sampling the tokenizer's)
+
+    def is_val(self, name: str) -> bool:
+        return _is_val(name, self.val_fraction) != (name == self.flipped)
+
+
+def _plan(source: Source, val_fraction: float) -> _Split:
+    """Split by file name (a stable hash); a split left empty takes the last document of the other;
+    a corpus of one document is split by characters at its end."""
+    count = n_val = 0
+    last: dict[bool, str | None] = {False: None, True: None}
+    sizes = {False: 0, True: 0}
+    first = None
+    for doc in source.documents():
+        if doc.blank():
+            continue
+        in_val = _is_val(doc.name, val_fraction)
+        count, n_val = count + 1, n_val + in_val
+        last[in_val] = doc.name
+        sizes[in_val] += doc.size()
+        first = first or doc
+    if count == 0:
+        raise ConfigError(f"the corpus {source.describe} is empty: no non-blank text found")
+    if count == 1:
+        cut = int(first.chars() * (1 - val_fraction))
+        return _Split(val_fraction, single=first, cut=cut, train_size=cut)
+    flipped = last[False] if n_val == 0 else last[True] if n_val == count else None
+    return _Split(val_fraction, flipped=flipped, train_size=sizes[False] or sizes[True])
+
+
+def _split_pieces(source: Source, split: _Split):
+    """(split, text piece, whether a document ends after it) over the whole corpus, in order."""
+    if split.single is not None:
+        pos = 0
+        for piece in split.single.pieces():
+            if pos < split.cut:
+                yield "train", piece[:split.cut - pos], False
+            if pos + len(piece) > split.cut:
+                yield "val", piece[max(0, split.cut - pos):], False
+            pos += len(piece)
+        yield "train", "", True
+        yield "val", "", True
+        return
+    for doc in source.documents():
+        if doc.blank():
+            continue
+        name = "val" if split.is_val(doc.name) else "train"
+        for piece in doc.pieces():
+            yield name, piece, False
+        yield name, "", True
+
+
+def _tokenize(source: Source, split: _Split, tok: Tokenizer, paths: dict) -> dict:
+    writers = {name: TokenWriter(tok, path) for name, path in paths.items()}
+    try:
+        for name, piece, doc_end in _split_pieces(source, split):
+            writers[name].add(piece, doc_end)
+        return {name: w.close() for name, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+
+
+def _from_source(source: Source, cfg: DataConfig, key: str, log) -> TokenData:
+    split = _plan(source, cfg.val_fraction)
+    cdir = cache_dir()
+    tok_path = cdir / f"tokenizer-{key}.json"
+    if tok_path.exists():
+        tok = Tokenizer.load(tok_path)
+    else:
+        t0 = time.time()
+        sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)
+        cap = sample_mb * 2**20
+        note = f" (a {sample_mb:g} MB sample of it)" if split.train_size > cap else ""
+        log(f"training a {cfg.tokenizer_vocab}-token BPE tokenizer on {source.describe}{note} ...")
+        texts = (piece for name, piece, _ in _split_pieces(source, split) if name == "train" and piece)
+        tok = Tokenizer.train(sampled(texts, split.train_size, cap), cfg.tokenizer_vocab, tok_path)
+        log(f"tokenizer ready in {time.time() - t0:.1f}s ({tok_path})")
+    paths = {name: cdir / f"tokens-{key}-{name}.bin" for name in ("train", "val")}
+    if all(p.exists() for p in paths.values()):
+        arrays = {name: np.memmap(p, dtype=token_dtype(tok.vocab_size), mode="r") for name, p in paths.items()}
+    else:
+        t0 = time.time()
+        arrays = _tokenize(source, split, tok, paths)
+        if time.time() - t0 > 5:
+            log(f"tokenized {source.describe} in {time.time() - t0:.1f}s")
+    return TokenData(arrays["train"], arrays["val"], tok, tok.vocab_size, source.describe)
+
+
+def _load_bin(path: Path, cfg: DataConfig) -> TokenData:
+    arr, vocab = token_file(path, cfg)
+    cut = int(len(arr) * (1 - cfg.val_fraction))
+    return TokenData(arr[:cut], arr[cut:], None, vocab, str(path))
+
+
+def load(cfg: DataConfig, log=print) -> TokenData:
+    """Load (and on first use, tokenize and cache) the configured corpus; ``ConfigError`` for unusable input."""
+    sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)
+    if cfg.path is None:
+        files = stdlib_files(cfg.max_corpus_mb)
+        if not files:
+            raise ConfigError("the embedded corpus is empty: no standard-library .py files were found; pass --data PATH")
+        root = Path(sysconfig.get_paths()["stdlib"])
+        fields = [cfg.tokenizer_vocab, cfg.val_fraction, [(str(f.relative_to(root)), f.stat().st_size) for f in files]]
+        if cfg.max_corpus_mb > sample_mb:
+            fields.append(sample_mb)
+        fingerprint = hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
+        source = Source(f"the Python {sysconfig.get_python_version()} standard library",
+                        [Doc(f.relative_to(root).as_posix(), path=f) for f in files])
+        return _from_source(source, cfg, f"stdlib-{fingerprint}", log)
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"data path {str(path)!r} does not exist; give a text file, a directory, a .jsonl or a .bin token file")
+    try:
+        if path.suffix == ".bin" and path.is_file():
+            return _load_bin(path, cfg)
+        source = user_source(path, log)
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        stats = [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
+        fingerprint = hashlib.sha1(json.dumps(
+            [str(path.resolve()), stats, cfg.tokenizer_vocab, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
+        return _from_source(source, cfg, f"user-{fingerprint}", log)
+    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data {path} cannot be read ({e})") from None
