@@ -21,6 +21,7 @@ from pathlib import Path
 
 from leantrain import config as config_mod
 from leantrain.config import ConfigError
+from leantrain.runtime.checkpoint import CheckpointError
 
 # name -> config overrides; the baseline is plain torch.optim.AdamW
 RECIPES: dict[str, dict] = {
@@ -171,7 +172,7 @@ def cmd_export(args, rest) -> int:
     from leantrain.runtime import checkpoint
 
     src = Path(args.source)
-    ckpt = src if (src / "meta.json").exists() else checkpoint.latest(src)
+    ckpt = src if (src / "meta.json").exists() else checkpoint.latest_intact(src)[0]
     if ckpt is None:
         raise ConfigError(f"{src}: neither a checkpoint directory nor a run directory with checkpoints")
     state, meta = checkpoint.load_model_state(ckpt)
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return cmd_export(args, rest)
         return cmd_config(args, rest)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"leantrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -215,3 +215,20 @@ def test_chunkft_resume_names_the_chunk_count(tmp_path, corpus, capsys):
     assert cli_main([*base, "--steps", "2", "--finetune.num-chunks", "3"]) == 0
     rc, err = _cli([*base, "--steps", "4", "--resume"], capsys)
     assert rc == 2 and "pass --finetune.num-chunks 3" in err
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumes(tmp_path, corpus, capsys):
+    out = tmp_path / "d"
+    over = {"train.steps": "10", "train.ckpt_every": "5", "train.eval_every": "0", "train.keep_checkpoints": "3"}
+    Trainer(tiny_config(corpus, **over), out).fit(until=10)
+    newest = checkpoint.latest(out)
+    f = newest / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated
+    rc = cli_main(["train", "--out", str(out), "--steps", "12", "--resume",
+                   *_flags(corpus, **{k: v for k, v in over.items() if k != "train.steps"})])
+    cap = capsys.readouterr()
+    text = cap.err + cap.out
+    assert "Traceback" not in text
+    assert rc == 0, text
+    assert f"skipping checkpoint {newest}" in text and "truncated" in text
+    assert "resumed from" in text and "step_0000005" in text

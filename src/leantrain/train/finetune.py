@@ -71,7 +71,9 @@ def load_model(source: str | None, preset: str, device, overrides: dict | None =
     if (path / "meta.json").exists():
         ckpt = path
     else:
-        ckpt = checkpoint.latest(path)
+        ckpt, warnings = checkpoint.latest_intact(path)
+        for w in warnings:
+            print(f"warning: {w}")
         if ckpt is None:
             raise ConfigError(f"--from {source}: neither a checkpoint directory nor a run directory with checkpoints")
     model_state, meta = checkpoint.load_model_state(ckpt)
@@ -129,7 +131,9 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     out_dir = Path(out)
     resumed = None  # (this rank's optimizer state and step, the run's first evaluation and origin)
     if resume:
-        ckpt = checkpoint.latest(out_dir)
+        ckpt, warnings = checkpoint.latest_intact(out_dir)
+        for w in warnings:
+            log(f"warning: {w}")
         if ckpt is None:
             raise ConfigError(f"--resume: no checkpoint in {out_dir / 'checkpoints'} (the run saves one every "
                               "--ckpt-every steps and at its end)")

@@ -156,11 +156,16 @@ class Trainer:
         """The checkpoint ``--resume`` continues from, after checking that it was made by this run's
         config (``rundir.RESUMABLE`` fields may differ); refused with one sentence naming every
         difference and the flag that matches, before anything in the run directory is written."""
-        path = checkpoint.latest(self.out)
+        path, warnings = checkpoint.latest_intact(self.out)
+        for w in warnings:
+            log0(f"warning: {w}")
         if path is None:
+            if warnings:
+                raise ConfigError(f"--resume: no intact checkpoint in {self.out / 'checkpoints'}; "
+                                  "pass --overwrite to start the run again")
             log0(f"--resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
-        meta = json.loads((path / "meta.json").read_text())
+        meta = checkpoint.read_meta(path)
         diffs = rundir.resume_mismatch(meta.get("config", {}), self.cfg.to_dict())
         if meta.get("baseline", False) != self.baseline:
             diffs.append(f"recipe {'--baseline' if meta.get('baseline') else 'not --baseline'} (pass "
