@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick]
+#   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime,
+#       then the 1b step through the trainer for this tree and for the tree under $BASE/src, in
+#       alternation: a change's correctness and its step time against a baseline in one run)
 # Runs from the repository root with PYTHONPATH=src. Writes $OUT/run.log, $OUT/tests/gpu_tests.txt and
 # each topic's result files under $OUT/<topic>/ (<date>_<hardware>[_what].json and .md). To commit a
 # result, copy it to benchmarks/results/<topic>/ and run `python benchmarks/report.py`.
@@ -19,6 +22,18 @@ train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps,
     --train.eval-every 0 --train.ckpt-every 0 --optim.warmup-steps 2 --train.sample-tokens 0 \
     --train.progress false --train.log-every 1 "$@" --out "$OUT/step/train-1b/$name" 2>&1 | tail -3
 }
+verify() {
+  if [ "${VERIFY_TESTS:-1}" = 1 ]; then
+    log "GPU tests of the kernels and the step"
+    mkdir -p "$OUT/tests"
+    timeout 320 python3 -m pytest tests/ops tests/forge tests/agoq tests/model tests/runtime -q -m gpu -x \
+      -p no:cacheprovider -o addopts="" 2>&1 | tail -25 | tee "$OUT/tests/gpu_tests.txt"
+  fi
+  log "1b step through the trainer, this tree against \$BASE"
+  timeout 420 python3 benchmarks/bench_step.py --base "$BASE" --rounds "${VERIFY_ROUNDS:-3}" --out "$OUT/step" 2>&1 | tail -8
+  log "done"
+}
+if [ "$MODE" = verify ]; then verify 2>&1 | tee "$OUT/run.log"; exit 0; fi
 {
   log "environment"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
