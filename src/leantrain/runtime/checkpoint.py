@@ -7,9 +7,9 @@ whose tensors live in the safetensors file and are referenced from the JSON
 by key) and ``meta.json``.
 
 ``meta.json`` carries the manifest: the step, the world size and the byte size
-and sha256 of every other file of the directory (sha256 through hashlib/OpenSSL
-hashes faster than blake2b on x86 CPUs with SHA extensions; ``benchmarks/bench_data.py``
-measures both). Writing order: every file is written and fsynced, then
+and sha256 of every other file of the directory (sha256: ``sha256sum`` checks a file by
+hand; blake2b is not reliably faster, both hash about 500 MB/s on one CPU core:
+``hash_mb_per_s`` in ``benchmarks/results/data/2026-12-04_cpu.json``). Writing order: every file is written and fsynced, then
 ``meta.json`` (a temporary file, fsynced, renamed), then the directory, written under
 a temporary name, is renamed into place. A crash or a full disk therefore never
 leaves a directory that looks complete, and the previous checkpoint is untouched
