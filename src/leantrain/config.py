@@ -101,6 +101,11 @@ class DataConfig:
     tokenizer_vocab: int = 4096  # BPE vocabulary trained on the corpus
     val_fraction: float = 0.05  # share of files (or of tokens for a single file) held out
     max_corpus_mb: float = 24.0  # cap on the embedded corpus text, for quick set-up
+    # MB of a text corpus the BPE tokenizer is trained on, sampled over the whole corpus (larger
+    # corpora are still tokenized whole)
+    tokenizer_sample_mb: float = 64.0
+    bin_vocab_size: int | None = None  # vocabulary of a .bin token file without <file>.bin.json / meta.json
+    bin_dtype: Literal["uint16", "uint32"] | None = None  # its ids' dtype (default uint16, or its metadata's)
 
 
 @dataclass
