@@ -2,6 +2,7 @@
 
     leantrain train --preset tiny --steps 300 --out runs/a
     leantrain train --preset tiny --baseline --out runs/base
+    leantrain train --from HF_DIR --data my.txt --steps 100 --out runs/ft   (start from a Hugging Face model)
     leantrain compare --preset tiny --steps 300 --out runs/cmp
     leantrain finetune --method grzo|mezo|chunkft|full --task compare --from runs/a --out runs/ft
     leantrain export runs/a hf_out          (a Hugging Face model directory: from_pretrained loads it)
@@ -90,6 +91,12 @@ def _build_config(args, rest: list[str]) -> config_mod.Config:
         overrides["train.steps"] = args.steps
     if args.data is not None:
         overrides["data.path"] = args.data
+    if getattr(args, "init_from", None) is not None:
+        overrides["train.init_from"] = args.init_from
+    if overrides.get("train.init_from") or overrides.get("train.init-from"):  # (the model comes from it)
+        from leantrain.train.init_from import build_config
+
+        return build_config(args.preset, args.config, overrides)
     return config_mod.build(args.preset, args.config, overrides)
 
 
@@ -220,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     p.add_argument("--baseline", action="store_true", help="plain PyTorch AdamW, no technique")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--from", dest="init_from", help="start from this model: a Hugging Face model directory or a "
+                   "leantrain run / checkpoint directory (train.init_from)")
     p = sub.add_parser("compare", help="baseline and every technique side by side")
     _common(p)
     p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")

@@ -141,6 +141,12 @@ class TrainConfig:
     # forward + backward captured once as a CUDA graph and replayed (leantrain/graphs.py): one host
     # call a step instead of a launch per kernel; one device, no FORGE, no gradient accumulation
     cuda_graph: bool = False
+    # the model to start from (--from): a Hugging Face model directory (config.json, safetensors,
+    # tokenizer files) or a leantrain run / checkpoint directory. The architecture and weights are
+    # its; its tokenizer encodes the data (no BPE is trained); the model.* runtime fields (fused
+    # kernels, loss_chunk, activation_checkpointing) and a model.max_seq_len set apart from the
+    # preset's stay the run's (leantrain/train/init_from.py). None: random weights of the preset.
+    init_from: str | None = None
 
 
 @dataclass

@@ -190,11 +190,19 @@ def _tokenize(source: Source, split: _Split, tok: Tokenizer, paths: dict) -> dic
         raise
 
 
-def _from_source(source: Source, cfg: DataConfig, key: str, log) -> TokenData:
+def tokenizer_key(tok) -> str:
+    """A short hash of a tokenizer's vocabulary, merges and end-of-text id (for cache keys)."""
+    text = tok.to_str() if hasattr(tok, "to_str") else tok.tokenizer.to_str()
+    return hashlib.sha1(f"{text}\0{tok.eot_id}".encode()).hexdigest()[:12]
+
+
+def _from_source(source: Source, cfg: DataConfig, key: str, log, tokenizer=None) -> TokenData:
     split = _plan(source, cfg.val_fraction)
     cdir = cache_dir()
     tok_path = cdir / f"tokenizer-{key}.json"
-    if tok_path.exists():
+    if tokenizer is not None:
+        tok = tokenizer
+    elif tok_path.exists():
         tok = Tokenizer.load(tok_path)
     else:
         t0 = time.time()
@@ -216,38 +224,43 @@ def _from_source(source: Source, cfg: DataConfig, key: str, log) -> TokenData:
     return TokenData(arrays["train"], arrays["val"], tok, tok.vocab_size, source.describe)
 
 
-def _load_bin(path: Path, cfg: DataConfig) -> TokenData:
+def _load_bin(path: Path, cfg: DataConfig, tokenizer=None) -> TokenData:
     arr, vocab = token_file(path, cfg)
     cut = int(len(arr) * (1 - cfg.val_fraction))
-    return TokenData(arr[:cut], arr[cut:], None, vocab, str(path))
+    return TokenData(arr[:cut], arr[cut:], tokenizer, vocab, str(path))
 
 
-def load(cfg: DataConfig, log=print) -> TokenData:
-    """Load (and on first use, tokenize and cache) the configured corpus; ``ConfigError`` for unusable input."""
+def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData:
+    """Load (and on first use, tokenize and cache) the configured corpus; ``ConfigError`` for unusable input.
+
+    ``tokenizer`` (a :class:`Tokenizer` or a :class:`leantrain.model.hf.HFTokenizer`: a model's
+    own): text is encoded with it and no BPE is trained; None: a BPE of ``data.tokenizer_vocab``
+    tokens is trained on the corpus (and cached)."""
     sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)
+    vocab_key = cfg.tokenizer_vocab if tokenizer is None else tokenizer_key(tokenizer)
     if cfg.path is None:
         files = stdlib_files(cfg.max_corpus_mb)
         if not files:
             raise ConfigError("the embedded corpus is empty: no standard-library .py files were found; pass --data PATH")
         root = Path(sysconfig.get_paths()["stdlib"])
-        fields = [cfg.tokenizer_vocab, cfg.val_fraction, [(str(f.relative_to(root)), f.stat().st_size) for f in files]]
+        fields = [vocab_key, cfg.val_fraction, [(str(f.relative_to(root)), f.stat().st_size) for f in files]]
         if cfg.max_corpus_mb > sample_mb:
             fields.append(sample_mb)
         fingerprint = hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
         source = Source(f"the Python {sysconfig.get_python_version()} standard library",
                         [Doc(f.relative_to(root).as_posix(), path=f) for f in files])
-        return _from_source(source, cfg, f"stdlib-{fingerprint}", log)
+        return _from_source(source, cfg, f"stdlib-{fingerprint}", log, tokenizer)
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise ConfigError(f"data path {str(path)!r} does not exist; give a text file, a directory, a .jsonl or a .bin token file")
     try:
         if path.suffix == ".bin" and path.is_file():
-            return _load_bin(path, cfg)
+            return _load_bin(path, cfg, tokenizer)
         source = user_source(path, log)
         files = sorted(path.rglob("*")) if path.is_dir() else [path]
         stats = [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
         fingerprint = hashlib.sha1(json.dumps(
-            [str(path.resolve()), stats, cfg.tokenizer_vocab, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
-        return _from_source(source, cfg, f"user-{fingerprint}", log)
+            [str(path.resolve()), stats, vocab_key, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
+        return _from_source(source, cfg, f"user-{fingerprint}", log, tokenizer)
     except (PermissionError, IsADirectoryError, UnicodeDecodeError) as e:
         raise ConfigError(f"data {path} cannot be read ({e})") from None
