@@ -101,6 +101,18 @@ class DataConfig:
     tokenizer_vocab: int = 4096  # BPE vocabulary trained on the corpus
     val_fraction: float = 0.05  # share of files (or of tokens for a single file) held out
     max_corpus_mb: float = 24.0  # cap on the embedded corpus text, for quick set-up
+    # the tokenizer of text data: a tokenizer.json file or a Hugging Face model directory; None: a
+    # BPE of tokenizer_vocab tokens trained on the corpus (or, with train.init_from, the model's own)
+    tokenizer: str | None = None
+    # what a .jsonl holds: auto (from the first line's fields), text ({"text"}), instruct
+    # ({"prompt", "completion"} or {"prompt", "response"}), chat ({"messages": [{"role",
+    # "content"}, ...]}, rendered with the tokenizer's chat template; leantrain/data/examples.py)
+    format: Literal["auto", "text", "instruct", "chat"] = "auto"
+    # instruct / chat data: the loss only on completion / assistant tokens (false: on every token)
+    mask_prompt: bool = True
+    # instruct / chat data: several examples per sequence, no attention and no loss across them,
+    # positions restarting at each (false: one example per sequence, padded)
+    pack: bool = True
 
 
 @dataclass

@@ -9,7 +9,8 @@ memory-mapped ``.bin`` files under the user's cache directory
 (``$XDG_CACHE_HOME/leantrain`` or ``~/.cache/leantrain``).
 
 Users' own data: a text file, a directory of text files (``.txt``, ``.md``,
-``.py``), a JSONL file (one ``{"text": ...}`` per line), or a pre-tokenized
+``.py``), a JSONL file (one ``{"text": ...}`` per line; or instruction / chat examples, trained on
+their completions only and packed: ``examples``, ``packing``), or a pre-tokenized
 ``.bin`` file of uint16 or uint32 token ids with its vocabulary size (in
 ``<file>.bin.json`` or ``meta.json`` beside it, or ``data.bin_vocab_size``). Text
 data gets its own cached tokenizer. Text is streamed: read, encoded and written in
@@ -39,11 +40,14 @@ import numpy as np
 import torch
 
 from leantrain.config import ConfigError, DataConfig
+from leantrain.data.examples import detect_format, example_texts
+from leantrain.data.packing import ExampleData, load_examples
 from leantrain.data.sources import TEXT_SUFFIXES, Doc, Source, token_file, user_source
 from leantrain.data.stream import TokenWriter, sampled, token_dtype
 from leantrain.data.tokenizer import Tokenizer
 
-__all__ = ["TEXT_SUFFIXES", "TokenData", "Tokenizer", "cache_dir", "load", "stdlib_files"]
+__all__ = ["TEXT_SUFFIXES", "ExampleData", "TokenData", "Tokenizer", "cache_dir", "load", "open_tokenizer",
+           "stdlib_files"]
 # (a corpus larger than this is sampled for the tokenizer's training; see DataConfig.tokenizer_sample_mb)
 DEFAULT_TOKENIZER_SAMPLE_MB = 64.0
 
@@ -192,7 +196,7 @@ def _tokenize(source: Source, split: _Split, tok: Tokenizer, paths: dict) -> dic
 
 def tokenizer_key(tok) -> str:
     """A short hash of a tokenizer's vocabulary, merges and end-of-text id (for cache keys)."""
-    text = tok.to_str() if hasattr(tok, "to_str") else tok.tokenizer.to_str()
+    text = tok.tokenizer.to_str()
     return hashlib.sha1(f"{text}\0{tok.eot_id}".encode()).hexdigest()[:12]
 
 
@@ -230,12 +234,41 @@ def _load_bin(path: Path, cfg: DataConfig, tokenizer=None) -> TokenData:
     return TokenData(arr[:cut], arr[cut:], tokenizer, vocab, str(path))
 
 
-def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData:
+def open_tokenizer(source: str):
+    """The tokenizer of ``data.tokenizer``: a ``tokenizer.json`` file or a Hugging Face model directory."""
+    from leantrain.model.hf import load_tokenizer
+
+    path = Path(source).expanduser()
+    tok = load_tokenizer(path) if path.exists() else None
+    if tok is None:
+        raise ConfigError(f"data.tokenizer {source}: neither a tokenizer.json file nor a directory holding one")
+    return tok
+
+
+def _examples(path: Path, fmt: str, cfg: DataConfig, tokenizer, log) -> ExampleData:
+    """Instruct / chat examples; without a tokenizer, a BPE trained on their text (cached)."""
+    if tokenizer is None:
+        stat = path.stat()
+        key = hashlib.sha1(json.dumps([str(path.resolve()), stat.st_mtime_ns, stat.st_size, fmt,
+                                       cfg.tokenizer_vocab]).encode()).hexdigest()[:12]
+        tok_path = cache_dir() / f"tokenizer-examples-{key}.json"
+        if tok_path.exists():
+            tokenizer = Tokenizer.load(tok_path)
+        else:
+            log(f"training a {cfg.tokenizer_vocab}-token BPE tokenizer on {path} ...")
+            tokenizer = Tokenizer.train(example_texts(path, fmt), cfg.tokenizer_vocab, tok_path)
+    return load_examples(path, fmt, cfg, tokenizer, log)
+
+
+def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData | ExampleData:
     """Load (and on first use, tokenize and cache) the configured corpus; ``ConfigError`` for unusable input.
 
-    ``tokenizer`` (a :class:`Tokenizer` or a :class:`leantrain.model.hf.HFTokenizer`: a model's
-    own): text is encoded with it and no BPE is trained; None: a BPE of ``data.tokenizer_vocab``
-    tokens is trained on the corpus (and cached)."""
+    The tokenizer: ``data.tokenizer`` when set, else ``tokenizer`` (a :class:`Tokenizer` or a
+    :class:`leantrain.model.hf.HFTokenizer`: a model's own); text is encoded with it and no BPE is
+    trained. Neither: a BPE of ``data.tokenizer_vocab`` tokens is trained on the corpus (and
+    cached). Instruct / chat JSONL (``data.format``) gives :class:`ExampleData`."""
+    if cfg.tokenizer:
+        tokenizer = open_tokenizer(cfg.tokenizer)
     sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)
     vocab_key = cfg.tokenizer_vocab if tokenizer is None else tokenizer_key(tokenizer)
     if cfg.path is None:
@@ -256,6 +289,16 @@ def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData:
     try:
         if path.suffix == ".bin" and path.is_file():
             return _load_bin(path, cfg, tokenizer)
+        fmt = cfg.format
+        if path.suffix == ".jsonl" and path.is_file() and fmt == "auto" and path.stat().st_size:
+            fmt = detect_format(path)
+        if fmt == "choice":
+            raise ConfigError(f"{path} holds multiple-choice lines (prompt, choices, answer): score them with "
+                              "leantrain eval; training takes text, instruct or chat lines")
+        if fmt in ("instruct", "chat"):
+            if path.suffix != ".jsonl" or not path.is_file():
+                raise ConfigError(f"data.format {fmt} reads a .jsonl file; {path} is not one")
+            return _examples(path, fmt, cfg, tokenizer, log)
         source = user_source(path, log)
         files = sorted(path.rglob("*")) if path.is_dir() else [path]
         stats = [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]

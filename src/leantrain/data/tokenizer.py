@@ -27,9 +27,10 @@ class Tokenizer:
         """Token ids of each text (without the offsets ``encode`` computes: the same ids, less memory)."""
         return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def to_str(self) -> str:
-        """The tokenizer as its ``tokenizer.json`` text (what identifies it in cache keys)."""
-        return self._tok.to_str()
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` (as :class:`leantrain.model.hf.HFTokenizer` names it)."""
+        return self._tok
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids))

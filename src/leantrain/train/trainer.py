@@ -142,6 +142,9 @@ class Trainer:
             cfg.model.vocab_size = self.data.vocab_size
         else:
             init_from.check_vocabulary(self.pretrained, self.data.vocab_size)
+        if cfg.train.cuda_graph and getattr(self.data, "packed", False):
+            raise ConfigError("train.cuda_graph captures plain token batches; pass --data.pack false with "
+                              "instruct / chat data")
         self._keep_tokenizer()
         torch.manual_seed(cfg.train.seed)
         self.model = Llama(cfg.model)
