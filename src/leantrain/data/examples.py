@@ -59,7 +59,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg}); JSONL needs one object per line") from None
             if not isinstance(rec, dict):
-                raise ConfigError(f"{path}:{i}: a JSONL line must be an object, got {type(rec).__name__}")
+                raise ConfigError(f"{path}:{i}: each JSONL line needs a JSON object, got a {type(rec).__name__}")
             yield i, rec
 
 
@@ -68,8 +68,9 @@ def detect_format(path: Path) -> str:
     for i, rec in read_jsonl(path):
         fmt = record_format(rec)
         if fmt is None:
-            raise ConfigError(f"{path}:{i}: no known fields ({', '.join(sorted(rec)) or 'none'}); a line needs "
-                              "'text', 'prompt' and 'completion', 'messages', or 'prompt', 'choices' and 'answer'")
+            raise ConfigError(f"{path}:{i}: no known fields ({', '.join(sorted(rec)) or 'none'}); each JSONL line "
+                              "needs a string field 'text', or 'prompt' and 'completion', or 'messages', or "
+                              "'prompt', 'choices' and 'answer'")
         return fmt
     raise ConfigError(f"data file {path} holds no JSON lines")
 
