@@ -133,3 +133,16 @@ def test_bad_inputs_are_one_sentence(hf_dir, tmp_path, capsys):
     rc = cli.main(["config", "--preset", "tiny", "--train.init-from", str(hf_dir), "--data.seq-len", "300",
                    "--model.max-seq-len", "512"])
     assert rc == 0 and "max_seq_len = 512" in capsys.readouterr().out
+
+
+def test_data_tokenizer_encodes_the_data_without_training_a_bpe(hf_dir, text_file, tmp_path):
+    from leantrain.config import DataConfig
+
+    for source in (hf_dir, hf_dir / "tokenizer.json"):
+        cfg = DataConfig(path=str(text_file), tokenizer=str(source))
+        logged = []
+        data = data_mod.load(cfg, log=logged.append)
+        assert data.vocab_size == TOKENIZER_VOCAB and not any("training" in line for line in logged)
+        assert data.train[:20].tolist() == load_tokenizer(hf_dir).encode(_text())[:20]
+    with pytest.raises(ConfigError, match="data.tokenizer .*: neither a tokenizer.json file nor a directory"):
+        data_mod.load(DataConfig(path=str(text_file), tokenizer=str(tmp_path)))
