@@ -2,9 +2,12 @@
 
     leantrain train --preset tiny --steps 300 --out runs/a
     leantrain train --preset tiny --baseline --out runs/base
+    leantrain train --from HF_DIR --data my.txt --steps 100 --out runs/ft   (start from a Hugging Face model)
     leantrain compare --preset tiny --steps 300 --out runs/cmp
     leantrain finetune --method grzo|mezo|chunkft|full --task compare --from runs/a --out runs/ft
     leantrain export runs/a hf_out          (a Hugging Face model directory: from_pretrained loads it)
+    leantrain eval --from runs/a|HF_DIR --data val.jsonl [--out DIR]   (loss and perplexity, or choice accuracy)
+    leantrain generate --from runs/a|HF_DIR --prompt "def " --max-new-tokens 40 [--temperature 0.8 --top-k 40]
     leantrain config --preset tiny [--section.field value ...]   (the resolved config, every field documented)
 
 Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -90,6 +94,12 @@ def _build_config(args, rest: list[str]) -> config_mod.Config:
         overrides["train.steps"] = args.steps
     if args.data is not None:
         overrides["data.path"] = args.data
+    if getattr(args, "init_from", None) is not None:
+        overrides["train.init_from"] = args.init_from
+    if overrides.get("train.init_from") or overrides.get("train.init-from"):  # (the model comes from it)
+        from leantrain.train.init_from import build_config
+
+        return build_config(args.preset, args.config, overrides)
     return config_mod.build(args.preset, args.config, overrides)
 
 
@@ -185,6 +195,23 @@ def cmd_export(args, rest) -> int:
     return 0
 
 
+def cmd_eval(args, rest) -> int:
+    from leantrain.train.evaluate import evaluate
+
+    result = evaluate(args.source, args.data, out=args.out, seq_len=args.seq_len, batch_size=args.batch_size,
+                      device=args.device)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_generate(args, rest) -> int:
+    from leantrain.train.evaluate import generate
+
+    print(generate(args.source, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, seed=args.seed, device=args.device))
+    return 0
+
+
 # run options of `leantrain finetune` (the rest of the tree describes the model, which --from brings)
 FINETUNE_RUN_KEYS = ("finetune.", "optim.lr", "optim.weight_decay", "data.batch_size", "train.seed",
                      "train.log_every", "train.ckpt_every", "train.device")
@@ -220,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     p.add_argument("--baseline", action="store_true", help="plain PyTorch AdamW, no technique")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--from", dest="init_from", help="start from this model: a Hugging Face model directory or a "
+                   "leantrain run / checkpoint directory (train.init_from)")
     p = sub.add_parser("compare", help="baseline and every technique side by side")
     _common(p)
     p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")
@@ -237,6 +266,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", help="run directory (its newest checkpoint) or checkpoint directory")
     p.add_argument("out", help="the Hugging Face model directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p = sub.add_parser("eval", help="loss and perplexity, or multiple-choice accuracy, of a run or HF model")
+    p.add_argument("--from", dest="source", required=True, help="a run, checkpoint or Hugging Face model directory")
+    p.add_argument("--data", required=True, help="text, .jsonl of text / instruct / chat / {prompt, choices, answer}")
+    p.add_argument("--out", default=".", help="directory for eval.json (default: the current directory)")
+    p.add_argument("--seq-len", type=int, help="tokens a window (default: the model's max_seq_len, at most 2048)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p = sub.add_parser("generate", help="continue a prompt with a run or HF model (KV cache)")
+    p.add_argument("--from", dest="source", required=True, help="a run, checkpoint or Hugging Face model directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p = sub.add_parser("config", help="print the resolved config tree with each field's doc")
     p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
     p.add_argument("--config", help="TOML file of config overrides")
@@ -251,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_finetune(args, rest)
         if args.command == "export":
             return cmd_export(args, rest)
+        if args.command in ("eval", "generate") and rest:
+            raise ConfigError(f"unexpected arguments {' '.join(rest)}; see leantrain {args.command} --help")
+        if args.command == "eval":
+            return cmd_eval(args, rest)
+        if args.command == "generate":
+            return cmd_generate(args, rest)
         return cmd_config(args, rest)
     except (ConfigError, CheckpointError) as e:
         print(f"leantrain: error: {e}", file=sys.stderr)

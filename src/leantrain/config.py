@@ -106,6 +106,18 @@ class DataConfig:
     tokenizer_sample_mb: float = 64.0
     bin_vocab_size: int | None = None  # vocabulary of a .bin token file without <file>.bin.json / meta.json
     bin_dtype: Literal["uint16", "uint32"] | None = None  # its ids' dtype (default uint16, or its metadata's)
+    # the tokenizer of text data: a tokenizer.json file or a Hugging Face model directory; None: a
+    # BPE of tokenizer_vocab tokens trained on the corpus (or, with train.init_from, the model's own)
+    tokenizer: str | None = None
+    # what a .jsonl holds: auto (from the first line's fields), text ({"text"}), instruct
+    # ({"prompt", "completion"} or {"prompt", "response"}), chat ({"messages": [{"role",
+    # "content"}, ...]}, rendered with the tokenizer's chat template; leantrain/data/examples.py)
+    format: Literal["auto", "text", "instruct", "chat"] = "auto"
+    # instruct / chat data: the loss only on completion / assistant tokens (false: on every token)
+    mask_prompt: bool = True
+    # instruct / chat data: several examples per sequence, no attention and no loss across them,
+    # positions restarting at each (false: one example per sequence, padded)
+    pack: bool = True
 
 
 @dataclass
@@ -146,6 +158,12 @@ class TrainConfig:
     # forward + backward captured once as a CUDA graph and replayed (leantrain/graphs.py): one host
     # call a step instead of a launch per kernel; one device, no FORGE, no gradient accumulation
     cuda_graph: bool = False
+    # the model to start from (--from): a Hugging Face model directory (config.json, safetensors,
+    # tokenizer files) or a leantrain run / checkpoint directory. The architecture and weights are
+    # its; its tokenizer encodes the data (no BPE is trained); the model.* runtime fields (fused
+    # kernels, loss_chunk, activation_checkpointing) and a model.max_seq_len set apart from the
+    # preset's stay the run's (leantrain/train/init_from.py). None: random weights of the preset.
+    init_from: str | None = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ memory-mapped ``.bin`` files under the user's cache directory
 (``$XDG_CACHE_HOME/leantrain`` or ``~/.cache/leantrain``).
 
 Users' own data: a text file, a directory of text files (``.txt``, ``.md``,
-``.py``), a JSONL file (one ``{"text": ...}`` per line), or a pre-tokenized
+``.py``), a JSONL file (one ``{"text": ...}`` per line; or instruction / chat examples, trained on
+their completions only and packed: ``examples``, ``packing``), or a pre-tokenized
 ``.bin`` file of uint16 or uint32 token ids with its vocabulary size (in
 ``<file>.bin.json`` or ``meta.json`` beside it, or ``data.bin_vocab_size``). Text
 data gets its own cached tokenizer. Text is streamed: read, encoded and written in
@@ -39,11 +40,14 @@ import numpy as np
 import torch
 
 from leantrain.config import ConfigError, DataConfig
+from leantrain.data.examples import detect_format, example_texts
+from leantrain.data.packing import ExampleData, load_examples
 from leantrain.data.sources import TEXT_SUFFIXES, Doc, Source, token_file, user_source
 from leantrain.data.stream import TokenWriter, sampled, token_dtype
 from leantrain.data.tokenizer import Tokenizer
 
-__all__ = ["TEXT_SUFFIXES", "TokenData", "Tokenizer", "cache_dir", "load", "stdlib_files"]
+__all__ = ["TEXT_SUFFIXES", "ExampleData", "TokenData", "Tokenizer", "cache_dir", "load", "open_tokenizer",
+           "stdlib_files"]
 # (a corpus larger than this is sampled for the tokenizer's training; see DataConfig.tokenizer_sample_mb)
 DEFAULT_TOKENIZER_SAMPLE_MB = 64.0
 
@@ -190,11 +194,19 @@ def _tokenize(source: Source, split: _Split, tok: Tokenizer, paths: dict) -> dic
         raise
 
 
-def _from_source(source: Source, cfg: DataConfig, key: str, log) -> TokenData:
+def tokenizer_key(tok) -> str:
+    """A short hash of a tokenizer's vocabulary, merges and end-of-text id (for cache keys)."""
+    text = tok.tokenizer.to_str()
+    return hashlib.sha1(f"{text}\0{tok.eot_id}".encode()).hexdigest()[:12]
+
+
+def _from_source(source: Source, cfg: DataConfig, key: str, log, tokenizer=None) -> TokenData:
     split = _plan(source, cfg.val_fraction)
     cdir = cache_dir()
     tok_path = cdir / f"tokenizer-{key}.json"
-    if tok_path.exists():
+    if tokenizer is not None:
+        tok = tokenizer
+    elif tok_path.exists():
         tok = Tokenizer.load(tok_path)
     else:
         t0 = time.time()
@@ -216,38 +228,82 @@ def _from_source(source: Source, cfg: DataConfig, key: str, log) -> TokenData:
     return TokenData(arrays["train"], arrays["val"], tok, tok.vocab_size, source.describe)
 
 
-def _load_bin(path: Path, cfg: DataConfig) -> TokenData:
+def _load_bin(path: Path, cfg: DataConfig, tokenizer=None) -> TokenData:
     arr, vocab = token_file(path, cfg)
     cut = int(len(arr) * (1 - cfg.val_fraction))
-    return TokenData(arr[:cut], arr[cut:], None, vocab, str(path))
+    return TokenData(arr[:cut], arr[cut:], tokenizer, vocab, str(path))
 
 
-def load(cfg: DataConfig, log=print) -> TokenData:
-    """Load (and on first use, tokenize and cache) the configured corpus; ``ConfigError`` for unusable input."""
+def open_tokenizer(source: str):
+    """The tokenizer of ``data.tokenizer``: a ``tokenizer.json`` file or a Hugging Face model directory."""
+    from leantrain.model.hf import load_tokenizer
+
+    path = Path(source).expanduser()
+    tok = load_tokenizer(path) if path.exists() else None
+    if tok is None:
+        raise ConfigError(f"data.tokenizer {source}: neither a tokenizer.json file nor a directory holding one")
+    return tok
+
+
+def _examples(path: Path, fmt: str, cfg: DataConfig, tokenizer, log) -> ExampleData:
+    """Instruct / chat examples; without a tokenizer, a BPE trained on their text (cached)."""
+    if tokenizer is None:
+        stat = path.stat()
+        key = hashlib.sha1(json.dumps([str(path.resolve()), stat.st_mtime_ns, stat.st_size, fmt,
+                                       cfg.tokenizer_vocab]).encode()).hexdigest()[:12]
+        tok_path = cache_dir() / f"tokenizer-examples-{key}.json"
+        if tok_path.exists():
+            tokenizer = Tokenizer.load(tok_path)
+        else:
+            log(f"training a {cfg.tokenizer_vocab}-token BPE tokenizer on {path} ...")
+            tokenizer = Tokenizer.train(example_texts(path, fmt), cfg.tokenizer_vocab, tok_path)
+    return load_examples(path, fmt, cfg, tokenizer, log)
+
+
+def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData | ExampleData:
+    """Load (and on first use, tokenize and cache) the configured corpus; ``ConfigError`` for unusable input.
+
+    The tokenizer: ``data.tokenizer`` when set, else ``tokenizer`` (a :class:`Tokenizer` or a
+    :class:`leantrain.model.hf.HFTokenizer`: a model's own); text is encoded with it and no BPE is
+    trained. Neither: a BPE of ``data.tokenizer_vocab`` tokens is trained on the corpus (and
+    cached). Instruct / chat JSONL (``data.format``) gives :class:`ExampleData`."""
+    if cfg.tokenizer:
+        tokenizer = open_tokenizer(cfg.tokenizer)
     sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)
+    vocab_key = cfg.tokenizer_vocab if tokenizer is None else tokenizer_key(tokenizer)
     if cfg.path is None:
         files = stdlib_files(cfg.max_corpus_mb)
         if not files:
             raise ConfigError("the embedded corpus is empty: no standard-library .py files were found; pass --data PATH")
         root = Path(sysconfig.get_paths()["stdlib"])
-        fields = [cfg.tokenizer_vocab, cfg.val_fraction, [(str(f.relative_to(root)), f.stat().st_size) for f in files]]
+        fields = [vocab_key, cfg.val_fraction, [(str(f.relative_to(root)), f.stat().st_size) for f in files]]
         if cfg.max_corpus_mb > sample_mb:
             fields.append(sample_mb)
         fingerprint = hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
         source = Source(f"the Python {sysconfig.get_python_version()} standard library",
                         [Doc(f.relative_to(root).as_posix(), path=f) for f in files])
-        return _from_source(source, cfg, f"stdlib-{fingerprint}", log)
+        return _from_source(source, cfg, f"stdlib-{fingerprint}", log, tokenizer)
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise ConfigError(f"data path {str(path)!r} does not exist; give a text file, a directory, a .jsonl or a .bin token file")
     try:
         if path.suffix == ".bin" and path.is_file():
-            return _load_bin(path, cfg)
+            return _load_bin(path, cfg, tokenizer)
+        fmt = cfg.format
+        if path.suffix == ".jsonl" and path.is_file() and fmt == "auto" and path.stat().st_size:
+            fmt = detect_format(path)
+        if fmt == "choice":
+            raise ConfigError(f"{path} holds multiple-choice lines (prompt, choices, answer): score them with "
+                              "leantrain eval; training takes text, instruct or chat lines")
+        if fmt in ("instruct", "chat"):
+            if path.suffix != ".jsonl" or not path.is_file():
+                raise ConfigError(f"data.format {fmt} reads a .jsonl file; {path} is not one")
+            return _examples(path, fmt, cfg, tokenizer, log)
         source = user_source(path, log)
         files = sorted(path.rglob("*")) if path.is_dir() else [path]
         stats = [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
         fingerprint = hashlib.sha1(json.dumps(
-            [str(path.resolve()), stats, cfg.tokenizer_vocab, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
-        return _from_source(source, cfg, f"user-{fingerprint}", log)
+            [str(path.resolve()), stats, vocab_key, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
+        return _from_source(source, cfg, f"user-{fingerprint}", log, tokenizer)
     except (PermissionError, IsADirectoryError, UnicodeDecodeError) as e:
         raise ConfigError(f"data {path} cannot be read ({e})") from None

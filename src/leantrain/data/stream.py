@@ -63,7 +63,8 @@ def token_dtype(vocab_size: int):
 
 
 class TokenWriter:
-    """Documents' token ids, each followed by the end-of-text id, appended to ``path`` batch by batch.
+    """Documents' token ids, each followed by the end-of-text id (when the tokenizer has one),
+    appended to ``path`` batch by batch.
 
     ``add(piece, doc_end)`` queues text; a batch of ``BATCH_CHARS`` is encoded and written at
     once. ``close()`` renames the file into place (it is written under a temporary name) and
@@ -73,6 +74,8 @@ class TokenWriter:
     def __init__(self, tokenizer, path: Path):
         self.tokenizer, self.path = tokenizer, Path(path)
         self.dtype = token_dtype(tokenizer.vocab_size)
+        eot = tokenizer.eot_id
+        self.separator = np.array([] if eot is None else [eot], dtype=self.dtype)
         self.tmp = self.path.with_suffix(".tmp")
         self.file = open(self.tmp, "wb")
         self.pending: list[tuple[str, bool]] = []
@@ -88,12 +91,11 @@ class TokenWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        eot = np.array([self.tokenizer.eot_id], dtype=self.dtype)
         parts = []
         for ids, (_, doc_end) in zip(self.tokenizer.encode_batch([p for p, _ in self.pending]), self.pending):
             parts.append(np.asarray(ids, dtype=self.dtype))
             if doc_end:
-                parts.append(eot)
+                parts.append(self.separator)
         arr = np.concatenate(parts)
         self.file.write(arr.tobytes())
         self.tokens += len(arr)

@@ -20,11 +20,17 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        """The text's ids, without the special tokens a loaded tokenizer's post-processor may add."""
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (without the offsets ``encode`` computes: the same ids, less memory)."""
-        return [e.ids for e in self._tok.encode_batch_fast(texts)]
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` (as :class:`leantrain.model.hf.HFTokenizer` names it)."""
+        return self._tok
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids))

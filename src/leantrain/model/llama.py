@@ -18,11 +18,19 @@ longer sequence is refused).
 Every matrix is an ``nn.Linear`` (``x @ W.T``), which is what FORGE, AGoQ and ChunkFT hook
 into. ``forward(idx, targets)`` returns the mean cross-entropy loss; ``forward(idx)`` returns
 logits; ``reduction="none"`` gives per-example losses (zeroth-order fine-tuning uses them).
+
+Packed sequences (``document_ids``, or ``idx`` given as :class:`Packed`): several documents in one
+row, each a contiguous run of one id; a token attends only to earlier tokens of its own document
+(SDPA with a block-diagonal causal mask) and its RoPE position counts from its document's first
+token, so each document's logits are those it has alone. Targets of -100 add nothing to the loss.
+Incremental decoding (``cache``, a :class:`KVCache`): the keys and values of the tokens already
+seen are kept per layer, and a forward of the next tokens attends over them (:meth:`Llama.generate`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +111,62 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rope_ref(x, cos, sin)
 
 
+def rope_at(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, H, T, hd) rotated by per-token tables ``cos, sin (B, T, hd/2)`` (positions that restart
+    per document): :func:`apply_rope`'s arithmetic, each token at its own position."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Packed(NamedTuple):
+    """Packed sequences as one model input: ``tokens (B, T)`` and ``document_ids (B, T)`` (each
+    document a contiguous run of one id). ``model(Packed(...), targets)`` is
+    ``model(tokens, targets, document_ids=...)``: callers that pass ``(x, y)`` through (the
+    trainer, DDP) pass packed batches unchanged."""
+
+    tokens: Tensor
+    document_ids: Tensor
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Each token's position in its document (0 at a document's first token): ``(B, T)``."""
+    t = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return t - torch.where(starts, t, 0).cummax(dim=1).values
+
+
+def document_mask(document_ids: Tensor) -> Tensor:
+    """``(B, 1, T, T)`` bool, true where query ``i`` may attend to key ``j``: ``j <= i`` in the same document."""
+    T = document_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return (document_ids[:, :, None] == document_ids[:, None, :]).logical_and(causal)[:, None]
+
+
+class KVCache:
+    """The keys and values of positions ``[0, length)`` of every layer, for incremental decoding.
+
+    ``Llama.forward(idx, cache=cache)`` runs the tokens ``idx`` at positions ``length ..
+    length + T - 1`` over the cached ones, appends their keys and values and advances ``length``.
+    Buffers of ``max_len`` positions are made at the first forward, in the keys' dtype."""
+
+    def __init__(self, n_layers: int, max_len: int):
+        self.max_len, self.length = max_len, 0
+        self.keys: list[Tensor | None] = [None] * n_layers
+        self.values: list[Tensor | None] = [None] * n_layers
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v (B, H_kv, T, hd)`` at ``length``; the keys and values of every position so far."""
+        if self.keys[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer], self.values[layer] = k.new_empty(shape), v.new_empty(shape)
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
 def _fuse_keys(parts: tuple[str, ...], fused: str):
     """A load_state_dict pre-hook: a checkpoint of the separate linears (``parts``) loads into
     the fused one (their weights, and biases if any, stacked by rows, in order)."""
@@ -156,7 +220,11 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
+                cache: tuple[KVCache, int] | None = None) -> Tensor:
+        """``cos, sin``: the position tables (rows from position 0, or of the cache's length on), or
+        per-token tables ``(B, T, hd/2)`` of packed sequences; ``mask``: where a query may attend
+        (None: causal); ``cache``: (the cache, this layer's index)."""
         B, T, _ = x.shape
         if self.fused:  # (split: its backward is one cat of dq, dk, dv)
             q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
@@ -169,13 +237,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        rotate = rope_at if cos.dim() == 3 else self.rope
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache[0].update(cache[1], k, v)
         gqa = self.n_kv != self.n_heads
         if gqa and not self.sdpa_gqa:
             rep = self.n_heads // self.n_kv
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa and self.sdpa_gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=gqa and self.sdpa_gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -211,8 +283,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_norm)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, cache=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -293,21 +365,46 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, reduction: str = "mean") -> Tensor:
+    def _positions(self, idx: Tensor, document_ids: Tensor | None, cache: KVCache | None):
+        """(cos, sin, mask) of a forward: the tables from position 0 and causal attention; per-token
+        tables and the block-diagonal mask of packed documents; or the rows after the cache's
+        positions and a mask over them."""
         T = idx.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        if self.cfg.sliding_window is not None and T > self.cfg.sliding_window:
-            raise ValueError(f"sequence length {T} exceeds the model's sliding window "
+        start = 0 if cache is None else cache.length
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        if self.cfg.sliding_window is not None and start + T > self.cfg.sliding_window:
+            raise ValueError(f"sequence length {start + T} exceeds the model's sliding window "
                              f"({self.cfg.sliding_window} tokens), which is not modelled; use sequences "
                              "of at most that many tokens")
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("packed sequences (document_ids) cannot be decoded with a KV cache")
+            pos = document_positions(document_ids)
+            return self.rope_cos[pos], self.rope_sin[pos], document_mask(document_ids)
+        if start == 0:
+            return self.rope_cos, self.rope_sin, None
+        keys = torch.arange(start + T, device=idx.device)
+        mask = keys[None, :] <= (start + torch.arange(T, device=idx.device))[:, None]
+        return self.rope_cos[start:], self.rope_sin[start:], mask
+
+    def forward(self, idx: Tensor | Packed, targets: Tensor | None = None, reduction: str = "mean", *,
+                document_ids: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """The mean loss against ``targets`` (-100: no loss), per-example losses (``reduction="none"``),
+        or the logits (no ``targets``). ``document_ids``: packed sequences (module docstring);
+        ``cache``: incremental decoding (the cache advances by ``idx``'s length)."""
+        if isinstance(idx, Packed):
+            idx, document_ids = idx
+        cos, sin, mask = self._positions(idx, document_ids, cache)
         x = self.embed_tokens(idx)
         ckpt = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if ckpt:  # (the blocks draw no random numbers: no RNG state to save and restore)
-                x = checkpoint(layer, x, self.rope_cos, self.rope_sin, use_reentrant=False, preserve_rng_state=False)
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False, preserve_rng_state=False)
             else:
-                x = layer(x, self.rope_cos, self.rope_sin)
+                x = layer(x, cos, sin, mask, None if cache is None else (cache, i))
+        if cache is not None:
+            cache.length += idx.shape[1]
         h = self.norm(x)
         if targets is None:
             return self.lm_head(h)
@@ -323,13 +420,34 @@ class Llama(nn.Module):
         return loss.sum() / (targets != -100).sum().clamp_min(1)
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40, generator=None) -> Tensor:
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
+                 generator=None, *, use_cache: bool = True, stop_ids=()) -> Tensor:
+        """``idx`` followed by up to ``max_new_tokens`` tokens: greedy (``temperature`` 0) or sampled
+        from the softmax at ``temperature`` over the ``top_k`` likeliest (None: all). With
+        ``use_cache`` and room for them all in ``max_seq_len``, each new token is one forward of
+        one position over a :class:`KVCache`; otherwise each step runs the last ``max_seq_len``
+        tokens whole. Stops early once every row has produced one of ``stop_ids``."""
+        cache = None
+        if use_cache and idx.shape[1] + max_new_tokens <= self.cfg.max_seq_len:
+            cache = KVCache(self.cfg.n_layers, idx.shape[1] + max_new_tokens)
+        stop = torch.tensor(list(stop_ids), device=idx.device, dtype=idx.dtype)
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        step_input = idx
         for _ in range(max_new_tokens):
-            ctx = idx[:, -self.cfg.max_seq_len :]
-            logits = self(ctx)[:, -1, :].float() / max(temperature, 1e-5)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            if cache is None:
+                step_input = idx[:, -self.cfg.max_seq_len:]
+            logits = self(step_input, cache=cache)[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat((idx, nxt), dim=1)
+            step_input = nxt
+            done |= torch.isin(nxt[:, 0], stop)
+            if len(stop) and bool(done.all()):
+                break
         return idx

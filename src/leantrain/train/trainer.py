@@ -39,7 +39,7 @@ from leantrain.model import Llama
 from leantrain.optim import Optimizer, make_rule
 from leantrain.runtime.ddp_hooks import counted_allreduce_hook
 from leantrain.technique import Run
-from leantrain.train import rundir, techniques
+from leantrain.train import init_from, rundir, techniques
 from leantrain.train.progress import Progress, plot_losses
 
 
@@ -131,12 +131,26 @@ class Trainer:
         rundir.prepare(self.out, resume=resume, overwrite=overwrite and self.rank == 0)
         self.technique_classes = [] if baseline else techniques.wanted(cfg)
         self._check_combination()
+        # train.init_from: the model section, tokenizer and weights of a pretrained model
+        self.pretrained = init_from.open_source(cfg.train.init_from, log=log0) if cfg.train.init_from else None
+        if self.pretrained is not None:
+            init_from.apply_model(cfg, self.pretrained)
         self.resume_from = self._check_resume() if resume else None  # (before anything is written)
-        self.data = data_mod.load(cfg.data, log=log0)
-        cfg.model.vocab_size = self.data.vocab_size
+        self.data = data_mod.load(cfg.data, log=log0,
+                                  tokenizer=self.pretrained.tokenizer if self.pretrained is not None else None)
+        if self.pretrained is None:
+            cfg.model.vocab_size = self.data.vocab_size
+        else:
+            init_from.check_vocabulary(self.pretrained, self.data.vocab_size)
+        if cfg.train.cuda_graph and getattr(self.data, "packed", False):
+            raise ConfigError("train.cuda_graph captures plain token batches; pass --data.pack false with "
+                              "instruct / chat data")
         self._keep_tokenizer()
         torch.manual_seed(cfg.train.seed)
         self.model = Llama(cfg.model)
+        if self.pretrained is not None and self.resume_from is None:
+            self.model.load_state_dict(self.pretrained.weights())
+            log0(f"weights from {self.pretrained.describe}")
         if cfg.train.weights == "bf16":
             self.model.to(torch.bfloat16)
         self.model.to(self.device)
