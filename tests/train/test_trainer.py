@@ -192,7 +192,7 @@ def test_agoq_replay_can_be_turned_off(corpus, tmp_path):
                                  "agoq.enabled": "true", "agoq.replay": "false"})
     tr = Trainer(cfg, tmp_path / "a")
     tr.fit()
-    pk = agoq.packer_of(tr.model)
+    pk = lt.agoq.packer_of(tr.model)
     assert pk.stats["packed"] > 0 and not pk._plans and "replay:diverged" not in pk.stats
 
 
