@@ -184,6 +184,15 @@ def make_train(d):
     return f"{t['seconds']:.0f} s; validation loss {t['val_loss_before']:.2f} → {t['val_loss_after']:.2f}"
 
 
+def data_rss(d):
+    return f"{d['peak_rss_bytes'] / 2**20:.0f} MiB peak RSS for {d['file_bytes'] / 2**30:.2f} GiB of text"
+
+
+def trainer_vs_base(d):
+    t = d["median_tokens_per_second"]
+    return "; ".join(f"{name} {x(row['this_over_base'], 3)}" for name, row in t.items() if "this_over_base" in row)
+
+
 # ---- the blocks: (what, function, target, file) ---------------------------------------------
 
 F_LAYER = "forge/2026-12-03_H200_layer.json"
@@ -215,6 +224,10 @@ TABLES: dict[str, list[tuple]] = {
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("GRZO / MeZO / AdamW peak vs inference, 1b", zo_peak, "≤ 1.1×", F_ZO),
+        ("streamed tokenization of a 1 GiB text file (BPE trained on a 64 MB sample)", data_rss, "≤ 2 GB",
+         "data/2026-12-04_cpu.json"),
+        ("1b step through the trainer vs the tree before the technique protocol, H200, tokens/s",
+         trainer_vs_base, "no slower", "step/2026-12-04_H200_trainer-vs-base.json"),
     ],
     "timings": [
         ("`make test` (fresh clone, 2-core CPU)", make_test, "", "ci/2026-12-03_cpu_make-timings.json"),
