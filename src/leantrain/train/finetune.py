@@ -41,14 +41,12 @@ from pathlib import Path
 
 import torch
 
-from leantrain.runtime import checkpoint, collectives
-
-from leantrain import data
 from leantrain import config as config_mod
+from leantrain import data
 from leantrain.config import ConfigError
 from leantrain.finetune import tasks
 from leantrain.model import Llama
-from leantrain.runtime import distributed
+from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain.runtime.ledger import count_bytes, tensors_in
 from leantrain.technique import Run
 from leantrain.train import techniques

@@ -21,23 +21,21 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import threading
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain import data as data_mod
 from leantrain.config import Config, ConfigError
-from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 from leantrain.model import Llama
 from leantrain.optim import Optimizer, make_rule
+from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain.runtime.ddp_hooks import counted_allreduce_hook
+from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 from leantrain.technique import Run
 from leantrain.train import init_from, rundir, techniques
 from leantrain.train.progress import Progress, plot_losses
@@ -119,6 +117,52 @@ def rule_from_config(cfg: Config):
     else:
         kw.update(momentum=o.momentum, nesterov=o.nesterov)
     return make_rule(o.name, **kw)
+
+
+class StepRows:
+    """The rows of ``metrics.jsonl``. A step's loss (and grad norm, non-finite count) stay on the
+    device; its row is written once the next step has been issued (``flush`` before ``add``), when
+    they are ready: the host does not wait for each backward, and issues the next step while the
+    GPU runs it. Evaluation and checkpoints flush the pending row first. A non-finite loss (not a
+    skipped step) raises ``stop(step, loss)`` when its row is written."""
+
+    def __init__(self, path, *, append: bool, tokens_per_step: int, progress: Progress, peak, stop):
+        self.file = open(path, "a" if append else "w") if path is not None else None
+        self.tokens_per_step, self.progress, self.peak, self.stop = tokens_per_step, progress, peak, stop
+        self.pending = None  # (step, info, when its train_step returned)
+        self.t_last = time.perf_counter()  # when the last logged step's train_step returned
+        self.losses: list[float] = []
+        self.val_at: dict[int, float] = {}
+
+    def add(self, step: int, info: dict) -> None:
+        self.pending = (step, info, time.perf_counter())
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        (step, info, done), self.pending = self.pending, None
+        info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
+        if not math.isfinite(info["loss"]) and not info.get("skipped"):  # (train.on_nonfinite=stop)
+            # (this model stepped on it, and the next step may be issued: resume from the checkpoint)
+            raise self.stop(step, info["loss"])
+        if not info.get("nonfinite_layers", 1):
+            del info["nonfinite_layers"]
+        self.losses.append(info["loss"])
+        row = {"step": step, "loss": info["loss"], "lr": info.pop("lr"),
+               "tokens_per_second": self.tokens_per_step / max(done - self.t_last, 1e-9)}
+        self.t_last = done
+        row.update({k: v for k, v in info.items() if k not in row})
+        if step in self.val_at:
+            row["val_loss"] = self.val_at.pop(step)
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        self.progress.update(row, self.peak())
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.file:
+            self.file.close()
 
 
 class Trainer:
@@ -243,7 +287,7 @@ class Trainer:
         return [{"params": [p for p in self.model.parameters() if id(p) not in apart]}] + extra
 
     def _build_optimizer(self):
-        c, model = self.cfg, self.model
+        c = self.cfg
         if self.baseline:
             self._wrap_ddp(None)
             o = c.optim
@@ -421,58 +465,26 @@ class Trainer:
         is0 = self.rank == 0
         if is0:
             (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=1))
-        n_params = self.model.num_params()
-        log0(f"model: {n_params / 1e6:.2f} M parameters | preset {c.preset} | device {self.device} x{self.world} | "
+        log0(f"model: {self.model.num_params() / 1e6:.2f} M parameters | preset {c.preset} | device {self.device} x{self.world} | "
              f"recipe {recipe_name(c, self.baseline)}")
         metrics_path = self.out / "metrics.jsonl"
         if is0 and self.step > 0:
             rundir.truncate_metrics(metrics_path, self.step)  # (rows logged after the checkpoint are replayed)
-        mfile = open(metrics_path, "a" if self.step > 0 else "w") if is0 else None
         tokens_per_step = c.data.seq_len * c.data.batch_size * c.data.grad_accum * self.world
-        bar = Progress(t.steps, self.step, t.log_every, enabled=is0 and t.progress)
+        rows = StepRows(metrics_path if is0 else None, append=self.step > 0, tokens_per_step=tokens_per_step,
+                        progress=Progress(t.steps, self.step, t.log_every, enabled=is0 and t.progress),
+                        peak=self._peak, stop=self._stop)
         self.last_memory, val_loss, first_val = None, None, None
-        losses, train_time, run_tokens, start_step = [], 0.0, 0, self.step
+        start_step = self.step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if self.step == 0 and t.eval_every > 0:
             first_val = self.evaluate()
         t_start = time.perf_counter()
         COMM.reset()
-        # A step's loss (and grad norm, non-finite count) stay on the device; its row is written
-        # once the next step has been issued, when they are ready: the host does not wait for
-        # each backward to finish, and issues the next step while the GPU runs it. Evaluation
-        # and checkpoints write the pending row first.
-        pending: list = []  # [step, info, when its train_step returned] of the step not logged yet
-        t_last = time.perf_counter()  # when the last logged step's train_step returned
         t_first = None  # when the warm-up steps were done (the GPU included)
         n_warm = 2 if t.cuda_graph else 1
         paused = paused_all = 0.0  # time in evaluation and checkpoints, not training (after the warm-up; all)
-
-        def log_pending() -> None:
-            nonlocal t_last
-            if not pending:
-                return
-            step, info, done = pending.pop()
-            info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
-            if not math.isfinite(info["loss"]) and not info.get("skipped"):  # (train.on_nonfinite=stop)
-                # (this model stepped on it, and the next step may be issued: resume from the checkpoint)
-                raise self._stop(step, info["loss"])
-            if not info.get("nonfinite_layers", 1):
-                del info["nonfinite_layers"]
-            losses.append(info["loss"])
-            row = {"step": step, "loss": info["loss"], "lr": info.pop("lr"),
-                   "tokens_per_second": tokens_per_step / max(done - t_last, 1e-9)}
-            t_last = done
-            row.update({k: v for k, v in info.items() if k not in row})
-            v = val_at.pop(step, None)
-            if v is not None:
-                row["val_loss"] = v
-            if mfile:
-                mfile.write(json.dumps(row) + "\n")
-                mfile.flush()
-            bar.update(row, self._peak())
-
-        val_at: dict[int, float] = {}
         stop, interrupted, saved_at = StopSignals(), False, None
         check_every = 1 if self.world == 1 or self.device.type == "cpu" else max(t.log_every, 1)
         try:
@@ -480,8 +492,8 @@ class Trainer:
             while self.step < last:
                 info = self.train_step(measure=self.step == start_step)
                 self.step += 1
-                log_pending()  # the last step's row: its values are ready once this step was issued
-                pending.append([self.step, info, time.perf_counter()])
+                rows.flush()  # the last step's row: its values are ready once this step was issued
+                rows.add(self.step, info)
                 if t_first is None and self.step - start_step >= min(n_warm, last - start_step):
                     # warm-up steps are not timed: the first (and with a CUDA graph the second, its capture)
                     self._sync()
@@ -491,8 +503,8 @@ class Trainer:
                 if evaluate or ckpt:
                     p0 = time.perf_counter()
                     if evaluate:
-                        val_loss = val_at[self.step] = self.evaluate()
-                    log_pending()
+                        val_loss = rows.val_at[self.step] = self.evaluate()
+                    rows.flush()
                     if ckpt:
                         self.save_checkpoint()
                         saved_at = self.step
@@ -500,28 +512,27 @@ class Trainer:
                     paused_all += pause
                     if t_first is not None:  # (a pause inside the warm-up is not in the timed span)
                         paused += pause
-                    t_last += pause  # (the next row's rate counts training only)
+                    rows.t_last += pause  # (the next row's rate counts training only)
                 if self.step % check_every == 0 and stop.requested(self.world, self.device):
                     interrupted = True
                     break
-            log_pending()
+            rows.flush()
             if interrupted and saved_at != self.step:
                 self.save_checkpoint()
             self._sync()
-            if t_first is not None:
-                n_timed = self.step - start_step - n_warm
-                if n_timed > 0:
-                    run_tokens = n_timed * tokens_per_step
-                    train_time = time.perf_counter() - t_first - paused
-                else:  # only warm-up steps: timed whole
-                    run_tokens = (self.step - start_step) * tokens_per_step
-                    train_time = time.perf_counter() - t_start - paused_all
+            n_timed = self.step - start_step - n_warm
+            if t_first is None:
+                run_tokens, train_time = 0, 0.0
+            elif n_timed > 0:
+                run_tokens, train_time = n_timed * tokens_per_step, time.perf_counter() - t_first - paused
+            else:  # only warm-up steps: timed whole
+                run_tokens = (self.step - start_step) * tokens_per_step
+                train_time = time.perf_counter() - t_start - paused_all
         finally:
             stop.__exit__()
-            bar.close()
-            if mfile:
-                mfile.close()
-        summary = self._summary(losses, val_loss, first_val, run_tokens / max(train_time, 1e-9), n_params)
+            rows.close()
+        summary = self._summary(rows.losses, val_loss, first_val, run_tokens / max(train_time, 1e-9),
+                                self.model.num_params())
         if is0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
