@@ -54,7 +54,8 @@ class Interrupted(RuntimeError):
 class StopSignals:
     """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT stops it at
     once: the default handler again). Installed in the main thread only; under torchrun every rank
-    gets the signal and the ranks agree on the step (``requested`` all-reduces the flag)."""
+    gets the signal and the ranks agree on the step (``requested`` all-reduces the signal number,
+    so a rank that did not get it stops too, naming the signal one of its peers got)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -79,9 +80,10 @@ class StopSignals:
     def requested(self, world: int, device) -> bool:
         if world == 1:
             return self.signum != 0
-        flag = torch.tensor([float(self.signum != 0)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = torch.tensor([float(self.signum)], device=device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        self.signum = int(signum.item())
+        return self.signum != 0
 
 
 def log0(*args) -> None:
@@ -512,6 +514,7 @@ class Trainer:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
         if interrupted:
+            collectives.barrier()  # (a rank that exits first has torchrun end rank 0 before its summary and plot)
             raise Interrupted(f"stopped by {signal.Signals(stop.signum).name} after step {self.step}: checkpoint, "
                               f"summary and plot written to {self.out}; continue with the same command and --resume")
         return summary
