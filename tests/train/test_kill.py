@@ -5,10 +5,14 @@ once. And no bad input of the run-safety table prints a Python traceback.
 
 What each signal does to a 2-rank job (what the tests assert):
 
-- SIGINT or SIGTERM to one rank: that rank finishes its step; the ranks agree on the stop at the
-  next step (the all-reduce in ``StopSignals.requested``), so the other rank stops at the same
-  step; both write the checkpoint of that step, rank 0 the summary and the plot, and each exits
-  with 130 and the one line saying how to resume. torchrun then reports the job failed (exit 1).
+- SIGINT or SIGTERM to one rank: that rank finishes its step; the all-reduce after each step
+  (``StopSignals.requested``) tells the other rank, so both stop after the same step, both write
+  its checkpoint, rank 0 the summary and the plot, and each exits with 130 and the one line
+  saying how to resume. torchrun then reports the job failed (exit 1, with its own
+  ChildFailedError traceback: torchrun's, not a rank's).
+- SIGINT to torchrun (Ctrl-C in its terminal; the ranks run in sessions of their own, so only
+  torchrun gets it): torchrun sends SIGINT to each rank, which stop as above; torchrun ends with
+  its SignalException (exit 1).
 - SIGKILL to one rank: the other rank's next collective fails (the peer closed its connection),
   torchrun ends the job (exit 1); the steps since the last checkpoint are lost, and a checkpoint
   being written is left as a temporary directory that resume never reads.
@@ -38,6 +42,7 @@ from leantrain.runtime import checkpoint
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 STEPS, CKPT_EVERY = 30, 5
+LAUNCHER = -1  # the signal goes to torchrun itself, as Ctrl-C in its terminal does
 JOB_TIMEOUT = 300  # seconds for one torchrun job on 2 busy cores (each takes ~10 s on a quiet machine)
 
 # the write that is slow while the watcher kills its rank: a script torchrun runs in place of
@@ -97,13 +102,12 @@ def reference(tmp_path_factory, corpus, env) -> dict:
 
 
 class Job:
-    """A torchrun job in the background, its output in a log file; its own session, so that an
-    assertion that fails while it runs can end it and its workers at once."""
+    """A torchrun job in the background, its output in a log file."""
 
     def __init__(self, cmd: list[str], env: dict, log: Path):
         self.log = log
         with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
 
     def wait_for(self, ready, what: str, timeout: float = JOB_TIMEOUT) -> None:
         deadline = time.time() + timeout
@@ -117,13 +121,17 @@ class Job:
 
     def workers(self) -> dict[int, int]:
         """rank -> pid of torchrun's worker processes (from each one's RANK)."""
-        pids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        try:
+            pids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except FileNotFoundError:  # (torchrun has ended)
+            return {}
         ranks = {}
         for pid in map(int, pids):
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next(int(v[5:]) for v in environ if v.startswith(b"RANK="))
-            ranks[rank] = pid
-        assert sorted(ranks) == [0, 1], ranks
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except FileNotFoundError:  # (the worker has ended)
+                continue
+            ranks[next(int(v[5:]) for v in environ if v.startswith(b"RANK="))] = pid
         return ranks
 
     def wait(self) -> int:
@@ -134,8 +142,11 @@ class Job:
             raise AssertionError(f"the job did not end after one rank was signalled:\n{self.text()[-3000:]}") from None
 
     def end(self) -> None:
+        """Kill what is left of the job (torchrun starts each worker in a session of its own)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in self.workers().values():
+                os.kill(pid, signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait()
 
     def text(self) -> str:
@@ -179,15 +190,18 @@ def _resume_and_compare(out: Path, corpus: Path, env: dict, reference: dict, fro
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
-def test_a_signal_to_one_rank_then_resume_is_bit_identical(tmp_path, corpus, env, reference, jobs, sig):
-    rng = random.Random(int(sig))
-    rows, victim = rng.randint(3, STEPS - 8), rng.randrange(2)
+@pytest.mark.parametrize("sig,victim", [(signal.SIGINT, 1), (signal.SIGTERM, 0), (signal.SIGKILL, 1),
+                                        (signal.SIGINT, LAUNCHER)],
+                         ids=["SIGINT-rank1", "SIGTERM-rank0", "SIGKILL-rank1", "SIGINT-torchrun"])
+def test_a_signal_to_one_rank_then_resume_is_bit_identical(tmp_path, corpus, env, reference, jobs, sig, victim):
+    rows = random.Random(int(sig)).randint(3, STEPS - 8)  # (the rows logged when the signal is sent)
     out = tmp_path / "run"
     job = Job(_torchrun("-m", "leantrain", *_train_args(out, corpus)), env, tmp_path / "job.log")
     jobs.append(job)
     job.wait_for(lambda: _rows(out) >= rows, f"{rows} metrics rows")
-    os.kill(job.workers()[victim], sig)
+    workers = job.workers()
+    assert sorted(workers) == [0, 1], workers
+    os.kill(job.proc.pid if victim == LAUNCHER else workers[victim], sig)
     rc = job.wait()
     text = job.text()
     assert rc != 0, text[-3000:]  # (torchrun: a worker that ends with an error or by a signal fails the job)
@@ -200,19 +214,24 @@ def test_a_signal_to_one_rank_then_resume_is_bit_identical(tmp_path, corpus, env
         # both ranks stop at the same step, write its checkpoint, and exit 130 with the one line
         said = f"leantrain: stopped by {sig.name} after step {reached}: checkpoint, summary and plot written to {out}"
         assert text.count(said) == 2, text[-3000:]
-        assert "exitcode: 130" in text and "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text
+        assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text
+        if victim == LAUNCHER:  # (torchrun passes the signal on to each rank, then ends with its own error)
+            assert "Sending process" in text and "closing signal SIGINT" in text, text[-3000:]
+        else:  # (torchrun sees a rank's exit code, and ends the job)
+            assert "exitcode: 130" in text, text[-3000:]
         assert rows <= reached < STEPS and warnings == []
         assert _rows(out) == reached
         summary = json.loads((out / "summary.json").read_text())
         assert summary["steps"] == reached and summary["world_size"] == 2
+        assert (out / "loss.png").exists() or "no loss plot" in text
     _resume_and_compare(out, corpus, env, reference, from_step=reached)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_older_checkpoint(tmp_path, corpus, env, reference, jobs):
-    rng = random.Random(0)
-    slow_step, victim = rng.choice(range(2 * CKPT_EVERY, STEPS, CKPT_EVERY)), rng.randrange(2)
+    slow_step = random.Random(0).choice(range(2 * CKPT_EVERY, STEPS, CKPT_EVERY))
+    victim = 0  # (the rank that writes the model and the manifest)
     script = tmp_path / "slow_write.py"
     script.write_text(SLOW_WRITE)
     out = tmp_path / "run"
@@ -221,7 +240,9 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_older_checkpoint(tmp
     jobs.append(job)
     tmp = out / "checkpoints" / f".tmp_step_{slow_step:07d}"
     job.wait_for(lambda: (tmp / f"state.rank{victim}.safetensors").exists(), f"checkpoint write at step {slow_step}")
-    os.kill(job.workers()[victim], signal.SIGKILL)
+    workers = job.workers()
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[victim], signal.SIGKILL)
     assert job.wait() != 0
     older = slow_step - CKPT_EVERY
     assert tmp.is_dir() and not (out / "checkpoints" / f"step_{slow_step:07d}").exists()

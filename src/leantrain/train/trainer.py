@@ -53,9 +53,9 @@ class Interrupted(RuntimeError):
 
 class StopSignals:
     """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT stops it at
-    once: the default handler again). Installed in the main thread only; under torchrun every rank
-    gets the signal and the ranks agree on the step (``requested`` all-reduces the signal number,
-    so a rank that did not get it stops too, naming the signal one of its peers got)."""
+    once: the default handler again). Installed in the main thread only. Under torchrun the ranks
+    agree on the step: ``requested`` all-reduces the signal number, so a signal to any one rank (or
+    to torchrun, which passes it to every rank) stops every rank after the same step."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -514,7 +514,6 @@ class Trainer:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             plot_losses({recipe_name(c, self.baseline): metrics_path}, self.out / "loss.png")
         if interrupted:
-            collectives.barrier()  # (a rank that exits first has torchrun end rank 0 before its summary and plot)
             raise Interrupted(f"stopped by {signal.Signals(stop.signum).name} after step {self.step}: checkpoint, "
                               f"summary and plot written to {self.out}; continue with the same command and --resume")
         return summary
