@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dist_utils import free_port
-from helpers import TINY_OVERRIDES, tiny_config
 from safetensors.torch import load_file
 
+from dist_utils import free_port
+from helpers import TINY_OVERRIDES, tiny_config
 from leantrain import data as data_mod
 from leantrain.cli import main as cli_main
 from leantrain.runtime import checkpoint
@@ -45,8 +45,8 @@ STEPS, CKPT_EVERY = 30, 5
 LAUNCHER = -1  # the signal goes to torchrun itself, as Ctrl-C in its terminal does
 JOB_TIMEOUT = 300  # seconds for one torchrun job on 2 busy cores (each takes ~10 s on a quiet machine)
 
-# the write that is slow while the watcher kills its rank: a script torchrun runs in place of
-# ``-m leantrain``; the checkpoint of step SLOW_STEP keeps the victim rank in its write
+# a checkpoint write that does not end: a script torchrun runs in place of ``-m leantrain``; in the
+# checkpoint of step SLOW_STEP the VICTIM rank stops after its first file, until the test kills it
 SLOW_WRITE = """
 import os, sys, time
 from pathlib import Path
@@ -59,7 +59,7 @@ write = checkpoint._save_tensors
 def slow_write(tensors, path):
     write(tensors, path)
     if Path(path).parent.name == f".tmp_step_{SLOW_STEP:07d}" and int(os.environ["RANK"]) == VICTIM:
-        time.sleep(600)  # (the watcher kills this rank here)
+        time.sleep(600)
 
 checkpoint._save_tensors = slow_write
 sys.exit(main())
