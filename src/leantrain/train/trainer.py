@@ -51,8 +51,9 @@ class Interrupted(RuntimeError):
 
 class StopSignals:
     """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT stops it at
-    once: the default handler again). Installed in the main thread only; under torchrun every rank
-    gets the signal and the ranks agree on the step (``requested`` all-reduces the flag)."""
+    once: the default handler again). Installed in the main thread only. Under torchrun the ranks
+    agree on the step: ``requested`` all-reduces the signal number, so a signal to any one rank (or
+    to torchrun, which passes it to every rank) stops every rank after the same step."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -77,9 +78,10 @@ class StopSignals:
     def requested(self, world: int, device) -> bool:
         if world == 1:
             return self.signum != 0
-        flag = torch.tensor([float(self.signum != 0)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = torch.tensor([float(self.signum)], device=device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        self.signum = int(signum.item())
+        return self.signum != 0
 
 
 def log0(*args) -> None:
