@@ -315,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"leantrain: error: {e}", file=sys.stderr)
             return 3
         if isinstance(e, Interrupted):
-            print(f"leantrain: {e}", file=sys.stderr)
+            from leantrain.runtime import collectives
+
+            if collectives.rank() == 0:  # (every rank stops; one says so)
+                print(f"leantrain: {e}", file=sys.stderr)
             return 130
         raise
 

@@ -76,7 +76,7 @@ class TokenWriter:
         self.dtype = token_dtype(tokenizer.vocab_size)
         eot = tokenizer.eot_id
         self.separator = np.array([] if eot is None else [eot], dtype=self.dtype)
-        self.tmp = self.path.with_suffix(".tmp")
+        self.tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # (ranks tokenizing at once: one file each)
         self.file = open(self.tmp, "wb")
         self.pending: list[tuple[str, bool]] = []
         self.pending_chars = 0

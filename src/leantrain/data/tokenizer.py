@@ -61,7 +61,7 @@ class Tokenizer:
 
     def save(self, path: Path) -> None:
         """Write the tokenizer to ``path`` atomically (a temporary file, then a rename)."""
-        tmp = Path(path).with_suffix(".tmp")
+        tmp = Path(path).with_suffix(f".{os.getpid()}.tmp")  # (several ranks may save at once)
         self._tok.save(str(tmp))
         os.replace(tmp, path)
 
