@@ -16,7 +16,8 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
            grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None,
            ws_tokens: int | None = WS_TOKENS, fast_math: bool = False, kernel: KernelChoice = "auto",
            rest_buckets: bool = True) -> ForgeOptimizer:
-    """Fuse the optimizer step into the backward of every linear layer of ``model``.
+    """Fuse the optimizer step into the backward of every linear layer of ``model``. (About 90
+    lines, most of them this docstring: every keyword is documented here.)
 
     Args:
         model: any ``nn.Module``; every ``nn.Linear`` with an unshared, trainable weight is fused.

@@ -75,6 +75,9 @@ class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Opti
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
                  allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None, ws_tokens=WS_TOKENS,
                  fast_math=False, kernel="auto", rest_buckets=True):
+        """Check the arguments, find the linear layers to fuse and the rest, make the state storage,
+        per-layer bookkeeping and launch caches, and patch the layers. One function (about 95
+        lines): each step sets attributes the next reads, and most of its length is the checks."""
         if not isinstance(rule, Rule):
             raise TypeError(f"rule must be a leantrain.optim rule (e.g. lt.optim.AdamW(...)), got {type(rule).__name__}")
         _check_clip(clip, clip_value)

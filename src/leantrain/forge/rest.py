@@ -25,6 +25,11 @@ class RestMixin:
 
     @torch.no_grad()
     def step(self, closure=None):
+        """The optimizer step after backward: runs ``closure``, joins the side stream, steps every
+        parameter the backward did not (non-linear parameters, weights used outside their layer's
+        forward) from its reduced gradient with the non-finite gate and the clip, and records the
+        layers' sums of squares for the clip. One function (about 120 lines): its parts share the
+        step's gradients, gates and sums in this order."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

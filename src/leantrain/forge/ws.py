@@ -250,6 +250,9 @@ if HAVE_GLUON:
                    SUB: gl.constexpr, STATE_TMA: gl.constexpr, SSTAGES: gl.constexpr,
                    GROUP_M: gl.constexpr, APPROX: gl.constexpr, TR, tr_j, TRACE: gl.constexpr,
                    num_warps: gl.constexpr):
+        # The update partition: for each tile, wait for its dW in shared memory, load W and the
+        # states, apply the rule, store them. One function (about 90 lines): a Gluon partition is
+        # one callable by construction (gl.warp_specialize takes one per partition).
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)

@@ -280,7 +280,9 @@ if HAS_TRITON:
                      HAS_SCALE: tl.constexpr, HAS_DYN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
                      LOADED: tl.constexpr, ROWS: tl.constexpr, APPROX: tl.constexpr):
-        """The epilogue of one tile: ``acc`` (its gradient, fp32) and ``accb`` (the bias rows')
+        """(One function of about 85 lines: a Triton device function whose values stay in registers
+        across its phases; split, each part would take and return most of its arguments.)
+        The epilogue of one tile: ``acc`` (its gradient, fp32) and ``accb`` (the bias rows')
         scaled and gated, W and the state read (unless ``LOADED``: ``w, s1, s2`` and, with
         ``HAS_DYN``, the scalars and ``gate`` were read by the caller), the rule applied, W and
         the state stored where ``ok`` (the tile's sum of squares is finite) and the gates allow."""

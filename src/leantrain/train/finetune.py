@@ -49,7 +49,7 @@ from leantrain.model import Llama
 from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain.runtime.ledger import count_bytes, tensors_in
 from leantrain.technique import Run
-from leantrain.train import techniques
+from leantrain.train import rundir, techniques
 
 METHODS = ("mezo", "grzo", "chunkft", "full")
 DEFAULT_LR = {"mezo": 3e-4, "grzo": 1e-5, "chunkft": 1e-4, "full": 1e-4}  # (tiny preset, compare task: finetune/README.md)
@@ -108,11 +108,57 @@ def _step(tech, opt, model, b: tasks.Batch, params: list) -> tuple[float, int]:
     return float(lv.detach()), held
 
 
+_FLAGS = {"method": "--method", "task": "--task", "seed": "--train.seed", "batch_size": "--data.batch-size",
+          "world_size": "torchrun --nproc-per-node", "num_chunks": "--finetune.num-chunks",
+          "interval": "--finetune.interval"}
+
+
+def _resume_state(out_dir: Path, rank: int, dev, mine: dict, log) -> tuple[Path, dict, dict]:
+    """(the newest intact checkpoint, this rank's state in it, the run's ``finetune`` meta), after
+    checking that the checkpoint was made with the run options ``mine``: a difference is refused
+    with one sentence naming each field and the flag that matches, before anything is written."""
+    ckpt, warnings = checkpoint.latest_intact(out_dir)
+    for w in warnings:
+        log(f"warning: {w}")
+    if ckpt is None:
+        raise ConfigError(f"--resume: no checkpoint in {out_dir / 'checkpoints'} (the run saves one every "
+                          "--train.ckpt-every steps and at its end)")
+    try:
+        rank_state, meta = checkpoint.load_rank_state(ckpt, rank=rank, device=dev)  # (load_model reads the weights)
+    except FileNotFoundError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    ft = meta.get("finetune", {})
+    differ = [k for k in mine if k in ft and ft[k] != mine[k]]
+    if differ:
+        raise ConfigError(f"--resume: the checkpoint {ckpt} was made with "
+                          + ", ".join(f"{k} {ft[k]} (this run: {mine[k]}; pass {_FLAGS[k]} {ft[k]})" for k in differ)
+                          + "; nothing was changed")
+    return ckpt, rank_state, ft
+
+
+def _inference_peak(model, batches, dev) -> int:
+    """The allocator's peak of plain inference forwards of ``batches`` (CUDA), before the method
+    holds anything; the peak statistics are reset after."""
+    peak = 0
+    for b in batches:
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.no_grad():
+            tasks.losses(model, b)
+        peak = max(peak, torch.cuda.max_memory_allocated(dev))
+    torch.cuda.reset_peak_memory_stats(dev)
+    return peak
+
+
 def finetune(*, method: str, task: str, out: str, source: str | None = None, preset: str = "tiny",
              steps: int = 300, lr: float | None = None, eps: float = 1e-3, weight_decay: float = 0.0,
              batch_size: int = 16, eval_examples: int = 512, seed: int = 0, log_every: int = 10,
              device: str | None = None, overrides: dict | None = None, num_chunks: int = 4, interval: int = 1,
              ckpt_every: int = 0, resume: bool = False, log=print) -> dict:
+    """One fine-tuning run, top to bottom: checks, the resume state, the model and tokenizer, the
+    evaluation before, the method (a registered technique, or AdamW), the steps, the evaluation
+    after, the checkpoint and ``summary.json``. It stays one function (about 125 lines) because
+    those phases share a dozen local values (the batches, the method, the timings) that helpers
+    would only pass around."""
     if method not in METHODS:
         raise ConfigError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if task not in tasks.TASKS:
@@ -129,29 +175,10 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     out_dir = Path(out)
     resumed = None  # (this rank's optimizer state and step, the run's first evaluation and origin)
     if resume:
-        ckpt, warnings = checkpoint.latest_intact(out_dir)
-        for w in warnings:
-            log(f"warning: {w}")
-        if ckpt is None:
-            raise ConfigError(f"--resume: no checkpoint in {out_dir / 'checkpoints'} (the run saves one every "
-                              "--ckpt-every steps and at its end)")
-        try:
-            rank_state, meta = checkpoint.load_rank_state(ckpt, rank=rank, device=dev)  # (load_model reads the weights)
-        except FileNotFoundError as e:
-            raise ConfigError(f"--resume: {e}") from None
-        ft = meta.get("finetune", {})
-        mine = {"method": method, "task": task, "seed": seed, "batch_size": batch_size, "world_size": world,
-                "num_chunks": num_chunks, "interval": interval}
-        if method != "chunkft":
-            del mine["num_chunks"], mine["interval"]
-        differ = [k for k in mine if k in ft and ft[k] != mine[k]]
-        if differ:
-            flags = {"method": "--method", "task": "--task", "seed": "--train.seed", "batch_size": "--data.batch-size",
-                     "world_size": "torchrun --nproc-per-node", "num_chunks": "--finetune.num-chunks",
-                     "interval": "--finetune.interval"}
-            raise ConfigError(f"--resume: the checkpoint {ckpt} was made with "
-                              + ", ".join(f"{k} {ft[k]} (this run: {mine[k]}; pass {flags[k]} {ft[k]})" for k in differ)
-                              + "; nothing was changed")
+        mine = {"method": method, "task": task, "seed": seed, "batch_size": batch_size, "world_size": world}
+        if method == "chunkft":
+            mine.update(num_chunks=num_chunks, interval=interval)
+        ckpt, rank_state, ft = _resume_state(out_dir, rank, dev, mine, log)
         resumed = (rank_state, ft)
         source, overrides = str(ckpt), None  # (its weights, config and the run's tokenizer.json)
     cfg, model, origin, tok_path = load_model(source, preset, dev, overrides)
@@ -190,15 +217,7 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
         return tasks.encode(trainset[first:first + batch_size], tok, pad).to(dev)
 
     cuda = dev.type == "cuda"
-    infer_peak = 0
-    if cuda:  # the inference peak: forwards of the same batches, before the method holds anything
-        for i in range(min(steps, 4)):
-            b = batch_of(i + 1)
-            torch.cuda.reset_peak_memory_stats(dev)
-            with torch.no_grad():
-                tasks.losses(model, b)
-            infer_peak = max(infer_peak, torch.cuda.max_memory_allocated(dev))
-        torch.cuda.reset_peak_memory_stats(dev)
+    infer_peak = _inference_peak(model, (batch_of(i + 1) for i in range(min(steps, 4))), dev) if cuda else 0
     params = [p for p in model.parameters() if p.requires_grad]
     t_setup = time.perf_counter()
     cfg.finetune.method, cfg.finetune.eps = method, eps
@@ -227,9 +246,8 @@ def finetune(*, method: str, task: str, out: str, source: str | None = None, pre
     weights = count_bytes(model.parameters())
     extra, t0, times = 0, time.perf_counter(), []
     metrics = out_dir / "metrics.jsonl"
-    if resumed is not None and rank == 0 and metrics.exists():  # drop lines past the checkpoint (logged, then lost)
-        kept = [x for x in metrics.read_text().splitlines() if x and json.loads(x)["step"] <= start]
-        metrics.write_text("".join(x + "\n" for x in kept))
+    if resumed is not None and rank == 0:  # drop lines past the checkpoint (logged, then lost)
+        rundir.truncate_metrics(metrics, start)
     with open(metrics, "a" if resumed is not None else "w") if rank == 0 else open(os.devnull, "w") as mf:
         for step in range(start + 1, steps + 1):
             t = time.perf_counter()
