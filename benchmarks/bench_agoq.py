@@ -49,8 +49,8 @@ def _child(args) -> dict:
 
     from leantrain.agoq import Policy, apply, packer_of, quantize_activations
     from leantrain.config import preset
-    from leantrain.runtime.ledger import SavedActivationMeter
     from leantrain.model import Llama
+    from leantrain.runtime.ledger import SavedActivationMeter
 
     cuda = args.device == "cuda"
     dev = torch.device("cuda" if cuda else "cpu")

@@ -187,7 +187,8 @@ def _layer_case(n: int, k: int, t: int, bw: float, quick: bool, product: bool = 
     from triton.testing import do_bench
 
     from leantrain.forge import detach, ws
-    from leantrain.forge.launch import MODE_FUSED, MODE_UPDATE, RULE_IDS, scalars as _scalars, launch_forge
+    from leantrain.forge.launch import MODE_FUSED, MODE_UPDATE, RULE_IDS, launch_forge
+    from leantrain.forge.launch import scalars as _scalars
     from leantrain.ops._backend import mm_fp32
 
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

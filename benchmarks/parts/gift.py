@@ -50,8 +50,8 @@ def worker(args) -> int:
     """One trainer run (under torch.distributed.run); with ``--errors``, GIFT's errors every ``--every`` steps."""
     import torch
 
-    from leantrain.runtime import collectives as Cc
     from leantrain import config as C
+    from leantrain.runtime import collectives as Cc
     from leantrain.runtime.ledger import COMM
     from leantrain.train.trainer import Trainer
 

@@ -121,7 +121,6 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=3, help="forge --mode fused: num_stages")
     a = ap.parse_args(argv)
     if a.kernel == "ws":  # FORGE's warp-specialized kernel (Gluon, fp32 W / m / v, AdamW, WS_CONFIG), whole
-        from leantrain.forge import ws
 
         sass, res = disassemble(forge_probes.compile_sm90(0, config={"APPROX": a.approx}))
         c = counts(sass)

@@ -182,7 +182,7 @@ def cmd_export(args, rest) -> int:
     from leantrain.runtime import checkpoint
 
     src = Path(args.source)
-    ckpt = src if (src / "meta.json").exists() else checkpoint.latest_intact(src)[0]
+    ckpt = checkpoint.resolve(src)
     if ckpt is None:
         raise ConfigError(f"{src}: neither a checkpoint directory nor a run directory with checkpoints")
     state, meta = checkpoint.load_model_state(ckpt)

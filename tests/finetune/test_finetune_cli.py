@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import tiny_config
-from leantrain.runtime import checkpoint
 from leantrain.cli import main as cli_main
 from leantrain.finetune import tasks
+from leantrain.runtime import checkpoint
 from leantrain.train.trainer import Trainer
 
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from dist_utils import run_distributed
 from leantrain import config as C
 from leantrain.finetune import GRZO, MeZO
-from leantrain.runtime.ledger import CommLedger
 from leantrain.model import Llama
+from leantrain.runtime.ledger import CommLedger
 
 pytestmark = pytest.mark.distributed
 

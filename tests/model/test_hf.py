@@ -226,7 +226,6 @@ def test_export_command_writes_a_model_transformers_loads(corpus, tmp_path):
     """`leantrain export RUN OUT`: the run's newest checkpoint as an HF directory, no missing or
     unexpected keys, the same logits as the run's model."""
     from helpers import tiny_config
-
     from leantrain.cli import main as cli_main
     from leantrain.train import Trainer
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import leantrain as lt
 from leantrain.config import ModelConfig
-from leantrain.model.losses import linear_cross_entropy, slice_cols
 from leantrain.model import Llama
+from leantrain.model.losses import linear_cross_entropy, slice_cols
 from leantrain.ops._backend import interpreting
 
 

@@ -21,7 +21,7 @@ def _model(**options) -> Llama:
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CFG, **options)).eval()
     with torch.no_grad():  # (norm weights away from 1, so that every parameter matters)
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model

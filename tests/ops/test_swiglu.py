@@ -86,8 +86,8 @@ def test_bad_input():
 def test_model_with_fused_swiglu(fused_proj):
     """model.fused_swiglu: the loss and gradients of the op-by-op MLP (fp32), fewer saved bytes."""
     from leantrain.config import ModelConfig
-    from leantrain.runtime.ledger import SavedActivationMeter
     from leantrain.model import Llama
+    from leantrain.runtime.ledger import SavedActivationMeter
 
     base = dict(vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
                 fused_proj=fused_proj)

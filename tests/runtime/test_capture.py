@@ -9,8 +9,8 @@ import torch
 from helpers import tiny_config
 from leantrain.agoq import Policy, apply
 from leantrain.config import ConfigError, preset
-from leantrain.runtime.capture import GraphedStep
 from leantrain.model import Llama
+from leantrain.runtime.capture import GraphedStep
 from leantrain.train.trainer import Trainer
 
 

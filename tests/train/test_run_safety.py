@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_OVERRIDES, tiny_config
 
+from helpers import TINY_OVERRIDES, tiny_config
 from leantrain.cli import main as cli_main
 from leantrain.runtime import checkpoint
 from leantrain.train.trainer import NonFiniteLoss, Trainer

@@ -6,8 +6,8 @@ import torch
 
 import leantrain as lt
 from helpers import tiny_config
-from leantrain.runtime import checkpoint
 from leantrain.cli import main as cli_main
+from leantrain.runtime import checkpoint
 from leantrain.train.trainer import NonFiniteLoss, Trainer, lr_lambda, rule_from_config
 
 

@@ -50,8 +50,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from leantrain.runtime import collectives
 from leantrain.ops.rng import step_seed
+from leantrain.runtime import collectives
 
 NOISE_MIN, NOISE_MAX, NOISE_SHARE = 1 << 16, 1 << 22, 256
 

@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.runtime import collectives as C
 from leantrain.comm._kernels import mix_seed
 from leantrain.comm.sdp4bit import NoCompression
 from leantrain.comm.topology import get_topology
 from leantrain.optim.rules import Rule
 from leantrain.parallel.buckets import Bucket, build_buckets
 from leantrain.parallel.checkpoint import CheckpointMixin
+from leantrain.runtime import collectives as C
 
 
 class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):

@@ -223,6 +223,18 @@ def latest_intact(out_dir: str | Path, *, checksums: bool = True) -> tuple[Path 
     return None, warnings
 
 
+def resolve(source: str | Path, log=print) -> Path | None:
+    """A checkpoint directory as given, or the newest intact checkpoint of a run directory (each
+    damaged one skipped is logged); None when ``source`` is neither."""
+    path = Path(source)
+    if (path / "meta.json").exists():
+        return path
+    ckpt, warnings = latest_intact(path)
+    for w in warnings:
+        log(f"warning: {w}")
+    return ckpt
+
+
 # ---------------------------------------------------------------- save
 
 

@@ -65,15 +65,9 @@ def load_model(source: str | None, preset: str, device, overrides: dict | None =
         return cfg, None, f"random weights of the {preset} preset", None
     if overrides:
         raise ConfigError("finetune: config overrides apply to --preset only; a checkpoint brings its own config")
-    path = Path(source)
-    if (path / "meta.json").exists():
-        ckpt = path
-    else:
-        ckpt, warnings = checkpoint.latest_intact(path)
-        for w in warnings:
-            print(f"warning: {w}")
-        if ckpt is None:
-            raise ConfigError(f"--from {source}: neither a checkpoint directory nor a run directory with checkpoints")
+    ckpt = checkpoint.resolve(source)
+    if ckpt is None:
+        raise ConfigError(f"--from {source}: neither a checkpoint directory nor a run directory with checkpoints")
     model_state, meta = checkpoint.load_model_state(ckpt)
     if "config" not in meta:
         raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")

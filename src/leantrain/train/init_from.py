@@ -78,15 +78,10 @@ def open_source(source: str | Path, log=print) -> Pretrained:
     if is_hf_dir(path):
         hf = json.loads((path / "config.json").read_text())
         return Pretrained(config_from_hf(hf, where=str(path / "config.json")), load_tokenizer(path), path)
-    if (path / "meta.json").exists():
-        ckpt = path
-    else:
-        ckpt, warnings = checkpoint.latest_intact(path)
-        for w in warnings:
-            log(f"warning: {w}")
-        if ckpt is None:
-            raise ConfigError(f"--from {source}: neither a Hugging Face model directory (config.json with a "
-                              "model_type) nor a leantrain run or checkpoint directory")
+    ckpt = checkpoint.resolve(path, log)
+    if ckpt is None:
+        raise ConfigError(f"--from {source}: neither a Hugging Face model directory (config.json with a "
+                          "model_type) nor a leantrain run or checkpoint directory")
     meta = checkpoint.read_meta(ckpt)
     if "config" not in meta:
         raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")
