@@ -194,9 +194,10 @@ def _wire(marks: dict, end: list[dict], steps: int) -> dict:
     if a is not None and b is not None and steps - 2 > 0:
         n, window = steps - 2, "steps 3..last"
     else:
-        a, b, n, window = [{"tx_bytes": 0, "rx_bytes": 0}] * len(end), end, steps, "whole run"
+        a, b, n, window = [dict.fromkeys(end[0], 0)] * len(end), end, steps, "whole run"
     return {"wire_tx_bytes_per_step": [(y["tx_bytes"] - x["tx_bytes"]) / n for x, y in zip(a, b)],
             "wire_rx_bytes_per_step": [(y["rx_bytes"] - x["rx_bytes"]) / n for x, y in zip(a, b)],
+            "loopback_bytes_per_step": [(y["lo_bytes"] - x["lo_bytes"]) / n for x, y in zip(a, b)],
             "wire_window": window}
 
 

@@ -13,7 +13,8 @@ namespace owns that address, so the kernel delivers it locally without touching 
 Shaping: a token-bucket filter (``tc qdisc ... tbf``) at ``rate`` on both ends of each veth, so
 a node sends and receives at ``rate`` (a full-duplex NIC). ``delay`` needs ``netem``, which some
 kernels lack; :class:`ClusterError` says so. Counters are read from the host-side veth
-(``/sys/class/net/ltch<i>/statistics``): what it receives the node sent.
+(``/sys/class/net/ltch<i>/statistics``): what it receives the node sent; the namespace's
+loopback counters show the intra-node traffic.
 
 Everything this module creates carries the ``ltc`` / ``ltbr`` prefixes; :func:`teardown` removes
 all of it (and is run first, so a set-up left by a crashed run is cleared).
@@ -21,6 +22,7 @@ all of it (and is run first, so a set-up left by a crashed run is cleared).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -151,10 +153,13 @@ class Cluster:
                                 start_new_session=True, **kw)
 
     def counters(self) -> list[dict]:
-        """Per node: ``tx_bytes`` (sent by the node) and ``rx_bytes`` (received), cumulative."""
+        """Per node, cumulative: ``tx_bytes`` / ``rx_bytes`` the node sent / received on its link, and
+        ``lo_bytes`` its ranks sent one another over the namespace's loopback."""
         out = []
         for i in range(self.nodes):
             d = Path(f"/sys/class/net/{HOST_VETH.format(i)}/statistics")
+            lo = json.loads(_ip("-n", NS.format(i), "-j", "-s", "link", "show", "lo").stdout)[0]["stats64"]
             # the host end's rx is the node's tx
-            out.append({"tx_bytes": int((d / "rx_bytes").read_text()), "rx_bytes": int((d / "tx_bytes").read_text())})
+            out.append({"tx_bytes": int((d / "rx_bytes").read_text()), "rx_bytes": int((d / "tx_bytes").read_text()),
+                        "lo_bytes": int(lo["tx"]["bytes"])})
         return out
