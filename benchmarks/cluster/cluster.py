@@ -92,7 +92,8 @@ def _rows(path: Path) -> int:
 
 
 def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_per_node: int,
-           rate: str | None, cluster: Cluster | None, workdir: Path, timeout: float = 900.0) -> dict:
+           rate: str | None, cluster: Cluster | None, workdir: Path, timeout: float = 900.0,
+           nice: int = 0) -> dict:
     """One training run across the nodes; returns its point (see the module docstring)."""
     out = workdir / "run"
     args = train_args(recipe, steps, user_args)
@@ -106,7 +107,7 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
     t0 = time.time()
     try:
         for node in range(nodes if cluster else 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes if cluster else 1),
+            cmd = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes if cluster else 1),
                    "--node-rank", str(node), "--nproc-per-node", str(ranks_per_node),
                    "--master-addr", master, "--master-port", str(port),
                    "-m", "leantrain", "train", "--out", str(out), *args]
@@ -218,12 +219,12 @@ def cmd_run(a, user: list[str]) -> int:
     try:
         if a.local:
             point = launch(recipe=a.recipe, steps=a.steps, user_args=user, nodes=1, ranks_per_node=a.ranks_per_node,
-                           rate=None, cluster=None, workdir=workdir, timeout=a.timeout)
+                           rate=None, cluster=None, workdir=workdir, timeout=a.timeout, nice=a.nice)
         else:
             with Cluster(a.nodes, a.rate, a.delay) as c:
                 point = launch(recipe=a.recipe, steps=a.steps, user_args=user, nodes=a.nodes,
                                ranks_per_node=a.ranks_per_node, rate=a.rate, cluster=c, workdir=workdir,
-                               timeout=a.timeout)
+                               timeout=a.timeout, nice=a.nice)
     except ClusterError as e:
         return _refuse(e)
     point["command"] = shlex.join([sys.executable, *sys.argv])
@@ -249,11 +250,13 @@ def cmd_sweep(a, user: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{datetime.date.today().isoformat()}_{a.hardware}.json"
     train = [*SWEEP_TRAIN, *user]
-    doc = {"command": shlex.join(["python", *sys.argv]), "environment": environment(),
+    doc = {"command": shlex.join(["python", *sys.argv]), "environment": environment(), "nice": a.nice,
            "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "steps": a.steps, "train_args": train,
            "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}
-    if path.exists() and a.resume:
-        doc["points"] = json.loads(path.read_text())["points"]
+    if path.exists() and a.resume:  # today's points kept; this command's points added to them
+        old = json.loads(path.read_text())
+        doc = {**old, "commands": [*old.get("commands", [old["command"]]), doc["command"]],
+               "recipes": {**old["recipes"], **doc["recipes"]}}
     done = {(p["recipe"], p["rate"]) for p in doc["points"]}
     t0 = time.time()
     try:
@@ -266,7 +269,7 @@ def cmd_sweep(a, user: list[str]) -> int:
                     workdir = Path(tempfile.mkdtemp(prefix="ltcluster-"))
                     p = launch(recipe=r, steps=a.steps, user_args=train, nodes=a.nodes,
                                ranks_per_node=a.ranks_per_node, rate=None if rate == "unshaped" else rate,
-                               cluster=c, workdir=workdir, timeout=a.timeout)
+                               cluster=c, workdir=workdir, timeout=a.timeout, nice=a.nice)
                     doc["points"].append(p)
                     path.write_text(json.dumps(doc, indent=1))
                     print(f"[{time.time() - t0:6.0f} s] {rate:>9} {r:<16} step {p['step_time_s']:.3f} s  "
@@ -311,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ranks-per-node", type=int, default=2)
         p.add_argument("--steps", type=int, default=SWEEP_STEPS, help="steps a run (the first is not timed)")
         p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
+        p.add_argument("--nice", type=int, default=-10 if name == "sweep" else 0,
+                       help="the ranks' niceness (negative: ahead of other work on the host, for steadier timings)")
     run = sub.choices["run"]
     run.add_argument("--recipe", default="ddp-fp32", help=f"one of {sorted(RECIPES)}")
     run.add_argument("--rate", default=None, help="link rate, e.g. 100mbit, 1gbit (default: unshaped)")
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("json")
     p = sub.add_parser("project")
     p.add_argument("json")
-    p.add_argument("--holdout", default="300mbit", help="the rate whose points are predicted, not fitted")
+    p.add_argument("--holdout", default="300mbit", help="the rates (comma list) whose points are predicted, not fitted")
     p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)

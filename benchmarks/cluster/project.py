@@ -9,7 +9,7 @@ dense first step is outside it). The held-out points are predicted and compared.
 Projection: a step on H200s = compute (the 1b preset's measured step, scaled by parameters for
 other sizes) + the technique's kernels (measured on an H200 where a committed file has it) +
 communication from :func:`leantrain.comm.cost.estimate_time` at the paper's link rates, with the
-bytes per parameter measured here (the steady-state share from the wire) rescaled from this
+ledger's bytes per parameter measured here (steady state) rescaled from this
 cluster's layout to the target's (ring: (N-1)/N; intra-node: (g-1)/g; the hierarchical inter-node
 stage: (M-1)/M / g) and divided by the efficiency fitted here. Every input's source is written
 next to it in the output.
@@ -52,8 +52,9 @@ def rows_of(doc: dict) -> list[dict]:
 
 def fit_and_check(doc: dict, holdout: str) -> dict:
     rows = rows_of(doc)
-    train = [r for r in rows if r["rate"] != holdout]
-    test = [r for r in rows if r["rate"] == holdout]
+    held = holdout.split(",")
+    train = [r for r in rows if r["rate"] not in held]
+    test = [r for r in rows if r["rate"] in held]
     m = fit_step_model(train)
     ref = doc["reference"]
 
@@ -108,13 +109,18 @@ def h200_inputs() -> dict:
 
 
 def steady_bytes_per_param(doc: dict, recipe: str) -> dict:
-    """Per-rank bytes a step per parameter by scope, the cross-node scopes scaled to the steady
-    state the wire saw (wire bytes / the ledger's cross-node prediction, per recipe)."""
-    p = next(q for q in doc["points"] if q["recipe"] == recipe and q["rate"] != "unshaped")
+    """Per-rank bytes a step per parameter by scope, from the ledger (the bus-bandwidth convention
+    of a real reduce-scatter / all-gather, not gloo's: see the sweep's wire/ledger column), in the
+    steady state: SCAPE's first ``dist.scape_dense_steps`` steps send what its dense reference
+    sends, and are taken out of the ledger's average over the run."""
+    p = next(q for q in doc["points"] if q["recipe"] == recipe)
     s = dict(p["ledger_by_scope_per_step"])
-    link = s.get("world", 0.0) + doc["ranks_per_node"] * s.get("inter", 0.0)
-    f = max(p["wire_tx_bytes_per_step"]) / link if link else 1.0
-    return {k: v * (f if k != "intra" else 1.0) / p["parameters"] for k, v in s.items()} | {"_wire_factor": f}
+    if "scape" in " ".join(doc["recipes"][recipe]):
+        dense = preset("small").dist.scape_dense_steps
+        ref = next(q for q in doc["points"] if q["recipe"] == doc["reference"][recipe])["ledger_by_scope_per_step"]
+        n = p["steps"]
+        s = {k: max(0.0, (v * n - dense * ref.get(k, 0.0)) / (n - dense)) for k, v in s.items()}
+    return {k: v / p["parameters"] for k, v in s.items()}
 
 
 def rescale(bpp: dict, params: float, src: tuple[int, int], dst: tuple[int, int]) -> dict:
@@ -174,8 +180,8 @@ def write_projection(json_path: Path, holdout: str = "300mbit") -> list[Path]:
         "other sizes scaled by parameter count; the same for every recipe (the optimizer step's differences ignored)",
         "kernels: " + "; ".join(f"{r} {h200['kernels_s'][r] * 1e3:.1f} ms ({h200['kernels_source'][r]})"
                                 for r in h200["kernels_s"]),
-        f"communication: bytes per parameter and scope from this sweep's ledger (fp32 weights and gradients), "
-        f"cross-node scopes scaled to the steady state the wire measured, rescaled to the target layout "
+        f"communication: bytes per parameter and scope from this sweep's ledger (fp32 weights and gradients; "
+        f"SCAPE's dense first step taken out), rescaled to the target layout "
         f"(ring (N-1)/N, intra (g-1)/g, inter (M-1)/M/g), times the parameters; time by "
         f"leantrain.comm.cost.estimate_time at {INTRA_GBPS:g} GB/s intra-node (its NVLink default) and the paper's "
         f"inter-node rate per GPU, divided by the efficiency fitted here ({m.efficiency:.3f} of the nominal rate)",
@@ -184,7 +190,8 @@ def write_projection(json_path: Path, holdout: str = "300mbit") -> list[Path]:
         "speedup_vs_bf16_ref: the uncompressed reference sending bf16 (half its measured fp32 bytes), as the papers' "
         "baselines do",
     ]
-    doc_out = {"source": str(Path(json_path).relative_to(ROOT)) if Path(json_path).is_absolute() else str(json_path),
+    src = Path(json_path).resolve()
+    doc_out = {"source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
                "command": f"python benchmarks/cluster/cluster.py project {json_path} --holdout {holdout}",
                "fit": {"compute_s": m.compute_s, "efficiency": m.efficiency, "alpha_s": m.alpha_s,
                        "alpha_fitted": m.alpha_fitted, "kernel_overhead_s": fc["kernel_overhead_s"],

@@ -50,9 +50,10 @@ def table(doc: dict) -> str:
         "",
         f"{doc['nodes']} nodes x {doc['ranks_per_node']} ranks (gloo; one network namespace a node, links shaped by "
         f"tbf, ranks of a node on its loopback), {env['cpus']} CPU cores, torch {env['torch']}, kernel "
-        f"{env['kernel']}. Model: `{' '.join(doc['train_args'])}`, {doc['steps']} steps, the first not timed.",
+        f"{env['kernel']}. Model: `{' '.join(doc['train_args'])}`, {doc['steps']} steps (unless a row says "
+        "otherwise), the first not timed.",
         "",
-        f"Command: `{doc['command']}`",
+        "Commands: " + ", ".join(f"`{c}`" for c in doc.get("commands", [doc["command"]])),
         "",
         "step: median step time of the timed steps. ledger: bytes one rank sends a step (rank 0's "
         "communication ledger, all steps). wire: bytes the busiest node's veth sent a step (steps 3..last, "
@@ -70,10 +71,11 @@ def table(doc: dict) -> str:
                 continue
             ratio = p["wire_max"] / p["ledger_bytes_per_step"] if p["wire_max"] and p["ledger_bytes_per_step"] else None
             sp = _fmt(p["speedup"], ".2f")
+            steps_note = f" ({p['steps']} steps)" if p["steps"] != doc["steps"] else ""
             if p["speedup"] is not None and doc["reference"][r] != r:
                 sp = f"**{sp}**" if p["speedup"] > 1.05 else sp
             lines.append(
-                f"| {rate_label(p['rate_bps'])} | {r} | {p['step_time_s']:.3f} | {sp} | "
+                f"| {rate_label(p['rate_bps'])}{steps_note} | {r} | {p['step_time_s']:.3f} | {sp} | "
                 f"{p['ledger_bytes_per_step'] / 1e6:.2f} | {_fmt(p['wire_max'] and p['wire_max'] / 1e6, '.2f')} | "
                 f"{_fmt(ratio, '.2f')} | {_fmt(p['comm_share'], '.0%')} | {p['val_loss']:.4f} | "
                 f"{_fmt(p['val_gap'], '+.2%')} |")
