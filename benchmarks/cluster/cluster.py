@@ -257,6 +257,11 @@ def cmd_sweep(a, user: list[str]) -> int:
         old = json.loads(path.read_text())
         doc = {**old, "commands": [*old.get("commands", [old["command"]]), doc["command"]],
                "recipes": {**old["recipes"], **doc["recipes"]}}
+        if a.redo:  # measured again (e.g. after other work on the host stopped): the old points kept aside
+            redo = set(a.redo.split(","))
+            doc["replaced_points"] = [*doc.get("replaced_points", []),
+                                      *(p for p in doc["points"] if p["rate"] in redo)]
+            doc["points"] = [p for p in doc["points"] if p["rate"] not in redo]
     done = {(p["recipe"], p["rate"]) for p in doc["points"]}
     t0 = time.time()
     try:
@@ -328,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
     sw.add_argument("--hardware", default="cpu-netns")
     sw.add_argument("--resume", action="store_true", help="keep the points of today's JSON, run the rest")
+    sw.add_argument("--redo", default="", help="with --resume: these rates' points measured again (the old kept "
+                                               "under replaced_points)")
     p = sub.add_parser("report")
     p.add_argument("json")
     p = sub.add_parser("project")

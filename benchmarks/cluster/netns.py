@@ -22,6 +22,7 @@ all of it (and is run first, so a set-up left by a crashed run is cleared).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -34,6 +35,7 @@ NS = "ltc{}"
 HOST_VETH = "ltch{}"
 IFNAME = "lt0"  # the node's interface inside its namespace (GLOO_SOCKET_IFNAME)
 SUBNET = "10.213.0.{}"
+LOCK = "/run/leantrain-cluster.lock"
 
 
 class ClusterError(RuntimeError):
@@ -106,16 +108,26 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         check_rights()
+        # one cluster a host: the names are fixed, and set-up clears what another run left
+        self._lock = open(LOCK, "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ClusterError(f"another cluster run holds {LOCK}; wait for it to finish") from None
         teardown()
         try:
             self._setup()
         except BaseException:
-            teardown()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        teardown()
+        try:
+            teardown()
+        finally:
+            self._lock.close()
 
     def _shape(self, dev: str, ns: str | None) -> None:
         if rate_bps(self.rate) is None and not self.delay:

@@ -106,6 +106,10 @@ def plot(doc: dict, path: Path) -> bool:
         ax.plot(*zip(*pts, strict=True), "o-", label=f"{r} (vs {doc['reference'][r]})", ms=4)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    yt = [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32) if lo <= t <= hi]
+    ax.set_yticks(yt, [f"{t:g}x" for t in yt])
     ticks = [*shaped, x_unshaped]
     ax.set_xticks(ticks, [rate_label(t) for t in shaped] + ["unshaped"])
     ax.minorticks_off()
