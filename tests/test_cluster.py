@@ -23,18 +23,18 @@ MODEL = ["--model.dim", "48", "--model.n-layers", "2", "--model.n-heads", "4", "
          "--data.tokenizer-vocab", TINY_OVERRIDES["data.tokenizer_vocab"]]
 
 
-def _run(tmp_path, corpus, *extra, recipe="ddp-fp32"):
+def _run(tmp_path, corpus, *extra, recipe="ddp-fp32", steps=3):
     out = tmp_path / f"{recipe}.json"
-    cmd = [sys.executable, str(SCRIPT), "run", *extra, "--ranks-per-node", "2", "--steps", "3", "--recipe", recipe,
+    cmd = [sys.executable, str(SCRIPT), "run", *extra, "--ranks-per-node", "2", "--steps", str(steps), "--recipe", recipe,
            "--out", str(out), "--", "--preset", "tiny", "--data", str(corpus), *MODEL]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     return r, out
 
 
-def _check_point(p, world):
-    assert p["world_size"] == world and p["steps"] == 3
-    assert p["step_time_s"] > 0 and len(p["step_times_s"]) == 2
+def _check_point(p, world, steps=3):
+    assert p["world_size"] == world and p["steps"] == steps
+    assert p["step_time_s"] > 0 and len(p["step_times_s"]) == steps - 1
     assert p["ledger_bytes_per_step"] > 0
     assert math.isfinite(p["val_loss"]) and p["val_loss"] < p["initial_val_loss"] + 0.1
     assert p["commands"] and "leantrain train" in p["commands"][0]
@@ -55,18 +55,20 @@ def test_local_run_writes_a_point(corpus, tmp_path):
 def test_namespace_run_counts_the_bytes_on_the_veth(corpus, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root; the --local test covers the harness without them")
-    r, out = _run(tmp_path, corpus, "--nodes", "2", "--rate", "1gbit")
+    r, out = _run(tmp_path, corpus, "--nodes", "2", "--rate", "1gbit", steps=8)
     if r.returncode == 2:
         pytest.skip(f"no namespace rights here: {r.stderr.strip()}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     p = json.loads(out.read_text())
-    _check_point(p, world=4)
-    # a ring all-reduce over 2 nodes: each node's link carries one rank's share (the ring's hop
-    # to the other node), plus TCP/IP headers; the hop between the node's own ranks is on its loopback
+    _check_point(p, world=4, steps=8)
+    # an all-reduce over 2 nodes: each node's link carries one rank's share (a ring's hop to the other
+    # node; the small preset measures 1.00-1.01x), plus TCP/IP headers. The bounds are loose: this tiny
+    # model's steps (~15 ms) are shorter than the harness's 20 ms poll, so the counted window is only
+    # roughly aligned with steps (over 6 steps, one step more or less). The hop between the node's own ranks is on its loopback.
     led = p["ledger_bytes_per_step"]
     for tx, lo in zip(p["wire_tx_bytes_per_step"], p["loopback_bytes_per_step"], strict=True):
-        assert 0.9 * led < tx < 1.3 * led + 20_000
-        assert lo > 0.9 * led
+        assert 0.5 * led < tx < 2.0 * led + 20_000
+        assert lo > 0.5 * led
 
 
 def test_refuses_without_rights_in_one_sentence(tmp_path):

@@ -130,7 +130,7 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
                 n = _rows(metrics)
                 if n not in marks:
                     marks[n] = cluster.counters()
-            time.sleep(0.05)
+            time.sleep(0.02)
         end_counters = cluster.counters() if cluster else None
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
         if bad or any(p.poll() is None for p in procs):
@@ -189,11 +189,14 @@ def _flag(args: list[str], name: str, tp):
 
 
 def _wire(marks: dict, end: list[dict], steps: int) -> dict:
-    """Bytes each node sent per step: counters between rank 0 logging row 1 (the end of step 2)
-    and row ``steps - 1`` (the end of the last step); the whole run when that window is empty."""
-    a, b = marks.get(1), marks.get(steps - 1)
-    if a is not None and b is not None and steps - 2 > 0:
-        n, window = steps - 2, "steps 3..last"
+    """Bytes each node sent per step: counters between rank 0 logging its first row after the
+    warm-up (row 1: the end of step 2) and its last row before the end (row ``steps - 1``: the end
+    of the last step); a row the poll missed moves the window by a step. The whole run (DDP's
+    first broadcast included) when no such window was seen."""
+    inside = sorted(k for k in marks if 1 <= k <= steps - 1)
+    if len(inside) >= 2:
+        i, j = inside[0], inside[-1]
+        a, b, n, window = marks[i], marks[j], j - i, f"steps {i + 2}..{j + 1}"
     else:
         a, b, n, window = [dict.fromkeys(end[0], 0)] * len(end), end, steps, "whole run"
     return {"wire_tx_bytes_per_step": [(y["tx_bytes"] - x["tx_bytes"]) / n for x, y in zip(a, b)],

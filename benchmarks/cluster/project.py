@@ -221,8 +221,8 @@ def markdown(d: dict) -> str:
         k = f["kernel_overhead_s"].get(r)
         L.append(f"| {r} | {c:.3f} | {'–' if k is None else f'{k:+.3f}'} |")
     L += ["", f"Held out ({f['holdout_rate']}): worst error {worst:.1%} (target 15 %).", "",
-          "| recipe | measured s | predicted s | error |", "|---|---|---|---|"]
-    L += [f"| {p['recipe']} | {p['measured_s']:.3f} | {p['predicted_s']:.3f} | {p['error']:+.1%} |" for p in held]
+          "| rate | recipe | measured s | predicted s | error |", "|---|---|---|---|---|"]
+    L += [f"| {p['rate']} | {p['recipe']} | {p['measured_s']:.3f} | {p['predicted_s']:.3f} | {p['error']:+.1%} |" for p in held]
     fit_worst = max(abs(p["error"]) for p in f["fit_points"])
     L += ["", f"On the fitted points the worst error is {fit_worst:.1%}; the model's share of each step spent on "
           "the link (8 x wire bytes / (efficiency x rate) over the predicted step):", "",

@@ -59,10 +59,12 @@ def table(doc: dict) -> str:
         "communication ledger, all steps). wire: bytes the busiest node's veth sent a step (steps 3..last, "
         "TCP/IP headers included). comm share: (step - step unshaped) / step. speedup: the uncompressed run "
         "of the same mode and optimizer over this one, at the same rate. val: validation loss after the "
-        "last step; gap: against that reference.",
+        "last step; gap: against that reference. load: the host's 1-minute load average when the run ended (the "
+        "host is shared: other work's CPU demand changes the compute part of a step by tens of percent between "
+        "runs, which is what a negative comm share shows).",
         "",
-        "| rate | recipe | step s | speedup | ledger MB | wire MB | wire/ledger | comm share | val loss | gap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| rate | recipe | step s | speedup | ledger MB | wire MB | wire/ledger | comm share | val loss | gap | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for _, rate in rates:
         for r in recipes:
@@ -78,7 +80,7 @@ def table(doc: dict) -> str:
                 f"| {rate_label(p['rate_bps'])}{steps_note} | {r} | {p['step_time_s']:.3f} | {sp} | "
                 f"{p['ledger_bytes_per_step'] / 1e6:.2f} | {_fmt(p['wire_max'] and p['wire_max'] / 1e6, '.2f')} | "
                 f"{_fmt(ratio, '.2f')} | {_fmt(p['comm_share'], '.0%')} | {p['val_loss']:.4f} | "
-                f"{_fmt(p['val_gap'], '+.2%')} |")
+                f"{_fmt(p['val_gap'], '+.2%')} | {p['loadavg'][0]:.1f} |")
     lines += ["", "Recipes (the flags each adds to the model's):", ""]
     lines += [f"- `{r}`: `{' '.join(f)}` (reference: `{doc['reference'][r]}`)" for r, f in doc["recipes"].items()]
     return "\n".join(lines) + "\n"
