@@ -10,9 +10,22 @@ data-parallel group (``world``) spanning several nodes runs at the NIC's rate (a
 slowest links cross nodes; NCCL's multi-node bus bandwidth is the NIC's); on one node it runs
 at the intra rate. Hops are assumed not to overlap one another (an upper bound); overlap with
 compute is not modelled.
+
+:func:`fit_step_model` calibrates a whole step against measurements (the namespace cluster of
+``benchmarks/cluster/``):
+
+    t(recipe, R) = compute_recipe + alpha * calls + 8 * wire_bytes / (efficiency * R)
+
+``wire_bytes`` are the bytes per step on the busiest shaped link, ``R`` its rate in bit/s,
+``compute_recipe`` the step with an unlimited link (the model's compute plus the technique's
+compression kernels: the difference between a recipe and its uncompressed reference is the
+kernels' cost), ``efficiency`` the share of the nominal rate a collective achieves (TCP/IP
+headers, protocol gaps), ``alpha`` the latency per collective call.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 GB = 1e9
 
@@ -59,4 +72,55 @@ def estimate_time(
     return out
 
 
-__all__ = ["estimate_time"]
+@dataclass
+class StepModel:
+    """A fitted step-time model (see the module docstring); ``predict`` takes a measurement row."""
+
+    compute_s: dict[str, float]
+    alpha_s: float
+    efficiency: float
+    alpha_fitted: bool = True
+
+    def comm_s(self, row: dict) -> float:
+        rate = row.get("rate_bps")
+        bw = 0.0 if not rate else 8 * row["wire_bytes"] / (self.efficiency * rate)
+        return self.alpha_s * row.get("calls", 0) + bw
+
+    def predict(self, row: dict) -> float:
+        return self.compute_s[row["recipe"]] + self.comm_s(row)
+
+
+def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0) -> StepModel:
+    """Least-squares fit of :class:`StepModel` to measured rows.
+
+    Each row: ``recipe``, ``step_time_s``, ``wire_bytes`` (per step, on the busiest link),
+    ``rate_bps`` (None or 0: unshaped, no bandwidth term) and optionally ``calls`` (collective
+    calls a step). The fit is linear in (compute per recipe, alpha, 1 / efficiency). Latency is
+    only separable from compute when the number of calls varies within a recipe (e.g. across
+    message sizes or delays); otherwise ``alpha_s`` is kept at the value given and reported as
+    not fitted. Rows are weighted by ``1 / step_time_s``, so the fit minimizes relative error.
+    """
+    import numpy as np
+
+    recipes = sorted({r["recipe"] for r in rows})
+    calls_vary = any(len({r.get("calls", 0) for r in rows if r["recipe"] == k}) > 1 for k in recipes)
+    cols = len(recipes) + 1 + (1 if calls_vary else 0)
+    A, b = np.zeros((len(rows), cols)), np.zeros(len(rows))
+    for i, r in enumerate(rows):
+        w = 1.0 / r["step_time_s"]
+        A[i, recipes.index(r["recipe"])] = w
+        rate = r.get("rate_bps")
+        A[i, len(recipes)] = w * (8 * r["wire_bytes"] / rate if rate else 0.0)
+        known = 0.0 if calls_vary else alpha_s * r.get("calls", 0)
+        if calls_vary:
+            A[i, len(recipes) + 1] = w * r.get("calls", 0)
+        b[i] = w * (r["step_time_s"] - known)
+    if not A[:, len(recipes)].any():
+        raise ValueError("fit_step_model: no row has a shaped rate, so the bandwidth term cannot be fitted")
+    x, *_ = np.linalg.lstsq(A, b, rcond=None)
+    return StepModel(compute_s={k: float(x[i]) for i, k in enumerate(recipes)},
+                     alpha_s=float(x[-1]) if calls_vary else alpha_s,
+                     efficiency=float(1.0 / x[len(recipes)]), alpha_fitted=calls_vary)
+
+
+__all__ = ["StepModel", "estimate_time", "fit_step_model"]

@@ -1,0 +1,357 @@
+"""leantrain's trainer on a bandwidth-limited cluster made on one machine.
+
+    # one run: 2 nodes x 2 ranks, 100 Mbit/s links, the int8 all-reduce
+    python benchmarks/cluster/cluster.py run --nodes 2 --ranks-per-node 2 --rate 100mbit \
+        --recipe ddp-int8 --out /tmp/p.json -- --preset small --steps 6
+    # the same without namespaces or shaping (plain torchrun on this host; no root needed)
+    python benchmarks/cluster/cluster.py run --local --ranks-per-node 2 --recipe ddp-fp32 --out /tmp/p.json -- ...
+    # the whole grid -> benchmarks/results/comm-cluster/<date>_cpu-netns.{json,md,png}
+    python benchmarks/cluster/cluster.py sweep
+    # the table and plot again from a sweep's JSON; the cost model's fit and projection
+    python benchmarks/cluster/cluster.py report benchmarks/results/comm-cluster/<date>_cpu-netns.json
+    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
+
+Each node is a network namespace on a bridge (``netns.py``); its ranks run under one
+``torchrun --nnodes M --node-rank i`` inside it, gloo bound to the node's veth
+(``GLOO_SOCKET_IFNAME``). A point records the median step time of the timed steps (from
+``metrics.jsonl``), the bytes per step of the communication ledger (``summary.json``) and, as a
+cross-check, of the veth counters (sampled when rank 0 logs a step, so the window holds whole
+steps), and the validation loss. Needs root for namespaces; says so in one sentence otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from netns import IFNAME, Cluster, ClusterError, rate_bps, teardown  # noqa: E402
+
+# The techniques, each as the flags that turn it on (the one place to change when flags move).
+RECIPES: dict[str, list[str]] = {
+    "ddp-fp32": ["--dist.mode", "ddp", "--dist.comm", "none"],
+    "ddp-bf16": ["--dist.mode", "ddp", "--dist.comm", "none", "--train.weights", "bf16"],
+    "ddp-int8": ["--dist.mode", "ddp", "--dist.comm", "int8"],
+    "gift-e4m3": ["--dist.mode", "ddp", "--dist.comm", "gift", "--dist.gift-format", "e4m3"],
+    "gift-nvfp4": ["--dist.mode", "ddp", "--dist.comm", "gift", "--dist.gift-format", "nvfp4"],
+    "sharded": ["--dist.mode", "sharded", "--dist.comm", "none"],
+    "sharded-sdp4bit": ["--dist.mode", "sharded", "--dist.comm", "sdp4bit"],
+    "sharded-adams": ["--dist.mode", "sharded", "--dist.comm", "none", "--optim.name", "adams"],
+    "scape-90": ["--dist.mode", "sharded", "--dist.comm", "scape", "--dist.scape-density", "0.1",
+                 "--optim.name", "adams"],
+    "scape-99": ["--dist.mode", "sharded", "--dist.comm", "scape", "--dist.scape-density", "0.01",
+                 "--optim.name", "adams"],
+}
+# the uncompressed run of the same mode (and optimizer) each recipe's speedup is taken against
+REFERENCE = {"ddp-fp32": "ddp-fp32", "ddp-bf16": "ddp-fp32", "ddp-int8": "ddp-fp32", "gift-e4m3": "ddp-fp32",
+             "gift-nvfp4": "ddp-fp32", "sharded": "sharded", "sharded-sdp4bit": "sharded",
+             "sharded-adams": "sharded-adams", "scape-90": "sharded-adams", "scape-99": "sharded-adams"}
+
+# the sweep's model and grid: the small preset (15.7 M parameters) at a batch a 2-core CPU steps
+# through in about a second with 4 ranks
+SWEEP_TRAIN = ["--preset", "small", "--data.batch-size", "2", "--data.seq-len", "128"]
+SWEEP_RATES = ["unshaped", "1gbit", "300mbit", "100mbit"]
+SWEEP_STEPS = 6
+# every run: no checkpoints, samples or progress bars; one CPU thread a rank; one evaluation at the end
+FIXED = ["--train.ckpt-every", "0", "--train.sample-tokens", "0", "--train.progress", "false",
+         "--train.threads", "1", "--train.log-every", "1000", "--train.eval-batches", "4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_args(recipe: str, steps: int, user: list[str]) -> list[str]:
+    if recipe not in RECIPES:
+        raise SystemExit(f"cluster: unknown recipe {recipe!r}; choose from {sorted(RECIPES)}")
+    return ["--steps", str(steps), *FIXED, "--train.eval-every", str(steps), *RECIPES[recipe], *user]
+
+
+def _rows(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_per_node: int,
+           rate: str | None, cluster: Cluster | None, workdir: Path, timeout: float = 900.0,
+           nice: int = 0) -> dict:
+    """One training run across the nodes; returns its point (see the module docstring)."""
+    out = workdir / "run"
+    args = train_args(recipe, steps, user_args)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "LEANTRAIN_PROGRESS": "0"}
+    port = 29500 if cluster else free_port()
+    master = cluster.addr(0) if cluster else "127.0.0.1"
+    if cluster:
+        env["GLOO_SOCKET_IFNAME"] = IFNAME
+    procs, cmds, logs = [], [], []
+    t0 = time.time()
+    try:
+        for node in range(nodes if cluster else 1):
+            cmd = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes if cluster else 1),
+                   "--node-rank", str(node), "--nproc-per-node", str(ranks_per_node),
+                   "--master-addr", master, "--master-port", str(port),
+                   "-m", "leantrain", "train", "--out", str(out), *args]
+            log = open(workdir / f"node{node}.log", "w")
+            logs.append(log)
+            cmds.append(shlex.join(cmd))
+            if cluster:
+                procs.append(cluster.popen(node, cmd, env, stdout=log, stderr=subprocess.STDOUT))
+            else:
+                procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        metrics = out / "metrics.jsonl"
+        marks: dict[int, list[dict]] = {}  # rows logged -> counters when rank 0 logged that many
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            if time.time() - t0 > timeout:
+                raise TimeoutError(f"{recipe} at {rate}: no result after {timeout:.0f} s")
+            if cluster:
+                n = _rows(metrics)
+                if n not in marks:
+                    marks[n] = cluster.counters()
+            time.sleep(0.02)
+        end_counters = cluster.counters() if cluster else None
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if bad or any(p.poll() is None for p in procs):
+            for log in logs:
+                log.flush()
+            tail = (workdir / f"node{bad[0][0] if bad else 0}.log").read_text()[-3000:]
+            raise RuntimeError(f"{recipe} at {rate}: node {bad[0][0] if bad else '?'} exited with "
+                               f"{bad[0][1] if bad else '?'}:\n{tail}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    shutil.rmtree(workdir, ignore_errors=True)
+    tokens_per_step = summary["world_size"] * _flag(args, "--data.batch-size", int) * _flag(args, "--data.seq-len", int)
+    times = [tokens_per_step / r["tokens_per_second"] for r in rows[1:]]  # row 1: the untimed warm-up
+    comm = summary["comm"]
+    per = max(comm["steps"], 1)
+    point = {
+        "recipe": recipe, "rate": rate or "unshaped", "rate_bps": rate_bps(rate), "nodes": nodes if cluster else 1,
+        "ranks_per_node": ranks_per_node, "world_size": summary["world_size"], "steps": steps,
+        "step_time_s": statistics.median(times) if times else None, "step_times_s": times,
+        "tokens_per_step": tokens_per_step, "parameters": summary["parameters"],
+        "ledger_bytes_per_step": comm["bytes_per_step"],
+        "ledger_by_scope_per_step": {k: v / per for k, v in comm["by_scope"].items()},
+        "ledger_by_op_per_step": {k: v / per for k, v in comm["by_op"].items()},
+        "val_loss": summary["val_loss"], "initial_val_loss": summary["initial_val_loss"],
+        "final_loss": summary["final_loss"], "wall_s": time.time() - t0, "loadavg": os.getloadavg(),
+        "commands": cmds,
+    }
+    if cluster:
+        point.update(_wire(marks, end_counters, steps))
+    return point
+
+
+def _flag(args: list[str], name: str, tp):
+    """The last value given for ``name`` (the preset's when absent: read it from config)."""
+    val = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith(name + "="):
+            val = a.split("=", 1)[1]
+    if val is None:
+        sys.path.insert(0, str(ROOT / "src"))
+        from leantrain import config
+
+        preset = _flag(args, "--preset", str) or "tiny"
+        sec, field = name[2:].replace("-", "_").split(".")
+        return tp(getattr(getattr(config.preset(preset), sec), field))
+    return tp(val)
+
+
+def _wire(marks: dict, end: list[dict], steps: int) -> dict:
+    """Bytes each node sent per step: counters between rank 0 logging its first row after the
+    warm-up (row 1: the end of step 2) and its last row before the end (row ``steps - 1``: the end
+    of the last step); a row the poll missed moves the window by a step. The whole run (DDP's
+    first broadcast included) when no such window was seen."""
+    inside = sorted(k for k in marks if 1 <= k <= steps - 1)
+    if len(inside) >= 2:
+        i, j = inside[0], inside[-1]
+        a, b, n, window = marks[i], marks[j], j - i, f"steps {i + 2}..{j + 1}"
+    else:
+        a, b, n, window = [dict.fromkeys(end[0], 0)] * len(end), end, steps, "whole run"
+    return {"wire_tx_bytes_per_step": [(y["tx_bytes"] - x["tx_bytes"]) / n for x, y in zip(a, b)],
+            "wire_rx_bytes_per_step": [(y["rx_bytes"] - x["rx_bytes"]) / n for x, y in zip(a, b)],
+            "loopback_bytes_per_step": [(y["lo_bytes"] - x["lo_bytes"]) / n for x, y in zip(a, b)],
+            "wire_window": window}
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _refuse(e: Exception) -> int:
+    print(f"cluster: {e}", file=sys.stderr)
+    return 2
+
+
+def _on_signal(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def cmd_run(a, user: list[str]) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="ltcluster-"))
+    try:
+        if a.local:
+            point = launch(recipe=a.recipe, steps=a.steps, user_args=user, nodes=1, ranks_per_node=a.ranks_per_node,
+                           rate=None, cluster=None, workdir=workdir, timeout=a.timeout, nice=a.nice)
+        else:
+            with Cluster(a.nodes, a.rate, a.delay) as c:
+                point = launch(recipe=a.recipe, steps=a.steps, user_args=user, nodes=a.nodes,
+                               ranks_per_node=a.ranks_per_node, rate=a.rate, cluster=c, workdir=workdir,
+                               timeout=a.timeout, nice=a.nice)
+    except ClusterError as e:
+        return _refuse(e)
+    point["command"] = shlex.join([sys.executable, *sys.argv])
+    text = json.dumps(point, indent=1)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+def environment() -> dict:
+    import torch
+
+    return {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def cmd_sweep(a, user: list[str]) -> int:
+    recipes = a.recipes.split(",") if a.recipes else list(RECIPES)
+    rates = a.rates.split(",")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{datetime.date.today().isoformat()}_{a.hardware}.json"
+    train = [*SWEEP_TRAIN, *user]
+    doc = {"command": shlex.join(["python", *sys.argv]), "environment": environment(), "nice": a.nice,
+           "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "steps": a.steps, "train_args": train,
+           "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}
+    if path.exists() and a.resume:  # today's points kept; this command's points added to them
+        old = json.loads(path.read_text())
+        doc = {**old, "commands": [*old.get("commands", [old["command"]]), doc["command"]],
+               "recipes": {**old["recipes"], **doc["recipes"]}}
+        if a.redo:  # measured again (e.g. after other work on the host stopped): the old points kept aside
+            redo = set(a.redo.split(","))
+            doc["replaced_points"] = [*doc.get("replaced_points", []),
+                                      *(p for p in doc["points"] if p["rate"] in redo)]
+            doc["points"] = [p for p in doc["points"] if p["rate"] not in redo]
+    done = {(p["recipe"], p["rate"]) for p in doc["points"]}
+    t0 = time.time()
+    try:
+        for rate in rates:
+            todo = [r for r in recipes if (r, rate) not in done]
+            if not todo:
+                continue
+            with Cluster(a.nodes, None if rate == "unshaped" else rate) as c:
+                for r in todo:
+                    workdir = Path(tempfile.mkdtemp(prefix="ltcluster-"))
+                    p = launch(recipe=r, steps=a.steps, user_args=train, nodes=a.nodes,
+                               ranks_per_node=a.ranks_per_node, rate=None if rate == "unshaped" else rate,
+                               cluster=c, workdir=workdir, timeout=a.timeout, nice=a.nice)
+                    doc["points"].append(p)
+                    path.write_text(json.dumps(doc, indent=1))
+                    print(f"[{time.time() - t0:6.0f} s] {rate:>9} {r:<16} step {p['step_time_s']:.3f} s  "
+                          f"ledger {p['ledger_bytes_per_step'] / 1e6:7.2f} MB  wire "
+                          f"{max(p['wire_tx_bytes_per_step']) / 1e6:7.2f} MB  val {p['val_loss']:.4f}", flush=True)
+    except ClusterError as e:
+        return _refuse(e)
+    from report import write_report
+
+    write_report(path)
+    return 0
+
+
+def cmd_report(a, _user) -> int:
+    from report import write_report
+
+    for p in write_report(Path(a.json)):
+        print(p)
+    return 0
+
+
+def cmd_project(a, _user) -> int:
+    from project import write_projection
+
+    for p in write_projection(Path(a.json), holdout=a.holdout):
+        print(p)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    user: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, user = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="cluster.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "sweep"):
+        p = sub.add_parser(name)
+        p.add_argument("--nodes", type=int, default=2)
+        p.add_argument("--ranks-per-node", type=int, default=2)
+        p.add_argument("--steps", type=int, default=SWEEP_STEPS, help="steps a run (the first is not timed)")
+        p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
+        p.add_argument("--nice", type=int, default=-10 if name == "sweep" else 0,
+                       help="the ranks' niceness (negative: ahead of other work on the host, for steadier timings)")
+    run = sub.choices["run"]
+    run.add_argument("--recipe", default="ddp-fp32", help=f"one of {sorted(RECIPES)}")
+    run.add_argument("--rate", default=None, help="link rate, e.g. 100mbit, 1gbit (default: unshaped)")
+    run.add_argument("--delay", default=None, help="one-way delay a link, e.g. 1ms (needs netem)")
+    run.add_argument("--local", action="store_true", help="plain torchrun on this host: no namespaces, no shaping")
+    run.add_argument("--out", help="write the point's JSON here")
+    sw = sub.choices["sweep"]
+    sw.add_argument("--rates", default=",".join(SWEEP_RATES))
+    sw.add_argument("--recipes", default=None, help="comma list (default: all)")
+    sw.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
+    sw.add_argument("--hardware", default="cpu-netns")
+    sw.add_argument("--resume", action="store_true", help="keep the points of today's JSON, run the rest")
+    sw.add_argument("--redo", default="", help="with --resume: these rates' points measured again (the old kept "
+                                               "under replaced_points)")
+    p = sub.add_parser("report")
+    p.add_argument("json")
+    p = sub.add_parser("project")
+    p.add_argument("json")
+    p.add_argument("--holdout", default="300mbit", help="the rates (comma list) whose points are predicted, not fitted")
+    p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+    if a.cmd == "clean":
+        teardown()
+        return 0
+    return {"run": cmd_run, "sweep": cmd_sweep, "report": cmd_report, "project": cmd_project}[a.cmd](a, user)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
