@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -44,17 +45,17 @@ from netns import IFNAME, Cluster, ClusterError, rate_bps, teardown  # noqa: E40
 
 # The techniques, each as the flags that turn it on (the one place to change when flags move).
 RECIPES: dict[str, list[str]] = {
-    "ddp-fp32": ["--dist.mode", "ddp", "--dist.comm", "none"],
-    "ddp-bf16": ["--dist.mode", "ddp", "--dist.comm", "none", "--train.weights", "bf16"],
-    "ddp-int8": ["--dist.mode", "ddp", "--dist.comm", "int8"],
-    "gift-e4m3": ["--dist.mode", "ddp", "--dist.comm", "gift", "--dist.gift-format", "e4m3"],
-    "gift-nvfp4": ["--dist.mode", "ddp", "--dist.comm", "gift", "--dist.gift-format", "nvfp4"],
-    "sharded": ["--dist.mode", "sharded", "--dist.comm", "none"],
-    "sharded-sdp4bit": ["--dist.mode", "sharded", "--dist.comm", "sdp4bit"],
-    "sharded-adams": ["--dist.mode", "sharded", "--dist.comm", "none", "--optim.name", "adams"],
-    "scape-90": ["--dist.mode", "sharded", "--dist.comm", "scape", "--dist.scape-density", "0.1",
+    "ddp-fp32": ["--dist.mode", "ddp", "--comm.method", "none"],
+    "ddp-bf16": ["--dist.mode", "ddp", "--comm.method", "none", "--train.weights", "bf16"],
+    "ddp-int8": ["--dist.mode", "ddp", "--comm.method", "int8"],
+    "gift-e4m3": ["--dist.mode", "ddp", "--comm.method", "gift", "--comm.gift.format", "e4m3"],
+    "gift-nvfp4": ["--dist.mode", "ddp", "--comm.method", "gift", "--comm.gift.format", "nvfp4"],
+    "sharded": ["--dist.mode", "sharded", "--comm.method", "none"],
+    "sharded-sdp4bit": ["--dist.mode", "sharded", "--comm.method", "sdp4bit"],
+    "sharded-adams": ["--dist.mode", "sharded", "--comm.method", "none", "--optim.name", "adams"],
+    "scape-90": ["--dist.mode", "sharded", "--comm.method", "scape", "--comm.scape.density", "0.1",
                  "--optim.name", "adams"],
-    "scape-99": ["--dist.mode", "sharded", "--dist.comm", "scape", "--dist.scape-density", "0.01",
+    "scape-99": ["--dist.mode", "sharded", "--comm.method", "scape", "--comm.scape.density", "0.01",
                  "--optim.name", "adams"],
 }
 # the uncompressed run of the same mode (and optimizer) each recipe's speedup is taken against
@@ -71,6 +72,13 @@ SWEEP_STEPS = 6
 FIXED = ["--train.ckpt-every", "0", "--train.sample-tokens", "0", "--train.progress", "false",
          "--train.threads", "1", "--train.log-every", "1000", "--train.eval-batches", "4"]
 
+
+
+def _portable(cmd: str) -> str:
+    """A recorded command without this machine's paths: the interpreter as ``python``, the run's
+    temporary directory as ``$TMP``."""
+    cmd = cmd.replace(sys.executable, "python")
+    return re.sub(r"/tmp/ltcluster-\w+", "$TMP", cmd)
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -113,7 +121,7 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
                    "-m", "leantrain", "train", "--out", str(out), *args]
             log = open(workdir / f"node{node}.log", "w")
             logs.append(log)
-            cmds.append(shlex.join(cmd))
+            cmds.append(_portable(shlex.join(cmd)))
             if cluster:
                 procs.append(cluster.popen(node, cmd, env, stdout=log, stderr=subprocess.STDOUT))
             else:
@@ -230,7 +238,7 @@ def cmd_run(a, user: list[str]) -> int:
                                timeout=a.timeout, nice=a.nice)
     except ClusterError as e:
         return _refuse(e)
-    point["command"] = shlex.join([sys.executable, *sys.argv])
+    point["command"] = _portable(shlex.join(["python", *sys.argv]))
     text = json.dumps(point, indent=1)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

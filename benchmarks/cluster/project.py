@@ -29,9 +29,9 @@ from leantrain.comm.cost import estimate_time, fit_step_model  # noqa: E402
 from leantrain.config import preset  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SRC_1B = RESULTS / "2026-11-29_H200_train_1b.json"
-SRC_SDP4BIT = RESULTS / "comm_2026-11-29_h200.json"
-SRC_GIFT = RESULTS / "2026-12-03_H200_s29" / "ninth" / "gift_cost_2026-12-03_NVIDIA-H200.json"
+SRC_1B = RESULTS / "step" / "2026-12-02_H200_train-1b.json"
+SRC_SDP4BIT = RESULTS / "comm" / "2026-11-29_H200_sdp4bit.json"
+SRC_GIFT = RESULTS / "comm" / "2026-12-03_H200_gift-cost.json"
 
 # the papers' settings, as issue 46 states them; the claim is the paper's headline figure
 SETTINGS = [
@@ -73,14 +73,14 @@ def fit_and_check(doc: dict, holdout: str) -> dict:
 
 def h200_inputs() -> dict:
     d = json.loads(SRC_1B.read_text())
-    key = next(k for k in d["runs"] if k.startswith("baseline"))
-    batch = int(re.search(r"B=(\d+)", key).group(1))
+    key = "baseline"
+    batch = int(re.search(r"--data.batch-size (\d+)", d["command"]).group(1))
     seq = preset("1b").data.seq_len
-    run = d["runs"][key]
+    run = d["runs"][key]["summary"]
     step_1b = batch * seq / run["tokens_per_second"]
     sdp = json.loads(SRC_SDP4BIT.read_text())
     g = json.loads(SRC_GIFT.read_text())
-    refresh_every = preset("1b").dist.gift_refresh_every
+    refresh_every = preset("1b").comm.gift.refresh_every
     stats = (g["step_ms"]["with_statistics"] - g["step_ms"]["plain"]) / 1e3
     gift_common = stats + g["model"]["transforms_ms"] / 1e3 + g["model"]["refresh_subspace_warm_ms"] / 1e3 / refresh_every
     codec = g["model_codecs_ms"]
@@ -112,12 +112,12 @@ def h200_inputs() -> dict:
 def steady_bytes_per_param(doc: dict, recipe: str) -> dict:
     """Per-rank bytes a step per parameter by scope, from the ledger (the bus-bandwidth convention
     of a real reduce-scatter / all-gather, not gloo's: see the sweep's wire/ledger column), in the
-    steady state: SCAPE's first ``dist.scape_dense_steps`` steps send what its dense reference
+    steady state: SCAPE's first ``comm.scape.dense_steps`` steps send what its dense reference
     sends, and are taken out of the ledger's average over the run."""
     p = next(q for q in doc["points"] if q["recipe"] == recipe)
     s = dict(p["ledger_by_scope_per_step"])
     if "scape" in " ".join(doc["recipes"][recipe]):
-        dense = preset("small").dist.scape_dense_steps
+        dense = preset("small").comm.scape.dense_steps
         ref = next(q for q in doc["points"] if q["recipe"] == doc["reference"][recipe])["ledger_by_scope_per_step"]
         n = p["steps"]
         s = {k: max(0.0, (v * n - dense * ref.get(k, 0.0)) / (n - dense)) for k, v in s.items()}

@@ -158,9 +158,10 @@ def main(argv=None) -> int:
         div = ("G", "n", "chunk")
     elif a.kernel == "forge":  # FORGE's update-only mode (the split path's second half), AdamW, a graph's launch
         from leantrain.forge import kernel as fk
+        from leantrain.ops.update import RULE_IDS, STATE_KIND
 
         fn = fk._forge_kernel
-        kind = fk.STATE_KIND[a.sdtype]
+        kind = STATE_KIND[a.sdtype]
         sdt = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*u8", "int8p": "*u8"}[a.sdtype]
         sig = {n: "*fp32" for n in ("X", "DY", "W", "B", "S1", "S2", "A1", "A2", "BS1", "BS2", "Q1", "Q2", "G", "GB",
                                     "PART", "SCALE", "DYN", "SQ", "TICKET")}
@@ -172,11 +173,16 @@ def main(argv=None) -> int:
         fused = a.mode == "fused"
         if fused:
             sig.update(X="*bf16", DY="*bf16")
-        cons = dict(MODE=fk.MODE_FUSED if fused else fk.MODE_UPDATE, RULE=fk.RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2, APPROX=False,
+        cons = dict(MODE=fk.MODE_FUSED if fused else fk.MODE_UPDATE, RULE=RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2, APPROX=False,
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early), ROWS=False)
+        if not fused:
+            raise SystemExit("forge --mode update: the update-only kernel is ops.update._update_kernel now; "
+                             "count --mode fused here")
+        sig = {k: v for k, v in sig.items() if k in fn.arg_names}  # (the fused kernel's own arguments)
+        cons = {k: v for k, v in cons.items() if k in fn.arg_names}
         div = tuple(k for k, v in sig.items() if v.startswith("*")) + ("N", "K") + (("stride_x", "stride_dy") if fused else ())
     elif a.kernel == "swiglu":  # ops/swiglu.py, rows of 1024 elements (the MLP's width), --dtype, --mode
         from leantrain.ops import swiglu

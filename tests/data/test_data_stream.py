@@ -88,4 +88,6 @@ def test_peak_memory_of_a_20_mb_file_is_bounded():
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["file_bytes"] >= 20 * 2**20 and record["tokens"] > 2_000_000
-    assert record["peak_rss_bytes"] < 400 * 2**20, record
+    # (the process imports torch first: ~300 MB before any text; a loader that held the corpus would
+    # need several GB for 20 MB of text, about 185 bytes a byte)
+    assert record["peak_rss_bytes"] < 512 * 2**20, record

@@ -213,7 +213,7 @@ def test_a_signal_to_one_rank_then_resume_is_bit_identical(tmp_path, corpus, env
     else:
         # both ranks stop at the same step, write its checkpoint, and exit 130 with the one line
         said = f"leantrain: stopped by {sig.name} after step {reached}: checkpoint, summary and plot written to {out}"
-        assert text.count(said) == 2, text[-3000:]
+        assert text.count(said) == 1, text[-3000:]  # (every rank stops; rank 0 says so)
         assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text
         if victim == LAUNCHER:  # (torchrun passes the signal on to each rank, then ends with its own error)
             assert "Sending process" in text and "closing signal SIGINT" in text, text[-3000:]
