@@ -72,6 +72,9 @@ def main(argv=None) -> int:
             row[tree] = statistics.median(tps) if tps else None
         if row.get("base") and row.get("this"):
             row["this_over_base"] = row["this"] / row["base"]
+        losses = {t: [r.get("final_loss") for r in runs if r["recipe"] == name and r["tree"] == t] for t in trees}
+        if a.base:
+            row["same_final_losses"] = losses["this"] == losses["base"]
         table[name] = row
     what = "trainer-vs-base" if a.base else "trainer"
     res = {"what": f"the {a.preset} step through the trainer, B = {a.batch}, {a.steps} steps, median of "
@@ -83,11 +86,12 @@ def main(argv=None) -> int:
     stem = out / harness.stem(what)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     lines = [f"# {res['what']}", "", "| recipe | " + " | ".join(f"{t} tok/s" for t in trees)
-             + (" | this / base |" if a.base else " |"), "|---" * (len(trees) + 1 + bool(a.base)) + "|"]
+             + (" | this / base | same losses |" if a.base else " |"), "|---" * (len(trees) + 1 + 2 * bool(a.base)) + "|"]
     for name, row in table.items():
         cells = [f"{row[t]:.0f}" if row[t] else "-" for t in trees]
         if a.base:
             cells.append(f"{row['this_over_base']:.3f}" if "this_over_base" in row else "-")
+            cells.append("yes" if row.get("same_final_losses") else "no")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -188,6 +188,14 @@ def data_rss(d):
     return f"{d['peak_rss_bytes'] / 2**20:.0f} MiB peak RSS for {d['file_bytes'] / 2**30:.2f} GiB of text"
 
 
+def same_losses(d):
+    by = {}
+    for r in d["runs"]:
+        by.setdefault(r["recipe"], {})[r["tree"]] = r["final_loss"]
+    same = [k for k, v in by.items() if v.get("this") == v.get("base")]
+    return f"{len(same)} of {len(by)} recipes bit-identical ({', '.join(same)})"
+
+
 def trainer_vs_base(d):
     t = d["median_tokens_per_second"]
     return "; ".join(f"{name} {x(row['this_over_base'], 3)}" for name, row in t.items() if "this_over_base" in row)
@@ -226,6 +234,8 @@ TABLES: dict[str, list[tuple]] = {
         ("GRZO / MeZO / AdamW peak vs inference, 1b", zo_peak, "≤ 1.1×", F_ZO),
         ("streamed tokenization of a 1 GiB text file (BPE trained on a 64 MB sample)", data_rss, "≤ 2 GB",
          "data/2026-12-04_cpu.json"),
+        ("tiny, 20 steps: final loss vs the tree before the technique protocol, CPU", same_losses,
+         "unchanged", "convergence/2026-12-04_cpu_trainer-vs-base.json"),
         ("1b step through the trainer vs the tree before the technique protocol, H200, tokens/s",
          trainer_vs_base, "no slower", "step/2026-12-04_H200_trainer-vs-base.json"),
     ],
