@@ -239,6 +239,18 @@ def cmd_finetune(args, rest) -> int:
     return 0
 
 
+def _close_process_group(ok: bool) -> None:
+    """Shut the process group down before the interpreter exits: after a command that succeeded,
+    every rank first waits for the others (a rank that exits while another still runs its last
+    collectives and writes the summary can abort in the process group's threads at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -286,13 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="TOML file of config overrides")
     p.set_defaults(steps=None, data=None)
     args, rest = parser.parse_known_args(argv)
+    ok = False
     try:
         if args.command == "train":
-            return cmd_train(args, rest)
+            ok = cmd_train(args, rest) == 0
+            return 0 if ok else 1
         if args.command == "compare":
             return cmd_compare(args, rest)
         if args.command == "finetune":
-            return cmd_finetune(args, rest)
+            ok = cmd_finetune(args, rest) == 0
+            return 0 if ok else 1
         if args.command == "export":
             return cmd_export(args, rest)
         if args.command in ("eval", "generate") and rest:
@@ -321,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"leantrain: {e}", file=sys.stderr)
             return 130
         raise
+    finally:
+        _close_process_group(ok)
 
 
 if __name__ == "__main__":
