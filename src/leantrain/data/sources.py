@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from leantrain.config import ConfigError
+from leantrain.data.examples import read_jsonl
 from leantrain.data.stream import file_pieces, safe_pieces
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -103,19 +104,10 @@ class Source:
 
 
 def _jsonl_docs(path: Path) -> Iterator[Doc]:
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except UnicodeDecodeError:
-                raise ConfigError(f"{path}:{i + 1}: not UTF-8 text; JSONL needs one UTF-8 JSON object per line") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{i + 1}: not valid JSON ({e.msg}); JSONL needs one object per line") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ConfigError(f"{path}:{i + 1}: each JSONL line needs a string field 'text'")
-            yield Doc(f"line{i}", text=rec["text"])
+    for i, rec in read_jsonl(path):
+        if not isinstance(rec.get("text"), str):
+            raise ConfigError(f"{path}:{i}: each JSONL line needs a string field 'text'")
+        yield Doc(f"line{i - 1}", text=rec["text"])
 
 
 def user_source(path: Path, log) -> Source:
