@@ -1,10 +1,10 @@
-"""The ``leantrain`` command: train, compare, finetune, bench.
+"""The ``leantrain`` command: train, compare, finetune, export, eval, generate, config.
 
     leantrain train --preset tiny --steps 300 --out runs/a
     leantrain train --preset tiny --baseline --out runs/base
     leantrain train --from HF_DIR --data my.txt --steps 100 --out runs/ft   (start from a Hugging Face model)
     leantrain compare --preset tiny --steps 300 --out runs/cmp
-    leantrain finetune --method grzo|mezo|chunkft|full --task compare --from runs/a --out runs/ft
+    leantrain finetune --from HF_DIR --data train.jsonl --eval-data val.jsonl --method full|forge|chunkft|mezo|grzo --out runs/ft
     leantrain export runs/a hf_out          (a Hugging Face model directory: from_pretrained loads it)
     leantrain eval --from runs/a|HF_DIR --data val.jsonl [--out DIR]   (loss and perplexity, or choice accuracy)
     leantrain generate --from runs/a|HF_DIR --prompt "def " --max-new-tokens 40 [--temperature 0.8 --top-k 40]
@@ -41,13 +41,16 @@ RECIPES: dict[str, dict] = {
 _RECIPE_NEEDS = {"forge": "leantrain.forge", "agoq": "leantrain.agoq"}
 
 
-FINETUNE_EPILOG = """tasks (generated, scored by the model's choice among a few answer tokens):
-  compare   max(3, 7) ==  -> 7        lookup   d = {'a': 3, 'b': 7}; d['b'] ==  -> 7
-  parity    sum([1, 0, 1, 1]) % 2 ==  -> 1
-options (config fields): --finetune.num-chunks N --finetune.interval K (ChunkFT), --finetune.eps E
-  (MeZO's eps, GRZO's sigma), --finetune.eval-examples N, --optim.lr (default: the method's),
-  --optim.weight-decay (default 0), --data.batch-size, --train.seed (default 0), --train.log-every,
-  --train.ckpt-every (default: at the end only), --train.device.
+FINETUNE_EPILOG = """methods (--method; the same run as leantrain train, with fine-tuning defaults):
+  full      back-propagation into every weight, AdamW        forge   the same, FORGE's fused step
+  chunkft   back-propagation into one chunk of the weights at a time (finetune.num_chunks)
+  mezo      zeroth order: two forwards a step, no gradients, no optimizer state
+  grzo      zeroth order with per-example signs (GRZO), norms included
+data: --data FILE (text, instruct or chat JSONL: the prompt is masked from the loss) and
+  --eval-data FILE (scored every train.eval_every steps: loss, or accuracy for {prompt, choices,
+  answer} lines); or --task compare|lookup|parity, a generated smoke test scored by accuracy.
+defaults (each a config field you may set): optim.lr the method's (tuned on the tiny preset: set
+  it for your model), optim.weight_decay 0, train.eval_every and train.ckpt_every the last step.
 """
 
 TRAIN_EPILOG = """recipes (flags that turn techniques on; they compose):
@@ -212,30 +215,51 @@ def cmd_generate(args, rest) -> int:
     return 0
 
 
-# run options of `leantrain finetune` (the rest of the tree describes the model, which --from brings)
-FINETUNE_RUN_KEYS = ("finetune.", "optim.lr", "optim.weight_decay", "data.batch_size", "train.seed",
-                     "train.log_every", "train.ckpt_every", "train.device")
+# optim.lr of each method when none is given (tuned on the tiny preset and the generated tasks)
+FINETUNE_LR = {"full": 1e-4, "forge": 1e-4, "chunkft": 1e-4, "mezo": 3e-4, "grzo": 1e-5}
+
+
+def finetune_config(args, rest: list[str]) -> config_mod.Config:
+    """The config of ``leantrain finetune``: the method as config fields, then the fine-tuning
+    defaults (``FINETUNE_EPILOG``) for every field the command line leaves unset."""
+    method = args.method or "full"
+    if method not in FINETUNE_LR:
+        raise ConfigError(f"--method must be one of {', '.join(FINETUNE_LR)}, got {method!r}")
+    if (args.data is None) == (args.task is None):
+        raise ConfigError("finetune needs --data FILE (your examples) or --task compare|lookup|parity (a generated "
+                          "smoke test), one of the two")
+    given = {k.replace("-", "_") for k in config_mod.parse_overrides([a for a in rest if a not in ("--forge", "--agoq")])}
+    extra = ["--forge.enabled", "true"] if method == "forge" else ["--finetune.method", method]
+    if args.task is not None:
+        extra += ["--finetune.task", args.task]
+    if args.eval_data is not None:
+        extra += ["--data.eval-path", args.eval_data]
+    steps = args.steps or 300
+    defaults = {"optim.lr": FINETUNE_LR[method], "optim.weight_decay": 0.0, "train.eval_every": steps,
+                "train.ckpt_every": steps, "train.sample_tokens": 0}
+    if args.task is not None:  # (the tasks' prompts are short; the figures they were tuned with)
+        defaults.update({"data.seq_len": 64, "optim.schedule": "constant", "optim.warmup_steps": 0, "train.seed": 0})
+    else:
+        defaults["optim.warmup_steps"] = min(30, steps // 10)
+    extra += [x for k, v in defaults.items() if k not in given for x in (f"--{k}", str(v))]
+    args.steps = steps
+    return _build_config(args, rest + extra)
 
 
 def cmd_finetune(args, rest) -> int:
-    from leantrain.train.finetune import DEFAULT_LR, finetune
+    from leantrain.train.trainer import Trainer
 
-    overrides = {k.replace("-", "_"): v for k, v in config_mod.parse_overrides(rest).items()} if rest else {}
-    for key, value in (("finetune.method", args.method), ("finetune.task", args.task)):
-        if value is not None:
-            overrides[key] = value
-    run_keys = {k: v for k, v in overrides.items() if k.startswith(FINETUNE_RUN_KEYS)}
-    model_keys = {k: v for k, v in overrides.items() if k not in run_keys}
-    cfg = config_mod.build(args.preset, None, {**overrides, "train.steps": args.steps})
-    f, given = cfg.finetune, set(run_keys)
-    finetune(method=f.method, task=f.task, out=args.out, source=args.source, preset=args.preset, steps=args.steps,
-             lr=cfg.optim.lr if "optim.lr" in given else DEFAULT_LR[f.method], eps=f.eps,
-             weight_decay=cfg.optim.weight_decay if "optim.weight_decay" in given else 0.0,
-             batch_size=cfg.data.batch_size, eval_examples=f.eval_examples,
-             seed=cfg.train.seed if "train.seed" in given else 0, log_every=cfg.train.log_every,
-             device=None if cfg.train.device == "auto" else cfg.train.device, overrides=model_keys or None,
-             num_chunks=f.num_chunks, interval=f.interval,
-             ckpt_every=cfg.train.ckpt_every if "train.ckpt_every" in given else 0, resume=args.resume)
+    cfg = finetune_config(args, rest)
+    trainer = Trainer(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
+    s = trainer.fit()
+    if trainer.rank == 0:
+        val = ""
+        for key in ("loss", "accuracy"):
+            before, after = s.get(f"initial_val_{key}"), s.get(f"val_{key}")
+            if after is not None:
+                val += f"val {key} {before:.4f} -> {after:.4f}, " if before is not None else f"val {key} {after:.4f}, "
+        print(f"done: {s['recipe']}, {s['steps']} steps, final loss {s['final_loss']:.4f}, {val}"
+              f"{s['tokens_per_second']:.0f} tokens/s; results in {args.out} (leantrain export {args.out} HF_DIR)")
     return 0
 
 
@@ -264,16 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="baseline and every technique side by side")
     _common(p)
     p.add_argument("--recipes", help=f"comma-separated, from {sorted(RECIPES)}")
-    p = sub.add_parser("finetune", help="fine-tune on a generated task: MeZO, GRZO, ChunkFT or back-propagation",
+    p = sub.add_parser("finetune", help="fine-tune a model on your data: full, forge, chunkft, mezo or grzo",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=FINETUNE_EPILOG)
-    p.add_argument("--method", help="full | chunkft | mezo | grzo (finetune.method)")
-    p.add_argument("--task", help="compare | lookup | parity (finetune.task)")
-    p.add_argument("--from", dest="source", help="run directory or checkpoint directory (default: random weights)")
-    p.add_argument("--preset", default="tiny", help="the model without --from")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out (same method, task, seed, batch size, ranks)")
-    p.add_argument("--out", required=True, help="output directory")
+    _common(p)
+    p.add_argument("--from", dest="init_from", help="the model: a Hugging Face model directory or a leantrain run / "
+                   "checkpoint directory (default: random weights of --preset)")
+    p.add_argument("--method", help=f"{' | '.join(FINETUNE_LR)} (default full)")
+    p.add_argument("--task", help="compare | lookup | parity: a generated task in place of --data")
+    p.add_argument("--eval-data", help="held-out file scored every train.eval_every steps (data.eval_path)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p = sub.add_parser("export", help="write a run or checkpoint as a Hugging Face model directory")
     p.add_argument("source", help="run directory (its newest checkpoint) or checkpoint directory")
     p.add_argument("out", help="the Hugging Face model directory to write")

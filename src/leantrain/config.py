@@ -118,6 +118,10 @@ class DataConfig:
     # instruct / chat data: several examples per sequence, no attention and no loss across them,
     # positions restarting at each (false: one example per sequence, padded)
     pack: bool = True
+    # a held-out file scored every train.eval_every steps in place of the val_fraction split:
+    # text, instruct / chat (the loss on what training trains on) or multiple choice ({"prompt",
+    # "choices", "answer"}: accuracy too); the whole file each time (leantrain/train/evalset.py)
+    eval_path: str | None = None
 
 
 @dataclass
@@ -255,14 +259,18 @@ class CommConfig:
 
 @dataclass
 class FinetuneConfig:
-    """``leantrain finetune``: the method and the generated task it is measured on."""
+    """Fine-tuning methods (``leantrain finetune --method``) and the generated smoke-test tasks."""
 
+    # full: back-propagation into every weight (the run's optimizer; FORGE with forge.enabled);
+    # chunkft: into one chunk of the weights at a time; mezo / grzo: zeroth order (forwards only)
     method: Literal["full", "chunkft", "mezo", "grzo"] = "full"
-    task: Literal["compare", "lookup", "parity"] = "compare"
+    # a generated task as the data (leantrain/data/tasks.py): training on its answers, scored by
+    # the choice among its candidates; none: data.path (or the embedded corpus)
+    task: Literal["none", "compare", "lookup", "parity"] = "none"
     eps: float = 1e-3  # the perturbation's scale (MeZO's eps, GRZO's sigma)
     num_chunks: int = 4  # ChunkFT: chunks of the parameters
     interval: int = 1  # ChunkFT: steps each chunk stays active
-    eval_examples: int = 512  # examples of the task scored before and after
+    eval_examples: int = 512  # examples of the generated task scored at each evaluation
 
 
 @dataclass
@@ -534,6 +542,8 @@ def validate(cfg: Config) -> None:
          f"model.dim ({m.dim}) must divide into model.n_heads ({m.n_heads}) heads of even size "
          f"(e.g. --model.dim {max(m.n_heads * 2, (m.dim // (2 * m.n_heads)) * 2 * m.n_heads)})"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
+        (cfg.finetune.task == "none" or d.path is None,
+         f"finetune.task {cfg.finetune.task} generates its data: do not also give data.path"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
         (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,
          "agoq.batch_mib and agoq.unpack_mib must be >= 0 (0: pack each save at once / dequantize a whole batch)"),

@@ -19,7 +19,8 @@ technique and never reads a technique's private state::
 Order of a run: ``wanted`` -> ``check`` (all techniques, before any work) -> ``__init__(run)``
 (in registration order; a technique may offer ``run.all_reduce`` to those built after it) ->
 ``optimizer`` (the one that ``owns_step``) -> ``ddp_comm_hook`` (when the run wraps the model in
-DDP) -> per step: ``before_forward``, ``after_micro_batch``, ``after_backward``, ``step_metrics``;
+DDP) -> per step: ``before_forward``, ``after_micro_batch``, ``after_backward`` (or ``zo_step`` in their
+place), ``step_metrics``; at the end: ``summary``;
 checkpoints: ``state_dict`` / ``load_state_dict``; CUDA graphs: ``capture_hooks``.
 """
 
@@ -110,6 +111,10 @@ class Technique:
 
     def step_metrics(self, opt) -> dict[str, Any]:
         """Values to log for the step just taken (device tensors are read when the row is written)."""
+        return {}
+
+    def summary(self, opt) -> dict[str, Any]:
+        """The technique's own figures for the run's ``summary.json`` (after the last step)."""
         return {}
 
     def grad_buffers(self) -> list[Tensor]:

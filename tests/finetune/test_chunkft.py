@@ -6,6 +6,7 @@ gradients and checkpoints behave; a tiny Llama learns a generated task."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -16,7 +17,8 @@ from torch import nn
 
 from helpers import CharTok
 from leantrain import config as C
-from leantrain.finetune import ChunkFT, tasks
+from leantrain.data import tasks
+from leantrain.finetune import ChunkFT
 from leantrain.finetune.chunkft import plan_chunks
 from leantrain.model import Llama
 from leantrain.optim.rules import make_rule
@@ -326,3 +328,26 @@ def test_cuda_offload_through_pinned_memory():
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         assert torch.allclose(pa, pc, rtol=1e-5, atol=1e-6), name
+
+
+def test_saved_tensor_hooks_keep_every_gradient():
+    """Under saved_tensors_hooks (the memory ledger's meter, AGoQ's packer) a step updates the same
+    weights by the same amounts as without: the weights' gradient rows are found by the parameter."""
+    from leantrain.runtime.ledger import SavedActivationMeter
+
+    results = []
+    for hooks in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 50))
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = ChunkFT(model, "adamw", num_chunks=1, lr=1e-2)
+        idx = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+        with SavedActivationMeter(model.parameters()) if hooks else contextlib.nullcontext():
+            loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        moved = {n: float((p.detach() - start[n]).abs().max()) for n, p in model.named_parameters()}
+        assert all(v > 0 for v in moved.values()), moved
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for n in results[0]:
+        torch.testing.assert_close(results[1][n], results[0][n], rtol=0, atol=0)

@@ -12,7 +12,8 @@ from torch import nn
 
 from helpers import CharTok
 from leantrain import config as C
-from leantrain.finetune import GRZO, MeZO, tasks
+from leantrain.data import tasks
+from leantrain.finetune import GRZO, MeZO
 from leantrain.finetune import zo as zo_mod
 from leantrain.model import Llama
 

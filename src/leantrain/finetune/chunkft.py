@@ -108,13 +108,15 @@ def plan_chunks(named: list[tuple[str, nn.Parameter]], num_chunks: int, state_by
 class _ChunkLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, opt: ChunkFT) -> Tensor:
-        ctx.opt, ctx.bias = opt, bias
-        ctx.save_for_backward(x, weight)  # (through saved_tensors_hooks: the ledger, AGoQ)
+        # the weight is held as the parameter itself: its gradient rows are found by its identity,
+        # which a tensor unpacked by saved_tensors_hooks (the ledger's meter, AGoQ) need not keep
+        ctx.opt, ctx.bias, ctx.weight = opt, bias, weight
+        ctx.save_for_backward(x)  # (through saved_tensors_hooks: the ledger, AGoQ)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dx = dy.matmul(weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         opt = ctx.opt
@@ -133,13 +135,13 @@ class _ChunkLinearFn(torch.autograd.Function):
 class _ChunkEmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, idx: Tensor, weight: Tensor, padding_idx: int | None, opt: ChunkFT) -> Tensor:
-        ctx.opt, ctx.padding_idx = opt, padding_idx
-        ctx.save_for_backward(idx, weight)
+        ctx.opt, ctx.padding_idx, ctx.weight = opt, padding_idx, weight  # (by identity, as _ChunkLinearFn's)
+        ctx.save_for_backward(idx)
         return F.embedding(idx, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        idx, weight = ctx.saved_tensors
+        (idx,), weight = ctx.saved_tensors, ctx.weight
         flat, d = idx.reshape(-1), dy.reshape(-1, dy.shape[-1])
 
         def rows(lo: int, hi: int) -> Tensor:

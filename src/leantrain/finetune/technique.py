@@ -29,8 +29,7 @@ class _FinetuneMethod(Technique):
         return 0
 
     def summary(self, opt) -> dict:
-        """The method's own figures for ``summary.json``."""
-        return {}
+        return {"method": self.method, "method_bytes": self.held_bytes(opt)}
 
 
 @register
@@ -45,29 +44,60 @@ class ChunkFT(_FinetuneMethod):
                               "(or leantrain train for data-parallel back-propagation)")
         if cfg.finetune.num_chunks < 1 or cfg.finetune.interval < 1:
             raise ConfigError("finetune.num_chunks and finetune.interval must be >= 1")
+        if cfg.forge.enabled:
+            raise ConfigError("finetune.method chunkft and forge both own the optimizer step; choose one")
 
     def optimizer(self, run: Run, rule):
         f, o = run.cfg.finetune, run.cfg.optim
-        try:
+        try:  # (optim.grad_clip clips the active chunk's gradient: the only one there is)
             opt = ChunkFTOptimizer(run.model, "adamw", num_chunks=f.num_chunks, interval=f.interval, lr=o.lr,
-                                   weight_decay=o.weight_decay)
+                                   betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_norm=o.grad_clip)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         run.log(f"ChunkFT: {f.num_chunks} chunks of {', '.join(str(len(c)) for c in opt.chunks)} pieces, "
                 f"each active {f.interval} step(s) in turn")
+        self.opt, self.peak_bytes = opt, 0
         return opt
 
-    def held_bytes(self, opt) -> int:
-        return opt.device_state_bytes()  # (the active chunk's gradient rows and state arena)
+    def after_backward(self) -> None:  # (the active chunk's gradient rows exist now, until its step)
+        self.peak_bytes = max(self.peak_bytes, self.opt.device_state_bytes())
+
+    def clips_gradients(self) -> bool:
+        return True
+
+    def step_metrics(self, opt) -> dict:
+        return {"chunk": opt.last["chunk"], "grad_norm": opt.last["grad_norm"]}
+
+    def held_bytes(self, opt) -> int:  # (the active chunk's gradient rows and state arena, at their peak)
+        return max(self.peak_bytes, opt.device_state_bytes())
 
     def summary(self, opt) -> dict:
         f = self.run.cfg.finetune
-        return {"num_chunks": f.num_chunks, "interval": f.interval, "offloaded_bytes": opt.host_state_bytes()}
+        return {**super().summary(opt), "num_chunks": f.num_chunks, "interval": f.interval,
+                "offloaded_bytes": opt.host_state_bytes()}
 
 
 class _ZerothOrder(_FinetuneMethod):
     owns_step = True
     zeroth_order = True
+    reduces_gradients = True  # (there are none: the ranks exchange their losses in the step)
+
+    @classmethod
+    def check(cls, cfg: Config, *, device, world: int) -> None:
+        why = [w for bad, w in (
+            (cfg.data.grad_accum > 1, "data.grad_accum 1 (its step is two forwards of one batch)"),
+            (cfg.data.batch_size < 2 and cls.method == "grzo", "data.batch_size >= 2 (GRZO normalizes over the batch)"),
+            (cfg.forge.enabled or cfg.agoq.enabled, "no forge or agoq (they act in backward, which it has not)"),
+            (cfg.dist.mode != "ddp" or cfg.comm.method != "none", "dist.mode ddp and comm.method none (only losses travel)"),
+            (cfg.train.cuda_graph, "train.cuda_graph false"),
+            (cfg.train.weights != "fp32" and cls.method == "mezo",
+             "train.weights fp32 (MeZO restores the weights by subtraction), or use grzo")) if bad]
+        if why:
+            raise ConfigError(f"finetune.method {cls.method} needs " + "; ".join(why))
+
+    def step_metrics(self, opt) -> dict:
+        keys = ("loss_plus", "loss_minus", "projected_grad") if self.method == "mezo" else ("delta_std",)
+        return {k: opt.last[k] for k in keys if k in opt.last}
 
     def noise_bytes(self, opt) -> int:
         """The largest noise block a step draws (fp32)."""
@@ -116,7 +146,7 @@ class Grzo(_ZerothOrder):
         return opt.last["sign_bytes"] + self.noise_bytes(opt)
 
     def summary(self, opt) -> dict:
-        return {"grzo_frozen": opt.frozen}
+        return {**super().summary(opt), "grzo_frozen": opt.frozen}
 
 
 __all__ = ["ChunkFT", "Grzo", "Mezo", "noise_block_for"]

@@ -176,12 +176,24 @@ class MeZO(torch.optim.Optimizer):
 
 
 def _is_norm(m: nn.Module) -> bool:
+    """An RMSNorm with a weight: leantrain's, torch's, or a Hugging Face ``*RMSNorm`` of the Llama
+    form ``w ⊙ x / rms(x)`` (Llama, Qwen2, Qwen3, Mistral: ``variance_epsilon``)."""
     from leantrain.model import RMSNorm
 
-    return isinstance(m, (RMSNorm, nn.RMSNorm)) and getattr(m, "weight", None) is not None
+    if getattr(m, "weight", None) is None or m.weight.dim() != 1:
+        return False
+    hf = type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
+    return isinstance(m, (RMSNorm, nn.RMSNorm)) or hf
 
 
-class GRZO:
+def _norm_eps(m: nn.Module, dtype) -> float:
+    eps = getattr(m, "eps", None)
+    if eps is None:
+        eps = getattr(m, "variance_epsilon", None)
+    return eps if eps is not None else torch.finfo(dtype).eps
+
+
+class GRZO(torch.optim.Optimizer):
     """GRZO on ``model``'s linear layers and RMSNorm weights: ``opt.step(closure)``,
     ``closure()`` returning the per-example losses ``[B]`` (B >= 2) of one forward at the
     current weights; it is called twice, under ``torch.no_grad``, with the hooks perturbing.
@@ -198,7 +210,7 @@ class GRZO:
                  seed: int = 0, std_floor: float = 1e-8, noise_block: int | None = None, dp_group=None):
         if lr < 0 or sigma <= 0 or weight_decay < 0:
             raise ValueError(f"GRZO: lr >= 0, sigma > 0 and weight_decay >= 0, got {lr}, {sigma}, {weight_decay}")
-        self.lr, self.sigma, self.weight_decay, self.seed, self.std_floor = lr, sigma, weight_decay, seed, std_floor
+        self.sigma, self.seed, self.std_floor = sigma, seed, std_floor
         self.steps = 0
         self.last: dict = {}
         uses: dict[int, int] = {}
@@ -217,6 +229,9 @@ class GRZO:
         self.frozen = sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in taken})
         if not self.modules:
             raise ValueError("GRZO: the model has no trainable nn.Linear or RMSNorm weight that is not shared")
+        # one param group of the trained parameters: LR schedulers set its lr as any optimizer's
+        super().__init__([p for m in self.modules for p in m.parameters(recurse=False) if p.requires_grad],
+                         dict(lr=lr, weight_decay=weight_decay))
         self.block = noise_block or noise_block_for(
             sum(p.numel() for m in self.modules for p in m.parameters(recurse=False) if p.requires_grad))
         self._group, self._rank, self._world = _dp(dp_group)
@@ -224,6 +239,14 @@ class GRZO:
         self._signs: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._handles = [m.register_forward_hook(self._hook) for m in self.modules]
         self._index = {id(m): i for i, m in enumerate(self.modules)}
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @property
+    def weight_decay(self) -> float:
+        return self.param_groups[0]["weight_decay"]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -273,7 +296,7 @@ class GRZO:
                 out += (scale * ub * r.to(torch.float32)).view(*bshape, -1).to(out.dtype)
         else:  # RMSNorm: out += ±σ · x̂ ⊙ (u ⊙ r)
             xf = x.float()
-            eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
+            eps = _norm_eps(m, x.dtype)
             xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             u = _noise(step_seed(key, 0, 3), w.shape, w.device)
             out += (xhat * (scale * u * r.to(torch.float32)).view(*bshape, -1)).to(out.dtype)
@@ -345,8 +368,8 @@ class GRZO:
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps, self.seed = int(sd["steps"]), int(sd["seed"])
-        self.lr, self.sigma = float(sd["lr"]), float(sd["sigma"])
-        self.weight_decay, self.std_floor = float(sd["weight_decay"]), float(sd["std_floor"])
+        self.param_groups[0]["lr"], self.sigma = float(sd["lr"]), float(sd["sigma"])
+        self.param_groups[0]["weight_decay"], self.std_floor = float(sd["weight_decay"]), float(sd["std_floor"])
 
 
 __all__ = ["MeZO", "GRZO", "noise_block_for"]

@@ -390,7 +390,8 @@ class Llama(nn.Module):
 
     def forward(self, idx: Tensor | Packed, targets: Tensor | None = None, reduction: str = "mean", *,
                 document_ids: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """The mean loss against ``targets`` (-100: no loss), per-example losses (``reduction="none"``),
+        """The mean loss against ``targets`` (-100: no loss), per-example losses (``reduction="none"``:
+        computed from the head's logits, which a forward hook on the head sees),
         or the logits (no ``targets``). ``document_ids``: packed sequences (module docstring);
         ``cache``: incremental decoding (the cache advances by ``idx``'s length)."""
         if isinstance(idx, Packed):
@@ -408,7 +409,7 @@ class Llama(nn.Module):
         h = self.norm(x)
         if targets is None:
             return self.lm_head(h)
-        if self.cfg.fused_loss:
+        if self.cfg.fused_loss and reduction == "mean":
             loss = self.lm_head(h.flatten(0, 1), targets.flatten())
         else:
             loss = chunked_cross_entropy(self.lm_head(h).flatten(0, 1), targets.flatten(), self.cfg.loss_chunk)

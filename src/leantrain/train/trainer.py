@@ -31,13 +31,14 @@ import torch.distributed as dist
 
 from leantrain import data as data_mod
 from leantrain.config import Config, ConfigError
+from leantrain.data import tasks
 from leantrain.model import Llama
 from leantrain.optim import Optimizer, make_rule
 from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain.runtime.ddp_hooks import counted_allreduce_hook
 from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 from leantrain.technique import Run
-from leantrain.train import init_from, rundir, techniques
+from leantrain.train import evalset, init_from, rundir, techniques
 from leantrain.train.progress import Progress, plot_losses
 
 
@@ -134,7 +135,7 @@ class StepRows:
         self.pending = None  # (step, info, when its train_step returned)
         self.t_last = time.perf_counter()  # when the last logged step's train_step returned
         self.losses: list[float] = []
-        self.val_at: dict[int, float] = {}
+        self.val_at: dict[int, dict] = {}  # step -> its evaluation's figures
 
     def add(self, step: int, info: dict) -> None:
         self.pending = (step, info, time.perf_counter())
@@ -155,7 +156,7 @@ class StepRows:
         self.t_last = done
         row.update({k: v for k, v in info.items() if k not in row})
         if step in self.val_at:
-            row["val_loss"] = self.val_at.pop(step)
+            row.update(val_row(self.val_at.pop(step)))
         if self.file:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
@@ -182,8 +183,7 @@ class Trainer:
         if self.pretrained is not None:
             init_from.apply_model(cfg, self.pretrained)
         self.resume_from = self._check_resume() if resume else None  # (before anything is written)
-        self.data = data_mod.load(cfg.data, log=log0,
-                                  tokenizer=self.pretrained.tokenizer if self.pretrained is not None else None)
+        self.data = self._load_data()
         if self.pretrained is None:
             cfg.model.vocab_size = self.data.vocab_size
         else:
@@ -205,7 +205,9 @@ class Trainer:
         self.graph = None  # train.cuda_graph: the captured forward + backward (made at the first unmeasured step)
         self.run = Run(cfg, self.model, self.device, self.rank, self.world, log=log0, param_groups=self._groups())
         self.techniques = [] if baseline else techniques.build(self.technique_classes, self.run)
+        self.zo = next((t for t in self.techniques if t.zeroth_order), None)  # (its step replaces backward)
         self.opt = self._build_optimizer()
+        self.evalset = evalset.for_run(cfg, self.data, rank=self.rank, world=self.world, device=self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         if self.resume_from is not None:
             self._load(self.resume_from)
@@ -238,6 +240,18 @@ class Trainer:
                               + ". Nothing in the run directory was changed.")
         return path
 
+    def _load_data(self):
+        """The configured data, encoded with the pretrained model's tokenizer when there is one; a
+        generated task (``finetune.task``) with that tokenizer, else the embedded corpus's."""
+        c = self.cfg
+        tok = self.pretrained.tokenizer if self.pretrained is not None else None
+        if c.finetune.task == "none":
+            return data_mod.load(c.data, log=log0, tokenizer=tok)
+        if tok is None:
+            tok = data_mod.load(c.data, log=log0).tokenizer
+        return tasks.task_data(c.finetune.task, tok, n_train=tasks.TRAIN_EXAMPLES, seq_len=c.data.seq_len,
+                               seed=c.train.seed, grad_accum=c.data.grad_accum)
+
     def _keep_tokenizer(self) -> None:
         """The run's copy of its tokenizer (``leantrain finetune`` and ``export`` read it); a resumed
         run's data must tokenize as the checkpoint's did."""
@@ -260,9 +274,6 @@ class Trainer:
         if self.baseline and asked:
             raise ConfigError(f"--baseline is plain PyTorch AdamW: do not combine it with {', '.join(asked)}")
         techniques.check(self.technique_classes, c, device=self.device, world=self.world)
-        zo = [cls.name for cls in self.technique_classes if cls.zeroth_order]
-        if zo:
-            raise ConfigError(f"{zo[0]} is a zeroth-order fine-tuning method: run it with leantrain finetune --method {zo[0]}")
         if c.train.cuda_graph:
             why = [w for bad, w in (
                 (self.device.type != "cuda", "a CUDA device"),
@@ -326,6 +337,8 @@ class Trainer:
     # ------------------------------------------------------------ one step
 
     def train_step(self, measure: bool = False) -> dict:
+        if self.zo is not None:
+            return self._zo_step(measure)
         c = self.cfg
         d = c.data
         meter = SavedActivationMeter(self.model.parameters()) if measure else None
@@ -386,6 +399,33 @@ class Trainer:
         COMM.step()
         return info
 
+    def _zo_step(self, measure: bool) -> dict:
+        """A zeroth-order step (MeZO, GRZO): the technique scores this step's batch at perturbed
+        weights, forwards only, and updates; the loss it returns is the global batch's. A
+        non-finite loss leaves the weights as they were (the methods skip such an update)."""
+        c = self.cfg
+        x, y = self.data.batch("train", c.data.seq_len, c.data.batch_size, seed=c.train.seed, step=self.step,
+                               rank=self.rank, world=self.world, device=self.device)
+        for t in self.techniques:
+            t.before_forward()
+
+        def losses():  # (one per example: GRZO normalizes their differences over the batch)
+            with self._autocast():
+                return self.model(x, y, reduction="none")
+
+        info = {"lr": self.sched.get_last_lr()[0]}
+        info["loss"] = loss = float(self.zo.zo_step(self.opt, losses))
+        if not math.isfinite(loss) and c.train.on_nonfinite == "skip":
+            info["skipped"] = True
+            log0(f"step {self.step + 1}: non-finite loss ({loss}); update skipped (train.on_nonfinite=skip)")
+        if measure:
+            self.last_memory = MemoryLedger.measure(self.model, self.opt)
+        for t in self.techniques:
+            info.update(t.step_metrics(self.opt))
+        self.sched.step()
+        COMM.step()
+        return info
+
     def _graph_step(self, x, y):
         """Forward + backward replayed from the CUDA graph (captured at the first call); the
         loss is copied out of the graph's tensor, which the next replay overwrites."""
@@ -414,19 +454,14 @@ class Trainer:
                              "--train.on-nonfinite skip to skip such steps.")
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        c = self.cfg
+    def evaluate(self) -> dict:
+        """The evaluation's figures (:mod:`leantrain.train.evalset`): ``loss``, and ``accuracy`` for
+        multiple-choice data and generated tasks."""
         self.model.eval()
-        losses = []
-        for i in range(c.train.eval_batches):
-            x, y = self.data.batch("val", c.data.seq_len, c.data.batch_size, seed=c.train.seed, step=i,
-                                   rank=self.rank, world=self.world, device=self.device)
-            with self._autocast():
-                losses.append(self.model(x, y).float())
+        with self._autocast():
+            out = self.evalset.score(self.model)
         self.model.train()
-        v = torch.stack(losses).mean()
-        collectives.all_reduce(v, op=dist.ReduceOp.AVG) if self.world > 1 else None
-        return v.item()
+        return out
 
     # ------------------------------------------------------------ checkpoints
 
@@ -476,7 +511,7 @@ class Trainer:
         rows = StepRows(metrics_path if is0 else None, append=self.step > 0, tokens_per_step=tokens_per_step,
                         progress=Progress(t.steps, self.step, t.log_every, enabled=is0 and t.progress),
                         peak=self._peak, stop=self._stop)
-        self.last_memory, val_loss, first_val = None, None, None
+        self.last_memory, val, first_val = None, None, None
         start_step = self.step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -505,7 +540,7 @@ class Trainer:
                 if evaluate or ckpt:
                     p0 = time.perf_counter()
                     if evaluate:
-                        val_loss = rows.val_at[self.step] = self.evaluate()
+                        val = rows.val_at[self.step] = self.evaluate()
                     rows.flush()
                     if ckpt:
                         self.save_checkpoint()
@@ -533,7 +568,7 @@ class Trainer:
         finally:
             stop.__exit__()
             rows.close()
-        summary = self._summary(rows.losses, val_loss, first_val, run_tokens / max(train_time, 1e-9),
+        summary = self._summary(rows.losses, val, first_val, run_tokens / max(train_time, 1e-9),
                                 self.model.num_params())
         if is0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -552,15 +587,17 @@ class Trainer:
             return torch.cuda.max_memory_allocated()
         return self.last_memory.total if self.last_memory else 0
 
-    def _summary(self, losses, val_loss, first_val, tok_s, n_params) -> dict:
+    def _summary(self, losses, val: dict | None, first_val: dict | None, tok_s, n_params) -> dict:
         mem = self.last_memory.as_dict() if self.last_memory else {}
         tail = losses[-10:] if losses else [float("nan")]
         comm_summary = COMM.summary()
-        return {
+        out = {
             "recipe": recipe_name(self.cfg, self.baseline),
             "final_loss": sum(tail) / len(tail),
-            "val_loss": val_loss,
-            "initial_val_loss": first_val,
+            "val_loss": val["loss"] if val else None,
+            "initial_val_loss": first_val["loss"] if first_val else None,
+            **{k: v for k, v in val_row(val or {}).items() if k != "val_loss"},
+            **{f"initial_{k}": v for k, v in val_row(first_val or {}).items() if k != "val_loss"},
             "steps": self.step,
             "tokens_per_second": tok_s,
             "peak_memory_bytes": self._peak(),
@@ -571,6 +608,9 @@ class Trainer:
             "parameters": n_params,
             "device": str(self.device),
         }
+        for t in self.techniques:
+            out.update(t.summary(self.opt))
+        return out
 
     def sample(self, prompt: str = "def ", tokens: int = 80) -> str:
         tok = self.data.tokenizer
@@ -583,6 +623,11 @@ class Trainer:
             out = self.model.generate(idx, tokens, generator=g)
         self.model.train()
         return tok.decode(out[0].tolist())
+
+
+def val_row(metrics: dict) -> dict:
+    """An evaluation's figures as ``metrics.jsonl`` / ``summary.json`` fields: ``val_loss``, ``val_accuracy``, ..."""
+    return {f"val_{k}": v for k, v in metrics.items() if k in ("loss", "accuracy", "accuracy_norm", "perplexity")}
 
 
 def recipe_name(cfg: Config, baseline: bool) -> str:

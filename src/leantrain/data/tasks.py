@@ -14,6 +14,11 @@ what GRZO needs), the accuracy the share of examples whose right candidate score
 Prompts of a batch are right-padded (the causal model never attends to the padding before the
 scored position). Examples are a function of (task, seed, index): the train and eval sets use
 different seeds.
+
+As a run's data (``--finetune.task``, :func:`task_data`): each training example is its prompt's
+tokens followed by the right candidate's token, the loss on that token only (over the whole
+vocabulary), one example a row; evaluation scores held-out examples by the choice among their
+candidates (:func:`accuracy`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 TASKS = ("compare", "lookup", "parity")
+TRAIN_EXAMPLES = 16384  # a run's training pool of a task (drawn in a new order each epoch)
 
 
 @dataclass
@@ -116,4 +122,28 @@ def accuracy(model, batch: Batch, chunk: int = 64) -> tuple[float, float]:
     return right / n, total / n
 
 
-__all__ = ["TASKS", "Example", "Batch", "examples", "encode", "candidate_logits", "losses", "accuracy"]
+def task_data(task: str, tok, *, n_train: int, seq_len: int, seed: int, grad_accum: int = 1):
+    """``n_train`` examples of ``task`` as the rows of an :class:`leantrain.data.ExampleData`
+    (no validation split: the run scores :func:`eval_batch`'s examples)."""
+    from leantrain.config import ConfigError
+    from leantrain.data.packing import ExampleData, pack_rows
+
+    exs = examples(task, n_train, seed=seed)
+    batch = encode(exs, tok, tok.eot_id if tok.eot_id is not None else 0)
+    ids = tok.encode_batch([e.prompt for e in exs])
+    longest = max(len(i) for i in ids)
+    if longest > seq_len:
+        raise ConfigError(f"the {task} task's prompts take up to {longest} tokens; raise data.seq_len "
+                          f"(now {seq_len}) to at least that")
+    rows = [(i + [int(batch.cand[k, e.label])], [False] * len(i) + [True]) for k, (i, e) in enumerate(zip(ids, exs))]
+    packed = pack_rows(rows, seq_len, pack=False, pad_id=tok.eot_id if tok.eot_id is not None else 0)
+    return ExampleData(packed, packed, tok, tok.vocab_size, f"the generated {task} task", seq_len, False, grad_accum)
+
+
+def eval_batch(task: str, tok, n: int, seed: int) -> Batch:
+    """``n`` held-out examples of ``task`` (drawn with another seed than training's) as a :class:`Batch`."""
+    return encode(examples(task, n, seed=1_000_003 + seed), tok, tok.eot_id if tok.eot_id is not None else 0)
+
+
+__all__ = ["TASKS", "Example", "Batch", "examples", "encode", "candidate_logits", "losses", "accuracy",
+           "task_data", "eval_batch"]
