@@ -168,6 +168,17 @@ class TrainConfig:
     # kernels, loss_chunk, activation_checkpointing) and a model.max_seq_len set apart from the
     # preset's stay the run's (leantrain/train/init_from.py). None: random weights of the preset.
     init_from: str | None = None
+    loggers: str = "jsonl"  # comma list of jsonl (metrics.jsonl, always written), tensorboard, wandb (train/trackers.py)
+    wandb_project: str = "leantrain"  # the W&B project a wandb logger's run goes to
+
+
+# the names train.loggers may list
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+def logger_names(loggers: str) -> list[str]:
+    """``"jsonl, tensorboard"`` -> ``["jsonl", "tensorboard"]`` (empty items dropped)."""
+    return [name.strip() for name in loggers.split(",") if name.strip()]
 
 
 @dataclass
@@ -529,6 +540,7 @@ def from_dict(d: dict) -> Config:
 
 def validate(cfg: Config) -> None:
     m, d, t = cfg.model, cfg.data, cfg.train
+    unknown_loggers = [name for name in logger_names(t.loggers) if name not in LOGGERS]
     checks = [
         (d.seq_len >= 2, "data.seq_len must be at least 2"),
         (d.seq_len <= m.max_seq_len, f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"),
@@ -547,6 +559,8 @@ def validate(cfg: Config) -> None:
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
         (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,
          "agoq.batch_mib and agoq.unpack_mib must be >= 0 (0: pack each save at once / dequantize a whole batch)"),
+        (not unknown_loggers, "train.loggers names the unknown logger(s) "
+         f"{', '.join(map(repr, unknown_loggers))}; choose a comma-separated list of {', '.join(LOGGERS)}"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -15,13 +15,15 @@ from pathlib import Path
 from leantrain.config import ConfigError
 
 # what a run writes into its directory (``--overwrite`` removes these and nothing else)
-RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "loss.png", "tokenizer.json", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "loss.png", "tokenizer.json", "checkpoints",
+             "tensorboard", "wandb", "wandb_id.txt")  # (the last three: train.loggers, leantrain/train/trackers.py)
 
 # config fields a resumed run may change: how long it runs (the schedule ends at the new
 # train.steps), how it logs, evaluates, checkpoints and reports, and the collective timeout
 RESUMABLE = (
     "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.ckpt_every",
-    "train.keep_checkpoints", "train.sample_tokens", "train.progress", "train.threads", "dist.timeout_s",
+    "train.keep_checkpoints", "train.sample_tokens", "train.progress", "train.threads", "train.loggers",
+    "train.wandb_project", "dist.timeout_s",
 )
 
 
