@@ -5,6 +5,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+import torch
+
 from leantrain import config as C
 
 TINY_OVERRIDES = {
@@ -47,3 +49,45 @@ class CharTok:
 
     def encode_batch(self, ss):
         return [self.encode(s) for s in ss]
+
+
+# ---------------------------------------------------------------- Hugging Face models (tests that need transformers)
+
+TOKENIZER_VOCAB, MODEL_VOCAB = 300, 320  # (the model's embedding larger than its tokenizer, as Llama-3's is)
+
+
+def hf_text() -> str:
+    import textwrap
+
+    return textwrap.dedent(open(textwrap.__file__).read()) * 2
+
+
+def make_hf_model(out, seed: int = 0, family: str = "llama", **config):
+    """A tiny random HF model with a byte-level BPE tokenizer (bos <s>, eos </s>), saved to ``out``:
+    ``family`` llama, qwen2 (q/k/v biases), qwen3 (q/k norms, head_dim apart) or mistral (a sliding
+    window longer than its positions)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([hf_text()], trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    kinds = {"llama": (transformers.LlamaConfig, {}), "qwen2": (transformers.Qwen2Config, {}),
+             "qwen3": (getattr(transformers, "Qwen3Config", None), {"head_dim": 16}),
+             "mistral": (transformers.MistralConfig, {"sliding_window": 64})}
+    config_class, extra = kinds[family]
+    hf_cfg = config_class(vocab_size=MODEL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, **{**extra, **config})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return model

@@ -48,7 +48,11 @@ FINETUNE_EPILOG = """methods (--method; the same run as leantrain train, with fi
   grzo      zeroth order with per-example signs (GRZO), norms included
 data: --data FILE (text, instruct or chat JSONL: the prompt is masked from the loss) and
   --eval-data FILE (scored every train.eval_every steps: loss, or accuracy for {prompt, choices,
-  answer} lines); or --task compare|lookup|parity, a generated smoke test scored by accuracy.
+  answer} lines); or --task compare|lookup|parity, a generated smoke test scored by accuracy:
+    compare   max(3, 7) ==  -> 7        lookup   d = {'a': 3, 'b': 7}; d['b'] ==  -> 7
+    parity    sum([1, 0, 1, 1]) % 2 ==  -> 1
+options: --finetune.num-chunks N --finetune.interval K (ChunkFT), --finetune.eps E (MeZO's eps,
+  GRZO's sigma), --finetune.eval-examples N (--task), --agoq, and every --section.field of train.
 defaults (each a config field you may set): optim.lr the method's (tuned on the tiny preset: set
   it for your model), optim.weight_decay 0, train.eval_every and train.ckpt_every the last step.
 """
@@ -183,6 +187,7 @@ def cmd_export(args, rest) -> int:
     """A run directory (its newest checkpoint) or one checkpoint directory as a Hugging Face model."""
     from leantrain.model.hf import save_hf_state
     from leantrain.runtime import checkpoint
+    from leantrain.train.init_from import run_tokenizer
 
     src = Path(args.source)
     ckpt = checkpoint.resolve(src)
@@ -191,7 +196,7 @@ def cmd_export(args, rest) -> int:
     state, meta = checkpoint.load_model_state(ckpt)
     if "config" not in meta:
         raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")
-    tok = next((p for p in (ckpt.parent.parent / "tokenizer.json", src / "tokenizer.json") if p.exists()), None)
+    tok = run_tokenizer(ckpt, src)
     out = save_hf_state(config_mod.from_dict(meta["config"]).model, state, args.out, tokenizer=tok,
                         overwrite=args.overwrite)
     print(f"exported {ckpt} to {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")

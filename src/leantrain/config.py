@@ -276,7 +276,8 @@ class FinetuneConfig:
     # chunkft: into one chunk of the weights at a time; mezo / grzo: zeroth order (forwards only)
     method: Literal["full", "chunkft", "mezo", "grzo"] = "full"
     # a generated task as the data (leantrain/data/tasks.py): training on its answers, scored by
-    # the choice among its candidates; none: data.path (or the embedded corpus)
+    # the choice among its candidates, encoded with train.init_from's tokenizer (without one:
+    # data.tokenizer, or the BPE of data.path / the embedded corpus); none: the data of data.path
     task: Literal["none", "compare", "lookup", "parity"] = "none"
     eps: float = 1e-3  # the perturbation's scale (MeZO's eps, GRZO's sigma)
     num_chunks: int = 4  # ChunkFT: chunks of the parameters
@@ -554,8 +555,6 @@ def validate(cfg: Config) -> None:
          f"model.dim ({m.dim}) must divide into model.n_heads ({m.n_heads}) heads of even size "
          f"(e.g. --model.dim {max(m.n_heads * 2, (m.dim // (2 * m.n_heads)) * 2 * m.n_heads)})"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
-        (cfg.finetune.task == "none" or d.path is None,
-         f"finetune.task {cfg.finetune.task} generates its data: do not also give data.path"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
         (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,
          "agoq.batch_mib and agoq.unpack_mib must be >= 0 (0: pack each save at once / dequantize a whole batch)"),

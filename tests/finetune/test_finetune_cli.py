@@ -84,8 +84,8 @@ def test_finetune_random_weights_with_overrides(corpus, tmp_path):
     out = tmp_path / "r"
     args = ["finetune", "--method", "grzo", "--task", "compare", "--steps", "2", "--data.batch-size", "4",
             "--finetune.eval-examples", "8", "--out", str(out), "--model.n-layers", "1", "--model.dim", "32",
-            "--model.n-heads", "2", "--model.n-kv-heads", "1", "--model.ffn-dim", "64", "--data.tokenizer-vocab",
-            "400", *QUIET]
+            "--model.n-heads", "2", "--model.n-kv-heads", "1", "--model.ffn-dim", "64", "--data.path", str(corpus),
+            "--data.tokenizer-vocab", "400", *QUIET]  # (the task encoded with the corpus's BPE)
     assert cli_main(args) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"]["n_layers"] == 1 and cfg["train"]["init_from"] is None and cfg["model"]["vocab_size"] == 400

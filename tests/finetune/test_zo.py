@@ -203,8 +203,17 @@ def test_grzo_needs_per_example_losses_and_logits(corpus):
     idx = torch.randint(0, 64, (2, 8))
     with pytest.raises(ValueError, match="one loss per example"):
         opt.step(lambda: model(idx).float().mean())
-    with pytest.raises(ValueError, match="call the model without targets"):
-        opt.step(lambda: model(idx, idx, reduction="none"))
+    assert opt._sign == 0.0  # hooks off again after an error
+    # per-example losses against targets go through the head's logits, which the hooks perturb
+    losses = []
+    for sign in (1.0, -1.0):
+        opt._sign = sign
+        opt._signs.clear()
+        with torch.no_grad():
+            losses.append(model(idx, idx, reduction="none"))
+    opt._sign = 0.0
+    assert not torch.equal(losses[0], losses[1])
+    assert math.isfinite(opt.step(lambda: model(idx, idx, reduction="none")))
     assert opt._sign == 0.0  # hooks off again after an error
     assert "embed_tokens.weight" in opt.frozen and "lm_head.weight" in opt.trained
 

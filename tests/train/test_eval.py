@@ -19,8 +19,7 @@ from leantrain.model.llama import KVCache
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
 
-from test_init_from import make_hf_model  # noqa: E402  (tests/train: the tiny HF Llama with its tokenizer)
-
+from helpers import make_hf_model  # noqa: E402  (the tiny HF Llama with its tokenizer)
 from leantrain.model.hf import load_tokenizer  # noqa: E402
 from leantrain.train.evaluate import evaluate, generate  # noqa: E402
 

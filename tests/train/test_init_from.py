@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
 
+from helpers import MODEL_VOCAB, TOKENIZER_VOCAB, make_hf_model  # noqa: E402
+from helpers import hf_text as _text  # noqa: E402
 from leantrain import cli  # noqa: E402
 from leantrain import config as config_mod  # noqa: E402
 from leantrain import data as data_mod  # noqa: E402
@@ -19,40 +21,8 @@ from leantrain.config import ConfigError  # noqa: E402
 from leantrain.model.hf import load_tokenizer  # noqa: E402
 from leantrain.train import init_from  # noqa: E402
 
-TOKENIZER_VOCAB, MODEL_VOCAB = 300, 320  # (the model's embedding larger than its tokenizer, as Llama-3's is)
 RUN_FLAGS = ["--data.seq-len", "32", "--data.batch-size", "4", "--train.eval-batches", "2", "--train.progress",
              "false", "--train.sample-tokens", "0", "--optim.warmup-steps", "1", "--train.log-every", "1"]
-
-
-def _text() -> str:
-    import textwrap
-
-    return textwrap.dedent(open(textwrap.__file__).read()) * 2
-
-
-def make_hf_model(out, seed: int = 0, **config):
-    """A tiny random HF Llama with a byte-level BPE tokenizer (bos <s>, eos </s>), saved to ``out``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([_text()], trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    hf_cfg = transformers.LlamaConfig(vocab_size=MODEL_VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=0,
-                                      eos_token_id=1, **config)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    fast.save_pretrained(out)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,9 @@ def _write_weights(state: dict[str, Tensor], out: Path, max_shard_bytes: int) ->
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_tokenizer(tok: HFTokenizer, out: Path, max_seq_len: int) -> None:
+def write_tokenizer(tok: HFTokenizer, out: Path, max_seq_len: int) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (its special tokens, chat template and
+    length) into the directory ``out``: what ``AutoTokenizer`` and :func:`load_tokenizer` read."""
     tok.save(out / "tokenizer.json")
     tcfg = dict(tok.config)
     tcfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -197,7 +199,7 @@ def save_hf_state(cfg: ModelConfig, state: dict[str, Tensor], out_dir: str | Pat
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(tok), indent=2))
         if tok is not None:
-            _write_tokenizer(tok, tmp, cfg.max_seq_len)
+            write_tokenizer(tok, tmp, cfg.max_seq_len)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(tmp, out)

@@ -101,7 +101,8 @@ def _first(value) -> int | None:
 
 def load_tokenizer(source) -> HFTokenizer | None:
     """An :class:`HFTokenizer` from a Hugging Face directory (None when it has no
-    ``tokenizer.json``), a ``tokenizer.json`` file, a ``tokenizers.Tokenizer`` or an
+    ``tokenizer.json``), a ``tokenizer.json`` file, a ``tokenizers.Tokenizer`` (or an object holding
+    one as ``.tokenizer``: :class:`leantrain.data.Tokenizer`) or an
     :class:`HFTokenizer` (returned as it is). Special ids come from ``tokenizer_config.json``'s
     tokens, else ``generation_config.json``, else ``config.json``; a tokenizer with no record of
     its end token takes ``<|endoftext|>`` (leantrain's own BPE) as one when it has it."""
@@ -109,6 +110,8 @@ def load_tokenizer(source) -> HFTokenizer | None:
 
     if source is None or isinstance(source, HFTokenizer):
         return source
+    if isinstance(getattr(source, "tokenizer", None), Tokenizer):  # (leantrain's BPE wrapper)
+        source = source.tokenizer
     if isinstance(source, Tokenizer):
         return HFTokenizer(source, eos_id=source.token_to_id("<|endoftext|>"))
     path = Path(source)

@@ -85,9 +85,19 @@ def open_source(source: str | Path, log=print) -> Pretrained:
     meta = checkpoint.read_meta(ckpt)
     if "config" not in meta:
         raise ConfigError(f"checkpoint {ckpt} has no config in its meta.json")
-    tok_path = next((p for p in (ckpt.parent.parent / "tokenizer.json", path / "tokenizer.json") if p.is_file()), None)
-    tok = Tokenizer.load(tok_path) if tok_path is not None else None
-    return Pretrained(config_mod.from_dict(meta["config"]).model, tok, path, checkpoint=ckpt)
+    return Pretrained(config_mod.from_dict(meta["config"]).model, run_tokenizer(ckpt, path), path, checkpoint=ckpt)
+
+
+def run_tokenizer(ckpt: Path, path: Path):
+    """The tokenizer a run kept (:meth:`leantrain.train.trainer.Trainer._keep_tokenizer`) beside the
+    checkpoint ``ckpt`` (or in ``path``): a Hugging Face model's (with ``tokenizer_config.json``) or
+    a BPE's ``tokenizer.json``; None when there is none."""
+    for where in (ckpt.parent.parent, path):
+        if (where / "tokenizer_config.json").is_file() and (where / "tokenizer.json").is_file():
+            return load_tokenizer(where)
+        if (where / "tokenizer.json").is_file():
+            return Tokenizer.load(where / "tokenizer.json")
+    return None
 
 
 def apply_model(cfg: Config, pre: Pretrained) -> None:

@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +32,8 @@ from leantrain import data as data_mod
 from leantrain.config import Config, ConfigError
 from leantrain.data import tasks
 from leantrain.model import Llama
+from leantrain.model.hf_export import write_tokenizer
+from leantrain.model.hf_import import HFTokenizer
 from leantrain.optim import Optimizer, make_rule
 from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain.runtime.ddp_hooks import counted_allreduce_hook
@@ -40,6 +41,8 @@ from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 from leantrain.technique import Run
 from leantrain.train import evalset, init_from, rundir, techniques
 from leantrain.train.progress import Progress, plot_losses
+from leantrain.train.rows import StepRows, StopSignals, val_row
+from leantrain.train.trackers import open_trackers
 
 
 class NonFiniteLoss(RuntimeError):
@@ -48,41 +51,6 @@ class NonFiniteLoss(RuntimeError):
 
 class Interrupted(RuntimeError):
     """SIGINT / SIGTERM stopped the run after a step; its checkpoint, summary and plot are written."""
-
-
-class StopSignals:
-    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT stops it at
-    once: the default handler again). Installed in the main thread only. Under torchrun the ranks
-    agree on the step: ``requested`` all-reduces the signal number, so a signal to any one rank (or
-    to torchrun, which passes it to every rank) stops every rank after the same step."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signum = 0
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a second Ctrl-C: at once)
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    def requested(self, world: int, device) -> bool:
-        if world == 1:
-            return self.signum != 0
-        signum = torch.tensor([float(self.signum)], device=device)
-        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        self.signum = int(signum.item())
-        return self.signum != 0
 
 
 def log0(*args) -> None:
@@ -120,52 +88,6 @@ def rule_from_config(cfg: Config):
     else:
         kw.update(momentum=o.momentum, nesterov=o.nesterov)
     return make_rule(o.name, **kw)
-
-
-class StepRows:
-    """The rows of ``metrics.jsonl``. A step's loss (and grad norm, non-finite count) stay on the
-    device; its row is written once the next step has been issued (``flush`` before ``add``), when
-    they are ready: the host does not wait for each backward, and issues the next step while the
-    GPU runs it. Evaluation and checkpoints flush the pending row first. A non-finite loss (not a
-    skipped step) raises ``stop(step, loss)`` when its row is written."""
-
-    def __init__(self, path, *, append: bool, tokens_per_step: int, progress: Progress, peak, stop):
-        self.file = open(path, "a" if append else "w") if path is not None else None
-        self.tokens_per_step, self.progress, self.peak, self.stop = tokens_per_step, progress, peak, stop
-        self.pending = None  # (step, info, when its train_step returned)
-        self.t_last = time.perf_counter()  # when the last logged step's train_step returned
-        self.losses: list[float] = []
-        self.val_at: dict[int, dict] = {}  # step -> its evaluation's figures
-
-    def add(self, step: int, info: dict) -> None:
-        self.pending = (step, info, time.perf_counter())
-
-    def flush(self) -> None:
-        if self.pending is None:
-            return
-        (step, info, done), self.pending = self.pending, None
-        info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
-        if not math.isfinite(info["loss"]) and not info.get("skipped"):  # (train.on_nonfinite=stop)
-            # (this model stepped on it, and the next step may be issued: resume from the checkpoint)
-            raise self.stop(step, info["loss"])
-        if not info.get("nonfinite_layers", 1):
-            del info["nonfinite_layers"]
-        self.losses.append(info["loss"])
-        row = {"step": step, "loss": info["loss"], "lr": info.pop("lr"),
-               "tokens_per_second": self.tokens_per_step / max(done - self.t_last, 1e-9)}
-        self.t_last = done
-        row.update({k: v for k, v in info.items() if k not in row})
-        if step in self.val_at:
-            row.update(val_row(self.val_at.pop(step)))
-        if self.file:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-        self.progress.update(row, self.peak())
-
-    def close(self) -> None:
-        self.progress.close()
-        if self.file:
-            self.file.close()
 
 
 class Trainer:
@@ -253,8 +175,9 @@ class Trainer:
                                seed=c.train.seed, grad_accum=c.data.grad_accum)
 
     def _keep_tokenizer(self) -> None:
-        """The run's copy of its tokenizer (``leantrain finetune`` and ``export`` read it); a resumed
-        run's data must tokenize as the checkpoint's did."""
+        """The run's copy of its tokenizer (``--from RUN`` and ``export`` read it): ``tokenizer.json``,
+        with ``tokenizer_config.json`` for a Hugging Face model's tokenizer; a resumed run's data must
+        tokenize as the checkpoint's did."""
         tok = self.data.tokenizer
         if tok is None:
             return
@@ -266,7 +189,10 @@ class Trainer:
                                   "data.tokenizer_vocab); nothing in the run directory was changed")
             return
         if self.rank == 0:
-            tok.save(saved)
+            if isinstance(tok, HFTokenizer):  # (a model's own: its special tokens and chat template too)
+                write_tokenizer(tok, self.out, self.cfg.model.max_seq_len)
+            else:
+                tok.save(saved)
 
     def _check_combination(self) -> None:
         c = self.cfg
@@ -500,6 +426,7 @@ class Trainer:
         c, t = self.cfg, self.cfg.train
         last = t.steps if until is None else min(until, t.steps)
         is0 = self.rank == 0
+        trackers = open_trackers(c, self.out, rank=self.rank, resume=self.step > 0, start_step=self.step)
         if is0:
             (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=1))
         log0(f"model: {self.model.num_params() / 1e6:.2f} M parameters | preset {c.preset} | device {self.device} x{self.world} | "
@@ -510,7 +437,7 @@ class Trainer:
         tokens_per_step = c.data.seq_len * c.data.batch_size * c.data.grad_accum * self.world
         rows = StepRows(metrics_path if is0 else None, append=self.step > 0, tokens_per_step=tokens_per_step,
                         progress=Progress(t.steps, self.step, t.log_every, enabled=is0 and t.progress),
-                        peak=self._peak, stop=self._stop)
+                        peak=self._peak, stop=self._stop, trackers=trackers)
         self.last_memory, val, first_val = None, None, None
         start_step = self.step
         if self.device.type == "cuda":
@@ -623,11 +550,6 @@ class Trainer:
             out = self.model.generate(idx, tokens, generator=g)
         self.model.train()
         return tok.decode(out[0].tolist())
-
-
-def val_row(metrics: dict) -> dict:
-    """An evaluation's figures as ``metrics.jsonl`` / ``summary.json`` fields: ``val_loss``, ``val_accuracy``, ..."""
-    return {f"val_{k}": v for k, v in metrics.items() if k in ("loss", "accuracy", "accuracy_norm", "perplexity")}
 
 
 def recipe_name(cfg: Config, baseline: bool) -> str:

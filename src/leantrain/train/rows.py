@@ -1,0 +1,109 @@
+"""The run's per-step bookkeeping: the rows of ``metrics.jsonl`` (:class:`StepRows`, which also
+feed the progress line and the trackers) and the stop signals (:class:`StopSignals`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from leantrain.train.progress import Progress
+from leantrain.train.trackers import Trackers
+
+
+class StopSignals:
+    """SIGINT / SIGTERM ask the run to stop after the current step (a second SIGINT stops it at
+    once: the default handler again). Installed in the main thread only. Under torchrun the ranks
+    agree on the step: ``requested`` all-reduces the signal number, so a signal to any one rank (or
+    to torchrun, which passes it to every rank) stops every rank after the same step."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a second Ctrl-C: at once)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def requested(self, world: int, device) -> bool:
+        if world == 1:
+            return self.signum != 0
+        signum = torch.tensor([float(self.signum)], device=device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        self.signum = int(signum.item())
+        return self.signum != 0
+
+
+class StepRows:
+    """The rows of ``metrics.jsonl``. A step's loss (and grad norm, non-finite count) stay on the
+    device; its row is written once the next step has been issued (``flush`` before ``add``), when
+    they are ready: the host does not wait for each backward, and issues the next step while the
+    GPU runs it. Evaluation and checkpoints flush the pending row first. A non-finite loss (not a
+    skipped step) raises ``stop(step, loss)`` when its row is written."""
+
+    def __init__(self, path, *, append: bool, tokens_per_step: int, progress: Progress, peak, stop,
+                 trackers: Trackers | None = None):
+        self.file = open(path, "a" if append else "w") if path is not None else None
+        self.trackers = trackers or Trackers()
+        self.tokens_per_step, self.progress, self.peak, self.stop = tokens_per_step, progress, peak, stop
+        self.pending = None  # (step, info, when its train_step returned)
+        self.t_last = time.perf_counter()  # when the last logged step's train_step returned
+        self.losses: list[float] = []
+        self.val_at: dict[int, dict] = {}  # step -> its evaluation's figures
+
+    def add(self, step: int, info: dict) -> None:
+        self.pending = (step, info, time.perf_counter())
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        (step, info, done), self.pending = self.pending, None
+        info = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in info.items()}
+        if not math.isfinite(info["loss"]) and not info.get("skipped"):  # (train.on_nonfinite=stop)
+            # (this model stepped on it, and the next step may be issued: resume from the checkpoint)
+            raise self.stop(step, info["loss"])
+        if not info.get("nonfinite_layers", 1):
+            del info["nonfinite_layers"]
+        self.losses.append(info["loss"])
+        row = {"step": step, "loss": info["loss"], "lr": info.pop("lr"),
+               "tokens_per_second": self.tokens_per_step / max(done - self.t_last, 1e-9)}
+        self.t_last = done
+        row.update({k: v for k, v in info.items() if k not in row})
+        if step in self.val_at:
+            row.update(val_row(self.val_at.pop(step)))
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        self.trackers.log(row)
+        self.progress.update(row, self.peak())
+
+    def close(self) -> None:
+        self.progress.close()
+        self.trackers.close()
+        if self.file:
+            self.file.close()
+
+
+def val_row(metrics: dict) -> dict:
+    """An evaluation's figures as ``metrics.jsonl`` / ``summary.json`` fields: ``val_loss``, ``val_accuracy``, ..."""
+    return {f"val_{k}": v for k, v in metrics.items() if k in ("loss", "accuracy", "accuracy_norm", "perplexity")}
+
+
+__all__ = ["StepRows", "StopSignals", "val_row"]
