@@ -8,6 +8,14 @@ Every run is ``leantrain finetune --task`` (the CLI, through the trainer); its `
 to ``DIR/runs/<task>-<method>-<lr>-s<seed>/``. ``finetune.json`` holds every summary and
 ``finetune.md`` a table: accuracy before and after (mean and each seed), seconds a step, the
 counted memory against the weights, and on CUDA the allocator's peak against the weights.
+
+``--hf-preset P``: the path of a user's own model instead: a random model of preset ``P`` saved as
+a Hugging Face directory (with the embedded corpus's tokenizer), fine-tuned by every method of
+``--hf-methods`` on instruct JSONL written from the task's examples (``--eval-data``: its
+multiple-choice form), one seed; ``hf.json`` holds each method's allocator peak (CUDA), tokens a
+second, counted memory and validation loss and accuracy before and after::
+
+    PYTHONPATH=src python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --out DIR
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import argparse
 import contextlib
 import io
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -26,6 +35,72 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from leantrain.cli import main as leantrain  # noqa: E402
 
 DEFAULT_METHODS = ["mezo:3e-5,1e-4,3e-4", "grzo:3e-6,1e-5,3e-5", "full:1e-4"]
+HF_METHODS = ["full", "forge", "forge+agoq", "chunkft", "mezo", "grzo"]
+
+
+def write_task_jsonl(task: str, out: Path, n_train: int, n_eval: int, seed: int = 0) -> tuple[Path, Path]:
+    """The task's examples as instruct lines (``train.jsonl``) and held-out multiple-choice lines
+    (``val.jsonl``)."""
+    from leantrain.data import tasks
+
+    train, val = out / "train.jsonl", out / "val.jsonl"
+    with open(train, "w") as f:
+        for e in tasks.examples(task, n_train, seed=seed):
+            f.write(json.dumps({"prompt": e.prompt, "response": e.candidates[e.label]}) + "\n")
+    with open(val, "w") as f:
+        for e in tasks.examples(task, n_eval, seed=seed + 1_000_003):
+            f.write(json.dumps({"prompt": e.prompt, "choices": e.candidates, "answer": e.label}) + "\n")
+    return train, val
+
+
+def hf_model_dir(preset: str, out: Path) -> Path:
+    """A random model of ``preset`` saved as a Hugging Face directory with the embedded corpus's tokenizer."""
+    import torch
+
+    from leantrain import config as config_mod
+    from leantrain import data as data_mod
+    from leantrain.model import Llama
+    from leantrain.model.hf import save_hf
+
+    cfg = config_mod.build(preset)
+    tok = data_mod.load(cfg.data, log=lambda *a: None).tokenizer
+    torch.manual_seed(0)
+    return save_hf(Llama(cfg.model), out, tokenizer=tok, overwrite=True)
+
+
+def run_hf(a) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_model_dir(a.hf_preset, out / "hf_model")
+    train, val = write_task_jsonl(a.task, out, n_train=max(a.steps * a.batch_size, 1024), n_eval=a.eval_examples)
+    rows = []
+    for method in a.hf_methods:
+        name, *extra = method.split("+")
+        run = out / "runs" / method
+        args = ["finetune", "--from", str(hf), "--data", str(train), "--eval-data", str(val), "--method", name,
+                *[f"--{x}" for x in extra], "--steps", str(a.steps), "--data.batch-size", str(a.batch_size),
+                "--data.seq-len", str(a.seq_len), "--train.progress", "false", "--out", str(run), "--overwrite"]
+        args += ["--train.device", a.device] if a.device else []
+        t0 = time.time()
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = leantrain(args)
+        if rc != 0:
+            rows.append({"method": method, "error": f"exit status {rc}"})
+            continue
+        s = json.loads((run / "summary.json").read_text())
+        rows.append({"method": method, "seconds": time.time() - t0, "steps": s["steps"],
+                     "tokens_per_second": s["tokens_per_second"], "peak_memory_bytes": s["peak_memory_bytes"],
+                     "counted_bytes": counted_bytes(s), "memory": s["memory"], "device": s["device"],
+                     "initial_val_loss": s["initial_val_loss"], "val_loss": s["val_loss"],
+                     "initial_val_accuracy": s.get("initial_val_accuracy"), "val_accuracy": s.get("val_accuracy")})
+        r = rows[-1]
+        print(f"{method}: peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, {r['tokens_per_second']:.0f} tok/s, "
+              f"val loss {r['initial_val_loss']:.4f} -> {r['val_loss']:.4f}", flush=True)
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)  # (the weights are not results)
+    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.hf_preset,
+              "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "methods": rows}
+    (out / "hf.json").write_text(json.dumps(result, indent=1))
+    return 0
 
 
 def counted_bytes(s: dict) -> int:
@@ -47,7 +122,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-examples", type=int, default=512)
     ap.add_argument("--device")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hf-preset", help="fine-tune a random model of this preset saved as a Hugging Face directory")
+    ap.add_argument("--hf-methods", nargs="*", default=HF_METHODS, help="with --hf-preset: method[+agoq]")
+    ap.add_argument("--seq-len", type=int, default=64, help="with --hf-preset: data.seq_len")
     a = ap.parse_args(argv)
+    if a.hf_preset:
+        return run_hf(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

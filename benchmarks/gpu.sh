@@ -65,12 +65,10 @@ if [ "$MODE" = verify ]; then verify 2>&1 | tee "$OUT/run.log"; exit 0; fi
   timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
   timeout 300 python3 benchmarks/bench_comm.py gift-cost --preset 1b --batch 4 --out "$OUT/comm" 2>&1 | tail -20
 
-  log "finetune: ChunkFT, GRZO, MeZO, full on the 1b preset from random weights"
-  for m in full chunkft grzo mezo; do
-    timeout 300 python3 -m leantrain finetune --preset 1b --method $m --task compare --steps 10 \
-      --data.batch-size 16 --finetune.eval-examples 64 --data.max-corpus-mb 6 --out "$OUT/finetune/1b-$m" 2>&1 | tail -2
-    rm -rf "$OUT/finetune/1b-$m/checkpoints"
-  done
+  log "finetune: every method on a random 1b model saved as a Hugging Face directory, 50 steps"
+  timeout 900 python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --seq-len 256 \
+    --eval-examples 64 --out "$OUT/finetune/hf-1b" 2>&1 | tail -8
+  rm -rf "$OUT/finetune/hf-1b/hf_model" "$OUT/finetune/hf-1b/runs"
 
   if [ "$NGPU" -ge 2 ]; then
     log "scale: NCCL smoke test and the trainer on 2 GPUs against 1 at the same global batch"
