@@ -66,7 +66,7 @@ if [ "$MODE" = verify ]; then verify 2>&1 | tee "$OUT/run.log"; exit 0; fi
   timeout 300 python3 benchmarks/bench_comm.py gift-cost --preset 1b --batch 4 --out "$OUT/comm" 2>&1 | tail -20
 
   log "finetune: every method on a random 1b model saved as a Hugging Face directory, 50 steps"
-  timeout 900 python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --seq-len 256 \
+  timeout 540 python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --seq-len 256 \
     --eval-examples 64 --out "$OUT/finetune/hf-1b" 2>&1 | tail -8
   rm -rf "$OUT/finetune/hf-1b/hf_model" "$OUT/finetune/hf-1b/runs"
 
