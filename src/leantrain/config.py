@@ -168,6 +168,11 @@ class TrainConfig:
     # kernels, loss_chunk, activation_checkpointing) and a model.max_seq_len set apart from the
     # preset's stay the run's (leantrain/train/init_from.py). None: random weights of the preset.
     init_from: str | None = None
+    # compile each transformer block with torch.compile (after the techniques attach; one graph
+    # per block, so a technique's hooks between blocks stay eager); techniques that cannot run
+    # compiled refuse it (docs/configuration.md)
+    compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for checks)
     loggers: str = "jsonl"  # comma list of jsonl (metrics.jsonl, always written), tensorboard, wandb (train/trackers.py)
     wandb_project: str = "leantrain"  # the W&B project a wandb logger's run goes to
 

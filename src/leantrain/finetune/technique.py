@@ -90,6 +90,8 @@ class _ZerothOrder(_FinetuneMethod):
             (cfg.forge.enabled or cfg.agoq.enabled, "no forge or agoq (they act in backward, which it has not)"),
             (cfg.dist.mode != "ddp" or cfg.comm.method != "none", "dist.mode ddp and comm.method none (only losses travel)"),
             (cfg.train.cuda_graph, "train.cuda_graph false"),
+            (cfg.train.compile and cls.method == "grzo",
+             "train.compile false (its forward hooks draw per-example signs that compiled blocks would not redraw)"),
             (cfg.train.weights != "fp32" and cls.method == "mezo",
              "train.weights fp32 (MeZO restores the weights by subtraction), or use grzo")) if bad]
         if why:

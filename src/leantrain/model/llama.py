@@ -362,6 +362,12 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """``torch.compile`` each block in place (``nn.Module.compile``: parameter names and the
+        state dict are unchanged, so checkpoints and exports are those of the eager model)."""
+        for layer in self.layers:
+            layer.compile(backend=backend)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

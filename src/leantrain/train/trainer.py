@@ -129,6 +129,8 @@ class Trainer:
         self.techniques = [] if baseline else techniques.build(self.technique_classes, self.run)
         self.zo = next((t for t in self.techniques if t.zeroth_order), None)  # (its step replaces backward)
         self.opt = self._build_optimizer()
+        if cfg.train.compile:  # (after the techniques attached their hooks and kernels)
+            self.model.compile_blocks(cfg.train.compile_backend)
         self.evalset = evalset.for_run(cfg, self.data, rank=self.rank, world=self.world, device=self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         if self.resume_from is not None:
@@ -200,6 +202,8 @@ class Trainer:
         if self.baseline and asked:
             raise ConfigError(f"--baseline is plain PyTorch AdamW: do not combine it with {', '.join(asked)}")
         techniques.check(self.technique_classes, c, device=self.device, world=self.world)
+        if c.train.compile and c.train.cuda_graph:
+            raise ConfigError("train.compile and train.cuda_graph both change how the step runs; choose one")
         if c.train.cuda_graph:
             why = [w for bad, w in (
                 (self.device.type != "cuda", "a CUDA device"),
