@@ -16,7 +16,8 @@
   its ``train`` split, evaluation its ``validation`` (else ``test``) split; to read another split,
   give that split's directory (``DIR/test``) itself.
 
-A row that is not an object is a ``ConfigError`` naming ``FILE:ROW``, as JSONL's ``FILE:LINE``.
+A table's row (Parquet, Arrow) lacks the fields it holds nulls in (tables give every row every
+column). A row that is not an object is a ``ConfigError`` naming ``FILE:ROW``, as JSONL's ``FILE:LINE``.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict]]:
             raise ConfigError(f"{path} is a JSON object with {found}; a .json data file holds {_JSON_SHAPES}")
         doc = doc[lists[0]]
     elif not isinstance(doc, list):
-        raise ConfigError(f"{path} is a JSON {type(doc).__name__}; a .json data file holds {_JSON_SHAPES}")
+        kind = {str: "string", bool: "boolean", int: "number", float: "number"}.get(type(doc), "null")
+        raise ConfigError(f"{path} is a JSON {kind}; a .json data file holds {_JSON_SHAPES}")
     yield from _check_rows(path, doc)
 
 
@@ -149,6 +151,11 @@ def _first_sentence(error: Exception) -> str:
     return str(error).strip().split(". ")[0].rstrip(".")
 
 
+def _present(row: dict) -> dict:
+    """A table row without its null fields: a column a row has no value in is a field it lacks."""
+    return {key: value for key, value in row.items() if value is not None}
+
+
 def _parquet_rows(path: Path) -> Iterator[dict]:
     parquet = _pyarrow("parquet")
     try:
@@ -157,7 +164,7 @@ def _parquet_rows(path: Path) -> Iterator[dict]:
         raise ConfigError(f"data file {path} cannot be read as Parquet ({_first_sentence(e)})") from None
     with table:
         for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-            yield from batch.to_pylist()
+            yield from map(_present, batch.to_pylist())
 
 
 def _dataset_rows(path: Path) -> Iterator[dict]:
@@ -173,6 +180,6 @@ def _dataset_rows(path: Path) -> Iterator[dict]:
         try:
             with open(shard, "rb") as f, ipc.open_stream(f) as reader:
                 for batch in reader:
-                    yield from batch.to_pylist()
+                    yield from map(_present, batch.to_pylist())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{shard} cannot be read as an Arrow stream ({_first_sentence(e)})") from None
