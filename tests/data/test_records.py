@@ -11,7 +11,7 @@ from test_chat import _word_tokenizer
 from leantrain import data as data_mod
 from leantrain.config import ConfigError, DataConfig
 from leantrain.data.examples import detect_format, record_format_of, records
-from leantrain.data.records import is_record_file, read_records
+from leantrain.data.records import EVAL_SPLITS, dataset_split, is_record_file, read_records
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install -e '.[dev]')")
 import pyarrow.parquet as pq  # noqa: E402
@@ -113,6 +113,7 @@ def test_every_kind_of_record_file_trains_on_the_same_rows(tmp_path, fmt):
 def test_a_dataset_dict_trains_on_train_and_any_split_by_its_directory(tmp_path):
     path = write_as("dataset_dict", tmp_path, _rows("instruct"))
     assert len(list(read_records(path))) == 12 and len(list(read_records(path / "test"))) == 3
+    assert dataset_split(path, EVAL_SPLITS) == path / "test"  # (evaluation: validation, else test)
     (path / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
     with pytest.raises(ConfigError, match=r"holds the splits test and no train split: give the directory"):
         data_mod.load(DataConfig(path=str(path), seq_len=16), tokenizer=_word_tokenizer(), **QUIET)
