@@ -109,7 +109,8 @@ class DataConfig:
     # the tokenizer of text data: a tokenizer.json file or a Hugging Face model directory; None: a
     # BPE of tokenizer_vocab tokens trained on the corpus (or, with train.init_from, the model's own)
     tokenizer: str | None = None
-    # what a .jsonl holds: auto (from the first line's fields), text ({"text"}), instruct
+    # what a record file (.jsonl, .json, .parquet, a datasets directory: leantrain/data/records.py)
+    # holds: auto (from the first record's fields), text ({"text"}), instruct
     # ({"prompt", "completion"} or {"prompt", "response"}), chat ({"messages": [{"role",
     # "content"}, ...]}, rendered with the tokenizer's chat template; leantrain/data/examples.py)
     format: Literal["auto", "text", "instruct", "chat"] = "auto"
@@ -120,7 +121,8 @@ class DataConfig:
     pack: bool = True
     # a held-out file scored every train.eval_every steps in place of the val_fraction split:
     # text, instruct / chat (the loss on what training trains on) or multiple choice ({"prompt",
-    # "choices", "answer"}: accuracy too); the whole file each time (leantrain/train/evalset.py)
+    # "choices", "answer"}: accuracy too), in any file data.path reads (a DatasetDict directory: its
+    # validation, else test, split); the whole file each time (leantrain/train/evalset.py)
     eval_path: str | None = None
 
 

@@ -93,7 +93,7 @@ def _write(path, lines):
     ([{"messages": []}], r"x.jsonl:1: a chat line needs 'messages'"),
     ([{"prompt": "a", "completion": "b"}, "{not json"], r"x.jsonl:2: not valid JSON"),
     ([{"question": "a"}], r"x.jsonl:1: no known fields \(question\)"),
-    ([{"prompt": "a", "choices": ["x", "y"], "answer": 0}], "multiple-choice lines"),
+    ([{"prompt": "a", "choices": ["x", "y"], "answer": 0}], "multiple-choice records"),
 ])
 def test_malformed_lines_name_the_file_line_and_field(tmp_path, lines, message):
     cfg = DataConfig(path=str(_write(tmp_path / "x.jsonl", lines)), seq_len=16)

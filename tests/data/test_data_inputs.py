@@ -29,7 +29,6 @@ def _refused(path, match, **kw):
     ("a.pdf", b"%PDF-1.4\n" + b"x" * 100, "PDF"),
     ("a", b"\x7fELF\x02\x01" + b"\0" * 100, "ELF"),
     ("a.csv", b"text,label\nhello,1\n", "CSV table"),
-    ("a.parquet", b"hello", "Parquet"),
     ("a.arrow", b"hello", "Arrow"),
 ])
 def test_binary_and_table_files_are_refused(tmp_path, name, content, what):

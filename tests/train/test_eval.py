@@ -126,6 +126,24 @@ def test_eval_multiple_choice_scores_as_lm_eval_does(hf_dir, tmp_path):
     assert result["accuracy"] == right / 4 and result["accuracy_norm"] == right_norm / 4
 
 
+def test_eval_reads_multiple_choice_parquet_as_jsonl(hf_dir, tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install -e '.[dev]')")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "def wrap(", "choices": ["text", "width, x"], "answer": 0},
+            {"prompt": "return", "choices": [" text", " self.width"], "answer": 1},
+            {"prompt": "class", "choices": [" A", " TextWrapper", " B"], "answer": 1}]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val.parquet")
+    scores = {}
+    for name in ("val.jsonl", "val.parquet"):
+        assert cli.main(["eval", "--from", str(hf_dir), "--data", str(tmp_path / name), "--out",
+                         str(tmp_path / name.replace(".", "_")), "--device", "cpu"]) == 0
+        scores[name] = json.loads((tmp_path / name.replace(".", "_") / "eval.json").read_text())
+        assert scores[name].pop("data") == str(tmp_path / name)
+    assert scores["val.parquet"] == scores["val.jsonl"] and scores["val.jsonl"]["format"] == "choice"
+
+
 def test_eval_of_a_run_on_chat_data(hf_dir, tmp_path):
     path = tmp_path / "chat.jsonl"
     lines = [{"messages": [{"role": "user", "content": "wrap this"}, {"role": "assistant", "content": f"text {i}"}]}

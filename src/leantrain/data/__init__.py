@@ -9,8 +9,10 @@ memory-mapped ``.bin`` files under the user's cache directory
 (``$XDG_CACHE_HOME/leantrain`` or ``~/.cache/leantrain``).
 
 Users' own data: a text file, a directory of text files (``.txt``, ``.md``,
-``.py``), a JSONL file (one ``{"text": ...}`` per line; or instruction / chat examples, trained on
-their completions only and packed: ``examples``, ``packing``), or a pre-tokenized
+``.py``), a record file (``.jsonl``, ``.json``, ``.parquet`` or a Hugging Face ``datasets``
+directory written by ``save_to_disk``: ``records``) of ``{"text": ...}`` records or of
+instruction / chat examples (trained on their completions only and packed: ``examples``,
+``packing``), or a pre-tokenized
 ``.bin`` file of uint16 or uint32 token ids with its vocabulary size (in
 ``<file>.bin.json`` or ``meta.json`` beside it, or ``data.bin_vocab_size``). Text
 data gets its own cached tokenizer. Text is streamed: read, encoded and written in
@@ -42,6 +44,7 @@ import torch
 from leantrain.config import ConfigError, DataConfig
 from leantrain.data.examples import detect_format, example_texts
 from leantrain.data.packing import ExampleData, load_examples
+from leantrain.data.records import TRAIN_SPLITS, dataset_split, is_record_file, record_files
 from leantrain.data.sources import TEXT_SUFFIXES, Doc, Source, token_file, user_source
 from leantrain.data.stream import TokenWriter, sampled, token_dtype
 from leantrain.data.tokenizer import Tokenizer
@@ -245,11 +248,15 @@ def open_tokenizer(source: str):
     return tok
 
 
+def _file_stats(path: Path) -> list:
+    """(name, mtime, size) of each file of ``path`` (a file, or every file under a directory): for cache keys."""
+    return [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in record_files(path)]
+
+
 def _examples(path: Path, fmt: str, cfg: DataConfig, tokenizer, log) -> ExampleData:
     """Instruct / chat examples; without a tokenizer, a BPE trained on their text (cached)."""
     if tokenizer is None:
-        stat = path.stat()
-        key = hashlib.sha1(json.dumps([str(path.resolve()), stat.st_mtime_ns, stat.st_size, fmt,
+        key = hashlib.sha1(json.dumps([str(path.resolve()), _file_stats(path), fmt,
                                        cfg.tokenizer_vocab]).encode()).hexdigest()[:12]
         tok_path = cache_dir() / f"tokenizer-examples-{key}.json"
         if tok_path.exists():
@@ -266,7 +273,8 @@ def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData | ExampleData:
     The tokenizer: ``data.tokenizer`` when set, else ``tokenizer`` (a :class:`Tokenizer` or a
     :class:`leantrain.model.hf.HFTokenizer`: a model's own); text is encoded with it and no BPE is
     trained. Neither: a BPE of ``data.tokenizer_vocab`` tokens is trained on the corpus (and
-    cached). Instruct / chat JSONL (``data.format``) gives :class:`ExampleData`."""
+    cached). Instruct / chat records (``data.format``) give :class:`ExampleData`; a ``DatasetDict``
+    directory is read through its ``train`` split."""
     if cfg.tokenizer:
         tokenizer = open_tokenizer(cfg.tokenizer)
     sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)
@@ -285,25 +293,26 @@ def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData | ExampleData:
         return _from_source(source, cfg, f"stdlib-{fingerprint}", log, tokenizer)
     path = Path(cfg.path).expanduser()
     if not path.exists():
-        raise ConfigError(f"data path {str(path)!r} does not exist; give a text file, a directory, a .jsonl or a .bin token file")
+        raise ConfigError(f"data path {str(path)!r} does not exist; give a text file, a directory, a record file "
+                          "(.jsonl, .json, .parquet, a datasets directory) or a .bin token file")
     try:
         if path.suffix == ".bin" and path.is_file():
             return _load_bin(path, cfg, tokenizer)
+        path = dataset_split(path, TRAIN_SPLITS)
         fmt = cfg.format
-        if path.suffix == ".jsonl" and path.is_file() and fmt == "auto" and path.stat().st_size:
+        if is_record_file(path) and fmt == "auto" and (path.is_dir() or path.stat().st_size):
             fmt = detect_format(path)
         if fmt == "choice":
-            raise ConfigError(f"{path} holds multiple-choice lines (prompt, choices, answer): score them with "
-                              "leantrain eval; training takes text, instruct or chat lines")
+            raise ConfigError(f"{path} holds multiple-choice records (prompt, choices, answer): score them with "
+                              "leantrain eval; training takes text, instruct or chat records")
         if fmt in ("instruct", "chat"):
-            if path.suffix != ".jsonl" or not path.is_file():
-                raise ConfigError(f"data.format {fmt} reads a .jsonl file; {path} is not one")
+            if not is_record_file(path):
+                raise ConfigError(f"data.format {fmt} reads a record file (.jsonl, .json, .parquet or a datasets "
+                                  f"directory); {path} is not one")
             return _examples(path, fmt, cfg, tokenizer, log)
         source = user_source(path, log)
-        files = sorted(path.rglob("*")) if path.is_dir() else [path]
-        stats = [(str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
         fingerprint = hashlib.sha1(json.dumps(
-            [str(path.resolve()), stats, vocab_key, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
+            [str(path.resolve()), _file_stats(path), vocab_key, cfg.val_fraction, sample_mb]).encode()).hexdigest()[:12]
         return _from_source(source, cfg, f"user-{fingerprint}", log, tokenizer)
     except (PermissionError, IsADirectoryError, UnicodeDecodeError) as e:
         raise ConfigError(f"data {path} cannot be read ({e})") from None

@@ -1,6 +1,8 @@
-"""Instruction and chat examples: JSONL lines read, checked, rendered and tokenized with a loss mask.
+"""Instruction and chat examples: records read, checked, rendered and tokenized with a loss mask.
 
-Formats (``data.format``, or detected from the first line's fields):
+Records come from a ``.jsonl``, ``.json`` or ``.parquet`` file or a Hugging Face ``datasets``
+directory (:mod:`leantrain.data.records`). Formats (``data.format``, or detected from the first
+record's fields):
 
 - ``instruct``: ``{"prompt": str, "completion": str}`` (``"response"`` is read as the
   completion). Tokens: ``[bos] + encode(prompt) + encode(completion) + [eos]`` (bos / eos when the
@@ -15,8 +17,8 @@ Formats (``data.format``, or detected from the first line's fields):
   template for which the first is not a prefix of the second is refused.
 - multiple choice (``{"prompt", "choices", "answer"}``): read by ``leantrain eval`` only.
 
-With ``data.mask_prompt`` false every token is trained on. A malformed line is a ``ConfigError``
-naming the file, the line and what is missing.
+With ``data.mask_prompt`` false every token is trained on. A malformed record is a ``ConfigError``
+naming the file, the line (JSONL) or row (counted from 1) and what is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from leantrain.config import ConfigError
+from leantrain.data.records import is_record_file, read_jsonl, read_records
+
+__all__ = ["FORMATS", "ChatTemplate", "check_record", "detect_format", "encode_example", "example_texts",
+           "read_jsonl", "read_records", "record_format", "record_format_of", "records"]
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -34,7 +40,7 @@ FORMATS = ("text", "instruct", "chat", "choice")
 
 
 def record_format(rec: dict) -> str | None:
-    """The format a JSONL object's fields say: text, instruct, chat or choice (None: none of them)."""
+    """The format a record's fields say: text, instruct, chat or choice (None: none of them)."""
     if "messages" in rec:
         return "chat"
     if "choices" in rec:
@@ -46,40 +52,28 @@ def record_format(rec: dict) -> str | None:
     return None
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-blank line; ``ConfigError`` for a line that is not a JSON object."""
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except UnicodeDecodeError:
-                raise ConfigError(f"{path}:{i}: not UTF-8 text; JSONL needs one UTF-8 JSON object per line") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg}); JSONL needs one object per line") from None
-            if not isinstance(rec, dict):
-                raise ConfigError(f"{path}:{i}: each JSONL line needs a JSON object, got a {type(rec).__name__}")
-            yield i, rec
-
-
 def detect_format(path: Path) -> str:
-    """The format of a JSONL file from its first line's fields."""
-    for i, rec in read_jsonl(path):
+    """The format of a record file (``records.read_records``) from its first record's fields."""
+    for i, rec in read_records(path):
         fmt = record_format(rec)
         if fmt is None:
-            raise ConfigError(f"{path}:{i}: no known fields ({', '.join(sorted(rec)) or 'none'}); each JSONL line "
+            raise ConfigError(f"{path}:{i}: no known fields ({', '.join(sorted(rec)) or 'none'}); each record "
                               "needs a string field 'text', or 'prompt' and 'completion', or 'messages', or "
                               "'prompt', 'choices' and 'answer'")
         return fmt
-    raise ConfigError(f"data file {path} holds no JSON lines")
+    raise ConfigError(f"data file {path} holds no records")
+
+
+def record_format_of(path: Path) -> str:
+    """What ``path`` holds: the format of a record file (``records.is_record_file``), else ``"text"``."""
+    return detect_format(path) if is_record_file(path) else "text"
 
 
 def check_record(rec: dict, fmt: str, where: str) -> None:
     """``ConfigError`` naming ``where`` (file:line) and what is missing when ``rec`` is not a ``fmt`` line."""
     def need_str(obj: dict, key: str, what: str) -> None:
         if not isinstance(obj.get(key), str):
-            got = "missing" if key not in obj else f"a {type(obj[key]).__name__}"
+            got = "missing" if key not in obj else "null" if obj[key] is None else f"a {type(obj[key]).__name__}"
             raise ConfigError(f"{where}: {what} needs a string '{key}' ({got})")
 
     if fmt == "text":
@@ -111,8 +105,8 @@ def check_record(rec: dict, fmt: str, where: str) -> None:
 
 
 def records(path: Path, fmt: str) -> Iterator[tuple[int, dict]]:
-    """(line number, checked object) of every line of a ``fmt`` JSONL file."""
-    for i, rec in read_jsonl(path):
+    """(row number, checked object) of every record of a ``fmt`` record file (``records.read_records``)."""
+    for i, rec in read_records(path):
         check_record(rec, fmt, f"{path}:{i}")
         yield i, rec
 

@@ -13,7 +13,7 @@ cut to that (counted in a warning). Rows of ``seq_len`` pairs:
 - one example a row otherwise, padded at the end (a causal model's earlier positions do not see
   the padding, so no mask is needed).
 
-Examples are split into train and validation by a stable hash of their line number
+Examples are split into train and validation by a stable hash of their line (JSONL) or row number
 (``data.val_fraction``; a split left empty takes one example of the other). Batches are a pure
 function of (seed, step, micro-batch, rank), as :class:`leantrain.data.TokenData`'s are: the
 rows in a random order per epoch (seeded by seed and epoch), consecutive slices of it per batch.
@@ -112,7 +112,7 @@ def _is_val(line: int, fraction: float) -> bool:
 
 
 def load_examples(path: Path, fmt: str, cfg: DataConfig, tok, log) -> ExampleData:
-    """The examples of an instruct / chat JSONL file, tokenized with ``tok``, split and laid out in rows."""
+    """The examples of an instruct / chat record file, tokenized with ``tok``, split and laid out in rows."""
     template = ChatTemplate.of(tok) if fmt == "chat" else None
     if template is not None and template.default:
         log("note: the tokenizer has no chat template; rendering chats with leantrain's default "

@@ -1,10 +1,12 @@
 """What a data path holds: text documents streamed from disk, or a checked file of token ids.
 
+Documents are text files, or the ``text`` field of each record of a record file (``.jsonl``,
+``.json``, ``.parquet`` or a Hugging Face ``datasets`` directory: :mod:`leantrain.data.records`).
 Every input that cannot be trained on is refused with a ``ConfigError`` of one sentence
 naming the file and what to do: binary files (magic numbers, NUL bytes, invalid UTF-8
-in the first 64 KiB), tables (``.csv``, ``.parquet``, ``.arrow``), a ``.bin`` without
-its vocabulary size or with ids beyond it, a directory mixing text and ``.bin`` files,
-JSONL lines that are not objects with a string ``text``.
+in the first 64 KiB), tables that are not record files (``.csv``, ``.tsv``, a lone ``.arrow``),
+a ``.bin`` without its vocabulary size or with ids beyond it, a directory mixing text and
+``.bin`` files, records that are not objects with a string ``text``.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from leantrain.config import ConfigError
-from leantrain.data.examples import read_jsonl
+from leantrain.data.records import is_dataset_dir, is_record_file, read_records
 from leantrain.data.stream import file_pieces, safe_pieces
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
 SNIFF_BYTES = 64 * 1024
-_FORMATS = "a UTF-8 text file, a directory of them, a .jsonl file with a 'text' field per line, or a .bin of token ids"
+_FORMATS = ("a UTF-8 text file, a directory of them, a .jsonl, .json or .parquet file or a datasets directory of "
+            "records with a 'text' field, or a .bin of token ids")
 _MAGIC = {
     b"PK\x03\x04": "a zip archive", b"\x1f\x8b": "gzip-compressed", b"BZh": "bzip2-compressed",
     b"\xfd7zXZ\x00": "xz-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed", b"7z\xbc\xaf\x27\x1c": "a 7z archive",
@@ -31,8 +34,7 @@ _MAGIC = {
     b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image", b"%PDF": "a PDF document",
     b"\x7fELF": "an ELF executable",
 }
-_TABLE_SUFFIXES = {".csv": "a CSV table", ".tsv": "a TSV table", ".parquet": "a Parquet file",
-                   ".arrow": "an Arrow file", ".feather": "an Arrow file", ".npy": "a NumPy array",
+_TABLE_SUFFIXES = {".csv": "a CSV table", ".tsv": "a TSV table", ".arrow": "an Arrow file", ".feather": "an Arrow file", ".npy": "a NumPy array",
                    ".npz": "a NumPy archive", ".safetensors": "a safetensors file", ".pt": "a PyTorch file"}
 _BIN_DTYPES = ("uint16", "uint32")
 
@@ -59,8 +61,11 @@ def refuse_non_text(path: Path) -> None:
     if what is None:
         return
     hint = ("decompress it first" if "compressed" in what or "archive" in what else
-            "export its text to a .jsonl file with one {\"text\": ...} per line" if "table" in what or "Parquet" in what
-            or "Arrow" in what else f"give {_FORMATS}")
+            "name it .parquet to read its rows as records" if "Parquet" in what else
+            "give the directory Dataset.save_to_disk wrote (with dataset_info.json and state.json) or export its "
+            "rows to a .jsonl, .json or .parquet file" if "Arrow" in what else
+            "export its rows to a .jsonl, .json or .parquet file of records ({\"text\": ...}, {\"prompt\", "
+            "\"completion\"} or {\"messages\"})" if "table" in what else f"give {_FORMATS}")
     not_text = "" if what.startswith("not UTF-8") else ", not text"
     raise ConfigError(f"data file {path} is {what}{not_text}: {hint}")
 
@@ -70,7 +75,7 @@ def refuse_non_text(path: Path) -> None:
 
 @dataclass
 class Doc:
-    """One document: a text file streamed in pieces, or a text in memory (a JSONL line)."""
+    """One document: a text file streamed in pieces, or a text in memory (a record's ``text``)."""
 
     name: str
     path: Path | None = None
@@ -93,32 +98,37 @@ class Doc:
 class Source:
     """The documents of a corpus, in order, iterable any number of times without holding the text."""
 
-    def __init__(self, describe: str, docs: list[Doc] | None = None, jsonl: Path | None = None):
-        self.describe, self._docs, self._jsonl = describe, docs, jsonl
+    def __init__(self, describe: str, docs: list[Doc] | None = None, records: Path | None = None):
+        self.describe, self._docs, self._records = describe, docs, records
 
     def documents(self) -> Iterator[Doc]:
-        if self._jsonl is None:
+        if self._records is None:
             yield from self._docs
         else:
-            yield from _jsonl_docs(self._jsonl)
+            yield from _record_docs(self._records)
 
 
-def _jsonl_docs(path: Path) -> Iterator[Doc]:
-    for i, rec in read_jsonl(path):
+def _record_docs(path: Path) -> Iterator[Doc]:
+    """A document per record of a record file: its ``text``, named by its row (``line{row - 1}``)."""
+    each = "each JSONL line" if path.suffix == ".jsonl" else "each record"
+    for i, rec in read_records(path):
         if not isinstance(rec.get("text"), str):
-            raise ConfigError(f"{path}:{i}: each JSONL line needs a string field 'text'")
+            raise ConfigError(f"{path}:{i}: {each} needs a string field 'text'")
         yield Doc(f"line{i - 1}", text=rec["text"])
 
 
 def user_source(path: Path, log) -> Source:
-    """The documents of a user's text file, directory of text files or JSONL file."""
+    """The documents of a user's text file, directory of text files, or record file of ``{"text"}``."""
+    if is_dataset_dir(path):
+        return Source(str(path), records=path)
     if path.is_dir():
         return _directory_source(path, log)
     if path.stat().st_size == 0:
         raise ConfigError(f"data file {path} is empty; give {_FORMATS}")
-    refuse_non_text(path)
-    if path.suffix == ".jsonl":
-        return Source(str(path), jsonl=path)
+    if path.suffix.lower() != ".parquet":
+        refuse_non_text(path)
+    if is_record_file(path):
+        return Source(str(path), records=path)
     return Source(str(path), [Doc(path.name, path=path)])
 
 

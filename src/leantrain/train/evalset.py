@@ -2,7 +2,8 @@
 
 - :class:`SplitEval`: ``train.eval_batches`` batches of the data's validation split (the
   ``data.val_fraction`` held out), the mean loss;
-- :class:`RowsEval`: every row of a held-out file (``data.eval_path``): text cut into windows of
+- :class:`RowsEval`: every row of a held-out file (``data.eval_path``; a record file as training
+  reads one, a ``DatasetDict`` directory through its validation or test split): text cut into windows of
   ``data.seq_len + 1`` tokens overlapping by one, or instruct / chat examples as training lays them
   out; the loss per predicted token, over the whole file;
 - :class:`ChoiceEval`: multiple-choice lines ``{"prompt", "choices", "answer"}`` scored as
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 
 from leantrain.config import Config, ConfigError
 from leantrain.data import tasks
-from leantrain.data.examples import ChatTemplate, detect_format, encode_example, records
+from leantrain.data.examples import ChatTemplate, encode_example, record_format_of, records
 from leantrain.data.packing import Rows, pack_rows
+from leantrain.data.records import EVAL_SPLITS, dataset_split
 from leantrain.data.sources import user_source
 
 
@@ -172,7 +174,8 @@ def for_run(cfg: Config, data, *, rank: int, world: int, device):
     if tok is None:
         raise ConfigError("data.eval_path needs a tokenizer; the training data is pre-tokenized .bin tokens "
                           "(pass --data.tokenizer)")
-    fmt = detect_format(path) if path.suffix == ".jsonl" and path.is_file() else "text"
+    path = dataset_split(path, EVAL_SPLITS)
+    fmt = record_format_of(path)
     if fmt == "choice":
         return ChoiceEval(path, tok, rank=rank, world=world, device=device)
     if fmt in ("instruct", "chat"):

@@ -6,15 +6,17 @@
 
 ``--from``: :mod:`leantrain.train.init_from` (an HF directory, a run or a checkpoint directory).
 
-Scoring (:func:`evaluate`), by what ``--data`` holds:
+Scoring (:func:`evaluate`), by what ``--data`` holds: a text file or directory, or records in a
+``.jsonl``, ``.json`` or ``.parquet`` file or a Hugging Face ``datasets`` directory
+(:mod:`leantrain.data.records`; a ``DatasetDict`` directory through its validation, else test, split):
 
-- text (a text file, a directory of them, ``{"text"}`` JSONL): the documents' tokens, each
+- text (a text file, a directory of them, ``{"text"}`` records): the documents' tokens, each
   followed by the end-of-text id, cut into windows of ``seq_len + 1`` tokens that overlap by one
   (every token after the first is predicted once, from at most ``seq_len`` tokens before it
   within its window);
-- instruct / chat JSONL: the examples as training sees them (:mod:`leantrain.data.packing`, one
+- instruct / chat records: the examples as training sees them (:mod:`leantrain.data.packing`, one
   example a row), the loss on their completion / assistant tokens only;
-- multiple choice (``{"prompt", "choices", "answer"}`` JSONL, ``answer`` the index or the text of
+- multiple choice (``{"prompt", "choices", "answer"}`` records, ``answer`` the index or the text of
   the right choice): as lm-eval-harness scores such tasks, each choice's log-likelihood is the
   sum of the log-probabilities of its tokens after the prompt (the tokens of ``prompt + choice``
   beyond those of ``prompt``; no bos added; a prompt of no tokens is preceded by the end-of-text
@@ -34,7 +36,8 @@ from pathlib import Path
 import torch
 
 from leantrain.config import ConfigError
-from leantrain.data.examples import detect_format
+from leantrain.data.examples import record_format_of
+from leantrain.data.records import EVAL_SPLITS, dataset_split
 from leantrain.model import Llama
 from leantrain.train.evalset import ChoiceEval, RowsEval, example_rows, text_rows
 from leantrain.train.init_from import open_source
@@ -65,7 +68,8 @@ def evaluate(source: str, data: str, *, out: str | Path | None = None, seq_len: 
     if not path.exists():
         raise ConfigError(f"--data {data} does not exist")
     seq_len = min(seq_len or 2048, model.cfg.max_seq_len)
-    fmt = detect_format(path) if path.suffix == ".jsonl" and path.is_file() else "text"
+    path = dataset_split(path, EVAL_SPLITS)
+    fmt = record_format_of(path)
     with torch.no_grad():
         if fmt == "choice":
             result = ChoiceEval(path, tok, device=dev).score(model)
