@@ -280,7 +280,8 @@ def _close_process_group(ok: bool) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``leantrain`` command line: one sub-command a verb (config fields are parsed apart)."""
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -325,26 +326,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
     p.add_argument("--config", help="TOML file of config overrides")
     p.set_defaults(steps=None, data=None)
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+COMMANDS = {"train": cmd_train, "compare": cmd_compare, "finetune": cmd_finetune, "export": cmd_export,
+            "eval": cmd_eval, "generate": cmd_generate, "config": cmd_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(argv)
     ok = False
     try:
-        if args.command == "train":
-            ok = cmd_train(args, rest) == 0
-            return 0 if ok else 1
-        if args.command == "compare":
-            return cmd_compare(args, rest)
-        if args.command == "finetune":
-            ok = cmd_finetune(args, rest) == 0
-            return 0 if ok else 1
-        if args.command == "export":
-            return cmd_export(args, rest)
-        if args.command in ("eval", "generate") and rest:
+        if args.command in ("eval", "generate", "export") and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)}; see leantrain {args.command} --help")
-        if args.command == "eval":
-            return cmd_eval(args, rest)
-        if args.command == "generate":
-            return cmd_generate(args, rest)
-        return cmd_config(args, rest)
+        ok = COMMANDS[args.command](args, rest) == 0
+        return 0 if ok else 1
     except (ConfigError, CheckpointError) as e:
         print(f"leantrain: error: {e}", file=sys.stderr)
         return 2
