@@ -12,6 +12,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "src
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--grid-out", default=None, help="tests/test_grid.py: write the compatibility grid to this file")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Tokenizers and token caches of tests go to one temporary directory per session."""

@@ -232,3 +232,18 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumes(tmp_path
     assert rc == 0, text
     assert f"skipping checkpoint {newest}" in text and "truncated" in text
     assert "resumed from" in text and "step_0000005" in text
+
+
+@pytest.mark.parametrize("recipe", [{"agoq.enabled": "true"}, {"agoq.enabled": "true", "forge.enabled": "true"}],
+                         ids=["agoq", "forge+agoq"])
+def test_agoq_resume_is_bit_identical(tmp_path, corpus, recipe):
+    """AGoQ's stochastic rounding continues where the checkpoint left it (its noise counter is in the
+    checkpoint, its salt the rank's), whatever ran in the process before."""
+    from safetensors.torch import load_file
+
+    base = {"train.eval_every": "0", "train.ckpt_every": "2", **recipe}
+    Trainer(tiny_config(corpus, **base, **{"train.steps": "4"}), tmp_path / "a").fit()
+    Trainer(tiny_config(corpus, **base, **{"train.steps": "2"}), tmp_path / "b").fit()
+    Trainer(tiny_config(corpus, **base, **{"train.steps": "4"}), tmp_path / "b", resume=True).fit()
+    wa, wb = (load_file(str(tmp_path / d / "checkpoints" / "step_0000004" / "model.safetensors")) for d in "ab")
+    assert {k: float((wa[k] - wb[k]).abs().max()) for k in wa if not torch.equal(wa[k], wb[k])} == {}

@@ -44,7 +44,8 @@ def quantize_activations(model: nn.Module, policy: Policy | None = None, *, stag
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, Packer] = weakref.WeakKeyDictionary()
 
 
-def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0, replay: bool = True) -> Packer:
+def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0, replay: bool = True,
+          salt: int | None = None) -> Packer:
     """Persistent AGoQ: every forward of ``model`` packs what it saves; returns the
     :class:`~leantrain.agoq.packer.Packer` (its ``stats``, ``summary()``). Undo with :func:`remove`.
 
@@ -52,7 +53,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0, rep
     outside the model's forward is not packed (leantrain's Llama computes it inside). The
     model's own role (``logits``: the loss) is the base role. ``replay``: forwards with a
     signature seen before follow its recorded plan without the role hooks
-    (:mod:`leantrain.agoq.replay`). Applying an equal policy at the same stage and replay
+    (:mod:`leantrain.agoq.replay`). ``salt``: the rounding noise's (:class:`Packer`). Applying an equal policy at the same stage and replay
     setting again returns the packer already attached (its plans and counts kept); anything
     else replaces it.
     """
@@ -61,7 +62,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, stage: int = 0, rep
     if current is not None and current.policy == policy and current.stage == stage and current.replay == replay:
         return current
     remove(model)
-    pk = Packer(model, policy, stage=stage)
+    pk = Packer(model, policy, stage=stage, salt=salt)
     pk.attach(replay=replay)
     _APPLIED[model] = pk
     return pk

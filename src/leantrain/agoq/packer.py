@@ -86,6 +86,8 @@ class Packer(ReplayMixin, DeriveMixin):
     ``batch_devices`` / ``batch_backend``: where 4/8-bit saves go through :class:`PackBatch`
     (CUDA; tests add "cpu" with the Triton interpreter) and the ops backend the batches use.
     ``max_plans``: recorded forwards kept for replay (one per signature; see the module docstring).
+    ``salt``: mixed into the rounding noise's seed with ``policy.seed`` (None: a fresh one per packer
+    of the process; a run passes its own, so that its noise does not depend on what ran before it).
     """
 
     batch_devices: tuple[str, ...] = ("cuda",)
@@ -93,7 +95,7 @@ class Packer(ReplayMixin, DeriveMixin):
     max_plans: int = 8
 
     def __init__(self, model: nn.Module, policy: Policy | None = None, *, stage: int = 0,
-                 record: bool = False):
+                 record: bool = False, salt: int | None = None):
         self.model = model
         self.policy = policy or Policy()
         self.stage = stage
@@ -112,7 +114,7 @@ class Packer(ReplayMixin, DeriveMixin):
         self._dedup: dict = {}
         self._static: set[int] = set()
         self._n = 0
-        self._salt = next(_PACKERS)
+        self._salt = next(_PACKERS) if salt is None else salt
         self._base_seed = _mix(self.policy.seed, self._salt)  # tensor n: base + n * golden (mod 2**63)
         # open batches by (symmetry, word path): 4-bit 16-bit floats apart from the rest (8-bit, fp32),
         # so each flush is one launch of one compiled path (a mixed batch launched two); each
@@ -155,6 +157,14 @@ class Packer(ReplayMixin, DeriveMixin):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def state_dict(self) -> dict:
+        """Where the rounding noise is: the count of tensors packed so far (a resumed run continues
+        the noise of an uninterrupted one)."""
+        return {"tensors_packed": self._n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._n = int(state["tensors_packed"])
 
     def attach(self, *, replay: bool = True) -> None:
         """Persistent packing (:func:`leantrain.agoq.apply`): open at the start of every

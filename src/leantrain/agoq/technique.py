@@ -44,6 +44,7 @@ class Agoq(Technique):
         a = run.cfg.agoq
         self.policy = Policy.from_config(a) if a.enabled else None
         self.packer = None  # applied at the first training forward (after the optimizer and DDP exist)
+        self.resumed_noise: dict | None = None  # a checkpoint's packer state, for the packer to come
         self.grad_acc = None
         if a.grad_bits == 8:
             self.grad_acc = Int8GradAccumulator(list(run.model.parameters()))
@@ -53,7 +54,11 @@ class Agoq(Technique):
         step would cost host time. Forwards under ``no_grad`` save nothing."""
         if self.policy is not None and self.packer is None:
             a = self.run.cfg.agoq
-            self.packer = apply(self.run.model, self.policy, stage=a.pipeline_stage, replay=a.replay)
+            # the noise's salt: the rank (the same run draws the same noise, whatever ran before it)
+            self.packer = apply(self.run.model, self.policy, stage=a.pipeline_stage, replay=a.replay,
+                                salt=self.run.rank)
+            if self.resumed_noise is not None:
+                self.packer.load_state_dict(self.resumed_noise)
 
     def after_micro_batch(self) -> None:
         if self.grad_acc is not None:
@@ -65,6 +70,16 @@ class Agoq(Technique):
 
     def grad_buffers(self) -> list:
         return self.grad_acc.tensors() if self.grad_acc is not None else []
+
+    def state_dict(self) -> dict:
+        if self.packer is not None:
+            return {"packer": self.packer.state_dict()}
+        return {"packer": self.resumed_noise} if self.resumed_noise is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resumed_noise = state.get("packer")
+        if self.packer is not None and self.resumed_noise is not None:
+            self.packer.load_state_dict(self.resumed_noise)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
