@@ -321,7 +321,8 @@ TABLES: dict[str, list[tuple]] = {
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge"], "docs/agoq.md": ["agoq"],
          "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape"], "docs/gift.md": ["gift"],
-         "docs/chunkft.md": ["chunkft"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"]}
+         "docs/chunkft.md": ["chunkft"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
+         "docs/compatibility.md": ["grid"]}
 
 
 def link(page: str, rel: str) -> str:
@@ -329,7 +330,30 @@ def link(page: str, rel: str) -> str:
     return f"[`{rel}`]({base}{rel})"
 
 
+def grid_table(page: str) -> str:
+    """The compatibility grid of the newest ``grid/*_cpu.json`` (tests/test_grid.py writes it): ✓ where
+    the cell's test passes, else a numbered note with the sentence the user gets."""
+    rel = sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.glob("grid/*_cpu.json"))[-1]
+    data = load(rel)
+    cols, notes = data["columns"], {}
+    lines = ["| recipe | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for recipe, row in data["grid"].items():
+        cells = []
+        for c in cols:
+            if row[c] == "ok":
+                cells.append("✓")
+            else:
+                n = notes.setdefault(row[c], len(notes) + 1)
+                cells.append(f"✗ {n}")
+        lines.append(f"| {recipe} | " + " | ".join(cells) + " |")
+    lines += ["", f"From {link(page, rel)} (`{data['command']}`). What a ✗ says:", ""]
+    lines += [f"{n}. {msg}" for msg, n in notes.items()]
+    return "\n".join(lines)
+
+
 def table(name: str, page: str) -> str:
+    if name == "grid":
+        return grid_table(page)
     cache: dict[str, dict] = {}
     lines = ["| what | measured | target | from |", "|---|---|---|---|"]
     for what, fn, target, rel in TABLES[name]:

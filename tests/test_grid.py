@@ -145,10 +145,16 @@ def cell(recipe: str, column: str, corpus, tmp: Path, hf_dirs: dict) -> str:
     try:
         _check(recipe, column, corpus, tmp, hf_dirs)
     except (ConfigError, CheckpointError) as e:
-        return str(e)
+        return _plain(str(e), tmp)
     except Exception as e:  # noqa: BLE001  (a failure is a cell too: the grid shows it)
-        return f"fails: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else traceback.format_exc(limit=1)}"
+        return _plain(f"fails: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else traceback.format_exc(limit=1)}",
+                      tmp)
     return OK
+
+
+def _plain(message: str, tmp: Path) -> str:
+    """The message without this machine's directories (the run directory reads ``RUN``)."""
+    return message.replace(str(tmp / "run"), "RUN").replace(str(tmp), "RUN")
 
 
 def _resume_elsewhere(rank: int, recipe: str, corpus, tmp: Path) -> str:
@@ -159,9 +165,9 @@ def _resume_elsewhere(rank: int, recipe: str, corpus, tmp: Path) -> str:
     try:
         _fit(corpus, tmp / "run", over)
     except ConfigError as e:
-        return str(e)
+        return _plain(str(e), tmp)
     except Exception as e:  # noqa: BLE001
-        return f"fails: {type(e).__name__}: {e}"
+        return _plain(f"fails: {type(e).__name__}: {e}", tmp)
     return OK
 
 
@@ -208,9 +214,9 @@ def _resume_on_one(recipe: str, corpus, where: Path) -> str:
     try:
         _fit(corpus, where / "run", {**over, "train.steps": "4"}, resume=True)
     except ConfigError as e:
-        return str(e)
+        return _plain(str(e), where)
     except Exception as e:  # noqa: BLE001
-        return f"fails: {type(e).__name__}: {e}"
+        return _plain(f"fails: {type(e).__name__}: {e}", where)
     return OK
 
 
@@ -232,7 +238,9 @@ def test_the_grid_is_the_committed_one(corpus, tmp_path, hf_dirs, request):
     out = request.config.getoption("--grid-out")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"columns": list(COLUMNS), "grid": grid}, indent=1, ensure_ascii=False) + "\n")
+        command = f"python -m pytest tests/test_grid.py --grid-out {Path(out).resolve().relative_to(RESULTS.parents[2])}"
+        Path(out).write_text(json.dumps({"command": command, "columns": list(COLUMNS), "grid": grid}, indent=1,
+                                        ensure_ascii=False) + "\n")
         return
     files = sorted(RESULTS.glob("*_cpu.json"))
     assert files, f"no committed grid in {RESULTS}; write one with --grid-out"
