@@ -6,14 +6,13 @@ matmul over all tokens; the loss means likewise): fp32 rounding, a few ulps of t
 SGD + momentum (lr 0.05) that moves the weights by ~lr · 1e-7 · |g| a step, so after 3 steps
 ``max |ΔW| / max |W| <= 1e-6`` (the tolerance of FORGE's exactness statement, docs/forge.md).
 bf16 buffers round each partial sum to bf16 (relative 2^-9, a few times): the weights' change
-over the run then agrees within 2 % of its size (``‖Δ_acc − Δ_big‖ / ‖Δ_big‖``). Against the
-reference optimizer accumulating in fp32 ``.grad`` (autograd adds the micro-batches' dW in the
+over the run then agrees within 1 % of its size (``‖Δ_acc − Δ_big‖ / ‖Δ_big‖``; 0.2 % measured).
+Against the reference optimizer accumulating in fp32 ``.grad`` (autograd adds the micro-batches' dW in the
 same order as the fp32 buffer) the tolerance is the same 1e-6, with AdamW.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -93,7 +92,7 @@ def test_bf16_buffers_close_to_one_big_batch():
     (m_acc, _, _), (m_big, _, _) = _pair(_sgd(), backend="torch", accum_dtype="bf16")
     for (n, a), (_, b), p0 in zip(m_acc.named_parameters(), m_big.named_parameters(), m0.parameters()):
         moved = (b - p0).norm()
-        assert (a - b).norm() <= 0.02 * moved + 1e-12, n
+        assert (a - b).norm() <= 0.01 * moved + 1e-12, n
 
 
 def test_forge_accumulation_equals_reference_optimizer_accumulation():

@@ -9,7 +9,9 @@ their ``.grad`` and closes the step (norms for ``clip="prev_global"`` / ``"est_g
 report).
 
 Per layer, in backward (``update_layer``):
-1. gradient-accumulation guard (a layer updated twice before ``step()`` is an error);
+1. gradient accumulation: with ``grad_accum > 1``, the backwards of a step's first micro-batches
+   add dW into the layer's accumulation buffer and stop here (:mod:`.accumulate`); otherwise a
+   layer updated twice before ``step()`` is an error;
 2. dW: fused into the Triton kernel's tile loop (nothing materialized), or, when it must be
    seen whole first (data parallel all-reduce, ``clip="layer"`` / ``"est_global"``, the torch backend, or
    the split path on CUDA, :mod:`leantrain.forge.dispatch`), computed into one reused fp32
@@ -21,6 +23,7 @@ No host synchronization: flags and norms stay on the device until someone reads
 ``last_nonfinite`` / ``last_grad_norm``.
 
 The class is assembled from one file per part: the per-layer paths (:mod:`.layer_update`),
+gradient accumulation (:mod:`.accumulate`),
 ``step()`` and the non-fused parameters (:mod:`.rest`), CUDA-graph capture (:mod:`.capture`),
 the gradient norms and clip scales (:mod:`.gradsums`); ``attach`` / ``detach`` are in :mod:`.attach`.
 """
