@@ -13,6 +13,7 @@ same order as the fp32 buffer) the tolerance is the same 1e-6, with AdamW.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -152,22 +153,82 @@ def test_too_many_micro_batches_and_a_layer_missing_from_the_last_one():
         opt.step()
 
 
+class _SameRows:
+    """The trainer's data, a micro-batch of ``B`` rows being rows ``micro·B ..`` of the step's batch
+    of ``k·B`` rows: accumulation and the big batch see the same rows."""
+
+    def __init__(self, data, k: int):
+        self.data, self.k = data, k
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def batch(self, split, seq_len, batch_size, *, micro=0, **kw):
+        x, y = self.data.batch(split, seq_len, batch_size * self.k, micro=0, **kw)
+        rows = slice(micro * batch_size, (micro + 1) * batch_size)
+        return x[rows], y[rows]
+
+
 @pytest.mark.slow
-def test_trainer_accumulation_loss_matches_one_big_batch(corpus, tmp_path):
-    """50 steps of the tiny preset, FORGE fp32: 4 micro-batches of 1 row against one batch of 4
-    rows (other rows drawn: the data is indexed by micro-batch). The mean loss of the last 10
-    steps agrees within 0.5 %."""
-    steps = {"train.steps": "50", "train.eval_every": "0", "train.ckpt_every": "0", "forge.enabled": "true"}
+@pytest.mark.parametrize("accum_dtype", ["bf16", "fp32"])
+def test_trainer_accumulation_loss_matches_one_big_batch(corpus, tmp_path, accum_dtype):
+    """50 steps of the tiny preset with FORGE: 4 micro-batches of 1 row against one batch of the
+    same 4 rows. The mean training loss agrees within 0.5 % (over all 50 steps and over the last
+    10; measured: bf16 buffers 0.99999 / 1.00005, fp32 1.00000 / 1.00000)."""
+    from leantrain.train.trainer import Trainer
 
-    def mean_loss(out, **extra):
-        from leantrain.train.trainer import Trainer
+    steps = {"train.steps": "50", "train.eval_every": "0", "train.ckpt_every": "0", "forge.enabled": "true",
+             "forge.accum_dtype": accum_dtype}
 
-        Trainer(tiny_config(corpus, **steps, **extra), out).fit()
+    def losses(out, k, batch):
+        tr = Trainer(tiny_config(corpus, **steps, **{"data.batch_size": str(batch), "data.grad_accum": str(k)}), out)
+        tr.data = _SameRows(tr.data, k)
+        tr.fit()
         rows = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 50
-        return sum(rows[-10:]) / 10
+        return rows
 
-    accumulated = mean_loss(tmp_path / "acc", **{"data.batch_size": "1", "data.grad_accum": "4"})
-    big = mean_loss(tmp_path / "big", **{"data.batch_size": "4", "data.grad_accum": "1"})
-    print(f"loss ratio accumulated / big batch: {accumulated / big:.5f}")
-    assert abs(accumulated / big - 1) <= 0.005
+    acc, big = losses(tmp_path / "acc", 4, 1), losses(tmp_path / "big", 1, 4)
+    for part in (slice(None), slice(-10, None)):
+        ratio = sum(acc[part]) / sum(big[part])
+        assert abs(ratio - 1) <= 0.005
+
+
+def test_state_dict_resume_between_steps_is_bit_identical():
+    """A checkpoint is taken after a full step: resuming from it continues the accumulation run
+    bit for bit."""
+    data = _data(2)
+    m_a = _model()
+    o_a = lt.forge.attach(m_a, _sgd(), backend="torch", grad_accum=K)
+    _run(m_a, o_a, data[:1], K)
+    saved_model, saved_opt = copy.deepcopy(m_a.state_dict()), copy.deepcopy(o_a.state_dict())
+    _run(m_a, o_a, data[1:], K)
+    m_b = _model(seed=5)
+    o_b = lt.forge.attach(m_b, _sgd(), backend="torch", grad_accum=K)
+    m_b.load_state_dict(saved_model)
+    o_b.load_state_dict(saved_opt)
+    _run(m_b, o_b, data[1:], K)
+    for (n, a), (_, b) in zip(m_a.named_parameters(), m_b.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def _dp_worker(rank, world):
+    """Each rank: its half of every batch in K micro-batches; FORGE reduces the summed gradient once."""
+    model = _model()
+    opt = lt.forge.attach(model, _sgd(), backend="torch", grad_accum=K, accum_dtype="fp32")
+    assert opt.dp_group is not None
+    _run(model, opt, [batch.chunk(world)[rank] for batch in _data()], K)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_data_parallel_accumulation_equals_one_process_big_batch():
+    from dist_utils import run_distributed
+
+    results = run_distributed(_dp_worker, world_size=2)
+    model = _model()
+    opt = lt.forge.attach(model, _sgd(), backend="torch", dp_group=False)
+    _run(model, opt, _data(), 1)
+    for n, p in model.named_parameters():
+        for r in results:
+            assert max_rel(r[n], p) <= 1e-6, n

@@ -363,6 +363,8 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
         for layer in self.layers:
             layer.updated_in = -1
         self._last_update_sid = -1
+        self._micro = 0  # (a checkpoint is taken after a full step: nothing accumulated)
+        self._filled.clear()
 
 
 def _listed_groups(param_groups, rule: Rule, trainable: set[int]) -> dict[int, int]:
