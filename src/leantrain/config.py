@@ -209,6 +209,7 @@ class ForgeConfig:
     # fused tile loop), split (cuBLAS dW into one reused buffer + the update kernel), ws (the
     # warp-specialized fused kernel, Hopper)
     kernel: Literal["auto", "tiles", "split", "ws"] = "auto"
+    accum_dtype: Literal["bf16", "fp32"] = "bf16"  # data.grad_accum > 1: each fused layer's gradient sum (docs/forge.md)
 
 
 @dataclass

@@ -15,8 +15,8 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
            grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None,
            ws_tokens: int | None = WS_TOKENS, fast_math: bool = False, kernel: KernelChoice = "auto",
-           rest_buckets: bool = True) -> ForgeOptimizer:
-    """Fuse the optimizer step into the backward of every linear layer of ``model``. (About 90
+           rest_buckets: bool = True, grad_accum: int = 1, accum_dtype: str = "bf16") -> ForgeOptimizer:
+    """Fuse the optimizer step into the backward of every linear layer of ``model``. (About 100
     lines, most of them this docstring: every keyword is documented here.)
 
     Args:
@@ -96,12 +96,19 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             (norm weights and biases) that share a dtype, state kinds, param group and step count in
             one update launch over their concatenation (the same bits as one launch each); False:
             one launch a parameter.
+        grad_accum: micro-batches a step accumulates over. With ``k > 1``, call
+            ``opt.before_micro_batch()`` before each micro-batch's forward: the backwards of the
+            first ``k - 1`` micro-batches since the last ``step()`` add each layer's dW into the
+            layer's accumulation buffer, the k-th adds that sum to its own dW and updates (the split
+            path, :mod:`leantrain.forge.accumulate`); divide each micro-batch's loss by ``k``.
+        accum_dtype: the accumulation buffers' dtype, ``"bf16"`` (2 bytes a fused parameter) or
+            ``"fp32"`` (4 bytes: the sum as one big batch's gradient, up to summation order).
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
                           overlap=overlap, param_groups=param_groups, ws_tokens=ws_tokens, fast_math=fast_math,
-                          kernel=kernel, rest_buckets=rest_buckets)
+                          kernel=kernel, rest_buckets=rest_buckets, grad_accum=grad_accum, accum_dtype=accum_dtype)
 
 
 def detach(model: nn.Module) -> None:

@@ -25,7 +25,8 @@ CPU (interpreter)      tiles           no cuBLAS there to win
 =====================  ==============  ====================================================
 
 Whatever the choice, a layer whose dW must be seen whole first (data parallelism, ``clip``
-``"layer"`` / ``"est_global"``, a ``fill`` caller, the torch backend) materializes it (``split``);
+``"layer"`` / ``"est_global"``, a ``fill`` caller, the torch backend, a gradient accumulated over
+the step's earlier micro-batches to add to it) materializes it (``split``);
 ``ws`` also needs what :func:`ws_fits` checks, else ``split``.
 """
 

@@ -83,7 +83,8 @@ class LayerUpdateMixin:
 
     def _path(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> str:
         """The layer's path on the Triton backend (:func:`leantrain.forge.dispatch.choose_path`)."""
-        must = fill is not None or self.dp_group is not None or self.clip in ("layer", "est_global")
+        must = (fill is not None or self.dp_group is not None or self.clip in ("layer", "est_global")
+                or layer.slot in self._filled)  # (an accumulated gradient is added to dW: forge/accumulate.py)
         tokens = 0 if x2 is None else x2.shape[0]
         ws_ok = False
         wants_ws = self.kernel == "ws" or (self.kernel == "auto" and self.ws_tokens is not None
@@ -128,15 +129,19 @@ class LayerUpdateMixin:
             self._side_busy = False
             self._workspace.joined()
 
-    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1):
+    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1, reduce=True):
         """dW (and db) of one layer in the reused workspace (``ring`` buffers a dtype taking turns:
-        the updates run on a side stream), reduced over the DP group."""
+        the updates run on a side stream), plus the layer's accumulated gradient of the step's
+        earlier micro-batches (if any), reduced over the DP group (``reduce``; an accumulating
+        micro-batch does not reduce)."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
+        acc = layer.slot in self._filled
         # grad_dtype="bf16": dW of bf16 inputs as the bf16 matmul gives it (torch's bf16 backward's
-        # precision), half the workspace traffic; the Triton update reads it in fp32
+        # precision), half the workspace traffic; the Triton update reads it in fp32 (with
+        # grad_accum > 1: fp32, to which the accumulated gradient is added)
         low = (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
-               and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
+               and self.grad_accum == 1 and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
         buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
                                   torch.bfloat16 if low else torch.float32, ring)
         g = buf[: n * k].view(n, k)
@@ -156,7 +161,9 @@ class LayerUpdateMixin:
                 torch.sum(dy2, 0, dtype=torch.float32, out=gb)
         if not done:  # the kernel in "write dW" mode: fp32 accumulation, no upcast copies
             K.launch_forge(K.MODE_WRITE_DW, x=x2.contiguous(), dy=dy2.contiguous(), g=g, gb=gb)
-        if self.dp_group is not None:
+        if acc and reduce:
+            self._add_accumulated(layer, buf)
+        if reduce and self.dp_group is not None:
             self._dp_average(buf)
         return buf, g, gb
 

@@ -9,7 +9,9 @@ their ``.grad`` and closes the step (norms for ``clip="prev_global"`` / ``"est_g
 report).
 
 Per layer, in backward (``update_layer``):
-1. gradient-accumulation guard (a layer updated twice before ``step()`` is an error);
+1. gradient accumulation: with ``grad_accum > 1``, the backwards of a step's first micro-batches
+   add dW into the layer's accumulation buffer and stop here (:mod:`.accumulate`); otherwise a
+   layer updated twice before ``step()`` is an error;
 2. dW: fused into the Triton kernel's tile loop (nothing materialized), or, when it must be
    seen whole first (data parallel all-reduce, ``clip="layer"`` / ``"est_global"``, the torch backend, or
    the split path on CUDA, :mod:`leantrain.forge.dispatch`), computed into one reused fp32
@@ -21,6 +23,7 @@ No host synchronization: flags and norms stay on the device until someone reads
 ``last_nonfinite`` / ``last_grad_norm``.
 
 The class is assembled from one file per part: the per-layer paths (:mod:`.layer_update`),
+gradient accumulation (:mod:`.accumulate`),
 ``step()`` and the non-fused parameters (:mod:`.rest`), CUDA-graph capture (:mod:`.capture`),
 the gradient norms and clip scales (:mod:`.gradsums`); ``attach`` / ``detach`` are in :mod:`.attach`.
 """
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from leantrain.forge.accumulate import AccumulateMixin, check_accumulation
 from leantrain.forge.capture import CaptureMixin, _DynTable
 from leantrain.forge.dispatch import SPLIT_TOKENS, WS_TOKENS, check_kernel
 from leantrain.forge.gradsums import GradSums
@@ -68,13 +72,13 @@ def _check_clip(clip: str, clip_value: float) -> None:
         raise ValueError(f"clip_value must be a finite number > 0, got {clip_value}")
 
 
-class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Optimizer):
+class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Optimizer):
     """Returned by :func:`leantrain.forge.attach`; see the module docstring. Not built directly."""
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
                  allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None, ws_tokens=WS_TOKENS,
-                 fast_math=False, kernel="auto", rest_buckets=True):
+                 fast_math=False, kernel="auto", rest_buckets=True, grad_accum=1, accum_dtype="bf16"):
         """Check the arguments, find the linear layers to fuse and the rest, make the state storage,
         per-layer bookkeeping and launch caches, and patch the layers. One function (about 95
         lines): each step sets attributes the next reads, and most of its length is the checks."""
@@ -86,6 +90,7 @@ class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Opti
         if grad_dtype not in ("fp32", "bf16"):
             raise ValueError(f"grad_dtype must be 'fp32' or 'bf16', got {grad_dtype!r}")
         check_kernel(kernel, split_tokens, ws_tokens)
+        check_accumulation(grad_accum, accum_dtype)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
         if any(owner_of(m) == "FORGE" for m in model.modules()):
@@ -141,6 +146,12 @@ class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Opti
         self._dyn_ready = False
         self._phase: str | None = None
         self._graph_slots: list[int] = []
+        # gradient accumulation (forge/accumulate.py): micro-batches counted since the last step,
+        # each layer's buffer by slot, the slots whose buffer holds this step's gradient
+        self.grad_accum, self.accum_dtype = grad_accum, accum_dtype
+        self._micro = 0
+        self._accum: dict[int, Tensor] = {}
+        self._filled: set[int] = set()
 
         layers, fused, others = _find_layers(model)
         listed = _listed_groups(param_groups, rule, {id(p) for p in fused + others})
@@ -221,6 +232,8 @@ class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Opti
         return self._update_layer_impl(layer, x2, dy2, fill)
 
     def _update_layer_impl(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
+        if self.accumulating:
+            return self._accumulate_layer(layer, x2, dy2, fill)
         if self._phase is not None:
             return self._update_layer_graph(layer, x2, dy2, fill)
         if layer.weight.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -230,8 +243,9 @@ class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Opti
             raise RuntimeError(
                 f"FORGE: layer {layer.name!r} got a second gradient before opt.step(). FORGE applies the "
                 "update inside backward, and the rules are not additive in the gradient (Adam, Lion, "
-                "momentum), so gradient accumulation over micro-batches is not supported: use one larger "
-                "micro-batch, call opt.step() after every backward, or train with lt.optim.Optimizer."
+                "momentum): for gradient accumulation over micro-batches, attach with grad_accum=k and call "
+                "opt.before_micro_batch() before each micro-batch's forward (docs/forge.md), or call "
+                "opt.step() after every backward."
             )
         if self._dyn is not None and not self._dyn_ready:  # (each layer's rows at its next step: before the += 1)
             self._upload_dyn(1.0)
@@ -349,6 +363,8 @@ class ForgeOptimizer(LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Opti
         for layer in self.layers:
             layer.updated_in = -1
         self._last_update_sid = -1
+        self._micro = 0  # (a checkpoint is taken after a full step: nothing accumulated)
+        self._filled.clear()
 
 
 def _listed_groups(param_groups, rule: Rule, trainable: set[int]) -> dict[int, int]:

@@ -35,6 +35,7 @@ class RestMixin:
             with torch.enable_grad():
                 loss = closure()
         self.join()
+        self._end_accumulation()  # (every accumulated layer gradient was consumed by its update)
         # every parameter with a gradient: fused layers leave none, unless a weight was used without
         # its layer's forward (F.linear(x, layer.weight)): then it is stepped here, from its gradient
         rest = [p for g in self.param_groups for p in g["params"] if p.grad is not None]

@@ -21,9 +21,9 @@ class Forge(Technique):
     def check(cls, cfg: Config, *, device, world: int) -> None:
         if cfg.dist.mode == "sharded":
             raise ConfigError("--forge and --dist.mode sharded both own the optimizer step; choose one")
-        if cfg.data.grad_accum > 1:
-            raise ConfigError("FORGE updates weights inside backward, so data.grad_accum must be 1 "
-                              "(raise --data.batch-size instead; see docs/forge.md)")
+        if cfg.train.cuda_graph and cfg.data.grad_accum > 1:
+            raise ConfigError("train.cuda_graph with FORGE needs data.grad_accum 1 (the captured backward updates "
+                              "every layer; an accumulating micro-batch must not): raise --data.batch-size instead")
         if cfg.train.cuda_graph and cfg.forge.backend == "torch":
             raise ConfigError("train.cuda_graph needs FORGE on its Triton backend (--forge.backend auto or triton; "
                               "the torch backend syncs)")
@@ -47,10 +47,18 @@ class Forge(Technique):
         opt = attach(run.model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
                      backend=f.backend, clip=clip, clip_value=clip_value, allreduce=run.all_reduce,
                      grad_dtype=f.grad_dtype, param_groups=decay_groups or None, fast_math=f.fast_math,
-                     kernel=f.kernel)
+                     kernel=f.kernel, grad_accum=c.data.grad_accum, accum_dtype=f.accum_dtype)
+        self.opt = opt
         if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
             opt.set_device_scalars(True)
         return opt
+
+    def before_forward(self) -> None:
+        if self.opt.grad_accum > 1:  # (counts the step's micro-batches: the first k-1 accumulate)
+            self.opt.before_micro_batch()
+
+    def grad_buffers(self) -> list:
+        return self.opt.accum_buffers()
 
     def clips_gradients(self) -> bool:
         return True  # (per layer, inside backward: forge.clip)

@@ -1,0 +1,106 @@
+"""Gradient accumulation over micro-batches (:class:`AccumulateMixin` of ForgeOptimizer).
+
+With ``grad_accum = k`` a step is ``k`` micro-batches. :meth:`AccumulateMixin.before_micro_batch`
+is called before each micro-batch's forward (the FORGE technique calls it from its
+``before_forward`` hook); it counts the calls since the last ``step()`` / ``zero_grad()``:
+
+- micro-batches 1..k-1 *accumulate*: each fused layer's dW (and db) is computed into the reused
+  workspace (the split path's, on every backend: one layer's dW at a time), then added into the
+  layer's accumulation buffer (``accum_dtype``: bf16 or fp32; the first micro-batch copies). No
+  update, no data-parallel reduction (that happens once, on the sum);
+- micro-batch k *updates*: the layer's dW is materialized (the split path, whatever the kernel
+  choice), the accumulated sum is added to it, and the rest is the ordinary update: the
+  data-parallel reduction, the clip (its norms are the summed gradient's), the non-finite gate,
+  the rule. The fused tile and warp-specialized kernels are not used for a layer that has an
+  accumulated gradient.
+
+The non-fused parameters accumulate in ``.grad`` as usual (``step()`` steps them). The caller
+divides each micro-batch's loss by ``k`` (the trainer does), so the update sees the mean over the
+``k`` micro-batches: one big batch's gradient up to the summation order (and, with bf16
+buffers, the rounding of the partial sums to bf16).
+
+Each buffer holds one layer's weight and bias gradients, flat (``numel`` of the layer's fused
+parameters, in ``accum_dtype``); made at the first accumulating micro-batch and kept across
+steps. A buffer is "filled" from its first accumulation to the update that consumes it;
+``step()`` and ``zero_grad()`` end the step's accumulation, so a checkpoint (written after a full
+step) never holds one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from leantrain.forge.linear import ForgeLayer
+
+ACCUM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def check_accumulation(grad_accum: int, accum_dtype: str) -> None:
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive number of micro-batches, got {grad_accum!r}")
+    if accum_dtype not in ACCUM_DTYPES:
+        raise ValueError(f"accum_dtype must be one of {sorted(ACCUM_DTYPES)}, got {accum_dtype!r}")
+
+
+class AccumulateMixin:
+    """The accumulation state of :class:`leantrain.forge.optimizer.ForgeOptimizer` (module
+    docstring). Expects ``grad_accum``, ``accum_dtype``, ``_micro``, ``_accum`` (slot -> buffer) and
+    ``_filled`` (slots whose buffer holds this step's gradient) set by the optimizer."""
+
+    def before_micro_batch(self) -> None:
+        """Call before each micro-batch's forward when training with ``grad_accum > 1``: the
+        backwards of the first ``grad_accum - 1`` micro-batches since the last ``step()`` /
+        ``zero_grad()`` accumulate, the next one updates. Without calls every backward updates."""
+        if self._micro >= self.grad_accum:
+            raise RuntimeError(f"FORGE: micro-batch {self._micro + 1} of a step with grad_accum={self.grad_accum}; "
+                               "call opt.step() after every grad_accum micro-batches")
+        self._micro += 1
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether a backward now adds its layers' gradients into the accumulation buffers."""
+        return 0 < self._micro < self.grad_accum
+
+    def accum_buffers(self) -> list[Tensor]:
+        """The accumulation buffers (the memory ledger counts them as gradients)."""
+        return list(self._accum.values())
+
+    def _accumulate_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
+        """Add the layer's dW (and db) of this micro-batch into its buffer: no update."""
+        if self._phase is not None:
+            raise RuntimeError("FORGE: gradient accumulation cannot run inside a captured CUDA graph "
+                               "(train.cuda_graph needs data.grad_accum 1)")
+        buf, _, _ = self._materialize(layer, x2, dy2, self._backend_for(layer.weight), fill, reduce=False)
+        acc = self._accum.get(layer.slot)
+        if acc is None or acc.numel() != buf.numel() or acc.device != buf.device:
+            acc = self._accum[layer.slot] = torch.empty(buf.numel(), dtype=ACCUM_DTYPES[self.accum_dtype],
+                                                        device=buf.device)
+        if layer.slot in self._filled:
+            acc.add_(buf)
+        else:
+            acc.copy_(buf)
+            self._filled.add(layer.slot)
+
+    def _add_accumulated(self, layer: ForgeLayer, buf: Tensor) -> None:
+        """The update's micro-batch: add the layer's accumulated gradient into its dW ``buf``."""
+        if layer.slot in self._filled:
+            buf.add_(self._accum[layer.slot])
+            self._filled.discard(layer.slot)
+
+    def _end_accumulation(self) -> None:
+        """At ``step()``: every accumulated gradient must have been consumed by its layer's update."""
+        self._micro = 0
+        if self._filled:
+            names = [self.layers[s].name for s in sorted(self._filled)]
+            self._filled.clear()
+            raise RuntimeError(f"FORGE: layers {', '.join(names)} got gradients in accumulating micro-batches but "
+                               "none in the last one, whose backward updates them; their accumulated gradient "
+                               "was dropped. Every fused layer must take part in the last micro-batch of a step")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``; also drops this step's accumulated gradients and
+        restarts the micro-batch count (a skipped step)."""
+        self._micro = 0
+        self._filled.clear()
+        super().zero_grad(set_to_none=set_to_none)
