@@ -233,13 +233,15 @@ def finetune_config(args, rest: list[str]) -> config_mod.Config:
     if (args.data is None) == (args.task is None):
         raise ConfigError("finetune needs --data FILE (your examples) or --task compare|lookup|parity (a generated "
                           "smoke test), one of the two")
-    given = {k.replace("-", "_") for k in config_mod.parse_overrides([a for a in rest if a not in ("--forge", "--agoq")])}
+    flags = {k.replace("-", "_"): v for k, v in
+             config_mod.parse_overrides([a for a in rest if a not in ("--forge", "--agoq")]).items()}
+    given = set(flags)
     extra = ["--forge.enabled", "true"] if method == "forge" else ["--finetune.method", method]
     if args.task is not None:
         extra += ["--finetune.task", args.task]
     if args.eval_data is not None:
         extra += ["--data.eval-path", args.eval_data]
-    steps = args.steps or 300
+    steps = args.steps if args.steps is not None else int(flags.get("train.steps", 300))
     defaults = {"optim.lr": FINETUNE_LR[method], "optim.weight_decay": 0.0, "train.eval_every": steps,
                 "train.ckpt_every": steps, "train.sample_tokens": 0}
     if args.task is not None:  # (the tasks' prompts are short; the figures they were tuned with)
