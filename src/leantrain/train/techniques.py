@@ -14,6 +14,7 @@ BUILTIN = (
     "leantrain.forge.technique",
     "leantrain.agoq.technique",
     "leantrain.parallel.technique",
+    "leantrain.parallel.fsdp",
     "leantrain.comm.technique",
     "leantrain.finetune.technique",
 )
