@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from leantrain.config import Config, ConfigError
-from leantrain.runtime import collectives
+from leantrain.runtime import collectives, distributed
 from leantrain.technique import Run, Technique, register
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -116,6 +116,7 @@ class Fsdp(Technique):
         )
 
         d, model = run.cfg.dist, run.model
+        distributed.ensure_group(run.device)  # (a run of one process has none: FSDP needs one)
         # the groups name their parameters: fully_shard replaces every parameter by a DTensor one
         names = {id(p): n for n, p in model.named_parameters()}
         self.group_names = [[names[id(p)] for p in g["params"]] if isinstance(g, dict) else names[id(g)]

@@ -1,0 +1,165 @@
+"""``--dist.mode fsdp``: FSDP2 in the trainer on gloo ranks against one process with the same
+optimizer math (``--baseline``: ``torch.optim.AdamW``, the same global batch); per-rank bytes;
+DCP checkpoints resumed at another world size and read whole for ``export`` / ``--from``;
+the refused combinations.
+
+Tolerances: FSDP averages the ranks' gradients by a reduce-scatter, one process takes the mean
+over the whole batch: the same sums in another order, so fp32 results agree to rounding (1e-5
+relative after 10 AdamW steps), not bit for bit. A resume at the same world size repeats the
+same arithmetic: bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from helpers import tiny_config
+from leantrain.config import ConfigError
+from leantrain.runtime import checkpoint
+from leantrain.train import techniques
+from leantrain.train.trainer import Trainer
+
+STEPS = 10
+GLOBAL_BATCH = 4
+RTOL = 1e-5  # (module docstring)
+
+
+def _overrides(world: int, **extra) -> dict:
+    return {"train.steps": str(STEPS), "data.batch_size": str(GLOBAL_BATCH // world), "train.eval_every": "0",
+            "train.ckpt_every": "5", "train.keep_checkpoints": "3", **extra}
+
+
+def _full_state(model) -> dict:
+    """The whole weights on every rank (a collective under FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
+
+
+def _train(rank, world, corpus, out, over, until=None, resume=False, loaded_state=False):
+    """One rank's run: (losses, summary, whole weights at the end[, whole weights right after resuming])."""
+    tr = Trainer(tiny_config(corpus, **over), out, resume=resume)
+    after_load = _full_state(tr.model) if loaded_state else None
+    summary = tr.fit(until=until)
+    losses = [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
+        if rank == 0 else None
+    return losses, summary, _full_state(tr.model), after_load
+
+
+def _baseline(corpus, out) -> tuple[list, dict]:
+    tr = Trainer(tiny_config(corpus, **_overrides(1, **{"train.ckpt_every": "0"})), out, baseline=True)
+    tr.fit()
+    losses = [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return losses, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
+def _close(a: dict, b: dict, rtol: float = RTOL) -> None:
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol * b[k].abs().max().item(), msg=k)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(corpus, tmp_path_factory):
+    """10 steps of ``--dist.mode fsdp`` on 2 gloo ranks (checkpoints at 5 and 10) and the one-process baseline."""
+    root = tmp_path_factory.mktemp("fsdp")
+    fsdp = run_distributed(_train, 2, args=(corpus, root / "two", _overrides(2, **{"dist.mode": "fsdp"})))
+    return root, fsdp, _baseline(corpus, root / "one")
+
+
+@pytest.mark.distributed
+def test_two_ranks_follow_one_process_with_torch_adamw(two_rank_run):
+    _, ranks, (base_losses, base_weights) = two_rank_run
+    losses, summary, weights, _ = ranks[0]
+    assert len(losses) == STEPS
+    for a, b in zip(losses, base_losses, strict=True):
+        assert abs(a - b) <= RTOL * abs(b), (losses, base_losses)
+    _close(weights, base_weights)
+    assert summary["recipe"] == "fsdp" and summary["world_size"] == 2
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_half_the_weights_and_optimizer_state(two_rank_run):
+    root, ranks, _ = two_rank_run
+    whole = sum(v.numel() * 4 for v in ranks[0][2].values())
+    for _, summary, _, _ in ranks:
+        mem = summary["memory"]
+        # (a shard may be padded to a multiple of the world size: a few elements per tensor)
+        assert abs(mem["weights"] - whole / 2) <= 0.01 * whole, (mem, whole)
+        assert abs(mem["optimizer_states"] - whole) <= 0.01 * whole, (mem, whole)  # (exp_avg, exp_avg_sq)
+
+
+@pytest.mark.distributed
+def test_dcp_checkpoint_is_intact_and_reads_whole_in_one_process(two_rank_run):
+    root, ranks, _ = two_rank_run
+    path, warnings = checkpoint.latest_intact(root / "two")
+    assert path.name == "step_0000010" and not warnings
+    meta = checkpoint.read_meta(path)
+    assert meta["format"] == "dcp" and meta["world_size"] == 2 and checkpoint.reshardable(meta)
+    state, _ = checkpoint.load_model_state(path)
+    weights = ranks[0][2]
+    assert state.keys() == weights.keys()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+
+
+@pytest.mark.distributed
+def test_resume_at_one_process_from_two_ranks(two_rank_run, corpus, tmp_path):
+    """Saved at 2 ranks (step 5), resumed by one process with the same global batch: the weights
+    loaded are the saved ones bit for bit; the 5 steps after follow the 2-rank run to rounding."""
+    root, ranks, _ = two_rank_run
+    out = tmp_path / "resumed"
+    shutil.copytree(root / "two", out)
+    shutil.rmtree(out / "checkpoints" / "step_0000010")
+    saved, _ = checkpoint.load_model_state(out / "checkpoints" / "step_0000005")
+    [(losses, _, weights, loaded)] = run_distributed(_train_resumed, 1,
+                                                     args=(corpus, out, _overrides(1, **{"dist.mode": "fsdp"})))
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert len(losses) == STEPS
+    for a, b in zip(losses, ranks[0][0], strict=True):
+        assert abs(a - b) <= RTOL * abs(b)
+    _close(weights, ranks[0][2])
+
+
+def _train_resumed(rank, world, corpus, out, over):
+    return _train(rank, world, corpus, out, over, resume=True, loaded_state=True)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"forge.enabled": "true"}, "FORGE"),
+    ({"comm.method": "int8"}, "comm.method int8"),
+    ({"finetune.method": "mezo"}, "finetune.method mezo"),
+    ({"finetune.method": "chunkft"}, "finetune.method chunkft"),
+    ({"finetune.method": "grzo"}, "finetune.method grzo"),
+    ({"agoq.grad_bits": "8"}, "agoq.grad_bits 8"),
+    ({"optim.name": "lion"}, "optim.name lion"),
+    ({"optim.name": "adams"}, "optim.name adams"),
+    ({"train.weights": "bf16"}, "train.weights bf16"),
+    ({"dist.cpu_offload": "true"}, "dist.cpu_offload"),
+    ({"dist.replicate": "3"}, "dist.replicate (3)"),
+])
+def test_unsupported_combinations_are_refused_in_one_sentence(corpus, over, says):
+    cfg = tiny_config(corpus, **{"dist.mode": "fsdp", **over})
+    with pytest.raises(ConfigError) as e:
+        techniques.validate(cfg, world=4)
+    msg = str(e.value)
+    assert msg.startswith("--dist.mode fsdp: ") and says in msg and msg.count(". ") == 0, msg
+
+
+def test_cuda_graph_is_refused(corpus):
+    cfg = tiny_config(corpus, **{"dist.mode": "fsdp", "train.cuda_graph": "true"})
+    with pytest.raises(ConfigError, match="train.cuda_graph"):
+        techniques.validate(cfg, world=2)
+
+
+def test_replicate_must_be_positive(corpus):
+    with pytest.raises(ConfigError, match="dist.replicate must be >= 1"):
+        tiny_config(corpus, **{"dist.mode": "fsdp", "dist.replicate": "0"})
