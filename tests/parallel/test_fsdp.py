@@ -4,8 +4,9 @@ DCP checkpoints resumed at another world size and read whole for ``export`` / ``
 the refused combinations.
 
 Tolerances: FSDP averages the ranks' gradients by a reduce-scatter, one process takes the mean
-over the whole batch: the same sums in another order, so fp32 results agree to rounding (1e-5
-relative after 10 AdamW steps), not bit for bit. A resume at the same world size repeats the
+over the whole batch: the same sums in another order, so fp32 results agree to rounding (losses
+and each weight tensor's norm of difference within 1e-5 relative after 10 AdamW steps), not bit
+for bit. A resume at the same world size repeats the
 same arithmetic: bit-identical.
 """
 
@@ -36,11 +37,16 @@ def _overrides(world: int, **extra) -> dict:
 
 
 def _full_state(model) -> dict:
-    """The whole weights on every rank (a collective under FSDP)."""
+    """The whole weights on every rank (a collective under FSDP), as numpy arrays (pickled by value:
+    a tensor returned from a rank would be shared memory of a process that ends)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
-    return {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.detach().numpy().copy() for k, v in get_model_state_dict(model, options=opts).items()}
+
+
+def _tensors(arrays: dict) -> dict:
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
 def _train(rank, world, corpus, out, over, until=None, resume=False, loaded_state=False):
@@ -61,8 +67,12 @@ def _baseline(corpus, out) -> tuple[list, dict]:
 
 
 def _close(a: dict, b: dict, rtol: float = RTOL) -> None:
+    """Each tensor within ``rtol`` of the other in norm (one coordinate of a near-zero gradient may
+    move by AdamW's step where the two sums round apart: compared element-wise it would not)."""
+    assert a.keys() == b.keys()
     for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol * b[k].abs().max().item(), msg=k)
+        err = (a[k].double() - b[k].double()).norm() / b[k].double().norm()
+        assert err <= rtol, f"{k}: relative difference {err:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +87,7 @@ def two_rank_run(corpus, tmp_path_factory):
 def test_two_ranks_follow_one_process_with_torch_adamw(two_rank_run):
     _, ranks, (base_losses, base_weights) = two_rank_run
     losses, summary, weights, _ = ranks[0]
+    weights = _tensors(weights)
     assert len(losses) == STEPS
     for a, b in zip(losses, base_losses, strict=True):
         assert abs(a - b) <= RTOL * abs(b), (losses, base_losses)
@@ -87,7 +98,7 @@ def test_two_ranks_follow_one_process_with_torch_adamw(two_rank_run):
 @pytest.mark.distributed
 def test_each_rank_holds_half_the_weights_and_optimizer_state(two_rank_run):
     root, ranks, _ = two_rank_run
-    whole = sum(v.numel() * 4 for v in ranks[0][2].values())
+    whole = sum(v.nbytes for v in ranks[0][2].values())  # (fp32 weights)
     for _, summary, _, _ in ranks:
         mem = summary["memory"]
         # (a shard may be padded to a multiple of the world size: a few elements per tensor)
@@ -103,7 +114,7 @@ def test_dcp_checkpoint_is_intact_and_reads_whole_in_one_process(two_rank_run):
     meta = checkpoint.read_meta(path)
     assert meta["format"] == "dcp" and meta["world_size"] == 2 and checkpoint.reshardable(meta)
     state, _ = checkpoint.load_model_state(path)
-    weights = ranks[0][2]
+    weights = _tensors(ranks[0][2])
     assert state.keys() == weights.keys()
     assert all(torch.equal(state[k], weights[k]) for k in weights)
 
@@ -119,11 +130,12 @@ def test_resume_at_one_process_from_two_ranks(two_rank_run, corpus, tmp_path):
     saved, _ = checkpoint.load_model_state(out / "checkpoints" / "step_0000005")
     [(losses, _, weights, loaded)] = run_distributed(_train_resumed, 1,
                                                      args=(corpus, out, _overrides(1, **{"dist.mode": "fsdp"})))
+    loaded = _tensors(loaded)
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert len(losses) == STEPS
     for a, b in zip(losses, ranks[0][0], strict=True):
         assert abs(a - b) <= RTOL * abs(b)
-    _close(weights, ranks[0][2])
+    _close(_tensors(weights), _tensors(ranks[0][2]))
 
 
 def _train_resumed(rank, world, corpus, out, over):
