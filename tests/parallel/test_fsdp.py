@@ -32,8 +32,9 @@ RTOL = 1e-5  # (module docstring)
 
 
 def _overrides(world: int, **extra) -> dict:
-    return {"train.steps": str(STEPS), "data.batch_size": str(GLOBAL_BATCH // world), "train.eval_every": "0",
-            "train.ckpt_every": "5", "train.keep_checkpoints": "3", **extra}
+    """10 steps of a global batch of 4 sequences in 2 micro-batches (FSDP's ``no_sync`` in the first)."""
+    return {"train.steps": str(STEPS), "data.batch_size": str(GLOBAL_BATCH // world), "data.grad_accum": "2",
+            "train.eval_every": "0", "train.ckpt_every": "5", "train.keep_checkpoints": "3", **extra}
 
 
 def _full_state(model) -> dict:
@@ -138,8 +139,50 @@ def test_resume_at_one_process_from_two_ranks(two_rank_run, corpus, tmp_path):
     _close(_tensors(weights), _tensors(ranks[0][2]))
 
 
-def _train_resumed(rank, world, corpus, out, over):
-    return _train(rank, world, corpus, out, over, resume=True, loaded_state=True)
+def _train_resumed(rank, world, corpus, out, over, until=None):
+    return _train(rank, world, corpus, out, over, until=until, resume=True, loaded_state=True)
+
+
+def _resumable_copy(run: Path, out: Path, keep_step: int) -> Path:
+    """A copy of ``run`` whose newest checkpoint is step ``keep_step``."""
+    shutil.copytree(run, out)
+    for _, path in checkpoint.checkpoints(out):
+        if checkpoint.read_meta(path)["step"] > keep_step:
+            shutil.rmtree(path)
+    return out
+
+
+@pytest.mark.distributed
+def test_resume_at_the_same_world_size_is_bit_identical(two_rank_run, corpus, tmp_path):
+    root, ranks, _ = two_rank_run
+    out = _resumable_copy(root / "two", tmp_path / "again", 5)
+    resumed = run_distributed(_train_resumed, 2, args=(corpus, out, _overrides(2, **{"dist.mode": "fsdp"})))
+    assert resumed[0][0] == ranks[0][0]  # (the losses of steps 6-10 too)
+    whole, again = _tensors(ranks[0][2]), _tensors(resumed[0][2])
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+@pytest.mark.distributed
+def test_from_and_export_read_the_dcp_checkpoint_whole(two_rank_run, corpus, tmp_path):
+    """``--from RUN`` starts from the checkpoint's weights; ``leantrain export`` writes them as a
+    Hugging Face model whose logits are the leantrain model's."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from leantrain import cli
+    from leantrain import config as config_mod
+    from leantrain.model import Llama
+
+    root, ranks, _ = two_rank_run
+    weights = _tensors(ranks[0][2])
+    tr = Trainer(tiny_config(corpus, **{"train.init_from": str(root / "two"), "train.steps": "1"}), tmp_path / "from")
+    assert all(torch.equal(v, weights[k]) for k, v in tr.model.state_dict().items())
+    assert cli.main(["export", str(root / "two"), str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    meta = checkpoint.read_meta(checkpoint.latest(root / "two"))
+    model = Llama(config_mod.from_dict(meta["config"]).model)
+    model.load_state_dict(weights)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- refusals

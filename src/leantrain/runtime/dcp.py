@@ -17,6 +17,7 @@ at 4 ranks resumes at 2 or 1 (:func:`leantrain.runtime.checkpoint.reshardable`).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,7 +79,9 @@ def full_model_state(path: str | Path) -> dict:
              if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     if not state:
         raise CheckpointError(f"checkpoint {path}: its DCP files hold no model weights")
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # (DCP warns that it loads in one process: that is the intent)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return {key[len(prefix):]: t for key, t in state.items()}
 
 
