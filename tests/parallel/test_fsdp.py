@@ -280,3 +280,37 @@ def test_agoq_under_fsdp_follows_agoq_under_ddp(corpus, tmp_path):
     _close(_tensors(fsdp[0][2]), _tensors(ddp[0][2]), rtol=1e-4)
     # the same packed activations (without AGoQ, FSDP's saved all-gathered weights count as activations)
     assert fsdp[0][1]["memory"]["activations"] == ddp[0][1]["memory"]["activations"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cli_under_torchrun_then_one_process_resumes(corpus, tmp_path):
+    """``torchrun --nproc-per-node 2 -m leantrain train --dist.mode fsdp`` exits 0; a plain
+    ``python -m leantrain train --resume`` (no torchrun: a one-process group) continues it."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+    from helpers import TINY_OVERRIDES
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "OMP_NUM_THREADS": "1"}
+
+    def args(batch, steps):
+        flags = {**TINY_OVERRIDES, "data.batch_size": str(batch), "train.eval_every": "2", "train.ckpt_every": "2"}
+        return ["-m", "leantrain", "train", "--preset", "tiny", "--steps", str(steps), "--out", str(tmp_path / "run"),
+                "--data", str(corpus), "--dist.mode", "fsdp", *[x for k, v in flags.items() for x in (f"--{k}", v)]]
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port())]
+    two = subprocess.run([*torchrun, *args(2, 4)], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, *args(4, 6), "--resume"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resumed from" in one.stdout and "at step 4" in one.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == 1
+    bad = subprocess.run([sys.executable, *args(2, 8), "--resume"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "--data.batch-size 4" in bad.stderr, bad.stderr[-2000:]
