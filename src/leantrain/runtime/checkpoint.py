@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ _TENSOR = "__tensor__"
 META = "meta.json"
 HASH = "sha256"
 DCP_FORMAT = "dcp"  # meta.json's "format" of a torch.distributed.checkpoint checkpoint (leantrain.runtime.dcp)
+DCP_MODEL = "model"  # the model's part of a DCP checkpoint's state dict (keys "model.<parameter name>")
 _READ_BLOCK = 8 * 2**20
 
 
@@ -380,14 +382,31 @@ def load_model_state(path: str | Path, *, verify_files: bool = True) -> tuple[di
     path = Path(path)
     meta = read_meta(path)
     if meta.get("format") == DCP_FORMAT:
-        from leantrain.runtime.dcp import full_model_state
-
         if verify_files:
             verify(path)
-        return full_model_state(path), meta
+        return dcp_model_state(path), meta
     if verify_files:
         verify(path, names=["model.safetensors"])
     return _load_tensors(path, "model.safetensors"), meta
+
+
+def dcp_model_state(path: str | Path) -> dict:
+    """The whole weights of a DCP checkpoint (parameter name -> CPU tensor), read in this process
+    alone (no process group needed, none used when there is one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = DCP_MODEL + "."
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
+             for key, md in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not state:
+        raise CheckpointError(f"checkpoint {path}: its DCP files hold no model weights")
+    with warnings.catch_warnings():  # (DCP warns that it loads in one process: that is the intent)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return {key[len(prefix):]: t for key, t in state.items()}
 
 
 def reshardable(meta: dict) -> bool:

@@ -11,26 +11,23 @@ written under a temporary name and renamed, ``meta.json`` with the sha256 manife
 
 DCP reshards on load: every rank reads the pieces of the shards it now owns, so a run saved
 at 4 ranks resumes at 2 or 1 (:func:`leantrain.runtime.checkpoint.reshardable`).
-:func:`full_model_state` reads the whole weights in one process, without a process group
+:func:`leantrain.runtime.checkpoint.load_model_state` reads the whole weights in one process, without a process group
 (``leantrain export``, ``--from RUN``).
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from leantrain.runtime import checkpoint
 from leantrain.runtime.checkpoint import DCP_FORMAT, CheckpointError
 
-MODEL, OPTIM = "model", "optim"  # the two parts of the saved state dict (DCP keys: "model.<parameter name>")
+MODEL, OPTIM = checkpoint.DCP_MODEL, "optim"  # the two parts of the saved state dict
 
 
 class DcpCheckpointer:
@@ -69,20 +66,4 @@ class DcpCheckpointer:
         return checkpoint.load_rank_state(path, rank=0, verify_files=False)[0]
 
 
-def full_model_state(path: str | Path) -> dict:
-    """The whole weights of a DCP checkpoint (parameter name -> CPU tensor), read in this process
-    alone (no process group needed, none used when there is one)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
-    prefix = MODEL + "."
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
-             for key, md in metadata.state_dict_metadata.items()
-             if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
-    if not state:
-        raise CheckpointError(f"checkpoint {path}: its DCP files hold no model weights")
-    with warnings.catch_warnings():  # (DCP warns that it loads in one process: that is the intent)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {key[len(prefix):]: t for key, t in state.items()}
-
-
-__all__ = ["DcpCheckpointer", "full_model_state"]
+__all__ = ["DcpCheckpointer"]
