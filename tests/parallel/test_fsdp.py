@@ -32,9 +32,10 @@ RTOL = 1e-5  # (module docstring)
 
 
 def _overrides(world: int, **extra) -> dict:
-    """10 steps of a global batch of 4 sequences in 2 micro-batches (FSDP's ``no_sync`` in the first)."""
+    """10 steps of a global batch of 4 sequences in 2 micro-batches (FSDP's ``no_sync`` in the first),
+    norm weights in a group without weight decay, gradients clipped at 1 (the default)."""
     return {"train.steps": str(STEPS), "data.batch_size": str(GLOBAL_BATCH // world), "data.grad_accum": "2",
-            "train.eval_every": "0", "train.ckpt_every": "5", "train.keep_checkpoints": "3", **extra}
+            "optim.decay_1d": "false", "train.eval_every": "0", "train.ckpt_every": "5", "train.keep_checkpoints": "3", **extra}
 
 
 def _full_state(model) -> dict:
@@ -53,6 +54,12 @@ def _tensors(arrays: dict) -> dict:
 def _train(rank, world, corpus, out, over, until=None, resume=False, loaded_state=False):
     """One rank's run: (losses, summary, whole weights at the end[, whole weights right after resuming])."""
     tr = Trainer(tiny_config(corpus, **over), out, resume=resume)
+    if tr.cfg.dist.mode == "fsdp":  # the optimizer steps the sharded parameters, every one once
+        from torch.distributed.tensor import DTensor
+
+        stepped = [p for g in tr.opt.param_groups for p in g["params"]]
+        assert sorted(map(id, stepped)) == sorted(map(id, tr.model.parameters()))
+        assert all(isinstance(p, DTensor) for p in stepped)
     after_load = _full_state(tr.model) if loaded_state else None
     summary = tr.fit(until=until)
     losses = [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
