@@ -6,7 +6,7 @@ A checkpoint is a directory ``<out>/checkpoints/step_<N>/`` holding
 whose tensors live in the safetensors file and are referenced from the JSON
 by key) and ``meta.json``. A checkpoint of sharded weights (``"format": "dcp"`` in its
 ``meta.json``, :mod:`leantrain.runtime.dcp`) holds the files of ``torch.distributed.checkpoint``
-and ``state.rank0.*`` instead of ``model.safetensors`` and the per-rank files.
+and the per-rank ``state.rank<R>.*`` without the optimizer, instead of ``model.safetensors``.
 
 ``meta.json`` carries the manifest: the step, the world size and the byte size
 and sha256 of every other file of the directory (sha256: ``sha256sum`` checks a file by

@@ -7,12 +7,15 @@ written under a temporary name and renamed, ``meta.json`` with the sha256 manife
 - DCP's files: ``.metadata`` and one ``__<rank>_0.distcp`` per rank, holding the state dict
   ``{"model": ..., "optim": ...}`` of ``torch.distributed.checkpoint.state_dict.get_state_dict``
   (keys are parameter names, each tensor stored as the shards the ranks held);
-- ``state.rank0.*``: the run's other state (scheduler, RNG, step), the same on every rank.
+- ``state.rank<R>.*``: the run's other state (scheduler, RNG, step, the techniques' own), one
+  file pair per rank. A resume at the same world size reads each rank's own; at another, every
+  rank reads rank 0's (the scheduler, RNG and step are the same on every rank; a technique's
+  per-rank state continues from rank 0's).
 
 DCP reshards on load: every rank reads the pieces of the shards it now owns, so a run saved
 at 4 ranks resumes at 2 or 1 (:func:`leantrain.runtime.checkpoint.reshardable`).
-:func:`leantrain.runtime.checkpoint.load_model_state` reads the whole weights in one process, without a process group
-(``leantrain export``, ``--from RUN``).
+:func:`leantrain.runtime.checkpoint.load_model_state` reads the whole weights in one process,
+without a process group (``leantrain export``, ``--from RUN``).
 """
 
 from __future__ import annotations
@@ -45,8 +48,7 @@ class DcpCheckpointer:
 
         def write(tmp: Path) -> None:
             dcp.save({MODEL: model_state, OPTIM: optim_state}, checkpoint_id=tmp)
-            if self.rank == 0:
-                checkpoint.write_rank_state(tmp, 0, extra_state)
+            checkpoint.write_rank_state(tmp, self.rank, extra_state)
 
         return checkpoint.save_with(write, out_dir, step, {**meta, "format": DCP_FORMAT}, rank=self.rank,
                                     world=self.world, barrier=self.barrier, keep=self.keep)
@@ -63,7 +65,8 @@ class DcpCheckpointer:
         state = {MODEL: model_state, OPTIM: optim_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
-        return checkpoint.load_rank_state(path, rank=0, verify_files=False)[0]
+        same_world = meta.get("world_size") == self.world
+        return checkpoint.load_rank_state(path, rank=self.rank if same_world else 0, verify_files=False)[0]
 
 
 __all__ = ["DcpCheckpointer"]
