@@ -340,3 +340,17 @@ def test_bf16_all_gathers_and_reductions_follow_fp32(two_rank_run, corpus, tmp_p
     for a, b in zip(losses, ranks[0][0], strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), (losses, ranks[0][0])
     assert summary["memory"]["weights"] == ranks[0][1]["memory"]["weights"]  # (fp32 shards)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sgd_follows_the_reference_sgd_under_ddp(corpus, tmp_path):
+    """``optim.name sgd``: ``torch.optim.SGD`` over the shards with decoupled weight decay against
+    leantrain's reference SGD under DDP (the same update; sums in other orders)."""
+    sgd = {"optim.name": "sgd", "optim.lr": "0.05", "optim.weight_decay": "0.1", "train.ckpt_every": "0"}
+    fsdp = run_distributed(_train, 2, args=(corpus, tmp_path / "fsdp", _overrides(2, **sgd, **{"dist.mode": "fsdp"})))
+    ddp = run_distributed(_train, 2, args=(corpus, tmp_path / "ddp", _overrides(2, **sgd)))
+    assert fsdp[0][1]["recipe"] == "fsdp"
+    for a, b in zip(fsdp[0][0], ddp[0][0], strict=True):
+        assert abs(a - b) <= RTOL * abs(b), (fsdp[0][0], ddp[0][0])
+    _close(_tensors(fsdp[0][2]), _tensors(ddp[0][2]))

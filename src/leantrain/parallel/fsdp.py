@@ -53,11 +53,27 @@ class FsdpAdamW(_GradientSync, torch.optim.AdamW):
 
 
 class FsdpSGD(_GradientSync, torch.optim.SGD):
-    """``torch.optim.SGD`` over FSDP-sharded parameters, with :meth:`no_sync`."""
+    """``torch.optim.SGD`` over FSDP-sharded parameters, with :meth:`no_sync` and leantrain's
+    decoupled weight decay (``p = (1 - lr wd) p - lr d``, :class:`leantrain.optim.rules.SGD`):
+    each group's ``weight_decay`` is moved to ``decoupled_weight_decay`` and applied before
+    torch's step, which then sees none (its own decay is added to the gradient)."""
 
-    def __init__(self, params, *, model: nn.Module, **kw):
-        super().__init__(params, **kw)
+    def __init__(self, params, *, model: nn.Module, weight_decay: float = 0.0, **kw):
+        params = list(params)
+        groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+        for g in groups:
+            g["decoupled_weight_decay"] = g.pop("weight_decay", weight_decay)
+        super().__init__(groups, weight_decay=0.0, **kw)
         self.fsdp_model = model
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            if g["decoupled_weight_decay"]:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.mul_(1.0 - g["lr"] * g["decoupled_weight_decay"])
+        return super().step(closure)
 
 
 def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
