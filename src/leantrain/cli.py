@@ -116,6 +116,8 @@ def cmd_train(args, rest) -> int:
     cfg = _build_config(args, rest)
     trainer = Trainer(cfg, args.out, baseline=args.baseline, resume=args.resume, overwrite=args.overwrite)
     summary = trainer.fit()
+    # every rank samples (the same tokens): a forward of a sharded model (dist.mode fsdp) is collective
+    sample = trainer.sample(tokens=cfg.train.sample_tokens) if cfg.train.sample_tokens > 0 else None
     if trainer.rank == 0:
         val = ""
         if summary["val_loss"] is not None:
@@ -124,8 +126,8 @@ def cmd_train(args, rest) -> int:
             val += f"{summary['val_loss']:.4f}, "
         print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {val}"
               f"{summary['tokens_per_second']:.0f} tokens/s; results in {args.out}")
-        if cfg.train.sample_tokens > 0:
-            print("sample:\n" + trainer.sample(tokens=cfg.train.sample_tokens))
+        if sample is not None:
+            print("sample:\n" + sample)
     return 0
 
 

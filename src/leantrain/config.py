@@ -236,10 +236,15 @@ class DistConfig:
 
     # ddp: every rank holds the whole model and optimizer; gradients all-reduced (DDP, or inside
     # backward with FORGE). sharded: lt.parallel.ShardedOptimizer (ZeRO-style: optimizer state and
-    # fp32 master weights sharded; gradients reduce-scattered, weights all-gathered)
-    mode: Literal["ddp", "sharded"] = "ddp"
+    # fp32 master weights sharded; gradients reduce-scattered, weights all-gathered). fsdp: PyTorch
+    # FSDP2 (weights, gradients and optimizer state sharded per block; DCP checkpoints, docs/fsdp.md)
+    mode: Literal["ddp", "sharded", "fsdp"] = "ddp"
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
     timeout_s: float = 120.0  # a collective that waits longer fails the job
+    replicate: int = 1  # fsdp: data-parallel replicas (HSDP), each sharding over world/replicate ranks; 1: plain FSDP
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # fsdp: the dtype weights are all-gathered and computed in
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # fsdp: the dtype gradients are reduce-scattered in
+    cpu_offload: bool = False  # fsdp: sharded weights, gradients and optimizer state live in CPU memory
 
 
 @dataclass
@@ -564,6 +569,7 @@ def validate(cfg: Config) -> None:
          f"(e.g. --model.dim {max(m.n_heads * 2, (m.dim // (2 * m.n_heads)) * 2 * m.n_heads)})"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
+        (cfg.dist.replicate >= 1, f"dist.replicate must be >= 1 (1: plain FSDP), got {cfg.dist.replicate}"),
         (cfg.agoq.batch_mib >= 0 and cfg.agoq.unpack_mib >= 0,
          "agoq.batch_mib and agoq.unpack_mib must be >= 0 (0: pack each save at once / dequantize a whole batch)"),
         (not unknown_loggers, "train.loggers names the unknown logger(s) "

@@ -21,14 +21,16 @@ Order of a run: ``wanted`` -> ``check`` (all techniques, before any work) -> ``_
 ``optimizer`` (the one that ``owns_step``) -> ``ddp_comm_hook`` (when the run wraps the model in
 DDP) -> per step: ``before_forward``, ``after_micro_batch``, ``after_backward`` (or ``zo_step`` in their
 place), ``step_metrics``; at the end: ``summary``;
-checkpoints: ``state_dict`` / ``load_state_dict``; CUDA graphs: ``capture_hooks``.
+checkpoints: ``state_dict`` / ``load_state_dict``, or a technique's own ``checkpointer`` (state
+sharded across ranks); CUDA graphs: ``capture_hooks``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +55,26 @@ class Run:
     all_reduce: Callable[[Tensor, Any], Any] | None = None
     # a gradient compressor offered by a communication technique to a sharded optimizer
     compression: Any = None
+
+
+class Checkpointer(Protocol):
+    """How a technique that shards the model's weights and optimizer state across ranks saves and
+    loads them (:meth:`Technique.checkpointer`). Every rank calls both. The checkpoint is the
+    directory ``<out>/checkpoints/step_<N>/`` with a ``meta.json`` of the
+    :mod:`leantrain.runtime.checkpoint` manifest, so finding, verifying and pruning checkpoints
+    work as for the trainer's own."""
+
+    format: str  # meta.json's "format" (a resume at another world size is allowed for a format that reshards)
+
+    def save(self, out_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, extra_state: dict,
+             meta: dict) -> Path:
+        """Write step ``step``'s checkpoint of ``model`` and ``opt`` under ``out_dir`` with the run's other
+        state (``extra_state``: scheduler, RNG, step, techniques') and ``meta`` in its ``meta.json``."""
+        ...
+
+    def load(self, path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+        """Load ``model`` and ``opt`` from the checkpoint ``path``; returns the ``extra_state`` saved with them."""
+        ...
 
 
 class Technique:
@@ -133,6 +155,11 @@ class Technique:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def checkpointer(self) -> Checkpointer | None:
+        """The run's checkpointer, for a technique whose weights or optimizer state live sharded
+        across ranks (None: the trainer saves ``model.state_dict()`` and each rank's optimizer state)."""
+        return None
+
     def capture_hooks(self, opt) -> list:
         """:class:`leantrain.runtime.capture.CaptureHooks` of work the technique runs inside the step."""
         return []
@@ -161,4 +188,4 @@ def registered() -> dict[str, type[Technique]]:
     return dict(_REGISTRY)
 
 
-__all__ = ["Run", "Technique", "register", "registered"]
+__all__ = ["Checkpointer", "Run", "Technique", "register", "registered"]

@@ -4,7 +4,9 @@ A checkpoint is a directory ``<out>/checkpoints/step_<N>/`` holding
 ``model.safetensors``, ``state.rank<R>.safetensors`` + ``state.rank<R>.json``
 (the optimizer, scheduler and RNG state of rank R, as a nested structure
 whose tensors live in the safetensors file and are referenced from the JSON
-by key) and ``meta.json``.
+by key) and ``meta.json``. A checkpoint of sharded weights (``"format": "dcp"`` in its
+``meta.json``, :mod:`leantrain.runtime.dcp`) holds the files of ``torch.distributed.checkpoint``
+and the per-rank ``state.rank<R>.*`` without the optimizer, instead of ``model.safetensors``.
 
 ``meta.json`` carries the manifest: the step, the world size and the byte size
 and sha256 of every other file of the directory (sha256: ``sha256sum`` checks a file by
@@ -28,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +40,8 @@ from safetensors.torch import load_file, save_file
 _TENSOR = "__tensor__"
 META = "meta.json"
 HASH = "sha256"
+DCP_FORMAT = "dcp"  # meta.json's "format" of a torch.distributed.checkpoint checkpoint (leantrain.runtime.dcp)
+DCP_MODEL = "model"  # the model's part of a DCP checkpoint's state dict (keys "model.<parameter name>")
 _READ_BLOCK = 8 * 2**20
 
 
@@ -249,6 +254,19 @@ def save(out_dir: str | Path, step: int, model_state: dict, rank_state: dict, me
     the launcher ends the job (torchrun ends every rank when one exits with an error). Rank 0
     hashes every rank's files for the manifest, so the ranks must share the filesystem.
     """
+
+    def write(tmp: Path) -> None:
+        write_rank_state(tmp, rank, rank_state)
+        if rank == 0:
+            _save_tensors(_dedupe_shared(model_state), tmp / "model.safetensors")
+
+    return save_with(write, out_dir, step, meta, rank=rank, world=world, barrier=barrier, keep=keep)
+
+
+def save_with(write, out_dir: str | Path, step: int, meta: dict, *, rank: int = 0, world: int = 1,
+              barrier=lambda: None, keep: int = 2) -> Path:
+    """The atomic save of :func:`save` around ``write(tmp_dir)``, which every rank calls to write
+    its files into the checkpoint's temporary directory (flat: the manifest lists its files)."""
     root = Path(out_dir) / "checkpoints"
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp_step_{step:07d}"
@@ -261,12 +279,7 @@ def save(out_dir: str | Path, step: int, model_state: dict, rank_state: dict, me
             _write_failed(e, step, root, tmp)
     barrier()
     try:
-        tensors: dict = {}
-        tree = flatten(rank_state, tensors)
-        _save_tensors(tensors, tmp / f"state.rank{rank}.safetensors")
-        _write_json(tmp / f"state.rank{rank}.json", tree)
-        if rank == 0:
-            _save_tensors(_dedupe_shared(model_state), tmp / "model.safetensors")
+        write(tmp)
     except OSError as e:
         _write_failed(e, step, root, tmp)
     barrier()
@@ -281,6 +294,14 @@ def save(out_dir: str | Path, step: int, model_state: dict, rank_state: dict, me
         prune(root.parent, keep, written=final)
     barrier()
     return final
+
+
+def write_rank_state(directory: Path, rank: int, state: dict) -> None:
+    """``state.rank<R>.safetensors`` + ``state.rank<R>.json``: a nested structure, its tensors apart."""
+    tensors: dict = {}
+    tree = flatten(state, tensors)
+    _save_tensors(tensors, directory / f"state.rank{rank}.safetensors")
+    _write_json(directory / f"state.rank{rank}.json", tree)
 
 
 def _save_tensors(tensors: dict, path: Path) -> None:
@@ -356,12 +377,41 @@ def load(path: str | Path, *, rank: int = 0, device=None, verify_files: bool = T
 
 
 def load_model_state(path: str | Path, *, verify_files: bool = True) -> tuple[dict, dict]:
-    """(model state, meta) of a checkpoint directory, without any rank's state."""
+    """(model state, meta) of a checkpoint directory, without any rank's state; a sharded
+    (``"format": "dcp"``) checkpoint's weights are put together whole, in this process."""
     path = Path(path)
     meta = read_meta(path)
+    if meta.get("format") == DCP_FORMAT:
+        if verify_files:
+            verify(path)
+        return dcp_model_state(path), meta
     if verify_files:
         verify(path, names=["model.safetensors"])
     return _load_tensors(path, "model.safetensors"), meta
+
+
+def dcp_model_state(path: str | Path) -> dict:
+    """The whole weights of a DCP checkpoint (parameter name -> CPU tensor), read in this process
+    alone (no process group needed, none used when there is one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = DCP_MODEL + "."
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
+             for key, md in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not state:
+        raise CheckpointError(f"checkpoint {path}: its DCP files hold no model weights")
+    with warnings.catch_warnings():  # (DCP warns that it loads in one process: that is the intent)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return {key[len(prefix):]: t for key, t in state.items()}
+
+
+def reshardable(meta: dict) -> bool:
+    """Whether a checkpoint (its ``meta.json``) can be loaded at another world size."""
+    return meta.get("format") == DCP_FORMAT
 
 
 def load_rank_state(path: str | Path, *, rank: int = 0, device=None, verify_files: bool = True) -> tuple[dict, dict]:

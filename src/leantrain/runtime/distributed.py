@@ -26,3 +26,11 @@ def setup(device: str = "auto", timeout_s: float = 120.0) -> tuple[torch.device,
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     dev = torch.device(f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu")
     return dev, collectives.rank(), collectives.world_size()
+
+
+def ensure_group(device: torch.device) -> None:
+    """A process group for code that needs one even in a run of one process (FSDP, DCP): when none
+    exists, a group of this process alone (an in-memory store, no network), NCCL on CUDA, gloo on CPU."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)

@@ -26,6 +26,7 @@ bytes of the chunks addressed to other ranks; broadcast ``B`` on the source.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -66,13 +67,21 @@ def tensors_in(obj) -> Iterator[Tensor]:
             yield from tensors_in(getattr(obj, name))
 
 
+def _local_shard(t: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor`` (FSDP's parameters, gradients and optimizer state), else ``t``.
+    (``torch.distributed.tensor`` costs most of a second to import: no DTensor exists before it is.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
+
 def count_bytes(tensors: Iterable[Tensor], seen: set | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (each storage once)."""
+    """Bytes of the distinct storages behind ``tensors`` (each storage once; of a ``DTensor``, this rank's shard)."""
     seen = set() if seen is None else seen
     total = 0
     for t in tensors:
         if t is None:
             continue
+        t = _local_shard(t)
         key = _storage_key(t)
         if key in seen:
             continue

@@ -59,13 +59,23 @@ def _flag_value(v) -> str:
     return str(v)
 
 
-def resume_mismatch(saved: dict, current: dict) -> list[str]:
+# fields that may change with the number of processes when the checkpoint reshards
+# (``checkpoint.reshardable``): the global batch, data.batch_size x processes, is checked instead
+RESHARDABLE = ("data.batch_size", "dist.replicate")
+
+
+def resume_mismatch(saved: dict, current: dict, *, world: int = 1, saved_world: int = 1,
+                    reshard: bool = False) -> list[str]:
     """The fields (``section.field``) in which two ``Config.to_dict()`` trees differ, outside
-    ``RESUMABLE``, each as "field saved (this run: value; pass --flag saved)"."""
+    ``RESUMABLE``, each as "field saved (this run: value; pass --flag saved)"; and the number of
+    processes, which may differ for a checkpoint that reshards (``reshard``) when the global
+    batch stays the same."""
     a, b = _flat(saved), _flat(current)
+    resharded = reshard and world != saved_world
+    free = RESUMABLE + (RESHARDABLE if resharded else ())
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in RESUMABLE or key == "model.vocab_size":  # (vocab: set from the data, checked by its tokenizer)
+        if key in free or key == "model.vocab_size":  # (vocab: set from the data, checked by its tokenizer)
             continue
         va, vb = a.get(key), b.get(key)
         if isinstance(va, list):
@@ -75,6 +85,15 @@ def resume_mismatch(saved: dict, current: dict) -> list[str]:
         if va != vb and key in a:
             flag = "--preset" if key == "preset" else "--" + key.replace("_", "-")
             out.append(f"{key} {_flag_value(va)} (this run: {_flag_value(vb)}; pass {flag} {_flag_value(va)})")
+    if world != saved_world and not reshard:
+        out.append(f"{saved_world} processes (this run: {world}; run torchrun --nproc-per-node {saved_world})")
+    elif resharded and "data.batch_size" in a:
+        saved_batch, batch = a["data.batch_size"] * saved_world, b.get("data.batch_size", 0) * world
+        if saved_batch != batch:
+            fits = f"pass --data.batch-size {saved_batch // world}" if saved_batch % world == 0 else \
+                f"use a number of processes that divides {saved_batch}"
+            out.append(f"a global batch of {saved_batch} sequences (data.batch_size x processes; this run: "
+                       f"{batch}; {fits})")
     return out
 
 

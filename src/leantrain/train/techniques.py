@@ -14,6 +14,7 @@ BUILTIN = (
     "leantrain.forge.technique",
     "leantrain.agoq.technique",
     "leantrain.parallel.technique",
+    "leantrain.parallel.fsdp",
     "leantrain.comm.technique",
     "leantrain.finetune.technique",
 )
@@ -31,13 +32,13 @@ def wanted(cfg: Config) -> list[type[Technique]]:
 
 
 def check(classes: list[type[Technique]], cfg: Config, *, device, world: int) -> None:
-    """Each technique's own checks, then the rules of composition: one owner of the step, one
-    zeroth-order step."""
+    """Each technique's own checks (their messages name what works instead), then the rules of
+    composition: one owner of the step."""
+    for cls in classes:
+        cls.check(cfg, device=device, world=world)
     owners = [c.name for c in classes if c.owns_step]
     if len(owners) > 1:
         raise ConfigError(f"{' and '.join(owners)} both own the optimizer step; choose one")
-    for cls in classes:
-        cls.check(cfg, device=device, world=world)
 
 
 def validate(cfg: Config, *, device=None, world: int = 1) -> None:

@@ -131,6 +131,8 @@ class Trainer:
         self.opt = self._build_optimizer()
         if cfg.train.compile:  # (after the techniques attached their hooks and kernels)
             self.model.compile_blocks(cfg.train.compile_backend)
+        # a technique's own checkpoints (state sharded across ranks), else checkpoint.save / load
+        self.checkpointer = next((k for k in (t.checkpointer() for t in self.techniques) if k is not None), None)
         self.evalset = evalset.for_run(cfg, self.data, rank=self.rank, world=self.world, device=self.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         if self.resume_from is not None:
@@ -152,13 +154,11 @@ class Trainer:
             log0(f"--resume: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return None
         meta = checkpoint.read_meta(path)
-        diffs = rundir.resume_mismatch(meta.get("config", {}), self.cfg.to_dict())
+        diffs = rundir.resume_mismatch(meta.get("config", {}), self.cfg.to_dict(), world=self.world,
+                                       saved_world=meta.get("world_size", 1), reshard=checkpoint.reshardable(meta))
         if meta.get("baseline", False) != self.baseline:
             diffs.append(f"recipe {'--baseline' if meta.get('baseline') else 'not --baseline'} (pass "
                          f"{'--baseline' if meta.get('baseline') else 'no --baseline'})")
-        if meta.get("world_size", 1) != self.world:
-            diffs.append(f"{meta.get('world_size', 1)} processes (this run: {self.world}; run torchrun "
-                         f"--nproc-per-node {meta.get('world_size', 1)})")
         if diffs:
             raise ConfigError(f"--resume: checkpoint {path} was made with " + "; ".join(diffs)
                               + ". Nothing in the run directory was changed.")
@@ -395,25 +395,26 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def _rank_state(self) -> dict:
-        out = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-               "torch_rng": torch.get_rng_state(), "step": self.step}
+    def _run_state(self) -> dict:
+        """What a checkpoint keeps beside the weights and the optimizer."""
+        out = {"scheduler": self.sched.state_dict(), "torch_rng": torch.get_rng_state(), "step": self.step}
         out["techniques"] = {t.name: t.state_dict() for t in self.techniques}
         return out
 
     def save_checkpoint(self) -> Path:
+        meta = {"config": self.cfg.to_dict(), "baseline": self.baseline}
+        if self.checkpointer is not None:
+            return self.checkpointer.save(self.out, self.step, self.model, self.opt, self._run_state(), meta)
         return checkpoint.save(
-            self.out, self.step, self.model.state_dict(), self._rank_state(),
-            {"config": self.cfg.to_dict(), "baseline": self.baseline},
-            rank=self.rank, world=self.world, barrier=collectives.barrier, keep=self.cfg.train.keep_checkpoints,
+            self.out, self.step, self.model.state_dict(), {"optimizer": self.opt.state_dict(), **self._run_state()},
+            meta, rank=self.rank, world=self.world, barrier=collectives.barrier, keep=self.cfg.train.keep_checkpoints,
         )
 
     def _load(self, path: Path) -> None:
-        model_state, rank_state, meta = checkpoint.load(path, rank=self.rank)
-        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()}, strict=False)
-        if unexpected or any(k != "lm_head.weight" for k in missing):
-            raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-        self.opt.load_state_dict(rank_state["optimizer"])
+        if self.checkpointer is not None:
+            rank_state = self.checkpointer.load(path, self.model, self.opt)
+        else:
+            rank_state = self._load_whole(path)
         self.sched.load_state_dict(rank_state["scheduler"])
         torch.set_rng_state(rank_state["torch_rng"])
         saved = rank_state.get("techniques", {})
@@ -422,6 +423,15 @@ class Trainer:
                 t.load_state_dict(saved[t.name])
         self.step = rank_state["step"]
         log0(f"resumed from {path} at step {self.step}")
+
+    def _load_whole(self, path: Path) -> dict:
+        """The model's weights and this rank's optimizer state from ``checkpoint.save``'s files; the rest."""
+        model_state, rank_state, _ = checkpoint.load(path, rank=self.rank)
+        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in model_state.items()}, strict=False)
+        if unexpected or any(k != "lm_head.weight" for k in missing):
+            raise ConfigError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        self.opt.load_state_dict(rank_state["optimizer"])
+        return rank_state
 
     # ------------------------------------------------------------ the loop
 

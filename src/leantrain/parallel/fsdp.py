@@ -1,0 +1,174 @@
+"""PyTorch FSDP2 as a technique of a run (``--dist.mode fsdp``; docs/fsdp.md).
+
+Every block (``model.layers[i]``) and then the root model are wrapped by
+``torch.distributed.fsdp.fully_shard``: each rank keeps ``1/world`` of every weight, gradient and
+optimizer state as a ``DTensor`` shard; a block's weights are all-gathered before its forward
+and its backward and freed after, and its gradients are reduce-scattered as its backward ends.
+With ``dist.replicate`` R > 1 the mesh is 2-D (replicate, shard): HSDP, each of R replicas
+sharding over ``world / R`` ranks, the gradients then all-reduced across replicas.
+
+The optimizer is the matching ``torch.optim`` one (AdamW, SGD) over the sharded parameters
+(``foreach``: one kernel over many shards). ``no_sync()`` keeps the gradients of the
+micro-batches before the last one unreduced (``FSDPModule.set_requires_gradient_sync``).
+Gradient clipping is the trainer's ``clip_grad_norm_``: over ``DTensor`` gradients it returns
+the global norm. Checkpoints go through ``torch.distributed.checkpoint``
+(:class:`leantrain.runtime.dcp.DcpCheckpointer`): a run resumes at another world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from leantrain.config import Config, ConfigError
+from leantrain.runtime import collectives, distributed
+from leantrain.technique import Run, Technique, register
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _GradientSync:
+    """``no_sync()``: the trainer enters it for every micro-batch but the last; FSDP then
+    accumulates the unsharded gradients and reduce-scatters them in the last one's backward."""
+
+    fsdp_model: nn.Module
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.fsdp_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.fsdp_model.set_requires_gradient_sync(True)
+
+
+class FsdpAdamW(_GradientSync, torch.optim.AdamW):
+    """``torch.optim.AdamW`` over FSDP-sharded parameters, with :meth:`no_sync`."""
+
+    def __init__(self, params, *, model: nn.Module, **kw):
+        super().__init__(params, **kw)
+        self.fsdp_model = model
+
+
+class FsdpSGD(_GradientSync, torch.optim.SGD):
+    """``torch.optim.SGD`` over FSDP-sharded parameters, with :meth:`no_sync` and leantrain's
+    decoupled weight decay (``p = (1 - lr wd) p - lr d``, :class:`leantrain.optim.rules.SGD`):
+    each group's ``weight_decay`` is moved to ``decoupled_weight_decay`` and applied before
+    torch's step, which then sees none (its own decay is added to the gradient)."""
+
+    def __init__(self, params, *, model: nn.Module, weight_decay: float = 0.0, **kw):
+        params = list(params)
+        groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+        for g in groups:
+            g["decoupled_weight_decay"] = g.pop("weight_decay", weight_decay)
+        super().__init__(groups, weight_decay=0.0, **kw)
+        self.fsdp_model = model
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            if g["decoupled_weight_decay"]:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.mul_(1.0 - g["lr"] * g["decoupled_weight_decay"])
+        return super().step(closure)
+
+
+def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
+    """Why ``cfg`` cannot run under FSDP (one sentence), or None."""
+    d = cfg.dist
+    if world % d.replicate:
+        return (f"dist.replicate ({d.replicate}) must divide the number of processes ({world}); pass "
+                f"--dist.replicate 1 or a divisor of {world}")
+    for bad, why in (
+        (cfg.forge.enabled, "FORGE updates weights inside backward, before FSDP has reduced their gradients: "
+                            "use --dist.mode ddp with FORGE"),
+        (cfg.comm.method != "none", f"comm.method {cfg.comm.method} compresses DDP / sharded-optimizer traffic, "
+                                    "not FSDP's reduce-scatter: use --comm.method none with --dist.mode fsdp"),
+        (cfg.finetune.method in ("chunkft", "mezo", "grzo"),
+         f"finetune.method {cfg.finetune.method} reads or perturbs whole weights, which FSDP keeps sharded: use "
+         "--dist.mode ddp for it"),
+        (cfg.train.cuda_graph, "train.cuda_graph cannot capture FSDP's collectives: drop --train.cuda-graph"),
+        (cfg.agoq.grad_bits == 8, "agoq.grad_bits 8 keeps whole int8 gradients between micro-batches, which "
+                                  "FSDP reduce-scatters in backward: drop --agoq.grad-bits"),
+        (cfg.optim.name not in ("adamw", "sgd"), f"optim.name {cfg.optim.name} has no torch.optim counterpart to "
+                                                 "step sharded parameters: use --optim.name adamw or sgd"),
+        (cfg.train.weights != "fp32", "train.weights bf16 would step bf16 shards without stochastic rounding: "
+                                      "keep fp32 weights and pass --dist.param-dtype bf16"),
+        (d.cpu_offload and device.type != "cuda", "dist.cpu_offload moves shards from a GPU to CPU memory: "
+                                                  "drop it on a CPU run"),
+    ):
+        if bad:
+            return why
+    return None
+
+
+@register
+class Fsdp(Technique):
+    name = "fsdp"
+    owns_step = True
+    reduces_gradients = True
+
+    @classmethod
+    def wanted(cls, cfg: Config) -> bool:
+        return cfg.dist.mode == "fsdp"
+
+    @classmethod
+    def check(cls, cfg: Config, *, device, world: int) -> None:
+        why = _refusal(cfg, device, world)
+        if why is not None:
+            raise ConfigError(f"--dist.mode fsdp: {why}")
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        d, model = run.cfg.dist, run.model
+        distributed.ensure_group(run.device)  # (a run of one process has none: FSDP needs one)
+        # the groups name their parameters: fully_shard replaces every parameter by a DTensor one
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.group_names = [[names[id(p)] for p in g["params"]] if isinstance(g, dict) else names[id(g)]
+                            for g in run.param_groups]
+        shape, dims = ((d.replicate, run.world // d.replicate), ("replicate", "shard")) if d.replicate > 1 \
+            else ((run.world,), ("shard",))
+        self.mesh = init_device_mesh(run.device.type, shape, mesh_dim_names=dims)
+        kw = {"mesh": self.mesh,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[d.param_dtype], reduce_dtype=DTYPES[d.reduce_dtype]),
+              "offload_policy": CPUOffloadPolicy() if d.cpu_offload else OffloadPolicy()}
+        for block in model.layers:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+
+    def param_groups(self) -> list:
+        """The run's parameter groups over the sharded parameters (the same names, the same order)."""
+        params = dict(self.run.model.named_parameters())
+        return [{**g, "params": [params[n] for n in names]} if isinstance(g, dict) else params[names]
+                for g, names in zip(self.run.param_groups, self.group_names, strict=True)]
+
+    def optimizer(self, run: Run, rule):
+        o = run.cfg.optim
+        if o.name == "adamw":
+            return FsdpAdamW(self.param_groups(), model=run.model, lr=o.lr, betas=o.betas, eps=o.eps,
+                             weight_decay=o.weight_decay, foreach=True)
+        return FsdpSGD(self.param_groups(), model=run.model, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                       weight_decay=o.weight_decay, foreach=True)
+
+    def checkpointer(self):
+        """DCP checkpoints: each rank writes its shards; a resume may use another world size."""
+        from leantrain.runtime.dcp import DcpCheckpointer
+
+        return DcpCheckpointer(rank=self.run.rank, world=self.run.world, keep=self.run.cfg.train.keep_checkpoints,
+                               barrier=collectives.barrier)
+
+    @classmethod
+    def tag(cls, cfg: Config) -> str:
+        d = cfg.dist
+        return ("hsdp" if d.replicate > 1 else "fsdp") + ("-bf16" if d.param_dtype == "bf16" else "")
