@@ -57,6 +57,10 @@ if [ "$MODE" = verify ]; then verify 2>&1 | tee "$OUT/run.log"; exit 0; fi
   train1b baseline --baseline
   train1b forge_agoq --forge --agoq
   train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
+  log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ; compile"
+  train1b fsdp --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32
+  train1b fsdp_agoq --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32 --agoq
+  train1b compiled --train.compile true
 
   log "agoq: saved activations, peak, step time (1b, B = 8)"
   timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
