@@ -245,6 +245,8 @@ class ScapeConfig:
     catch_up: int = 0
     # off-mask coordinates repeat their last move every step (no bytes: every rank knows the moves)
     coast: bool = True
+    # mask scores relative to their tensor's mean |m| (each tensor gets its share of the mask)
+    per_tensor: bool = True
 
 
 @dataclass

@@ -94,6 +94,7 @@ class SCAPE(NoCompression):
     score: str = "m_age"
     dense_steps: int = 1
     coast: bool = True
+    per_tensor: bool = True
 
     name = "scape"
 
@@ -116,6 +117,7 @@ class SCAPE(NoCompression):
         self._next: dict[int, Pending] = {}  # bucket -> the next step's mask, in flight
         self._sent: dict[int, Tensor] = {}  # bucket -> the residual after this step's send, not yet committed
         self._moment = "exp_avg"  # the rule's first-moment state (set by init_state)
+        self._tensor_of: dict[int, Tensor] = {}  # bucket -> the parameter of each shard coordinate (int64)
         self._velocity: dict[int, Tensor] = {}  # bucket -> its state's scape_velocity (for the weight gather)
 
     @property
@@ -124,6 +126,14 @@ class SCAPE(NoCompression):
 
     def alignment(self, topo: Topology) -> int:
         return 8  # (shards pack into whole bytes of bitmap)
+
+    def bind_bucket(self, key: int, offsets: list[int], sizes: list[int], start: int, shard: int) -> None:
+        ids = torch.full((shard,), len(sizes), dtype=torch.int64)  # (padding: a tensor of its own)
+        for i, (off, n) in enumerate(zip(offsets, sizes, strict=True)):
+            lo, hi = max(off, start), min(off + n, start + shard)
+            if lo < hi:
+                ids[lo - start:hi - start] = i
+        self._tensor_of[key] = ids
 
     def k(self, shard: int) -> int:
         return max(1, min(shard, round(self.density * shard)))
@@ -177,7 +187,7 @@ class SCAPE(NoCompression):
         if int(state["step"]) < self.dense_steps:  # the next step is dense too
             self._mask.pop(key, None)
             return
-        self._next[key] = self._gather_mask(state, topo)
+        self._next[key] = self._gather_mask(state, topo, key)
 
     def _coast_master(self, key: int, state: dict, topo: Topology) -> None:
         """The owner's off-mask master coordinates move by their velocity (the weight gather moves
@@ -200,17 +210,23 @@ class SCAPE(NoCompression):
         self._sent.clear()
         for key, st in states.items():
             if int(st["step"]) >= max(1, self.dense_steps):
-                self._next[key] = self._gather_mask(st, topo)
+                self._next[key] = self._gather_mask(st, topo, key)
 
     @property
     def _tracks_age(self) -> bool:
         return bool(self.catch_up) or self.score == "m_age"
 
-    def _gather_mask(self, state: dict, topo: Topology) -> Pending:
+    def _gather_mask(self, state: dict, topo: Topology, key: int) -> Pending:
         m, step = state[self._moment], int(state["step"])
         S, world = m.numel(), topo.world
         k = self.k(S)
         score = m.detach().float().abs()
+        if self.per_tensor and key in self._tensor_of:  # |m| relative to its tensor's mean |m| on the shard
+            ids = self._tensor_of[key].to(m.device)
+            n = int(ids.max()) + 1
+            mean = torch.zeros(n, device=m.device).index_add_(0, ids, score)
+            mean /= torch.bincount(ids, minlength=n).clamp_(min=1)
+            score.div_(mean.clamp_(min=1e-30)[ids])
         if self.score == "m_age":  # |m| times the steps since the last update: the gradient mass waiting
             score.mul_((step + 1 - state["scape_last"]).float())
         n_ex = min(k, int(self.explore * k))

@@ -123,7 +123,7 @@ class ShardCompression(Technique):
         else:
             s = c.scape
             run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,
-                                    coast=s.coast)
+                                    coast=s.coast, per_tensor=s.per_tensor)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
