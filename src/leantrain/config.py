@@ -241,10 +241,7 @@ class ScapeConfig:
     density: float = 0.1  # fraction of each shard's coordinates sent a step
     score: Literal["m", "m_age"] = "m_age"  # mask by |m|, or |m| times the steps since the last update
     dense_steps: int = 1  # the first steps are dense
-    # an update stands for the steps since the last one, at most this many (0: off); needs coast false
-    catch_up: int = 0
-    # off-mask coordinates repeat their last move every step (no bytes: every rank knows the moves)
-    coast: bool = True
+    catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
     # mask scores relative to their tensor's mean |m| (each tensor gets its share of the mask)
     per_tensor: bool = True
 

@@ -79,9 +79,9 @@ class Recorder(SCAPE):
         return pend
 
 
-def _sparse_steps(rank, world, density, coast=True):
+def _sparse_steps(rank, world, density):
     m = make_model()
-    comp = Recorder(density, value_dtype=torch.float32, coast=coast)  # (a bf16 sum over ranks rounds: not fed back)
+    comp = Recorder(density, value_dtype=torch.float32)  # (a bf16 sum over ranks rounds: not fed back)
     comp.delivered = []
     opt = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=comp)
     total = torch.zeros(sum(b.padded for b in opt.buckets))  # every rank's gradient, summed, all steps
@@ -178,7 +178,6 @@ def _suite(rank, world):
     out = {"dense": _dense_equivalence(rank, world), "sparse": _sparse_steps(rank, world, 0.1)}
     if world == 2:
         out["sparse99"] = _sparse_steps(rank, world, 0.01)
-        out["sparse_still"] = _sparse_steps(rank, world, 0.1, coast=False)
         out["bytes"] = {d: _bytes(rank, world, d, 2) for d in (0, 0.1, 0.01)}
         out["resume"] = _resume(rank, world)
         out["learns"] = _learns(rank, world)
@@ -210,7 +209,7 @@ def test_density_one_is_the_dense_optimizer(suites, world):
     assert all(r["dense"] for r in suites[world])
 
 
-@pytest.mark.parametrize("world,key", [(2, "sparse"), (2, "sparse99"), (4, "sparse"), (2, "sparse_still")])
+@pytest.mark.parametrize("world,key", [(2, "sparse"), (2, "sparse99"), (4, "sparse")])
 def test_sparse_steps(suites, world, key):
     res = [r[key] for r in suites[world]]
     for r in res:
@@ -220,10 +219,7 @@ def test_sparse_steps(suites, world, key):
         changed, limits = r["changed"], r["limits"]
         assert changed[0] > 2 * limits[0]  # the first step, before any mask, is dense
         for c, lim in zip(changed[1:], limits[1:], strict=True):
-            if key == "sparse_still":
-                assert 0 < c <= lim  # without coasting only masked coordinates move: no dense step
-            else:
-                assert c > 2 * lim  # coasting: off-mask coordinates repeat their last move
+            assert 0 < c <= lim  # only masked coordinates move: no dense step
 
 
 def test_bytes_on_the_wire(suites):
@@ -255,17 +251,14 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
 
 
-@pytest.mark.parametrize("catch_up,score,dense,coast", [(0, "m", 1, False), (4, "m", 1, False), (0, "m_age", 1, False),
-                                                       (10, "m_age", 3, False), (0, "m_age", 1, True),
-                                                       (0, "m", 3, True)])
-def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, coast, device="cpu"):
+@pytest.mark.parametrize("catch_up,score,dense", [(0, "m", 1), (4, "m", 1), (0, "m_age", 1), (10, "m_age", 3)])
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
     bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
-    moment plus the window, error feedback, masked AdamS steps, catch-up spans; with coasting, every
-    off-mask coordinate moving by its last move)."""
+    moment plus the window, error feedback, masked AdamS steps, catch-up spans)."""
     rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
     m1, m2 = _mlp().to(device), _mlp().to(device)
-    comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense, coast=coast)
+    comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense)
     opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     S, k = b.padded, comp.k(b.padded)
@@ -281,7 +274,6 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 
     w, mom, resid = layout(params2), torch.zeros(S, device=device), torch.zeros(S, device=device)
     last, mask = torch.zeros(S, dtype=torch.int64, device=device), None
-    velocity = torch.zeros(S, device=device)
     moved = []
     for step in range(1, 9):
         g = torch.Generator().manual_seed(step)
@@ -295,10 +287,8 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
         acc = layout([p.grad for p in params2]) + resid
         m2.zero_grad()
         if mask is None:
-            w_old = w
             w, st = rule.update(w, acc, {"exp_avg": mom}, step=step, **rule.hyper())
             mom, resid = st["exp_avg"], torch.zeros(S, device=device)
-            velocity = w - w_old
             last.fill_(step)
         else:
             sent, resid = acc[mask], acc.clone()
@@ -310,9 +300,6 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
                 p_new = p0 + span * (p_new - p0)
             else:
                 p_new, st = rule.update(p0, sent, st0, step=step, **rule.hyper())
-            if coast:  # off-mask coordinates repeat their last move; the masked ones get a new one
-                w = w + velocity
-                velocity[mask] = p_new - p0
             w[mask], mom[mask] = p_new, st["exp_avg"]
             last[mask] = step
         prio = mom.abs() * (step + 1 - last).float() if score == "m_age" else mom.abs()
@@ -322,31 +309,26 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
             for p, off in zip(params2, b.offsets, strict=True):
                 p.copy_(w[off:off + p.numel()].view_as(p))
     assert torch.equal(layout(list(b.params)), layout(params2))
-    assert all(x > 2 * k for x in moved[:dense])  # dense steps
-    if coast:
-        assert all(x > 2 * k for x in moved[dense:])  # every coordinate keeps moving
-    else:
-        assert all(0 < x <= k for x in moved[dense:])  # only the masked ones move
+    assert all(x > 2 * k for x in moved[:dense]) and all(0 < x <= k for x in moved[dense:])  # dense, then masked
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, False, device="cuda")
-    test_one_process_matches_a_reference_of_the_algorithm(0, "m_age", 3, True, device="cuda")
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps, c.coast) == \
-        (s.density, s.score, s.catch_up, s.dense_steps, s.coast)
+    assert (c.density, c.score, c.catch_up, c.dense_steps) == \
+        (s.density, s.score, s.catch_up, s.dense_steps)
 
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():
     m = _mlp()
-    comp = SCAPE(0.25, error_feedback=False, coast=False)
+    comp = SCAPE(0.25, error_feedback=False)
     opt = lt.dist.ShardedOptimizer(m, lt.optim.AdamS(lr=1e-2), bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     assert "scape_residual" not in opt.state[b.index]

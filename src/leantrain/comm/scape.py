@@ -80,20 +80,18 @@ class SCAPE(NoCompression):
     gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
     update one step's move, however long the coordinate waited).
     ``dense_steps``: the first steps are dense (the first always is: it has no mask).
-    ``coast``: every rank moves each off-mask coordinate by its last update's move (the velocity,
-    known to every rank from the weights it received), so every coordinate moves every step as in
-    dense AdamS; an update on the mask applies the rule to the accumulated gradient and sets the
-    new velocity. Needs ``catch_up=0`` (coasting already moves the coordinate the steps it waited).
+    ``per_tensor``: a score is divided by the mean ``|m|`` of its parameter tensor on the shard, so
+    every tensor gets about its share of the mask (an Adam-type step is about as large in every
+    tensor, whatever its gradients' scale; raw ``|m|`` starves the tensors of small gradients).
     Defaults from the sweep in ``docs/scape.md`` (fidelity)."""
 
     density: float = 0.1
     explore: float = 0.1
     value_dtype: torch.dtype = torch.bfloat16
     error_feedback: bool = True
-    catch_up: int = 0
+    catch_up: int = 10
     score: str = "m_age"
     dense_steps: int = 1
-    coast: bool = True
     per_tensor: bool = True
 
     name = "scape"
@@ -109,8 +107,6 @@ class SCAPE(NoCompression):
             raise ValueError(f"SCAPE: dense_steps must be >= 1 (the first step has no mask), got {self.dense_steps}")
         if self.catch_up < 0:
             raise ValueError(f"SCAPE: catch_up must be >= 0, got {self.catch_up}")
-        if self.coast and self.catch_up:
-            raise ValueError("SCAPE: coast moves a waiting coordinate every step already; use catch_up=0 with it")
         if self.value_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"SCAPE: value_dtype must be float32, bfloat16 or float16, got {self.value_dtype}")
         self._mask: dict[int, Tensor] = {}  # bucket -> [world, k] int64 shard-local indices in force (sorted)
@@ -118,7 +114,6 @@ class SCAPE(NoCompression):
         self._sent: dict[int, Tensor] = {}  # bucket -> the residual after this step's send, not yet committed
         self._moment = "exp_avg"  # the rule's first-moment state (set by init_state)
         self._tensor_of: dict[int, Tensor] = {}  # bucket -> the parameter of each shard coordinate (int64)
-        self._velocity: dict[int, Tensor] = {}  # bucket -> its state's scape_velocity (for the weight gather)
 
     @property
     def needs_current_weights(self) -> bool:  # type: ignore[override]
@@ -147,8 +142,6 @@ class SCAPE(NoCompression):
         self._moment = moments[0]
         st = {"scape_residual": torch.zeros(padded, dtype=torch.float32, device=device)} if self.error_feedback \
             else {}
-        if self.coast:  # each coordinate's last move (every rank, the whole bucket)
-            st["scape_velocity"] = torch.zeros(padded, dtype=torch.float32, device=device)
         if self._tracks_age:  # the step at which each coordinate of this rank's shard was last updated
             st["scape_last"] = torch.zeros(shard, dtype=torch.int32, device=device)
         return st
@@ -176,8 +169,6 @@ class SCAPE(NoCompression):
         this step."""
         if key in self._sent:
             state["scape_residual"] = self._sent.pop(key)
-        if self.coast:
-            self._coast_master(key, state, topo)
         if self._tracks_age:
             mask, step = self._mask.get(key), int(state["step"])
             if mask is None:  # (a dense step)
@@ -188,20 +179,6 @@ class SCAPE(NoCompression):
             self._mask.pop(key, None)
             return
         self._next[key] = self._gather_mask(state, topo, key)
-
-    def _coast_master(self, key: int, state: dict, topo: Topology) -> None:
-        """The owner's off-mask master coordinates move by their velocity (the weight gather moves
-        every rank's copy the same way)."""
-        velocity, mask = state["scape_velocity"], self._mask.get(key)
-        self._velocity[key] = velocity
-        if mask is None:  # (a dense step: every coordinate was updated)
-            return
-        master = state["master"]
-        S = master.numel()
-        off = torch.ones(S, dtype=torch.bool, device=master.device)
-        off[mask[topo.rank]] = False
-        mine = velocity[topo.rank * S:(topo.rank + 1) * S]
-        master[off] += mine[off].to(master.dtype)
 
     def resume(self, states: dict[int, dict], topo: Topology) -> None:
         """After a checkpoint load: rebuild the masks the loaded state implies (collective)."""
@@ -284,18 +261,8 @@ class SCAPE(NoCompression):
     def start_weight_gather(self, shard: Tensor, topo: Topology, *, dtype: torch.dtype,
                             current: Tensor | None = None, seed: int = 0, key: int = 0) -> Pending:
         mask = self._mask.get(key)
-        velocity = self._velocity.get(key) if self.coast else None
         if mask is None or current is None:
-            pend = NoCompression.start_weight_gather(self, shard, topo, dtype=dtype, seed=seed)
-            if velocity is None or current is None:
-                return pend
-
-            def finish_dense() -> Tensor:  # every coordinate moved: every velocity is new
-                full = pend.wait()
-                torch.sub(full.float(), current.float(), out=velocity)
-                return full
-
-            return Pending(finish_dense)
+            return NoCompression.start_weight_gather(self, shard, topo, dtype=dtype, seed=seed)
         world, k = mask.shape
         vals = shard.index_select(0, mask[topo.rank]).to(dtype)
         out = torch.empty(world * k, dtype=dtype, device=shard.device)
@@ -303,13 +270,7 @@ class SCAPE(NoCompression):
 
         def finish() -> Tensor:
             _wait(w)
-            new, cur = out.view(world, k), current.view(world, -1)
-            if velocity is None:
-                return cur.scatter_(1, mask, new).view(-1)
-            moved = new.float() - cur.gather(1, mask).float()  # the masked coordinates' new velocity
-            full = (cur.float() + velocity.view(world, -1)).to(dtype).scatter_(1, mask, new)
-            velocity.view(world, -1).scatter_(1, mask, moved)
-            return full.view(-1)
+            return current.view(world, -1).scatter_(1, mask, out.view(world, k)).view(-1)
 
         return Pending(finish)
 

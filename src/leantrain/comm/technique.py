@@ -111,9 +111,6 @@ class ShardCompression(Technique):
                               "(or adamw, lion, sgd with momentum)")
         if c.method == "scape" and not 0 < c.scape.density <= 1:
             raise ConfigError(f"comm.scape.density must be in (0, 1], got {c.scape.density}")
-        if c.method == "scape" and c.scape.coast and c.scape.catch_up:
-            raise ConfigError("comm.scape.coast moves waiting coordinates every step already: set "
-                              "--comm.scape.catch_up 0 or --comm.scape.coast false")
 
     def __init__(self, run: Run):
         super().__init__(run)
@@ -123,7 +120,7 @@ class ShardCompression(Technique):
         else:
             s = c.scape
             run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,
-                                    coast=s.coast, per_tensor=s.per_tensor)
+                                    per_tensor=s.per_tensor)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
