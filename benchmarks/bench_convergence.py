@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --preset tiny --steps 300 --out DIR \
         [--recipes baseline,reference,forge,...] [--dist-recipes ddp,sharded,sharded-sdp4bit --nproc 4 --intra 2]
         [--dist-recipes sharded-adams,sharded-scape90,sharded-scape99 --nproc 2 --intra 1]  # SCAPE vs dense AdamS
-    PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity --steps 300 --seeds 0,1,2 \
+    PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity --steps 300 --seeds 1337,1,2 \
         --out benchmarks/results/comm/2026-12-04_cpu_scape-fidelity.json  # SCAPE 90 % / 99 % vs dense AdamS
 
 Single-process recipes run one after the other (``leantrain train``); distributed recipes run

@@ -243,7 +243,7 @@ class ScapeConfig:
     dense_steps: int = 1  # the first steps are dense
     catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
     # mask scores relative to their tensor's mean |m| (each tensor gets its share of the mask)
-    per_tensor: bool = True
+    per_tensor: bool = False
 
 
 @dataclass
