@@ -3,11 +3,18 @@
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --preset tiny --steps 300 --out DIR \
         [--recipes baseline,reference,forge,...] [--dist-recipes ddp,sharded,sharded-sdp4bit --nproc 4 --intra 2]
         [--dist-recipes sharded-adams,sharded-scape90,sharded-scape99 --nproc 2 --intra 1]  # SCAPE vs dense AdamS
+    PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity --steps 300 --seeds 1337,1,2 \
+        --out benchmarks/results/comm/2026-12-04_cpu_scape-fidelity.json  # SCAPE 90 % / 99 % vs dense AdamS
 
 Single-process recipes run one after the other (``leantrain train``); distributed recipes run
 under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Writes
 ``report.md`` (final and validation loss, tokens/s, memory breakdown, bytes per step, each as
 a ratio to the baseline), ``loss.png`` and ``summary.json`` into ``--out``.
+
+``--scape-fidelity``: dense sharded AdamS, SCAPE at 90 % and at 99 % sparsity, each seed of
+``--seeds`` (2 gloo ranks, the preset's global batch); writes one JSON (``--out``): per seed the
+final validation loss, its ratio to dense AdamS of the same seed and the bytes a step, and per
+recipe the mean over seeds.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,7 +92,11 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--intra", type=int, default=2, help="ranks per pretend node for distributed recipes")
     p.add_argument("--set", action="append", default=[], help="extra config override key=value (repeatable)")
+    p.add_argument("--scape-fidelity", action="store_true", help="SCAPE 90 %% / 99 %% vs dense AdamS over --seeds")
+    p.add_argument("--seeds", default="1337,1,2")
     args = p.parse_args(argv)
+    if args.scape_fidelity:
+        return scape_fidelity(args)
     results = {}
     for name in [r for r in args.recipes.split(",") if r]:
         results[name] = run(name, RECIPES[name], args)
@@ -100,6 +112,44 @@ def main(argv=None) -> int:
     for name, s in results.items():
         print(f"{name:>18}: val loss {s['val_loss']:.4f} ({100 * (s['val_loss'] - base) / base:+.2f}% vs baseline)")
     print(f"report: {path}")
+    return 0
+
+
+SCAPE_FIDELITY = ("sharded-adams", "sharded-scape90", "sharded-scape99")
+
+
+def scape_fidelity(args) -> int:
+    """Every recipe of ``SCAPE_FIDELITY`` for every seed on 2 ranks; one JSON at ``--out``."""
+    nproc, seeds = 2, [int(x) for x in args.seeds.split(",")]
+    out = Path(args.out)
+    args.nproc, args.out = nproc, tempfile.mkdtemp(prefix="scape-fidelity-")  # (the runs' directories)
+    runs: dict[str, dict[int, dict]] = {name: {} for name in SCAPE_FIDELITY}
+    for name in SCAPE_FIDELITY:
+        ov = {**DIST_RECIPES[name], "dist.intra_node_size": 1, "data.batch_size": _per_rank_batch(args, name)}
+        for seed in seeds:
+            runs[name][seed] = run(f"{name}_seed{seed}", {**ov, "train.seed": seed}, args, nproc=nproc)
+    dense = runs["sharded-adams"]
+    result = {"what": f"SCAPE at 90 % and 99 % sparsity vs dense sharded AdamS, {args.preset} preset, "
+                      f"{args.steps} steps, {nproc} gloo ranks, seeds {seeds}",
+              "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
+                         f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} --out {out}",
+              "recipes": {}}
+    for name, by_seed in runs.items():
+        per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],
+                           "val_vs_dense": s["val_loss"] / dense[seed]["val_loss"],
+                           "comm_bytes_per_step": s["comm_bytes_per_step"],
+                           "bytes_vs_dense": s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]}
+               for seed, s in by_seed.items()}
+        mean = sum(r["val_loss"] for r in per.values()) / len(per)
+        dense_mean = sum(r["val_loss"] for r in dense.values()) / len(dense)
+        result["recipes"][name] = {"config": DIST_RECIPES[name], "seeds": per, "mean_val_loss": mean,
+                                   "mean_vs_dense": mean / dense_mean,
+                                   "worst_seed_vs_dense": max(r["val_vs_dense"] for r in per.values())}
+        print(f"{name:>18}: mean val {mean:.4f} ({100 * (mean / dense_mean - 1):+.2f}% vs dense), per seed "
+              + ", ".join(f"{100 * (r['val_vs_dense'] - 1):+.2f}%" for r in per.values()), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -3,8 +3,9 @@
 - density 1 (no exploration, fp32 values) gives the dense ShardedOptimizer's weights bit for bit;
 - a step changes only masked coordinates (no dense step), at most ``world * k`` a bucket, and
   every rank holds the same weights and the same mask;
-- the mask is the owner's top ``|m|`` times the steps waited, plus the rotating window, from the
-  state after the previous step;
+- the mask is the owner's top ``|m|`` (relative to its tensor's mean ``|m|`` on the shard) times
+  the steps waited, plus the rotating window, from the state after the previous step;
+- per-tensor scores give every tensor its share of the mask, however small its gradients;
 - nothing is lost with error feedback: the sum of every gradient sent so far plus every rank's
   residual is the sum of all ranks' gradients;
 - the bytes on the wire (the ledger's count of the tensors passed to the collectives);
@@ -39,6 +40,24 @@ def batch(step, rank, world):
     y = (x * 7 + 3) % CFG.vocab_size  # a learnable map (the convergence check)
     per = GLOBAL_BATCH // world
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def tensor_ids(offsets, sizes, start, shard):
+    """The parameter of each coordinate of the shard ``[start, start + shard)`` (padding: ``len(sizes)``)."""
+    ids = torch.full((shard,), len(sizes), dtype=torch.int64)
+    for i, (off, n) in enumerate(zip(offsets, sizes, strict=True)):
+        lo, hi = max(off, start), min(off + n, start + shard)
+        if lo < hi:
+            ids[lo - start:hi - start] = i
+    return ids
+
+
+def relative(abs_m, ids):
+    """``|m|`` over its tensor's mean ``|m|`` (the same operations as SCAPE's, for equal ties)."""
+    n = int(ids.max()) + 1
+    mean = torch.zeros(n, device=abs_m.device).index_add_(0, ids, abs_m)
+    mean /= torch.bincount(ids, minlength=n).clamp_(min=1)
+    return abs_m / mean.clamp_(min=1e-30)[ids]
 
 
 def flat(model):
@@ -81,7 +100,7 @@ class Recorder(SCAPE):
 
 def _sparse_steps(rank, world, density):
     m = make_model()
-    comp = Recorder(density, value_dtype=torch.float32)  # (a bf16 sum over ranks rounds: not fed back)
+    comp = Recorder(density, value_dtype=torch.float32, per_tensor=True)  # (a bf16 sum over ranks rounds: not fed back)
     comp.delivered = []
     opt = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=comp)
     total = torch.zeros(sum(b.padded for b in opt.buckets))  # every rank's gradient, summed, all steps
@@ -104,7 +123,8 @@ def _sparse_steps(rank, world, density):
                 want = []
                 for r in range(world):
                     sl = slice(r * b.shard, (r + 1) * b.shard)  # (score m_age: |m| times the steps waited)
-                    score = mom[sl].abs() * (st["step"] + 1 - last[sl]).float()
+                    ids = tensor_ids(b.offsets, [p.numel() for p in b.params], r * b.shard, b.shard)
+                    score = relative(mom[sl].abs(), ids) * (st["step"] + 1 - last[sl]).float()
                     score[(st["step"] * n_ex + torch.arange(n_ex)) % b.shard] = float("inf")
                     want.append(torch.topk(score, k).indices.sort().values)
                 got = comp._mask_in_force(b.index)
@@ -251,14 +271,16 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
 
 
-@pytest.mark.parametrize("catch_up,score,dense", [(0, "m", 1), (4, "m", 1), (0, "m_age", 1), (10, "m_age", 3)])
-def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, device="cpu"):
+@pytest.mark.parametrize("catch_up,score,dense,per_tensor", [(0, "m", 1, True), (4, "m", 1, True), (0, "m_age", 1, True),
+                                                            (10, "m_age", 3, True), (10, "m_age", 1, False)])
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
     bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
     moment plus the window, error feedback, masked AdamS steps, catch-up spans)."""
     rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
     m1, m2 = _mlp().to(device), _mlp().to(device)
-    comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense)
+    comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense,
+                 per_tensor=per_tensor)
     opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     S, k = b.padded, comp.k(b.padded)
@@ -302,7 +324,9 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
                 p_new, st = rule.update(p0, sent, st0, step=step, **rule.hyper())
             w[mask], mom[mask] = p_new, st["exp_avg"]
             last[mask] = step
-        prio = mom.abs() * (step + 1 - last).float() if score == "m_age" else mom.abs()
+        prio = relative(mom.abs(), tensor_ids(b.offsets, [p.numel() for p in b.params], 0, S)) if per_tensor \
+            else mom.abs()
+        prio = prio * (step + 1 - last).float() if score == "m_age" else prio
         prio[(step * n_ex + torch.arange(n_ex, device=device)) % S] = float("inf")
         mask = torch.topk(prio, k).indices.sort().values if step >= dense else None
         with torch.no_grad():
@@ -315,15 +339,15 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, device="cuda")
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps) == \
-        (s.density, s.score, s.catch_up, s.dense_steps)
+    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor) == \
+        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor)
 
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():
@@ -342,3 +366,33 @@ def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():
         opt.zero_grad()
         moved.append(int((flat(m) != before).sum()))
     assert moved[0] > 2 * comp.k(b.padded) and all(0 < x <= comp.k(b.padded) for x in moved[1:])
+
+
+def _mask_shares(per_tensor: bool) -> list[float]:
+    """One process, an MLP whose first layer's gradients are 1000x the others': after 6 steps, each
+    weight's share of the mask over its share of the coordinates (1: its fair share)."""
+    m = _mlp()
+    m[0].weight.register_hook(lambda g: g * 1000.0)
+    comp = SCAPE(0.1, per_tensor=per_tensor, explore=0.0)
+    opt = lt.dist.ShardedOptimizer(m, lt.optim.AdamS(lr=1e-2), bucket_mb=1, compression=comp)
+    (b,) = opt.buckets
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 7, generator=g)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    mask = comp._mask_in_force(b.index)[0]
+    ids = tensor_ids(b.offsets, [p.numel() for p in b.params], 0, b.shard)
+    picked = torch.bincount(ids[mask], minlength=len(b.params) + 1)[:len(b.params)].float()
+    sizes = torch.tensor([p.numel() for p in b.params], dtype=torch.float32)
+    share = picked / mask.numel() / (sizes / sizes.sum())
+    return share[sizes >= 100].tolist()  # (the weights: a bias's fair share is a few coordinates)
+
+
+def test_per_tensor_scores_give_every_tensor_its_share_of_the_mask():
+    """AdamS moves every tensor about as far whatever its gradients' scale, so the mask must too:
+    with raw |m| the tensor of 1000x gradients takes the whole mask and the others starve."""
+    fair, raw = _mask_shares(True), _mask_shares(False)
+    assert all(0.3 < share < 3.0 for share in fair), fair
+    assert min(raw) == 0.0, raw  # (the mechanism: without per-tensor scores some tensor gets nothing)

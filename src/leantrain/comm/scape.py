@@ -6,8 +6,9 @@ SGD with momentum work too). Per bucket and step, with ``S`` elements a shard, `
 and ``k = round(density * S)``:
 
 1. **The mask.** After the owner of a shard has stepped it, it picks ``k`` coordinates of its
-   shard: the largest scores (``|m|`` of the first moment ``exp_avg``, by default times the steps
-   since the coordinate was last updated), plus a rotating window of ``explore * k``
+   shard: the largest scores (``|m|`` of the first moment ``exp_avg``, with ``per_tensor`` over
+   the mean ``|m|`` of its parameter tensor on the shard, by default times the steps since the
+   coordinate was last updated), plus a rotating window of ``explore * k``
    coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
    score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
    that is smaller) and used at the next step: the all-gather overlaps that step's forward and
@@ -80,7 +81,11 @@ class SCAPE(NoCompression):
     gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
     update one step's move, however long the coordinate waited).
     ``dense_steps``: the first steps are dense (the first always is: it has no mask).
-    Defaults from a sweep on the tiny preset (``comm/README.md``)."""
+    ``per_tensor``: a score is divided by the mean ``|m|`` of its parameter tensor on the shard, so
+    every tensor gets about its share of the mask (an Adam-type step is about as large in every
+    tensor, whatever its gradients' scale; raw ``|m|`` favours the tensors of large gradients).
+    Off by default: on the tiny preset it did not close the gap at 90 % (``docs/scape.md``).
+    Defaults from the sweeps in ``docs/scape.md``."""
 
     density: float = 0.1
     explore: float = 0.1
@@ -89,6 +94,7 @@ class SCAPE(NoCompression):
     catch_up: int = 10
     score: str = "m_age"
     dense_steps: int = 1
+    per_tensor: bool = False
 
     name = "scape"
 
@@ -109,6 +115,8 @@ class SCAPE(NoCompression):
         self._next: dict[int, Pending] = {}  # bucket -> the next step's mask, in flight
         self._sent: dict[int, Tensor] = {}  # bucket -> the residual after this step's send, not yet committed
         self._moment = "exp_avg"  # the rule's first-moment state (set by init_state)
+        # bucket -> the parameter of each shard coordinate (int64) and each parameter's count on the shard
+        self._tensor_of: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
     def needs_current_weights(self) -> bool:  # type: ignore[override]
@@ -116,6 +124,22 @@ class SCAPE(NoCompression):
 
     def alignment(self, topo: Topology) -> int:
         return 8  # (shards pack into whole bytes of bitmap)
+
+    def bind_bucket(self, key: int, offsets: list[int], sizes: list[int], start: int, shard: int) -> None:
+        ids = torch.full((shard,), len(sizes), dtype=torch.int64)  # (padding: a tensor of its own)
+        for i, (off, n) in enumerate(zip(offsets, sizes, strict=True)):
+            lo, hi = max(off, start), min(off + n, start + shard)
+            if lo < hi:
+                ids[lo - start:hi - start] = i
+        self._tensor_of[key] = (ids, torch.bincount(ids, minlength=len(sizes) + 1).clamp_(min=1))
+
+    def _tensor_mean(self, key: int, abs_m: Tensor) -> Tensor:
+        """Each shard coordinate's tensor's mean ``|m|`` on the shard."""
+        ids, count = self._tensor_of[key]
+        if ids.device != abs_m.device:
+            ids, count = self._tensor_of[key] = (ids.to(abs_m.device), count.to(abs_m.device))
+        mean = torch.zeros(count.numel(), device=abs_m.device).index_add_(0, ids, abs_m) / count
+        return mean.clamp_(min=1e-30)[ids]
 
     def k(self, shard: int) -> int:
         return max(1, min(shard, round(self.density * shard)))
@@ -165,7 +189,7 @@ class SCAPE(NoCompression):
         if int(state["step"]) < self.dense_steps:  # the next step is dense too
             self._mask.pop(key, None)
             return
-        self._next[key] = self._gather_mask(state, topo)
+        self._next[key] = self._gather_mask(state, topo, key)
 
     def resume(self, states: dict[int, dict], topo: Topology) -> None:
         """After a checkpoint load: rebuild the masks the loaded state implies (collective)."""
@@ -174,17 +198,19 @@ class SCAPE(NoCompression):
         self._sent.clear()
         for key, st in states.items():
             if int(st["step"]) >= max(1, self.dense_steps):
-                self._next[key] = self._gather_mask(st, topo)
+                self._next[key] = self._gather_mask(st, topo, key)
 
     @property
     def _tracks_age(self) -> bool:
         return bool(self.catch_up) or self.score == "m_age"
 
-    def _gather_mask(self, state: dict, topo: Topology) -> Pending:
+    def _gather_mask(self, state: dict, topo: Topology, key: int) -> Pending:
         m, step = state[self._moment], int(state["step"])
         S, world = m.numel(), topo.world
         k = self.k(S)
         score = m.detach().float().abs()
+        if self.per_tensor and key in self._tensor_of:  # |m| relative to its tensor's mean |m| on the shard
+            score.div_(self._tensor_mean(key, score))
         if self.score == "m_age":  # |m| times the steps since the last update: the gradient mass waiting
             score.mul_((step + 1 - state["scape_last"]).float())
         n_ex = min(k, int(self.explore * k))

@@ -114,6 +114,10 @@ class NoCompression:
         """Extra per-bucket optimizer state the compressor keeps (checkpointed with the shard)."""
         return {}
 
+    def bind_bucket(self, key: int, offsets: list[int], sizes: list[int], start: int, shard: int) -> None:
+        """The bucket's layout: each parameter's offset and size in the flat bucket, and this
+        rank's shard ``[start, start + shard)``."""
+
     def update_index(self, key: int, topo: Topology, state: dict) -> tuple[Tensor | None, Tensor | None]:
         """The shard-local coordinates this step updates (None: all), and the number of steps each
         update stands for (None: one each)."""

@@ -119,7 +119,8 @@ class ShardCompression(Technique):
             run.compression = SDP4Bit()
         else:
             s = c.scape
-            run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps)
+            run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,
+                                    per_tensor=s.per_tensor)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:

@@ -126,6 +126,7 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 master = self._flat_weights(b, self.master_dtype)[b.start:b.start + b.shard].clone()
                 self.state[b.index] = {"step": 0, "master": master, **rule.init_state(master),
                                        **self.compression.init_state(b.padded, b.shard, rule, master.device)}
+                self.compression.bind_bucket(b.index, b.offsets, [p.numel() for p in b.params], b.start, b.shard)
         self._sync = True
         self._next = 0  # next bucket to launch from the hooks
         self._hooks = []
