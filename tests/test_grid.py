@@ -13,7 +13,8 @@ Columns and their checks:
 - grad accumulation: two micro-batches a step, a finite loss;
 - compile: ``train.compile`` (``aot_eager``) gives the eager run's losses;
 - resume: two steps, then ``--resume`` to four, equals four steps straight, bit for bit;
-- resume at another world size: two steps on 2 ranks, resumed to four on 1 rank;
+- resume at another world size (FSDP2, whose DCP checkpoints reshard): two steps on 2 ranks,
+  resumed to four on 1 rank;
 - HF export: the run's checkpoint written as a Hugging Face directory that ``transformers`` loads
   with no missing or unexpected key;
 - Llama / Qwen2 / Mistral: two steps from a tiny random ``transformers`` model of that family.
@@ -53,8 +54,8 @@ SENDS = ("int8 all-reduce", "SDP4Bit", "SCAPE", "GIFT")  # (their natural world:
 MODES = {"one device": (1, {}), "DDP": (2, {"dist.mode": "ddp"}), "sharded": (2, {"dist.mode": "sharded"}),
          "FSDP2": (2, {"dist.mode": "fsdp"}), "HSDP": (4, {"dist.mode": "fsdp", "dist.replicate": "2"})}
 FAMILIES = ("Llama", "Qwen2", "Mistral")
-COLUMNS = (*MODES, "grad accumulation", "compile", "resume", "resume at another world size", "HF export",
-           *FAMILIES)
+RESHARD = "resume at another world size (FSDP2)"
+COLUMNS = (*MODES, "grad accumulation", "compile", "resume", RESHARD, "HF export", *FAMILIES)
 BASE = {"train.steps": "2", "train.eval_every": "0", "train.ckpt_every": "2", "train.log_every": "1"}
 
 
@@ -65,7 +66,7 @@ def _natural(recipe: str) -> int:
 def _world(recipe: str, column: str) -> int:
     if column in MODES:
         return MODES[column][0]
-    return 2 if column == "resume at another world size" else _natural(recipe)
+    return 2 if column == RESHARD else _natural(recipe)
 
 
 def _fit(corpus, out: Path, over: dict, *, resume: bool = False, overwrite: bool = True,
@@ -161,7 +162,7 @@ def _resume_elsewhere(rank: int, recipe: str, corpus, tmp: Path) -> str:
     """Two steps on 2 ranks (this worker is one of them); the caller resumes on one."""
     from leantrain.config import ConfigError
 
-    over = {k: v for k, v in RECIPES[recipe].items()}
+    over = {**RECIPES[recipe], "dist.mode": "fsdp"}
     try:
         _fit(corpus, tmp / "run", over)
     except ConfigError as e:
@@ -176,7 +177,7 @@ def _worker(rank: int, world: int, cells: list, corpus, tmp: Path, hf_dirs: dict
     out = {}
     for recipe, column in cells:
         where = tmp / f"{recipe}-{column}".replace(" ", "_").replace("/", "_")
-        if column == "resume at another world size":
+        if column == RESHARD:
             out[(recipe, column)] = _resume_elsewhere(rank, recipe, corpus, where)
         else:
             out[(recipe, column)] = cell(recipe, column, corpus, where, hf_dirs)
@@ -200,7 +201,7 @@ def compute(corpus, tmp: Path, hf_dirs: dict) -> dict[str, dict[str, str]]:
         for (recipe, column), status in results.items():
             grid[recipe][column] = status
     for recipe in RECIPES:  # the second half of "resume at another world size": on one rank
-        column = "resume at another world size"
+        column = RESHARD
         if grid[recipe][column] == OK:
             where = tmp / "w2" / f"{recipe}-{column}".replace(" ", "_").replace("/", "_")
             grid[recipe][column] = _resume_on_one(recipe, corpus, where)
@@ -210,9 +211,10 @@ def compute(corpus, tmp: Path, hf_dirs: dict) -> dict[str, dict[str, str]]:
 def _resume_on_one(recipe: str, corpus, where: Path) -> str:
     from leantrain.config import ConfigError
 
-    over = {k: v for k, v in RECIPES[recipe].items()}
+    over = {**RECIPES[recipe], "dist.mode": "fsdp"}
     try:
-        _fit(corpus, where / "run", {**over, "train.steps": "4"}, resume=True)
+        batch = str(2 * int(TINY_OVERRIDES["data.batch_size"]))  # (the global batch of the 2 ranks)
+        _fit(corpus, where / "run", {**over, "train.steps": "4", "data.batch_size": batch}, resume=True)
     except ConfigError as e:
         return _plain(str(e), where)
     except Exception as e:  # noqa: BLE001

@@ -87,12 +87,15 @@ class Technique:
     - ``reduces_gradients``: it does the data-parallel gradient reduction itself (inside backward or
       in its step), so the run does not wrap the model in DDP.
     - ``zeroth_order``: it replaces forward + backward by its own :meth:`zo_step` (loss values only).
+    - ``baseline_ok``: it also runs under ``--baseline`` (plain PyTorch): it lays the run out (FSDP2)
+      without changing the math of torch's AdamW.
     """
 
     name: ClassVar[str] = ""
     owns_step: ClassVar[bool] = False
     reduces_gradients: ClassVar[bool] = False
     zeroth_order: ClassVar[bool] = False
+    baseline_ok: ClassVar[bool] = False
 
     @classmethod
     def wanted(cls, cfg: Config) -> bool:

@@ -110,6 +110,7 @@ class Fsdp(Technique):
     name = "fsdp"
     owns_step = True
     reduces_gradients = True
+    baseline_ok = True  # (its optimizer is torch's AdamW over the shards)
 
     @classmethod
     def wanted(cls, cfg: Config) -> bool:

@@ -98,7 +98,7 @@ class Trainer:
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         rundir.prepare(self.out, resume=resume, overwrite=overwrite and self.rank == 0)
-        self.technique_classes = [] if baseline else techniques.wanted(cfg)
+        self.technique_classes = [c for c in techniques.wanted(cfg) if c.baseline_ok or not baseline]
         self._check_combination()
         # train.init_from: the model section, tokenizer and weights of a pretrained model
         self.pretrained = init_from.open_source(cfg.train.init_from, log=log0) if cfg.train.init_from else None
@@ -126,7 +126,7 @@ class Trainer:
         self.ddp = None
         self.graph = None  # train.cuda_graph: the captured forward + backward (made at the first unmeasured step)
         self.run = Run(cfg, self.model, self.device, self.rank, self.world, log=log0, param_groups=self._groups())
-        self.techniques = [] if baseline else techniques.build(self.technique_classes, self.run)
+        self.techniques = techniques.build(self.technique_classes, self.run)
         self.zo = next((t for t in self.techniques if t.zeroth_order), None)  # (its step replaces backward)
         self.opt = self._build_optimizer()
         if cfg.train.compile:  # (after the techniques attached their hooks and kernels)
@@ -198,7 +198,7 @@ class Trainer:
 
     def _check_combination(self) -> None:
         c = self.cfg
-        asked = [cls.name for cls in techniques.wanted(c)]
+        asked = [cls.name for cls in techniques.wanted(c) if not cls.baseline_ok]
         if self.baseline and asked:
             raise ConfigError(f"--baseline is plain PyTorch AdamW: do not combine it with {', '.join(asked)}")
         techniques.check(self.technique_classes, c, device=self.device, world=self.world)
@@ -231,7 +231,7 @@ class Trainer:
 
     def _build_optimizer(self):
         c = self.cfg
-        if self.baseline:
+        if self.baseline and not any(t.owns_step for t in self.techniques):  # (FSDP's own: torch AdamW too)
             self._wrap_ddp(None)
             o = c.optim
             return torch.optim.AdamW(self._groups(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
