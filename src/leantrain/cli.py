@@ -46,7 +46,7 @@ FINETUNE_EPILOG = """methods (--method; the same run as leantrain train, with fi
   chunkft   back-propagation into one chunk of the weights at a time (finetune.num_chunks)
   mezo      zeroth order: two forwards a step, no gradients, no optimizer state
   grzo      zeroth order with per-example signs (GRZO), norms included
-data: --data FILE (text, instruct or chat JSONL: the prompt is masked from the loss) and
+data: --data FILE (text, or instruct / chat records: the prompt is masked from the loss) and
   --eval-data FILE (scored every train.eval_every steps: loss, or accuracy for {prompt, choices,
   answer} lines); or --task compare|lookup|parity, a generated smoke test scored by accuracy:
     compare   max(3, 7) ==  -> 7        lookup   d = {'a': 3, 'b': 7}; d['b'] ==  -> 7
@@ -84,7 +84,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
     p.add_argument("--config", help="TOML file of config overrides")
     p.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
-    p.add_argument("--data", help="text file, directory, .jsonl or .bin tokens (default: embedded corpus)")
+    p.add_argument("--data", help="text file or directory, records (.jsonl, .json, .parquet, a datasets "
+                   "directory) of text / instruct / chat, or .bin tokens (default: the embedded corpus)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
 
