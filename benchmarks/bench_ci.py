@@ -63,6 +63,8 @@ def main(argv=None) -> int:
               "hardware": "2-core CPU development machine, torch 2.13 CPU",
               "command": "python3 benchmarks/bench_ci.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if a.log:
+        result["what"] = ("make test on a fresh clone (CI: .ci/run, the install included) on the 2-core CPU "
+                          "development machine")
         result["make_test"] = {**parse_pytest(Path(a.log).read_text()), "total_seconds": a.seconds}
     else:
         result.update(run_fresh())
