@@ -137,14 +137,13 @@ def _export_loads(run: Path, out: Path) -> None:
         raise AssertionError(f"the export loads with missing {info['missing_keys']}, unexpected {info['unexpected_keys']}")
 
 
-def cell(recipe: str, column: str, corpus, tmp: Path, hf_dirs: dict) -> str:
-    """``ok``, or the sentence a user gets."""
+def _status(run, tmp: Path) -> str:
+    """``ok`` when ``run()`` returns, else the sentence a user gets (this machine's paths as ``RUN``)."""
     from leantrain.config import ConfigError
     from leantrain.runtime.checkpoint import CheckpointError
 
-    tmp.mkdir(parents=True, exist_ok=True)
     try:
-        _check(recipe, column, corpus, tmp, hf_dirs)
+        run()
     except (ConfigError, CheckpointError) as e:
         return _plain(str(e), tmp)
     except Exception as e:  # noqa: BLE001  (a failure is a cell too: the grid shows it)
@@ -153,23 +152,20 @@ def cell(recipe: str, column: str, corpus, tmp: Path, hf_dirs: dict) -> str:
     return OK
 
 
+def cell(recipe: str, column: str, corpus, tmp: Path, hf_dirs: dict) -> str:
+    """``ok``, or the sentence a user gets."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    return _status(lambda: _check(recipe, column, corpus, tmp, hf_dirs), tmp)
+
+
 def _plain(message: str, tmp: Path) -> str:
     """The message without this machine's directories (the run directory reads ``RUN``)."""
     return message.replace(str(tmp / "run"), "RUN").replace(str(tmp), "RUN")
 
 
 def _resume_elsewhere(rank: int, recipe: str, corpus, tmp: Path) -> str:
-    """Two steps on 2 ranks (this worker is one of them); the caller resumes on one."""
-    from leantrain.config import ConfigError
-
-    over = {**RECIPES[recipe], "dist.mode": "fsdp"}
-    try:
-        _fit(corpus, tmp / "run", over)
-    except ConfigError as e:
-        return _plain(str(e), tmp)
-    except Exception as e:  # noqa: BLE001
-        return _plain(f"fails: {type(e).__name__}: {e}", tmp)
-    return OK
+    """Two FSDP2 steps on 2 ranks (this worker is one of them); the caller resumes on one."""
+    return _status(lambda: _fit(corpus, tmp / "run", {**RECIPES[recipe], "dist.mode": "fsdp"}), tmp)
 
 
 def _worker(rank: int, world: int, cells: list, corpus, tmp: Path, hf_dirs: dict) -> dict:
@@ -209,17 +205,9 @@ def compute(corpus, tmp: Path, hf_dirs: dict) -> dict[str, dict[str, str]]:
 
 
 def _resume_on_one(recipe: str, corpus, where: Path) -> str:
-    from leantrain.config import ConfigError
-
-    over = {**RECIPES[recipe], "dist.mode": "fsdp"}
-    try:
-        batch = str(2 * int(TINY_OVERRIDES["data.batch_size"]))  # (the global batch of the 2 ranks)
-        _fit(corpus, where / "run", {**over, "train.steps": "4", "data.batch_size": batch}, resume=True)
-    except ConfigError as e:
-        return _plain(str(e), where)
-    except Exception as e:  # noqa: BLE001
-        return _plain(f"fails: {type(e).__name__}: {e}", where)
-    return OK
+    batch = str(2 * int(TINY_OVERRIDES["data.batch_size"]))  # (the global batch of the 2 ranks)
+    over = {**RECIPES[recipe], "dist.mode": "fsdp", "train.steps": "4", "data.batch_size": batch}
+    return _status(lambda: _fit(corpus, where / "run", over, resume=True), where)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ class Agoq(Technique):
                               "bytes at ~1.1x the step; checkpointing: the blocks' inputs only, ~1.33x the compute)")
         if a.enabled and cfg.train.compile:
             raise ConfigError("agoq.enabled and train.compile: AGoQ compresses the tensors eager blocks save, by "
-                              "their role; compiled blocks save other tensors, which it would keep raw (measured: "
-                              "most of its saving lost); choose one")
+                              "their role; compiled blocks save other tensors, which it would keep raw; choose one")
         if any(x not in DERIVATIONS for x in a.derive.split(",") if x):
             raise ConfigError(f"agoq.derive must be a comma list of {', '.join(DERIVATIONS)} ('' for none), "
                               f"got {a.derive!r}")

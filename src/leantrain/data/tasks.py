@@ -81,16 +81,27 @@ class Batch:
         return Batch(self.idx.to(device), self.last.to(device), self.cand.to(device), self.label.to(device))
 
 
+def _pad_id(tok) -> int:
+    return tok.eot_id if tok.eot_id is not None else 0
+
+
+def _candidate_ids(exs: list[Example], tok) -> list[list[int]]:
+    """Each example's candidates' first tokens (each distinct text encoded once)."""
+    first: dict[str, int] = {}
+    out = []
+    for e in exs:
+        ids = [first[c] if c in first else first.setdefault(c, tok.encode(c)[0]) for c in e.candidates]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"candidates {e.candidates!r} cannot be told apart by one token under this tokenizer")
+        out.append(ids)
+    return out
+
+
 def encode(exs: list[Example], tok, pad_id: int) -> Batch:
     """Token ids of the prompts and of each candidate's first token (the candidates of an example
     must start with different tokens: a ValueError otherwise; the built-in digits always do)."""
     ids = tok.encode_batch([e.prompt for e in exs])
-    cands = []
-    for e in exs:
-        first = [tok.encode(c)[0] for c in e.candidates]
-        if len(set(first)) != len(first):
-            raise ValueError(f"candidates {e.candidates!r} cannot be told apart by one token under this tokenizer")
-        cands.append(first)
+    cands = _candidate_ids(exs, tok)
     t = max(len(i) for i in ids)
     idx = torch.full((len(exs), t), pad_id, dtype=torch.long)
     for b, i in enumerate(ids):
@@ -129,20 +140,20 @@ def task_data(task: str, tok, *, n_train: int, seq_len: int, seed: int, grad_acc
     from leantrain.data.packing import ExampleData, pack_rows
 
     exs = examples(task, n_train, seed=seed)
-    batch = encode(exs, tok, tok.eot_id if tok.eot_id is not None else 0)
     ids = tok.encode_batch([e.prompt for e in exs])
     longest = max(len(i) for i in ids)
     if longest > seq_len:
         raise ConfigError(f"the {task} task's prompts take up to {longest} tokens; raise data.seq_len "
                           f"(now {seq_len}) to at least that")
-    rows = [(i + [int(batch.cand[k, e.label])], [False] * len(i) + [True]) for k, (i, e) in enumerate(zip(ids, exs))]
-    packed = pack_rows(rows, seq_len, pack=False, pad_id=tok.eot_id if tok.eot_id is not None else 0)
+    cands = _candidate_ids(exs, tok)
+    rows = [(i + [c[e.label]], [False] * len(i) + [True]) for i, c, e in zip(ids, cands, exs, strict=True)]
+    packed = pack_rows(rows, seq_len, pack=False, pad_id=_pad_id(tok))
     return ExampleData(packed, packed, tok, tok.vocab_size, f"the generated {task} task", seq_len, False, grad_accum)
 
 
 def eval_batch(task: str, tok, n: int, seed: int) -> Batch:
     """``n`` held-out examples of ``task`` (drawn with another seed than training's) as a :class:`Batch`."""
-    return encode(examples(task, n, seed=1_000_003 + seed), tok, tok.eot_id if tok.eot_id is not None else 0)
+    return encode(examples(task, n, seed=1_000_003 + seed), tok, _pad_id(tok))
 
 
 __all__ = ["TASKS", "Example", "Batch", "examples", "encode", "candidate_logits", "losses", "accuracy",
