@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
-#   OUT=dir bash benchmarks/gpu.sh [quick]
+#   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
+# SECTION is any of: tests ops forge step agoq comm finetune fsdp scale (default: all of them, in that
+# order); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime,
 #       then the 1b step through the trainer for this tree and for the tree under $BASE/src, in
 #       alternation: a change's correctness and its step time against a baseline in one run)
@@ -9,11 +11,14 @@
 # result, copy it to benchmarks/results/<topic>/ and run `python benchmarks/report.py`.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu_out}
-MODE=${1:-full}
 mkdir -p "$OUT"
 export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-Q=""; [ "$MODE" = quick ] && Q="--quick"
+Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
+SECTIONS=${*:-tests ops forge step agoq comm finetune fsdp scale}
+for s in $SECTIONS; do
+  case $s in tests|ops|forge|step|agoq|comm|finetune|fsdp|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
 train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps, every step logged
@@ -22,6 +27,7 @@ train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps,
     --train.eval-every 0 --train.ckpt-every 0 --optim.warmup-steps 2 --train.sample-tokens 0 \
     --train.progress false --train.log-every 1 "$@" --out "$OUT/step/train-1b/$name" 2>&1 | tail -3
 }
+
 verify() {
   if [ "${VERIFY_TESTS:-1}" = 1 ]; then
     log "GPU tests of the kernels and the step"
@@ -31,56 +37,74 @@ verify() {
   fi
   log "1b step through the trainer, this tree against \$BASE"
   timeout 420 python3 benchmarks/bench_step.py --base "$BASE" --rounds "${VERIFY_ROUNDS:-3}" --out "$OUT/step" 2>&1 | tail -8
-  log "done"
 }
-if [ "$MODE" = verify ]; then verify 2>&1 | tee "$OUT/run.log"; exit 0; fi
-{
-  log "environment"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
+tests() {
   log "GPU tests"
   mkdir -p "$OUT/tests"
   timeout 900 python3 -m pytest tests -q -m gpu -p no:cacheprovider -o addopts="" 2>&1 | tail -40 \
     | tee "$OUT/tests/gpu_tests.txt"
+}
 
+ops() {
   log "ops: kernel bandwidth; RMSNorm and RoPE"
   timeout 600 python3 benchmarks/bench_ops.py --sizes 256,2048 --rep 60 $Q --out "$OUT/ops" 2>&1 | tail -30
   timeout 300 python3 benchmarks/bench_ops.py norm --tokens 65536 --out "$OUT/ops" 2>&1 | tail -8
+}
 
+forge() {
   log "forge: one linear, every kernel path (part a)"
   timeout 600 python3 benchmarks/bench_forge.py --part a $Q --out "$OUT/forge" 2>&1 | tail -40
+}
 
+step() {
   log "step: the whole 1b step, FORGE against torch, graphed (bench_forge part b)"
   timeout 600 python3 benchmarks/bench_forge.py --part b --batches 1 4 16 --timeout 70 $Q --out "$OUT/step" 2>&1 | tail -24
   log "step: the 1b preset through the trainer"
   train1b baseline --baseline
   train1b forge_agoq --forge --agoq
   train1b forge_int8_agoq --forge --forge.state-dtype int8 --agoq
-  log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ; compile"
-  train1b fsdp --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32
-  train1b fsdp_agoq --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32 --agoq
   train1b compiled --train.compile true
+}
 
+agoq() {
   log "agoq: saved activations, peak, step time (1b, B = 8)"
   timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
+}
 
+comm() {
   log "comm: SDP4Bit compression path; GIFT's compute"
   timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
   timeout 300 python3 benchmarks/bench_comm.py gift-cost --preset 1b --batch 4 --out "$OUT/comm" 2>&1 | tail -20
+}
 
+finetune() {
   log "finetune: every method on a random 1b model saved as a Hugging Face directory, 50 steps"
   timeout 540 python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --seq-len 256 \
     --eval-examples 64 --out "$OUT/finetune/hf-1b" 2>&1 | tail -8
   rm -rf "$OUT/finetune/hf-1b/hf_model" "$OUT/finetune/hf-1b/runs"
+}
 
-  if [ "$NGPU" -ge 2 ]; then
-    log "scale: NCCL smoke test and the trainer on 2 GPUs against 1 at the same global batch"
-    smoke=$(find tests -name torchrun_smoke.py | head -1)
-    [ -n "$smoke" ] && timeout 300 torchrun --standalone --nproc-per-node 2 "$smoke" 2>&1 | tail -14
-    A="--preset small --steps 30 --forge --agoq --train.eval-every 10 --train.log-every 5"
-    timeout 300 torchrun --standalone --nproc-per-node 2 -m leantrain train $A --data.batch-size 8 --out "$OUT/scale/two" 2>&1 | tail -4
-    timeout 300 python3 -m leantrain train $A --data.batch-size 16 --out "$OUT/scale/one" 2>&1 | tail -4
-  fi
+fsdp() {
+  log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ"
+  train1b fsdp --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32
+  train1b fsdp_agoq --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32 --agoq
+}
+
+scale() {
+  [ "$NGPU" -ge 2 ] || { log "scale: skipped (one GPU)"; return; }
+  log "scale: NCCL smoke test and the trainer on 2 GPUs against 1 at the same global batch"
+  smoke=$(find tests -name torchrun_smoke.py | head -1)
+  [ -n "$smoke" ] && timeout 300 torchrun --standalone --nproc-per-node 2 "$smoke" 2>&1 | tail -14
+  A="--preset small --steps 30 --forge --agoq --train.eval-every 10 --train.log-every 5"
+  timeout 300 torchrun --standalone --nproc-per-node 2 -m leantrain train $A --data.batch-size 8 --out "$OUT/scale/two" 2>&1 | tail -4
+  timeout 300 python3 -m leantrain train $A --data.batch-size 16 --out "$OUT/scale/one" 2>&1 | tail -4
+}
+
+{
+  log "environment"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  for s in $SECTIONS; do "$s"; done
   log "done"
 } 2>&1 | tee "$OUT/run.log"
