@@ -19,7 +19,7 @@ from leantrain.config.fields import (
     set_field,
     validate,
 )
-from leantrain.config.presets import PRESETS, b1, m125, preset, small, tiny
+from leantrain.config.presets import PRESETS, b1, b7, b8, m125, preset, small, tiny
 from leantrain.config.tree import (
     LOGGERS,
     AgoqConfig,
@@ -41,6 +41,6 @@ from leantrain.config.tree import (
 __all__ = [
     "AgoqConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "FinetuneConfig", "ForgeConfig",
     "GiftConfig", "LOGGERS", "ModelConfig", "OptimConfig", "PRESETS", "RENAMED", "ScapeConfig", "TrainConfig",
-    "apply_dict", "b1", "build", "field_docs", "from_dict", "load_toml", "logger_names", "m125", "parse_overrides",
+    "apply_dict", "b1", "b7", "b8", "build", "field_docs", "from_dict", "load_toml", "logger_names", "m125", "parse_overrides",
     "preset", "set_field", "small", "tiny", "validate",
 ]

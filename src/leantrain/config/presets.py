@@ -40,7 +40,29 @@ def b1() -> Config:
     return c
 
 
-PRESETS = {"tiny": tiny, "small": small, "125m": m125, "1b": b1}
+def b7() -> Config:
+    """The Llama-2-7B shape (32k vocabulary, no grouped-query attention), set for one-GPU
+    fine-tuning: bf16 weights, batch 1 of 1024 tokens."""
+    c = b1()
+    c.preset = "7b"
+    c.model = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_seq_len=4096)
+    c.data.batch_size, c.optim.lr = 1, 2e-5
+    return c
+
+
+def b8() -> Config:
+    """The Llama-3-8B shape (128k vocabulary, 8 K/V heads, RoPE base 500k), set for one-GPU
+    fine-tuning: bf16 weights, batch 1 of 1024 tokens. ``--data.tokenizer-vocab 32000`` gives the
+    shape with a 32k vocabulary."""
+    c = b7()
+    c.preset = "8b"
+    c.model = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192,
+                          rope_theta=500000.0)
+    c.data.tokenizer_vocab = 128256
+    return c
+
+
+PRESETS = {"tiny": tiny, "small": small, "125m": m125, "1b": b1, "7b": b7, "8b": b8}
 
 
 def preset(name: str) -> Config:
