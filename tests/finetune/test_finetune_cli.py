@@ -61,14 +61,34 @@ def test_finetune_from_a_run(trained, tmp_path, method):
     assert s2["initial_val_loss"] == pytest.approx(s["val_loss"], rel=1e-6)
 
 
+def test_chunkft_stepping_inside_backward(trained, tmp_path):
+    """``--method chunkft --forge``: the working set stepped inside backward, bf16 chunk state: no
+    gradient rows held, half the state bytes in host memory, and it learns as ChunkFT does."""
+    runs = {}
+    for name, extra in (("plain", []), ("forge", ["--forge", "--finetune.chunk-state-dtype", "bf16"])):
+        out = tmp_path / name
+        assert cli_main(["finetune", "--method", "chunkft", "--task", "lookup", "--from", str(trained), "--steps", "8",
+                         "--data.batch-size", "4", "--finetune.eval-examples", "32", "--out", str(out), *QUIET,
+                         *extra]) == 0
+        runs[name] = json.loads((out / "summary.json").read_text())
+    plain, fused = runs["plain"], runs["forge"]
+    weights = fused["memory"]["weights"]
+    assert fused["recipe"] == "chunkft+forge" and fused["in_backward"] and fused["chunk_state_dtype"] == "bf16"
+    assert fused["offloaded_bytes"] == weights  # (two bf16 states of every fp32 weight)
+    # the state arena at half the bytes and no gradient rows (their exact count: test_chunkft_backward)
+    assert fused["method_bytes"] < 0.7 * plain["method_bytes"]
+    assert fused["val_loss"] < fused["initial_val_loss"]
+    assert fused["val_loss"] == pytest.approx(plain["val_loss"], rel=0.05)
+
+
 def test_finetune_errors(trained, tmp_path, capsys):
     base = ["finetune", "--from", str(trained), "--out", str(tmp_path / "x"), "--task", "lookup"]
     assert cli_main(base + ["--method", "grzo", "--data.batch-size", "1"]) == 2
     assert "data.batch_size >= 2" in capsys.readouterr().err
     assert cli_main(base + ["--method", "mezo", "--data.grad-accum", "2"]) == 2
     assert "data.grad_accum 1" in capsys.readouterr().err
-    assert cli_main(base + ["--method", "chunkft", "--forge"]) == 2
-    assert "both own the optimizer step" in capsys.readouterr().err
+    assert cli_main(base + ["--method", "chunkft", "--forge", "--forge.state-dtype", "int8"]) == 2
+    assert "finetune.chunk_state_dtype" in capsys.readouterr().err
     assert cli_main(base + ["--method", "sgd"]) == 2
     assert "--method must be one of" in capsys.readouterr().err
     assert cli_main(["finetune", "--from", str(trained), "--out", str(tmp_path / "y")]) == 2
@@ -144,14 +164,16 @@ def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
     assert abs(s1["val_loss"] - s2["val_loss"]) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["mezo", "grzo", "chunkft", "full"])
+@pytest.mark.parametrize("method", ["mezo", "grzo", "chunkft", "chunkft+forge", "full"])
 def test_resume_continues_bit_for_bit(trained, tmp_path, method):
     """4 steps straight (a checkpoint every 2) against 2 steps, then --resume to 4: the same weights, the
     metrics continued, the first evaluation kept; a checkpoint of another method is refused."""
     from safetensors.torch import load_file
 
-    base = ["finetune", "--method", method, "--task", "lookup", "--from", str(trained), "--data.batch-size", "4",
-            "--finetune.eval-examples", "16", "--finetune.num-chunks", "3", "--train.device", "cpu", *QUIET]
+    name, *forge = method.split("+")
+    base = ["finetune", "--method", name, "--task", "lookup", "--from", str(trained), "--data.batch-size", "4",
+            "--finetune.eval-examples", "16", "--finetune.num-chunks", "3", "--train.device", "cpu", *QUIET,
+            *(["--forge", "--finetune.chunk-state-dtype", "bf16"] if forge else [])]
     assert cli_main([*base, "--steps", "4", "--train.ckpt-every", "2", "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "checkpoints" / "step_0000002").is_dir()
     assert cli_main([*base, "--steps", "2", "--out", str(tmp_path / "b")]) == 0
@@ -165,6 +187,6 @@ def test_resume_continues_bit_for_bit(trained, tmp_path, method):
     assert lines == [1, 2, 3, 4]
     sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
     assert sb["val_accuracy"] == sa["val_accuracy"] and sb["val_loss"] == sa["val_loss"]
-    other = "full" if method != "full" else "mezo"
+    other = "full" if name != "full" else "mezo"
     bad = [*base[:2], other, *base[3:]]
     assert cli_main([*bad, "--steps", "6", "--resume", "--out", str(tmp_path / "b")]) == 2

@@ -292,6 +292,9 @@ class FinetuneConfig:
     eps: float = 1e-3  # the perturbation's scale (MeZO's eps, GRZO's sigma)
     num_chunks: int = 4  # ChunkFT: chunks of the parameters
     interval: int = 1  # ChunkFT: steps each chunk stays active
+    # ChunkFT: the chunks' optimizer state (device arena and host block); the rule computes in fp32.
+    # With --forge, ChunkFT steps its working set inside backward (no gradient tensor held).
+    chunk_state_dtype: Literal["fp32", "bf16"] = "fp32"
     eval_examples: int = 512  # examples of the generated task scored at each evaluation
 
 

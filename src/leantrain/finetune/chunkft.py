@@ -30,6 +30,20 @@ One chunk is active at a time and the chunks take turns, ``interval`` steps each
 - **The step** applies the rule to the active rows in row blocks (at most ``block_elems``
   elements at once), so its temporaries are a block's, not the chunk's.
 
+- **In backward** (``in_backward=True``, FORGE's idea applied to the working set): each active
+  piece of a linear layer or an embedding is stepped inside backward as soon as its weight
+  gradient exists, row block by row block, so no gradient tensor larger than one block is ever
+  held, not even for the working set. The input gradient is computed before the weight changes.
+  A weight used by two modules (tied embeddings) and 1-D weights (norms) are stepped by
+  ``step()`` as before. Clipping then uses the chunk's gradient norm from its previous step (the
+  step's own norm is known only after backward); a row block whose gradient is not finite is not
+  stepped. With gradient accumulation the micro-batches run under ``no_sync()`` (as the trainer
+  does) add into the row buffers and the last one steps.
+- **Precision.** ``state_dtype="bf16"`` keeps the optimizer state (device arena and host block)
+  in bf16 (half the bytes; the rule still computes in fp32). bf16 weights are written with
+  stochastic rounding (``stochastic_rounding``, keyed by ``seed``, the parameter, the step and the
+  element), so small updates are not lost to rounding.
+
 Gradient accumulation works (backward adds into the row buffers); clipping (``max_norm``) is
 by the active chunk's gradient norm. A piece whose gradient is not finite is not stepped
 (``last["skipped"]`` names it). ``state_dict()`` holds the plan, the schedule and every chunk's
@@ -43,6 +57,7 @@ autograd's (theirs uses LayerNorm's formula, a bug).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable
@@ -50,12 +65,15 @@ from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leantrain.finetune.chunk_layers import EmbeddingForward, LinearFn, LinearForward, chunk_linear
 from leantrain.model.extension import claim, owner_of, release
-from leantrain.ops._backend import mm_fp32
+from leantrain.ops.rng import step_seed
+from leantrain.ops.sr import bf16_stochastic_round
 from leantrain.optim.rules import Rule, make_rule
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(eq=False)
@@ -105,92 +123,6 @@ def plan_chunks(named: list[tuple[str, nn.Parameter]], num_chunks: int, state_by
     return chunks
 
 
-class _ChunkLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, opt: ChunkFT) -> Tensor:
-        # the weight is held as the parameter itself: its gradient rows are found by its identity,
-        # which a tensor unpacked by saved_tensors_hooks (the ledger's meter, AGoQ) need not keep
-        ctx.opt, ctx.bias, ctx.weight = opt, bias, weight
-        ctx.save_for_backward(x)  # (through saved_tensors_hooks: the ledger, AGoQ)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        dx = dy.matmul(weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        opt = ctx.opt
-
-        def dw(lo: int, hi: int) -> Tensor:
-            out = torch.empty(hi - lo, x2.shape[1], dtype=torch.float32, device=x2.device)
-            mm_fp32(dy2[:, lo:hi].t(), x2.to(dy2.dtype), out, allow_upcast=True)
-            return out
-
-        opt._add_grad(weight, dw)
-        if ctx.bias is not None:
-            opt._add_grad(ctx.bias, lambda lo, hi: dy2[:, lo:hi].float().sum(0))
-        return dx, None, None, None
-
-
-class _ChunkEmbeddingFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, idx: Tensor, weight: Tensor, padding_idx: int | None, opt: ChunkFT) -> Tensor:
-        ctx.opt, ctx.padding_idx, ctx.weight = opt, padding_idx, weight  # (by identity, as _ChunkLinearFn's)
-        ctx.save_for_backward(idx)
-        return F.embedding(idx, weight, padding_idx)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        (idx,), weight = ctx.saved_tensors, ctx.weight
-        flat, d = idx.reshape(-1), dy.reshape(-1, dy.shape[-1])
-
-        def rows(lo: int, hi: int) -> Tensor:
-            sel = (flat >= lo) & (flat < hi)
-            if ctx.padding_idx is not None:
-                sel &= flat != ctx.padding_idx
-            # autograd's own embedding backward on the tokens in [lo, hi): deterministic on CUDA too
-            # (index_add_'s atomics there change the sums' order from run to run)
-            return torch.ops.aten.embedding_dense_backward(d[sel].float(), flat[sel] - lo, hi - lo, -1, False)
-
-        ctx.opt._add_grad(weight, rows)
-        return None, None, None, None
-
-
-class _LinearForward:
-    def __init__(self, module: nn.Linear, opt: ChunkFT):
-        self.module, self.opt = module, opt
-
-    def __call__(self, x: Tensor) -> Tensor:
-        m = self.module
-        return chunk_linear(self.opt, x, m.weight, m.bias)
-
-
-class _LinearFn:
-    def __init__(self, opt: ChunkFT):
-        self.opt = opt
-
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return chunk_linear(self.opt, x, weight, bias)
-
-
-class _EmbeddingForward:
-    def __init__(self, module: nn.Embedding, opt: ChunkFT):
-        self.module, self.opt = module, opt
-
-    def __call__(self, idx: Tensor) -> Tensor:
-        m = self.module
-        if not torch.is_grad_enabled() or not m.weight.requires_grad:
-            return F.embedding(idx, m.weight, m.padding_idx)
-        return _ChunkEmbeddingFn.apply(idx, m.weight, m.padding_idx, self.opt)
-
-
-def chunk_linear(opt: ChunkFT, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` whose backward gives the weight (and bias) gradient of the active rows only."""
-    if not torch.is_grad_enabled() or not (weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return F.linear(x, weight, bias)
-    return _ChunkLinearFn.apply(x, weight, bias, opt)
-
-
 class ChunkFT(torch.optim.Optimizer):
     """``lt.finetune.ChunkFT(model, rule="adamw", num_chunks=4, interval=1, **hyper)``.
 
@@ -200,25 +132,33 @@ class ChunkFT(torch.optim.Optimizer):
     one param group, so LR schedulers work. ``interval``: steps a chunk stays active.
     ``max_norm``: clip the active chunk's gradient to this norm (0: no clipping).
     ``offload``: keep inactive chunks' state in host memory (pinned on CUDA); off, it stays on
-    the device. ``detach()`` restores the model's own forwards.
+    the device. ``in_backward``: step the active rows inside backward (no gradient tensor held).
+    ``state_dtype``: ``"fp32"`` or ``"bf16"``. ``stochastic_rounding``: for bf16 weights, keyed by
+    ``seed``. ``detach()`` restores the model's own forwards.
     """
 
     def __init__(self, model: nn.Module, rule: str | Rule = "adamw", *, num_chunks: int = 4, interval: int = 1,
-                 max_norm: float = 0.0, offload: bool = True, block_elems: int = 1 << 22, **hyper):
+                 max_norm: float = 0.0, offload: bool = True, block_elems: int = 1 << 22, in_backward: bool = False,
+                 state_dtype: str = "fp32", stochastic_rounding: bool = True, seed: int = 0, **hyper):
         if isinstance(rule, str):
             rule = make_rule(rule, **hyper)
         elif hyper:
             raise ValueError("ChunkFT: pass hyper-parameters in the rule object or with a rule name, not both")
         if interval < 1:
             raise ValueError(f"ChunkFT: interval must be >= 1, got {interval}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"ChunkFT: state_dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ChunkFT: the model has no trainable parameters")
         self.rule = rule
         self.num_chunks, self.interval, self.max_norm = num_chunks, interval, float(max_norm)
         self.offload, self.block_elems = offload, int(block_elems)
+        self.in_backward, self.state_dtype = bool(in_backward), STATE_DTYPES[state_dtype]
+        self.stochastic_rounding, self.seed = bool(stochastic_rounding), int(seed)
         super().__init__([p for _, p in named], rule.hyper())
-        self.chunks = plan_chunks(named, num_chunks, 4 * len(rule.state_names))
+        self.index = {id(p): i for i, (_, p) in enumerate(named)}  # (each parameter's rounding stream)
+        self.chunks = plan_chunks(named, num_chunks, self.state_dtype.itemsize * len(rule.state_names))
         self.chunk_steps = [0] * num_chunks
         self.active, self.in_interval = 0, 0
         devs = {p.device for _, p in named}
@@ -227,7 +167,7 @@ class ChunkFT(torch.optim.Optimizer):
         self.device = devs.pop()
         # every chunk's state as one flat fp32 run: the piece's states in rule.state_names order
         self.sizes = [sum(pc.numel for pc in chunk) * len(rule.state_names) for chunk in self.chunks]
-        self.arena = torch.zeros(max(self.sizes), dtype=torch.float32, device=self.device)  # the active chunk's
+        self.arena = torch.zeros(max(self.sizes), dtype=self.state_dtype, device=self.device)  # the active chunk's
         # each chunk's state while it is inactive: its part of one block (host, or the device
         # without offload); stored[k]: chunk k has state there (else it starts from zeros)
         self._block = _host_block(self, sum(self.sizes))
@@ -237,6 +177,11 @@ class ChunkFT(torch.optim.Optimizer):
         self._ready = None  # an event on the copy stream: the active chunk's state is in the arena
         self.hot: dict[str, dict[str, Tensor]] = {}  # the active chunk's state: views into the arena
         self.grads: dict[int, tuple[Piece, Tensor]] = {}  # id(param) -> (active piece, its gradient rows)
+        # in_backward: the pieces stepped in this step's backward, with their gradient's sum of
+        # squares (on the device); each chunk's gradient norm at its last step (the clipping estimate)
+        self.stepped: dict[str, Tensor] = {}
+        self.chunk_norms = [0.0] * num_chunks
+        self.accumulating = False  # under no_sync(): a micro-batch before the last (nothing is stepped)
         self.last: dict = {}
         self._patched: list[tuple[nn.Module, str]] = []
         self._patch(model)
@@ -252,18 +197,22 @@ class ChunkFT(torch.optim.Optimizer):
             if isinstance(m, (nn.Linear, nn.Embedding)) or hasattr(type(m), "linear_fn"):
                 claim(m, "ChunkFT", name)
             if hasattr(type(m), "linear_fn"):
-                m.linear_fn = _LinearFn(self)
+                m.linear_fn = LinearFn(self)
                 self._patched.append((m, "linear_fn"))
             elif isinstance(m, nn.Linear):
-                m.forward = _LinearForward(m, self)
+                m.forward = LinearForward(m, self)
                 self._patched.append((m, "forward"))
             elif isinstance(m, nn.Embedding):
                 if m.max_norm is not None or m.sparse:
                     raise ValueError(f"ChunkFT: embedding {name} uses max_norm or sparse gradients (not supported)")
-                m.forward = _EmbeddingForward(m, self)
+                m.forward = EmbeddingForward(m, self)
                 self._patched.append((m, "forward"))
         self._sliced = {id(m.weight) for m, _ in self._patched}
         self._sliced |= {id(m.bias) for m, _ in self._patched if getattr(m, "bias", None) is not None}
+        uses: dict[int, int] = {}
+        for m, _ in self._patched:
+            uses[id(m.weight)] = uses.get(id(m.weight), 0) + 1
+        self._shared = {key for key, n in uses.items() if n > 1}  # (tied: stepped by step(), after both backwards)
 
     def detach(self) -> None:
         """Restore the patched modules' own forwards and every parameter's ``requires_grad``."""
@@ -276,16 +225,74 @@ class ChunkFT(torch.optim.Optimizer):
             p.requires_grad_(True)
 
     # ------------------------------------------------------------------ gradients
-    def _add_grad(self, p: Tensor, make: Callable[[int, int], Tensor]) -> None:
+    def add_grad(self, p: Tensor, make: Callable[[int, int], Tensor]) -> None:
         """Add the gradient rows of ``p``'s active piece (``make(lo, hi)``), if it has one."""
         entry = self.grads.get(id(p))
         if entry is None:
             return
         piece, g = entry
+        if self.in_backward and not self.accumulating and id(p) not in self._shared and p.dim() > 1:
+            self._step_in_backward(piece, g, make)
+            self.grads[id(p)] = (piece, None)
+            return
         new = make(piece.lo, piece.hi)
         self.grads[id(p)] = (piece, new if g is None else g.add_(new))
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches before the last of an accumulated step: gradients are only added up."""
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
+
+    def _step_in_backward(self, piece: Piece, held: Tensor | None, make: Callable[[int, int], Tensor]) -> None:
+        """Step ``piece`` now, row block by row block, from each block's gradient (``make``, plus
+        the rows accumulated by earlier micro-batches), clipped by the chunk's last norm."""
+        self._wait()  # (the chunk's state is in the arena)
+        scale = self._clip_scale(self.chunk_norms[self.active])
+        w, st, key = piece.view(piece.param), self.hot[self._key(piece)], self._key(piece)
+        sq = torch.zeros((), dtype=torch.float32, device=w.device)
+        rows = max(1, self.block_elems // w[0].numel())
+        with torch.no_grad():
+            for r0 in range(0, w.shape[0], rows):
+                r1 = min(r0 + rows, w.shape[0])
+                g = make(piece.lo + r0, piece.lo + r1)
+                if held is not None:
+                    g = g + held[r0:r1]
+                block_sq = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                sq += block_sq
+                self._update_rows(piece, slice(r0, r1), g, st, self.chunk_steps[self.active] + 1, scale,
+                                  finite=torch.isfinite(block_sq))
+        self.stepped[key] = sq
+
+    def _clip_scale(self, norm: float) -> float:
+        return self.max_norm / (norm + 1e-6) if self.max_norm > 0 and norm > self.max_norm else 1.0
+
+    def _update_rows(self, piece: Piece, sl: slice, g: Tensor, st: dict[str, Tensor], step: int, scale: float,
+                     finite: Tensor | None = None) -> None:
+        """The rule on rows ``sl`` of ``piece``: fp32 math, the state stored back in its dtype, the
+        weight by stochastic rounding when it is bf16 (keyed by the parameter, step and element).
+        ``finite``: a device flag; where it is false nothing changes (no host sync)."""
+        group = self.param_groups[0]
+        hp = {k: v for k, v in group.items() if k != "params"}
+        w = piece.view(piece.param)[sl]
+        gs = g * scale if scale != 1.0 else g
+        p_new, st_new = self.rule.update(w, gs, {n: t[sl].float() for n, t in st.items()}, step=step, **hp)
+        if finite is not None:
+            p_new = torch.where(finite, p_new, w.float())
+            st_new = {n: torch.where(finite, t, st[n][sl].float()) for n, t in st_new.items()}
+        if w.dtype == torch.bfloat16 and self.stochastic_rounding:
+            row = w[0].numel()
+            seed = step_seed(self.seed, self.index[id(piece.param)], step)
+            p_new = bf16_stochastic_round(p_new.contiguous(), seed=seed, offset=(piece.lo + (sl.start or 0)) * row)
+        w.copy_(p_new)
+        for n, t in st_new.items():
+            st[n][sl].copy_(t)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.stepped = {}
         for key, (piece, _) in self.grads.items():
             self.grads[key] = (piece, None)
         for piece in self.chunks[self.active]:
@@ -362,36 +369,34 @@ class ChunkFT(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group = self.param_groups[0]
-        hp = {k: v for k, v in group.items() if k != "params"}
         chunk = self.chunks[self.active]
         self._wait()
-        grads = {self._key(pc): self._grad_of(pc) for pc in chunk}
+        grads = {self._key(pc): self._grad_of(pc) for pc in chunk if self._key(pc) not in self.stepped}
         # each piece's norm, one reduction (no temporary the piece's size): a NaN or Inf anywhere in
-        # it (or a norm past fp32's range) and the piece is not stepped
+        # it (or a norm past fp32's range) and the piece is not stepped; the pieces stepped in
+        # backward left their sums of squares (read here, one sync)
         norms = {key: float(torch.linalg.vector_norm(g, dtype=torch.float32)) for key, g in grads.items()
                  if g is not None}
+        if self.stepped:
+            norms.update(zip(self.stepped, torch.stack(list(self.stepped.values())).sqrt().tolist(), strict=True))
         skipped = [key for key, n in norms.items() if not math.isfinite(n)]
-        scale = 1.0
         norm = math.sqrt(sum(n * n for key, n in norms.items() if key not in skipped))
-        if self.max_norm > 0 and norm > self.max_norm:
-            scale = self.max_norm / (norm + 1e-6)
+        # in backward the step's own norm comes too late: the chunk's last one clips it (and the rest)
+        scale = self._clip_scale(self.chunk_norms[self.active] if self.in_backward else norm)
+        self.chunk_norms[self.active] = norm
         self.chunk_steps[self.active] += 1
         step = self.chunk_steps[self.active]
         for pc in chunk:
             key = self._key(pc)
-            g = grads[key]
+            g = grads.get(key)
             if g is None or key in skipped:
                 continue
             w, st = pc.view(pc.param), self.hot[key]
             rows = max(1, self.block_elems // w[0].numel())
             for r0 in range(0, w.shape[0], rows):
                 sl = slice(r0, r0 + rows)
-                gs = g[sl] * scale if scale != 1.0 else g[sl]
-                p_new, st_new = self.rule.update(w[sl], gs, {n: t[sl] for n, t in st.items()}, step=step, **hp)
-                w[sl].copy_(p_new)
-                for n, t in st_new.items():
-                    st[n][sl].copy_(t)
+                self._update_rows(pc, sl, g[sl], st, step, scale)
+        self.stepped = {}
         self.last = {"chunk": self.active, "chunk_step": step, "grad_norm": norm, "skipped": skipped}
         self.zero_grad()
         self.in_interval += 1
@@ -446,25 +451,28 @@ class ChunkFT(torch.optim.Optimizer):
         state = [self._chunk_state(k) if (k == self.active and self.chunk_steps[k]) or self.stored[k]
                  else {} for k in range(self.num_chunks)]
         return {"rule": self.rule.name, "plan": self.plan(), "chunk_steps": list(self.chunk_steps),
+                "chunk_norms": list(self.chunk_norms), "state_dtype": str(self.state_dtype).removeprefix("torch."),
                 "active": self.active, "in_interval": self.in_interval, "interval": self.interval,
                 "state": state, "param_groups": [{k: v for k, v in self.param_groups[0].items() if k != "params"}]}
 
     def load_state_dict(self, sd: dict) -> None:
-        if sd.get("rule") != self.rule.name or sd.get("plan") != self.plan():
-            raise ValueError("ChunkFT.load_state_dict: the checkpoint was made with another rule, model or "
-                             "num_chunks (its chunk plan differs)")
+        if sd.get("rule") != self.rule.name or sd.get("plan") != self.plan() or \
+                sd.get("state_dtype", "float32") != str(self.state_dtype).removeprefix("torch."):
+            raise ValueError("ChunkFT.load_state_dict: the checkpoint was made with another rule, model, "
+                             "num_chunks or state_dtype (its chunk plan differs)")
         self._wait()
         if self._copy is not None:
             self._copy.synchronize()  # (no copy into or out of the host block is in flight)
         self.param_groups[0].update(sd["param_groups"][0])
         self.chunk_steps = list(sd["chunk_steps"])
+        self.chunk_norms = list(sd.get("chunk_norms", [0.0] * self.num_chunks))
         self.interval, self.in_interval = sd["interval"], sd["in_interval"]
         self.stored = [False] * self.num_chunks
         self.arena.zero_()
         for k, chunk_state in enumerate(sd["state"]):
             if not chunk_state:
                 continue
-            flat = torch.cat([chunk_state[self._key(pc)][name].reshape(-1).float()
+            flat = torch.cat([chunk_state[self._key(pc)][name].reshape(-1).to(self.state_dtype)
                               for pc in self.chunks[k] for name in self.rule.state_names])
             if k == sd["active"]:
                 self.arena[:flat.numel()].copy_(flat)
@@ -479,8 +487,8 @@ def _host_block(opt: ChunkFT, n: int) -> Tensor:
     offload; else in host memory, page-locked on CUDA (so the copies run asynchronously) to its
     exact size by ``cudaHostRegister`` and unregistered when ``opt`` is collected."""
     if not opt.offload or opt.device.type != "cuda":
-        return torch.zeros(n, dtype=torch.float32, device="cpu" if opt.offload else opt.device)
-    block = torch.zeros(n, dtype=torch.float32)  # (zeroed by torch's threads: the pages exist before locking)
+        return torch.zeros(n, dtype=opt.state_dtype, device="cpu" if opt.offload else opt.device)
+    block = torch.zeros(n, dtype=opt.state_dtype)  # (zeroed by torch's threads: the pages exist before locking)
     if n:
         nbytes = n * block.element_size()
         err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0))

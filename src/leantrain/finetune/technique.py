@@ -44,18 +44,26 @@ class ChunkFT(_FinetuneMethod):
                               "(or leantrain train for data-parallel back-propagation)")
         if cfg.finetune.num_chunks < 1 or cfg.finetune.interval < 1:
             raise ConfigError("finetune.num_chunks and finetune.interval must be >= 1")
-        if cfg.forge.enabled:
-            raise ConfigError("finetune.method chunkft and forge both own the optimizer step; choose one")
+        if cfg.forge.enabled and cfg.forge.state_dtype != "fp32":
+            raise ConfigError("ChunkFT keeps its chunks' optimizer state in finetune.chunk_state_dtype (fp32 or "
+                              "bf16): drop --forge.state-dtype and pass --finetune.chunk-state-dtype")
+        if cfg.train.cuda_graph:
+            raise ConfigError("finetune.method chunkft changes which weights train between steps, which a CUDA "
+                              "graph cannot follow: drop --train.cuda-graph")
 
     def optimizer(self, run: Run, rule):
-        f, o = run.cfg.finetune, run.cfg.optim
+        c, f, o = run.cfg, run.cfg.finetune, run.cfg.optim
         try:  # (optim.grad_clip clips the active chunk's gradient: the only one there is)
             opt = ChunkFTOptimizer(run.model, "adamw", num_chunks=f.num_chunks, interval=f.interval, lr=o.lr,
-                                   betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_norm=o.grad_clip)
+                                   betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_norm=o.grad_clip,
+                                   in_backward=c.forge.enabled, state_dtype=f.chunk_state_dtype,
+                                   stochastic_rounding=c.forge.stochastic_rounding, seed=c.train.seed)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         run.log(f"ChunkFT: {f.num_chunks} chunks of {', '.join(str(len(c)) for c in opt.chunks)} pieces, "
-                f"each active {f.interval} step(s) in turn")
+                f"each active {f.interval} step(s) in turn, {f.chunk_state_dtype} state"
+                + (", stepped inside backward (FORGE)" if opt.in_backward else "")
+                + (" (clipped by each chunk's norm at its last step)" if opt.in_backward and o.grad_clip > 0 else ""))
         self.opt, self.peak_bytes = opt, 0
         return opt
 
@@ -74,7 +82,12 @@ class ChunkFT(_FinetuneMethod):
     def summary(self, opt) -> dict:
         f = self.run.cfg.finetune
         return {**super().summary(opt), "num_chunks": f.num_chunks, "interval": f.interval,
+                "chunk_state_dtype": f.chunk_state_dtype, "in_backward": opt.in_backward,
                 "offloaded_bytes": opt.host_state_bytes()}
+
+    @classmethod
+    def tag(cls, cfg: Config) -> str:
+        return "chunkft+forge" if cfg.forge.enabled else "chunkft"
 
 
 class _ZerothOrder(_FinetuneMethod):

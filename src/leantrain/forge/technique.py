@@ -15,7 +15,9 @@ class Forge(Technique):
 
     @classmethod
     def wanted(cls, cfg: Config) -> bool:
-        return cfg.forge.enabled
+        # (with finetune.method chunkft, FORGE's update inside backward is ChunkFT's own: it steps
+        # only the working set, in its row buffers' place)
+        return cfg.forge.enabled and cfg.finetune.method != "chunkft"
 
     @classmethod
     def check(cls, cfg: Config, *, device, world: int) -> None:
