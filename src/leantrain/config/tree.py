@@ -147,6 +147,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 autocast (fp32 weights) or pure bf16 weights, see weights
     weights: Literal["fp32", "bf16"] = "fp32"
+    # one device's memory budget, e.g. "24GB" or "22GiB": the fastest plan of leantrain's memory
+    # techniques whose estimated peak fits is applied (leantrain/train/budget.py); "": as given
+    memory_budget: str = ""
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8

@@ -39,7 +39,7 @@ from leantrain.runtime import checkpoint, collectives, distributed
 from leantrain.runtime.ddp_hooks import counted_allreduce_hook
 from leantrain.runtime.ledger import COMM, MemoryLedger, SavedActivationMeter
 from leantrain.technique import Run
-from leantrain.train import evalset, init_from, rundir, techniques
+from leantrain.train import budget, evalset, init_from, rundir, techniques
 from leantrain.train.progress import Progress, plot_losses
 from leantrain.train.rows import StepRows, StopSignals, val_row
 from leantrain.train.trackers import open_trackers
@@ -98,12 +98,14 @@ class Trainer:
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         rundir.prepare(self.out, resume=resume, overwrite=overwrite and self.rank == 0)
-        self.technique_classes = [c for c in techniques.wanted(cfg) if c.baseline_ok or not baseline]
-        self._check_combination()
         # train.init_from: the model section, tokenizer and weights of a pretrained model
         self.pretrained = init_from.open_source(cfg.train.init_from, log=log0) if cfg.train.init_from else None
         if self.pretrained is not None:
             init_from.apply_model(cfg, self.pretrained)
+        if cfg.train.memory_budget and not baseline:  # (picks techniques: before they are chosen)
+            budget.fit(cfg, log=log0)
+        self.technique_classes = [c for c in techniques.wanted(cfg) if c.baseline_ok or not baseline]
+        self._check_combination()
         self.resume_from = self._check_resume() if resume else None  # (before anything is written)
         self.data = self._load_data()
         if self.pretrained is None:
