@@ -30,7 +30,8 @@ the layout, and DDP's buckets change after a process's first iteration (DDP rebu
 order gradients became ready), so a run resumed from a checkpoint would round its first step
 differently from an uninterrupted run. The hook's layout is the parameters in the order of DDP's
 construction-time buckets (the layout of every process's first iteration), cut into pieces of
-``piece_numel`` elements; a resumed run continues bit-identically.
+``piece_numel`` elements; a resumed run (its state's ``state_dict`` loaded: the seed counter)
+continues bit-identically.
 """
 
 from __future__ import annotations
