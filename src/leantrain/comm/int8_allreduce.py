@@ -23,11 +23,20 @@ per-group scale cannot be below one half of bf16: the scales are the price of th
 
 Both NCCL and gloo implement the two collectives used (``all_to_all_single`` with equal
 splits, ``all_gather_into_tensor``).
+
+As a DDP comm hook it rounds every step's gradients in one layout of its own, not in DDP's
+buckets: which elements share a scale and which rank owns (keeps exact) which element depend on
+the layout, and DDP's buckets change after a process's first iteration (DDP rebuilds them in the
+order gradients became ready), so a run resumed from a checkpoint would round its first step
+differently from an uninterrupted run. The hook's layout is the parameters in the order of DDP's
+construction-time buckets (the layout of every process's first iteration), cut into pieces of
+``piece_numel`` elements; a resumed run (its state's ``state_dict`` loaded: the seed counter)
+continues bit-identically.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,14 +51,24 @@ __all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce", "two_
 
 @dataclass
 class Int8AllReduceState:
-    """State of the DDP hook: process group, group size of the scales, rounding."""
+    """State of the DDP hook: process group, group size of the scales, rounding, the hook's layout."""
 
     group: object = None
     group_size: int = 256
     stochastic: bool = False  # stochastic rounding of both quantizations (unbiased)
     seed: int = 0
     scope: str = "world"  # ledger scope of the bytes sent
-    calls: int = 0  # buckets reduced so far (varies the rounding seed)
+    piece_numel: int = 1 << 22  # elements of one int8_all_reduce (bounds its fp32 temporaries)
+    calls: int = 0  # pieces reduced so far (varies the rounding seed); in ``state_dict``
+    order: dict = field(default_factory=dict, repr=False)  # id(parameter) -> its place in the hook's layout
+    pending: list = field(default_factory=list, repr=False)  # this step's (buffer, future, parameters, gradients)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps for a bit-identical resume (the seed counter)."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state.get("calls", 0))
 
 
 def _payload(q: QTensor, k: int) -> Tensor:
@@ -122,17 +141,52 @@ def int8_all_reduce(tensor: Tensor, group=None, *, group_size: int = 256, averag
 def int8_allreduce_hook(state: Int8AllReduceState, bucket):
     """DDP comm hook: ``ddp.register_comm_hook(Int8AllReduceState(), int8_allreduce_hook)``.
 
-    Averages the bucket's gradients over ranks through :func:`int8_all_reduce` (synchronous;
-    the returned future is already completed).
+    Averages the step's gradients over ranks through :func:`int8_all_reduce`, in the hook's own
+    layout (the module doc): each bucket's future completes when DDP hands over its last bucket,
+    which reduces them all (synchronously).
     """
-    buf = bucket.buffer()
-    state.calls += 1
-    int8_all_reduce(buf, state.group, group_size=state.group_size, average=True,
-                    stochastic=state.stochastic, seed=state.seed * 1_000_003 + 2 * state.calls,
-                    scope=state.scope)
+    if bucket.index() == 0:  # (DDP hands buckets over in index order: a new step)
+        state.pending = []
     fut = torch.futures.Future()
-    fut.set_result(buf)
+    state.pending.append((bucket.buffer(), fut, bucket.parameters(), bucket.gradients()))
+    if bucket.is_last():
+        _reduce_step(state)
     return fut
+
+
+def _reduce_step(state: Int8AllReduceState) -> None:
+    """Reduce every gradient of ``state.pending`` in the hook's layout; complete their futures."""
+    entries, state.pending = state.pending, []
+    if not state.order:  # the first iteration: DDP's construction-time buckets
+        state.order = {id(p): i for i, p in enumerate(p for _, _, params, _ in entries for p in params)}
+    placed = sorted(((state.order[id(p)], g) for _, _, params, grads in entries for p, g in zip(params, grads)),
+                    key=lambda item: item[0])
+    for piece in _pieces([g.reshape(-1) for _, g in placed], state.piece_numel):
+        flat = torch.cat([part.float() for part in piece])
+        state.calls += 1
+        int8_all_reduce(flat, state.group, group_size=state.group_size, average=True, stochastic=state.stochastic,
+                        seed=state.seed * 1_000_003 + 2 * state.calls, scope=state.scope)
+        for part, reduced in zip(piece, flat.split([part.numel() for part in piece])):
+            part.copy_(reduced)
+    for buf, fut, _, _ in entries:
+        fut.set_result(buf)
+
+
+def _pieces(flats: list[Tensor], size: int):
+    """The concatenation of ``flats`` cut every ``size`` elements: lists of views, each ``size`` long
+    (the last may be shorter)."""
+    piece, room = [], size
+    for flat in flats:
+        start = 0
+        while start < flat.numel():
+            take = min(room, flat.numel() - start)
+            piece.append(flat[start:start + take])
+            start, room = start + take, room - take
+            if room == 0:
+                yield piece
+                piece, room = [], size
+    if piece:
+        yield piece
 
 
 # DDP checks annotations by identity (strings, as ``from __future__ import annotations`` makes them,

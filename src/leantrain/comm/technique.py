@@ -33,9 +33,16 @@ class Int8AllReduce(Technique):
     def __init__(self, run: Run):
         super().__init__(run)
         run.all_reduce = int8_all_reduce
+        self.hook_state = Int8AllReduceState(None)
 
     def ddp_comm_hook(self):
-        return Int8AllReduceState(None), int8_allreduce_hook
+        return self.hook_state, int8_allreduce_hook
+
+    def state_dict(self) -> dict:
+        return self.hook_state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.hook_state.load_state_dict(state)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
