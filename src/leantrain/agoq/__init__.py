@@ -9,7 +9,7 @@
     lt.agoq.apply(model, policy)                   # persistent; lt.agoq.remove(model) undoes it
     acc = lt.agoq.Int8GradAccumulator(model.parameters())   # int8 grad accumulation buffers
 
-The 8-bit all-reduce lives in :mod:`leantrain.comm.int8_allreduce`. See ``README.md`` here.
+The 8-bit all-reduce lives in :mod:`leantrain.comm.int8_allreduce`. See docs/agoq.md.
 """
 
 from leantrain.agoq.calibrate import calibrate, gradient_error

@@ -18,7 +18,7 @@ Calibrate a model that has trained a while, never a random-initialized one: at i
 attention and the output distribution are near uniform, and the roles whose backward
 exponentiates a saved tensor look easy. Tiny preset, ``attn`` alone at 4 bits: relative
 gradient error 0.0095 at init, 1.49 after 300 steps (8 bits: 0.015); ``logits`` at 4 bits on
-log-probabilities 0.0006 at init, 0.069 after 300 steps (agoq/README.md, "Convergence").
+log-probabilities 0.0006 at init, 0.069 after 300 steps (docs/agoq.md, "Convergence").
 The rounding noise differs on every call (each :class:`~leantrain.agoq.hooks.Packer` draws
 fresh noise), so repeated measurements of one policy differ by the noise, not by a bias.
 """

@@ -240,7 +240,7 @@ def _source(x: Tensor) -> Tensor:
     """``x`` in logical (row-major) order: a group of ``group_size`` elements then lies along the
     last dim. A permuted view such as attention's ``[B, H, T, D]`` transpose of ``[B, T, H, D]``
     memory is copied (detached): read in memory order, its groups would span heads of different
-    scale (agoq/README.md, "Convergence on 125m": a suspected, not isolated, cause of a 0.3-0.9 %
+    scale (docs/agoq.md, "Convergence on 125m": a suspected, not isolated, cause of a 0.3-0.9 %
     validation-loss gap measured while views were read in place)."""
     return x if x.is_contiguous() else x.detach().contiguous()
 

@@ -47,7 +47,7 @@ Log-softmax backward reads only ``p = exp(logp)``: AGoQ stores ``p`` (``logits_f
 "prob"``, min/max grid on ``p``, stochastic rounding unbiased in ``p``), where a grid on
 ``logp`` gives every probability the same relative error and a bias through ``exp``; 4 bits on
 ``p`` cost less gradient error than 4 bits on ``logp`` and free the bytes that 8-bit attention
-needs. The measured gradient error of each choice is in ``agoq/README.md`` (``calibrate``
+needs. The measured gradient error of each choice is in ``docs/agoq.md`` (``calibrate``
 re-measures it on your model).
 
 Pipeline rule (1F1B): stage ``s`` of ``p`` stages holds ``k(s) = min(p - s, m)`` micro-batches'
@@ -109,7 +109,7 @@ class Policy:
     # "" = none): "silu" (SwiGLU's silu(g) from SiLU's saved input g: no more error than storing
     # it), "mul" (the down projection's input silu(g)·u from those two: two 4-bit errors in the
     # product instead of one), "swiglu" (the same input from the saves of SwiGLU as one function,
-    # model.fused_swiglu). See agoq/README.md for the measured memory and gradient error.
+    # model.fused_swiglu). See docs/agoq.md for the measured memory and gradient error.
     derive: str = "silu,mul,swiglu"
 
     def __post_init__(self):

@@ -65,7 +65,7 @@ class Derived:
     packed copies (0 bytes held). ``silu``: SwiGLU's product saves ``silu(g)`` while SiLU's
     backward saves ``g``; AGoQ keeps ``g`` only and gives the product ``silu(ĝ)`` (SiLU's slope
     is within [-0.1, 1.1], so ``ĝ``'s error passes through at most 1.1×; the measured gradient
-    error is lower than with ``silu(g)`` packed on its own: agoq/README.md). ``mul``: a product
+    error is lower than with ``silu(g)`` packed on its own: docs/agoq.md). ``mul``: a product
     of two saves (the down projection's input ``silu(g)·u``, through the view ``F.linear`` takes
     of it) as ``silu(ĝ)·û``. ``uses``: the unpacks one backward will make. The result is
     computed once a backward, at the first of them, and kept until the last (:meth:`unpack`), so

@@ -13,7 +13,7 @@
 - :func:`estimate_time`: alpha-beta model from ledger bytes to seconds.
 - :func:`get_topology`: nodes and intra/inter subgroups of a data-parallel group.
 
-See ``comm/README.md`` for the schemes, bytes per parameter and measured numbers.
+See docs/sdp4bit.md, docs/scape.md, docs/gift.md and docs/int8-allreduce.md for the schemes, bytes per parameter and measured numbers.
 """
 
 import importlib

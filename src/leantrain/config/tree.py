@@ -194,14 +194,14 @@ class ForgeConfig:
     backend: Literal["auto", "torch", "triton"] = "auto"
     # global-norm clipping needs the norm before any update, impossible inside backward.
     # auto: est_global (this step's global norm estimated from the layers reduced so far; see
-    # forge/README.md); layer / prev_global / est_global clip at clip_value (0: optim.grad_clip)
+    # docs/forge.md); layer / prev_global / est_global clip at clip_value (0: optim.grad_clip)
     clip: Literal["auto", "none", "layer", "prev_global", "est_global"] = "auto"
     clip_value: float = 0.0  # 0: use optim.grad_clip
     # a materialized dW (the split path) in fp32, or for bf16 layers in bf16 as torch's bf16
-    # backward gives it (half its traffic; see forge/README.md)
+    # backward gives it (half its traffic; see docs/forge.md)
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
     # AdamW's / AdamS's sqrt and divisions by the GPU's approximate instructions (a few ulps; the
-    # Triton kernels only; see forge/README.md)
+    # Triton kernels only; see docs/forge.md)
     fast_math: bool = False
     # the dW kernel: auto (the measured per-shape choice: leantrain.forge.dispatch), tiles (the
     # fused tile loop), split (cuBLAS dW into one reused buffer + the update kernel), ws (the
@@ -213,7 +213,7 @@ class ForgeConfig:
 @dataclass
 class AgoqConfig:
     enabled: bool = False
-    bits: float = 4.0  # bit-width of the roles the default policy keeps at 4 bits (see agoq/README.md)
+    bits: float = 4.0  # bit-width of the roles the default policy keeps at 4 bits (see docs/agoq.md)
     group_size: int = 128
     stochastic: bool = True
     grad_bits: int = 0  # 8: int8 gradient accumulation buffers with error feedback (0 = off)
@@ -224,8 +224,8 @@ class AgoqConfig:
     batch_mib: float = 512.0  # CUDA: saves packed per batch of this many MiB (0 = one launch per tensor)
     unpack_mib: float = 128.0  # CUDA: dequantized copies made at once in backward (0 = a whole batch)
     seed: int = 0  # stochastic-rounding noise seed
-    replay: bool = True  # forwards with a seen signature follow their recorded save plan (agoq/README.md)
-    derive: str = "silu,mul,swiglu"  # saves recomputed from other saves instead of stored: any of silu, mul, swiglu; "" (agoq/README.md)
+    replay: bool = True  # forwards with a seen signature follow their recorded save plan (docs/agoq.md)
+    derive: str = "silu,mul,swiglu"  # saves recomputed from other saves instead of stored: any of silu, mul, swiglu; "" (docs/agoq.md)
 
 
 @dataclass
