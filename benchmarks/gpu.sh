@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
-# SECTION is any of: tests ops forge step agoq comm finetune fsdp scale (default: all of them, in that
+# SECTION is any of: tests ops forge step agoq comm finetune lowmem fsdp scale (default: all of them, in that
 # order); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime,
 #       then the 1b step through the trainer for this tree and for the tree under $BASE/src, in
@@ -15,9 +15,9 @@ mkdir -p "$OUT"
 export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
-SECTIONS=${*:-tests ops forge step agoq comm finetune fsdp scale}
+SECTIONS=${*:-tests ops forge step agoq comm finetune lowmem fsdp scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|agoq|comm|finetune|fsdp|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|agoq|comm|finetune|lowmem|fsdp|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -83,6 +83,16 @@ finetune() {
   timeout 540 python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --seq-len 256 \
     --eval-examples 64 --out "$OUT/finetune/hf-1b" 2>&1 | tail -8
   rm -rf "$OUT/finetune/hf-1b/hf_model" "$OUT/finetune/hf-1b/runs"
+}
+
+lowmem() {
+  log "lowmem: the 7b preset fine-tuned under memory budgets (the plan picked, allocator peak, tokens/s)"
+  for b in ${LOWMEM_BUDGETS:-60GB 30GB 22GB 14.5GiB}; do
+    timeout 300 python3 -m leantrain finetune --preset 7b --task compare --steps 12 --data.batch-size 1 \
+      --data.seq-len 1024 --finetune.eval-examples 16 --data.max-corpus-mb 6 --train.memory-budget "$b" \
+      --train.progress false --train.ckpt-every 0 --out "$OUT/lowmem/7b-$b" 2>&1 | grep -E "memory budget|done:|error" | cut -c1-400
+    rm -rf "$OUT/lowmem/7b-$b/checkpoints" "$OUT/lowmem/7b-$b/final"
+  done
 }
 
 fsdp() {
