@@ -189,6 +189,11 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, ShardedUpdateMixin, Rest
         self.has_tp = any(layer.tp_group is not None for layer in layers)
         self.dp_group = self._resolve_dp(dp_group)
         self._allreduce = allreduce
+        if self.sharded:  # every state now: torch.distributed.checkpoint's loader then finds it
+            for layer in layers:  # (instead of making it by a step of its own, which would update)
+                self._layer_states(layer)
+            for p in others:
+                self._init_state(p)
         for layer in layers:
             patch(layer)
 
