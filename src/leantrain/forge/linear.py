@@ -76,7 +76,8 @@ class ForgeLinearFn(torch.autograd.Function):
 
 def forge_linear(layer: ForgeLayer, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` whose backward updates ``weight`` (and ``bias``) in place."""
-    if weight is not layer.weight and not layer.sharded:  # (FSDP2: the all-gathered weight of the DTensor one)
+    # (FSDP2: the module holds the all-gathered weight of the DTensor one during forward)
+    if weight is not layer.weight and not (layer.sharded and weight.shape == layer.weight.shape):
         raise RuntimeError(f"FORGE: layer {layer.name!r} was called with a weight it was not attached to")
     if not torch.is_grad_enabled() or not weight.requires_grad:  # (frozen since attach: plain linear)
         return F.linear(x, weight, bias)

@@ -25,7 +25,9 @@ No host synchronization: flags and norms stay on the device until someone reads
 The class is assembled from one file per part: the per-layer paths (:mod:`.layer_update`),
 gradient accumulation (:mod:`.accumulate`),
 ``step()`` and the non-fused parameters (:mod:`.rest`), CUDA-graph capture (:mod:`.capture`),
-the gradient norms and clip scales (:mod:`.gradsums`); ``attach`` / ``detach`` are in :mod:`.attach`.
+the gradient norms and clip scales (:mod:`.gradsums`), weights sharded by rows as FSDP2's
+``DTensor`` s (:mod:`.shards`: each layer's dW reduce-scattered, the rule on this rank's rows);
+``attach`` / ``detach`` are in :mod:`.attach`.
 """
 
 from __future__ import annotations
