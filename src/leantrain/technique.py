@@ -49,6 +49,7 @@ class Run:
     world: int = 1
     log: Callable[..., None] = print
     # the parameter groups of the optimizer (weight-decay groups), as torch optimizers take them
+    # (a technique that replaces the model's parameters, FSDP, rewrites them over its own)
     param_groups: list = field(default_factory=list)
     # a per-tensor gradient all-reduce ``f(tensor, group)`` offered by a communication technique
     # to those that reduce gradients themselves (None: torch.distributed's all_reduce)
