@@ -49,6 +49,7 @@ class Run:
     world: int = 1
     log: Callable[..., None] = print
     # the parameter groups of the optimizer (weight-decay groups), as torch optimizers take them
+    # (a technique that replaces the model's parameters, FSDP, rewrites them over its own)
     param_groups: list = field(default_factory=list)
     # a per-tensor gradient all-reduce ``f(tensor, group)`` offered by a communication technique
     # to those that reduce gradients themselves (None: torch.distributed's all_reduce)
@@ -83,7 +84,9 @@ class Technique:
     Class attributes:
     - ``name``: the technique's name in messages and recipe names.
     - ``owns_step``: it builds the optimizer (:meth:`optimizer`); two such techniques in one run are
-      refused.
+      refused, unless all but one ``yields_step``.
+    - ``yields_step``: it owns the step only when no other technique of the run does (FSDP: torch's
+      optimizer over the shards, unless FORGE's updates in backward step them).
     - ``reduces_gradients``: it does the data-parallel gradient reduction itself (inside backward or
       in its step), so the run does not wrap the model in DDP.
     - ``zeroth_order``: it replaces forward + backward by its own :meth:`zo_step` (loss values only).
@@ -93,6 +96,7 @@ class Technique:
 
     name: ClassVar[str] = ""
     owns_step: ClassVar[bool] = False
+    yields_step: ClassVar[bool] = False
     reduces_gradients: ClassVar[bool] = False
     zeroth_order: ClassVar[bool] = False
     baseline_ok: ClassVar[bool] = False

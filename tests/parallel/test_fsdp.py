@@ -196,7 +196,6 @@ def test_from_and_export_read_the_dcp_checkpoint_whole(two_rank_run, corpus, tmp
 
 
 @pytest.mark.parametrize("over, says", [
-    ({"forge.enabled": "true"}, "FORGE"),
     ({"comm.method": "int8"}, "comm.method int8"),
     ({"finetune.method": "mezo"}, "finetune.method mezo"),
     ({"finetune.method": "chunkft"}, "finetune.method chunkft"),

@@ -37,6 +37,7 @@ class _Workspace:
         self.events: dict[tuple, torch.cuda.Event] = {}
         self.turn = 0
         self.last: tuple | None = None
+        self.peak_numel = 0  # the most elements its buffers held at once
 
     def get(self, numel: int, device, dtype=torch.float32, ring: int = 1) -> Tensor:
         if ring > 1:
@@ -49,6 +50,7 @@ class _Workspace:
         if buf is None or buf.numel() < numel or buf.device != torch.device(device):
             self.bufs.pop(key, None)
             buf = self.bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+            self.peak_numel = max(self.peak_numel, sum(b.numel() for b in self.bufs.values()))
         return buf[:numel]
 
     def read_on(self, stream) -> None:
@@ -129,23 +131,26 @@ class LayerUpdateMixin:
             self._side_busy = False
             self._workspace.joined()
 
-    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1, reduce=True):
+    def _materialize(self, layer, x2, dy2, backend, fill=None, ring=1, reduce=True, pad_rows=None):
         """dW (and db) of one layer in the reused workspace (``ring`` buffers a dtype taking turns:
         the updates run on a side stream), plus the layer's accumulated gradient of the step's
         earlier micro-batches (if any), reduced over the DP group (``reduce``; an accumulating
-        micro-batch does not reduce)."""
+        micro-batch does not reduce). ``pad_rows``: the workspace holds that many rows of dW (then
+        that many of db), the rows past the weight's left as they were (a row-sharded weight's
+        reduce-scatter input, :mod:`leantrain.forge.shards`)."""
         w, b = layer.weight, layer.bias
         n, k = w.shape
+        rows = n if pad_rows is None else pad_rows
         acc = layer.slot in self._filled
         # grad_dtype="bf16": dW of bf16 inputs as the bf16 matmul gives it (torch's bf16 backward's
         # precision), half the workspace traffic; the Triton update reads it in fp32 (with
         # grad_accum > 1: fp32, to which the accumulated gradient is added)
         low = (self.grad_dtype == "bf16" and backend == "triton" and fill is None and self.dp_group is None
                and self.grad_accum == 1 and x2.dtype == torch.bfloat16 and dy2.dtype == torch.bfloat16)
-        buf = self._workspace.get(n * k + (n if b is not None else 0), w.device,
+        buf = self._workspace.get(rows * k + (rows if b is not None else 0), w.device,
                                   torch.bfloat16 if low else torch.float32, ring)
         g = buf[: n * k].view(n, k)
-        gb = buf[n * k:] if b is not None else None
+        gb = buf[rows * k: rows * k + n] if b is not None else None
         done = False
         if fill is not None:
             fill(g, gb)

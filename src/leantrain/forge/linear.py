@@ -33,6 +33,7 @@ class ForgeLayer:
     group_index: int = 0
     slot: int = -1  # position in the optimizer's layer list (its per-layer sums and clip scale)
     tp_group: object = None  # the weight is a tensor-parallel shard (norm sums need a TP all-reduce)
+    sharded: bool = False  # the weight is a row-sharded DTensor (FSDP2): forward sees it all-gathered
     updated_in: int = -1  # optimizer step id of the last update (gradient accumulation guard)
     opt: object = field(default=None, repr=False)
     host: object = field(default=None, repr=False)  # the optimizer's per-layer launch cache
@@ -75,7 +76,8 @@ class ForgeLinearFn(torch.autograd.Function):
 
 def forge_linear(layer: ForgeLayer, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` whose backward updates ``weight`` (and ``bias``) in place."""
-    if weight is not layer.weight:
+    # (FSDP2: the module holds the all-gathered weight of the DTensor one during forward)
+    if weight is not layer.weight and not (layer.sharded and weight.shape == layer.weight.shape):
         raise RuntimeError(f"FORGE: layer {layer.name!r} was called with a weight it was not attached to")
     if not torch.is_grad_enabled() or not weight.requires_grad:  # (frozen since attach: plain linear)
         return F.linear(x, weight, bias)

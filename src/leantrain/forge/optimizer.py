@@ -25,7 +25,9 @@ No host synchronization: flags and norms stay on the device until someone reads
 The class is assembled from one file per part: the per-layer paths (:mod:`.layer_update`),
 gradient accumulation (:mod:`.accumulate`),
 ``step()`` and the non-fused parameters (:mod:`.rest`), CUDA-graph capture (:mod:`.capture`),
-the gradient norms and clip scales (:mod:`.gradsums`); ``attach`` / ``detach`` are in :mod:`.attach`.
+the gradient norms and clip scales (:mod:`.gradsums`), weights sharded by rows as FSDP2's
+``DTensor`` s (:mod:`.shards`: each layer's dW reduce-scattered, the rule on this rank's rows);
+``attach`` / ``detach`` are in :mod:`.attach`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from leantrain.forge.gradsums import GradSums
 from leantrain.forge.layer_update import LayerUpdateMixin, _Workspace
 from leantrain.forge.linear import ForgeLayer, patch
 from leantrain.forge.rest import RestMixin
+from leantrain.forge.shards import ShardedUpdateMixin, check_sharded
 from leantrain.model.extension import owner_of
 from leantrain.ops.rng import step_seed
 from leantrain.optim.rules import Rule
@@ -72,7 +75,8 @@ def _check_clip(clip: str, clip_value: float) -> None:
         raise ValueError(f"clip_value must be a finite number > 0, got {clip_value}")
 
 
-class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin, torch.optim.Optimizer):
+class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, ShardedUpdateMixin, RestMixin, CaptureMixin,
+                     torch.optim.Optimizer):
     """Returned by :func:`leantrain.forge.attach`; see the module docstring. Not built directly."""
 
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
@@ -152,6 +156,10 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
         self._micro = 0
         self._accum: dict[int, Tensor] = {}
         self._filled: set[int] = set()
+        # DTensor (FSDP2) parameters: each layer's row split, the reused buffer of its reduced rows
+        self._row_shards: dict = {}
+        self._shard_workspace = _Workspace()
+        self._rest_shards = None  # the non-fused parameters' split (their sums of squares' all-reduce)
 
         layers, fused, others = _find_layers(model)
         listed = _listed_groups(param_groups, rule, {id(p) for p in fused + others})
@@ -164,6 +172,8 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
         params = fused + others
         if not params:
             raise ValueError("FORGE: the model has no trainable parameters")
+        self.sharded = check_sharded(params, {p: n for n, p in model.named_parameters()}, state_dtype=state_dtype,
+                                     overlap=overlap, grad_accum=grad_accum)
         groups = [{"params": [p for p in params if id(p) not in listed]}]
         for gi, g in enumerate(param_groups or (), 1):
             groups.append(dict({k: v for k, v in g.items() if k != "params"},
@@ -177,16 +187,22 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
         for slot, layer in enumerate(layers):
             layer.index, layer.slot, layer.opt = index[layer.weight], slot, self
             layer.tp_group = getattr(layer.module, "tp_group", None)
+            layer.sharded = self.sharded
         self.has_tp = any(layer.tp_group is not None for layer in layers)
         self.dp_group = self._resolve_dp(dp_group)
         self._allreduce = allreduce
+        if self.sharded:  # every state now: torch.distributed.checkpoint's loader then finds it
+            for layer in layers:  # (instead of making it by a step of its own, which would update)
+                self._layer_states(layer)
+            for p in others:
+                self._init_state(p)
         for layer in layers:
             patch(layer)
 
     # ------------------------------------------------------------------ setup helpers
 
     def _resolve_dp(self, dp_group):
-        if dp_group is False:
+        if dp_group is False or self.sharded:  # (DTensor shards: reduced over their mesh, forge/shards.py)
             return None
         if dp_group is not None:
             return dp_group if collectives.world_size(dp_group) > 1 else None
@@ -209,7 +225,8 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
         state = self.state[p]
         if not state:
             state["step"] = 0
-            state.update(self.storage.init(self.rule, p, force_fp32=fp32))
+            state.update(self._init_sharded_state(p, fp32) if self.sharded
+                         else self.storage.init(self.rule, p, force_fp32=fp32))
         return state
 
     def _hp(self, p: Tensor) -> dict:
@@ -251,7 +268,9 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
             self._upload_dyn(1.0)
         sw, sb = self._layer_states(layer)
         step = self._advance(layer, sw, sb)
-        if self._backend_for(layer.weight) == "triton":
+        if self.sharded:
+            self._update_sharded(layer, x2, dy2, fill, sw, sb, step)
+        elif self._backend_for(layer.weight) == "triton":
             self._update_triton(layer, x2, dy2, sw, sb, step, self._path(layer, x2, dy2, fill), fill)
             self._ran.append(layer.slot)
         else:
@@ -310,6 +329,13 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
         return self._last_flags[1]
 
     @property
+    def peak_dw_numel(self) -> int:
+        """The most elements FORGE's reused dW workspace held at once since ``attach``: about the
+        largest fused layer's gradient (padded to whole row shards under FSDP2), never a sum of
+        layers' (``ring`` of them with ``overlap``)."""
+        return self._workspace.peak_numel
+
+    @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm of the last step, before clipping (syncs)."""
         return None if self._last_norm is None else float(self._last_norm)
@@ -319,10 +345,16 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
     def state_dict(self):
         self.join()
         sd = super().state_dict()
-        sd["forge"] = {"step_id": self._step_id,
-                       "clip_scale": None if self._clip_scale is None else self._clip_scale.detach().cpu().clone(),
-                       "pred_sq": self._predictions()}
+        sd["forge"] = self.extra_state()
         return sd
+
+    def extra_state(self) -> dict:
+        """The optimizer's own state beside torch's per-parameter one (step count, clip scale,
+        est_global's predictions): in ``state_dict()["forge"]``, and kept apart by a checkpointer
+        that saves only torch's part (DCP, under FSDP)."""
+        return {"step_id": self._step_id,
+                "clip_scale": None if self._clip_scale is None else self._clip_scale.detach().cpu().clone(),
+                "pred_sq": self._predictions()}
 
     def _predictions(self) -> dict[int, Tensor]:
         """est_global's predictions by parameter index (-1: the non-fused parameters together)."""
@@ -346,25 +378,29 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, RestMixin, CaptureMixin,
                 self.state[p] = {k: (v.to(p.device).clone() if isinstance(v, Tensor) else v)
                                  for k, v in saved[pid].items()}
         if extra is not None:
-            self._step_id = int(extra["step_id"])
-            cs = extra["clip_scale"]
-            dev = params[0].device
-            if cs is None:
-                self._clip_scale = None
-            elif self._clip_scale is not None and self._clip_scale.device == dev:
-                self._clip_scale.copy_(cs)  # in place: a captured launch holds this tensor
-            else:
-                self._clip_scale = cs.to(dev)
-            preds = extra.get("pred_sq", {})
-            if preds or self._sums is not None:  # keyed by parameter index (-1: the non-fused parameters)
-                slot_of = {layer.index: layer.slot for layer in self.layers}
-                slot_of[-1] = len(self.layers)
-                self._grad_sums(dev).load_predictions({slot_of[int(i)]: t for i, t in preds.items()})
+            self.load_extra_state(extra)
         for layer in self.layers:
             layer.updated_in = -1
         self._last_update_sid = -1
         self._micro = 0  # (a checkpoint is taken after a full step: nothing accumulated)
         self._filled.clear()
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore what :meth:`extra_state` returned."""
+        self._step_id = int(extra["step_id"])
+        cs = extra["clip_scale"]
+        dev = next(p for g in self.param_groups for p in g["params"]).device
+        if cs is None:
+            self._clip_scale = None
+        elif self._clip_scale is not None and self._clip_scale.device == dev:
+            self._clip_scale.copy_(cs)  # in place: a captured launch holds this tensor
+        else:
+            self._clip_scale = cs.to(dev)
+        preds = extra.get("pred_sq", {})
+        if preds or self._sums is not None:  # keyed by parameter index (-1: the non-fused parameters)
+            slot_of = {layer.index: layer.slot for layer in self.layers}
+            slot_of[-1] = len(self.layers)
+            self._grad_sums(dev).load_predictions({slot_of[int(i)]: t for i, t in preds.items()})
 
 
 def _listed_groups(param_groups, rule: Rule, trainable: set[int]) -> dict[int, int]:

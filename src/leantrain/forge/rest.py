@@ -16,6 +16,7 @@ from torch import Tensor
 
 from leantrain.forge import launch as K
 from leantrain.forge.gradsums import CLIP_EPS
+from leantrain.forge.shards import RowShards, local, local_state
 from leantrain.ops.rng import kernel_key
 from leantrain.runtime import collectives
 
@@ -61,12 +62,18 @@ class RestMixin:
         for p in rest:
             if p.grad.is_sparse:
                 raise RuntimeError("FORGE does not support sparse gradients")
-            # bf16 / fp32 gradients as stored (the update kernel reads either; _apply_rule upcasts)
-            grads.append((p, p.grad if p.grad.dtype in (torch.float32, torch.bfloat16) else p.grad.float()))
+            # bf16 / fp32 gradients as stored (the update kernel reads either; _apply_rule upcasts);
+            # of a DTensor (FSDP2) parameter, this rank's shard of FSDP's averaged gradient
+            g = local(p.grad)
+            grads.append((p, g if g.dtype in (torch.float32, torch.bfloat16) else g.float()))
             flag_names.append(names.get(p, "?"))
         rest_sq = None  # the non-fused parameters' sums of squares: one multi-tensor norm launch, fp32
         if grads:
             rest_sq = torch.stack(torch._foreach_norm([g for _, g in grads], 2, dtype=torch.float32)).square()
+            if self.sharded:  # every shard's sum: the whole parameters' (the same on every rank)
+                if self._rest_shards is None:
+                    self._rest_shards = RowShards.of(grads[0][0], flag_names[len(slots)])
+                collectives.all_reduce(rest_sq, group=self._rest_shards.shard_group)
         total, others = None, None
         stacked = finite = None
         if flag_names:  # one array, one isfinite for every layer and parameter (host time: not one per sum)
@@ -106,7 +113,7 @@ class RestMixin:
         for i, (p, g) in enumerate(grads):
             state = self._init_state(p)
             state["step"] += 1
-            if self._rest_on_kernel(p, state):
+            if not self.sharded and self._rest_on_kernel(p, state):
                 bkey = self._bucket_key(p, g, state)
                 if bkey is not None:
                     if buckets is None:
@@ -118,7 +125,11 @@ class RestMixin:
             g = g.float()
             if scales is not None:
                 g = g * scales[i]
-            self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], ~rest_ok[i])
+            if self.sharded:  # this rank's rows of the parameter and its state (views: written in place)
+                self._apply_rule(local(p), g, local_state(state), self._hp(p), state["step"], self.param_index[p],
+                                 ~rest_ok[i])
+            else:
+                self._apply_rule(p, g, state, self._hp(p), state["step"], self.param_index[p], ~rest_ok[i])
         for items in buckets or ():
             if len(items) == 1:
                 i, p, g, state = items[0]
@@ -149,6 +160,7 @@ class RestMixin:
         self._ran = []
         self._dyn_ready = False
         self._workspace.release()
+        self._shard_workspace.release()
         self._step_id += 1
         return loss
 

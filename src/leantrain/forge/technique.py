@@ -7,6 +7,21 @@ from leantrain.forge.attach import attach
 from leantrain.technique import Run, Technique, register
 
 
+def _fsdp_refusal(cfg: Config) -> str | None:
+    """Why FORGE cannot run on ``cfg``'s FSDP2 shards (one sentence), or None (:mod:`.shards`)."""
+    if cfg.dist.mode != "fsdp":
+        return None
+    for bad, why in (
+        (cfg.forge.state_dtype != "fp32", f"forge.state_dtype {cfg.forge.state_dtype} quantizes the states in "
+                                          "blocks that do not follow FSDP's row shards: use --forge.state-dtype fp32"),
+        (cfg.data.grad_accum > 1, "data.grad_accum > 1 would keep a whole-size accumulated gradient per layer "
+                                  "between micro-batches: use --data.grad-accum 1 and a larger --data.batch-size"),
+    ):
+        if bad:
+            return why
+    return None
+
+
 @register
 class Forge(Technique):
     name = "forge"
@@ -23,6 +38,9 @@ class Forge(Technique):
     def check(cls, cfg: Config, *, device, world: int) -> None:
         if cfg.dist.mode == "sharded":
             raise ConfigError("--forge and --dist.mode sharded both own the optimizer step; choose one")
+        why = _fsdp_refusal(cfg)
+        if why is not None:
+            raise ConfigError(f"--forge with --dist.mode fsdp: {why}")
         if cfg.train.cuda_graph and cfg.data.grad_accum > 1:
             raise ConfigError("train.cuda_graph with FORGE needs data.grad_accum 1 (the captured backward updates "
                               "every layer; an accumulating micro-batch must not): raise --data.batch-size instead")
@@ -71,6 +89,14 @@ class Forge(Technique):
 
     def capture_hooks(self, opt) -> list:
         return [opt.capture_hooks]
+
+    def state_dict(self) -> dict:
+        # under FSDP the checkpointer (DCP) saves torch's part of the optimizer's state only
+        return {"optimizer_extra": self.opt.extra_state()} if self.run.cfg.dist.mode == "fsdp" else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "optimizer_extra" in state:
+            self.opt.load_extra_state(state["optimizer_extra"])
 
     @classmethod
     def tag(cls, cfg: Config) -> str:

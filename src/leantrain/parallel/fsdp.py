@@ -83,8 +83,6 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
         return (f"dist.replicate ({d.replicate}) must divide the number of processes ({world}); pass "
                 f"--dist.replicate 1 or a divisor of {world}")
     for bad, why in (
-        (cfg.forge.enabled, "FORGE updates weights inside backward, before FSDP has reduced their gradients: "
-                            "use --dist.mode ddp with FORGE"),
         (cfg.comm.method != "none", f"comm.method {cfg.comm.method} compresses DDP / sharded-optimizer traffic, "
                                     "not FSDP's reduce-scatter: use --comm.method none with --dist.mode fsdp"),
         (cfg.finetune.method in ("chunkft", "mezo", "grzo"),
@@ -109,6 +107,7 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
 class Fsdp(Technique):
     name = "fsdp"
     owns_step = True
+    yields_step = True  # (with --forge, FORGE's updates step the shards: forge/shards.py)
     reduces_gradients = True
     baseline_ok = True  # (its optimizer is torch's AdamW over the shards)
 
@@ -147,6 +146,7 @@ class Fsdp(Technique):
         for block in model.layers:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
+        run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
 
     def param_groups(self) -> list:
         """The run's parameter groups over the sharded parameters (the same names, the same order)."""

@@ -36,9 +36,17 @@ def check(classes: list[type[Technique]], cfg: Config, *, device, world: int) ->
     composition: one owner of the step."""
     for cls in classes:
         cls.check(cfg, device=device, world=world)
-    owners = [c.name for c in classes if c.owns_step]
+    step_owner(classes)
+
+
+def step_owner(classes: list[type[Technique]]) -> type[Technique] | None:
+    """The technique class that builds the run's optimizer: the one that ``owns_step`` (one that
+    ``yields_step`` only when no other does); raises :class:`ConfigError` for two."""
+    owners = [c for c in classes if c.owns_step]
+    owners = [c for c in owners if not c.yields_step] or owners
     if len(owners) > 1:
-        raise ConfigError(f"{' and '.join(owners)} both own the optimizer step; choose one")
+        raise ConfigError(f"{' and '.join(c.name for c in owners)} both own the optimizer step; choose one")
+    return owners[0] if owners else None
 
 
 def validate(cfg: Config, *, device=None, world: int = 1) -> None:

@@ -239,7 +239,8 @@ class Trainer:
             return torch.optim.AdamW(self._groups(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                      fused=self.device.type == "cuda")
         rule = rule_from_config(c)
-        owner = next((t for t in self.techniques if t.owns_step), None)
+        owner_class = techniques.step_owner(self.technique_classes)
+        owner = next((t for t in self.techniques if type(t) is owner_class), None)
         if not any(t.reduces_gradients for t in self.techniques):
             hooks = [h for h in (t.ddp_comm_hook() for t in self.techniques) if h is not None]
             self._wrap_ddp(hooks[0] if hooks else None)
