@@ -34,9 +34,13 @@ from leantrain.runtime import collectives, distributed
 from leantrain.technique import Run, Technique, register
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# the communication methods FSDP does not run, what each compresses and the mode that has it
-OTHER_MODES = {"int8": ("DDP's gradient all-reduce", "ddp"), "gift": ("DDP's gradient all-reduce", "ddp"),
-               "scape": ("the sharded optimizer's reduce-scatter", "sharded")}
+# the communication methods FSDP does not run: why, and the mode that runs each
+OTHER_MODES = {
+    "int8": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
+    "gift": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
+    "scape": ("masks the sharded optimizer's traffic by that optimizer's first moment, which FSDP's torch "
+              "optimizer does not share", "sharded"),
+}
 
 
 class _GradientSync:
@@ -98,8 +102,8 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
     for bad, why in (
         (cfg.forge.enabled, "FORGE updates weights inside backward, before FSDP has reduced their gradients: "
                             "use --dist.mode ddp with FORGE"),
-        (c.method in OTHER_MODES, f"comm.method {c.method} compresses {what}, not FSDP's reduce-scatter: use it with "
-                                  f"--dist.mode {mode} (FSDP compresses its reduce-scatter with --comm.method sdp4bit)"),
+        (c.method in OTHER_MODES, f"comm.method {c.method} {what}: use it with --dist.mode {mode} (FSDP compresses "
+                                  "its reduce-scatter with --comm.method sdp4bit)"),
         (c.method == "sdp4bit" and c.sdp4bit.weights, "comm.sdp4bit.weights quantizes weight differences against "
                                                       "whole weights every rank keeps between steps, which FSDP does "
                                                       "not keep: use --dist.mode sharded for SDP4Bit's weight half, "
