@@ -4,12 +4,14 @@ collectives in the comm ledger; a DCP resume; the refusals.
 
 Tolerances: SDP4Bit rounds every gradient stochastically to 4 bits across "nodes" (8 bits inside
 one) in Hadamard coordinates, so the runs differ from the first step's update on. Each of the 8
-AdamW steps' losses stays within 2 % of the uncompressed run's (the GIFT FP8 test's tolerance;
-over 300 steps the sharded optimizer + SDP4Bit ends within 1 % of the baseline, docs/sdp4bit.md).
+AdamW steps' losses stays within 1 % of the uncompressed run's (measured: 0.2 % at 2 ranks, 0.34 %
+at 4; over 300 steps the sharded optimizer + SDP4Bit ends within 1 % of the baseline,
+docs/sdp4bit.md).
 Bytes: per gradient element and rank, the compressed path sends ``(n-1)/n (0.5 + 4/128)`` at 4
 bits with one rank per node against ``(n-1)/n 4`` for the fp32 reduce-scatter (0.133x), and with
 2 nodes x 2 ranks ``1/2 (1 + 4/512) + 1/2 (0.5 + 4/128) / 2`` against ``3/4 4`` (0.21x); each
-shard is padded to a multiple of 512 elements, so the measured ratio is within 10 % above that.
+shard is padded to a multiple of 512 elements, so the measured ratio is within 10 % above that
+(measured 0.136x and 0.222x).
 A resume at the same world size restores the reduce-scatter's call count (its rounding seed):
 bit-identical.
 """
@@ -34,7 +36,7 @@ from leantrain.train.trainer import Trainer, recipe_name
 STEPS = 8
 GLOBAL_BATCH = 4
 MICRO_BATCHES = 2
-LOSS_RTOL = 0.02  # (module docstring)
+LOSS_RTOL = 0.01  # (module docstring)
 
 
 def _overrides(world: int, method: str, intra: int, **extra) -> dict:
