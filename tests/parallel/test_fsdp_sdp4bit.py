@@ -23,7 +23,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist_utils import run_distributed
 from helpers import tiny_config
