@@ -64,6 +64,7 @@ TRAIN_EPILOG = """recipes (flags that turn techniques on; they compose):
   --forge.state-dtype int8 --train.weights bf16    bf16 weights + 8-bit optimizer states
   --comm.method int8           8-bit gradient all-reduce (under torchrun)
   --dist.mode sharded [--comm.method sdp4bit|scape]   sharded optimizer, compressed traffic
+  --dist.mode fsdp [--comm.method sdp4bit]   FSDP2; SDP4Bit's 4-bit gradient reduce-scatter
   --comm.method gift           FP8 all-reduce in K-FAC-whitened coordinates
 config fields: every field is --section.field value; `leantrain config` prints them all with docs.
 """

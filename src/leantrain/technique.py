@@ -54,7 +54,8 @@ class Run:
     # a per-tensor gradient all-reduce ``f(tensor, group)`` offered by a communication technique
     # to those that reduce gradients themselves (None: torch.distributed's all_reduce)
     all_reduce: Callable[[Tensor, Any], Any] | None = None
-    # a gradient compressor offered by a communication technique to a sharded optimizer
+    # a gradient compressor offered by a communication technique to the technique that shards the
+    # gradients (the sharded optimizer's buckets; FSDP's reduce-scatter)
     compression: Any = None
 
 

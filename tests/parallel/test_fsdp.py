@@ -269,6 +269,12 @@ def test_hsdp_two_replicas_of_two_shards_follow_one_process(two_rank_run, corpus
     _close(_tensors(weights), base_weights)
     whole = sum(v.nbytes for v in weights.values())
     assert abs(summary["memory"]["weights"] - whole / 2) <= 0.01 * whole  # (sharded over the 2 of a replica)
+    # the ledger: per step, the fp32 gradients reduce-scattered inside a replica ((2-1)/2 of them) and
+    # this rank's half all-reduced across the 2 replicas (2 (2-1)/2 of it), each within padding
+    comm = summary["comm"]
+    for op in ("reduce_scatter", "all_reduce"):
+        sent = comm["by_op"][op] / STEPS
+        assert whole / 2 <= sent <= 1.01 * whole / 2, (op, sent, whole)
 
 
 @pytest.mark.distributed

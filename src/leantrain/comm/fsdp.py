@@ -1,15 +1,21 @@
-"""SDP4Bit's gradient path inside PyTorch FSDP2, through ``set_custom_reduce_scatter``.
+"""SDP4Bit's gradient path inside PyTorch FSDP2, through ``FSDPModule.set_custom_reduce_scatter``.
 
     from torch.distributed.fsdp import fully_shard
     model = fully_shard(model, mesh=mesh)
     model.set_custom_reduce_scatter(lt.comm.SDP4BitReduceScatter(lt.comm.SDP4Bit(), intra_node_size=8))
 
-FSDP2 hands the custom comm its flat reduce-scatter input (``world`` contiguous chunks, one
-per rank, already padded by FSDP) and output. The compressed two-level all-to-all of
-:class:`SDP4Bit` runs on it, so the bytes are filed as ``intra``/``inter`` in the ledger.
-``op`` may be ``SUM`` or ``AVG``; FSDP asks for ``PREMUL_SUM`` only when a gradient divide
-factor other than the world size is set -- call ``set_force_sum_reduction_for_comms(True)``
-then, and FSDP divides before/after the comm itself.
+The trainer does this for every ``fully_shard``ed module with ``--dist.mode fsdp --comm.method
+sdp4bit`` (:mod:`leantrain.parallel.fsdp`). FSDP2 hands the custom comm its flat reduce-scatter
+input (``world`` contiguous chunks, one per rank of the shard group, already padded by FSDP) and
+output. The compressed two-level all-to-all of :class:`SDP4Bit` runs on it, so the bytes are
+filed as ``intra``/``inter`` in the ledger. ``op`` may be ``SUM`` or ``AVG`` (FSDP's choice for
+fp32 and bf16 gradients); FSDP asks for ``PREMUL_SUM`` only when a gradient divide factor other
+than the world size is set -- call ``set_force_sum_reduction_for_comms(True)`` then, and FSDP
+divides before/after the comm itself.
+
+FSDP2 calls the comm through two methods, ``allocate(size, dtype=, device=)`` and
+``__call__(output_tensor, input_tensor, group, op, async_op=False)`` (the ``ReduceScatter``
+interface it documents); it checks no base class, so this class has none.
 
 Weight path: FSDP2 all-gathers the *sharded parameters themselves* before every forward and
 backward (ZeRO-3), and keeps no full copy between steps, so SDP4Bit's weight-difference
@@ -29,20 +35,19 @@ import torch.distributed as dist
 from leantrain.comm.sdp4bit import SDP4Bit
 from leantrain.comm.topology import get_topology
 
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - torch without the FSDP2 comm API
-    _ReduceScatterBase = object
 
-
-class SDP4BitReduceScatter(_ReduceScatterBase):
-    """An FSDP2 ``ReduceScatter`` that runs :class:`SDP4Bit`'s compressed gradient path.
+class SDP4BitReduceScatter:
+    """An FSDP2 reduce-scatter that runs :class:`SDP4Bit`'s compressed gradient path.
 
     Args:
         compressor: the :class:`SDP4Bit` whose gradient settings are used (default: paper's).
         group: build the topology (and its subgroups) for this group now, on every rank, rather
-            than lazily inside the first backward. Pass the FSDP mesh's group.
-        intra_node_size: ranks per node (default ``LOCAL_WORLD_SIZE`` or one node).
+            than lazily inside the first backward. Pass the FSDP mesh's shard group.
+        intra_node_size: ranks per node of that group (default ``LOCAL_WORLD_SIZE`` or one node).
+
+    ``calls`` counts the reduce-scatters run; it seeds each one's stochastic rounding, so a
+    resumed run that restores it (``state_dict``) draws the same numbers as an uninterrupted one.
+    One instance may serve every ``fully_shard``ed module of a model.
     """
 
     def __init__(self, compressor: SDP4Bit | None = None, *, group=None, intra_node_size: int | None = None):
@@ -72,6 +77,12 @@ class SDP4BitReduceScatter(_ReduceScatterBase):
             shard = shard / div
         output_tensor.reshape(-1).copy_(shard)
         return None
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
 
 
 __all__ = ["SDP4BitReduceScatter"]

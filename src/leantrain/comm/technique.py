@@ -3,7 +3,8 @@
 - ``int8``: AGoQ's precision-preserving 8-bit all-reduce: DDP's comm hook, and the per-layer
   all-reduce a technique that reduces inside backward (FORGE) uses (``Run.all_reduce``).
 - ``gift``: GIFT's FP8 / NVFP4 all-reduce in K-FAC-whitened coordinates, after backward.
-- ``sdp4bit`` / ``scape``: the compressor of the sharded optimizer (``Run.compression``).
+- ``sdp4bit`` / ``scape``: the compressor of the sharded optimizer (``Run.compression``); SDP4Bit's
+  gradient half also becomes FSDP's reduce-scatter (:mod:`leantrain.parallel.fsdp`).
 """
 
 from __future__ import annotations
@@ -110,9 +111,11 @@ class ShardCompression(Technique):
     @classmethod
     def check(cls, cfg: Config, *, device, world: int) -> None:
         c = cfg.comm
-        if cfg.dist.mode != "sharded":
-            raise ConfigError(f"comm.method {c.method} compresses the sharded optimizer's traffic: add "
-                              "--dist.mode sharded")
+        if c.method == "sdp4bit" and cfg.dist.mode not in ("sharded", "fsdp"):
+            raise ConfigError("comm.method sdp4bit compresses the traffic of sharded data parallelism: add "
+                              "--dist.mode sharded (gradients and weights) or --dist.mode fsdp (gradients)")
+        if c.method == "scape" and cfg.dist.mode != "sharded":
+            raise ConfigError("comm.method scape compresses the sharded optimizer's traffic: add --dist.mode sharded")
         if c.method == "scape" and cfg.optim.name == "sgd" and cfg.optim.momentum == 0:
             raise ConfigError("comm.method scape takes its masks from the first moment: use --optim.name adams "
                               "(or adamw, lion, sgd with momentum)")
@@ -122,8 +125,9 @@ class ShardCompression(Technique):
     def __init__(self, run: Run):
         super().__init__(run)
         c = run.cfg.comm
-        if c.method == "sdp4bit":
-            run.compression = SDP4Bit()
+        if c.method == "sdp4bit":  # (the weight half: comm.sdp4bit.weights, else on where the mode has it)
+            weights = c.sdp4bit.weights if c.sdp4bit.weights is not None else run.cfg.dist.mode == "sharded"
+            run.compression = SDP4Bit(quantize_weights=weights)
         else:
             s = c.scape
             run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,

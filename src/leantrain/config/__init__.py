@@ -34,13 +34,14 @@ from leantrain.config.tree import (
     ModelConfig,
     OptimConfig,
     ScapeConfig,
+    Sdp4bitConfig,
     TrainConfig,
     logger_names,
 )
 
 __all__ = [
     "AgoqConfig", "CommConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "FinetuneConfig", "ForgeConfig",
-    "GiftConfig", "LOGGERS", "ModelConfig", "OptimConfig", "PRESETS", "RENAMED", "ScapeConfig", "TrainConfig",
-    "apply_dict", "b1", "b7", "b8", "build", "field_docs", "from_dict", "load_toml", "logger_names", "m125", "parse_overrides",
-    "preset", "set_field", "small", "tiny", "validate",
+    "GiftConfig", "LOGGERS", "ModelConfig", "OptimConfig", "PRESETS", "RENAMED", "ScapeConfig", "Sdp4bitConfig",
+    "TrainConfig", "apply_dict", "b1", "b7", "b8", "build", "field_docs", "from_dict", "load_toml", "logger_names",
+    "m125", "parse_overrides", "preset", "set_field", "small", "tiny", "validate",
 ]

@@ -269,14 +269,25 @@ class GiftConfig:
 
 
 @dataclass
+class Sdp4bitConfig:
+    """SDP4Bit (``--comm.method sdp4bit``): 4-bit two-level gradient reduce-scatter and 4-bit
+    weight-difference all-gather (docs/sdp4bit.md)."""
+
+    # the 4-bit weight-difference all-gather; None: on with dist.mode sharded, off with fsdp (FSDP
+    # keeps no whole weights between steps to take the difference from, so true is refused there)
+    weights: bool | None = None
+
+
+@dataclass
 class CommConfig:
     """Compressed gradient communication between data-parallel ranks.
 
     method: none (bf16/fp32 as the weights are); int8 (AGoQ's precision-preserving 8-bit
-    all-reduce; dist.mode ddp, with or without FORGE); sdp4bit and scape (dist.mode sharded);
-    gift (dist.mode ddp, without FORGE)."""
+    all-reduce; dist.mode ddp, with or without FORGE); sdp4bit (dist.mode sharded; its gradient
+    half also with dist.mode fsdp); scape (dist.mode sharded); gift (dist.mode ddp, without FORGE)."""
 
     method: Literal["none", "int8", "sdp4bit", "scape", "gift"] = "none"
+    sdp4bit: Sdp4bitConfig = field(default_factory=Sdp4bitConfig)
     scape: ScapeConfig = field(default_factory=ScapeConfig)
     gift: GiftConfig = field(default_factory=GiftConfig)
 

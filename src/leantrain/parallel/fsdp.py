@@ -13,6 +13,12 @@ micro-batches before the last one unreduced (``FSDPModule.set_requires_gradient_
 Gradient clipping is the trainer's ``clip_grad_norm_``: over ``DTensor`` gradients it returns
 the global norm. Checkpoints go through ``torch.distributed.checkpoint``
 (:class:`leantrain.runtime.dcp.DcpCheckpointer`): a run resumes at another world size.
+
+FSDP's all-gathers, reduce-scatters and HSDP all-reduces go through counted collectives
+(:mod:`leantrain.parallel.fsdp_comm`). With ``--comm.method sdp4bit`` the communication technique
+offers its compressor (``Run.compression``) and every ``fully_shard``ed module reduce-scatters
+through SDP4Bit's two-level 4-bit path; its weight half has no counterpart here (FSDP keeps no
+whole weights between steps to quantize differences against) and is refused.
 """
 
 from __future__ import annotations
@@ -23,10 +29,18 @@ import torch
 from torch import nn
 
 from leantrain.config import Config, ConfigError
+from leantrain.parallel import fsdp_comm
 from leantrain.runtime import collectives, distributed
 from leantrain.technique import Run, Technique, register
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the communication methods FSDP does not run: why, and the mode that runs each
+OTHER_MODES = {
+    "int8": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
+    "gift": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
+    "scape": ("masks the sharded optimizer's traffic by that optimizer's first moment, which FSDP's torch "
+              "optimizer does not share", "sharded"),
+}
 
 
 class _GradientSync:
@@ -82,9 +96,21 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
     if world % d.replicate:
         return (f"dist.replicate ({d.replicate}) must divide the number of processes ({world}); pass "
                 f"--dist.replicate 1 or a divisor of {world}")
+    c = cfg.comm
+    what, mode = OTHER_MODES.get(c.method, ("", ""))
+    shards = world // d.replicate  # (ranks of a shard group; replicate divides world, checked above)
     for bad, why in (
-        (cfg.comm.method != "none", f"comm.method {cfg.comm.method} compresses DDP / sharded-optimizer traffic, "
-                                    "not FSDP's reduce-scatter: use --comm.method none with --dist.mode fsdp"),
+        (cfg.forge.enabled and c.method != "none", f"FORGE reduce-scatters each layer's weight gradient itself, "
+                                                    f"uncompressed: drop --comm.method {c.method} with --forge under FSDP"),
+        (c.method in OTHER_MODES, f"comm.method {c.method} {what}: use it with --dist.mode {mode} (FSDP compresses "
+                                  "its reduce-scatter with --comm.method sdp4bit)"),
+        (c.method == "sdp4bit" and c.sdp4bit.weights, "comm.sdp4bit.weights quantizes weight differences against "
+                                                      "whole weights every rank keeps between steps, which FSDP does "
+                                                      "not keep: use --dist.mode sharded for SDP4Bit's weight half, "
+                                                      "or drop it to run its gradient half under FSDP"),
+        (c.method == "sdp4bit" and d.intra_node_size > 0 and shards % d.intra_node_size,
+         f"dist.intra_node_size ({d.intra_node_size}) must divide the {shards} ranks each FSDP shard group holds "
+         "for SDP4Bit's two-level reduce-scatter: pass a divisor of it, or 0 for one node"),
         (cfg.finetune.method in ("chunkft", "mezo", "grzo"),
          f"finetune.method {cfg.finetune.method} reads or perturbs whole weights, which FSDP keeps sharded: use "
          "--dist.mode ddp for it"),
@@ -147,6 +173,8 @@ class Fsdp(Technique):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
+        self.sharded_modules = [*model.layers, model]
+        self.compressed_reduce_scatter = None  # (SDP4Bit's, once optimizer() installed it)
 
     def param_groups(self) -> list:
         """The run's parameter groups over the sharded parameters (the same names, the same order)."""
@@ -154,13 +182,31 @@ class Fsdp(Technique):
         return [{**g, "params": [params[n] for n in names]} if isinstance(g, dict) else params[names]
                 for g, names in zip(self.run.param_groups, self.group_names, strict=True)]
 
+    def install_collectives(self, run: Run) -> None:
+        """The counted collectives, and the compressed reduce-scatter of a communication technique's
+        compressor (``run.compression``). Called from :meth:`optimizer`: the communication
+        techniques are built after this one and offer their compressor then."""
+        self.compressed_reduce_scatter = fsdp_comm.install(
+            self.sharded_modules, self.mesh, compression=run.compression,
+            intra_node_size=run.cfg.dist.intra_node_size or None)
+
     def optimizer(self, run: Run, rule):
+        self.install_collectives(run)
         o = run.cfg.optim
         if o.name == "adamw":
             return FsdpAdamW(self.param_groups(), model=run.model, lr=o.lr, betas=o.betas, eps=o.eps,
                              weight_decay=o.weight_decay, foreach=True)
         return FsdpSGD(self.param_groups(), model=run.model, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
                        weight_decay=o.weight_decay, foreach=True)
+
+    def state_dict(self) -> dict:
+        """The compressed reduce-scatter's call count (its stochastic rounding's seed), if any."""
+        rs = self.compressed_reduce_scatter
+        return {"reduce_scatter": rs.state_dict()} if rs is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.compressed_reduce_scatter is not None and "reduce_scatter" in state:
+            self.compressed_reduce_scatter.load_state_dict(state["reduce_scatter"])
 
     def checkpointer(self):
         """DCP checkpoints: each rank writes its shards; a resume may use another world size."""
@@ -172,4 +218,5 @@ class Fsdp(Technique):
     @classmethod
     def tag(cls, cfg: Config) -> str:
         d = cfg.dist
-        return ("hsdp" if d.replicate > 1 else "fsdp") + ("-bf16" if d.param_dtype == "bf16" else "")
+        return (("hsdp" if d.replicate > 1 else "fsdp") + ("-bf16" if d.param_dtype == "bf16" else "")
+                + ("-sdp4bit" if cfg.comm.method == "sdp4bit" else ""))

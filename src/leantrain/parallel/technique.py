@@ -37,4 +37,5 @@ class Sharded(Technique):
     @classmethod
     def tag(cls, cfg: Config) -> str:
         m = cfg.comm.method
-        return "sharded" + ("" if m not in ("sdp4bit", "scape") else f"-{m}")
+        grads_only = m == "sdp4bit" and cfg.comm.sdp4bit.weights is False  # (the weight all-gather uncompressed)
+        return "sharded" + ("" if m not in ("sdp4bit", "scape") else f"-{m}") + ("-grads" if grads_only else "")
