@@ -18,11 +18,13 @@ second, counted memory and validation loss and accuracy before and after::
     PYTHONPATH=src python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --out DIR
 
 ``--lowmem``: the memory-first recipes (FORGE with bf16 weights and bf16 or int8 states, with AGoQ
-or activation checkpointing; ChunkFT stepping inside backward) against full AdamW, each seed of
-``--seeds``, from ``--from`` (or random weights): ``lowmem.json`` holds per recipe and seed the
-validation loss and its ratio to full AdamW's of the same seed, and per recipe the mean ratio::
+or activation checkpointing; ChunkFT, and ChunkFT stepping inside backward) against full AdamW
+(fp32), each continuing the training of ``--from`` on the embedded corpus (``leantrain train
+--from``) at ``--lr`` for ``--steps`` steps, each seed of ``--seeds``: ``lowmem.json`` holds per
+recipe and seed the validation loss and its ratio to full AdamW's of the same seed, and per recipe
+the mean ratio::
 
-    PYTHONPATH=src python3 benchmarks/bench_finetune.py --lowmem --from runs/default --task compare --steps 300 --out DIR
+    PYTHONPATH=src python3 benchmarks/bench_finetune.py --lowmem --from runs/default --steps 200 --out DIR
 """
 
 from __future__ import annotations
@@ -43,16 +45,16 @@ from leantrain.cli import main as leantrain  # noqa: E402
 
 DEFAULT_METHODS = ["mezo:3e-5,1e-4,3e-4", "grzo:3e-6,1e-5,3e-5", "full:1e-4"]
 BF16 = ["--train.weights", "bf16"]
-LOWMEM_RECIPES = {
-    "full": ["--method", "full"],
-    "forge-bf16": ["--method", "forge", *BF16, "--forge.state-dtype", "bf16"],
-    "forge-int8-agoq": ["--method", "forge", *BF16, "--forge.state-dtype", "int8", "--agoq"],
-    "forge-int8-ckpt": ["--method", "forge", *BF16, "--forge.state-dtype", "int8", "--model.activation-checkpointing",
-                        "true"],
-    "chunkft4-forge": ["--method", "chunkft", "--forge", *BF16, "--finetune.chunk-state-dtype", "bf16",
-                       "--finetune.num-chunks", "4", "--model.activation-checkpointing", "true"],
-    "chunkft8-forge": ["--method", "chunkft", "--forge", *BF16, "--finetune.chunk-state-dtype", "bf16",
-                       "--finetune.num-chunks", "8", "--model.activation-checkpointing", "true"],
+CKPT = ["--model.activation-checkpointing", "true"]
+CHUNKFT_FORGE = ["--finetune.method", "chunkft", "--forge", *BF16, "--finetune.chunk-state-dtype", "bf16", *CKPT]
+LOWMEM_RECIPES = {  # (flags of leantrain train)
+    "full": [],
+    "forge-bf16": ["--forge", *BF16, "--forge.state-dtype", "bf16"],
+    "forge-int8-agoq": ["--forge", *BF16, "--forge.state-dtype", "int8", "--agoq"],
+    "forge-int8-ckpt": ["--forge", *BF16, "--forge.state-dtype", "int8", *CKPT],
+    "chunkft4": ["--finetune.method", "chunkft", "--finetune.num-chunks", "4"],
+    "chunkft4-forge": [*CHUNKFT_FORGE, "--finetune.num-chunks", "4"],
+    "chunkft8-forge": [*CHUNKFT_FORGE, "--finetune.num-chunks", "8"],
 }
 HF_METHODS = ["full", "forge", "forge+agoq", "chunkft", "mezo", "grzo"]
 
@@ -130,16 +132,16 @@ def run_lowmem(a) -> int:
     for seed in a.seeds:
         for name, flags in LOWMEM_RECIPES.items():
             run = out / "runs" / f"{name}-s{seed}"
-            args = ["finetune", "--task", a.task, "--preset", a.preset, "--steps", str(a.steps), "--train.seed",
-                    str(seed), "--data.batch-size", str(a.batch_size), "--finetune.eval-examples", str(a.eval_examples),
-                    "--train.progress", "false", "--train.ckpt-every", "0", "--out", str(run), "--overwrite", *flags]
+            args = ["train", "--preset", a.preset, "--steps", str(a.steps), "--train.seed", str(seed),
+                    "--optim.lr", str(a.lr), "--data.batch-size", str(a.batch_size), "--train.eval-every",
+                    str(a.steps), "--train.eval-batches", "32", "--train.progress", "false", "--train.ckpt-every", "0",
+                    "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags]
             args += (["--from", a.source] if a.source else []) + (["--train.device", a.device] if a.device else [])
             with contextlib.redirect_stdout(io.StringIO()):
                 if leantrain(args) != 0:
                     raise SystemExit(f"{name} seed {seed} failed")
             s = json.loads((run / "summary.json").read_text())
             rows.append({"recipe": name, "seed": seed, "flags": flags, "val_loss": s["val_loss"],
-                         "initial_val_loss": s["initial_val_loss"], "val_accuracy": s.get("val_accuracy"),
                          "counted_bytes": counted_bytes(s), "tokens_per_second": s["tokens_per_second"]})
             print(f"[{time.time() - t0:6.0f}s] {name} seed {seed}: val loss {s['val_loss']:.4f}", flush=True)
     full = {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == "full"}
@@ -147,7 +149,7 @@ def run_lowmem(a) -> int:
         r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
     means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in LOWMEM_RECIPES}
     result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.preset,
-              "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seeds": a.seeds,
+              "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size, "seeds": a.seeds,
               "source": a.source or f"random weights of the {a.preset} preset", "runs": rows,
               "mean_ratio_to_full": means}
     (out / "lowmem.json").write_text(json.dumps(result, indent=1))
@@ -179,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-methods", nargs="*", default=HF_METHODS, help="with --hf-preset: method[+agoq]")
     ap.add_argument("--seq-len", type=int, default=64, help="with --hf-preset: data.seq_len")
     ap.add_argument("--lowmem", action="store_true", help="the memory-first recipes against full AdamW, each seed")
+    ap.add_argument("--lr", type=float, default=1e-3, help="with --lowmem: optim.lr")
     a = ap.parse_args(argv)
     if a.hf_preset:
         return run_hf(a)
