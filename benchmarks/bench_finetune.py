@@ -133,7 +133,8 @@ def run_lowmem(a) -> int:
         for name, flags in LOWMEM_RECIPES.items():
             run = out / "runs" / f"{name}-s{seed}"
             args = ["train", "--preset", a.preset, "--steps", str(a.steps), "--train.seed", str(seed),
-                    "--optim.lr", str(a.lr), "--data.batch-size", str(a.batch_size), "--train.eval-every",
+                    "--optim.lr", str(a.lr), "--data.batch-size", str(a.batch_size), "--data.seq-len", str(a.seq_len),
+                    "--train.eval-every",
                     str(a.steps), "--train.eval-batches", "32", "--train.progress", "false", "--train.ckpt-every", "0",
                     "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags]
             args += (["--from", a.source] if a.source else []) + (["--train.device", a.device] if a.device else [])
@@ -149,7 +150,8 @@ def run_lowmem(a) -> int:
         r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
     means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in LOWMEM_RECIPES}
     result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.preset,
-              "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size, "seeds": a.seeds,
+              "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
+              "seq_len": a.seq_len, "seeds": a.seeds,
               "source": a.source or f"random weights of the {a.preset} preset", "runs": rows,
               "mean_ratio_to_full": means}
     (out / "lowmem.json").write_text(json.dumps(result, indent=1))
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--hf-preset", help="fine-tune a random model of this preset saved as a Hugging Face directory")
     ap.add_argument("--hf-methods", nargs="*", default=HF_METHODS, help="with --hf-preset: method[+agoq]")
-    ap.add_argument("--seq-len", type=int, default=64, help="with --hf-preset: data.seq_len")
+    ap.add_argument("--seq-len", type=int, default=64, help="with --hf-preset or --lowmem: data.seq_len")
     ap.add_argument("--lowmem", action="store_true", help="the memory-first recipes against full AdamW, each seed")
     ap.add_argument("--lr", type=float, default=1e-3, help="with --lowmem: optim.lr")
     a = ap.parse_args(argv)
