@@ -107,6 +107,7 @@ def run_hf(a) -> int:
             rc = leantrain(args)
         if rc != 0:
             rows.append({"method": method, "error": f"exit status {rc}"})
+            _save_hf_result(a, out, rows)
             continue
         s = json.loads((run / "summary.json").read_text())
         rows.append({"method": method, "seconds": time.time() - t0, "steps": s["steps"],
@@ -118,10 +119,15 @@ def run_hf(a) -> int:
         print(f"{method}: peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, {r['tokens_per_second']:.0f} tok/s, "
               f"val loss {r['initial_val_loss']:.4f} -> {r['val_loss']:.4f}", flush=True)
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # (the weights are not results)
+        _save_hf_result(a, out, rows)
+    return 0
+
+
+def _save_hf_result(a, out: Path, rows: list) -> None:
+    """``hf.json``, written after every method: a run stopped by a time limit keeps what it finished."""
     result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.hf_preset,
               "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "methods": rows}
     (out / "hf.json").write_text(json.dumps(result, indent=1))
-    return 0
 
 
 def run_lowmem(a) -> int:
