@@ -17,6 +17,13 @@ second, counted memory and validation loss and accuracy before and after::
 
     PYTHONPATH=src python3 benchmarks/bench_finetune.py --hf-preset 1b --steps 50 --batch-size 8 --out DIR
 
+``--budgets B ...``: the ``--preset`` model fine-tuned on ``--task`` under each memory budget
+(``--train.memory-budget``): ``budgets.json`` holds the plan each budget picked, its estimated
+peak and the run's allocator peak and tokens/s::
+
+    PYTHONPATH=src python3 benchmarks/bench_finetune.py --preset 7b --budgets 22GB 14.5GiB --steps 12 \
+        --batch-size 1 --seq-len 1024 --eval-examples 16 --out DIR
+
 ``--lowmem``: the memory-first recipes (FORGE with bf16 weights and bf16 or int8 states, with AGoQ
 or activation checkpointing; ChunkFT, and ChunkFT stepping inside backward) against full AdamW
 (fp32), each continuing the training of ``--from`` on the embedded corpus (``leantrain train
@@ -166,6 +173,50 @@ def run_lowmem(a) -> int:
     return 0
 
 
+def run_budgets(a) -> int:
+    """``--budgets``: the ``--preset`` model fine-tuned on ``--task`` under each memory budget: the
+    plan the budget picked, its estimate, and the run's allocator peak and tokens/s."""
+    from leantrain import config as config_mod
+    from leantrain.train import budget
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for b in a.budgets:
+        run = out / "runs" / f"{a.preset}-{b}"
+        args = ["finetune", "--preset", a.preset, "--task", a.task, "--steps", str(a.steps), "--data.batch-size",
+                str(a.batch_size), "--data.seq-len", str(a.seq_len), "--finetune.eval-examples", str(a.eval_examples),
+                "--data.max-corpus-mb", "6", "--train.memory-budget", b, "--train.progress", "false",
+                "--train.ckpt-every", "0", "--out", str(run), "--overwrite"]
+        cfg = config_mod.build(a.preset, overrides={"data.batch_size": str(a.batch_size),
+                                                    "data.seq_len": str(a.seq_len), "train.memory_budget": b})
+        row = {"budget": b, "budget_bytes": budget.parse_bytes(b)}
+        try:
+            row["plan"] = budget.fit(cfg, log=lambda *_: None)
+            row["estimate"] = vars(budget.estimate(cfg)) | {"total": budget.estimate(cfg).total}
+        except config_mod.ConfigError as e:
+            row["refused"] = str(e)
+        t0 = time.time()
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = leantrain(args)
+        row["seconds"] = time.time() - t0
+        if rc == 0:
+            s = json.loads((run / "summary.json").read_text())
+            row.update({k: s.get(k) for k in ("recipe", "peak_memory_bytes", "tokens_per_second", "method_bytes",
+                                              "initial_val_loss", "val_loss", "memory", "device")})
+            print(f"{b}: {row['plan']}: peak {s['peak_memory_bytes'] / 2**30:.2f} GiB (estimate "
+                  f"{row['estimate']['total'] / 2**30:.2f}), {s['tokens_per_second']:.0f} tok/s", flush=True)
+        else:
+            row["error"] = f"exit status {rc}"
+            print(f"{b}: {row.get('refused', row['error'])}", flush=True)
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        rows.append(row)
+        result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.preset,
+                  "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "runs": rows}
+        (out / "budgets.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def counted_bytes(s: dict) -> int:
     """Weights plus what the method holds: its own count (ChunkFT, MeZO, GRZO), else the ledger's
     gradients and optimizer states."""
@@ -190,11 +241,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64, help="with --hf-preset or --lowmem: data.seq_len")
     ap.add_argument("--lowmem", action="store_true", help="the memory-first recipes against full AdamW, each seed")
     ap.add_argument("--lr", type=float, default=1e-3, help="with --lowmem: optim.lr")
+    ap.add_argument("--budgets", nargs="*", help="fine-tune --preset under each of these memory budgets (24GB, ...)")
     a = ap.parse_args(argv)
     if a.hf_preset:
         return run_hf(a)
     if a.lowmem:
         return run_lowmem(a)
+    if a.budgets:
+        return run_budgets(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

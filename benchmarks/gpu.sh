@@ -87,12 +87,9 @@ finetune() {
 
 lowmem() {
   log "lowmem: the 7b preset fine-tuned under memory budgets (the plan picked, allocator peak, tokens/s)"
-  for b in ${LOWMEM_BUDGETS:-30GB 22GB 14.5GiB 13.8GiB}; do
-    timeout 300 python3 -m leantrain finetune --preset 7b --task compare --steps 12 --data.batch-size 1 \
-      --data.seq-len 1024 --finetune.eval-examples 16 --data.max-corpus-mb 6 --train.memory-budget "$b" \
-      --train.progress false --train.ckpt-every 0 --out "$OUT/lowmem/7b-$b" 2>&1 | grep -E "memory budget|done:|error" | cut -c1-400
-    rm -rf "$OUT/lowmem/7b-$b/checkpoints" "$OUT/lowmem/7b-$b/final"
-  done
+  timeout 420 python3 benchmarks/bench_finetune.py --preset 7b --budgets ${LOWMEM_BUDGETS:-30GB 22GB 14.5GiB 13.8GiB} \
+    --steps 12 --batch-size 1 --seq-len 1024 --eval-examples 16 --out "$OUT/finetune/budgets-7b" 2>&1 | tail -6
+  rm -rf "$OUT/finetune/budgets-7b/runs"
 }
 
 fsdp() {
