@@ -90,7 +90,7 @@ def hf_model_dir(preset: str, out: Path) -> Path:
     from leantrain.model import Llama
     from leantrain.model.hf import save_hf
 
-    cfg = config_mod.build(preset)
+    cfg = config_mod.build(preset, overrides={"data.max_corpus_mb": "6"})  # (the tokenizer's sample)
     tok = data_mod.load(cfg.data, log=lambda *a: None).tokenizer
     torch.manual_seed(0)
     return save_hf(Llama(cfg.model), out, tokenizer=tok, overwrite=True)
