@@ -52,7 +52,8 @@ def test_plans_from_fastest_to_leanest():
         budget.fit(fsdp, log=lambda *a: None)
 
 
-@pytest.mark.parametrize("recipe", ["full", "forge", "chunkft+forge"])
+@pytest.mark.parametrize("recipe", [pytest.param("full", marks=pytest.mark.slow),
+                                    pytest.param("forge", marks=pytest.mark.slow), "chunkft+forge"])
 def test_estimate_against_the_ledger(corpus, tmp_path, recipe):
     """The estimate's parts against what a run's ledger counts (weights and state exactly as
     far as the formula goes; activations within a third)."""
