@@ -142,8 +142,9 @@ def run_lowmem(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     t0 = time.time()
+    recipes = {name: LOWMEM_RECIPES[name] for name in (a.recipes or LOWMEM_RECIPES)}
     for seed in a.seeds:
-        for name, flags in LOWMEM_RECIPES.items():
+        for name, flags in recipes.items():
             run = out / "runs" / f"{name}-s{seed}"
             args = ["train", "--preset", a.preset, "--steps", str(a.steps), "--train.seed", str(seed),
                     "--optim.lr", str(a.lr), "--data.batch-size", str(a.batch_size), "--data.seq-len", str(a.seq_len),
@@ -161,7 +162,7 @@ def run_lowmem(a) -> int:
     full = {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == "full"}
     for r in rows:
         r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
-    means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in LOWMEM_RECIPES}
+    means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in recipes}
     result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.preset,
               "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
               "seq_len": a.seq_len, "seeds": a.seeds,
@@ -241,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64, help="with --hf-preset or --lowmem: data.seq_len")
     ap.add_argument("--lowmem", action="store_true", help="the memory-first recipes against full AdamW, each seed")
     ap.add_argument("--lr", type=float, default=1e-3, help="with --lowmem: optim.lr")
+    ap.add_argument("--recipes", nargs="*", choices=list(LOWMEM_RECIPES), help="with --lowmem: these (full first)")
     ap.add_argument("--budgets", nargs="*", help="fine-tune --preset under each of these memory budgets (24GB, ...)")
     a = ap.parse_args(argv)
     if a.hf_preset:
