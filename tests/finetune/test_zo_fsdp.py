@@ -1,0 +1,136 @@
+"""MeZO and GRZO under ``--dist.mode fsdp`` (FSDP2) in the trainer, on 2 gloo ranks: the same
+run as under ``--dist.mode ddp`` on 2 ranks and as one process with the same global batch; each
+rank holds half of the weights; only losses travel besides FSDP's weight all-gathers; DCP
+checkpoints resume bit for bit at the same world size and at one process.
+
+Tolerances: FSDP and DDP draw the same noise for every element and run the same forwards on the
+same (all-gathered) weights, and average the same two per-rank losses: bit for bit. One process
+takes the mean of the whole batch's losses, the ranks the mean of their halves' means: the same
+sum in another order, so its losses and weights agree to rounding (1e-5 relative; MeZO's
+``(ℓ₊ - ℓ₋) / 2ε`` magnifies a loss's rounding by ``1 / 2ε``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from helpers import tiny_config
+from leantrain.runtime import checkpoint
+from leantrain.train.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
+
+STEPS, GLOBAL_BATCH, SAVED_AT = 5, 4, 3
+RTOL = 1e-5  # (module docstring)
+LR = {"mezo": "1e-2", "grzo": "1e-3"}  # (large enough to move a tiny model's weights in 5 steps)
+
+
+def _overrides(method: str, world: int, mode: str, **extra) -> dict:
+    return {"finetune.method": method, "dist.mode": mode, "optim.lr": LR[method], "train.steps": str(STEPS),
+            "data.batch_size": str(GLOBAL_BATCH // world), "train.eval_every": "0",
+            "train.ckpt_every": str(SAVED_AT), "train.keep_checkpoints": "3", **extra}
+
+
+def _full_state(model) -> dict:
+    """The whole weights on every rank (a collective under FSDP), as numpy arrays."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.detach().numpy().copy() for k, v in get_model_state_dict(model, options=opts).items()}
+
+
+def _train(rank, world, corpus, out, over, resume=False):
+    """One rank's run: (losses, summary, whole weights at the end, whole weights before the first step)."""
+    tr = Trainer(tiny_config(corpus, **over), out, resume=resume)
+    start = _full_state(tr.model)
+    summary = tr.fit()
+    losses = [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return losses, summary, _full_state(tr.model), start
+
+
+def _tensors(arrays: dict) -> dict:
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
+
+
+@pytest.fixture(scope="module", params=["mezo", "grzo"])
+def runs(request, corpus, tmp_path_factory):
+    """(method, root, FSDP's 2 ranks, DDP's 2 ranks, one process's run) of one method."""
+    method = request.param
+    root = tmp_path_factory.mktemp(f"zo-fsdp-{method}")
+    fsdp = run_distributed(_train, 2, args=(corpus, root / "fsdp", _overrides(method, 2, "fsdp")))
+    ddp = run_distributed(_train, 2, args=(corpus, root / "ddp", _overrides(method, 2, "ddp", **{
+        "train.ckpt_every": "0"})))
+    [one] = run_distributed(_train, 1, args=(corpus, root / "one", _overrides(method, 1, "ddp", **{
+        "train.ckpt_every": "0"})))
+    return method, root, fsdp, ddp, one
+
+
+def test_fsdp_is_ddp_bit_for_bit_and_one_process_to_rounding(runs):
+    method, _, fsdp, ddp, one = runs
+    losses, summary, weights, start = fsdp[0]
+    assert summary["recipe"] == f"fsdp+{method}" or method in summary["recipe"], summary["recipe"]
+    assert len(losses) == STEPS
+    assert losses == ddp[0][0]  # (every rank logs the global batch's loss)
+    weights, ddp_weights, one_weights = _tensors(weights), _tensors(ddp[0][2]), _tensors(one[2])
+    assert all(torch.equal(weights[k], ddp_weights[k]) for k in weights)
+    assert all(torch.equal(torch.from_numpy(fsdp[1][2][k]), weights[k]) for k in weights)  # (both ranks)
+    moved = max(float((weights[k] - torch.from_numpy(start[k])).abs().max()) for k in weights)
+    assert moved > 1e-4, moved  # the steps changed the weights
+    for a, b in zip(losses, one[0], strict=True):
+        assert abs(a - b) <= RTOL * abs(b), (losses, one[0])
+    for k in weights:
+        err = (weights[k].double() - one_weights[k].double()).norm() / one_weights[k].double().norm()
+        assert err <= RTOL, f"{k}: relative difference {err:.2e}"
+
+
+def test_each_rank_holds_half_the_weights_and_sends_only_losses(runs):
+    method, _, fsdp, ddp, _ = runs
+    whole = sum(v.nbytes for v in fsdp[0][2].values())  # (fp32 weights)
+    for _, summary, _, _ in fsdp:
+        assert abs(summary["memory"]["weights"] - whole / 2) <= 0.01 * whole, (summary["memory"], whole)
+        assert summary["memory"]["optimizer_states"] == 0
+        by_op = summary["comm"]["by_op"]
+        # no gradient traffic; the losses as under DDP; the rest FSDP's all-gathers of the weights
+        assert not by_op.get("reduce_scatter"), by_op
+        losses_op = "all_reduce" if method == "mezo" else "all_gather"
+        assert by_op.get(losses_op, 0) == ddp[0][1]["comm"]["by_op"].get(losses_op, 0) or method == "grzo", by_op
+        assert by_op.get("all_gather", 0) >= STEPS * 2 * whole / 2  # (two forwards a step, half from the other rank)
+
+
+def _resume(rank, world, corpus, out, over):
+    return _train(rank, world, corpus, out, over, resume=True)
+
+
+def _resumable_copy(run: Path, out: Path, keep_step: int) -> Path:
+    shutil.copytree(run, out)
+    for _, path in checkpoint.checkpoints(out):
+        if checkpoint.read_meta(path)["step"] > keep_step:
+            shutil.rmtree(path)
+    return out
+
+
+def test_dcp_resume_is_bit_identical_at_two_ranks_and_follows_at_one(runs, corpus, tmp_path):
+    method, root, fsdp, _, _ = runs
+    path = checkpoint.latest(root / "fsdp")
+    meta = checkpoint.read_meta(path)
+    assert meta["format"] == "dcp" and meta["step"] == STEPS and checkpoint.reshardable(meta)
+    saved, _ = checkpoint.load_model_state(path)
+    assert all(torch.equal(saved[k], torch.from_numpy(v)) for k, v in fsdp[0][2].items())
+
+    out = _resumable_copy(root / "fsdp", tmp_path / "two", SAVED_AT)
+    again = run_distributed(_resume, 2, args=(corpus, out, _overrides(method, 2, "fsdp")))
+    assert again[0][0] == fsdp[0][0]  # (the losses of steps 4 and 5 too)
+    assert all((again[0][2][k] == v).all() for k, v in fsdp[0][2].items())
+
+    out = _resumable_copy(root / "fsdp", tmp_path / "one", SAVED_AT)
+    [one] = run_distributed(_resume, 1, args=(corpus, out, _overrides(method, 1, "fsdp")))
+    step3, _ = checkpoint.load_model_state(root / "fsdp" / "checkpoints" / f"step_{SAVED_AT:07d}")
+    assert all(torch.equal(torch.from_numpy(one[3][k]), step3[k]) for k in step3)  # (loaded whole, bit for bit)
+    for a, b in zip(one[0], fsdp[0][0], strict=True):
+        assert abs(a - b) <= RTOL * abs(b), (one[0], fsdp[0][0])
