@@ -74,12 +74,11 @@ def runs(request, corpus, tmp_path_factory):
 def test_fsdp_is_ddp_bit_for_bit_and_one_process_to_rounding(runs):
     method, _, fsdp, ddp, one = runs
     losses, summary, weights, start = fsdp[0]
-    assert summary["recipe"] == f"fsdp+{method}" or method in summary["recipe"], summary["recipe"]
+    assert summary["recipe"] == f"fsdp+{method}"
     assert len(losses) == STEPS
     assert losses == ddp[0][0]  # (every rank logs the global batch's loss)
     weights, ddp_weights, one_weights = _tensors(weights), _tensors(ddp[0][2]), _tensors(one[2])
     assert all(torch.equal(weights[k], ddp_weights[k]) for k in weights)
-    assert all(torch.equal(torch.from_numpy(fsdp[1][2][k]), weights[k]) for k in weights)  # (both ranks)
     moved = max(float((weights[k] - torch.from_numpy(start[k])).abs().max()) for k in weights)
     assert moved > 1e-4, moved  # the steps changed the weights
     for a, b in zip(losses, one[0], strict=True):
@@ -95,12 +94,13 @@ def test_each_rank_holds_half_the_weights_and_sends_only_losses(runs):
     for _, summary, _, _ in fsdp:
         assert abs(summary["memory"]["weights"] - whole / 2) <= 0.01 * whole, (summary["memory"], whole)
         assert summary["memory"]["optimizer_states"] == 0
-        by_op = summary["comm"]["by_op"]
-        # no gradient traffic; the losses as under DDP; the rest FSDP's all-gathers of the weights
-        assert not by_op.get("reduce_scatter"), by_op
-        losses_op = "all_reduce" if method == "mezo" else "all_gather"
-        assert by_op.get(losses_op, 0) == ddp[0][1]["comm"]["by_op"].get(losses_op, 0) or method == "grzo", by_op
-        assert by_op.get("all_gather", 0) >= STEPS * 2 * whole / 2  # (two forwards a step, half from the other rank)
+        by_op, ddp_by_op = summary["comm"]["by_op"], ddp[0][1]["comm"]["by_op"]
+        # no gradient traffic; the losses as under DDP (MeZO all-reduces 2, GRZO all-gathers them
+        # all); the rest is FSDP's all-gathers of the weights: each forward, the other rank's half
+        assert set(by_op) <= {"all_gather", "all_reduce"}, by_op
+        assert by_op.get("all_reduce", 0) == ddp_by_op.get("all_reduce", 0)
+        weights_gathered = by_op["all_gather"] - ddp_by_op.get("all_gather", 0)
+        assert STEPS * 2 * whole / 2 <= weights_gathered <= 1.01 * STEPS * 2 * whole / 2, (by_op, whole)
 
 
 def _resume(rank, world, corpus, out, over):

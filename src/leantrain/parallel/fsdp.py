@@ -179,11 +179,13 @@ class Fsdp(Technique):
         # the root keeps its weights unsharded after forward for the backward that follows; a
         # zeroth-order step has none, and perturbs or updates the shards before the next forward,
         # which must all-gather them again
-        self.zeroth_order = run.cfg.finetune.method in ZEROTH_ORDER
-        fully_shard(model, **kw, reshard_after_forward=True if self.zeroth_order else None)
+        self.forwards_only = run.cfg.finetune.method in ZEROTH_ORDER
+        fully_shard(model, **kw, reshard_after_forward=True if self.forwards_only else None)
         run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
         self.sharded_modules = [*model.layers, model]
         self.compressed_reduce_scatter = None  # (SDP4Bit's, once optimizer() installed it)
+        if self.forwards_only:  # (the zeroth-order technique builds the optimizer; no compressor joins it)
+            self.install_collectives(run)
 
     def param_groups(self) -> list:
         """The run's parameter groups over the sharded parameters (the same names, the same order)."""
@@ -222,7 +224,7 @@ class Fsdp(Technique):
         from leantrain.runtime.dcp import DcpCheckpointer
 
         return DcpCheckpointer(rank=self.run.rank, world=self.run.world, keep=self.run.cfg.train.keep_checkpoints,
-                               barrier=collectives.barrier, whole_optimizer=self.zeroth_order)
+                               barrier=collectives.barrier, whole_optimizer=self.forwards_only)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
