@@ -134,3 +134,63 @@ def test_dcp_resume_is_bit_identical_at_two_ranks_and_follows_at_one(runs, corpu
     assert all(torch.equal(torch.from_numpy(one[3][k]), step3[k]) for k in step3)  # (loaded whole, bit for bit)
     for a, b in zip(one[0], fsdp[0][0], strict=True):
         assert abs(a - b) <= RTOL * abs(b), (one[0], fsdp[0][0])
+
+
+# ---------------------------------------------------------------- the optimizers on uneven shards
+
+
+class _Net(torch.nn.Module):
+    """A block (linear 5 -> 7 with a bias, RMSNorm 7) and a head (linear 7 -> 3): under FSDP on 2
+    ranks the rows split 4 + 3 and 2 + 1, so noise blocks straddle the shards (module docstring of zo.py)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.RMSNorm(7))
+        self.head = torch.nn.Linear(7, 3, bias=False)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _uneven(rank, world, method, sharded):
+    from torch.distributed.fsdp import fully_shard
+
+    from leantrain.finetune import GRZO, MeZO
+
+    net = _Net()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+    part = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    if sharded:
+        fully_shard(net.block)
+        fully_shard(net, reshard_after_forward=True)  # (the root all-gathers at every forward: zo.py)
+
+    def per_example():
+        return (net(x[part]) - y[part]).pow(2).mean(1)
+
+    if method == "mezo":  # (6 elements a noise block: blocks straddle the 4-row / 3-row split of 35 elements)
+        opt, closure = MeZO(net.parameters(), lr=1e-2, eps=1e-3, seed=4, noise_block=6), \
+            lambda: per_example().double().mean()
+    else:  # (15 elements: blocks of 3 rows, one straddling the split at row 4)
+        opt, closure = GRZO(net, lr=1e-2, sigma=1e-3, seed=4, noise_block=15), per_example
+    for _ in range(3):
+        opt.step(closure)
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = net.state_dict()
+    return {k: v.detach().numpy().copy() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("method", ["mezo", "grzo"])
+def test_uneven_shards_step_as_one_process(method):
+    [one] = run_distributed(_uneven, 1, args=(method, False))
+    two = run_distributed(_uneven, 2, args=(method, True))[0]
+    start = _Net().state_dict()
+    assert two.keys() == one.keys()
+    assert max(float(abs(one[k] - start[k].numpy()).max()) for k in one) > 1e-4  # the steps moved the weights
+    for k in one:
+        torch.testing.assert_close(torch.from_numpy(two[k]), torch.from_numpy(one[k]), rtol=0, atol=1e-6)

@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from leantrain.ops.rng import step_seed
 from leantrain.runtime import collectives
@@ -91,7 +92,7 @@ def _local_rows(p: Tensor) -> tuple[Tensor, int]:
     """(the rows of ``p`` this rank holds, the global index of the first): a ``DTensor``'s local
     shard (FSDP2: ``Shard(0)``, the last ranks' shards possibly shorter or empty) and its offset;
     a plain tensor's whole self and 0."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(p, DTensor):
@@ -321,6 +322,9 @@ class GRZO(torch.optim.Optimizer):
         key = self._key(m)
         scale = self._sign * self.sigma
         w = m.weight
+        if isinstance(w, DTensor):
+            raise ValueError(f"GRZO: {type(m).__name__}'s weight is sharded in its own forward hook (fully_shard on "
+                             "the layer itself reshards before it): fully_shard the block that holds it instead")
         if out.shape[-1] != w.shape[0]:
             raise ValueError(f"GRZO: {type(m).__name__}'s output has {out.shape[-1]} features, not {w.shape[0]}: "
                              "call the model without targets (per-example losses from its logits)")
