@@ -194,3 +194,27 @@ def test_uneven_shards_step_as_one_process(method):
     assert max(float(abs(one[k] - start[k].numpy()).max()) for k in one) > 1e-4  # the steps moved the weights
     for k in one:
         torch.testing.assert_close(torch.from_numpy(two[k]), torch.from_numpy(one[k]), rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- slow: HSDP
+
+
+def _hsdp(rank, world, corpus, out, over):
+    losses, summary, weights, _ = _train(rank, world, corpus, out, over)
+    return losses, summary, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["mezo", "grzo"])
+def test_hsdp_two_replicas_of_two_shards_is_ddp_on_four_ranks(method, corpus, tmp_path):
+    """``--dist.replicate 2`` on 4 ranks: each rank shards over the 2 of its replica, perturbs its
+    rows, and the losses are averaged over all 4: DDP's run on 4 ranks bit for bit."""
+    hsdp = run_distributed(_hsdp, 4, args=(corpus, tmp_path / "hsdp", _overrides(method, 4, "fsdp", **{
+        "dist.replicate": "2", "train.ckpt_every": "0"})))
+    ddp = run_distributed(_hsdp, 4, args=(corpus, tmp_path / "ddp", _overrides(method, 4, "ddp", **{
+        "train.ckpt_every": "0"})))
+    assert hsdp[0][1]["recipe"] == f"hsdp+{method}"
+    assert hsdp[0][0] == ddp[0][0]
+    assert all((hsdp[0][2][k] == v).all() for k, v in ddp[0][2].items())
+    whole = sum(v.nbytes for v in ddp[0][2].values())
+    assert abs(hsdp[0][1]["memory"]["weights"] - whole / 2) <= 0.01 * whole  # (sharded over the 2 of a replica)
