@@ -1,13 +1,15 @@
 """MeZO and GRZO under ``--dist.mode fsdp`` (FSDP2) in the trainer, on 2 gloo ranks: the same
 run as under ``--dist.mode ddp`` on 2 ranks and as one process with the same global batch; each
 rank holds half of the weights; only losses travel besides FSDP's weight all-gathers; DCP
-checkpoints resume bit for bit at the same world size and at one process.
+checkpoints resume bit for bit at the same world size, and at one process load the saved weights
+bit for bit and follow to rounding.
 
-Tolerances: FSDP and DDP draw the same noise for every element and run the same forwards on the
-same (all-gathered) weights, and average the same two per-rank losses: bit for bit. One process
-takes the mean of the whole batch's losses, the ranks the mean of their halves' means: the same
-sum in another order, so its losses and weights agree to rounding (1e-5 relative; MeZO's
-``(ℓ₊ - ℓ₋) / 2ε`` magnifies a loss's rounding by ``1 / 2ε``).
+Tolerances: FSDP and DDP draw the same noise for every element, compute each update over whole
+noise blocks (a rank keeps its rows), run the same forwards on the same (all-gathered) weights and
+average the same per-rank losses: bit for bit, at 2 ranks and under HSDP at 4. One process takes
+the mean of the whole batch's losses, the ranks the mean of their halves' means: the same sum in
+another order, so its losses and weights agree to rounding: 1e-5 relative (MeZO's
+``(ℓ₊ - ℓ₋) / 2ε`` and GRZO's ``δᵢ / std(δ)`` magnify a loss's rounding by about ``1 / ε``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.distributed
 
 STEPS, GLOBAL_BATCH, SAVED_AT = 5, 4, 3
 RTOL = 1e-5  # (module docstring)
-LR = {"mezo": "1e-2", "grzo": "1e-3"}  # (large enough to move a tiny model's weights in 5 steps)
+LR = {"mezo": "1e-2", "grzo": "1e-4"}  # (large enough to move a tiny model's weights in 5 steps)
 
 
 def _overrides(method: str, world: int, mode: str, **extra) -> dict:
@@ -58,6 +60,26 @@ def _tensors(arrays: dict) -> dict:
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
+def _losses_weights(result: tuple) -> tuple:
+    """(losses, whole weights) of a rank's result (:func:`_train`'s, :func:`_hsdp`'s)."""
+    return result[0], result[2]
+
+
+def _follows(a: tuple, b: tuple, *, exactly: bool) -> None:
+    """Run ``a`` (losses, weights) is run ``b``: bit for bit, or to rounding (module docstring)."""
+    (la, wa), (lb, wb) = a, b
+    assert wa.keys() == wb.keys() and len(la) == len(lb) == STEPS
+    if exactly:
+        assert la == lb
+        assert all((wa[k] == wb[k]).all() for k in wb)
+        return
+    for x, y in zip(la, lb, strict=True):
+        assert abs(x - y) <= RTOL * abs(y), (la, lb)
+    for k in wb:
+        ta, tb = torch.from_numpy(wa[k]).double(), torch.from_numpy(wb[k]).double()
+        assert (ta - tb).norm() <= RTOL * tb.norm(), f"{k}: relative difference {(ta - tb).norm() / tb.norm():.2e}"
+
+
 @pytest.fixture(scope="module", params=["mezo", "grzo"])
 def runs(request, corpus, tmp_path_factory):
     """(method, root, FSDP's 2 ranks, DDP's 2 ranks, one process's run) of one method."""
@@ -71,23 +93,18 @@ def runs(request, corpus, tmp_path_factory):
     return method, root, fsdp, ddp, one
 
 
-def test_fsdp_is_ddp_bit_for_bit_and_one_process_to_rounding(runs):
+@pytest.mark.slow  # (two or three gloo runs of the trainer: ~30 s)
+def test_fsdp_is_ddp_and_one_process(runs):
     method, _, fsdp, ddp, one = runs
     losses, summary, weights, start = fsdp[0]
     assert summary["recipe"] == f"fsdp+{method}"
-    assert len(losses) == STEPS
-    assert losses == ddp[0][0]  # (every rank logs the global batch's loss)
-    weights, ddp_weights, one_weights = _tensors(weights), _tensors(ddp[0][2]), _tensors(one[2])
-    assert all(torch.equal(weights[k], ddp_weights[k]) for k in weights)
-    moved = max(float((weights[k] - torch.from_numpy(start[k])).abs().max()) for k in weights)
+    moved = max(float(abs(weights[k] - start[k]).max()) for k in weights)
     assert moved > 1e-4, moved  # the steps changed the weights
-    for a, b in zip(losses, one[0], strict=True):
-        assert abs(a - b) <= RTOL * abs(b), (losses, one[0])
-    for k in weights:
-        err = (weights[k].double() - one_weights[k].double()).norm() / one_weights[k].double().norm()
-        assert err <= RTOL, f"{k}: relative difference {err:.2e}"
+    _follows((losses, weights), _losses_weights(ddp[0]), exactly=True)
+    _follows((losses, weights), _losses_weights(one), exactly=False)
 
 
+@pytest.mark.slow  # (two or three gloo runs of the trainer: ~30 s)
 def test_each_rank_holds_half_the_weights_and_sends_only_losses(runs):
     method, _, fsdp, ddp, _ = runs
     whole = sum(v.nbytes for v in fsdp[0][2].values())  # (fp32 weights)
@@ -115,6 +132,7 @@ def _resumable_copy(run: Path, out: Path, keep_step: int) -> Path:
     return out
 
 
+@pytest.mark.slow  # (two or three gloo runs of the trainer: ~30 s)
 def test_dcp_resume_is_bit_identical_at_two_ranks_and_follows_at_one(runs, corpus, tmp_path):
     method, root, fsdp, _, _ = runs
     path = checkpoint.latest(root / "fsdp")
@@ -199,6 +217,9 @@ def test_uneven_shards_step_as_one_process(method):
 # ---------------------------------------------------------------- slow: HSDP
 
 
+BATCH_OF_8 = {"data.batch_size": "2"}  # (4 ranks of 2 examples: GRZO refuses fewer than 2 a rank)
+
+
 def _hsdp(rank, world, corpus, out, over):
     losses, summary, weights, _ = _train(rank, world, corpus, out, over)
     return losses, summary, weights
@@ -210,11 +231,10 @@ def test_hsdp_two_replicas_of_two_shards_is_ddp_on_four_ranks(method, corpus, tm
     """``--dist.replicate 2`` on 4 ranks: each rank shards over the 2 of its replica, perturbs its
     rows, and the losses are averaged over all 4: DDP's run on 4 ranks bit for bit."""
     hsdp = run_distributed(_hsdp, 4, args=(corpus, tmp_path / "hsdp", _overrides(method, 4, "fsdp", **{
-        "dist.replicate": "2", "train.ckpt_every": "0"})))
+        "dist.replicate": "2", "train.ckpt_every": "0", **BATCH_OF_8})))
     ddp = run_distributed(_hsdp, 4, args=(corpus, tmp_path / "ddp", _overrides(method, 4, "ddp", **{
-        "train.ckpt_every": "0"})))
+        "train.ckpt_every": "0", **BATCH_OF_8})))
     assert hsdp[0][1]["recipe"] == f"hsdp+{method}"
-    assert hsdp[0][0] == ddp[0][0]
-    assert all((hsdp[0][2][k] == v).all() for k, v in ddp[0][2].items())
+    _follows(_losses_weights(hsdp[0]), _losses_weights(ddp[0]), exactly=True)
     whole = sum(v.nbytes for v in ddp[0][2].values())
     assert abs(hsdp[0][1]["memory"]["weights"] - whole / 2) <= 0.01 * whole  # (sharded over the 2 of a replica)

@@ -37,8 +37,9 @@ single process's on the concatenated batch (tested with 2 gloo ranks).
 
 **FSDP2** (parameters that are ``DTensor`` s sharded on dim 0, ``fully_shard``): each rank holds
 rows of every weight and perturbs and updates only those, with the noise a single process draws
-for them: a noise block that a shard covers in part is drawn whole and the shard's part taken
-(:func:`_local_rows`), so the result is the single process's, and only the losses travel besides
+for them: a noise block that a shard covers in part is drawn (and GRZO's update of it computed)
+whole and the shard's part taken (:func:`_local_rows`), so the result is the single process's bit
+for bit, and only the losses travel besides
 FSDP's all-gathers of the weights in each forward. MeZO's forwards then see the perturbed shards
 all-gathered; GRZO's hooks run inside the forward, on the all-gathered weights, and its update
 writes each rank's rows. (The root module must reshard after its forward, so that a forward
@@ -389,7 +390,9 @@ class GRZO(torch.optim.Optimizer):
             r, s = self._signs.get(id(m), (None, None))
             if r is None:  # the module did not run in this forward: nothing to estimate
                 continue
-            local, row0 = _local_rows(w)  # (this rank's rows under FSDP; the whole weight else)
+            # (under FSDP this rank's rows, else the whole weight; each product is computed over a
+            # whole noise block, as one process does, and this rank's rows taken: bit for bit)
+            local, row0 = _local_rows(w)
             rows = slice(row0, row0 + local.shape[0])
             ar = a.to(local.device)[:, None] * r.to(torch.float32)  # [B, d_out]
             if w.dim() == 2:
@@ -398,16 +401,17 @@ class GRZO(torch.optim.Optimizer):
                     local.mul_(1.0 - self.lr * self.weight_decay)
                 blocks = _row_blocks(w.shape[0], w.shape[1], self.block)
                 for j, r0, r1, lo, hi in _overlaps(blocks, rows.start, rows.stop):
-                    u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), local.device)[lo - r0:hi - r0]
-                    local[lo - row0:hi - row0].add_((u * (ar[:, lo:hi].t() @ sf)).to(local.dtype), alpha=coef)
+                    u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), local.device)
+                    step = (u * (ar[:, r0:r1].t() @ sf))[lo - r0:hi - r0]
+                    local[lo - row0:hi - row0].add_(step.to(local.dtype), alpha=coef)
                 if getattr(m, "bias", None) is not None and m.bias.requires_grad:
                     bias, b0 = _local_rows(m.bias)
                     brows = slice(b0, b0 + bias.shape[0])
-                    ub = _noise(step_seed(key, 0, 4), w.shape[:1], local.device)[brows]
-                    bias.add_((ub * ar[:, brows].sum(0)).to(bias.dtype), alpha=coef)
+                    ub = _noise(step_seed(key, 0, 4), w.shape[:1], local.device)
+                    bias.add_((ub * ar.sum(0))[brows].to(bias.dtype), alpha=coef)
             else:
-                u = _noise(step_seed(key, 0, 3), w.shape, local.device)[rows]
-                local.add_((u * ar[:, rows].sum(0)).to(local.dtype), alpha=coef)
+                u = _noise(step_seed(key, 0, 3), w.shape, local.device)
+                local.add_((u * ar.sum(0))[rows].to(local.dtype), alpha=coef)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "seed": self.seed, "lr": self.lr, "sigma": self.sigma,
