@@ -9,9 +9,9 @@ written under a temporary name and renamed, ``meta.json`` with the sha256 manife
   (keys are parameter names, each tensor stored as the shards the ranks held; only ``"model"``
   for an optimizer without state per parameter, ``whole_optimizer``);
 - ``state.rank<R>.*``: the run's other state (scheduler, RNG, step, the techniques' own; the
-  ``whole_optimizer``'s state dict), one file pair per rank. A resume at the same world size reads each rank's own; at another, every
-  rank reads rank 0's (the scheduler, RNG and step are the same on every rank; a technique's
-  per-rank state continues from rank 0's).
+  ``whole_optimizer``'s state dict), one file pair per rank. A resume at the same world size
+  reads each rank's own; at another, every rank reads rank 0's (the scheduler, RNG and step are
+  the same on every rank; a technique's per-rank state continues from rank 0's).
 
 DCP reshards on load: every rank reads the pieces of the shards it now owns, so a run saved
 at 4 ranks resumes at 2 or 1 (:func:`leantrain.runtime.checkpoint.reshardable`).
