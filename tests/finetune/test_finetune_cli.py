@@ -131,7 +131,8 @@ def test_tasks_are_deterministic_and_labelled():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grzo", "mezo"])
 def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
-    """2 gloo ranks of --batch-size 2 fine-tune like one process of --batch-size 4: the same weights."""
+    """2 gloo ranks of --batch-size 2 fine-tune like one process of --batch-size 4: the same weights;
+    under ``--dist.mode fsdp`` the 2 ranks' weights (a DCP checkpoint) are DDP's bit for bit."""
     import os
     import subprocess
     import sys
@@ -153,6 +154,10 @@ def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
                           str(free_port()), *common, "--data.batch-size", "2", "--out", str(tmp_path / "two")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
+    fsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), *common, "--data.batch-size", "2", "--dist.mode", "fsdp", "--out",
+                           str(tmp_path / "fsdp")], env=env, capture_output=True, text=True, timeout=300)
+    assert fsdp.returncode == 0, fsdp.stderr[-2000:]
     s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
     assert s2["world_size"] == 2 and s1["world_size"] == 1
     w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step_0000003" / "model.safetensors"))
@@ -162,6 +167,9 @@ def test_torchrun_two_ranks_match_one_process(trained, tmp_path, method):
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-6)
     assert abs(s1["val_loss"] - s2["val_loss"]) < 1e-5
+    sharded, _ = checkpoint.load_model_state(tmp_path / "fsdp" / "checkpoints" / "step_0000003")
+    assert all(torch.equal(sharded[k], w2[k]) for k in w2)
+    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["val_loss"] == s2["val_loss"]
 
 
 @pytest.mark.parametrize("method", ["mezo", "grzo", "chunkft", "chunkft+forge", "full"])

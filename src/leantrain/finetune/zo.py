@@ -35,6 +35,16 @@ them from the seeds and uses its own rows), the per-example losses are all-gathe
 numbers a rank), and every rank computes the same update from the global batch. The result is the
 single process's on the concatenated batch (tested with 2 gloo ranks).
 
+**FSDP2** (parameters that are ``DTensor`` s sharded on dim 0, ``fully_shard``): each rank holds
+rows of every weight and perturbs and updates only those, with the noise a single process draws
+for them: a noise block that a shard covers in part is drawn (and GRZO's update of it computed)
+whole and the shard's part taken (:func:`_local_rows`), so the result is the single process's bit
+for bit, and only the losses travel besides
+FSDP's all-gathers of the weights in each forward. MeZO's forwards then see the perturbed shards
+all-gathered; GRZO's hooks run inside the forward, on the all-gathered weights, and its update
+writes each rank's rows. (The root module must reshard after its forward, so that a forward
+all-gathers the weights as they are now: ``fully_shard(model, reshard_after_forward=True)``.)
+
 Noise is drawn in blocks of rows of a weight, each from its own ``torch.Generator`` seeded by
 (run seed, step, parameter, block), so a step's noise is a function of those and of the block
 size alone (on one device type: CPU and CUDA generators draw different numbers). The block size
@@ -49,6 +59,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from leantrain.ops.rng import step_seed
 from leantrain.runtime import collectives
@@ -76,6 +87,31 @@ def _row_blocks(rows: int, row_len: int, block: int) -> Iterator[tuple[int, int,
 
 def _noise(seed: int, shape, device) -> Tensor:
     return torch.randn(shape, generator=_generator(device, seed), device=device, dtype=torch.float32)
+
+
+def _local_rows(p: Tensor) -> tuple[Tensor, int]:
+    """(the rows of ``p`` this rank holds, the global index of the first): a ``DTensor``'s local
+    shard (FSDP2: ``Shard(0)``, the last ranks' shards possibly shorter or empty) and its offset;
+    a plain tensor's whole self and 0."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(p, DTensor):
+        return p, 0
+    if any(isinstance(pl, Shard) and pl.dim != 0 for pl in p.placements):
+        raise ValueError(f"zeroth-order methods perturb row shards (Shard(0)) of a DTensor, not {p.placements}")
+    local = p.to_local()
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return local, (offset[0] if local.numel() else 0)
+
+
+def _overlaps(blocks: Iterator[tuple[int, int, int]], first: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(block index, block start, block end, overlap start, overlap end) of the ``blocks`` that
+    meet the global range [first, end) (a rank's rows)."""
+    for j, b0, b1 in blocks:
+        lo, hi = max(b0, first), min(b1, end)
+        if lo < hi:
+            yield j, b0, b1, lo, hi
 
 
 def _dp(group) -> tuple[object, int, int]:
@@ -124,20 +160,24 @@ class MeZO(torch.optim.Optimizer):
         self.block = noise_block or noise_block_for(sum(p.numel() for g in self.param_groups for p in g["params"]))
         self._group, _, self._world = _dp(dp_group)
 
-    def _blocks(self) -> Iterator[tuple[dict, Tensor, int]]:
-        """(group, a block of a parameter as a flat view, its noise seed) for the current step."""
+    def _blocks(self) -> Iterator[tuple[dict, Tensor, Tensor]]:
+        """(group, the part of a noise block this rank holds as a flat view of a parameter, its noise)
+        for the current step. Blocks run over a parameter's global elements; a sharded parameter's
+        rank draws each block it meets whole and keeps its part (the single process's numbers)."""
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 key = step_seed(self.seed, index, self.steps)
-                flat = p.view(-1)
-                for j, r0, r1 in _row_blocks(flat.numel(), 1, self.block):
-                    yield group, flat[r0:r1], step_seed(key, j, 1)
+                local, row0 = _local_rows(p)
+                flat, first = local.view(-1), row0 * math.prod(p.shape[1:])
+                for j, b0, b1, lo, hi in _overlaps(_row_blocks(p.numel(), 1, self.block), first, first + flat.numel()):
+                    z = _noise(step_seed(key, j, 1), (b1 - b0,), flat.device)
+                    yield group, flat[lo - first:hi - first], z[lo - b0:hi - b0]
                 index += 1
 
     def _perturb(self, scale: float) -> None:
-        for _, block, seed in self._blocks():
-            block.add_(_noise(seed, block.shape, block.device), alpha=scale)
+        for _, block, z in self._blocks():
+            block.add_(z, alpha=scale)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor | float]) -> float:  # type: ignore[override]
@@ -155,11 +195,11 @@ class MeZO(torch.optim.Optimizer):
             lp, lm = (both / self._world).tolist()
         g = (lp - lm) / (2.0 * self.eps)
         if math.isfinite(g):  # a non-finite loss: no update (the weights are restored above)
-            for group, block, seed in self._blocks():
+            for group, block, z in self._blocks():
                 lr, wd = group["lr"], group["weight_decay"]
                 if wd:
                     block.mul_(1.0 - lr * wd)
-                block.add_(_noise(seed, block.shape, block.device), alpha=-lr * g)
+                block.add_(z, alpha=-lr * g)
         self.last = {"loss": (lp + lm) / 2, "loss_plus": lp, "loss_minus": lm, "projected_grad": g}
         self.steps += 1
         return (lp + lm) / 2
@@ -283,6 +323,9 @@ class GRZO(torch.optim.Optimizer):
         key = self._key(m)
         scale = self._sign * self.sigma
         w = m.weight
+        if isinstance(w, DTensor):
+            raise ValueError(f"GRZO: {type(m).__name__}'s weight is sharded in its own forward hook (fully_shard on "
+                             "the layer itself reshards before it): fully_shard the block that holds it instead")
         if out.shape[-1] != w.shape[0]:
             raise ValueError(f"GRZO: {type(m).__name__}'s output has {out.shape[-1]} features, not {w.shape[0]}: "
                              "call the model without targets (per-example losses from its logits)")
@@ -347,20 +390,28 @@ class GRZO(torch.optim.Optimizer):
             r, s = self._signs.get(id(m), (None, None))
             if r is None:  # the module did not run in this forward: nothing to estimate
                 continue
-            ar = a.to(w.device)[:, None] * r.to(torch.float32)  # [B, d_out]
+            # (under FSDP this rank's rows, else the whole weight; each product is computed over a
+            # whole noise block, as one process does, and this rank's rows taken: bit for bit)
+            local, row0 = _local_rows(w)
+            rows = slice(row0, row0 + local.shape[0])
+            ar = a.to(local.device)[:, None] * r.to(torch.float32)  # [B, d_out]
             if w.dim() == 2:
                 sf = s.to(torch.float32)
                 if self.weight_decay:
-                    w.mul_(1.0 - self.lr * self.weight_decay)
-                for j, r0, r1 in _row_blocks(w.shape[0], w.shape[1], self.block):
-                    u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), w.device)
-                    w[r0:r1].add_((u * (ar[:, r0:r1].t() @ sf)).to(w.dtype), alpha=coef)
+                    local.mul_(1.0 - self.lr * self.weight_decay)
+                blocks = _row_blocks(w.shape[0], w.shape[1], self.block)
+                for j, r0, r1, lo, hi in _overlaps(blocks, rows.start, rows.stop):
+                    u = _noise(step_seed(key, j, 3), (r1 - r0, w.shape[1]), local.device)
+                    step = (u * (ar[:, r0:r1].t() @ sf))[lo - r0:hi - r0]
+                    local[lo - row0:hi - row0].add_(step.to(local.dtype), alpha=coef)
                 if getattr(m, "bias", None) is not None and m.bias.requires_grad:
-                    ub = _noise(step_seed(key, 0, 4), w.shape[:1], w.device)
-                    m.bias.add_((ub * ar.sum(0)).to(m.bias.dtype), alpha=coef)
+                    bias, b0 = _local_rows(m.bias)
+                    brows = slice(b0, b0 + bias.shape[0])
+                    ub = _noise(step_seed(key, 0, 4), w.shape[:1], local.device)
+                    bias.add_((ub * ar.sum(0))[brows].to(bias.dtype), alpha=coef)
             else:
-                u = _noise(step_seed(key, 0, 3), w.shape, w.device)
-                w.add_((u * ar.sum(0)).to(w.dtype), alpha=coef)
+                u = _noise(step_seed(key, 0, 3), w.shape, local.device)
+                local.add_((u * ar.sum(0))[rows].to(local.dtype), alpha=coef)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "seed": self.seed, "lr": self.lr, "sigma": self.sigma,

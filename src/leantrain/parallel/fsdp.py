@@ -19,6 +19,11 @@ FSDP's all-gathers, reduce-scatters and HSDP all-reduces go through counted coll
 offers its compressor (``Run.compression``) and every ``fully_shard``ed module reduce-scatters
 through SDP4Bit's two-level 4-bit path; its weight half has no counterpart here (FSDP keeps no
 whole weights between steps to quantize differences against) and is refused.
+
+The zeroth-order methods (``--finetune.method mezo|grzo``, :mod:`leantrain.finetune.zo`) step the
+shards themselves: each rank perturbs and updates its rows with the noise a single process draws
+for them; the forwards all-gather the weights as FSDP does, and the ranks exchange their losses.
+Their optimizer state (a step count and a seed) is saved whole with each rank's state.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from leantrain.runtime import collectives, distributed
 from leantrain.technique import Run, Technique, register
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ZEROTH_ORDER = ("mezo", "grzo")  # finetune.method values whose steps are forwards only (finetune/zo.py)
 # the communication methods FSDP does not run: why, and the mode that runs each
 OTHER_MODES = {
     "int8": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
@@ -111,9 +117,8 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
         (c.method == "sdp4bit" and d.intra_node_size > 0 and shards % d.intra_node_size,
          f"dist.intra_node_size ({d.intra_node_size}) must divide the {shards} ranks each FSDP shard group holds "
          "for SDP4Bit's two-level reduce-scatter: pass a divisor of it, or 0 for one node"),
-        (cfg.finetune.method in ("chunkft", "mezo", "grzo"),
-         f"finetune.method {cfg.finetune.method} reads or perturbs whole weights, which FSDP keeps sharded: use "
-         "--dist.mode ddp for it"),
+        (cfg.finetune.method == "chunkft", "finetune.method chunkft steps chunks of whole weights, which FSDP "
+                                           "keeps sharded: run it in one process without --dist.mode fsdp"),
         (cfg.train.cuda_graph, "train.cuda_graph cannot capture FSDP's collectives: drop --train.cuda-graph"),
         (cfg.agoq.grad_bits == 8, "agoq.grad_bits 8 keeps whole int8 gradients between micro-batches, which "
                                   "FSDP reduce-scatters in backward: drop --agoq.grad-bits"),
@@ -171,10 +176,16 @@ class Fsdp(Technique):
               "offload_policy": CPUOffloadPolicy() if d.cpu_offload else OffloadPolicy()}
         for block in model.layers:
             fully_shard(block, **kw)
-        fully_shard(model, **kw)
+        # the root keeps its weights unsharded after forward for the backward that follows; a
+        # zeroth-order step has none, and perturbs or updates the shards before the next forward,
+        # which must all-gather them again
+        self.forwards_only = run.cfg.finetune.method in ZEROTH_ORDER
+        fully_shard(model, **kw, reshard_after_forward=True if self.forwards_only else None)
         run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
         self.sharded_modules = [*model.layers, model]
         self.compressed_reduce_scatter = None  # (SDP4Bit's, once optimizer() installed it)
+        if self.forwards_only:  # (the zeroth-order technique builds the optimizer; no compressor joins it)
+            self.install_collectives(run)
 
     def param_groups(self) -> list:
         """The run's parameter groups over the sharded parameters (the same names, the same order)."""
@@ -213,7 +224,7 @@ class Fsdp(Technique):
         from leantrain.runtime.dcp import DcpCheckpointer
 
         return DcpCheckpointer(rank=self.run.rank, world=self.run.world, keep=self.run.cfg.train.keep_checkpoints,
-                               barrier=collectives.barrier)
+                               barrier=collectives.barrier, whole_optimizer=self.forwards_only)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
