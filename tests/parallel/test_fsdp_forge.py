@@ -92,6 +92,12 @@ def test_each_rank_holds_half_the_optimizer_state_and_one_layers_gradient(forge_
         assert mem["grads"] <= unfused / 2 + 0.01 * whole, (mem, unfused)
         # one dW workspace: the largest fused layer's gradient (its rows padded to 2 equal shards)
         assert largest <= peak <= largest + 48, (peak, largest)
+        # the traffic in the ledger: FSDP's weight all-gathers (forward and backward) and FSDP's
+        # reduce-scatter of the unfused gradients beside FORGE's own of each fused layer's dW
+        comm = summary["comm"]
+        gathers = comm["by_op"]["all_gather"] / comm["steps"]
+        assert whole / 2 <= gathers <= 2.02 * whole / 2, (gathers, whole)
+        assert whole / 2 <= comm["by_op"]["reduce_scatter"] / comm["steps"] <= 1.05 * whole / 2, comm
 
 
 @pytest.mark.distributed

@@ -184,7 +184,10 @@ class Fsdp(Technique):
         run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
         self.sharded_modules = [*model.layers, model]
         self.compressed_reduce_scatter = None  # (SDP4Bit's, once optimizer() installed it)
-        if self.forwards_only:  # (the zeroth-order technique builds the optimizer; no compressor joins it)
+        self.installed = False
+        # without a compressor the collectives go in now: another technique may build the optimizer
+        # (FORGE, MeZO, GRZO), and then optimizer() below is not called
+        if run.cfg.comm.method == "none":
             self.install_collectives(run)
 
     def param_groups(self) -> list:
@@ -197,9 +200,12 @@ class Fsdp(Technique):
         """The counted collectives, and the compressed reduce-scatter of a communication technique's
         compressor (``run.compression``). Called from :meth:`optimizer`: the communication
         techniques are built after this one and offer their compressor then."""
+        if self.installed:
+            return
         self.compressed_reduce_scatter = fsdp_comm.install(
             self.sharded_modules, self.mesh, compression=run.compression,
             intra_node_size=run.cfg.dist.intra_node_size or None)
+        self.installed = True
 
     def optimizer(self, run: Run, rule):
         self.install_collectives(run)
