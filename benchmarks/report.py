@@ -149,6 +149,17 @@ def chunkft_step(d):
     return " / ".join(f"{s:.3f}" for _, s in sorted(parts)) + f" s against {full:.3f} s"
 
 
+def lowmem_ratio(recipes):
+    """Validation loss over full AdamW's, mean of the seeds (and the worst seed), per recipe."""
+    def f(d):
+        out = []
+        for name in recipes:
+            worst = max(r["ratio_to_full"] for r in d["runs"] if r["recipe"] == name)
+            out.append(f"{name} {d['mean_ratio_to_full'][name]:.4f} (worst {worst:.4f})")
+        return "; ".join(out)
+    return f
+
+
 def finetune_acc(method, lr=None):
     def f(d):
         v = [r["accuracy_after"] for r in d["runs"] if r["method"] == method and (lr is None or r["lr"] == lr)]
@@ -217,6 +228,7 @@ F_GIFT4 = "comm/2026-12-03_cpu_gift-nvfp4-4ranks.json"
 F_GIFT8 = "comm/2026-12-03_cpu_gift-e4m3.json"
 F_CHUNK = "finetune/2026-12-03_H200_chunkft-1b.json"
 F_ZO = "finetune/2026-12-02_H200_zo-1b.json"
+F_LOWMEM = "finetune/2026-12-05_cpu_lowmem.json"
 
 TABLES: dict[str, list[tuple]] = {
     "readme": [
@@ -296,6 +308,9 @@ TABLES: dict[str, list[tuple]] = {
         ("accuracy on `compare`, tiny, lr 1e-4, 3 seeds (AdamW in brackets)",
          lambda d: f"{finetune_acc('chunkft', 1e-4)(d)} ({finetune_acc('full')(d)})", "as AdamW",
          "finetune/2026-12-03_cpu_chunkft-tiny.json"),
+        ("validation loss vs full AdamW (fp32), tiny, 120 steps from a trained run, 3 seeds",
+         lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 1 %", F_LOWMEM),
+        ("the same, FORGE's memory recipes", lowmem_ratio(["forge-bf16", "forge-int8-ckpt"]), "within 1 %", F_LOWMEM),
     ],
     "zo": [
         ("allocator peak vs inference, 1b, B = 16", zo_peak, "≤ 1.1×", F_ZO),
