@@ -3,7 +3,7 @@ can fit a model: the ``memory`` topic.
 
     PYTHONPATH=src python3 benchmarks/bench_memory.py --presets 7b 8b --batches 1 2 4 --seqs 1024
         [--vocab 32000] [--configs ...] [--largest] [--steps 5 --warmup 2] [--timeout 300]
-        [--device cuda] --out DIR
+        [--device cuda] --out DIR [--name memory]
 
 One step is forward, backward and the optimizer's step of leantrain's Llama at a preset's shape
 (``1b``, ``7b`` = Llama-2-7B, ``8b`` = Llama-3-8B with its 128k vocabulary; ``--vocab`` sets the
@@ -33,8 +33,8 @@ The configurations (``CONFIGS``; bf16 weights unless said):
 - ``chunkft_fused_ckpt``, ``chunkft_fused_ckpt_agoq``: ChunkFT (8 chunks) with its update inside
   backward (``in_backward=True, state_dtype="bf16"``), checkpointing, and AGoQ.
 
-Writes ``<date>_<hardware>_memory.json`` and ``.md`` (one table per preset, vocabulary and T) into
-``--out``.
+Writes ``<date>_<hardware>_<name>.json`` and ``.md`` (one table per preset, vocabulary and T) into
+``--out`` (``--name``, default ``memory``).
 """
 
 from __future__ import annotations
@@ -353,6 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per (configuration, B, T)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="benchmarks/results/memory")
+    ap.add_argument("--name", default="memory", help="the result files' name: <date>_<hardware>_<name>.json / .md")
     ap.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
     res = sweep(args)
     res["wall_s"] = round(time.time() - t0, 1)
     res = {"command": harness.command(), "env": harness.env(), **res}
-    path = harness.write(args.out, "memory", res, markdown(res))
+    path = harness.write(args.out, args.name, res, markdown(res))
     print(markdown(res))
     print(f"wrote {path} and .md in {res['wall_s']}s")
     return 0
