@@ -1,5 +1,6 @@
-"""Memory and speed of a whole training step on one GPU, every way leantrain (and plain torch)
-can fit a model: the ``memory`` topic.
+"""Memory and speed of a whole training step on one GPU, side by side over the ways to fit a model.
+
+The ``memory`` topic: plain torch, torchtune's low-memory recipe, FORGE and ChunkFT.
 
     PYTHONPATH=src python3 benchmarks/bench_memory.py --presets 7b 8b --batches 1 2 4 --seqs 1024
         [--vocab 32000] [--configs ...] [--largest] [--steps 5 --warmup 2] [--timeout 300]
@@ -271,18 +272,22 @@ def largest(args, preset_name: str, vocab: int, config: str, seq: int, rows: lis
             "peak_bytes": best and best["peak_bytes"], "stopped": stopped, "runs": tried}
 
 
-def sweep(args) -> dict:
-    rows, biggest = [], []
+def sweep(args, save: Callable[[dict], None]) -> dict:
+    """Every (preset, T, configuration, B) in order, and with ``--largest`` each configuration's
+    search; ``save(result so far)`` after each configuration (a run cut short keeps what it did)."""
+    res = {"hyper": HYPER, "steps": args.steps, "warmup": args.warmup, "device": args.device, "complete": False,
+           "rows": [], "largest": []}
     for preset_name in args.presets:
         vocab = vocabulary(preset_name, args.vocab)
         for seq in args.seqs:
             for config in args.configs:
                 mine = [run_one(args, preset_name, vocab, config, b, seq) for b in args.batches]
-                rows += mine
+                res["rows"] += mine
                 if args.largest:
-                    biggest.append(largest(args, preset_name, vocab, config, seq, mine))
-    return {"hyper": HYPER, "steps": args.steps, "warmup": args.warmup, "device": args.device,
-            "rows": rows, "largest": biggest}
+                    res["largest"].append(largest(args, preset_name, vocab, config, seq, mine))
+                save(res)
+    res["complete"] = True
+    return res
 
 
 # ----------------------------------------------------------------------------- report
@@ -313,6 +318,8 @@ def markdown(res: dict) -> str:
              f"torch {env.get('torch')}, Triton {env.get('triton')}; command: `{res['command']}`", "",
              f"Cells: allocator peak GiB / median seconds a step ({res['steps']} timed after {res['warmup']} "
              "warm-up); lr 2e-5, betas (0.9, 0.95), weight decay 0, eps 1e-8.", ""]
+    if not res.get("complete", True):
+        lines += ["**Incomplete**: the run stopped before its last configuration.", ""]
     keys = sorted({(r["preset"], r["vocab"], r["T"]) for r in res["rows"]}, key=lambda k: (k[0], k[1], k[2]))
     for preset_name, vocab, seq in keys:
         rows = [r for r in res["rows"] if (r["preset"], r["vocab"], r["T"]) == (preset_name, vocab, seq)]
@@ -363,12 +370,15 @@ def main(argv=None) -> int:
             args.worker, args.presets[0], args.vocab, args.batch, args.seq, args.steps, args.warmup, args.device)))
         return 0
     t0 = time.time()
-    res = sweep(args)
-    res["wall_s"] = round(time.time() - t0, 1)
-    res = {"command": harness.command(), "env": harness.env(), **res}
-    path = harness.write(args.out, args.name, res, markdown(res))
-    print(markdown(res))
-    print(f"wrote {path} and .md in {res['wall_s']}s")
+    head = {"command": harness.command(), "env": harness.env()}
+
+    def save(res: dict) -> Path:
+        res = {**head, **res, "wall_s": round(time.time() - t0, 1)}
+        return harness.write(args.out, args.name, res, markdown(res))
+
+    path = save(sweep(args, save))
+    print(path.with_suffix(".md").read_text())
+    print(f"wrote {path} and .md in {time.time() - t0:.0f}s")
     return 0
 
 
