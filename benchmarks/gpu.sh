@@ -93,7 +93,7 @@ fsdp() {
 
 memory() {
   log "memory: the whole step of 7b / 8b (32k vocabulary, then 8b's own 128k) under every way to fit it"
-  timeout 5400 python3 benchmarks/bench_memory.py --presets 7b 8b --vocab 32000 --batches 1 2 4 --seqs 1024 \
+  timeout 7200 python3 benchmarks/bench_memory.py --presets 7b 8b --vocab 32000 --batches 1 2 4 --seqs 1024 \
     --largest --out "$OUT/memory" 2>&1 | tail -40
   timeout 2400 python3 benchmarks/bench_memory.py --presets 8b --batches 2 --seqs 2048 --out "$OUT/memory" \
     --name memory-8b-128k 2>&1 | tail -20
