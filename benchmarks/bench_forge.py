@@ -38,7 +38,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from parts import steprun  # noqa: E402
 
 SHAPES = [(2048, 2048), (2048, 5632), (5632, 2048), (32000, 2048)]
 TOKENS = [512, 1024, 2048, 4096, 16384]
@@ -398,44 +398,29 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             opt.zero_grad(set_to_none=True)
         return loss
 
-    t_warm = time.perf_counter()
-    for _ in range(warmup):  # includes Triton compilation (fixed tile heuristic: no autotuning)
-        one_step()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    if graphed:  # captured after the eager warm-up (optimizer states exist); its pool counts in the peak
+    def capture():  # after the eager warm-up (optimizer states exist); its pool counts in the peak
         from leantrain.runtime.capture import GraphedStep
 
         idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda", generator=g)
         graph.append(GraphedStep(fwd, model.parameters(), idx[:, :-1], idx[:, 1:]))
         for _ in range(2):
             one_step()
-        torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - t_warm
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        loss = one_step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
+
+    # the warm-up includes Triton compilation (fixed tile heuristic: no autotuning)
+    run = steprun.timed_steps(one_step, warmup=warmup, steps=steps, after_warmup=capture if graphed else None)
+    from leantrain.runtime.ledger import count_bytes, tensors_in
+
     params = sum(p.numel() for p in model.parameters())
-    state_bytes = 0
-    if opt is not None:
-        from leantrain.runtime.ledger import count_bytes, tensors_in
-
-        state_bytes = count_bytes(tensors_in(list(opt.state.values())))
-    else:
-        from leantrain.runtime.ledger import count_bytes, tensors_in
-
-        state_bytes = count_bytes(tensors_in([o.state for o in opts.values()]))
+    states = list(opt.state.values()) if opt is not None else [o.state for o in opts.values()]
+    state_bytes = count_bytes(tensors_in(states))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"status": "ok", "step_ms": statistics.median(times) * 1e3, "warmup_s": warmup_s, "step_ms_all": [t * 1e3 for t in times],
+    peak, held = run["peak_bytes"], run["held_bytes"]
+    return {"status": "ok", "step_ms": run["step_s"] * 1e3, "warmup_s": run["warmup_s"],
+            "step_ms_all": [t * 1e3 for t in run["times"]],
             "peak_bytes": peak, "held_bytes": held, "above_held_bytes": peak - held,
             "weight_bytes": weight_bytes, "state_bytes": state_bytes,
             "persistent_bytes_per_param": (weight_bytes + state_bytes) / params, "params": params,
-            "final_loss": float(loss)}
+            "final_loss": run["final_loss"]}
 
 
 def bench_steps(quick: bool, log, timeout: float, steps: int, warmup: int, only_batches=None,
@@ -443,23 +428,12 @@ def bench_steps(quick: bool, log, timeout: float, steps: int, warmup: int, only_
     out = []
     batches = [1, 4] if quick else BATCHES
     batches = only_batches or batches
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-           "TRITON_CACHE_AUTOTUNING": "1"}
-    env.pop("TRITON_INTERPRET", None)
     for b in batches:
         for c in configs or STEP_CONFIGS:
             row = {"config": c, "B": b, "T": 1024}
             t0 = time.time()
-            try:
-                r = subprocess.run([sys.executable, __file__, "--worker", c, "--batch", str(b), "--steps", str(steps),
-                                    "--warmup", str(warmup)], capture_output=True, text=True, timeout=timeout, env=env)
-                line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-                if line:
-                    row.update(json.loads(line[-1][7:]))
-                else:
-                    row.update(status="error", error=(r.stderr or r.stdout)[-2000:])
-            except subprocess.TimeoutExpired:
-                row.update(status="timeout", error=f"no result within {timeout}s")
+            row.update(steprun.run_worker([__file__, "--worker", c, "--batch", str(b), "--steps", str(steps),
+                                           "--warmup", str(warmup)], timeout))
             row["wall_s"] = round(time.time() - t0, 1)
             log(json.dumps({k: v for k, v in row.items() if k not in ("step_ms_all", "error")})
                 + (f"\n  error: {row['error'][-600:]}" if row.get("error") else ""))
@@ -598,15 +572,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.worker:  # a subprocess of part (b)
-        import torch
-
-        try:
-            r = step_worker(args.worker, args.batch, 1024, args.steps, args.warmup)
-        except torch.cuda.OutOfMemoryError as e:
-            r = {"status": "oom", "error": str(e)[:500]}
-        except Exception as e:  # noqa: BLE001
-            r = {"status": "error", "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
-        print("RESULT " + json.dumps(r), flush=True)
+        steprun.print_result(steprun.guarded(lambda: step_worker(args.worker, args.batch, 1024, args.steps,
+                                                                 args.warmup)))
         return 0
 
     import torch

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
-# SECTION is any of: tests ops forge step agoq comm finetune lowmem fsdp scale (default: all of them, in that
+# SECTION is any of: tests ops forge step agoq comm finetune lowmem fsdp memory scale (default: all of them, in that
 # order); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime,
 #       then the 1b step through the trainer for this tree and for the tree under $BASE/src, in
@@ -15,9 +15,9 @@ mkdir -p "$OUT"
 export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
-SECTIONS=${*:-tests ops forge step agoq comm finetune lowmem fsdp scale}
+SECTIONS=${*:-tests ops forge step agoq comm finetune lowmem fsdp memory scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|agoq|comm|finetune|lowmem|fsdp|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|agoq|comm|finetune|lowmem|fsdp|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -96,6 +96,17 @@ fsdp() {
   log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ"
   train1b fsdp --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32
   train1b fsdp_agoq --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32 --agoq
+}
+
+memory() {
+  log "memory: the whole step of 7b / 8b (32k vocabulary, then 8b's own 128k) under every way to fit it"
+  local sel="--batches 1 2 4 --largest"
+  [ -n "$Q" ] && sel="--batches 1 --configs torch_bf16 torchtune_recipe forge_int8_states_agoq chunkft32_ckpt chunkft_fused_ckpt chunkft_fused64_ckpt"
+  timeout 3600 python3 benchmarks/bench_memory.py --presets 7b 8b --vocab 32000 $sel --seqs 1024 \
+    --out "$OUT/memory" 2>&1 | tail -40
+  [ -n "$Q" ] && sel="--configs torch_bf16_ckpt torchtune_recipe chunkft_fused64_ckpt"
+  timeout 1800 python3 benchmarks/bench_memory.py --presets 8b --batches 2 --seqs 2048 ${Q:+$sel} --out "$OUT/memory" \
+    --name memory-8b-128k 2>&1 | tail -20
 }
 
 scale() {
