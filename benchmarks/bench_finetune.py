@@ -46,7 +46,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+SRC = Path(__file__).resolve().parents[1] / "src"
+sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
 
 from leantrain.cli import main as leantrain  # noqa: E402
 
@@ -92,6 +96,7 @@ def hf_model_dir(preset: str, out: Path) -> Path:
 
     cfg = config_mod.build(preset, overrides={"data.max_corpus_mb": "6"})  # (the tokenizer's sample)
     tok = data_mod.load(cfg.data, log=lambda *a: None).tokenizer
+    cfg.model.vocab_size = tok.vocab_size
     torch.manual_seed(0)
     return save_hf(Llama(cfg.model), out, tokenizer=tok, overwrite=True)
 
@@ -110,8 +115,7 @@ def run_hf(a) -> int:
                 "--data.seq-len", str(a.seq_len), "--train.progress", "false", "--out", str(run), "--overwrite"]
         args += ["--train.device", a.device] if a.device else []
         t0 = time.time()
-        with contextlib.redirect_stdout(io.StringIO()):
-            rc = leantrain(args)
+        rc = _own_process(args)  # (an allocator peak of its own: nothing left from the methods before)
         if rc != 0:
             rows.append({"method": method, "error": f"exit status {rc}"})
             _save_hf_result(a, out, rows)
@@ -130,10 +134,24 @@ def run_hf(a) -> int:
     return 0
 
 
+def _own_process(args: list[str]) -> int:
+    """``leantrain ARGS`` in a process of its own (its CUDA allocator's peak is its own); the exit
+    status, the last lines of its output printed when it fails."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "leantrain", *args], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        print("\n".join((r.stdout + r.stderr).strip().splitlines()[-3:]), flush=True)
+    return r.returncode
+
+
 def _save_hf_result(a, out: Path, rows: list) -> None:
     """``hf.json``, written after every method: a run stopped by a time limit keeps what it finished."""
-    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.hf_preset,
-              "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "methods": rows}
+    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "env": harness.env(),
+              "preset": a.hf_preset, "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
+              "methods": rows}
     (out / "hf.json").write_text(json.dumps(result, indent=1))
 
 
@@ -163,8 +181,8 @@ def run_lowmem(a) -> int:
     for r in rows:
         r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
     means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in recipes}
-    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.preset,
-              "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
+    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "env": harness.env(),
+              "preset": a.preset, "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
               "seq_len": a.seq_len, "seeds": a.seeds,
               "source": a.source or f"random weights of the {a.preset} preset", "runs": rows,
               "mean_ratio_to_full": means}
@@ -198,8 +216,7 @@ def run_budgets(a) -> int:
         except config_mod.ConfigError as e:
             row["refused"] = str(e)
         t0 = time.time()
-        with contextlib.redirect_stdout(io.StringIO()):
-            rc = leantrain(args)
+        rc = _own_process(args)
         row["seconds"] = time.time() - t0
         if rc == 0:
             s = json.loads((run / "summary.json").read_text())
@@ -212,8 +229,9 @@ def run_budgets(a) -> int:
             print(f"{b}: {row.get('refused', row['error'])}", flush=True)
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
         rows.append(row)
-        result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "preset": a.preset,
-                  "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "runs": rows}
+        result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "env": harness.env(),
+                  "preset": a.preset, "task": a.task, "steps": a.steps, "batch_size": a.batch_size,
+                  "seq_len": a.seq_len, "runs": rows}
         (out / "budgets.json").write_text(json.dumps(result, indent=1))
     return 0
 

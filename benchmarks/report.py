@@ -160,6 +160,19 @@ def lowmem_ratio(recipes):
     return f
 
 
+def budget_run(budget):
+    """One memory budget's run: the plan, the allocator peak against the estimate, tokens/s."""
+    def f(d):
+        r = next(r for r in d["runs"] if r["budget"] == budget)
+        return (f"{r['plan']}: peak {r['peak_memory_bytes'] / 2**30:.2f} GiB (estimate "
+                f"{r['estimate']['total'] / 2**30:.2f}), {r['tokens_per_second']:.0f} tokens/s")
+    return f
+
+
+def hf_methods(d):
+    return ", ".join(f"{m['method']} {m['tokens_per_second']:.0f}" for m in d["methods"] if "error" not in m)
+
+
 def finetune_acc(method, lr=None):
     def f(d):
         v = [r["accuracy_after"] for r in d["runs"] if r["method"] == method and (lr is None or r["lr"] == lr)]
@@ -229,6 +242,8 @@ F_GIFT8 = "comm/2026-12-03_cpu_gift-e4m3.json"
 F_CHUNK = "finetune/2026-12-03_H200_chunkft-1b.json"
 F_ZO = "finetune/2026-12-02_H200_zo-1b.json"
 F_LOWMEM = "finetune/2026-12-05_cpu_lowmem.json"
+F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
+F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
 
 TABLES: dict[str, list[tuple]] = {
     "readme": [
@@ -243,6 +258,9 @@ TABLES: dict[str, list[tuple]] = {
          "≤ 0.1×", F_SCAPE),
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
+        ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
+         "≤ 13.5 GiB", F_BUDGET),
+        ("every method from a 1b Hugging Face directory, B = 8, T = 256, H200: tokens/s", hf_methods, "", F_HF1B),
         ("GRZO / MeZO / AdamW peak vs inference, 1b", zo_peak, "≤ 1.1×", F_ZO),
         ("streamed tokenization of a 1 GiB text file (BPE trained on a 64 MB sample)", data_rss, "≤ 2 GB",
          "data/2026-12-04_cpu.json"),
@@ -308,6 +326,8 @@ TABLES: dict[str, list[tuple]] = {
         ("accuracy on `compare`, tiny, lr 1e-4, 3 seeds (AdamW in brackets)",
          lambda d: f"{finetune_acc('chunkft', 1e-4)(d)} ({finetune_acc('full')(d)})", "as AdamW",
          "finetune/2026-12-03_cpu_chunkft-tiny.json"),
+        ("7b, B = 1, T = 1024, H200: `--train.memory-budget 13.8GiB`", budget_run("13.8GiB"), "≤ 13.5 GiB", F_BUDGET),
+        ("the same, `--train.memory-budget 22GB`", budget_run("22GB"), "", F_BUDGET),
         ("validation loss vs full AdamW (fp32), tiny, 120 steps from a trained run, 3 seeds",
          lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 1 %", F_LOWMEM),
         ("the same, FORGE's memory recipes", lowmem_ratio(["forge-bf16", "forge-int8-ckpt"]), "within 1 %", F_LOWMEM),
@@ -376,9 +396,9 @@ def table(name: str, page: str) -> str:
         lines.append(f"| {what} | {fn(data)} | {target or '—'} | {link(page, rel)} |")
     cmds = []
     for rel in dict.fromkeys(r[3] for r in TABLES[name]):
-        cmd = cache[rel].get("command")
-        if cmd:
-            cmds.append(f"- `{rel}`: `{cmd}`")
+        for cmd in cache[rel].get("commands") or [cache[rel].get("command")]:
+            if cmd:
+                cmds.append(f"- `{rel}`: `{cmd}`")
     if cmds and name != "readme":
         lines += ["", "Commands:", "", *cmds]
     return "\n".join(lines)
@@ -401,7 +421,7 @@ def index() -> str:
         extra = ", ".join(f"[{q.suffix[1:]}]({q.relative_to(RESULTS)})" for q in sorted(p.parent.glob(p.stem + ".*"))
                           if q.suffix != ".json")
         name = f"[{p.name}]({p.relative_to(RESULTS)})" + (f" ({extra})" if extra else "")
-        cmd = d.get("command", "") if isinstance(d, dict) else ""
+        cmd = (d.get("command") or "; ".join(d.get("commands", []))) if isinstance(d, dict) else ""
         what = d.get("what", "") if isinstance(d, dict) else ""
         lines.append(f"| {p.parent.name} | {date} | {hw} | {name} | {what} | {'`' + cmd + '`' if cmd else ''} |")
     return "\n".join(lines) + "\n"
