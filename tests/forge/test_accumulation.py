@@ -97,7 +97,7 @@ def test_fp32_accumulation_equals_one_big_batch(backend, clip):
 @pytest.mark.parametrize("backend,accum,bound", [
     ("torch", {"accum_dtype": "bf16"}, 0.01),
     ("torch", {"accum_dtype": "int8"}, 0.01),
-    ("triton", {"accum_dtype": "int8"}, 0.01),
+    pytest.param("triton", {"accum_dtype": "int8"}, 0.01, marks=pytest.mark.slow),  # (~2 min interpreted)
     ("torch", {"accum_dtype": "int8", "accum_error_feedback": False}, 0.05),
 ])
 def test_low_precision_buffers_close_to_one_big_batch(backend, accum, bound):
@@ -223,28 +223,41 @@ class _SameRows:
         return x[rows], y[rows]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("accum_dtype", ["bf16", "fp32"])
-def test_trainer_accumulation_loss_matches_one_big_batch(corpus, tmp_path, accum_dtype):
-    """50 steps of the tiny preset with FORGE: 4 micro-batches of 1 row against one batch of the
-    same 4 rows. The mean training loss agrees within 0.5 % (over all 50 steps and over the last
-    10; measured: bf16 buffers 0.99999 / 1.00005, fp32 1.00000 / 1.00000)."""
+def trainer_loss_ratios(corpus, out, accum: dict, steps: int = 50) -> dict:
+    """Train the tiny preset with FORGE for ``steps`` steps twice: 4 micro-batches of 1 row
+    (``accum``: forge.* overrides) and one batch of the same 4 rows. Returns the ratio of the mean
+    training losses (accumulated / big batch) over all steps and over the last 10."""
     from leantrain.train.trainer import Trainer
 
-    steps = {"train.steps": "50", "train.eval_every": "0", "train.ckpt_every": "0", "forge.enabled": "true",
-             "forge.accum_dtype": accum_dtype}
+    base = {"train.steps": str(steps), "train.eval_every": "0", "train.ckpt_every": "0", "forge.enabled": "true",
+            **accum}
 
-    def losses(out, k, batch):
-        tr = Trainer(tiny_config(corpus, **steps, **{"data.batch_size": str(batch), "data.grad_accum": str(k)}), out)
+    def losses(run_dir, k, batch):
+        tr = Trainer(tiny_config(corpus, **base, **{"data.batch_size": str(batch), "data.grad_accum": str(k)}),
+                     run_dir)
         tr.data = _SameRows(tr.data, k)
         tr.fit()
-        rows = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert len(rows) == 50
+        rows = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == steps
         return rows
 
-    acc, big = losses(tmp_path / "acc", 4, 1), losses(tmp_path / "big", 1, 4)
-    for part in (slice(None), slice(-10, None)):
-        ratio = sum(acc[part]) / sum(big[part])
+    acc, big = losses(out / "acc", 4, 1), losses(out / "big", 1, 4)
+    return {"all": sum(acc) / sum(big), "last10": sum(acc[-10:]) / sum(big[-10:])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", [{"forge.accum_dtype": "bf16"}, {"forge.accum_dtype": "fp32"},
+                                   {"forge.accum_dtype": "int8"},
+                                   {"forge.accum_dtype": "int8", "forge.accum_error_feedback": "false"}],
+                         ids=["bf16", "fp32", "int8", "int8-noef"])
+def test_trainer_accumulation_loss_matches_one_big_batch(corpus, tmp_path, accum):
+    """50 steps of the tiny preset with FORGE: 4 micro-batches of 1 row against one batch of the
+    same 4 rows. The mean training loss agrees within 0.5 % (over all 50 steps and over the last
+    10; measured: bf16 buffers 0.99999 / 1.00005, fp32 1.00000 / 1.00000, int8 and int8 without
+    error feedback: the ratios printed, kept in docs/forge.md)."""
+    ratios = trainer_loss_ratios(corpus, tmp_path, accum)
+    print("loss ratio k=4 / one 4x batch", json.dumps(accum), json.dumps({k: round(v, 5) for k, v in ratios.items()}))
+    for ratio in ratios.values():
         assert abs(ratio - 1) <= 0.005
 
 

@@ -10,9 +10,8 @@ residual with its own per-block scale) instead of an fp32 ``.grad``. Each
     codes = quantize(v);  resid = quantize(v - dequant(codes))
 
 The requantization error of one fold (|e| <= scale/2) is not lost: it is carried in the
-residual into the next fold, so the stored pair is a ~16-bit fixed-point number per block and
-the error of the final sum is bounded by ``scale/508`` per element instead of growing with the
-number of micro-batches. Memory: ``2 + 8/block_size`` bytes per element
+residual into the next fold, so the stored pair is a ~16-bit fixed-point number per block: a
+fold loses at most ``scale/508`` per element (the residual's rounding) instead of ``scale/2``. Memory: ``2 + 8/block_size`` bytes per element
 (``error_feedback=False``: ``1 + 4/block_size``), against 4 for fp32 accumulation.
 :meth:`finalize` writes ``p.grad`` (in the parameter's dtype) before the optimizer step and
 clears the buffers. The same buffer holds FORGE's int8 accumulated gradients

@@ -12,9 +12,10 @@ gradient in:
 
 The requantization error ``e = v - dequant(codes)`` (``|e| <= scale_c / 2`` per element with
 round-to-nearest) is not lost: it is carried in ``resid`` into the next fold and into
-:meth:`add_to`, so the pair is a ~16-bit block fixed-point number and the error of the sum is
-bounded by ``scale_r / 2 <= scale_c / 508`` per element, whatever the number of micro-batches
-(without the residual, ``error_feedback=False``, each fold loses up to ``scale_c / 2``).
+:meth:`add_to`, so the pair is a ~16-bit block fixed-point number. What a fold loses is the
+residual's own rounding, at most ``scale_r / 2 <= scale_c / 508 = absmax_group(v) / 64516`` per
+element; over ``m`` folds these add up (``m`` times a 16-bit rounding). Without the residual
+(``error_feedback=False``) each fold loses up to ``scale_c / 2 = absmax_group(v) / 254``.
 
 Memory held per element: 1 byte of codes + 4 / group_size of scale, and the same again for the
 residual: ``2 + 8 / group_size`` bytes with error feedback (2.03 at 256: slightly *more* than a
@@ -72,19 +73,22 @@ class Int8GradBuffer:
     @torch.no_grad()
     def copy_(self, g: Tensor) -> None:
         """Start a new sum at ``g`` (any float dtype, ``numel`` elements; read, not kept)."""
-        self._store(g.detach().reshape(-1).to(torch.float32, copy=True))
+        self._store(self._flat_copy(g))
 
     @torch.no_grad()
     def add_(self, g: Tensor) -> None:
         """Fold ``g`` into the sum (requantize ``sum + g``, carrying the error in the residual)."""
-        v = g.detach().reshape(-1).to(torch.float32, copy=True)
+        v = self._flat_copy(g)
         if self.codes is not None:
             self.add_to(v)
         self._store(v)
 
+    def _flat_copy(self, g: Tensor) -> Tensor:
+        if g.numel() != self.numel:
+            raise ValueError(f"Int8GradBuffer of {self.numel} elements given a gradient of {g.numel()}")
+        return g.detach().reshape(-1).to(torch.float32, copy=True)
+
     def _store(self, v: Tensor) -> None:
-        if v.numel() != self.numel:
-            raise ValueError(f"Int8GradBuffer of {self.numel} elements given a gradient of {v.numel()}")
         self.codes = self._quantize(v)
         if self.error_feedback:
             self.resid = self._quantize(v.sub_(self._dequantize(self.codes)))
