@@ -6,7 +6,7 @@
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity --steps 300 --seeds 1337,1,2 \
         --out benchmarks/results/comm/2026-12-04_cpu_scape-fidelity.json  # SCAPE 90 % / 99 % vs dense AdamS
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --forge-accum --steps 30 \
-        --out benchmarks/results/forge/2026-12-05_cpu_accum.json  # FORGE k=4 accumulation vs one 4x batch
+        --set data.batch_size=8 --set data.seq_len=64 --out benchmarks/results/forge/2026-12-05_cpu_accum.json  # FORGE k=4 accumulation vs one 4x batch
 
 Single-process recipes run one after the other (``leantrain train``); distributed recipes run
 under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Writes

@@ -77,7 +77,8 @@ def forge_accum(args) -> int:
     result = {"what": f"FORGE, {args.preset} preset, {args.steps} steps: {K} micro-batches of {batch // K} rows vs "
                       f"one batch of the same {batch} rows; loss ratio = mean training loss accumulated / one batch",
               "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --forge-accum "
-                         f"--preset {args.preset} --steps {args.steps} --out {args.out}",
+                         f"--preset {args.preset} --steps {args.steps}" + "".join(f" --set {kv}" for kv in args.set)
+                         + f" --out {args.out}",
               "settings": {}}
     for name, ov in SETTINGS.items():
         cfg_acc = config.build(args.preset, overrides={**common, **ov, "data.batch_size": str(batch // K),
