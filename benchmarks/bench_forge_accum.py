@@ -8,6 +8,7 @@ command). Both runs of a pair see the same rows each step: the accumulated run's
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -95,4 +96,5 @@ def forge_accum(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
