@@ -28,8 +28,8 @@ import leantrain as lt
 from helpers import TINY_OVERRIDES, tiny_config
 from leantrain import config as C
 from leantrain.config import ConfigError
-from leantrain.forge.technique import Forge
 from leantrain.forge.accumulate import ACCUM_GROUP
+from leantrain.forge.technique import Forge
 from leantrain.model import Llama
 from leantrain.optim.grad8 import Int8GradBuffer
 from leantrain.runtime.ledger import MemoryLedger
