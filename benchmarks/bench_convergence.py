@@ -5,6 +5,8 @@
         [--dist-recipes sharded-adams,sharded-scape90,sharded-scape99 --nproc 2 --intra 1]  # SCAPE vs dense AdamS
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity --steps 300 --seeds 1337,1,2 \
         --out benchmarks/results/comm/2026-12-04_cpu_scape-fidelity.json  # SCAPE 90 % / 99 % vs dense AdamS
+    PYTHONPATH=src python3 benchmarks/bench_convergence.py --forge-accum --steps 30 \
+        --set data.batch_size=8 --set data.seq_len=64 --out benchmarks/results/forge/2026-12-05_cpu_accum.json  # FORGE k=4 accumulation vs one 4x batch
 
 Single-process recipes run one after the other (``leantrain train``); distributed recipes run
 under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Writes
@@ -15,6 +17,12 @@ a ratio to the baseline), ``loss.png`` and ``summary.json`` into ``--out``.
 ``--seeds`` (2 gloo ranks, the preset's global batch); writes one JSON (``--out``): per seed the
 final validation loss, its ratio to dense AdamS of the same seed and the bytes a step, and per
 recipe the mean over seeds.
+
+``--forge-accum``: FORGE with 4 micro-batches of a quarter of the preset's batch against one step
+over the same rows, for each ``forge.accum_dtype`` (bf16, fp32, int8, int8 without error
+feedback), in process; writes one JSON (``--out``): the ratio of the mean training loss
+(accumulated / one batch) over all steps and over the last 10, and the bytes the accumulation
+buffers hold per fused parameter, counted from the real buffers after one accumulating micro-batch.
 """
 
 from __future__ import annotations
@@ -94,9 +102,14 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override key=value (repeatable)")
     p.add_argument("--scape-fidelity", action="store_true", help="SCAPE 90 %% / 99 %% vs dense AdamS over --seeds")
     p.add_argument("--seeds", default="1337,1,2")
+    p.add_argument("--forge-accum", action="store_true", help="FORGE k=4 accumulation vs one 4x batch, per accum_dtype")
     args = p.parse_args(argv)
     if args.scape_fidelity:
         return scape_fidelity(args)
+    if args.forge_accum:
+        from bench_forge_accum import forge_accum
+
+        return forge_accum(args)
     results = {}
     for name in [r for r in args.recipes.split(",") if r]:
         results[name] = run(name, RECIPES[name], args)

@@ -1,21 +1,21 @@
 """8-bit gradient accumulation: int8 buffers with per-block scales and error feedback.
 
 Over ``m`` micro-batches the running sum ``S_k = g_1 + ... + g_k`` of each parameter's
-gradient is held as int8 codes ``c`` with one fp32 scale per block of ``block_size``
-elements (``scale = absmax / 127``) instead of an fp32 ``.grad``. Each
+gradient is held in a :class:`leantrain.optim.grad8.Int8GradBuffer` (int8 codes with one fp32
+scale per block of ``block_size`` elements, ``scale = absmax / 127``, and an int8 error-feedback
+residual with its own per-block scale) instead of an fp32 ``.grad``. Each
 :meth:`Int8GradAccumulator.accumulate` folds ``p.grad`` in and frees it:
 
-    v  = c * scale + r * scale / 254 + g        # dequantized sum + carried error + new grad
-    scale' = absmax_block(v) / 127;  c' = round(v / scale')       (int8, |c'| <= 127)
-    r' = round((v - c' * scale') / scale' * 254)                  (int8 error feedback)
+    v     = dequant(codes) + dequant(resid) + g     # dequantized sum + carried error + new grad
+    codes = quantize(v);  resid = quantize(v - dequant(codes))
 
-The requantization error of one step, ``e = v - c' scale'`` (|e| <= scale'/2), is not lost:
-it is carried in ``r`` (int8, in units of scale'/254) into the next step, so the stored pair
-(c, r) is a ~16-bit fixed-point number per block and the error of the final sum is bounded
-by ``scale/508`` per element (plus one rounding of ``r``) instead of growing with the number
-of micro-batches. Memory: 2 bytes + 4/block_size per element (``error_feedback=False``:
-1 byte), against 4 for fp32 accumulation. :meth:`finalize` writes ``p.grad`` (in the
-parameter's dtype) before the optimizer step and clears the buffers.
+The requantization error of one fold (|e| <= scale/2) is not lost: it is carried in the
+residual into the next fold, so the stored pair is a ~16-bit fixed-point number per block: a
+fold loses at most ``scale/508`` per element (the residual's rounding) instead of ``scale/2``. Memory: ``2 + 8/block_size`` bytes per element
+(``error_feedback=False``: ``1 + 4/block_size``), against 4 for fp32 accumulation.
+:meth:`finalize` writes ``p.grad`` (in the parameter's dtype) before the optimizer step and
+clears the buffers. The same buffer holds FORGE's int8 accumulated gradients
+(``forge.accum_dtype int8``).
 """
 
 from __future__ import annotations
@@ -25,18 +25,10 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from leantrain.ops.tiles import check_int_format
+from leantrain.optim.grad8 import Int8GradBuffer
+
 __all__ = ["Int8GradAccumulator"]
-
-
-class _Buf:
-    __slots__ = ("code", "resid", "scale", "n")
-
-    def __init__(self, n: int, block: int, device, ef: bool):
-        nb = -(-n // block)
-        self.n = n
-        self.code = torch.zeros(nb, block, dtype=torch.int8, device=device)
-        self.resid = torch.zeros(nb, block, dtype=torch.int8, device=device) if ef else None
-        self.scale = torch.zeros(nb, 1, dtype=torch.float32, device=device)
 
 
 class Int8GradAccumulator:
@@ -44,62 +36,35 @@ class Int8GradAccumulator:
 
     ``acc.accumulate()`` after each micro-batch's backward; ``acc.finalize()`` before
     ``optimizer.step()``. ``acc.tensors()`` lists the buffers (for the memory ledger:
-    ``MemoryLedger.measure(model, opt, grad_buffers=acc.tensors())``).
+    ``MemoryLedger.measure(model, opt, grad_buffers=acc.tensors())``). ``stochastic``: stochastic
+    rounding of the codes, seeded by ``seed`` and a per-buffer fold counter (reproducible).
     """
 
     def __init__(self, params: Iterable[Tensor], block_size: int = 256, *, error_feedback: bool = True,
-                 stochastic: bool = False):
+                 stochastic: bool = False, seed: int = 0):
         self.params = [p for p in params if p.requires_grad]
-        if block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        check_int_format(8, block_size)
         self.block_size = block_size
         self.error_feedback = error_feedback
         self.stochastic = stochastic
-        self._bufs: dict[int, _Buf] = {}
+        self.seed = seed
+        self._bufs: dict[int, Int8GradBuffer] = {}
         self.micro_batches = 0
-
-    def _blocks(self, g: Tensor) -> Tensor:
-        flat = g.detach().reshape(-1).float()
-        pad = (-flat.numel()) % self.block_size
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(-1, self.block_size)
 
     @torch.no_grad()
     def accumulate(self) -> None:
         """Fold every ``p.grad`` into its int8 buffer and free ``p.grad``."""
-        for p in self.params:
+        for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
             buf = self._bufs.get(id(p))
             if buf is None:
-                buf = self._bufs[id(p)] = _Buf(p.numel(), self.block_size, p.device, self.error_feedback)
-            v = self._blocks(p.grad)
+                buf = self._bufs[id(p)] = Int8GradBuffer(
+                    p.numel(), group_size=self.block_size, error_feedback=self.error_feedback,
+                    stochastic=self.stochastic, seed=self.seed + (i << 20))
+            buf.add_(p.grad)
             p.grad = None
-            if self.micro_batches or buf.scale.any():
-                v += self._value(buf)
-            absmax = v.abs().amax(1, keepdim=True)
-            scale = absmax / 127.0
-            inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-            y = v * inv
-            if self.stochastic:
-                code = torch.floor(y + torch.rand_like(y))
-            else:
-                code = torch.round(y)
-            code = code.clamp_(-127, 127)
-            buf.code.copy_(code.to(torch.int8))
-            buf.scale.copy_(scale)
-            if buf.resid is not None:
-                r = torch.round((y - code) * 254.0).clamp_(-127, 127)
-                buf.resid.copy_(r.to(torch.int8))
         self.micro_batches += 1
-
-    @staticmethod
-    def _value(buf: _Buf) -> Tensor:
-        v = buf.code.float()
-        if buf.resid is not None:
-            v += buf.resid.float() / 254.0
-        return v * buf.scale
 
     @torch.no_grad()
     def finalize(self, *, scale: float = 1.0) -> None:
@@ -107,25 +72,23 @@ class Int8GradAccumulator:
 
         Gradients still in ``p.grad`` (a backward after the last ``accumulate``) are folded in.
         """
-        if any(p.grad is not None for p in self.params):
-            self.accumulate()
         for p in self.params:
             buf = self._bufs.get(id(p))
             if buf is None:
                 continue
-            v = self._value(buf).reshape(-1)[: buf.n]
+            v = buf.value() if p.grad is None else buf.add_to(p.grad.detach().reshape(-1).float())
             if scale != 1.0:
                 v *= scale
             p.grad = v.view(p.shape).to(p.dtype)
+        for p in self.params:  # (a parameter whose gradient came only after the last accumulate)
+            if id(p) not in self._bufs and p.grad is not None and scale != 1.0:
+                p.grad.mul_(scale)
         self._bufs.clear()
         self.micro_batches = 0
 
     def tensors(self) -> list[Tensor]:
         """Every buffer held between micro-batches (codes, error feedback, scales)."""
-        out = []
-        for b in self._bufs.values():
-            out += [b.code, b.scale] + ([b.resid] if b.resid is not None else [])
-        return out
+        return [t for b in self._bufs.values() for t in b.tensors()]
 
     @property
     def nbytes(self) -> int:

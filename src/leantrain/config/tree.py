@@ -207,7 +207,9 @@ class ForgeConfig:
     # fused tile loop), split (cuBLAS dW into one reused buffer + the update kernel), ws (the
     # warp-specialized fused kernel, Hopper)
     kernel: Literal["auto", "tiles", "split", "ws"] = "auto"
-    accum_dtype: Literal["bf16", "fp32"] = "bf16"  # data.grad_accum > 1: each fused layer's gradient sum (docs/forge.md)
+    accum_dtype: Literal["bf16", "fp32", "int8"] = "bf16"  # data.grad_accum > 1: each fused layer's gradient sum (docs/forge.md)
+    # accum_dtype int8: keep the int8 error-feedback residual (2.03 bytes a parameter) or not (1.02)
+    accum_error_feedback: bool = True
 
 
 @dataclass

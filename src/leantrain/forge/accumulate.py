@@ -6,8 +6,8 @@ is called before each micro-batch's forward (the FORGE technique calls it from i
 
 - micro-batches 1..k-1 *accumulate*: each fused layer's dW (and db) is computed into the reused
   workspace (the split path's, on every backend: one layer's dW at a time), then added into the
-  layer's accumulation buffer (``accum_dtype``: bf16 or fp32; the first micro-batch copies). No
-  update, no data-parallel reduction (that happens once, on the sum);
+  layer's accumulation buffer (``accum_dtype``: bf16, fp32 or int8; the first micro-batch
+  copies). No update, no data-parallel reduction (that happens once, on the sum);
 - micro-batch k *updates*: the layer's dW is materialized (the split path, whatever the kernel
   choice), the accumulated sum is added to it, and the rest is the ordinary update: the
   data-parallel reduction, the clip (its norms are the summed gradient's), the non-finite gate,
@@ -17,11 +17,20 @@ is called before each micro-batch's forward (the FORGE technique calls it from i
 The non-fused parameters accumulate in ``.grad`` as usual (``step()`` steps them). The caller
 divides each micro-batch's loss by ``k`` (the trainer does), so the update sees the mean over the
 ``k`` micro-batches: one big batch's gradient up to the summation order (and, with bf16
-buffers, the rounding of the partial sums to bf16).
+buffers, the rounding of the partial sums to bf16; with int8, the requantization error).
 
 Each buffer holds one layer's weight and bias gradients, flat (``numel`` of the layer's fused
-parameters, in ``accum_dtype``); made at the first accumulating micro-batch and kept across
-steps. A buffer is "filled" from its first accumulation to the update that consumes it;
+parameters): in ``accum_dtype`` bf16 / fp32, or for ``int8`` a
+:class:`leantrain.optim.grad8.Int8GradBuffer` (int8 codes with one fp32 scale per
+``ACCUM_GROUP`` elements, plus an int8 error-feedback residual with its own scales unless
+``accum_error_feedback=False``: 2.03 / 1.02 bytes a parameter, against bf16's 2 and fp32's 4);
+made at the first accumulating micro-batch and kept across steps.
+
+What exists in fp32, and when: the materialized dW of the one layer being processed (the reused
+workspace: every accum_dtype, the split path's buffer) and, with int8, the fold's transient
+``dequant(sum) + dW`` and one dequantized copy (the layer's size, freed after the fold); the last
+micro-batch adds the dequantized sum into the materialized dW before the update, as the bf16 path
+adds its buffer. No fp32 gradient outlives a layer's backward. A buffer is "filled" from its first accumulation to the update that consumes it;
 ``step()`` and ``zero_grad()`` end the step's accumulation, so a checkpoint (written after a full
 step) never holds one.
 """
@@ -32,8 +41,10 @@ import torch
 from torch import Tensor
 
 from leantrain.forge.linear import ForgeLayer
+from leantrain.optim.grad8 import Int8GradBuffer
 
-ACCUM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ACCUM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8}
+ACCUM_GROUP = 256  # elements of an int8 buffer sharing one scale (AGoQ's int8 gradient blocks too)
 
 
 def check_accumulation(grad_accum: int, accum_dtype: str) -> None:
@@ -43,10 +54,18 @@ def check_accumulation(grad_accum: int, accum_dtype: str) -> None:
         raise ValueError(f"accum_dtype must be one of {sorted(ACCUM_DTYPES)}, got {accum_dtype!r}")
 
 
+def _holds(acc: Tensor | Int8GradBuffer, buf: Tensor) -> bool:
+    """Whether the accumulation buffer ``acc`` fits the layer's dW ``buf`` (size and device)."""
+    if isinstance(acc, Int8GradBuffer):
+        return acc.numel == buf.numel() and (acc.codes is None or acc.codes.device == buf.device)
+    return acc.numel() == buf.numel() and acc.device == buf.device
+
+
 class AccumulateMixin:
     """The accumulation state of :class:`leantrain.forge.optimizer.ForgeOptimizer` (module
     docstring). Expects ``grad_accum``, ``accum_dtype``, ``_micro``, ``_accum`` (slot -> buffer) and
-    ``_filled`` (slots whose buffer holds this step's gradient) set by the optimizer."""
+    ``_filled`` (slots whose buffer holds this step's gradient), ``accum_error_feedback`` set by the
+    optimizer."""
 
     def before_micro_batch(self) -> None:
         """Call before each micro-batch's forward when training with ``grad_accum > 1``: the
@@ -63,19 +82,26 @@ class AccumulateMixin:
         return 0 < self._micro < self.grad_accum
 
     def accum_buffers(self) -> list[Tensor]:
-        """The accumulation buffers (the memory ledger counts them as gradients)."""
-        return list(self._accum.values())
+        """The accumulation buffers' tensors (the memory ledger counts them as gradients)."""
+        return [t for acc in self._accum.values()
+                for t in (acc.tensors() if isinstance(acc, Int8GradBuffer) else [acc])]
+
+    def _new_accum(self, buf: Tensor, backend: str) -> Tensor | Int8GradBuffer:
+        if self.accum_dtype == "int8":  # (its quantize ops on the layer's backend: torch or triton)
+            return Int8GradBuffer(buf.numel(), group_size=ACCUM_GROUP, error_feedback=self.accum_error_feedback,
+                                  backend=backend)
+        return torch.empty(buf.numel(), dtype=ACCUM_DTYPES[self.accum_dtype], device=buf.device)
 
     def _accumulate_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
         """Add the layer's dW (and db) of this micro-batch into its buffer: no update."""
         if self._phase is not None:
             raise RuntimeError("FORGE: gradient accumulation cannot run inside a captured CUDA graph "
                                "(train.cuda_graph needs data.grad_accum 1)")
-        buf, _, _ = self._materialize(layer, x2, dy2, self._backend_for(layer.weight), fill, reduce=False)
+        backend = self._backend_for(layer.weight)
+        buf, _, _ = self._materialize(layer, x2, dy2, backend, fill, reduce=False)
         acc = self._accum.get(layer.slot)
-        if acc is None or acc.numel() != buf.numel() or acc.device != buf.device:
-            acc = self._accum[layer.slot] = torch.empty(buf.numel(), dtype=ACCUM_DTYPES[self.accum_dtype],
-                                                        device=buf.device)
+        if acc is None or not _holds(acc, buf):
+            acc = self._accum[layer.slot] = self._new_accum(buf, backend)
         if layer.slot in self._filled:
             acc.add_(buf)
         else:
@@ -85,7 +111,11 @@ class AccumulateMixin:
     def _add_accumulated(self, layer: ForgeLayer, buf: Tensor) -> None:
         """The update's micro-batch: add the layer's accumulated gradient into its dW ``buf``."""
         if layer.slot in self._filled:
-            buf.add_(self._accum[layer.slot])
+            acc = self._accum[layer.slot]
+            if isinstance(acc, Int8GradBuffer):
+                acc.add_to(buf)
+            else:
+                buf.add_(acc)
             self._filled.discard(layer.slot)
 
     def _end_accumulation(self) -> None:

@@ -15,7 +15,8 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
            split_tokens: int | None = SPLIT_TOKENS, seed: int = 0, allreduce=None,
            grad_dtype: str = "fp32", overlap: bool = False, param_groups: list[dict] | None = None,
            ws_tokens: int | None = WS_TOKENS, fast_math: bool = False, kernel: KernelChoice = "auto",
-           rest_buckets: bool = True, grad_accum: int = 1, accum_dtype: str = "bf16") -> ForgeOptimizer:
+           rest_buckets: bool = True, grad_accum: int = 1, accum_dtype: str = "bf16",
+           accum_error_feedback: bool = True) -> ForgeOptimizer:
     """Fuse the optimizer step into the backward of every linear layer of ``model``. (About 100
     lines, most of them this docstring: every keyword is documented here.)
 
@@ -101,14 +102,20 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             first ``k - 1`` micro-batches since the last ``step()`` add each layer's dW into the
             layer's accumulation buffer, the k-th adds that sum to its own dW and updates (the split
             path, :mod:`leantrain.forge.accumulate`); divide each micro-batch's loss by ``k``.
-        accum_dtype: the accumulation buffers' dtype, ``"bf16"`` (2 bytes a fused parameter) or
-            ``"fp32"`` (4 bytes: the sum as one big batch's gradient, up to summation order).
+        accum_dtype: the accumulation buffers' dtype, ``"bf16"`` (2 bytes a fused parameter),
+            ``"fp32"`` (4 bytes: the sum as one big batch's gradient, up to summation order) or
+            ``"int8"`` (int8 codes with per-256-element scales and an int8 error-feedback residual:
+            2.03 bytes, ~16 bits relative to each group's largest element;
+            :class:`leantrain.optim.grad8.Int8GradBuffer`).
+        accum_error_feedback: ``accum_dtype="int8"`` only: keep the residual (True) or not (False:
+            1.02 bytes a fused parameter, each fold losing up to half a code step of its group).
     """
     return ForgeOptimizer(model, rule, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                           backend=backend, clip=clip, clip_value=clip_value, dp_group=dp_group,
                           split_tokens=split_tokens, seed=seed, allreduce=allreduce, grad_dtype=grad_dtype,
                           overlap=overlap, param_groups=param_groups, ws_tokens=ws_tokens, fast_math=fast_math,
-                          kernel=kernel, rest_buckets=rest_buckets, grad_accum=grad_accum, accum_dtype=accum_dtype)
+                          kernel=kernel, rest_buckets=rest_buckets, grad_accum=grad_accum, accum_dtype=accum_dtype,
+                          accum_error_feedback=accum_error_feedback)
 
 
 def detach(model: nn.Module) -> None:

@@ -82,7 +82,8 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, ShardedUpdateMixin, Rest
     def __init__(self, model: nn.Module, rule: Rule, *, state_dtype="fp32", stochastic_rounding=True,
                  backend="auto", clip="none", clip_value=1.0, dp_group=None, split_tokens=SPLIT_TOKENS, seed=0,
                  allreduce=None, grad_dtype="fp32", overlap=False, param_groups=None, ws_tokens=WS_TOKENS,
-                 fast_math=False, kernel="auto", rest_buckets=True, grad_accum=1, accum_dtype="bf16"):
+                 fast_math=False, kernel="auto", rest_buckets=True, grad_accum=1, accum_dtype="bf16",
+                 accum_error_feedback=True):
         """Check the arguments, find the linear layers to fuse and the rest, make the state storage,
         per-layer bookkeeping and launch caches, and patch the layers. One function (about 95
         lines): each step sets attributes the next reads, and most of its length is the checks."""
@@ -153,8 +154,9 @@ class ForgeOptimizer(AccumulateMixin, LayerUpdateMixin, ShardedUpdateMixin, Rest
         # gradient accumulation (forge/accumulate.py): micro-batches counted since the last step,
         # each layer's buffer by slot, the slots whose buffer holds this step's gradient
         self.grad_accum, self.accum_dtype = grad_accum, accum_dtype
+        self.accum_error_feedback = bool(accum_error_feedback)
         self._micro = 0
-        self._accum: dict[int, Tensor] = {}
+        self._accum: dict = {}  # slot -> a Tensor (bf16 / fp32) or an Int8GradBuffer (int8)
         self._filled: set[int] = set()
         # DTensor (FSDP2) parameters: each layer's row split, the reused buffer of its reduced rows
         self._row_shards: dict = {}

@@ -67,7 +67,8 @@ class Forge(Technique):
         opt = attach(run.model, rule, state_dtype=f.state_dtype, stochastic_rounding=f.stochastic_rounding,
                      backend=f.backend, clip=clip, clip_value=clip_value, allreduce=run.all_reduce,
                      grad_dtype=f.grad_dtype, param_groups=decay_groups or None, fast_math=f.fast_math,
-                     kernel=f.kernel, grad_accum=c.data.grad_accum, accum_dtype=f.accum_dtype)
+                     kernel=f.kernel, grad_accum=c.data.grad_accum, accum_dtype=f.accum_dtype,
+                     accum_error_feedback=f.accum_error_feedback)
         self.opt = opt
         if c.train.cuda_graph:  # the eager first step runs the kernels the graph captures
             opt.set_device_scalars(True)
