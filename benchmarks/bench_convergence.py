@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from leantrain.cli import RECIPES  # noqa: E402
 from leantrain.train.report import write_report  # noqa: E402
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     if args.scape_fidelity:
         return scape_fidelity(args)
     if args.forge_accum:
-        from bench_forge_accum import forge_accum
+        from parts.forge_accum import forge_accum
 
         return forge_accum(args)
     results = {}
