@@ -2,7 +2,7 @@ import os
 import sys
 
 # Triton kernels run on CPU through the interpreter in the test suite (set before triton loads).
-# On the GPU machine, LEANTRAIN_TEST_GPU=1 runs them compiled (benchmarks/gpu_all.sh sets it).
+# On the GPU machine, LEANTRAIN_TEST_GPU=1 runs them compiled (benchmarks/gpu.sh sets it).
 if os.environ.get("LEANTRAIN_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
