@@ -212,7 +212,8 @@ def run_budgets(a) -> int:
         row = {"budget": b, "budget_bytes": budget.parse_bytes(b)}
         try:
             row["plan"] = budget.fit(cfg, log=lambda *_: None)
-            row["estimate"] = vars(budget.estimate(cfg)) | {"total": budget.estimate(cfg).total}
+            est = budget.estimate(cfg)
+            row["estimate"] = vars(est) | {"total": est.total}
         except config_mod.ConfigError as e:
             row["refused"] = str(e)
         t0 = time.time()

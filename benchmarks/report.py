@@ -173,6 +173,18 @@ def hf_methods(d):
     return ", ".join(f"{m['method']} {m['tokens_per_second']:.0f}" for m in d["methods"] if "error" not in m)
 
 
+def forge_accum_table(d) -> str:
+    """FORGE's accumulation buffers: bytes a fused parameter and the k=4 loss ratios, per accum_dtype."""
+    names = {"int8": "`int8` (error feedback)", "int8-noef": "`int8`, `accum_error_feedback false`"}
+    lines = ["| `accum_dtype` | bytes held / fused parameter | loss ratio, k=4 vs one 4x batch (all steps / last 10) |",
+             "|---|---|---|"]
+    for key in ("fp32", "bf16", "int8", "int8-noef"):
+        r = d["settings"][key]
+        lines.append(f"| {names.get(key, f'`{key}`')} | {r['bytes_per_fused_parameter']:.2f} | "
+                     f"{r['loss_ratio_all']:.5f} / {r['loss_ratio_last10']:.5f} |")
+    return "\n".join(lines + ["", f"Command: `{d['command']}`"])
+
+
 def finetune_acc(method, lr=None):
     def f(d):
         v = [r["accuracy_after"] for r in d["runs"] if r["method"] == method and (lr is None or r["lr"] == lr)]
@@ -354,7 +366,7 @@ TABLES: dict[str, list[tuple]] = {
     ],
 }
 
-PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge"], "docs/agoq.md": ["agoq"],
+PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
          "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape"], "docs/gift.md": ["gift"],
          "docs/chunkft.md": ["chunkft"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
@@ -389,6 +401,8 @@ def grid_table(page: str) -> str:
 def table(name: str, page: str) -> str:
     if name == "grid":
         return grid_table(page)
+    if name == "forge_accum":
+        return forge_accum_table(load("forge/2026-12-05_cpu_accum.json"))
     cache: dict[str, dict] = {}
     lines = ["| what | measured | target | from |", "|---|---|---|---|"]
     for what, fn, target, rel in TABLES[name]:
