@@ -167,6 +167,8 @@ CONFIGS: dict[str, Config] = {
                                  checkpointing=True),
     "chunkft_fused64_ckpt": Config(_bind(chunkft, num_chunks=64, in_backward=True, state_dtype="bf16"),
                                    checkpointing=True),
+    "chunkft_fused128_ckpt": Config(_bind(chunkft, num_chunks=128, in_backward=True, state_dtype="bf16"),
+                                    checkpointing=True),
     "chunkft_fused_ckpt_agoq": Config(_bind(chunkft, num_chunks=8, agoq=True, in_backward=True,
                                             state_dtype="bf16"), checkpointing=True),
 }
@@ -183,8 +185,9 @@ def vocabulary(preset_name: str, vocab: int | None) -> int:
 
 
 def step_worker(config: str, preset_name: str, vocab: int, batch: int, seq: int, steps: int, warmup: int,
-                device: str) -> dict:
-    """One (configuration, B, T): build, warm up, time ``steps`` steps (in its own process)."""
+                device: str, profile: bool = False) -> dict:
+    """One (configuration, B, T): build, warm up, time ``steps`` steps (in its own process);
+    ``profile``: two more steps under ``torch.profiler``, their kernels by device time."""
     import torch
 
     from leantrain.config import preset
@@ -219,13 +222,36 @@ def step_worker(config: str, preset_name: str, vocab: int, batch: int, seq: int,
     run = steprun.timed_steps(one_step, warmup=warmup, steps=steps, device=device)
     meter = SavedActivationMeter(model.parameters())  # one more step, after the measured ones
     one_step(meter)
+    kernels = profiled(one_step, device) if profile else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     step_s = run["step_s"]
     return {"status": "ok", "step_s": step_s, "tokens_per_s": batch * seq / step_s, "warmup_s": run["warmup_s"],
             "step_s_all": run["times"], "peak_bytes": run["peak_bytes"], "held_bytes": run["held_bytes"],
             "weight_bytes": weight_bytes, "state_bytes": setup.state_bytes(),
             "host_state_bytes": setup.host_state_bytes(), "saved_activation_bytes": meter.bytes,
-            "params": sum(p.numel() for p in model.parameters()), "final_loss": run["final_loss"]}
+            "params": sum(p.numel() for p in model.parameters()), "final_loss": run["final_loss"],
+            **({"profile": kernels} if profile else {})}
+
+
+def profiled(one_step: Callable, device: str, steps: int = 2, top: int = 30) -> dict:
+    """``steps`` steps under ``torch.profiler``: the host's wall time a step, the device's busy
+    time a step, kernel launches a step and the ``top`` operators by device time (the table)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            one_step()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6 / steps if kernels else None
+    table = events.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=top)
+    return {"wall_s": wall, "device_busy_s": busy, "kernels_per_step": len(kernels) / steps, "table": table}
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -238,6 +264,7 @@ def run_one(args, preset_name: str, vocab: int, config: str, batch: int, seq: in
         env["TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"]
     argv = [__file__, "--worker", config, "--presets", preset_name, "--vocab", str(vocab), "--batch", str(batch),
             "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    argv += ["--profile"] if args.profile else []
     t0 = time.time()
     row = {"preset": preset_name, "vocab": vocab, "config": config, "B": batch, "T": seq,
            **steprun.run_worker(argv, args.timeout, env)}
@@ -362,6 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per (configuration, B, T)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="benchmarks/results/memory")
+    ap.add_argument("--profile", action="store_true", help="each row also profiled: device busy time, kernel "
+                    "launches a step and the operators by device time")
     ap.add_argument("--name", default="memory", help="the result files' name: <date>_<hardware>_<name>.json / .md")
     ap.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -369,7 +398,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:  # one (configuration, B, T), in its own process
         steprun.print_result(steprun.guarded(lambda: step_worker(
-            args.worker, args.presets[0], args.vocab, args.batch, args.seq, args.steps, args.warmup, args.device)))
+            args.worker, args.presets[0], args.vocab, args.batch, args.seq, args.steps, args.warmup, args.device,
+            args.profile)))
         return 0
     t0 = time.time()
     head = {"command": harness.command(), "env": harness.env()}

@@ -54,7 +54,7 @@ data: --data FILE (text, or instruct / chat records: the prompt is masked from t
 options: --finetune.num-chunks N --finetune.interval K (ChunkFT), --finetune.eps E (MeZO's eps,
   GRZO's sigma), --finetune.eval-examples N (--task), --agoq, and every --section.field of train.
 defaults (each a config field you may set): optim.lr the method's (tuned on the tiny preset: set
-  it for your model), optim.weight_decay 0, train.eval_every and train.ckpt_every the last step.
+  it for your model; MeZO's scales as 1/parameters, 3e-4 at 3.1M), optim.weight_decay 0, train.eval_every and train.ckpt_every the last step.
 """
 
 TRAIN_EPILOG = """recipes (flags that turn techniques on; they compose):
@@ -226,6 +226,10 @@ def cmd_generate(args, rest) -> int:
 
 # optim.lr of each method when none is given (tuned on the tiny preset and the generated tasks)
 FINETUNE_LR = {"full": 1e-4, "forge": 1e-4, "chunkft": 1e-4, "mezo": 3e-4, "grzo": 1e-5}
+# MeZO's default lr is this over the model's parameter count: a step along one random direction
+# has a variance that grows with the dimension, so ZO-SGD's step shrinks as 1/d. 3e-4 at the tiny
+# preset's 3.1M parameters; about 1e-7 at 13B, the lr MeZO's paper uses for OPT-13B.
+MEZO_LR_TIMES_PARAMS = 944.0
 
 
 def finetune_config(args, rest: list[str]) -> config_mod.Config:
@@ -254,7 +258,12 @@ def finetune_config(args, rest: list[str]) -> config_mod.Config:
         defaults["optim.warmup_steps"] = min(30, steps // 10)
     extra += [x for k, v in defaults.items() if k not in given for x in (f"--{k}", str(v))]
     args.steps = steps
-    return _build_config(args, rest + extra)
+    cfg = _build_config(args, rest + extra)
+    if method == "mezo" and "optim.lr" not in given:
+        from leantrain.train.budget import parameter_count
+
+        cfg.optim.lr = MEZO_LR_TIMES_PARAMS / parameter_count(cfg)
+    return cfg
 
 
 def cmd_finetune(args, rest) -> int:

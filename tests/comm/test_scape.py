@@ -324,8 +324,8 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
                 p_new, st = rule.update(p0, sent, st0, step=step, **rule.hyper())
             w[mask], mom[mask] = p_new, st["exp_avg"]
             last[mask] = step
-        prio = relative(mom.abs(), tensor_ids(b.offsets, [p.numel() for p in b.params], 0, S)) if per_tensor \
-            else mom.abs()
+        ids = tensor_ids(b.offsets, [p.numel() for p in b.params], 0, S).to(device)
+        prio = relative(mom.abs(), ids) if per_tensor else mom.abs()
         prio = prio * (step + 1 - last).float() if score == "m_age" else prio
         prio[(step * n_ex + torch.arange(n_ex, device=device)) % S] = float("inf")
         mask = torch.topk(prio, k).indices.sort().values if step >= dense else None

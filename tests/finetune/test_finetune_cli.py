@@ -198,3 +198,18 @@ def test_resume_continues_bit_for_bit(trained, tmp_path, method):
     other = "full" if name != "full" else "mezo"
     bad = [*base[:2], other, *base[3:]]
     assert cli_main([*bad, "--steps", "6", "--resume", "--out", str(tmp_path / "b")]) == 2
+
+
+def test_mezo_default_lr_shrinks_with_the_parameter_count():
+    from leantrain.cli import build_parser, finetune_config
+    from leantrain.train.budget import parameter_count
+
+    def lr(*argv):
+        args, rest = build_parser().parse_known_args(["finetune", "--method", "mezo", "--task", "lookup", "--out", "unused", *argv])
+        cfg = finetune_config(args, rest)
+        return cfg.optim.lr, parameter_count(cfg)
+
+    (tiny, n_tiny), (big, n_big) = lr("--preset", "tiny"), lr("--preset", "1b")
+    assert n_big > 300 * n_tiny and abs(tiny - 3e-4) < 2e-5
+    assert big * n_big == pytest.approx(tiny * n_tiny) and 5e-7 < big < 2e-6
+    assert lr("--preset", "1b", "--optim.lr", "1e-3")[0] == 1e-3  # (given: kept)

@@ -76,6 +76,11 @@ def _shapes(cfg: Config) -> dict:
             "largest": max(vocab * m.dim, m.dim * 2 * m.ffn_dim, m.dim * (q + 2 * kv)), "row": max(m.dim, m.ffn_dim)}
 
 
+def parameter_count(cfg: Config) -> int:
+    """The parameters of the model ``cfg`` describes (embedding, blocks, final norm, head)."""
+    return _shapes(cfg)["params"]
+
+
 def _state_bytes(dtype: str) -> float:
     return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int8p": 1.0}[dtype]
 
