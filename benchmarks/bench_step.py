@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--recipe", action="append", help="NAME=FLAGS (default: baseline and forge_agoq)")
+    ap.add_argument("--name", help="the result files' name (default: trainer, or trainer-vs-base with --base)")
     a = ap.parse_args(argv)
     recipes = dict(r.split("=", 1) for r in a.recipe) if a.recipe else RECIPES
     trees = {"this": harness.ROOT / "src"}
@@ -76,19 +77,22 @@ def main(argv=None) -> int:
         if a.base:
             row["same_final_losses"] = losses["this"] == losses["base"]
         table[name] = row
-    what = "trainer-vs-base" if a.base else "trainer"
+    what = a.name or ("trainer-vs-base" if a.base else "trainer")
     res = {"what": f"the {a.preset} step through the trainer, B = {a.batch}, {a.steps} steps, median of "
-                   f"{a.rounds} alternated rounds", "command": "python3 benchmarks/bench_step.py " + " ".join(
-               argv if argv is not None else sys.argv[1:]),
-           "env": harness.env(), "median_tokens_per_second": table, "runs": runs}
+                   f"{a.rounds} alternated rounds", "command": harness.command(),
+           "env": harness.env(), "recipes": recipes, "median_tokens_per_second": table, "runs": runs}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / harness.stem(what)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     lines = [f"# {res['what']}", "", "| recipe | " + " | ".join(f"{t} tok/s" for t in trees)
-             + (" | this / base | same losses |" if a.base else " |"), "|---" * (len(trees) + 1 + 2 * bool(a.base)) + "|"]
+             + (" | this / base | same losses |" if a.base else " | peak GiB |"),
+             "|---" * (len(trees) + 2 + bool(a.base)) + "|"]
     for name, row in table.items():
         cells = [f"{row[t]:.0f}" if row[t] else "-" for t in trees]
+        if not a.base:
+            peaks = [r["peak_memory_bytes"] for r in runs if r["recipe"] == name and r.get("peak_memory_bytes")]
+            cells.append(f"{max(peaks) / 2**30:.2f}" if peaks else "-")
         if a.base:
             cells.append(f"{row['this_over_base']:.3f}" if "this_over_base" in row else "-")
             cells.append("yes" if row.get("same_final_losses") else "no")

@@ -93,9 +93,10 @@ lowmem() {
 }
 
 fsdp() {
-  log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ"
-  train1b fsdp --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32
-  train1b fsdp_agoq --dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32 --agoq
+  log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ, against the baseline"
+  local F="--dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32"
+  timeout 420 python3 benchmarks/bench_step.py --preset 1b --batch 8 --steps 16 --rounds 1 --name fsdp-1gpu \
+    --recipe "baseline=--baseline" --recipe "fsdp=$F" --recipe "fsdp_agoq=$F --agoq" --out "$OUT/step" 2>&1 | tail -6
 }
 
 memory() {

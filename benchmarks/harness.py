@@ -67,8 +67,17 @@ def env() -> dict:
 
 
 def command() -> str:
-    """The command line that made this result, as a user would type it."""
-    return "PYTHONPATH=src python3 " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
+    """The command line that made this result, as a user would type it (an absolute path outside
+    the repository, e.g. the GPU machine's output folder, written as ``DIR``: no machine paths)."""
+    def portable(arg: str) -> str:
+        if not arg.startswith("/"):
+            return arg
+        try:
+            return Path(arg).resolve().relative_to(ROOT).as_posix()
+        except ValueError:
+            return "DIR"
+    return "PYTHONPATH=src python3 " + " ".join(["benchmarks/" + Path(sys.argv[0]).name,
+                                                  *map(portable, sys.argv[1:])])
 
 
 def write(out: str | Path, what: str, data: dict, markdown: str | None = None) -> Path:

@@ -185,6 +185,40 @@ def forge_accum_table(d) -> str:
     return "\n".join(lines + ["", f"Command: `{d['command']}`"])
 
 
+def memory_table(rels: list[str]) -> str:
+    """bench_memory's rows: per (preset, vocabulary, T) a table of configuration x B, each cell the
+    allocator peak (GiB) / tokens a second; then the command of each file."""
+    groups: dict[tuple, dict] = {}
+    for rel in rels:
+        for r in load(rel)["rows"]:
+            groups.setdefault((r["preset"], r["vocab"], r["T"]), {}).setdefault(r["config"], {})[r["B"]] = r
+    lines = []
+    for (preset, vocab, seq), by_config in groups.items():
+        batches = sorted({b for rows in by_config.values() for b in rows})
+        lines += [f"**{preset}, vocabulary {vocab}, T = {seq}** (allocator peak GiB / tokens a second)", "",
+                  "| configuration | " + " | ".join(f"B = {b}" for b in batches) + " |",
+                  "|---|" + "---|" * len(batches)]
+        for config, rows in by_config.items():
+            cells = []
+            for b in batches:
+                r = rows.get(b)
+                cells.append("" if r is None else r["status"].split(":")[0] if r["status"] != "ok"
+                             else f"{r['peak_bytes'] / GIB:.2f} / {r['tokens_per_s']:.0f}")
+            lines.append(f"| `{config}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Commands:", ""] + [f"- {link('docs/memory.md', rel)}: `{load(rel)['command']}`" for rel in rels]
+    return "\n".join(lines)
+
+
+def memory_cell(rel_config, preset, vocab, seq, batch):
+    """One bench_memory row: peak GiB and tokens/s, named by its configuration."""
+    def f(d):
+        rows = {r["config"]: r for r in d["rows"] if (r["preset"], r["vocab"], r["T"], r["B"]) == (preset, vocab, seq, batch)}
+        return "; ".join(f"{name} {rows[c]['peak_bytes'] / GIB:.2f} GiB, {rows[c]['tokens_per_s']:.0f} tok/s"
+                         for name, c in rel_config if c in rows)
+    return f
+
+
 def finetune_acc(method, lr=None):
     def f(d):
         v = [r["accuracy_after"] for r in d["runs"] if r["method"] == method and (lr is None or r["lr"] == lr)]
@@ -256,6 +290,11 @@ F_ZO = "finetune/2026-12-02_H200_zo-1b.json"
 F_LOWMEM = "finetune/2026-12-05_cpu_lowmem.json"
 F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
+F_MEM = "memory/2026-12-05_H200_memory.json"
+F_MEM128 = "memory/2026-12-05_H200_memory-8b-128k.json"
+MEM_8B_128K = memory_cell([("ChunkFT + FORGE, 64 chunks", "chunkft_fused64_ckpt"),
+                           ("torchtune's recipe", "torchtune_recipe"), ("torch bf16 + checkpointing", "torch_bf16_ckpt")],
+                          "8b", 128256, 2048, 2)
 
 TABLES: dict[str, list[tuple]] = {
     "readme": [
@@ -272,6 +311,8 @@ TABLES: dict[str, list[tuple]] = {
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
          "≤ 13.5 GiB", F_BUDGET),
+        ("8b (128k vocabulary), B = 2, T = 2048, full fine-tuning step, H200", MEM_8B_128K, "≤ 17 GiB, ≥ torchtune",
+         F_MEM128),
         ("every method from a 1b Hugging Face directory, B = 8, T = 256, H200: tokens/s", hf_methods, "", F_HF1B),
         ("GRZO / MeZO / AdamW peak vs inference, 1b", zo_peak, "≤ 1.1×", F_ZO),
         ("streamed tokenization of a 1 GiB text file (BPE trained on a 64 MB sample)", data_rss, "≤ 2 GB",
@@ -340,6 +381,7 @@ TABLES: dict[str, list[tuple]] = {
          "finetune/2026-12-03_cpu_chunkft-tiny.json"),
         ("7b, B = 1, T = 1024, H200: `--train.memory-budget 13.8GiB`", budget_run("13.8GiB"), "≤ 13.5 GiB", F_BUDGET),
         ("the same, `--train.memory-budget 22GB`", budget_run("22GB"), "", F_BUDGET),
+        ("8b (128k vocabulary), B = 2, T = 2048, one step, H200", MEM_8B_128K, "≤ 17 GiB, ≥ torchtune", F_MEM128),
         ("validation loss vs full AdamW (fp32), tiny, 120 steps from a trained run, 3 seeds",
          lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 1 %", F_LOWMEM),
         ("the same, FORGE's memory recipes", lowmem_ratio(["forge-bf16", "forge-int8-ckpt"]), "within 1 %", F_LOWMEM),
@@ -368,7 +410,7 @@ TABLES: dict[str, list[tuple]] = {
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
          "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape"], "docs/gift.md": ["gift"],
-         "docs/chunkft.md": ["chunkft"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
+         "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
 
@@ -401,6 +443,8 @@ def grid_table(page: str) -> str:
 def table(name: str, page: str) -> str:
     if name == "grid":
         return grid_table(page)
+    if name == "memory":
+        return memory_table([F_MEM128, F_MEM])
     if name == "forge_accum":
         return forge_accum_table(load("forge/2026-12-05_cpu_accum.json"))
     cache: dict[str, dict] = {}
