@@ -73,11 +73,13 @@ class Setup:
 @dataclass(frozen=True)
 class Config:
     """A configuration: ``build(model)`` attaches its optimizer; the model's weights are fp32
-    under bf16 autocast (``fp32_weights``) or bf16; ``checkpointing``: activation checkpointing."""
+    under bf16 autocast (``fp32_weights``) or bf16; ``checkpointing``: activation checkpointing;
+    ``offload``: the checkpointed blocks' inputs in pinned host memory."""
 
     build: Callable
     fp32_weights: bool = False
     checkpointing: bool = False
+    offload: bool = False  # with checkpointing: the blocks' inputs in host memory (model.activation_offload)
 
 
 def _bytes_of(tensors) -> int:
@@ -169,6 +171,10 @@ CONFIGS: dict[str, Config] = {
                                    checkpointing=True),
     "chunkft_fused128_ckpt": Config(_bind(chunkft, num_chunks=128, in_backward=True, state_dtype="bf16"),
                                     checkpointing=True),
+    "chunkft_fused64_offload": Config(_bind(chunkft, num_chunks=64, in_backward=True, state_dtype="bf16"),
+                                      checkpointing=True, offload=True),
+    "chunkft_fused128_offload": Config(_bind(chunkft, num_chunks=128, in_backward=True, state_dtype="bf16"),
+                                       checkpointing=True, offload=True),
     "chunkft_fused_ckpt_agoq": Config(_bind(chunkft, num_chunks=8, agoq=True, in_backward=True,
                                             state_dtype="bf16"), checkpointing=True),
 }
@@ -198,7 +204,7 @@ def step_worker(config: str, preset_name: str, vocab: int, batch: int, seq: int,
     torch.manual_seed(0)
     cfg = preset(preset_name).model
     cfg.vocab_size, cfg.max_seq_len = vocab, max(cfg.max_seq_len, seq)
-    cfg.activation_checkpointing = spec.checkpointing
+    cfg.activation_checkpointing, cfg.activation_offload = spec.checkpointing, spec.offload
     with torch.device(device):
         model = Llama(cfg)
     if not spec.fp32_weights:

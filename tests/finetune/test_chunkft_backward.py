@@ -14,11 +14,12 @@ from leantrain.finetune import ChunkFT
 from leantrain.model import Llama
 
 
-def _llama(tie: bool = False, ckpt: bool = False, seed: int = 0) -> Llama:
+def _llama(tie: bool = False, ckpt: bool = False, seed: int = 0, offload: bool = False) -> Llama:
     cfg = C.build("tiny", overrides={"model.dim": "48", "model.n_layers": "2", "model.n_heads": "4",
                                      "model.n_kv_heads": "2", "model.ffn_dim": "80", "model.max_seq_len": "32", "data.seq_len": "32",
                                      "model.tie_embeddings": str(tie).lower(),
-                                     "model.activation_checkpointing": str(ckpt).lower()})
+                                     "model.activation_checkpointing": str(ckpt).lower(),
+                                     "model.activation_offload": str(offload).lower()})
     cfg.model.vocab_size = 97
     torch.manual_seed(seed)
     return Llama(cfg.model)
@@ -88,10 +89,11 @@ def test_no_gradient_rows_are_held_after_backward():
     assert opt.last["grad_norm"] > 0 and not opt.stepped
 
 
-def test_accumulation_under_no_sync_and_activation_checkpointing():
+@pytest.mark.parametrize("offload", [False, True])
+def test_accumulation_under_no_sync_and_activation_checkpointing(offload):
     m0 = _llama()
     a = copy.deepcopy(m0)
-    c = _llama(ckpt=True)
+    c = _llama(ckpt=True, offload=offload)
     c.load_state_dict(m0.state_dict())
     b = copy.deepcopy(m0)
     oa = ChunkFT(a, "adamw", num_chunks=2, lr=1e-2, in_backward=True)

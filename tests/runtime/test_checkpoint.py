@@ -16,15 +16,15 @@ from leantrain.ops._backend import HAS_TRITON, interpreting
 from leantrain.train.trainer import Trainer
 
 
-def _models(small=False):
+def _models(small=False, offload=False, device="cpu"):
     cfg = preset("tiny").model
     if small:  # (the Triton interpreter runs every kernel program in Python)
         cfg = dataclasses.replace(cfg, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=128,
                                   max_seq_len=64)
     torch.manual_seed(0)
-    plain = Llama(cfg)
+    plain = Llama(cfg).to(device)
     ck = copy.deepcopy(plain)
-    ck.cfg = dataclasses.replace(cfg, activation_checkpointing=True)
+    ck.cfg = dataclasses.replace(cfg, activation_checkpointing=True, activation_offload=offload)
     return cfg, plain, ck
 
 
@@ -46,8 +46,9 @@ def _saved_bytes(model, batch):
     return loss, sum(seen)
 
 
-def test_same_loss_and_gradients_with_fewer_saved_bytes():
-    cfg, plain, ck = _models()
+@pytest.mark.parametrize("offload", [False, True])
+def test_same_loss_and_gradients_with_fewer_saved_bytes(offload):
+    cfg, plain, ck = _models(offload=offload)
     batch = _batch(cfg)
     l0, b0 = _saved_bytes(plain, batch)
     l1, b1 = _saved_bytes(ck, batch)
@@ -57,17 +58,45 @@ def test_same_loss_and_gradients_with_fewer_saved_bytes():
     for (name, p), q in zip(plain.named_parameters(), ck.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert b1 < 0.5 * b0, (b1, b0)
+    if offload:  # the blocks' inputs are held by the offload, not saved through autograd: only the head's saves
+        _, _, ck_only = _models()
+        assert b1 < _saved_bytes(ck_only, batch)[1] - (cfg.n_layers - 1) * batch[0].numel() * cfg.dim * 4
     with torch.no_grad():  # evaluation: no checkpoint, the same values
         assert torch.equal(plain(*batch), ck(*batch))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_offload_on_cuda_same_gradients_and_a_lower_peak():
+    """On a GPU the blocks' inputs go to pinned host memory: the same gradients as checkpointing
+    without offload, and a peak lower by about every block's input but one."""
+    cfg, _, ck = _models(device="cuda")
+    off = copy.deepcopy(ck)
+    off.cfg = dataclasses.replace(ck.cfg, activation_offload=True)
+    batch = [t.cuda() for t in _batch(cfg, b=8, t=256)]
+    peaks = []
+    for m in (ck, off):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        m(*batch).backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    for (name, p), q in zip(ck.named_parameters(), off.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    inputs = (cfg.n_layers - 1) * batch[0].numel() * cfg.dim * 4
+    assert peaks[1] < peaks[0] - 0.5 * inputs, (peaks, inputs)
+
+
+@pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_forge_with_checkpointing_equals_forge(backend):
+def test_forge_with_checkpointing_equals_forge(backend, offload):
     """Each block's recompute reads its weights before its own backward updates them: three FORGE
-    steps with checkpointing give the weights and states of three without, bit for bit."""
+    steps with checkpointing (and with its inputs offloaded) give the weights and states of three
+    without, bit for bit."""
     if backend == "triton" and not (HAS_TRITON and interpreting()):
         pytest.skip("the Triton interpreter")
-    cfg, plain, ck = _models(small=True)
+    cfg, plain, ck = _models(small=True, offload=offload)
     opts = [lt.forge.attach(m, lt.optim.AdamW(lr=1e-3, weight_decay=0.1), backend=backend, clip="prev_global",
                             clip_value=1.0) for m in (plain, ck)]
     for s in range(3):
@@ -88,12 +117,23 @@ def test_trainer_refuses_checkpointing_with_agoq(corpus, tmp_path):
         Trainer(cfg, tmp_path / "run")
 
 
+def test_offload_needs_checkpointing_and_one_process(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="activation-checkpointing true"):
+        tiny_config(corpus, **{"model.activation_offload": "true"})
+    cfg = tiny_config(corpus, **{"model.activation_checkpointing": "true", "model.activation_offload": "true",
+                                 "dist.mode": "fsdp"})
+    with pytest.raises(ConfigError, match="activation_offload runs in one process"):
+        Trainer(cfg, tmp_path / "run")
+
+
 def test_trainer_with_checkpointing_follows_the_plain_run(corpus, tmp_path):
     curves = []
-    for ck in ("false", "true"):
+    for ck, off in (("false", "false"), ("true", "false"), ("true", "true")):
         cfg = tiny_config(corpus, **{"train.steps": "3", "train.eval_every": "0", "train.ckpt_every": "0",
-                                     "model.activation_checkpointing": ck, "forge.enabled": "true"})
-        tr = Trainer(cfg, tmp_path / f"c{ck}")
+                                     "model.activation_checkpointing": ck, "model.activation_offload": off,
+                                     "forge.enabled": "true"})
+        tr = Trainer(cfg, tmp_path / f"c{ck}{off}")
         tr.fit()
-        curves.append([json.loads(x)["loss"] for x in (tmp_path / f"c{ck}" / "metrics.jsonl").read_text().splitlines()])
-    assert curves[0] == curves[1]
+        curves.append([json.loads(x)["loss"] for x in
+                       (tmp_path / f"c{ck}{off}" / "metrics.jsonl").read_text().splitlines()])
+    assert curves[0] == curves[1] == curves[2]

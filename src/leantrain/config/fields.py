@@ -213,6 +213,9 @@ def validate(cfg: Config) -> None:
         (m.head_dim is not None or (m.dim % m.n_heads == 0 and (m.dim // m.n_heads) % 2 == 0),
          f"model.dim ({m.dim}) must divide into model.n_heads ({m.n_heads}) heads of even size "
          f"(e.g. --model.dim {max(m.n_heads * 2, (m.dim // (2 * m.n_heads)) * 2 * m.n_heads)})"),
+        (m.activation_checkpointing or not m.activation_offload,
+         "model.activation_offload moves the inputs that activation checkpointing keeps: set "
+         "--model.activation-checkpointing true too"),
         (m.loss_chunk >= 0, "model.loss_chunk must be >= 0 (0: the loss in one piece)"),
         (d.tokenizer_vocab >= 300, "data.tokenizer_vocab must be at least 300 (256 bytes + specials)"),
         (cfg.dist.replicate >= 1, f"dist.replicate must be >= 1 (1: plain FSDP), got {cfg.dist.replicate}"),

@@ -85,6 +85,10 @@ class ModelConfig:
     # change in its own backward, after the recompute that reads them); not with AGoQ (which
     # compresses exactly the saved activations that checkpointing drops).
     activation_checkpointing: bool = False
+    # with activation_checkpointing: each block's input in pinned host memory from its forward to
+    # its backward (copied out on a side stream, back before the recompute; leantrain/model/offload.py),
+    # so the device holds one block's activations, not every block's input. One process only.
+    activation_offload: bool = False
 
 
 @dataclass

@@ -7,7 +7,8 @@ backward at the query heads' count), optional tied embedding / LM head, the cros
 fused with the LM head in vocabulary slices, no logits tensor (``fused_loss``,
 :class:`LMHead`), or after the logits in chunks of ``loss_chunk`` tokens
 (:func:`chunked_cross_entropy`); optional activation checkpointing per block
-(``activation_checkpointing``); q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
+(``activation_checkpointing``; with ``activation_offload`` the blocks' inputs wait in host memory,
+:mod:`leantrain.model.offload`); q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
 (``fused_proj``, the default: fewer, larger GEMMs and optimizer updates; checkpoints load either
 way), and SwiGLU as one function saving gate and up only (``fused_swiglu``, the default).
 Options for models brought from Hugging Face (:mod:`leantrain.model.hf`), all off by default:
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from leantrain.config import ModelConfig
 from leantrain.model.extension import GradSink
 from leantrain.model.losses import linear_cross_entropy
+from leantrain.model.offload import offloaded_block
 from leantrain.ops.norm import rms_norm, rms_norm_fwd_ref
 from leantrain.ops.rope import rope, rope_ref
 from leantrain.ops.swiglu import swiglu, swiglu_ref
@@ -406,7 +408,9 @@ class Llama(nn.Module):
         x = self.embed_tokens(idx)
         ckpt = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            if ckpt:  # (the blocks draw no random numbers: no RNG state to save and restore)
+            if ckpt and self.cfg.activation_offload:
+                x = offloaded_block(layer, x, cos, sin, mask)
+            elif ckpt:  # (the blocks draw no random numbers: no RNG state to save and restore)
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = layer(x, cos, sin, mask, None if cache is None else (cache, i))

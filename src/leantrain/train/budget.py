@@ -99,8 +99,8 @@ def estimate(cfg: Config) -> Estimate:
         block_saves = int(block_saves * (cfg.agoq.bits + 1.0) / (8 * ab))  # (codes plus a scale per group)
     if zeroth:
         acts = 0
-    elif m.activation_checkpointing:
-        acts = tokens * (m.n_layers * m.dim * ab + block_saves)
+    elif m.activation_checkpointing:  # (every block's input, unless offloaded; one block's saves)
+        acts = tokens * ((0 if m.activation_offload else m.n_layers * m.dim * ab) + block_saves)
     else:
         acts = tokens * m.n_layers * block_saves
     # the loss: the fused head keeps no logits; a slice of the vocabulary in fp32 at a time
@@ -140,6 +140,9 @@ def plans(cfg: Config) -> list[tuple[str, dict]]:
                     {"train.weights": "bf16", "forge.enabled": True, "forge.state_dtype": "fp32", "agoq.enabled": False,
                      "finetune.method": "chunkft", "finetune.num_chunks": n, "finetune.chunk_state_dtype": "bf16",
                      "model.activation_checkpointing": True}))
+    # the leanest: the blocks' inputs in host memory too (two host copies of them a step)
+    out.append(("ChunkFT + FORGE, 256 chunks, bf16 weights and state, activation checkpointing, the blocks' "
+                "inputs offloaded to host memory", {**out[-1][1], "model.activation_offload": True}))
     return out
 
 

@@ -204,6 +204,10 @@ class Trainer:
         if self.baseline and asked:
             raise ConfigError(f"--baseline is plain PyTorch AdamW: do not combine it with {', '.join(asked)}")
         techniques.check(self.technique_classes, c, device=self.device, world=self.world)
+        if c.model.activation_offload and (self.world > 1 or c.dist.mode == "fsdp"):
+            raise ConfigError("model.activation_offload runs in one process (its recompute back-propagates "
+                              "through the block on its own, which DDP's and FSDP's gradient hooks do not "
+                              "expect); under torchrun use model.activation_checkpointing alone")
         if c.train.compile and c.train.cuda_graph:
             raise ConfigError("train.compile and train.cuda_graph both change how the step runs; choose one")
         if c.train.cuda_graph:
