@@ -67,25 +67,26 @@ def test_same_loss_and_gradients_with_fewer_saved_bytes(offload):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-def test_offload_on_cuda_same_gradients_and_a_lower_peak():
+def test_offload_on_cuda_same_gradients_and_nothing_held_across_the_step():
     """On a GPU the blocks' inputs go to pinned host memory: the same gradients as checkpointing
-    without offload, and a peak lower by about every block's input but one."""
+    without offload, and between forward and backward the device holds none of the blocks' inputs."""
     cfg, _, ck = _models(device="cuda")
     off = copy.deepcopy(ck)
     off.cfg = dataclasses.replace(ck.cfg, activation_offload=True)
     batch = [t.cuda() for t in _batch(cfg, b=8, t=256)]
-    peaks = []
+    held = []
     for m in (ck, off):
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        m(*batch).backward()
+        loss = m(*batch)
         torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
+        torch.empty(1, device="cuda")  # (the allocator frees blocks whose side-stream copies have ended)
+        held.append(torch.cuda.memory_allocated() - base)
+        loss.backward()
     for (name, p), q in zip(ck.named_parameters(), off.parameters()):
         assert torch.equal(p.grad, q.grad), name
-    inputs = (cfg.n_layers - 1) * batch[0].numel() * cfg.dim * 4
-    assert peaks[1] < peaks[0] - 0.5 * inputs, (peaks, inputs)
+    inputs = (cfg.n_layers - 1) * batch[0].numel() * cfg.dim * 4  # (fp32: every block's input but the first's)
+    assert held[1] < held[0] - 0.9 * inputs, (held, inputs)
 
 
 @pytest.mark.parametrize("offload", [False, True])
