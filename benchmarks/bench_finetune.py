@@ -149,7 +149,7 @@ def _own_process(args: list[str]) -> int:
 
 def _save_hf_result(a, out: Path, rows: list) -> None:
     """``hf.json``, written after every method: a run stopped by a time limit keeps what it finished."""
-    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "env": harness.env(),
+    result = {"command": harness.command(), "env": harness.env(),
               "preset": a.hf_preset, "task": a.task, "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
               "methods": rows}
     (out / "hf.json").write_text(json.dumps(result, indent=1))
@@ -181,7 +181,7 @@ def run_lowmem(a) -> int:
     for r in rows:
         r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
     means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in recipes}
-    result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "env": harness.env(),
+    result = {"command": harness.command(), "env": harness.env(),
               "preset": a.preset, "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
               "seq_len": a.seq_len, "seeds": a.seeds,
               "source": a.source or f"random weights of the {a.preset} preset", "runs": rows,
@@ -230,7 +230,7 @@ def run_budgets(a) -> int:
             print(f"{b}: {row.get('refused', row['error'])}", flush=True)
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
         rows.append(row)
-        result = {"command": "python3 benchmarks/bench_finetune.py " + " ".join(sys.argv[1:]), "env": harness.env(),
+        result = {"command": harness.command(), "env": harness.env(),
                   "preset": a.preset, "task": a.task, "steps": a.steps, "batch_size": a.batch_size,
                   "seq_len": a.seq_len, "runs": rows}
         (out / "budgets.json").write_text(json.dumps(result, indent=1))

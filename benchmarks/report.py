@@ -170,7 +170,8 @@ def budget_run(budget):
 
 
 def hf_methods(d):
-    return ", ".join(f"{m['method']} {m['tokens_per_second']:.0f}" for m in d["methods"] if "error" not in m)
+    return ", ".join(f"{m['method']} {m['tokens_per_second']:.0f} ({m['peak_memory_bytes'] / GIB:.1f} GiB)"
+                     for m in d["methods"] if "error" not in m)
 
 
 def forge_accum_table(d) -> str:
@@ -208,6 +209,34 @@ def memory_table(rels: list[str]) -> str:
         lines.append("")
     lines += ["Commands:", ""] + [f"- {link('docs/memory.md', rel)}: `{load(rel)['command']}`" for rel in rels]
     return "\n".join(lines)
+
+
+def profile_table(rel: str, page: str, top: int = 4) -> str:
+    """bench_memory --profile: per configuration the step time, the device's busy time and kernel
+    launches a step, and the operators taking the most device time (ms a step)."""
+    d = load(rel)
+    lines = ["| configuration | s a step | device busy s a step | kernels a step | most device time (ms a step) |",
+             "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        p = r["profile"]
+        steps = 2  # (bench_memory.profiled's default)
+        ops = []
+        table = p["table"].splitlines()
+        edges, at = [], 0  # the columns' spans, from the dashed rule under the header
+        for seg in table[0].split("  "):
+            if seg:
+                edges.append((at, at + len(seg)))
+            at += len(seg) + 2
+        for row in table[3:]:
+            cells = [row[a:b].strip() for a, b in edges]
+            if len(cells) < 10 or not cells[6].endswith("ms"):  # (column 6: self CUDA time)
+                continue
+            name = cells[0]  # (ranges, autograd nodes and raw kernels overlap the operators: left out)
+            if not name.startswith(("Optimizer.step", "nvjet", "void", "cudnn")) and not name.endswith("Backward"):
+                ops.append(f"`{name}` {float(cells[6][:-2]) / steps:.1f}")
+        lines.append(f"| `{r['config']}` | {r['step_s']:.3f} | {p['device_busy_s']:.3f} | {p['kernels_per_step']:.0f} | "
+                     + ", ".join(ops[:top]) + " |")
+    return "\n".join(lines + ["", f"From {link(page, rel)}: `{d['command']}`"])
 
 
 def memory_cell(rel_config, preset, vocab, seq, batch):
@@ -292,7 +321,8 @@ F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
 F_MEM = "memory/2026-12-05_H200_memory.json"
 F_MEM128 = "memory/2026-12-05_H200_memory-8b-128k.json"
-MEM_8B_128K = memory_cell([("ChunkFT + FORGE, 64 chunks", "chunkft_fused64_ckpt"),
+F_PROFILE = "memory/2026-12-05_H200_profile-7b.json"
+MEM_8B_128K = memory_cell([("ChunkFT + FORGE, 128 chunks, inputs offloaded", "chunkft_fused128_offload"),
                            ("torchtune's recipe", "torchtune_recipe"), ("torch bf16 + checkpointing", "torch_bf16_ckpt")],
                           "8b", 128256, 2048, 2)
 
@@ -313,7 +343,7 @@ TABLES: dict[str, list[tuple]] = {
          "≤ 13.5 GiB", F_BUDGET),
         ("8b (128k vocabulary), B = 2, T = 2048, full fine-tuning step, H200", MEM_8B_128K, "≤ 17 GiB, ≥ torchtune",
          F_MEM128),
-        ("every method from a 1b Hugging Face directory, B = 8, T = 256, H200: tokens/s", hf_methods, "", F_HF1B),
+        ("every method from a 1b Hugging Face directory, B = 8, T = 256, H200: tokens/s (allocator peak)", hf_methods, "", F_HF1B),
         ("GRZO / MeZO / AdamW peak vs inference, 1b", zo_peak, "≤ 1.1×", F_ZO),
         ("streamed tokenization of a 1 GiB text file (BPE trained on a 64 MB sample)", data_rss, "≤ 2 GB",
          "data/2026-12-04_cpu.json"),
@@ -445,6 +475,8 @@ def table(name: str, page: str) -> str:
         return grid_table(page)
     if name == "memory":
         return memory_table([F_MEM128, F_MEM])
+    if name == "memory_profile":
+        return profile_table(F_PROFILE, page)
     if name == "forge_accum":
         return forge_accum_table(load("forge/2026-12-05_cpu_accum.json"))
     cache: dict[str, dict] = {}
