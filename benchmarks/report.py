@@ -239,6 +239,15 @@ def profile_table(rel: str, page: str, top: int = 4) -> str:
     return "\n".join(lines + ["", f"From {link(page, rel)}: `{d['command']}`"])
 
 
+def step_runs(d):
+    """bench_step without a base: each recipe's tokens/s and allocator peak."""
+    out = []
+    for name, row in d["median_tokens_per_second"].items():
+        peaks = [r["peak_memory_bytes"] for r in d["runs"] if r["recipe"] == name and r.get("peak_memory_bytes")]
+        out.append(f"{name} {row['this']:.0f} tok/s, {max(peaks) / GIB:.2f} GiB")
+    return "; ".join(out)
+
+
 def memory_cell(rel_config, preset, vocab, seq, batch):
     """One bench_memory row: peak GiB and tokens/s, named by its configuration."""
     def f(d):
@@ -426,6 +435,10 @@ TABLES: dict[str, list[tuple]] = {
         ("the same on the CPU", lambda d: f"{finetune_acc('grzo')(d)} / {finetune_acc('mezo')(d)}", "GRZO higher",
          "finetune/2026-12-02_cpu_zo-tiny.json"),
     ],
+    "fsdp": [
+        ("1b, B = 8, T = 1024, one H200: baseline / FSDP2 (bf16 all-gathers) / FSDP2 + AGoQ", step_runs, "",
+         "step/2026-12-05_H200_fsdp-1gpu.json"),
+    ],
     "ops": [
         ("quantize / dequantize int8, int4 (fp32, g128), 2 GiB, vs copy",
          ops_frac(2048, ["quantize int8 g128 fp32", "dequantize int8 g128 ->fp32", "quantize int4 g128 fp32",
@@ -440,7 +453,7 @@ TABLES: dict[str, list[tuple]] = {
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
          "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape"], "docs/gift.md": ["gift"],
-         "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
+         "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/fsdp.md": ["fsdp"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
 
