@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("json")
     p = sub.add_parser("project")
     p.add_argument("json")
-    p.add_argument("--holdout", default="300mbit", help="the rates (comma list) whose points are predicted, not fitted")
+    p.add_argument("--holdout", default="300mbit,30mbit",
+                   help="the rates (comma list) whose points are predicted, not fitted")
     p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)

@@ -1,0 +1,175 @@
+"""The cost model fitted to a cluster sweep and checked on points it was not fitted to.
+
+    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
+
+Model (:func:`leantrain.comm.cost.fit_step_model`): a step is the recipe's compute (its step with
+an unlimited link, compression kernels included) plus the link time ``8 * wire_bytes / (efficiency
+* rate)`` that exceeds the compute the recipe's communication runs under (``hidden``; 0 for the
+recipes whose trainer sends after backward). ``wire_bytes`` is the busiest node's veth bytes a step
+in the timed window (steady state: SCAPE's dense first step is outside it). One ``efficiency`` for
+every recipe; ``compute`` and ``hidden`` per recipe.
+
+Checks, each on real points the fit did not see:
+
+- the split: every point at the held-out rates (default 300 Mbit/s, inside the fitted range, and
+  30 Mbit/s, below it) is predicted by a model fitted on all the others;
+- leave one rate out: for each shaped rate in turn, its points are predicted by a model fitted on
+  every other rate (the unshaped points are always fitted: they are the only ones that show a
+  recipe's compute alone).
+
+The sweep has one layout (its nodes x ranks), so errors are broken down by recipe and rate only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+from leantrain.comm.cost import held_out_check  # noqa: E402
+
+# the recipes whose collectives the trainer launches during backward (DDP's bucket hooks, the
+# sharded optimizer's reduce-scatter hooks: see leantrain.parallel.sharded), so their transfers run
+# under compute; GIFT reduces every gradient after backward, so it gets no hidden time
+NO_OVERLAP_METHODS = ("gift",)
+# the flag that names a recipe's communication method (the older sweeps recorded --dist.comm)
+METHOD_FLAGS = ("--comm.method", "--dist.comm")
+# a point is "link-bound" when the model puts at least this share of its step on the link
+LINK_BOUND_SHARE = 0.5
+
+
+def overlapped_recipes(doc: dict) -> list[str]:
+    """The sweep's recipes whose communication can run under backward (see NO_OVERLAP_METHODS)."""
+    out = []
+    for name, flags in doc["recipes"].items():
+        method = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f in METHOD_FLAGS), "none")
+        if method not in NO_OVERLAP_METHODS:
+            out.append(name)
+    return out
+
+
+def rows_of(doc: dict) -> list[dict]:
+    return [{"recipe": p["recipe"], "rate": p["rate"], "rate_bps": p["rate_bps"], "step_time_s": p["step_time_s"],
+             "wire_bytes": max(p["wire_tx_bytes_per_step"])} for p in doc["points"]]
+
+
+def _summary(points: list[dict]) -> dict:
+    errors = [abs(p["error"]) for p in points]
+    return {"points": len(errors), "mean_abs_error": statistics.fmean(errors), "max_abs_error": max(errors)}
+
+
+def fit_and_check(doc: dict, holdout: str) -> dict:
+    """The fit on every rate but ``holdout`` (comma list) and its errors on the held-out points."""
+    rows = rows_of(doc)
+    held = set(holdout.split(","))
+    missing = held - {r["rate"] for r in rows}
+    if missing:
+        raise SystemExit(f"project: the sweep has no points at {sorted(missing)}; its rates: "
+                         f"{sorted({r['rate'] for r in rows})}")
+    overlap = overlapped_recipes(doc)
+    res = held_out_check(rows, lambda r: r["rate"] in held, overlap=overlap)
+    m, ref = res["model"], doc["reference"]
+    return {"model": m, "fit": res["fit"], "held_out": res["held_out"], "holdout_rate": holdout,
+            "overlap": overlap, "summary": _summary(res["held_out"]),
+            "link_bound": _summary([p for p in res["held_out"] if p["comm_share_model"] >= LINK_BOUND_SHARE]
+                                   or [{"error": float("nan")}]),
+            "kernel_overhead_s": {k: v - m.compute_s[ref[k]] for k, v in m.compute_s.items()
+                                  if ref.get(k) in m.compute_s and ref[k] != k}}
+
+
+def leave_one_rate_out(doc: dict) -> dict:
+    """Every shaped point predicted by a model fitted without its rate; errors overall, by recipe
+    and by rate."""
+    rows = rows_of(doc)
+    overlap = overlapped_recipes(doc)
+    points, efficiency = [], {}
+    for rate in dict.fromkeys(r["rate"] for r in rows if r["rate_bps"]):
+        res = held_out_check(rows, lambda r, rate=rate: r["rate"] == rate, overlap=overlap)
+        points += res["held_out"]
+        efficiency[rate] = res["model"].efficiency
+    by_recipe = {k: _summary([p for p in points if p["recipe"] == k]) for k in dict.fromkeys(p["recipe"] for p in points)}
+    by_rate = {k: _summary([p for p in points if p["rate"] == k]) for k in dict.fromkeys(p["rate"] for p in points)}
+    return {"points": points, "summary": _summary(points), "by_recipe": by_recipe, "by_rate": by_rate,
+            "efficiency_by_held_out_rate": efficiency,
+            "link_bound": _summary([p for p in points if p["comm_share_model"] >= LINK_BOUND_SHARE])}
+
+
+def compute_spread(doc: dict, fc: dict) -> dict:
+    """Per recipe, the measured steps of the points the fitted model puts less than 5 % on the link
+    (all fitted and held-out points): how much the compute alone moved between runs on this shared
+    host, a floor under any model's error on them."""
+    out = {}
+    for p in fc["fit"] + fc["held_out"]:
+        if p["comm_share_model"] < 0.05:
+            out.setdefault(p["recipe"], []).append(p["measured_s"])
+    return {k: {"n": len(v), "min_s": min(v), "max_s": max(v), "half_range": (max(v) - min(v)) / (max(v) + min(v))}
+            for k, v in out.items() if len(v) > 1}
+
+
+def repeatability(doc: dict) -> dict:
+    """The points the sweep measured twice (``replaced_points``: the same recipe and rate run
+    again later): each pair's step times and their difference over their mean. Neither run of a
+    pair is a fitted point's substitute; this is the measurement's own noise."""
+    now = {(p["recipe"], p["rate"]): p["step_time_s"] for p in doc["points"]}
+    pairs = [{"recipe": p["recipe"], "rate": p["rate"], "step_s": now[(p["recipe"], p["rate"])],
+              "earlier_step_s": p["step_time_s"]} for p in doc.get("replaced_points", [])
+             if (p["recipe"], p["rate"]) in now]
+    for q in pairs:
+        q["difference"] = abs(q["step_s"] - q["earlier_step_s"]) / ((q["step_s"] + q["earlier_step_s"]) / 2)
+    diffs = sorted(q["difference"] for q in pairs)
+    return {"pairs": pairs, "median_difference": statistics.median(diffs) if diffs else None,
+            "max_difference": diffs[-1] if diffs else None}
+
+
+def markdown(fit: dict, cv: dict) -> list[str]:
+    """The fit's section of the projection's markdown."""
+    m = fit["model"]
+    s, lb = fit["summary"], fit["link_bound"]
+    L = ["Model: step = compute(recipe) + max(0, 8 x wire bytes / (efficiency x rate) - hidden(recipe)) "
+         "(leantrain.comm.cost.fit_step_model); hidden = 0 for the recipes whose trainer sends after backward "
+         f"({', '.join(r for r in m.compute_s if r not in fit['overlap'])}).",
+         f"Fitted on every rate but {fit['holdout_rate']}: efficiency {m.efficiency:.3f} of the nominal rate; "
+         f"latency {'fitted' if m.alpha_fitted else 'not separable from compute here (no delay sweep, no call counts)'}.",
+         "", "| recipe | compute s (unlimited link) | hidden s (link time under compute) | kernels' overhead vs reference s |",
+         "|---|---|---|---|"]
+    for r, c in m.compute_s.items():
+        k = fit["kernel_overhead_s"].get(r)
+        L.append(f"| {r} | {c:.3f} | {m.hidden_s.get(r, 0.0):.3f} | {'–' if k is None else f'{k:+.3f}'} |")
+    L += ["", f"Held out ({fit['holdout_rate']}): mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%} "
+          f"over {s['points']} points (target 15 %); on the {lb['points']} link-bound ones (model: at least "
+          f"{LINK_BOUND_SHARE:.0%} of the step on the link) mean {lb['mean_abs_error']:.1%}, max {lb['max_abs_error']:.1%}.",
+          "", "| rate | recipe | measured s | predicted s | error | model's link share |", "|---|---|---|---|---|---|"]
+    L += [f"| {p['rate']} | {p['recipe']} | {p['measured_s']:.3f} | {p['predicted_s']:.3f} | {p['error']:+.1%} | "
+          f"{p['comm_share_model']:.0%} |" for p in fit["held_out"]]
+    fit_errors = [abs(p["error"]) for p in fit["fit"]]
+    L += ["", f"On the fitted points: mean |error| {statistics.fmean(fit_errors):.1%}, max {max(fit_errors):.1%}.", ""]
+    cs, cl = cv["summary"], cv["link_bound"]
+    rates = list(cv["by_rate"])
+    L += ["Leave one rate out (each shaped rate predicted by a model fitted on the others): "
+          f"mean |error| {cs['mean_abs_error']:.1%}, max {cs['max_abs_error']:.1%} over {cs['points']} points; "
+          f"link-bound points mean {cl['mean_abs_error']:.1%}, max {cl['max_abs_error']:.1%}. Efficiency fitted without "
+          "each rate: " + ", ".join(f"{k} {v:.3f}" for k, v in cv["efficiency_by_held_out_rate"].items()) + ".", "",
+          "| recipe | " + " | ".join(rates) + " | mean | max |", "|---|" + "---|" * (len(rates) + 2)]
+    for r, summ in cv["by_recipe"].items():
+        cells = {p["rate"]: f"{p['error']:+.1%}" for p in cv["points"] if p["recipe"] == r}
+        L.append(f"| {r} | " + " | ".join(cells.get(k, "–") for k in rates) +
+                 f" | {summ['mean_abs_error']:.1%} | {summ['max_abs_error']:.1%} |")
+    L.append("| mean, max | " + " | ".join(f"{v['mean_abs_error']:.1%}, {v['max_abs_error']:.1%}"
+                                           for v in cv["by_rate"].values()) + " | | |")
+    spread = fit["compute_spread"]
+    L += ["", "Compute alone moved between runs (points with under 5 % of the step on the link, fitted and held out; "
+          "the host is shared, see the sweep's load column): "
+          + "; ".join(f"{k} {v['min_s']:.2f}-{v['max_s']:.2f} s (±{v['half_range']:.0%}, {v['n']} runs)"
+                      for k, v in spread.items()) + ". A point of a recipe whose compute moves by more than 15 % "
+          "cannot be predicted within 15 % by any function of the link.", ""]
+    rep = fit["repeatability"]
+    if rep["pairs"]:
+        worst = sorted(rep["pairs"], key=lambda q: -q["difference"])[:4]
+        L += [f"Repeatability: {len(rep['pairs'])} points of the sweep were measured twice (its replaced_points, "
+              f"the earlier runs under a heavier host load); the two step times differ by a median "
+              f"{rep['median_difference']:.0%}, at most {rep['max_difference']:.0%} ("
+              + ", ".join(f"{q['recipe']} at {q['rate']} {q['earlier_step_s']:.2f} / {q['step_s']:.2f} s" for q in worst)
+              + ").", ""]
+    return L
