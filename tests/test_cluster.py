@@ -133,6 +133,10 @@ def test_cost_fit_recovers_known_compute_hidden_time_and_efficiency():
     assert m.hidden_s["gift"] == 0.0
     for r in rows:
         assert abs(m.predict(r) / r["step_time_s"] - 1) < 0.01
+    # a row whose bytes are all sent after compute (overlap_share 0) pays its whole link time
+    r = next(r for r in rows if r["recipe"] == "ddp" and r["rate_bps"] == 1e9)
+    assert m.comm_s(dict(r, overlap_share=0.0)) == pytest.approx(m.link_s(r))
+    assert m.comm_s(r) == pytest.approx(max(0.0, m.link_s(r) - m.hidden_s["ddp"]))
     # without the hinge the same data read as an efficiency above the true one (the overlap shows
     # up as a faster link) and a worse fit
     flat = fit_step_model(rows)

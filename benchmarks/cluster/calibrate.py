@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 from leantrain.comm.cost import held_out_check  # noqa: E402
+from leantrain.config import preset  # noqa: E402
 
 # the recipes whose collectives the trainer launches during backward (DDP's bucket hooks, the
 # sharded optimizer's reduce-scatter hooks: see leantrain.parallel.sharded), so their transfers run
@@ -36,6 +37,15 @@ from leantrain.comm.cost import held_out_check  # noqa: E402
 NO_OVERLAP_METHODS = ("gift",)
 # the flag that names a recipe's communication method (the older sweeps recorded --dist.comm)
 METHOD_FLAGS = ("--comm.method", "--dist.comm")
+# the collectives each recipe's trainer launches during backward (the rest run after it): DDP's
+# bucket hooks send everything (the int8 hook: an all-to-all and an all-gather); the sharded
+# optimizer's hooks send the gradients' reduce-scatter (SDP4Bit's: an all-to-all) and its step()
+# the weights' all-gather (SCAPE's mask all-gather, which overlaps the next step, is counted with
+# the weights: a small overestimate); GIFT reduces after backward
+GRADIENT_OPS = {"ddp-fp32": "*", "ddp-bf16": "*", "ddp-int8": "*", "gift-e4m3": (), "gift-nvfp4": (),
+                "sharded": ("reduce_scatter", "all_to_all"), "sharded-sdp4bit": ("reduce_scatter", "all_to_all"),
+                "sharded-adams": ("reduce_scatter", "all_to_all"), "scape-90": ("reduce_scatter", "all_to_all"),
+                "scape-99": ("reduce_scatter", "all_to_all")}
 # a point is "link-bound" when the model puts at least this share of its step on the link
 LINK_BOUND_SHARE = 0.5
 
@@ -50,43 +60,109 @@ def overlapped_recipes(doc: dict) -> list[str]:
     return out
 
 
-def rows_of(doc: dict) -> list[dict]:
-    return [{"recipe": p["recipe"], "rate": p["rate"], "rate_bps": p["rate_bps"], "step_time_s": p["step_time_s"],
-             "wire_bytes": max(p["wire_tx_bytes_per_step"])} for p in doc["points"]]
+def steady_bytes_per_param(doc: dict, recipe: str, key: str = "ledger_by_scope_per_step") -> dict:
+    """Per-rank bytes a step per parameter by scope (or by op, ``key="ledger_by_op_per_step"``),
+    from the ledger (the bus-bandwidth convention of a real reduce-scatter / all-gather, not
+    gloo's: see the sweep's wire/ledger column), in the steady state: SCAPE's first
+    ``comm.scape.dense_steps`` steps send what its dense reference sends, and are taken out of the
+    ledger's average over the run."""
+    p = next(q for q in doc["points"] if q["recipe"] == recipe)
+    s = dict(p[key])
+    if "scape" in " ".join(doc["recipes"][recipe]):
+        dense = preset("small").comm.scape.dense_steps
+        ref = next(q for q in doc["points"] if q["recipe"] == doc["reference"][recipe])[key]
+        n = p["steps"]
+        s = {k: max(0.0, (v * n - dense * ref.get(k, 0.0)) / (n - dense)) for k, v in s.items()}
+    return {k: v / p["parameters"] for k, v in s.items()}
+
+
+def bytes_by_path(doc: dict, recipe: str) -> dict:
+    """``{"backward": by scope, "after": by scope}``: the steady bytes per parameter of the
+    collectives launched during backward (GRADIENT_OPS) and of the rest. The ``intra`` and
+    ``inter`` scopes are SDP4Bit's hierarchical all-to-all (its gradient path); ``world`` is split
+    by the ops' bytes."""
+    scope = steady_bytes_per_param(doc, recipe)
+    by_op = steady_bytes_per_param(doc, recipe, "ledger_by_op_per_step")
+    ops = GRADIENT_OPS[recipe]
+    grad = sum(v for k, v in by_op.items() if ops == "*" or k in ops)
+    hier = scope.get("intra", 0.0) + scope.get("inter", 0.0)
+    grad_world = min(max(0.0, grad - hier), scope.get("world", 0.0))
+    backward = {"world": grad_world, **({k: scope[k] for k in ("intra", "inter") if k in scope} if grad else {})}
+    after = {"world": scope.get("world", 0.0) - grad_world,
+             **({} if grad else {k: scope[k] for k in ("intra", "inter") if k in scope})}
+    return {"backward": backward, "after": after}
+
+
+def overlap_share(doc: dict, recipe: str) -> float:
+    """The share of ``recipe``'s bytes on the nodes' links sent by collectives launched during
+    backward (the ledger's steady bytes; ``world`` and ``inter`` scopes cross the link, ``intra``
+    stays on a node's loopback)."""
+    paths = bytes_by_path(doc, recipe)
+    wire = {k: v.get("world", 0.0) + v.get("inter", 0.0) for k, v in paths.items()}
+    total = wire["backward"] + wire["after"]
+    return wire["backward"] / total if total else 0.0
+
+
+# the models compared (fit_step_model's options): "hinge" is the one the projection uses
+VARIANTS = {
+    "flat": "no overlap: step = compute + link time (one line through both regimes)",
+    "hinge": "the recipe's whole link time may run under compute (hidden); GIFT none",
+    "hinge-backward-ops": "only the bytes of the collectives launched during backward may (overlap_share); GIFT none",
+}
+
+
+def rows_of(doc: dict, variant: str = "hinge") -> list[dict]:
+    """The sweep's points as :func:`leantrain.comm.cost.fit_step_model` rows for ``variant``."""
+    share = {k: overlap_share(doc, k) for k in doc["recipes"]}
+    rows = []
+    for p in doc["points"]:
+        row = {"recipe": p["recipe"], "rate": p["rate"], "rate_bps": p["rate_bps"], "step_time_s": p["step_time_s"],
+               "wire_bytes": max(p["wire_tx_bytes_per_step"])}
+        if variant == "hinge-backward-ops":
+            row["overlap_share"] = share[p["recipe"]]
+        rows.append(row)
+    return rows
+
+
+def _fit_options(doc: dict, variant: str) -> dict:
+    if variant not in VARIANTS:
+        raise SystemExit(f"project: unknown model {variant!r}; choose from {sorted(VARIANTS)}")
+    return {"overlap": [] if variant == "flat" else overlapped_recipes(doc)}
 
 
 def _summary(points: list[dict]) -> dict:
     errors = [abs(p["error"]) for p in points]
+    if not errors:
+        return {"points": 0, "mean_abs_error": None, "max_abs_error": None}
     return {"points": len(errors), "mean_abs_error": statistics.fmean(errors), "max_abs_error": max(errors)}
 
 
-def fit_and_check(doc: dict, holdout: str) -> dict:
+def fit_and_check(doc: dict, holdout: str, variant: str = "hinge") -> dict:
     """The fit on every rate but ``holdout`` (comma list) and its errors on the held-out points."""
-    rows = rows_of(doc)
+    rows = rows_of(doc, variant)
     held = set(holdout.split(","))
     missing = held - {r["rate"] for r in rows}
     if missing:
         raise SystemExit(f"project: the sweep has no points at {sorted(missing)}; its rates: "
                          f"{sorted({r['rate'] for r in rows})}")
-    overlap = overlapped_recipes(doc)
-    res = held_out_check(rows, lambda r: r["rate"] in held, overlap=overlap)
+    opts = _fit_options(doc, variant)
+    res = held_out_check(rows, lambda r: r["rate"] in held, **opts)
     m, ref = res["model"], doc["reference"]
-    return {"model": m, "fit": res["fit"], "held_out": res["held_out"], "holdout_rate": holdout,
-            "overlap": overlap, "summary": _summary(res["held_out"]),
-            "link_bound": _summary([p for p in res["held_out"] if p["comm_share_model"] >= LINK_BOUND_SHARE]
-                                   or [{"error": float("nan")}]),
+    return {"model": m, "variant": variant, "fit": res["fit"], "held_out": res["held_out"], "holdout_rate": holdout,
+            "overlap": opts["overlap"], "summary": _summary(res["held_out"]),
+            "link_bound": _summary([p for p in res["held_out"] if p["comm_share_model"] >= LINK_BOUND_SHARE]),
             "kernel_overhead_s": {k: v - m.compute_s[ref[k]] for k, v in m.compute_s.items()
                                   if ref.get(k) in m.compute_s and ref[k] != k}}
 
 
-def leave_one_rate_out(doc: dict) -> dict:
+def leave_one_rate_out(doc: dict, variant: str = "hinge") -> dict:
     """Every shaped point predicted by a model fitted without its rate; errors overall, by recipe
     and by rate."""
-    rows = rows_of(doc)
-    overlap = overlapped_recipes(doc)
+    rows = rows_of(doc, variant)
+    opts = _fit_options(doc, variant)
     points, efficiency = [], {}
     for rate in dict.fromkeys(r["rate"] for r in rows if r["rate_bps"]):
-        res = held_out_check(rows, lambda r, rate=rate: r["rate"] == rate, overlap=overlap)
+        res = held_out_check(rows, lambda r, rate=rate: r["rate"] == rate, **opts)
         points += res["held_out"]
         efficiency[rate] = res["model"].efficiency
     by_recipe = {k: _summary([p for p in points if p["recipe"] == k]) for k in dict.fromkeys(p["recipe"] for p in points)}
@@ -94,6 +170,17 @@ def leave_one_rate_out(doc: dict) -> dict:
     return {"points": points, "summary": _summary(points), "by_recipe": by_recipe, "by_rate": by_rate,
             "efficiency_by_held_out_rate": efficiency,
             "link_bound": _summary([p for p in points if p["comm_share_model"] >= LINK_BOUND_SHARE])}
+
+
+def compare_models(doc: dict, holdout: str) -> list[dict]:
+    """Each of VARIANTS on the same two checks: held-out and leave-one-rate-out errors."""
+    out = []
+    for variant, what in VARIANTS.items():
+        fc, cv = fit_and_check(doc, holdout, variant), leave_one_rate_out(doc, variant)
+        out.append({"variant": variant, "description": what, "efficiency": fc["model"].efficiency,
+                    "held_out": fc["summary"], "held_out_link_bound": fc["link_bound"],
+                    "leave_one_rate_out": cv["summary"], "leave_one_rate_out_link_bound": cv["link_bound"]})
+    return out
 
 
 def compute_spread(doc: dict, fc: dict) -> dict:
@@ -123,7 +210,11 @@ def repeatability(doc: dict) -> dict:
             "max_difference": diffs[-1] if diffs else None}
 
 
-def markdown(fit: dict, cv: dict) -> list[str]:
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:.1%}"
+
+
+def markdown(fit: dict, cv: dict, comparison: list[dict]) -> list[str]:
     """The fit's section of the projection's markdown."""
     m = fit["model"]
     s, lb = fit["summary"], fit["link_bound"]
@@ -164,6 +255,15 @@ def markdown(fit: dict, cv: dict) -> list[str]:
           + "; ".join(f"{k} {v['min_s']:.2f}-{v['max_s']:.2f} s (±{v['half_range']:.0%}, {v['n']} runs)"
                       for k, v in spread.items()) + ". A point of a recipe whose compute moves by more than 15 % "
           "cannot be predicted within 15 % by any function of the link.", ""]
+    L += ["Models compared on the same checks (|error|, mean / max; link-bound: the model puts at least "
+          f"{LINK_BOUND_SHARE:.0%} of the step on the link):", "",
+          "| model | efficiency | held out | held out, link-bound | leave one rate out | leave one rate out, link-bound |",
+          "|---|---|---|---|---|---|"]
+    for v in comparison:
+        cells = [f"{_pct(v[k]['mean_abs_error'])} / {_pct(v[k]['max_abs_error'])}" for k in
+                 ("held_out", "held_out_link_bound", "leave_one_rate_out", "leave_one_rate_out_link_bound")]
+        L.append(f"| {v['variant']}: {v['description']} | {v['efficiency']:.3f} | " + " | ".join(cells) + " |")
+    L.append("")
     rep = fit["repeatability"]
     if rep["pairs"]:
         worst = sorted(rep["pairs"], key=lambda q: -q["difference"])[:4]

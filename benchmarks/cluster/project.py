@@ -12,7 +12,7 @@ cluster's layout to the target's (ring: (N-1)/N; intra-node: (g-1)/g; the hierar
 stage: (M-1)/M / g) and divided by the efficiency fitted here. Two figures a row: with no overlap
 (every byte after compute: an upper bound on communication's cost) and with the overlap the
 fitted model has, carried to the GPU: the collectives the trainer launches during backward
-(GRADIENT_OPS) run under the backward (BACKWARD_SHARE of the compute), the rest after it. Every
+(``calibrate.GRADIENT_OPS``) run under the backward (BACKWARD_SHARE of the compute), the rest after it. Every
 input's source is written next to it in the output.
 """
 
@@ -28,8 +28,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(HERE))
-from calibrate import compute_spread, fit_and_check, leave_one_rate_out, repeatability  # noqa: E402
+from calibrate import (  # noqa: E402
+    bytes_by_path,
+    compare_models,
+    compute_spread,
+    fit_and_check,
+    leave_one_rate_out,
+    repeatability,
+)
 from calibrate import markdown as fit_markdown  # noqa: E402
+
 from leantrain.comm.cost import estimate_time  # noqa: E402
 from leantrain.config import preset  # noqa: E402
 
@@ -48,15 +56,6 @@ SETTINGS = [
      "params": "1b", "claim": "7.6 %"},
 ]
 INTRA_GBPS = 450.0  # estimate_time's NVLink default (H100/H200, per direction)
-# the collectives each recipe's trainer launches during backward (the rest run after it): DDP's
-# bucket hooks send everything (the int8 hook: an all-to-all and an all-gather); the sharded
-# optimizer's hooks send the gradients' reduce-scatter (SDP4Bit's: an all-to-all) and its step()
-# the weights' all-gather (SCAPE's mask all-gather, which overlaps the next step, is counted with
-# the weights: a small overestimate); GIFT reduces after backward
-GRADIENT_OPS = {"ddp-fp32": "*", "ddp-bf16": "*", "ddp-int8": "*", "gift-e4m3": (), "gift-nvfp4": (),
-                "sharded": ("reduce_scatter", "all_to_all"), "sharded-sdp4bit": ("reduce_scatter", "all_to_all"),
-                "sharded-adams": ("reduce_scatter", "all_to_all"), "scape-90": ("reduce_scatter", "all_to_all"),
-                "scape-99": ("reduce_scatter", "all_to_all")}
 BACKWARD_SHARE = 2 / 3  # of a step's compute: backward does about twice the forward's FLOPs
 
 
@@ -99,39 +98,6 @@ def h200_inputs() -> dict:
 
 
 # ---------------------------------------------------------------- bytes at another scale
-
-
-def steady_bytes_per_param(doc: dict, recipe: str, key: str = "ledger_by_scope_per_step") -> dict:
-    """Per-rank bytes a step per parameter by scope (or by op, ``key="ledger_by_op_per_step"``),
-    from the ledger (the bus-bandwidth convention of a real reduce-scatter / all-gather, not
-    gloo's: see the sweep's wire/ledger column), in the steady state: SCAPE's first
-    ``comm.scape.dense_steps`` steps send what its dense reference sends, and are taken out of the
-    ledger's average over the run."""
-    p = next(q for q in doc["points"] if q["recipe"] == recipe)
-    s = dict(p[key])
-    if "scape" in " ".join(doc["recipes"][recipe]):
-        dense = preset("small").comm.scape.dense_steps
-        ref = next(q for q in doc["points"] if q["recipe"] == doc["reference"][recipe])[key]
-        n = p["steps"]
-        s = {k: max(0.0, (v * n - dense * ref.get(k, 0.0)) / (n - dense)) for k, v in s.items()}
-    return {k: v / p["parameters"] for k, v in s.items()}
-
-
-def bytes_by_path(doc: dict, recipe: str) -> dict:
-    """``{"backward": by scope, "after": by scope}``: the steady bytes per parameter of the
-    collectives launched during backward (GRADIENT_OPS) and of the rest. The ``intra`` and
-    ``inter`` scopes are SDP4Bit's hierarchical all-to-all (its gradient path); ``world`` is split
-    by the ops' bytes."""
-    scope = steady_bytes_per_param(doc, recipe)
-    by_op = steady_bytes_per_param(doc, recipe, "ledger_by_op_per_step")
-    ops = GRADIENT_OPS[recipe]
-    grad = sum(v for k, v in by_op.items() if ops == "*" or k in ops)
-    hier = scope.get("intra", 0.0) + scope.get("inter", 0.0)
-    grad_world = min(max(0.0, grad - hier), scope.get("world", 0.0))
-    backward = {"world": grad_world, **({k: scope[k] for k in ("intra", "inter") if k in scope} if grad else {})}
-    after = {"world": scope.get("world", 0.0) - grad_world,
-             **({} if grad else {k: scope[k] for k in ("intra", "inter") if k in scope})}
-    return {"backward": backward, "after": after}
 
 
 def rescale(bpp: dict, params: float, src: tuple[int, int], dst: tuple[int, int]) -> dict:
@@ -220,6 +186,7 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit") -> list[P
     fc = fit_and_check(doc, holdout)
     fc["compute_spread"] = compute_spread(doc, fc)
     fc["repeatability"] = repeatability(doc)
+    comparison = compare_models(doc, holdout)
     cv = leave_one_rate_out(doc)
     m = fc["model"]
     h200 = h200_inputs()
@@ -234,15 +201,15 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit") -> list[P
                        "held_out_summary": fc["summary"], "held_out_link_bound_summary": fc["link_bound"],
                        "compute_spread": fc["compute_spread"], "repeatability": fc["repeatability"],
                        "fit_points": fc["fit"], "held_out_points": fc["held_out"]},
-               "leave_one_rate_out": cv, "h200": h200, "assumptions": _assumptions(m, h200), "projection": proj}
+               "leave_one_rate_out": cv, "model_comparison": comparison, "h200": h200, "assumptions": _assumptions(m, h200), "projection": proj}
     Path(f"{base}.json").write_text(json.dumps(doc_out, indent=1))
-    Path(f"{base}.md").write_text(markdown(doc_out, fc, cv))
+    Path(f"{base}.md").write_text(markdown(doc_out, fc, cv, comparison))
     return [Path(f"{base}.json"), Path(f"{base}.md")]
 
 
-def markdown(d: dict, fc: dict, cv: dict) -> str:
+def markdown(d: dict, fc: dict, cv: dict, comparison: list[dict]) -> str:
     L = ["# The cost model: fit, held-out check, projection to the papers' settings", "",
-         f"Command: `{d['command']}` (measurements: `{d['source']}`)", "", *fit_markdown(fc, cv)]
+         f"Command: `{d['command']}` (measurements: `{d['source']}`)", "", *fit_markdown(fc, cv, comparison)]
     f = d["fit"]
     pts = f["fit_points"] + f["held_out_points"]
     L += ["The model's share of each step spent on the link (link time not hidden, over the predicted step):", "",

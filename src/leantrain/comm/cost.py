@@ -101,8 +101,9 @@ class StepModel:
 
     def comm_s(self, row: dict) -> float:
         """Seconds communication adds to the step: latency plus the link time not hidden under compute."""
-        hidden = self.hidden_s.get(row["recipe"], 0.0)
-        return self.alpha_s * row.get("calls", 0) + max(0.0, self.link_s(row) - hidden)
+        hidden, link = self.hidden_s.get(row["recipe"], 0.0), self.link_s(row)
+        share = row.get("overlap_share", 1.0)
+        return self.alpha_s * row.get("calls", 0) + max(0.0, share * link - hidden) + (1 - share) * link
 
     def predict(self, row: dict) -> float:
         return self.compute_s[row["recipe"]] + self.comm_s(row)
@@ -150,16 +151,19 @@ def _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, iterations=30):
     w = 1.0 / t**2  # relative error
     x = np.array([8 * r["wire_bytes"] / r["rate_bps"] if r.get("rate_bps") else 0.0 for r in rows])
     calls = np.array([float(r.get("calls", 0)) for r in rows])
+    share = np.array([float(r.get("overlap_share", 1.0)) for r in rows])
     idx = {k_: np.array([i for i, r in enumerate(rows) if r["recipe"] == k_]) for k_ in recipes}
     alpha, compute, hidden = alpha_s, {}, {}
     for _ in range(iterations if fit_alpha else 1):
         loss = 0.0
         for name, i in idx.items():
-            compute[name], hidden[name], part = _hinge_fit(t[i] - alpha * calls[i], k * x[i], w[i], name in overlap)
+            fixed = alpha * calls[i] + (1 - share[i]) * k * x[i]  # latency and the link time after compute
+            compute[name], hidden[name], part = _hinge_fit(t[i] - fixed, share[i] * k * x[i], w[i], name in overlap)
             loss += part
         if not fit_alpha:
             break
-        excess = np.array([max(0.0, k * x[j] - hidden[r["recipe"]]) for j, r in enumerate(rows)])
+        excess = np.array([max(0.0, share[j] * k * x[j] - hidden[r["recipe"]]) + (1 - share[j]) * k * x[j]
+                           for j, r in enumerate(rows)])
         A = np.zeros((len(rows), len(recipes) + 1))
         for col, name in enumerate(recipes):
             A[idx[name], col] = 1.0
