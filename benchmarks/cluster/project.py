@@ -191,9 +191,13 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit") -> list[P
     m = fc["model"]
     h200 = h200_inputs()
     proj = project(doc, m, h200)
-    base = Path(json_path).parent / f"{datetime.date.today().isoformat()}_projection"
+    hardware = Path(json_path).stem.split("_", 1)[-1]  # the sweep's <date>_<hardware>
+    base = Path(json_path).parent / f"{datetime.date.today().isoformat()}_{hardware}_projection"
     src = Path(json_path).resolve()
-    doc_out = {"source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
+    doc_out = {"what": f"the step-time cost model (alpha-beta with overlap under compute) fitted to the {hardware} "
+                       f"sweep, its errors on held-out points ({holdout}; leave one rate out), and its projection "
+                       "to SDP4Bit's, SCAPE's and GIFT's settings",
+               "source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
                "command": f"python benchmarks/cluster/cluster.py project {json_path} --holdout {holdout}",
                "fit": {"compute_s": m.compute_s, "hidden_s": m.hidden_s, "overlapped_recipes": fc["overlap"],
                        "efficiency": m.efficiency, "alpha_s": m.alpha_s, "alpha_fitted": m.alpha_fitted,
