@@ -29,8 +29,11 @@ reduce-scatter hooks) a transfer shorter than that costs nothing and a longer on
 its excess; where it does not (GIFT reduces after backward) it is 0. The step is therefore
 flat in the rate until the link time reaches ``hidden``, then grows with slope ``1 /
 efficiency`` (a hinge); a model without the hinge fits the two regimes with one line, whose
-slope then reads as an efficiency above 1. :func:`held_out_check` fits on some rows and
-predicts the others.
+slope then reads as an efficiency above 1. A row's ``overlap_share`` (default 1) limits the
+hidden part to that share of its link time (the bytes of the collectives launched during
+backward), the rest counted after compute:
+``max(0, share * link_s - hidden) + (1 - share) * link_s``. :func:`held_out_check` fits on some
+rows and predicts the others.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def estimate_time(
 @dataclass
 class StepModel:
     """A fitted step-time model (see the module docstring); ``predict`` takes a measurement row
-    (``recipe``, ``wire_bytes``, ``rate_bps``, optionally ``calls``)."""
+    (``recipe``, ``wire_bytes``, ``rate_bps``, optionally ``calls`` and ``overlap_share``)."""
 
     compute_s: dict[str, float]
     alpha_s: float
@@ -182,7 +185,8 @@ def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> Ste
 
     Each row: ``recipe``, ``step_time_s``, ``wire_bytes`` (per step, on the busiest link),
     ``rate_bps`` (None or 0: unshaped, no link term) and optionally ``calls`` (collective calls a
-    step). ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
+    step) and ``overlap_share`` (the share of the link time that may run under compute, default 1;
+    constant within a recipe). ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
     for them; the others get 0). Rows are weighted by ``1 / step_time_s``, so the fit minimizes
     relative error. The efficiency is found by a one-dimensional search (a coarse log grid, then
     golden-section refinement); at a fixed efficiency each recipe's compute and hidden time are an
