@@ -169,7 +169,7 @@ def test_calibration_of_the_committed_sweep_holds_out_its_rates():
     (which reduces after backward) gets no hidden time, and the link-bound held-out points are
     predicted within 15 %."""
     sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
-    from calibrate import fit_and_check, overlapped_recipes
+    from calibrate import fit_and_check, overlapped_recipes, validate_on
 
     doc = json.loads((ROOT / "benchmarks/results/comm-cluster/2026-12-04_cpu-netns.json").read_text())
     fc = fit_and_check(doc, "300mbit,30mbit")
@@ -179,3 +179,9 @@ def test_calibration_of_the_committed_sweep_holds_out_its_rates():
     assert not {"gift-e4m3", "gift-nvfp4"} & set(overlapped_recipes(doc))
     assert fc["model"].hidden_s["gift-e4m3"] == 0.0 and 0.5 < fc["model"].efficiency <= 1.0
     assert fc["link_bound"]["points"] >= 2 and fc["link_bound"]["max_abs_error"] < 0.15
+    # another sweep's points (here: the runs this sweep replaced at 300 Mbit/s) are all predicted, by a
+    # model fitted on every point of the first
+    other = dict(doc, points=[p for p in doc["replaced_points"] if p["rate"] == "300mbit"])
+    v = validate_on(doc, other)
+    assert len(v["points"]) == len(other["points"]) == 10
+    assert v["efficiency"] != fc["model"].efficiency  # the 300 and 30 Mbit/s points are fitted this time

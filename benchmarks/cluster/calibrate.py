@@ -172,6 +172,18 @@ def leave_one_rate_out(doc: dict, variant: str = "hinge") -> dict:
             "link_bound": _summary([p for p in points if p["comm_share_model"] >= LINK_BOUND_SHARE])}
 
 
+def validate_on(doc: dict, other: dict, variant: str = "hinge") -> dict:
+    """A model fitted on every point of ``doc`` predicts every point of ``other`` (another sweep of the
+    same grid: a later day, other rates); errors per point, overall and on the link-bound ones."""
+    opts = _fit_options(doc, variant)
+    known = set(doc["recipes"])
+    rows = rows_of(doc, variant) + [dict(r, new=True) for r in rows_of(other, variant) if r["recipe"] in known]
+    res = held_out_check(rows, lambda r: r.get("new", False), **opts)
+    return {"source": other.get("command"), "date": other["environment"]["date"], "points": res["held_out"],
+            "summary": _summary(res["held_out"]), "efficiency": res["model"].efficiency,
+            "link_bound": _summary([p for p in res["held_out"] if p["comm_share_model"] >= LINK_BOUND_SHARE])}
+
+
 def compare_models(doc: dict, holdout: str) -> list[dict]:
     """Each of VARIANTS on the same two checks: held-out and leave-one-rate-out errors."""
     out = []
@@ -264,6 +276,16 @@ def markdown(fit: dict, cv: dict, comparison: list[dict]) -> list[str]:
                  ("held_out", "held_out_link_bound", "leave_one_rate_out", "leave_one_rate_out_link_bound")]
         L.append(f"| {v['variant']}: {v['description']} | {v['efficiency']:.3f} | " + " | ".join(cells) + " |")
     L.append("")
+    for v in fit.get("validation", []):
+        s, lb = v["summary"], v["link_bound"]
+        L += [f"Another sweep ({v['date']}, `{v['source']}`) predicted by the model fitted on every point above "
+              f"(efficiency {v['efficiency']:.3f}): mean |error| {_pct(s['mean_abs_error'])}, max "
+              f"{_pct(s['max_abs_error'])} over {s['points']} points; link-bound mean {_pct(lb['mean_abs_error'])}, "
+              f"max {_pct(lb['max_abs_error'])}.", "",
+              "| rate | recipe | measured s | predicted s | error | model's link share |", "|---|---|---|---|---|---|"]
+        L += [f"| {p['rate']} | {p['recipe']} | {p['measured_s']:.3f} | {p['predicted_s']:.3f} | {p['error']:+.1%} | "
+              f"{p['comm_share_model']:.0%} |" for p in v["points"]]
+        L.append("")
     rep = fit["repeatability"]
     if rep["pairs"]:
         worst = sorted(rep["pairs"], key=lambda q: -q["difference"])[:4]

@@ -35,6 +35,7 @@ from calibrate import (  # noqa: E402
     fit_and_check,
     leave_one_rate_out,
     repeatability,
+    validate_on,
 )
 from calibrate import markdown as fit_markdown  # noqa: E402
 
@@ -181,11 +182,14 @@ def _assumptions(m, h200: dict) -> list[str]:
     ]
 
 
-def write_projection(json_path: Path, holdout: str = "300mbit,30mbit") -> list[Path]:
+def write_projection(json_path: Path, holdout: str = "300mbit,30mbit", validate: tuple[Path, ...] = ()) -> list[Path]:
+    """The fit, its checks (and, for each sweep in ``validate``, its prediction of that sweep's
+    points) and the projection, as ``<today>_<hardware>_projection.{json,md}`` beside ``json_path``."""
     doc = json.loads(Path(json_path).read_text())
     fc = fit_and_check(doc, holdout)
     fc["compute_spread"] = compute_spread(doc, fc)
     fc["repeatability"] = repeatability(doc)
+    fc["validation"] = [validate_on(doc, json.loads(Path(v).read_text())) for v in validate]
     comparison = compare_models(doc, holdout)
     cv = leave_one_rate_out(doc)
     m = fc["model"]
@@ -198,12 +202,14 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit") -> list[P
                        f"sweep, its errors on held-out points ({holdout}; leave one rate out), and its projection "
                        "to SDP4Bit's, SCAPE's and GIFT's settings",
                "source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
-               "command": f"python benchmarks/cluster/cluster.py project {json_path} --holdout {holdout}",
+               "command": f"python benchmarks/cluster/cluster.py project {json_path} --holdout {holdout}"
+                          + "".join(f" --validate {v}" for v in validate),
                "fit": {"compute_s": m.compute_s, "hidden_s": m.hidden_s, "overlapped_recipes": fc["overlap"],
                        "efficiency": m.efficiency, "alpha_s": m.alpha_s, "alpha_fitted": m.alpha_fitted,
                        "kernel_overhead_s": fc["kernel_overhead_s"], "holdout_rate": holdout,
                        "held_out_summary": fc["summary"], "held_out_link_bound_summary": fc["link_bound"],
                        "compute_spread": fc["compute_spread"], "repeatability": fc["repeatability"],
+                       "validation": fc["validation"],
                        "fit_points": fc["fit"], "held_out_points": fc["held_out"]},
                "leave_one_rate_out": cv, "model_comparison": comparison, "h200": h200, "assumptions": _assumptions(m, h200), "projection": proj}
     Path(f"{base}.json").write_text(json.dumps(doc_out, indent=1))
