@@ -37,27 +37,35 @@ from leantrain.config import preset  # noqa: E402
 NO_OVERLAP_METHODS = ("gift",)
 # the flag that names a recipe's communication method (the older sweeps recorded --dist.comm)
 METHOD_FLAGS = ("--comm.method", "--dist.comm")
-# the collectives each recipe's trainer launches during backward (the rest run after it): DDP's
-# bucket hooks send everything (the int8 hook: an all-to-all and an all-gather); the sharded
-# optimizer's hooks send the gradients' reduce-scatter (SDP4Bit's: an all-to-all) and its step()
-# the weights' all-gather (SCAPE's mask all-gather, which overlaps the next step, is counted with
-# the weights: a small overestimate); GIFT reduces after backward
-GRADIENT_OPS = {"ddp-fp32": "*", "ddp-bf16": "*", "ddp-int8": "*", "gift-e4m3": (), "gift-nvfp4": (),
-                "sharded": ("reduce_scatter", "all_to_all"), "sharded-sdp4bit": ("reduce_scatter", "all_to_all"),
-                "sharded-adams": ("reduce_scatter", "all_to_all"), "scape-90": ("reduce_scatter", "all_to_all"),
-                "scape-99": ("reduce_scatter", "all_to_all")}
+# the collectives the trainer launches during backward, by data-parallel mode (the rest run after it):
+# DDP's bucket hooks send everything (the int8 hook: an all-to-all and an all-gather); the sharded
+# optimizer's hooks send the gradients' reduce-scatter (SDP4Bit's: an all-to-all) and its step() the
+# weights' all-gather (SCAPE's mask all-gather, which overlaps the next step, is counted with the
+# weights: a small overestimate). A method in NO_OVERLAP_METHODS (GIFT) sends nothing during backward.
+GRADIENT_OPS = {"ddp": "*", "sharded": ("reduce_scatter", "all_to_all")}
 # a point is "link-bound" when the model puts at least this share of its step on the link
 LINK_BOUND_SHARE = 0.5
 
 
+def _flag(flags: list[str], names: tuple[str, ...], default: str) -> str:
+    return next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f in names), default)
+
+
 def overlapped_recipes(doc: dict) -> list[str]:
     """The sweep's recipes whose communication can run under backward (see NO_OVERLAP_METHODS)."""
-    out = []
-    for name, flags in doc["recipes"].items():
-        method = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f in METHOD_FLAGS), "none")
-        if method not in NO_OVERLAP_METHODS:
-            out.append(name)
-    return out
+    return [name for name, flags in doc["recipes"].items()
+            if _flag(flags, METHOD_FLAGS, "none") not in NO_OVERLAP_METHODS]
+
+
+def gradient_ops(doc: dict, recipe: str):
+    """The collectives ``recipe``'s trainer launches during backward ("*": all), from its flags."""
+    flags = doc["recipes"][recipe]
+    if _flag(flags, METHOD_FLAGS, "none") in NO_OVERLAP_METHODS:
+        return ()
+    mode = _flag(flags, ("--dist.mode",), "ddp")
+    if mode not in GRADIENT_OPS:
+        raise SystemExit(f"project: no overlap rule for --dist.mode {mode!r} (recipe {recipe}); add it to GRADIENT_OPS")
+    return GRADIENT_OPS[mode]
 
 
 def steady_bytes_per_param(doc: dict, recipe: str, key: str = "ledger_by_scope_per_step") -> dict:
@@ -83,7 +91,7 @@ def bytes_by_path(doc: dict, recipe: str) -> dict:
     by the ops' bytes."""
     scope = steady_bytes_per_param(doc, recipe)
     by_op = steady_bytes_per_param(doc, recipe, "ledger_by_op_per_step")
-    ops = GRADIENT_OPS[recipe]
+    ops = gradient_ops(doc, recipe)
     grad = sum(v for k, v in by_op.items() if ops == "*" or k in ops)
     hier = scope.get("intra", 0.0) + scope.get("inter", 0.0)
     grad_world = min(max(0.0, grad - hier), scope.get("world", 0.0))

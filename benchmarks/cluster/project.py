@@ -12,7 +12,7 @@ cluster's layout to the target's (ring: (N-1)/N; intra-node: (g-1)/g; the hierar
 stage: (M-1)/M / g) and divided by the efficiency fitted here. Two figures a row: with no overlap
 (every byte after compute: an upper bound on communication's cost) and with the overlap the
 fitted model has, carried to the GPU: the collectives the trainer launches during backward
-(``calibrate.GRADIENT_OPS``) run under the backward (BACKWARD_SHARE of the compute), the rest after it. Every
+(``calibrate.gradient_ops``) run under the backward (BACKWARD_SHARE of the compute), the rest after it. Every
 input's source is written next to it in the output.
 """
 
@@ -175,8 +175,9 @@ def _assumptions(m, h200: dict) -> list[str]:
         f"{BACKWARD_SHARE:.2f} of the compute; the weights' all-gather (SCAPE's mask with it) and GIFT's reduction run "
         "after it. The fitted hidden times are not carried over (they are CPU seconds of this host); the structure "
         "is. 'no overlap': every byte after compute, an upper bound on communication's cost",
-        "no latency term (this kernel has no netem and the sweep records no call counts, so alpha could not be "
-        "measured; at 25 GB/s and these sizes bandwidth dominates)",
+        "no latency term: not measurable on this cluster (its kernel has no netem, and a recipe's calls per step do "
+        "not change with the rate); a technique and its reference launch collectives per bucket alike, so latency "
+        "would add about the same time to both steps and lower every speedup somewhat",
         "vs a bf16 reference: the uncompressed reference sending bf16 (half its measured fp32 bytes), as the papers' "
         "baselines do",
     ]
