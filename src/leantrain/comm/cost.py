@@ -155,15 +155,15 @@ def _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, iterations=30):
     x = np.array([8 * r["wire_bytes"] / r["rate_bps"] if r.get("rate_bps") else 0.0 for r in rows])
     calls = np.array([float(r.get("calls", 0)) for r in rows])
     share = np.array([float(r.get("overlap_share", 1.0)) for r in rows])
-    idx = {k_: np.array([i for i, r in enumerate(rows) if r["recipe"] == k_]) for k_ in recipes}
+    idx = {name: np.array([i for i, r in enumerate(rows) if r["recipe"] == name]) for name in recipes}
     alpha, compute, hidden = alpha_s, {}, {}
-    for _ in range(iterations if fit_alpha else 1):
+    for it in range(iterations if fit_alpha else 1):
         loss = 0.0
         for name, i in idx.items():
             fixed = alpha * calls[i] + (1 - share[i]) * k * x[i]  # latency and the link time after compute
             compute[name], hidden[name], part = _hinge_fit(t[i] - fixed, share[i] * k * x[i], w[i], name in overlap)
             loss += part
-        if not fit_alpha:
+        if not fit_alpha or it == iterations - 1:  # (loss, compute, hidden) belong to this alpha
             break
         excess = np.array([max(0.0, share[j] * k * x[j] - hidden[r["recipe"]]) + (1 - share[j]) * k * x[j]
                            for j, r in enumerate(rows)])
