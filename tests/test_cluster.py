@@ -100,3 +100,88 @@ def test_cost_fit_recovers_known_alpha_and_bandwidth():
         assert abs(m.compute_s[recipe] - c) < 0.02
     for r in rows:
         assert abs(m.predict(r) - r["step_time_s"]) < 0.02 * r["step_time_s"]
+
+
+def _hinge_rows(rng, compute, hidden, eff, rates=(3e7, 1e8, 3e8, 1e9, None), noise=0.002):
+    rows = []
+    for recipe, c in compute.items():
+        wire = rng.uniform(2e7, 1e8)
+        for rate in rates:
+            link = 8 * wire / (eff * rate) if rate else 0.0
+            t = c + max(0.0, link - hidden.get(recipe, 0.0))
+            rows.append({"recipe": recipe, "rate": f"{rate or 0:g}", "rate_bps": rate, "wire_bytes": wire,
+                         "step_time_s": t * (1 + rng.gauss(0, noise))})
+    return rows
+
+
+def test_cost_fit_recovers_known_compute_hidden_time_and_efficiency():
+    """Synthetic steps from the hinge model (compute + link time beyond what hides under compute):
+    the fit returns the parameters that made them, and 0 hidden time for a recipe it is told does
+    not overlap."""
+    import random
+
+    from leantrain.comm.cost import fit_step_model
+
+    rng = random.Random(1)
+    compute, hidden, eff = {"ddp": 2.0, "sharded": 1.5, "gift": 3.0}, {"ddp": 0.8, "sharded": 1.2}, 0.9
+    rows = _hinge_rows(rng, compute, hidden, eff)
+    m = fit_step_model(rows, overlap=["ddp", "sharded"])
+    assert abs(m.efficiency - eff) < 0.01 and not m.alpha_fitted
+    for recipe, c in compute.items():
+        assert abs(m.compute_s[recipe] - c) < 0.02 * c
+        assert abs(m.hidden_s[recipe] - hidden.get(recipe, 0.0)) < 0.05
+    assert m.hidden_s["gift"] == 0.0
+    for r in rows:
+        assert abs(m.predict(r) / r["step_time_s"] - 1) < 0.01
+    # a row whose bytes are all sent after compute (overlap_share 0) pays its whole link time
+    r = next(r for r in rows if r["recipe"] == "ddp" and r["rate_bps"] == 1e9)
+    assert m.comm_s(dict(r, overlap_share=0.0)) == pytest.approx(m.link_s(r))
+    assert m.comm_s(r) == pytest.approx(max(0.0, m.link_s(r) - m.hidden_s["ddp"]))
+    # without the hinge the same data read as an efficiency above the true one (the overlap shows
+    # up as a faster link) and a worse fit
+    flat = fit_step_model(rows)
+    assert flat.efficiency > eff + 0.02
+    assert max(abs(flat.predict(r) / r["step_time_s"] - 1) for r in rows) > 0.05
+
+
+def test_held_out_points_are_not_used_by_the_fit():
+    import random
+
+    from leantrain.comm.cost import fit_step_model, held_out_check
+
+    rng = random.Random(2)
+    rows = _hinge_rows(rng, {"a": 1.0, "b": 2.0}, {"a": 0.5}, 0.8, noise=0.02)
+    held = lambda r: r["rate"] == "3e+08"  # noqa: E731
+    res = held_out_check(rows, held, overlap=["a"])
+    assert [p["rate"] for p in res["held_out"]] == ["3e+08", "3e+08"]
+    assert all(p["rate"] != "3e+08" for p in res["fit"]) and len(res["fit"]) == len(rows) - 2
+    # the held-out rows' times change wildly: the fitted model does not move, only their errors do
+    wild = [dict(r, step_time_s=r["step_time_s"] * 7) if held(r) else r for r in rows]
+    res2 = held_out_check(wild, held, overlap=["a"])
+    assert res2["model"] == res["model"] == fit_step_model([r for r in rows if not held(r)], overlap=["a"])
+    assert res2["max_abs_error"] > 0.8
+    with pytest.raises(ValueError, match="no row is held out"):
+        held_out_check(rows, lambda r: False)
+
+
+def test_calibration_of_the_committed_sweep_holds_out_its_rates():
+    """The committed sweep's fit: the held-out rates' points are exactly the predicted ones, GIFT
+    (which reduces after backward) gets no hidden time, and the link-bound held-out points are
+    predicted within 15 %."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
+    from calibrate import fit_and_check, overlapped_recipes, validate_on
+
+    doc = json.loads((ROOT / "benchmarks/results/comm-cluster/2026-12-04_cpu-netns.json").read_text())
+    fc = fit_and_check(doc, "300mbit,30mbit")
+    held = {(p["recipe"], p["rate"]) for p in fc["held_out"]}
+    assert held == {(p["recipe"], p["rate"]) for p in doc["points"] if p["rate"] in ("300mbit", "30mbit")}
+    assert not held & {(p["recipe"], p["rate"]) for p in fc["fit"]}
+    assert not {"gift-e4m3", "gift-nvfp4"} & set(overlapped_recipes(doc))
+    assert fc["model"].hidden_s["gift-e4m3"] == 0.0 and 0.5 < fc["model"].efficiency <= 1.0
+    assert fc["link_bound"]["points"] >= 2 and fc["link_bound"]["max_abs_error"] < 0.15
+    # another sweep's points (here: the runs this sweep replaced at 300 Mbit/s) are all predicted, by a
+    # model fitted on every point of the first
+    other = dict(doc, points=[p for p in doc["replaced_points"] if p["rate"] == "300mbit"])
+    v = validate_on(doc, other)
+    assert len(v["points"]) == len(other["points"]) == 10
+    assert v["efficiency"] != fc["model"].efficiency  # the 300 and 30 Mbit/s points are fitted this time

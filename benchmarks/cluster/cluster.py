@@ -310,7 +310,7 @@ def cmd_report(a, _user) -> int:
 def cmd_project(a, _user) -> int:
     from project import write_projection
 
-    for p in write_projection(Path(a.json), holdout=a.holdout):
+    for p in write_projection(Path(a.json), holdout=a.holdout, validate=tuple(Path(v) for v in a.validate)):
         print(p)
     return 0
 
@@ -350,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("json")
     p = sub.add_parser("project")
     p.add_argument("json")
-    p.add_argument("--holdout", default="300mbit", help="the rates (comma list) whose points are predicted, not fitted")
+    p.add_argument("--holdout", default="300mbit,30mbit",
+                   help="the rates (comma list) whose points are predicted, not fitted")
+    p.add_argument("--validate", action="append", default=[],
+                   help="another sweep's JSON whose points the model fitted on every point of the first predicts")
     p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)

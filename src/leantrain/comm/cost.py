@@ -8,24 +8,38 @@ bandwidth: NVLink inside a node (``intra``, default 450 GB/s per direction on H1
 NIC across nodes (``inter``, default 25 GB/s = 200 Gb/s per GPU). A collective over the whole
 data-parallel group (``world``) spanning several nodes runs at the NIC's rate (a ring's
 slowest links cross nodes; NCCL's multi-node bus bandwidth is the NIC's); on one node it runs
-at the intra rate. Hops are assumed not to overlap one another (an upper bound); overlap with
-compute is not modelled.
+at the intra rate. :func:`estimate_time` assumes hops do not overlap one another (an upper
+bound) and does not model overlap with compute; the fitted step model below does.
 
 :func:`fit_step_model` calibrates a whole step against measurements (the namespace cluster of
 ``benchmarks/cluster/``):
 
-    t(recipe, R) = compute_recipe + alpha * calls + 8 * wire_bytes / (efficiency * R)
+    t(recipe, R) = compute_recipe + alpha * calls + max(0, link_s - hidden_recipe)
+    link_s       = 8 * wire_bytes / (efficiency * R)
 
-``wire_bytes`` are the bytes per step on the busiest shaped link, ``R`` its rate in bit/s,
-``compute_recipe`` the step with an unlimited link (the model's compute plus the technique's
-compression kernels: the difference between a recipe and its uncompressed reference is the
-kernels' cost), ``efficiency`` the share of the nominal rate a collective achieves (TCP/IP
-headers, protocol gaps), ``alpha`` the latency per collective call.
+``wire_bytes`` are the bytes per step on the busiest shaped link (the interface counters: the
+collective algorithm's real traffic and the protocol's overhead included), ``R`` its rate in
+bit/s, ``efficiency`` the share of the nominal rate a collective achieves while it sends (gaps
+between messages, TCP's window), ``alpha`` the latency per collective call. ``compute_recipe``
+is the step with an unlimited link: the model's compute plus the technique's compression
+kernels (a recipe minus its uncompressed reference is the kernels' cost; it does not depend on
+the link). ``hidden_recipe`` is the compute the recipe's communication runs under: where the
+trainer launches collectives during backward (DDP's bucket hooks, the sharded optimizer's
+reduce-scatter hooks) a transfer shorter than that costs nothing and a longer one costs only
+its excess; where it does not (GIFT reduces after backward) it is 0. The step is therefore
+flat in the rate until the link time reaches ``hidden``, then grows with slope ``1 /
+efficiency`` (a hinge); a model without the hinge fits the two regimes with one line, whose
+slope then reads as an efficiency above 1. A row's ``overlap_share`` (default 1) limits the
+hidden part to that share of its link time (the bytes of the collectives launched during
+backward), the rest counted after compute:
+``max(0, share * link_s - hidden) + (1 - share) * link_s``. :func:`held_out_check` fits on some
+rows and predicts the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 GB = 1e9
 
@@ -74,53 +88,170 @@ def estimate_time(
 
 @dataclass
 class StepModel:
-    """A fitted step-time model (see the module docstring); ``predict`` takes a measurement row."""
+    """A fitted step-time model (see the module docstring); ``predict`` takes a measurement row
+    (``recipe``, ``wire_bytes``, ``rate_bps``, optionally ``calls`` and ``overlap_share``)."""
 
     compute_s: dict[str, float]
     alpha_s: float
     efficiency: float
     alpha_fitted: bool = True
+    hidden_s: dict[str, float] = field(default_factory=dict)
+
+    def link_s(self, row: dict) -> float:
+        """Seconds the row's bytes keep its link busy at the fitted efficiency (0 unshaped)."""
+        rate = row.get("rate_bps")
+        return 0.0 if not rate else 8 * row["wire_bytes"] / (self.efficiency * rate)
 
     def comm_s(self, row: dict) -> float:
-        rate = row.get("rate_bps")
-        bw = 0.0 if not rate else 8 * row["wire_bytes"] / (self.efficiency * rate)
-        return self.alpha_s * row.get("calls", 0) + bw
+        """Seconds communication adds to the step: latency plus the link time not hidden under compute."""
+        hidden, link = self.hidden_s.get(row["recipe"], 0.0), self.link_s(row)
+        share = row.get("overlap_share", 1.0)
+        return self.alpha_s * row.get("calls", 0) + max(0.0, share * link - hidden) + (1 - share) * link
 
     def predict(self, row: dict) -> float:
         return self.compute_s[row["recipe"]] + self.comm_s(row)
 
 
-def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0) -> StepModel:
-    """Least-squares fit of :class:`StepModel` to measured rows.
+def _hinge_fit(t, u, w, overlaps: bool) -> tuple[float, float, float]:
+    """``(compute, hidden, loss)`` of ``t ~ compute + max(0, u - hidden)`` for one recipe's rows,
+    ``0 <= hidden <= compute`` (``hidden = 0`` unless ``overlaps``); ``loss`` is the sum of
+    ``w * residual**2``.
+
+    The loss is piecewise quadratic in ``hidden``: between two consecutive sorted ``u`` the rows
+    split into compute-bound (``t = compute``) and link-bound (``t = compute - hidden + u``) with
+    a closed-form least-squares solution, and the minimum is such a solution lying inside its
+    interval or a knot (``hidden`` = 0 or one of the ``u``). Ties go to the smallest ``hidden``
+    (a recipe whose link time never exceeds what it hides shows only a lower bound)."""
+    import numpy as np
+
+    def at(hidden: float) -> tuple[float, float, float]:
+        excess = np.maximum(0.0, u - hidden)
+        c = float(np.sum(w * (t - excess)) / np.sum(w))
+        return c, float(hidden), float(np.sum(w * (c + excess - t) ** 2))
+
+    cands = [at(0.0)]
+    if overlaps:
+        cands += [at(h) for h in u if h > 0]
+        order = np.argsort(u)
+        for j in range(1, len(u)):
+            bound, link = order[:j], order[j:]
+            c = float(np.sum(w[bound] * t[bound]) / np.sum(w[bound]))
+            h = c - float(np.sum(w[link] * (t[link] - u[link])) / np.sum(w[link]))
+            if u[order[j - 1]] <= h <= u[order[j]]:
+                pred = np.where(u > h, c - h + u, c)
+                cands.append((c, h, float(np.sum(w * (pred - t) ** 2))))
+    feasible = [x for x in cands if 0.0 <= x[1] <= x[0]] or cands[:1]
+    best = min(x[2] for x in feasible)
+    return min((x for x in feasible if x[2] <= best * (1 + 1e-9) + 1e-15), key=lambda x: x[1])
+
+
+def _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, iterations=30):
+    """Best ``(loss, compute, hidden, alpha)`` at a fixed ``k = 1 / efficiency``: per-recipe hinge
+    fits, alternated with the least-squares latency ``alpha`` when it is fitted."""
+    import numpy as np
+
+    t = np.array([r["step_time_s"] for r in rows])
+    w = 1.0 / t**2  # relative error
+    x = np.array([8 * r["wire_bytes"] / r["rate_bps"] if r.get("rate_bps") else 0.0 for r in rows])
+    calls = np.array([float(r.get("calls", 0)) for r in rows])
+    share = np.array([float(r.get("overlap_share", 1.0)) for r in rows])
+    idx = {name: np.array([i for i, r in enumerate(rows) if r["recipe"] == name]) for name in recipes}
+    alpha, compute, hidden = alpha_s, {}, {}
+    for it in range(iterations if fit_alpha else 1):
+        loss = 0.0
+        for name, i in idx.items():
+            fixed = alpha * calls[i] + (1 - share[i]) * k * x[i]  # latency and the link time after compute
+            compute[name], hidden[name], part = _hinge_fit(t[i] - fixed, share[i] * k * x[i], w[i], name in overlap)
+            loss += part
+        if not fit_alpha or it == iterations - 1:  # (loss, compute, hidden) belong to this alpha
+            break
+        excess = np.array([max(0.0, share[j] * k * x[j] - hidden[r["recipe"]]) + (1 - share[j]) * k * x[j]
+                           for j, r in enumerate(rows)])
+        A = np.zeros((len(rows), len(recipes) + 1))
+        for col, name in enumerate(recipes):
+            A[idx[name], col] = 1.0
+        A[:, -1] = calls
+        sw = np.sqrt(w)
+        sol, *_ = np.linalg.lstsq(A * sw[:, None], (t - excess) * sw, rcond=None)
+        new_alpha = max(0.0, float(sol[-1]))
+        if abs(new_alpha - alpha) <= 1e-12 + 1e-9 * abs(alpha):
+            break
+        alpha = new_alpha
+    return loss, dict(compute), dict(hidden), alpha
+
+
+def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> StepModel:
+    """Weighted least-squares fit of :class:`StepModel` to measured rows.
 
     Each row: ``recipe``, ``step_time_s``, ``wire_bytes`` (per step, on the busiest link),
-    ``rate_bps`` (None or 0: unshaped, no bandwidth term) and optionally ``calls`` (collective
-    calls a step). The fit is linear in (compute per recipe, alpha, 1 / efficiency). Latency is
-    only separable from compute when the number of calls varies within a recipe (e.g. across
-    message sizes or delays); otherwise ``alpha_s`` is kept at the value given and reported as
-    not fitted. Rows are weighted by ``1 / step_time_s``, so the fit minimizes relative error.
+    ``rate_bps`` (None or 0: unshaped, no link term) and optionally ``calls`` (collective calls a
+    step) and ``overlap_share`` (the share of the link time that may run under compute, default 1;
+    constant within a recipe). ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
+    for them; the others get 0). Rows are weighted by ``1 / step_time_s``, so the fit minimizes
+    relative error. The efficiency is found by a one-dimensional search (a coarse log grid, then
+    golden-section refinement); at a fixed efficiency each recipe's compute and hidden time are an
+    exact piecewise-quadratic minimum (:func:`_hinge_fit`). Latency is only separable from compute
+    when the number of calls varies within a recipe (e.g. across message sizes or delays); then
+    it is fitted by alternating with the hinge fits, otherwise ``alpha_s`` is kept at the value
+    given and reported as not fitted.
     """
     import numpy as np
 
     recipes = sorted({r["recipe"] for r in rows})
-    calls_vary = any(len({r.get("calls", 0) for r in rows if r["recipe"] == k}) > 1 for k in recipes)
-    cols = len(recipes) + 1 + (1 if calls_vary else 0)
-    A, b = np.zeros((len(rows), cols)), np.zeros(len(rows))
-    for i, r in enumerate(rows):
-        w = 1.0 / r["step_time_s"]
-        A[i, recipes.index(r["recipe"])] = w
-        rate = r.get("rate_bps")
-        A[i, len(recipes)] = w * (8 * r["wire_bytes"] / rate if rate else 0.0)
-        known = 0.0 if calls_vary else alpha_s * r.get("calls", 0)
-        if calls_vary:
-            A[i, len(recipes) + 1] = w * r.get("calls", 0)
-        b[i] = w * (r["step_time_s"] - known)
-    if not A[:, len(recipes)].any():
+    if not any(r.get("rate_bps") and r["wire_bytes"] for r in rows):
         raise ValueError("fit_step_model: no row has a shaped rate, so the bandwidth term cannot be fitted")
-    x, *_ = np.linalg.lstsq(A, b, rcond=None)
-    return StepModel(compute_s={k: float(x[i]) for i, k in enumerate(recipes)},
-                     alpha_s=float(x[-1]) if calls_vary else alpha_s,
-                     efficiency=float(1.0 / x[len(recipes)]), alpha_fitted=calls_vary)
+    overlap = set(overlap)
+    fit_alpha = any(len({r.get("calls", 0) for r in rows if r["recipe"] == k}) > 1 for k in recipes)
+
+    def loss(log_k: float) -> float:
+        return _fit_at(rows, recipes, overlap, math.exp(log_k), alpha_s, fit_alpha)[0]
+
+    grid = np.linspace(math.log(0.05), math.log(20.0), 97)
+    losses = [loss(g) for g in grid]
+    best = int(np.argmin(losses))
+    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(60):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - golden * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + golden * (hi - lo)
+            fb = loss(b)
+    k = math.exp((lo + hi) / 2)
+    _, compute, hidden, alpha = _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha)
+    return StepModel(compute_s=compute, alpha_s=alpha, efficiency=1.0 / k, alpha_fitted=fit_alpha, hidden_s=hidden)
 
 
-__all__ = ["StepModel", "estimate_time", "fit_step_model"]
+def _scored(model: StepModel, row: dict) -> dict:
+    pred = model.predict(row)
+    return {"recipe": row["recipe"], "rate": row.get("rate"), "measured_s": row["step_time_s"], "predicted_s": pred,
+            "error": pred / row["step_time_s"] - 1, "comm_share_model": model.comm_s(row) / pred}
+
+
+def held_out_check(rows: list[dict], held_out, **fit_kwargs) -> dict:
+    """Fit :func:`fit_step_model` on the rows for which ``held_out(row)`` is false, predict the others.
+
+    Returns ``{"model", "fit": [...], "held_out": [...], "mean_abs_error", "max_abs_error"}``; each
+    entry of ``fit`` / ``held_out``: recipe, rate, measured_s, predicted_s, error (predicted /
+    measured - 1), comm_share_model; the two error figures are over the held-out rows.
+    """
+    fit_rows = [r for r in rows if not held_out(r)]
+    test_rows = [r for r in rows if held_out(r)]
+    if not test_rows:
+        raise ValueError("held_out_check: no row is held out")
+    unseen = {r["recipe"] for r in test_rows} - {r["recipe"] for r in fit_rows}
+    if unseen:
+        raise ValueError(f"held_out_check: recipes {sorted(unseen)} have no row left to fit their compute")
+    model = fit_step_model(fit_rows, **fit_kwargs)
+    held = [_scored(model, r) for r in test_rows]
+    errors = [abs(p["error"]) for p in held]
+    return {"model": model, "fit": [_scored(model, r) for r in fit_rows], "held_out": held,
+            "mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors)}
+
+
+__all__ = ["StepModel", "estimate_time", "fit_step_model", "held_out_check"]
