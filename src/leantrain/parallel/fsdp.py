@@ -18,7 +18,10 @@ FSDP's all-gathers, reduce-scatters and HSDP all-reduces go through counted coll
 (:mod:`leantrain.parallel.fsdp_comm`). With ``--comm.method sdp4bit`` the communication technique
 offers its compressor (``Run.compression``) and every ``fully_shard``ed module reduce-scatters
 through SDP4Bit's two-level 4-bit path; its weight half has no counterpart here (FSDP keeps no
-whole weights between steps to quantize differences against) and is refused.
+whole weights between steps to quantize differences against) and is refused. With
+``--comm.method int8`` the reduce-scatter sends int8 codes and fp32 scales
+(:class:`leantrain.comm.Int8ReduceScatter`). Either one's call count (its rounding seed) is in
+this technique's state.
 
 The zeroth-order methods (``--finetune.method mezo|grzo``, :mod:`leantrain.finetune.zo`) step the
 shards themselves: each rank perturbs and updates its rows with the noise a single process draws
@@ -42,7 +45,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ZEROTH_ORDER = ("mezo", "grzo")  # finetune.method values whose steps are forwards only (finetune/zo.py)
 # the communication methods FSDP does not run: why, and the mode that runs each
 OTHER_MODES = {
-    "int8": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
     "gift": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
     "scape": ("masks the sharded optimizer's traffic by that optimizer's first moment, which FSDP's torch "
               "optimizer does not share", "sharded"),
@@ -109,7 +111,7 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
         (cfg.forge.enabled and c.method != "none", f"FORGE reduce-scatters each layer's weight gradient itself, "
                                                     f"uncompressed: drop --comm.method {c.method} with --forge under FSDP"),
         (c.method in OTHER_MODES, f"comm.method {c.method} {what}: use it with --dist.mode {mode} (FSDP compresses "
-                                  "its reduce-scatter with --comm.method sdp4bit)"),
+                                  "its reduce-scatter with --comm.method sdp4bit or int8)"),
         (c.method == "sdp4bit" and c.sdp4bit.weights, "comm.sdp4bit.weights quantizes weight differences against "
                                                       "whole weights every rank keeps between steps, which FSDP does "
                                                       "not keep: use --dist.mode sharded for SDP4Bit's weight half, "
@@ -183,7 +185,7 @@ class Fsdp(Technique):
         fully_shard(model, **kw, reshard_after_forward=True if self.forwards_only else None)
         run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
         self.sharded_modules = [*model.layers, model]
-        self.compressed_reduce_scatter = None  # (SDP4Bit's, once optimizer() installed it)
+        self.compressed_reduce_scatter = None  # (SDP4Bit's or int8's, once optimizer() installed it)
         self.installed = False
         # without a compressor the collectives go in now: another technique may build the optimizer
         # (FORGE, MeZO, GRZO), and then optimizer() below is not called
@@ -236,4 +238,4 @@ class Fsdp(Technique):
     def tag(cls, cfg: Config) -> str:
         d = cfg.dist
         return (("hsdp" if d.replicate > 1 else "fsdp") + ("-bf16" if d.param_dtype == "bf16" else "")
-                + ("-sdp4bit" if cfg.comm.method == "sdp4bit" else ""))
+                + (f"-{cfg.comm.method}" if cfg.comm.method in ("sdp4bit", "int8") else ""))
