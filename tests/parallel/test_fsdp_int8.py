@@ -5,11 +5,11 @@ resume.
 Tolerances: the int8 reduce-scatter rounds each peer's gradient chunk once to int8 (round to
 nearest, one fp32 scale per 256 elements; the owner's own chunk is exact), so the runs differ from
 the first step's update on, by far less than SDP4Bit's 4 bits: each of the 8 AdamW steps' losses
-stays within LOSS_RTOL of the uncompressed run's (measured below 1e-3 relative at 2 and 4 ranks).
+stays within LOSS_RTOL of the uncompressed run's (measured 7e-5 relative at 2 ranks, 3e-5 at 4).
 Bytes: per gradient element and rank the int8 path sends ``(n-1)/n (1 + 4/256)`` against
 ``(n-1)/n 4`` for the fp32 reduce-scatter of the same padded flat gradients (0.254x) and
 ``(n-1)/n 2`` for a bf16 one (0.508x); each shard is padded to a multiple of 256 elements, so the
-measured ratio is within 5 % above that.
+measured ratio is within 5 % above that (measured 0.513x of bf16 at 2 ranks, 0.519x at 4).
 A resume at the same world size restores the reduce-scatter's call count: bit-identical. A resume
 at another world size works (the grid's column).
 """
@@ -30,7 +30,7 @@ from leantrain.train.trainer import Trainer, recipe_name
 STEPS = 8
 GLOBAL_BATCH = 4
 MICRO_BATCHES = 2
-LOSS_RTOL = 0.005  # (module docstring)
+LOSS_RTOL = 1e-3  # (module docstring)
 GROUP = 256  # elements sharing one fp32 scale (Int8ReduceScatter's default)
 
 

@@ -43,6 +43,9 @@ from leantrain.technique import Run, Technique, register
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ZEROTH_ORDER = ("mezo", "grzo")  # finetune.method values whose steps are forwards only (finetune/zo.py)
+# finetune.method values whose optimizer state is saved with each rank's state, not through DCP
+# (ChunkFT's is this rank's rows of its chunks, finetune/chunkft_sharded.py)
+WHOLE_STATE = (*ZEROTH_ORDER, "chunkft")
 # the communication methods FSDP does not run: why, and the mode that runs each
 OTHER_MODES = {
     "gift": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
@@ -119,8 +122,6 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
         (c.method == "sdp4bit" and d.intra_node_size > 0 and shards % d.intra_node_size,
          f"dist.intra_node_size ({d.intra_node_size}) must divide the {shards} ranks each FSDP shard group holds "
          "for SDP4Bit's two-level reduce-scatter: pass a divisor of it, or 0 for one node"),
-        (cfg.finetune.method == "chunkft", "finetune.method chunkft steps chunks of whole weights, which FSDP "
-                                           "keeps sharded: run it in one process without --dist.mode fsdp"),
         (cfg.train.cuda_graph, "train.cuda_graph cannot capture FSDP's collectives: drop --train.cuda-graph"),
         (cfg.agoq.grad_bits == 8, "agoq.grad_bits 8 keeps whole int8 gradients between micro-batches, which "
                                   "FSDP reduce-scatters in backward: drop --agoq.grad-bits"),
@@ -232,7 +233,8 @@ class Fsdp(Technique):
         from leantrain.runtime.dcp import DcpCheckpointer
 
         return DcpCheckpointer(rank=self.run.rank, world=self.run.world, keep=self.run.cfg.train.keep_checkpoints,
-                               barrier=collectives.barrier, whole_optimizer=self.forwards_only)
+                               barrier=collectives.barrier,
+                               whole_optimizer=self.run.cfg.finetune.method in WHOLE_STATE)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
