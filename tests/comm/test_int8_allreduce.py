@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from leantrain.comm.int8_allreduce import Int8AllReduceState, int8_all_reduce, int8_allreduce_hook, int8_reduce_scatter
+from leantrain.comm.int8_allreduce import (
+    Int8AllReduceState,
+    int8_all_reduce,
+    int8_allreduce_hook,
+    int8_reduce_scatter,
+)
 from leantrain.runtime.ledger import COMM
 
 G = 256

@@ -27,6 +27,10 @@ The zeroth-order methods (``--finetune.method mezo|grzo``, :mod:`leantrain.finet
 shards themselves: each rank perturbs and updates its rows with the noise a single process draws
 for them; the forwards all-gather the weights as FSDP does, and the ranks exchange their losses.
 Their optimizer state (a step count and a seed) is saved whole with each rank's state.
+
+ChunkFT (``--finetune.method chunkft``, :mod:`leantrain.finetune.chunkft_sharded`) steps this
+rank's rows of the active chunk; its optimizer state (those rows) is saved with each rank's state
+too, so its checkpoints resume at the same world size only.
 """
 
 from __future__ import annotations
