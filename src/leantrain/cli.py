@@ -62,9 +62,9 @@ TRAIN_EPILOG = """recipes (flags that turn techniques on; they compose):
   --agoq                       AGoQ: ~4-bit saved activations
   --baseline                   plain PyTorch AdamW, nothing else
   --forge.state-dtype int8 --train.weights bf16    bf16 weights + 8-bit optimizer states
-  --comm.method int8           8-bit gradient all-reduce (under torchrun)
+  --comm.method int8           8-bit gradient all-reduce (DDP) / reduce-scatter (FSDP), under torchrun
   --dist.mode sharded [--comm.method sdp4bit|scape]   sharded optimizer, compressed traffic
-  --dist.mode fsdp [--comm.method sdp4bit]   FSDP2; SDP4Bit's 4-bit gradient reduce-scatter
+  --dist.mode fsdp [--comm.method sdp4bit|int8]   FSDP2; 4-bit / 8-bit gradient reduce-scatter
   --comm.method gift           FP8 all-reduce in K-FAC-whitened coordinates
 config fields: every field is --section.field value; `leantrain config` prints them all with docs.
 """

@@ -1,6 +1,8 @@
 """8-bit all-reduce (AGoQ): equals the fp32 all-reduce within the quantization bound on 2 and 4
 gloo ranks, sends <= (1 + 4/G)/2 of a bf16 all-reduce's bytes, trains under DDP, and a DDP run
-resumed from saved state continues bit-identically."""
+resumed from saved state continues bit-identically. Its first phase alone, the 8-bit
+reduce-scatter (FSDP's with ``--comm.method int8``), equals the fp32 reduce-scatter within its
+bound (each peer's one quantization) and sends <= (1 + 4/G)/2 of a bf16 reduce-scatter's bytes."""
 
 import copy
 
@@ -9,7 +11,12 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from leantrain.comm.int8_allreduce import Int8AllReduceState, int8_all_reduce, int8_allreduce_hook
+from leantrain.comm.int8_allreduce import (
+    Int8AllReduceState,
+    int8_all_reduce,
+    int8_allreduce_hook,
+    int8_reduce_scatter,
+)
 from leantrain.runtime.ledger import COMM
 
 G = 256
@@ -68,6 +75,42 @@ def test_int8_all_reduce_matches_fp32_within_bound(world):
         # 8-bit codes + one fp32 scale per 256: (1 + 4/256) / 2 = 0.508, plus padding
         assert ratio <= 0.5 * (1 + 4 / G) * (-(-numel // (world * G)) * world * G) / numel + 1e-9, ratio
         assert ratio < 0.52
+
+
+def _reduce_scatter_worker(rank, world, shard, average):
+    """A reduce-scatter of ``world`` chunks of ``shard`` elements (not a multiple of G: padded)."""
+    from leantrain.runtime import collectives as C
+
+    torch.manual_seed(200 + rank)
+    x = torch.randn(world * shard) * (1 + rank)
+    x[::997] *= 30.0
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)  # (reference data, not counted)
+    ref = torch.stack(parts).sum(0).view(world, shard)[rank] / (world if average else 1)
+    got = torch.empty(shard)
+    with COMM.capture() as led:
+        int8_reduce_scatter(got, x, average=average, group_size=G)
+    out16 = torch.empty(shard, dtype=torch.bfloat16)
+    with COMM.capture() as led16:
+        C.reduce_scatter_tensor(out16, x.to(torch.bfloat16))
+    pad = -(-shard // G) * G  # (each chunk padded on its own: the groups of G start at the chunk)
+    bound = sum(_group_absmax(p.view(world, shard)[rank], pad) / 127 / 2 for j, p in enumerate(parts) if j != rank)
+    bound = bound / (world if average else 1)
+    return {"err": (got - ref).abs().numpy(), "bound": bound.numpy(), "rel": float((got - ref).norm() / ref.norm()),
+            "int8": led.total, "bf16": led16.total, "by_op": dict(led.by_op())}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_int8_reduce_scatter_matches_fp32_within_bound(world):
+    shard = 3001
+    for o in run_distributed(_reduce_scatter_worker, world, args=(shard, world == 4)):
+        assert (o["err"] <= o["bound"] * 1.0001 + 1e-6).all(), (o["err"] - o["bound"]).max()
+        assert o["rel"] < 0.05, o["rel"]
+        assert set(o["by_op"]) == {"all_to_all"}
+        ratio = o["int8"] / o["bf16"]  # (1 + 4/256) / 2 = 0.508, plus each chunk's padding to G
+        assert ratio <= 0.5 * (1 + 4 / G) * (-(-shard // G) * G) / shard + 1e-9, ratio
+        assert 0.5 < ratio < 0.56, ratio
 
 
 def _ddp_worker(rank, world, steps):

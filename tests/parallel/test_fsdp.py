@@ -196,8 +196,7 @@ def test_from_and_export_read_the_dcp_checkpoint_whole(two_rank_run, corpus, tmp
 
 
 @pytest.mark.parametrize("over, says", [
-    ({"comm.method": "int8"}, "comm.method int8"),
-    ({"finetune.method": "chunkft"}, "finetune.method chunkft"),
+    ({"comm.method": "gift"}, "comm.method gift"),
     ({"agoq.grad_bits": "8"}, "agoq.grad_bits 8"),
     ({"optim.name": "lion"}, "optim.name lion"),
     ({"optim.name": "adams"}, "optim.name adams"),

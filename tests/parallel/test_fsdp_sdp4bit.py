@@ -152,10 +152,11 @@ def test_the_weight_half_is_refused_under_fsdp(corpus):
                                                "comm.sdp4bit.weights": "false"}), world=4)
 
 
-@pytest.mark.parametrize("method, mode", [("int8", "ddp"), ("gift", "ddp"), ("scape", "sharded")])
+@pytest.mark.parametrize("method, mode", [("gift", "ddp"), ("scape", "sharded")])
 def test_other_methods_name_the_mode_that_runs_them(corpus, method, mode):
     msg = _refusal(corpus, **{"dist.mode": "fsdp", "comm.method": method, "optim.name": "adamw"})
     assert msg.startswith(f"--dist.mode fsdp: comm.method {method} ") and f"--dist.mode {mode}" in msg, msg
+    assert "--comm.method sdp4bit or int8" in msg, msg
 
 
 def test_intra_node_size_must_divide_a_shard_group(corpus):

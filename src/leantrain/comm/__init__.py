@@ -4,6 +4,8 @@
   4-bit inter-node) Hadamard-smoothed gradient reduce-scatter, for
   :class:`leantrain.parallel.ShardedOptimizer` (``compression=lt.comm.SDP4Bit()``) and, for the
   gradient half, FSDP2 (:class:`SDP4BitReduceScatter`).
+- :class:`Int8ReduceScatter`: FSDP2's gradient reduce-scatter through AGoQ's int8 codes
+  (``int8_reduce_scatter``, the first phase of the 8-bit all-reduce).
 - :class:`SCAPE`: sparse gradient and weight communication over a global mask from the
   first moment (AdamS), for :class:`leantrain.parallel.ShardedOptimizer`.
 - :class:`GIFT`: the data-parallel gradient all-reduce in FP8 E4M3 or NVFP4, in K-FAC-whitened
@@ -19,7 +21,7 @@ See docs/sdp4bit.md, docs/scape.md, docs/gift.md and docs/int8-allreduce.md for 
 import importlib
 
 from leantrain.comm.cost import estimate_time
-from leantrain.comm.fsdp import SDP4BitReduceScatter
+from leantrain.comm.fsdp import Int8ReduceScatter, SDP4BitReduceScatter
 from leantrain.comm.scape import SCAPE
 from leantrain.comm.sdp4bit import NoCompression, Pending, SDP4Bit, bytes_per_element
 from leantrain.comm.topology import Topology, get_topology
@@ -31,6 +33,7 @@ _LAZY = {
     "Int8AllReduceState": "int8_allreduce",
     "int8_allreduce_hook": "int8_allreduce",
     "int8_all_reduce": "int8_allreduce",
+    "int8_reduce_scatter": "int8_allreduce",
 }
 
 
@@ -49,6 +52,7 @@ __all__ = [
     "NoCompression",
     "Pending",
     "SDP4BitReduceScatter",
+    "Int8ReduceScatter",
     "Topology",
     "get_topology",
     "estimate_time",

@@ -1,4 +1,5 @@
-"""SDP4Bit's gradient path inside PyTorch FSDP2, through ``FSDPModule.set_custom_reduce_scatter``.
+"""Compressed reduce-scatters inside PyTorch FSDP2, through ``FSDPModule.set_custom_reduce_scatter``:
+SDP4Bit's gradient path (:class:`SDP4BitReduceScatter`) and AGoQ's 8-bit one (:class:`Int8ReduceScatter`).
 
     from torch.distributed.fsdp import fully_shard
     model = fully_shard(model, mesh=mesh)
@@ -23,8 +24,14 @@ all-gather (which needs the previous full weights on every rank) does not map on
 ``set_custom_all_gather`` without adding a full model copy per rank. It is not offered here;
 use :class:`leantrain.parallel.ShardedOptimizer` for the weight half.
 
-The call is synchronous (FSDP2 already runs it on its reduce-scatter stream and ignores the
-return value); it returns ``None``.
+The int8 path (``--dist.mode fsdp --comm.method int8``): each rank quantizes every chunk of the
+flat input (one fp32 scale per 256 elements, a chunk padded to a multiple of it) and sends chunk
+``i`` to rank ``i`` in one all-to-all; the owner adds its own chunk unquantized and sums in fp32
+(:func:`leantrain.comm.int8_allreduce.int8_reduce_scatter`). Bytes: ``(1 + 4/256) / 2`` of a bf16
+reduce-scatter's (a quarter of an fp32 one's), filed as ``all_to_all`` under scope ``world``.
+
+The calls are synchronous (FSDP2 already runs them on its reduce-scatter stream and ignores the
+return value); they return ``None``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from leantrain.comm.int8_allreduce import int8_reduce_scatter
 from leantrain.comm.sdp4bit import SDP4Bit
 from leantrain.comm.topology import get_topology
 
@@ -62,15 +70,7 @@ class SDP4BitReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         topo = get_topology(group, self.intra_node_size)
-        if op == dist.ReduceOp.SUM:
-            div = 1.0
-        elif op == dist.ReduceOp.AVG:
-            div = float(topo.world)
-        else:
-            raise ValueError(
-                f"SDP4BitReduceScatter supports ReduceOp.SUM and AVG, got {op}; with a custom "
-                "gradient divide factor call model.set_force_sum_reduction_for_comms(True)"
-            )
+        div = _divisor(op, topo.world, "SDP4BitReduceScatter")
         shard = self.compressor.start_reduce_scatter(input_tensor.reshape(-1), topo, seed=self.calls).wait()
         self.calls += 1
         if div != 1.0:
@@ -85,4 +85,60 @@ class SDP4BitReduceScatter:
         self.calls = int(state["calls"])
 
 
-__all__ = ["SDP4BitReduceScatter"]
+def _divisor(op, world: int, name: str) -> float:
+    """What FSDP's ``op`` divides the sum by (SUM: 1, AVG: the world size); other ops refused."""
+    if op == dist.ReduceOp.SUM:
+        return 1.0
+    if op == dist.ReduceOp.AVG:
+        return float(world)
+    raise ValueError(f"{name} supports ReduceOp.SUM and AVG, got {op}; with a custom gradient divide factor "
+                     "call model.set_force_sum_reduction_for_comms(True)")
+
+
+class Int8ReduceScatter:
+    """An FSDP2 reduce-scatter through int8 codes and fp32 scales (the module doc).
+
+    Args:
+        group_size: elements sharing one fp32 scale (even).
+        stochastic: round stochastically (unbiased; seeded by ``seed`` and the call count).
+        seed: the rounding's base seed.
+
+    ``calls`` counts the reduce-scatters run (``state_dict``): it varies the stochastic rounding's
+    seed, so a resumed run draws the numbers an uninterrupted one draws. It keeps no other state
+    (the DDP int8 all-reduce has no error feedback either). One instance may serve every
+    ``fully_shard``ed module of a model.
+    """
+
+    def __init__(self, *, group_size: int = 256, stochastic: bool = False, seed: int = 0):
+        self.group_size, self.stochastic, self.seed = group_size, stochastic, seed
+        self.calls = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        div = _divisor(op, dist.get_world_size(group), "Int8ReduceScatter")
+        self.calls += 1
+        int8_reduce_scatter(output_tensor.reshape(-1), input_tensor.reshape(-1), group, group_size=self.group_size,
+                            average=div != 1.0, stochastic=self.stochastic, seed=self.seed * 1_000_003 + self.calls)
+        return None
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
+
+
+def fsdp_reduce_scatter(compression, *, group=None, intra_node_size: int | None = None):
+    """The FSDP2 reduce-scatter of a run's compressor (``Run.compression``): an :class:`SDP4Bit`'s
+    gradient half (its topology built now for ``group``), or an :class:`Int8ReduceScatter` as it is."""
+    if isinstance(compression, SDP4Bit):
+        return SDP4BitReduceScatter(compression, group=group, intra_node_size=intra_node_size)
+    if isinstance(compression, Int8ReduceScatter):
+        return compression
+    raise TypeError(f"FSDP has no reduce-scatter for the compressor {type(compression).__name__}; "
+                    "use --comm.method sdp4bit or int8 with --dist.mode fsdp")
+
+
+__all__ = ["Int8ReduceScatter", "SDP4BitReduceScatter", "fsdp_reduce_scatter"]

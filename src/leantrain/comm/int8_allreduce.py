@@ -1,4 +1,5 @@
-"""Precision-preserving 8-bit all-reduce (AGoQ), as a function and as a DDP comm hook.
+"""Precision-preserving 8-bit all-reduce (AGoQ), as a function and as a DDP comm hook; its first
+phase alone is an 8-bit reduce-scatter (:func:`int8_reduce_scatter`, FSDP2's with ``comm/fsdp.py``).
 
 One all-reduce of a flat tensor of ``N`` elements over ``n`` ranks, with ``G = group_size``:
 
@@ -46,7 +47,7 @@ from leantrain.ops.qtensor import QTensor
 from leantrain.ops.quant_fast import quantize_q
 from leantrain.runtime import collectives as C
 
-__all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce", "two_phase_all_reduce"]
+__all__ = ["Int8AllReduceState", "int8_allreduce_hook", "int8_all_reduce", "int8_reduce_scatter", "two_phase_all_reduce"]
 
 
 @dataclass
@@ -86,6 +87,21 @@ def _unpayload(buf: Tensor, chunk: int, group_size: int) -> tuple[Tensor, Tensor
     return codes, scale
 
 
+def _reduce_to_owners(x: Tensor, n: int, chunk: int, group, *, encode, decode, average: bool, scope: str) -> Tensor:
+    """Phase 1 of the module doc: fp32 ``x`` of ``n`` chunks of ``chunk`` elements, chunk ``i`` sent
+    encoded to rank ``i`` (one all-to-all); returns this rank's chunk summed over the ranks in fp32
+    (its own copy exact, the peers' decoded), divided by ``n`` when ``average``."""
+    send = encode(x, n, 0)
+    recv = torch.empty_like(send)
+    C.all_to_all_single(recv, send, group=group, scope=scope)
+    vals = decode(recv, chunk)  # (n, C): every peer's quantized copy of my chunk
+    vals[C.rank(group)] = x.view(n, chunk)[C.rank(group)]  # own chunk: exact, not its quantized copy
+    red = vals.sum(0)
+    if average:
+        red /= n
+    return red
+
+
 def two_phase_all_reduce(tensor: Tensor, group, *, block: int, encode, decode, average: bool = False,
                          scope: str = "world") -> Tensor:
     """The module doc's two phases with any codec, in place on ``tensor``; returns it. The padded tensor's
@@ -95,20 +111,12 @@ def two_phase_all_reduce(tensor: Tensor, group, *, block: int, encode, decode, a
     n = C.world_size(group)
     if n == 1:
         return tensor
-    me = C.rank(group)
     flat = tensor.detach().reshape(-1).float()
     numel = flat.numel()
     chunk = -(-numel // (n * block)) * block
     x = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
     x[:numel] = flat
-    send = encode(x, n, 0)
-    recv = torch.empty_like(send)
-    C.all_to_all_single(recv, send, group=group, scope=scope)
-    vals = decode(recv, chunk)  # (n, C): every peer's quantized copy of my chunk
-    vals[me] = x.view(n, chunk)[me]  # own chunk: exact, not its quantized copy
-    red = vals.sum(0)
-    if average:
-        red /= n
+    red = _reduce_to_owners(x, n, chunk, group, encode=encode, decode=decode, average=average, scope=scope)
     mine = encode(red, 1, 1).reshape(-1)
     out = torch.empty(n * mine.numel(), dtype=torch.uint8, device=tensor.device)
     C.all_gather_into_tensor(out, mine, group=group, scope=scope)
@@ -124,8 +132,15 @@ def int8_all_reduce(tensor: Tensor, group=None, *, group_size: int = 256, averag
     """
     if C.world_size(group) == 1:
         return tensor
+    encode, decode = _int8_codec(group_size, stochastic, seed)
+    return two_phase_all_reduce(tensor, group, block=group_size, encode=encode, decode=decode, average=average,
+                                scope=scope)
+
+
+def _int8_codec(group_size: int, stochastic: bool, seed: int):
+    """(encode, decode) of :func:`two_phase_all_reduce` for int8 codes + one fp32 scale per ``group_size``."""
     if group_size % 2 or group_size < 2:
-        raise ValueError(f"int8_all_reduce: group_size must be even and >= 2, got {group_size}")
+        raise ValueError(f"int8 collectives: group_size must be even and >= 2, got {group_size}")
 
     def encode(x, k, phase):
         return _payload(quantize_q(x, 8, group_size=group_size, stochastic=stochastic, seed=seed + phase), k)
@@ -134,8 +149,32 @@ def int8_all_reduce(tensor: Tensor, group=None, *, group_size: int = 256, averag
         codes, scale = _unpayload(buf, chunk, group_size)
         return (codes.float() * scale).view(buf.shape[0], chunk)
 
-    return two_phase_all_reduce(tensor, group, block=group_size, encode=encode, decode=decode, average=average,
-                                scope=scope)
+    return encode, decode
+
+
+def int8_reduce_scatter(output: Tensor, input: Tensor, group=None, *, group_size: int = 256, average: bool = False,
+                        stochastic: bool = False, seed: int = 0, scope: str = "world") -> Tensor:
+    """Reduce-scatter through int8: ``input`` holds ``n`` contiguous chunks of ``output.numel()``
+    elements, chunk ``i`` for rank ``i`` (``reduce_scatter_tensor``'s layout, FSDP2's); ``output``
+    gets this rank's chunk summed over the ranks (``average``: divided by ``n``). Phase 1 of the
+    module doc alone: each chunk, padded to a multiple of ``group_size``, is quantized once (int8 +
+    one fp32 scale per group) and sent to its owner, who adds its own chunk unquantized and sums in
+    fp32. Error per element ``<= sum_{j != owner} s_j / 2`` (round to nearest); bytes this rank
+    sends ``(n-1)/n * n C (1 + 4/G)``: ``(1 + 4/G) / 2`` of a bf16 reduce-scatter's, plus padding.
+    Returns ``output``."""
+    n = C.world_size(group)
+    if n == 1:
+        return output.copy_(input.view_as(output))
+    numel = output.numel()
+    if input.numel() != n * numel:
+        raise ValueError(f"int8_reduce_scatter: input has {input.numel()} elements, not {n} x {numel}")
+    encode, decode = _int8_codec(group_size, stochastic, seed)
+    chunk = -(-numel // group_size) * group_size
+    x = torch.zeros(n, chunk, dtype=torch.float32, device=input.device)
+    x[:, :numel] = input.detach().reshape(n, numel)
+    red = _reduce_to_owners(x.view(-1), n, chunk, group, encode=encode, decode=decode, average=average, scope=scope)
+    output.copy_(red[:numel].view_as(output))
+    return output
 
 
 def int8_allreduce_hook(state: Int8AllReduceState, bucket):

@@ -1,7 +1,9 @@
 """The compressed collectives as techniques of a run (``[comm]``; :mod:`leantrain.technique`).
 
 - ``int8``: AGoQ's precision-preserving 8-bit all-reduce: DDP's comm hook, and the per-layer
-  all-reduce a technique that reduces inside backward (FORGE) uses (``Run.all_reduce``).
+  all-reduce a technique that reduces inside backward (FORGE) uses (``Run.all_reduce``); under
+  FSDP its first phase is FSDP's gradient reduce-scatter (``Run.compression``:
+  :class:`leantrain.comm.Int8ReduceScatter`).
 - ``gift``: GIFT's FP8 / NVFP4 all-reduce in K-FAC-whitened coordinates, after backward.
 - ``sdp4bit`` / ``scape``: the compressor of the sharded optimizer (``Run.compression``); SDP4Bit's
   gradient half also becomes FSDP's reduce-scatter (:mod:`leantrain.parallel.fsdp`).
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+from leantrain.comm.fsdp import Int8ReduceScatter
 from leantrain.comm.gift import GIFT
 from leantrain.comm.int8_allreduce import Int8AllReduceState, int8_all_reduce, int8_allreduce_hook
 from leantrain.comm.scape import SCAPE
@@ -27,14 +30,17 @@ class Int8AllReduce(Technique):
 
     @classmethod
     def check(cls, cfg: Config, *, device, world: int) -> None:
-        if cfg.dist.mode != "ddp":
-            raise ConfigError("comm.method int8 is an all-reduce of whole gradients: use it with --dist.mode ddp "
-                              "(with --dist.mode sharded use --comm.method sdp4bit or scape)")
+        if cfg.dist.mode not in ("ddp", "fsdp"):
+            raise ConfigError("comm.method int8 compresses DDP's all-reduce and FSDP's reduce-scatter of the "
+                              "gradients: use it with --dist.mode ddp or fsdp (with --dist.mode sharded use "
+                              "--comm.method sdp4bit or scape)")
 
     def __init__(self, run: Run):
         super().__init__(run)
         run.all_reduce = int8_all_reduce
         self.hook_state = Int8AllReduceState(None)
+        if run.cfg.dist.mode == "fsdp":  # (FSDP installs it as its reduce-scatter and checkpoints its calls)
+            run.compression = Int8ReduceScatter()
 
     def ddp_comm_hook(self):
         return self.hook_state, int8_allreduce_hook
@@ -47,7 +53,7 @@ class Int8AllReduce(Technique):
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
-        return "ddp-int8"
+        return "ddp-int8" if cfg.dist.mode == "ddp" else ""  # (FSDP names its reduce-scatter)
 
 
 @register

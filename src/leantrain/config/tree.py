@@ -289,7 +289,8 @@ class CommConfig:
     """Compressed gradient communication between data-parallel ranks.
 
     method: none (bf16/fp32 as the weights are); int8 (AGoQ's precision-preserving 8-bit
-    all-reduce; dist.mode ddp, with or without FORGE); sdp4bit (dist.mode sharded; its gradient
+    all-reduce; dist.mode ddp, with or without FORGE; under dist.mode fsdp its 8-bit
+    reduce-scatter, without FORGE); sdp4bit (dist.mode sharded; its gradient
     half also with dist.mode fsdp); scape (dist.mode sharded); gift (dist.mode ddp, without FORGE)."""
 
     method: Literal["none", "int8", "sdp4bit", "scape", "gift"] = "none"

@@ -1,7 +1,8 @@
 """The fine-tuning methods as techniques of a run (``--finetune.method``; :mod:`leantrain.technique`).
 
 ``full`` is no technique: plain AdamW over every parameter. ``chunkft`` owns the step (one chunk
-of the parameters gets gradients and device state at a time). ``mezo`` and ``grzo`` are
+of the parameters gets gradients and device state at a time; under ``--dist.mode fsdp`` each rank
+steps its shards' rows of the chunk, :mod:`leantrain.finetune.chunkft_sharded`). ``mezo`` and ``grzo`` are
 zeroth-order: they replace forward + backward by loss evaluations at perturbed weights.
 """
 
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from leantrain.config import Config, ConfigError
 from leantrain.finetune.chunkft import ChunkFT as ChunkFTOptimizer
+from leantrain.finetune.chunkft_sharded import ShardedChunkFT
 from leantrain.finetune.zo import GRZO, MeZO, noise_block_for
 from leantrain.technique import Run, Technique, register
 
@@ -39,9 +41,21 @@ class ChunkFT(_FinetuneMethod):
 
     @classmethod
     def check(cls, cfg: Config, *, device, world: int) -> None:
-        if world > 1:
-            raise ConfigError("finetune --method chunkft runs in one process; under torchrun use mezo or grzo "
-                              "(or leantrain train for data-parallel back-propagation)")
+        fsdp = cfg.dist.mode == "fsdp"
+        if world > 1 and not fsdp:
+            raise ConfigError("finetune --method chunkft runs in one process or under --dist.mode fsdp; under "
+                              "torchrun add --dist.mode fsdp or use mezo or grzo")
+        why = [w for bad, w in (
+            (cfg.forge.enabled, "its in-backward step (--forge) updates weight rows before FSDP reduce-scatters "
+                                "their gradients: drop --forge"),
+            (cfg.comm.method != "none", "the active chunk's gradients are reduce-scattered uncompressed: drop "
+                                        f"--comm.method {cfg.comm.method}"),
+            (cfg.dist.param_dtype != cfg.dist.reduce_dtype, "FSDP fixes each block's reduce dtype from the "
+                                                            "parameters trainable at its first forward, which ChunkFT "
+                                                            "changes: pass the same --dist.param-dtype and "
+                                                            "--dist.reduce-dtype")) if fsdp and bad]
+        if why:
+            raise ConfigError("finetune.method chunkft under --dist.mode fsdp: " + "; ".join(why))
         if cfg.finetune.num_chunks < 1 or cfg.finetune.interval < 1:
             raise ConfigError("finetune.num_chunks and finetune.interval must be >= 1")
         if cfg.forge.enabled and cfg.forge.state_dtype != "fp32":
@@ -53,11 +67,14 @@ class ChunkFT(_FinetuneMethod):
 
     def optimizer(self, run: Run, rule):
         c, f, o = run.cfg, run.cfg.finetune, run.cfg.optim
+        hyper = {"num_chunks": f.num_chunks, "interval": f.interval, "lr": o.lr, "betas": o.betas, "eps": o.eps,
+                 "weight_decay": o.weight_decay, "max_norm": o.grad_clip, "state_dtype": f.chunk_state_dtype}
         try:  # (optim.grad_clip clips the active chunk's gradient: the only one there is)
-            opt = ChunkFTOptimizer(run.model, "adamw", num_chunks=f.num_chunks, interval=f.interval, lr=o.lr,
-                                   betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, max_norm=o.grad_clip,
-                                   in_backward=c.forge.enabled, state_dtype=f.chunk_state_dtype,
-                                   stochastic_rounding=c.forge.stochastic_rounding, seed=c.train.seed)
+            if c.dist.mode == "fsdp":  # (the model's parameters are FSDP's shards: each rank steps its rows)
+                opt = ShardedChunkFT(run.model, "adamw", **hyper)
+            else:
+                opt = ChunkFTOptimizer(run.model, "adamw", **hyper, in_backward=c.forge.enabled,
+                                       stochastic_rounding=c.forge.stochastic_rounding, seed=c.train.seed)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         run.log(f"ChunkFT: {f.num_chunks} chunks of {', '.join(str(len(c)) for c in opt.chunks)} pieces, "
@@ -87,7 +104,7 @@ class ChunkFT(_FinetuneMethod):
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
-        return "chunkft+forge" if cfg.forge.enabled else "chunkft"
+        return "chunkft+forge" if cfg.forge.enabled else "chunkft"  # (FSDP adds its own tag)
 
 
 class _ZerothOrder(_FinetuneMethod):

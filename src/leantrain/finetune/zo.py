@@ -38,7 +38,7 @@ single process's on the concatenated batch (tested with 2 gloo ranks).
 **FSDP2** (parameters that are ``DTensor`` s sharded on dim 0, ``fully_shard``): each rank holds
 rows of every weight and perturbs and updates only those, with the noise a single process draws
 for them: a noise block that a shard covers in part is drawn (and GRZO's update of it computed)
-whole and the shard's part taken (:func:`_local_rows`), so the result is the single process's bit
+whole and the shard's part taken (:func:`local_rows`), so the result is the single process's bit
 for bit, and only the losses travel besides
 FSDP's all-gathers of the weights in each forward. MeZO's forwards then see the perturbed shards
 all-gathered; GRZO's hooks run inside the forward, on the all-gathered weights, and its update
@@ -89,7 +89,7 @@ def _noise(seed: int, shape, device) -> Tensor:
     return torch.randn(shape, generator=_generator(device, seed), device=device, dtype=torch.float32)
 
 
-def _local_rows(p: Tensor) -> tuple[Tensor, int]:
+def local_rows(p: Tensor) -> tuple[Tensor, int]:
     """(the rows of ``p`` this rank holds, the global index of the first): a ``DTensor``'s local
     shard (FSDP2: ``Shard(0)``, the last ranks' shards possibly shorter or empty) and its offset;
     a plain tensor's whole self and 0."""
@@ -168,7 +168,7 @@ class MeZO(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 key = step_seed(self.seed, index, self.steps)
-                local, row0 = _local_rows(p)
+                local, row0 = local_rows(p)
                 flat, first = local.view(-1), row0 * math.prod(p.shape[1:])
                 for j, b0, b1, lo, hi in _overlaps(_row_blocks(p.numel(), 1, self.block), first, first + flat.numel()):
                     z = _noise(step_seed(key, j, 1), (b1 - b0,), flat.device)
@@ -392,7 +392,7 @@ class GRZO(torch.optim.Optimizer):
                 continue
             # (under FSDP this rank's rows, else the whole weight; each product is computed over a
             # whole noise block, as one process does, and this rank's rows taken: bit for bit)
-            local, row0 = _local_rows(w)
+            local, row0 = local_rows(w)
             rows = slice(row0, row0 + local.shape[0])
             ar = a.to(local.device)[:, None] * r.to(torch.float32)  # [B, d_out]
             if w.dim() == 2:
@@ -405,7 +405,7 @@ class GRZO(torch.optim.Optimizer):
                     step = (u * (ar[:, r0:r1].t() @ sf))[lo - r0:hi - r0]
                     local[lo - row0:hi - row0].add_(step.to(local.dtype), alpha=coef)
                 if getattr(m, "bias", None) is not None and m.bias.requires_grad:
-                    bias, b0 = _local_rows(m.bias)
+                    bias, b0 = local_rows(m.bias)
                     brows = slice(b0, b0 + bias.shape[0])
                     ub = _noise(step_seed(key, 0, 4), w.shape[:1], local.device)
                     bias.add_((ub * ar.sum(0))[brows].to(bias.dtype), alpha=coef)

@@ -18,12 +18,19 @@ FSDP's all-gathers, reduce-scatters and HSDP all-reduces go through counted coll
 (:mod:`leantrain.parallel.fsdp_comm`). With ``--comm.method sdp4bit`` the communication technique
 offers its compressor (``Run.compression``) and every ``fully_shard``ed module reduce-scatters
 through SDP4Bit's two-level 4-bit path; its weight half has no counterpart here (FSDP keeps no
-whole weights between steps to quantize differences against) and is refused.
+whole weights between steps to quantize differences against) and is refused. With
+``--comm.method int8`` the reduce-scatter sends int8 codes and fp32 scales
+(:class:`leantrain.comm.Int8ReduceScatter`). Either one's call count (its rounding seed) is in
+this technique's state.
 
 The zeroth-order methods (``--finetune.method mezo|grzo``, :mod:`leantrain.finetune.zo`) step the
 shards themselves: each rank perturbs and updates its rows with the noise a single process draws
 for them; the forwards all-gather the weights as FSDP does, and the ranks exchange their losses.
 Their optimizer state (a step count and a seed) is saved whole with each rank's state.
+
+ChunkFT (``--finetune.method chunkft``, :mod:`leantrain.finetune.chunkft_sharded`) steps this
+rank's rows of the active chunk; its optimizer state (those rows) is saved with each rank's state
+too, so its checkpoints resume at the same world size only.
 """
 
 from __future__ import annotations
@@ -40,9 +47,11 @@ from leantrain.technique import Run, Technique, register
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ZEROTH_ORDER = ("mezo", "grzo")  # finetune.method values whose steps are forwards only (finetune/zo.py)
+# finetune.method values whose optimizer state is saved with each rank's state, not through DCP
+# (ChunkFT's is this rank's rows of its chunks, finetune/chunkft_sharded.py)
+WHOLE_STATE = (*ZEROTH_ORDER, "chunkft")
 # the communication methods FSDP does not run: why, and the mode that runs each
 OTHER_MODES = {
-    "int8": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
     "gift": ("compresses DDP's all-reduce of whole gradients, which FSDP reduce-scatters", "ddp"),
     "scape": ("masks the sharded optimizer's traffic by that optimizer's first moment, which FSDP's torch "
               "optimizer does not share", "sharded"),
@@ -109,7 +118,7 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
         (cfg.forge.enabled and c.method != "none", f"FORGE reduce-scatters each layer's weight gradient itself, "
                                                     f"uncompressed: drop --comm.method {c.method} with --forge under FSDP"),
         (c.method in OTHER_MODES, f"comm.method {c.method} {what}: use it with --dist.mode {mode} (FSDP compresses "
-                                  "its reduce-scatter with --comm.method sdp4bit)"),
+                                  "its reduce-scatter with --comm.method sdp4bit or int8)"),
         (c.method == "sdp4bit" and c.sdp4bit.weights, "comm.sdp4bit.weights quantizes weight differences against "
                                                       "whole weights every rank keeps between steps, which FSDP does "
                                                       "not keep: use --dist.mode sharded for SDP4Bit's weight half, "
@@ -117,8 +126,6 @@ def _refusal(cfg: Config, device: torch.device, world: int) -> str | None:
         (c.method == "sdp4bit" and d.intra_node_size > 0 and shards % d.intra_node_size,
          f"dist.intra_node_size ({d.intra_node_size}) must divide the {shards} ranks each FSDP shard group holds "
          "for SDP4Bit's two-level reduce-scatter: pass a divisor of it, or 0 for one node"),
-        (cfg.finetune.method == "chunkft", "finetune.method chunkft steps chunks of whole weights, which FSDP "
-                                           "keeps sharded: run it in one process without --dist.mode fsdp"),
         (cfg.train.cuda_graph, "train.cuda_graph cannot capture FSDP's collectives: drop --train.cuda-graph"),
         (cfg.agoq.grad_bits == 8, "agoq.grad_bits 8 keeps whole int8 gradients between micro-batches, which "
                                   "FSDP reduce-scatters in backward: drop --agoq.grad-bits"),
@@ -183,7 +190,7 @@ class Fsdp(Technique):
         fully_shard(model, **kw, reshard_after_forward=True if self.forwards_only else None)
         run.param_groups = self.param_groups()  # (for a technique that owns the step instead: FORGE)
         self.sharded_modules = [*model.layers, model]
-        self.compressed_reduce_scatter = None  # (SDP4Bit's, once optimizer() installed it)
+        self.compressed_reduce_scatter = None  # (SDP4Bit's or int8's, once optimizer() installed it)
         self.installed = False
         # without a compressor the collectives go in now: another technique may build the optimizer
         # (FORGE, MeZO, GRZO), and then optimizer() below is not called
@@ -230,10 +237,11 @@ class Fsdp(Technique):
         from leantrain.runtime.dcp import DcpCheckpointer
 
         return DcpCheckpointer(rank=self.run.rank, world=self.run.world, keep=self.run.cfg.train.keep_checkpoints,
-                               barrier=collectives.barrier, whole_optimizer=self.forwards_only)
+                               barrier=collectives.barrier,
+                               whole_optimizer=self.run.cfg.finetune.method in WHOLE_STATE)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:
         d = cfg.dist
         return (("hsdp" if d.replicate > 1 else "fsdp") + ("-bf16" if d.param_dtype == "bf16" else "")
-                + ("-sdp4bit" if cfg.comm.method == "sdp4bit" else ""))
+                + (f"-{cfg.comm.method}" if cfg.comm.method in ("sdp4bit", "int8") else ""))

@@ -18,8 +18,10 @@ comm ledger (scope ``world``):
   all-reduce hook, which FSDP2 runs after that all-reduce with its output: ``2 (R - 1) / R`` x
   the shard's bytes.
 
-With a compressor (``Run.compression``: SDP4Bit's gradient half) the reduce-scatter is
-:class:`leantrain.comm.SDP4BitReduceScatter`, whose all-to-alls are filed under ``intra`` /
+With a compressor (``Run.compression``) the reduce-scatter is the compressor's
+(:func:`leantrain.comm.fsdp.fsdp_reduce_scatter`): :class:`leantrain.comm.Int8ReduceScatter`, whose
+all-to-all is filed under ``world``, or :class:`leantrain.comm.SDP4BitReduceScatter` (SDP4Bit's
+gradient half), whose all-to-alls are filed under ``intra`` /
 ``inter`` as the sharded optimizer files them.
 """
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from leantrain.comm.fsdp import SDP4BitReduceScatter
+from leantrain.comm.fsdp import fsdp_reduce_scatter
 from leantrain.runtime import collectives
 from leantrain.runtime.ledger import record_comm
 
@@ -63,8 +65,7 @@ class ReplicaAllReduceCount:
         record_comm("all_reduce", 2 * (n - 1) * reduce_output.numel() * reduce_output.element_size() // n, "world")
 
 
-def install(modules: list[nn.Module], mesh, *, compression=None,
-            intra_node_size: int | None = None) -> SDP4BitReduceScatter | None:
+def install(modules: list[nn.Module], mesh, *, compression=None, intra_node_size: int | None = None):
     """Give every ``fully_shard``ed module of ``modules`` the counted all-gather, the reduce-scatter
     (``compression``'s, else the counted one) and, under HSDP (a ``replicate`` mesh dimension),
     the all-reduce count. Every rank calls it (the compressed reduce-scatter may create the
@@ -73,7 +74,7 @@ def install(modules: list[nn.Module], mesh, *, compression=None,
     gather = CountedAllGather()
     compressed = None
     if compression is not None:
-        compressed = SDP4BitReduceScatter(compression, group=mesh.get_group("shard"), intra_node_size=intra_node_size)
+        compressed = fsdp_reduce_scatter(compression, group=mesh.get_group("shard"), intra_node_size=intra_node_size)
     scatter = compressed or CountedReduceScatter()
     replicate = "replicate" in (mesh.mesh_dim_names or ())
     hook = ReplicaAllReduceCount(mesh.size(mesh.mesh_dim_names.index("replicate"))) if replicate else None

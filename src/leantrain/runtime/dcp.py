@@ -47,9 +47,10 @@ class DcpCheckpointer:
 
     def __init__(self, *, rank: int, world: int, keep: int = 2, barrier=lambda: None, whole_optimizer: bool = False):
         """``whole_optimizer``: the optimizer keeps no state per parameter (a zeroth-order method's
-        step count and seed, the same on every rank): its ``state_dict()`` is saved whole with each
-        rank's state (``"optimizer"``), not through DCP, which steps an optimizer without state to
-        create some."""
+        step count and seed, the same on every rank) or keeps it in a layout of its own (ChunkFT's
+        rows of its chunks, which its ``load_state_dict`` checks): its ``state_dict()`` is saved
+        whole with each rank's state (``"optimizer"``), not through DCP, which steps an optimizer
+        without state to create some."""
         self.rank, self.world, self.keep, self.barrier = rank, world, keep, barrier
         self.whole_optimizer = whole_optimizer
 
