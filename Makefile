@@ -23,7 +23,7 @@ train: $(STAMP)
 	$(BIN)/leantrain train --preset tiny --steps $(STEPS) --out $(OUT) --forge --agoq
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu and not benchmark and not slow and not distributed"

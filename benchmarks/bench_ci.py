@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"(\d+) passed(?:, (\d+) skipped)?(?:, (\d+) deselected)?.* in ([\d.]+)s")
+DURATION = re.compile(r"^([\d.]+)s (call|setup|teardown) +(\S+)$", re.M)  # pytest --durations lines
 
 
 def parse_pytest(text: str) -> dict:
@@ -33,7 +34,9 @@ def parse_pytest(text: str) -> dict:
     passed, skipped, deselected, seconds = found[-1]
     failed = re.findall(r"(\d+) failed", text.splitlines()[-1] if text.splitlines() else "")
     return {"passed": int(passed), "skipped": int(skipped or 0), "deselected": int(deselected or 0),
-            "failed": int(failed[0]) if failed else 0, "pytest_seconds": float(seconds)}
+            "failed": int(failed[0]) if failed else 0, "pytest_seconds": float(seconds),
+            "failures": re.findall(r"^FAILED (\S+)", text, re.M),
+            "slowest": [{"seconds": float(s), "phase": phase, "test": test} for s, phase, test in DURATION.findall(text)]}
 
 
 def run_fresh() -> dict:
