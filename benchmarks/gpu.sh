@@ -105,9 +105,12 @@ memory() {
   [ -n "$Q" ] && sel="--batches 1 --configs torch_bf16 torchtune_recipe forge_int8_states_agoq chunkft32_ckpt chunkft_fused_ckpt chunkft_fused64_ckpt"
   timeout 3600 python3 benchmarks/bench_memory.py --presets 7b 8b --vocab 32000 $sel --seqs 1024 \
     --out "$OUT/memory" 2>&1 | tail -40
-  [ -n "$Q" ] && sel="--configs torch_bf16_ckpt torchtune_recipe chunkft_fused64_ckpt"
+  [ -n "$Q" ] && sel="--configs torch_bf16_ckpt torchtune_recipe chunkft_fused64_ckpt chunkft_fused128_ckpt chunkft_fused64_offload chunkft_fused128_offload"
   timeout 1800 python3 benchmarks/bench_memory.py --presets 8b --batches 2 --seqs 2048 ${Q:+$sel} --out "$OUT/memory" \
     --name memory-8b-128k 2>&1 | tail -20
+  log "memory: where the small-batch step's time goes (7b, B = 1, profiled)"
+  timeout 600 python3 benchmarks/bench_memory.py --presets 7b --batches 1 --configs torch_bf16 torch_fp32_master_autocast \
+    forge_bf16_states forge_int8_states forge_int8_states_agoq --profile --out "$OUT/memory" --name profile-7b 2>&1 | tail -12
 }
 
 scale() {
