@@ -97,6 +97,10 @@ fsdp() {
   local F="--dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32"
   timeout 420 python3 benchmarks/bench_step.py --preset 1b --batch 8 --steps 16 --rounds 1 --name fsdp-1gpu \
     --recipe "baseline=--baseline" --recipe "fsdp=$F" --recipe "fsdp_agoq=$F --agoq" --out "$OUT/step" 2>&1 | tail -6
+  log "fsdp: the 8b preset under FSDP2 on one GPU (fp32 shards and states in host memory; with FORGE + AGoQ)"
+  timeout 600 python3 benchmarks/bench_step.py --preset 8b --batch 1 --steps 6 --rounds 1 --name fsdp-8b-1gpu \
+    --recipe "fsdp_offload=$F --dist.cpu-offload true" --recipe "fsdp_forge_agoq=$F --forge --agoq" \
+    --out "$OUT/step" 2>&1 | tail -6
 }
 
 memory() {
