@@ -248,6 +248,16 @@ def step_runs(d):
     return "; ".join(out)
 
 
+def scape_fidelity(d):
+    """bench_convergence --scape-fidelity: each sparsity's mean validation loss against dense's (per seed)."""
+    out = []
+    for name in ("sharded-scape90", "sharded-scape99"):
+        r = d["recipes"][name]
+        seeds = ", ".join(pct(v["val_vs_dense"] - 1) for v in r["seeds"].values())
+        out.append(f"{pct(r['mean_vs_dense'] - 1)} ({seeds})")
+    return " / ".join(out)
+
+
 def memory_cell(rel_config, preset, vocab, seq, batch):
     """One bench_memory row: peak GiB and tokens/s, named by its configuration."""
     def f(d):
@@ -402,6 +412,8 @@ TABLES: dict[str, list[tuple]] = {
          "within 1 %", F_SCAPE),
         ("the same, 99 % sparse", val_delta("sharded-scape99x2", "sharded-adamsx2"), "within 2 %", F_SCAPE),
         ("90 % sparse, seeds 1 and 2", scape_seeds, "within 1 %", "comm/2026-12-03_cpu_scape-seeds.json"),
+        ("90 % / 99 % sparse, mean of seeds 1337, 1, 2", scape_fidelity, "within 1 % / 2 %",
+         "comm/2026-12-05_cpu_scape-defaults.json"),
     ],
     "gift": [
         ("NVFP4 bytes vs a bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
