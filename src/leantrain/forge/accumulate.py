@@ -40,6 +40,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from leantrain.forge import launch as K
+from leantrain.forge.dispatch import choose_path
 from leantrain.forge.linear import ForgeLayer
 from leantrain.optim.grad8 import Int8GradBuffer
 
@@ -54,11 +56,11 @@ def check_accumulation(grad_accum: int, accum_dtype: str) -> None:
         raise ValueError(f"accum_dtype must be one of {sorted(ACCUM_DTYPES)}, got {accum_dtype!r}")
 
 
-def _holds(acc: Tensor | Int8GradBuffer, buf: Tensor) -> bool:
-    """Whether the accumulation buffer ``acc`` fits the layer's dW ``buf`` (size and device)."""
+def _holds(acc: Tensor | Int8GradBuffer, numel: int, device: torch.device) -> bool:
+    """Whether the accumulation buffer ``acc`` fits a layer's ``numel`` gradient elements on ``device``."""
     if isinstance(acc, Int8GradBuffer):
-        return acc.numel == buf.numel() and (acc.codes is None or acc.codes.device == buf.device)
-    return acc.numel() == buf.numel() and acc.device == buf.device
+        return acc.numel == numel and (acc.codes is None or acc.codes.device == device)
+    return acc.numel() == numel and acc.device == device
 
 
 class AccumulateMixin:
@@ -86,11 +88,27 @@ class AccumulateMixin:
         return [t for acc in self._accum.values()
                 for t in (acc.tensors() if isinstance(acc, Int8GradBuffer) else [acc])]
 
-    def _new_accum(self, buf: Tensor, backend: str) -> Tensor | Int8GradBuffer:
-        if self.accum_dtype == "int8":  # (its quantize ops on the layer's backend: torch or triton)
-            return Int8GradBuffer(buf.numel(), group_size=ACCUM_GROUP, error_feedback=self.accum_error_feedback,
-                                  backend=backend)
-        return torch.empty(buf.numel(), dtype=ACCUM_DTYPES[self.accum_dtype], device=buf.device)
+    def _buffer_for(self, slot: int, numel: int, device: torch.device, backend: str) -> Tensor | Int8GradBuffer:
+        """The layer's accumulation buffer, made at its first accumulating micro-batch and kept."""
+        acc = self._accum.get(slot)
+        if acc is None or not _holds(acc, numel, device):
+            if self.accum_dtype == "int8":  # (its quantize ops on the layer's backend: torch or triton)
+                acc = Int8GradBuffer(numel, group_size=ACCUM_GROUP, error_feedback=self.accum_error_feedback,
+                                     backend=backend)
+            else:
+                acc = torch.empty(numel, dtype=ACCUM_DTYPES[self.accum_dtype], device=device)
+            self._accum[slot] = acc
+        return acc
+
+    def _accumulates_in_kernel(self, layer: ForgeLayer, x2: Tensor | None, fill, backend: str) -> bool:
+        """Whether the layer's dW goes into its buffer inside the tile kernel (``MODE_ACCUM``): the
+        Triton backend, an fp32 / bf16 buffer, no ``fill`` caller, and the fused tiles as the path
+        :func:`~leantrain.forge.dispatch.choose_path` gives the layer (the CPU interpreter; on CUDA with
+        ``kernel="tiles"`` or ``split_tokens`` above the layer's tokens)."""
+        if backend != "triton" or fill is not None or x2 is None or self.accum_dtype == "int8":
+            return False
+        return choose_path(self.kernel, x2.shape[0], on_cuda=layer.weight.is_cuda, must_materialize=False,
+                           ws_ok=False, split_tokens=self.split_tokens, ws_tokens=self.ws_tokens) == "tiles"
 
     def _accumulate_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
         """Add the layer's dW (and db) of this micro-batch into its buffer: no update."""
@@ -98,15 +116,20 @@ class AccumulateMixin:
             raise RuntimeError("FORGE: gradient accumulation cannot run inside a captured CUDA graph "
                                "(train.cuda_graph needs data.grad_accum 1)")
         backend = self._backend_for(layer.weight)
-        buf, _, _ = self._materialize(layer, x2, dy2, backend, fill, reduce=False)
-        acc = self._accum.get(layer.slot)
-        if acc is None or not _holds(acc, buf):
-            acc = self._accum[layer.slot] = self._new_accum(buf, backend)
-        if layer.slot in self._filled:
-            acc.add_(buf)
+        w, b = layer.weight, layer.bias
+        filled = layer.slot in self._filled
+        if self._accumulates_in_kernel(layer, x2, fill, backend):
+            acc = self._buffer_for(layer.slot, w.numel() + (0 if b is None else b.numel()), w.device, backend)
+            K.launch_forge(K.MODE_ACCUM, x=x2.contiguous(), dy=dy2.contiguous(), w=w, b=b, accum=acc,
+                           accum_read=filled)
         else:
-            acc.copy_(buf)
-            self._filled.add(layer.slot)
+            buf, _, _ = self._materialize(layer, x2, dy2, backend, fill, reduce=False)
+            acc = self._buffer_for(layer.slot, buf.numel(), buf.device, backend)
+            if filled:
+                acc.add_(buf)
+            else:
+                acc.copy_(buf)
+        self._filled.add(layer.slot)
 
     def _add_accumulated(self, layer: ForgeLayer, buf: Tensor) -> None:
         """The update's micro-batch: add the layer's accumulated gradient into its dW ``buf``."""
