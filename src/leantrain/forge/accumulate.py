@@ -102,10 +102,13 @@ class AccumulateMixin:
 
     def _accumulates_in_kernel(self, layer: ForgeLayer, x2: Tensor | None, fill, backend: str) -> bool:
         """Whether the layer's dW goes into its buffer inside the tile kernel (``MODE_ACCUM``): the
-        Triton backend, an fp32 / bf16 buffer, no ``fill`` caller, and the fused tiles as the path
-        :func:`~leantrain.forge.dispatch.choose_path` gives the layer (the CPU interpreter; on CUDA with
-        ``kernel="tiles"`` or ``split_tokens`` above the layer's tokens)."""
-        if backend != "triton" or fill is not None or x2 is None or self.accum_dtype == "int8":
+        Triton backend, no ``fill`` caller, an fp32 / bf16 buffer or an int8 one whose groups are
+        whole runs of a weight row (``in_features`` a multiple of ``ACCUM_GROUP``), and the fused
+        tiles as the path :func:`~leantrain.forge.dispatch.choose_path` gives the layer (the CPU
+        interpreter; on CUDA with ``kernel="tiles"`` or ``split_tokens`` above the layer's tokens)."""
+        if backend != "triton" or fill is not None or x2 is None:
+            return False
+        if self.accum_dtype == "int8" and layer.weight.shape[1] % ACCUM_GROUP:
             return False
         return choose_path(self.kernel, x2.shape[0], on_cuda=layer.weight.is_cuda, must_materialize=False,
                            ws_ok=False, split_tokens=self.split_tokens, ws_tokens=self.ws_tokens) == "tiles"

@@ -31,8 +31,14 @@ becomes ``dW + sum`` before its sum of squares and the update, in the split path
 the same bits as the materialized ``dW`` plus the buffer fed to the update-only kernel. In
 ``MODE_ACCUM`` (fp32 / bf16 buffers) the tile stores ``buffer + dW`` (``ACC_READ``) or ``dW`` (the
 step's first micro-batch), rounded to nearest even for bf16: torch's ``buf.add_(dW)`` /
-``buf.copy_(dW)``. The int8 fold (requantizing each whole group with its error feedback) is not
-done here: a group is a flat run of ``ACC_GROUP`` elements across tile boundaries.
+``buf.copy_(dW)``. With int8 buffers ``MODE_ACCUM`` folds the tile as
+:meth:`Int8GradBuffer.add_ <leantrain.optim.grad8.Int8GradBuffer.add_>` does: ``v = (dW +
+dequant(codes)) + dequant(residual)`` (or ``v = dW``), ``codes = quantize(v)``, ``residual =
+quantize(v - dequant(codes))``, round to nearest, each group's scale from its absmax
+(:func:`leantrain.ops.quant_tl.encode_tile_tl`, bit-identical to the torch reference). That needs
+whole groups in a tile: ``K`` a multiple of ``ACC_GROUP`` and ``BLOCK_K = ACC_GROUP``, each tile
+row one group; the bias's groups (runs of ``ACC_GROUP`` bias rows) span tiles, so db is written to
+``GB`` and folded by the launcher (:meth:`Int8GradBuffer.fold_tail_`).
 
 Every program also writes the sum of squares of its (unscaled) gradient tile to
 ``PART[pid]``: the layer's gradient norm (clipping, metrics) and its non-finite flag. A tile
@@ -59,6 +65,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from leantrain.ops.quant_tl import encode_tile_tl
     from leantrain.ops.update import _store_plain, _sum_out, _tile_coords, _tile_sumsq, _update_tile
 
     @triton.jit
@@ -86,6 +93,24 @@ if HAS_TRITON:
                 accb = tl.load(ACC + boffs, mask=bmask, other=0.0).to(tl.float32) + accb
             _store_plain(accb, ACC, boffs, bmask, ACC_KIND == 2, NATIVE_CVT, "")
 
+    @triton.jit
+    def _fold_int8_tile(acc, ACC, ACS, ACR, ACRS, offs, mask, mn, ACC_KIND: tl.constexpr, ACC_READ: tl.constexpr,
+                        ACC_GROUP: tl.constexpr, FAST: tl.constexpr):
+        """``MODE_ACCUM``, int8: fold the dW tile into the codes (and the residual) of its groups, one
+        a row (``BLOCK_K == ACC_GROUP``; module docstring)."""
+        row_group = tl.max(offs // ACC_GROUP, axis=1)
+        v = acc
+        if ACC_READ:
+            v = _add_accum(v, ACC, ACS, ACR, ACRS, offs, mask, ACC_KIND, ACC_GROUP)
+        code, scale, _ = encode_tile_tl(v, mask, offs, 0, -127, 127, True, False, FAST)
+        tl.store(ACC + offs, code.to(tl.int8), mask=mask)
+        tl.store(ACS + row_group, scale, mask=mn)
+        if ACC_KIND == 4:  # the requantization error, quantized in its turn
+            err = v - code.to(tl.float32) * scale[:, None]
+            rcode, rscale, _ = encode_tile_tl(err, mask, offs, 0, -127, 127, True, False, FAST)
+            tl.store(ACR + offs, rcode.to(tl.int8), mask=mask)
+            tl.store(ACRS + row_group, rscale, mask=mn)
+
     @triton.jit(do_not_specialize=["T", "key", "lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1",
                                    "omb2", "lerp_c", "eps", "mom", "dyn_off"])
     def _forge_kernel(
@@ -99,6 +124,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
         IDX32: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr,
         APPROX: tl.constexpr, ACC_KIND: tl.constexpr, ACC_READ: tl.constexpr, ACC_GROUP: tl.constexpr,
+        FAST: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_n, offs_k, mn, mk, mask, offs, boffs, bias_here, blk_n, blk_k, kb, nb, jpos, code_offs = \
@@ -117,8 +143,13 @@ if HAS_TRITON:
             if HAS_BIAS:
                 accb += tl.sum(dy.to(tl.float32), axis=0)
         if MODE == 3:
-            _accumulate_tile(acc, accb, ACC, offs, boffs, mask, mn & bias_here, ACC_KIND, ACC_READ, HAS_BIAS,
-                             NATIVE_CVT)
+            if ACC_KIND >= 3:
+                _fold_int8_tile(acc, ACC, ACS, ACR, ACRS, offs, mask, mn, ACC_KIND, ACC_READ, ACC_GROUP, FAST)
+                if HAS_BIAS:  # (folded by the launcher: a bias group spans tiles)
+                    tl.store(GB + offs_n, accb, mask=mn & bias_here)
+            else:
+                _accumulate_tile(acc, accb, ACC, offs, boffs, mask, mn & bias_here, ACC_KIND, ACC_READ, HAS_BIAS,
+                                 NATIVE_CVT)
         else:
             if ACC_KIND != 0:  # the step's earlier micro-batches' gradient, before the norm and the update
                 acc = _add_accum(acc, ACC, ACS, ACR, ACRS, offs, mask, ACC_KIND, ACC_GROUP)

@@ -18,6 +18,7 @@ from leantrain.forge.kernel import (
     MODE_WRITE_DW,
 )
 from leantrain.ops._backend import HAS_TRITON, interpreting
+from leantrain.ops.tiles import fast_bits
 from leantrain.ops.update import DYN_COLS, FLAG_NAMES, RULE_IDS, STATE_KIND
 from leantrain.ops.update_launch import (
     Buckets,
@@ -44,6 +45,15 @@ LARGE_T = 2048  # above this many tokens the fused mode uses 128 x 128 x 32 tile
 FUSED_MAXNREG = 168  # the fused 64 x 64 tile's register cap (three programs an SM; heuristic_config)
 INTERP_TILE = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}  # the CPU interpreter's
 _I32 = 1 << 31
+
+
+def accum_int8_tile(group: int, on_gpu: bool) -> dict:
+    """The tile of ``MODE_ACCUM`` into an int8 buffer: rows of one whole group (``BLOCK_K = group``),
+    16 of them under the interpreter, 32 at 8 warps on a GPU (a 32 x 256 fp32 tile: 32 registers a
+    thread for the accumulator)."""
+    if not on_gpu:
+        return {"BLOCK_N": 16, "BLOCK_K": group, "BLOCK_T": 16, "GROUP_N": 2, "num_warps": 1}
+    return {"BLOCK_N": 32, "BLOCK_K": group, "BLOCK_T": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 2}
 
 
 def heuristic_config(mode: int, T: int, int8: bool = False, w_bf16: bool = False, states_bf16: bool = False) -> dict:
@@ -90,7 +100,9 @@ _DIRECT = DirectLauncher(_forge_kernel, "T", "MODE") if HAS_TRITON else None
 def _plan(mode: int, N: int, K: int, T: int, int8: bool, tune: dict | None, on_gpu: bool, meta: dict) -> Plan:
     """The launch plan of the fused / write-dW modes: tiles (the interpreter's, ``tune``, or
     :func:`heuristic_config`), grid and the constexpr arguments."""
-    if not on_gpu:
+    if mode == MODE_ACCUM and meta["ACC_KIND"] >= ACC_INT8:  # (whole groups a tile row, whatever ``tune`` says)
+        cfg = accum_int8_tile(meta["ACC_GROUP"], on_gpu)
+    elif not on_gpu:
         cfg = dict(INTERP_TILE)
     elif tune is not None:
         cfg = {k: v for k, v in tune.items() if k != "EARLY_LOADS"}  # (an update-only option)
@@ -120,9 +132,11 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     ``accum``: the layer's gradient-accumulation buffer (flat, ``N·K`` weight elements then ``N``
     bias ones: a fp32 / bf16 tensor or an :class:`~leantrain.optim.grad8.Int8GradBuffer`). In
     ``MODE_FUSED`` its sum is added to dW (and db) before the norm and the update (the buffer is
-    only read: the caller marks it consumed); ``MODE_ACCUM`` (fp32 / bf16 buffers; ``w`` and ``b``
-    give the shapes and are not written) stores ``accum + dW`` into it, or ``dW`` with
-    ``accum_read=False``."""
+    only read: the caller marks it consumed); ``MODE_ACCUM`` (``w`` and ``b`` give the shapes and are
+    not written) stores ``accum + dW`` into it, or ``dW`` with ``accum_read=False`` (the step's first
+    micro-batch); into an int8 buffer (``K`` a multiple of its group size) it is the fold of
+    :meth:`~leantrain.optim.grad8.Int8GradBuffer.add_` / ``copy_``, the bias's groups folded after
+    the launch from an N-element fp32 db."""
     if mode == MODE_UPDATE:
         return launch_update(w=w, g=g, b=b, gb=gb, states=states, bias_states=bias_states, kinds=kinds,
                              qtables=qtables, scale=scale, rule_name=rule_name, hp=hp, step=step, sr=sr, key=key,
@@ -140,9 +154,13 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     if not on_gpu and x.dtype != torch.float32 and interpreting():  # the interpreter's tl.dot: wrong on bf16
         x, dy = x.float(), dy.float()  # exact: same products, fp32 accumulation
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    fold_int8 = mode == MODE_ACCUM and isinstance(accum, Int8GradBuffer)
+    if fold_int8:
+        if K % accum.group_size:
+            raise ValueError(f"launch_forge(MODE_ACCUM): an int8 buffer needs K ({K}) a multiple of its group size "
+                             f"({accum.group_size}); fold with Int8GradBuffer.add_ instead")
+        accum.writable(dev)
     acc_kind, acc_group, acc_ptrs = accum_args(accum, dummy)
-    if mode == MODE_ACCUM and acc_kind not in (ACC_FP32, ACC_BF16):
-        raise ValueError("launch_forge(MODE_ACCUM): an fp32 or bf16 buffer (the int8 fold is Int8GradBuffer.add_)")
     if mode in (MODE_WRITE_DW, MODE_ACCUM):
         has_bias = (gb is not None) if mode == MODE_WRITE_DW else (b is not None)
         states, bias_states, kinds, dyn, b, scale, sq = (), (), (), None, None, None, None
@@ -155,6 +173,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         if held != N * K + (N if has_bias else 0):
             raise ValueError(f"launch_forge(accum=...): a buffer of {held} elements for a [{N}, {K}] layer"
                              f"{' with bias' if has_bias else ''}")
+    if fold_int8 and has_bias:  # db, folded after the launch (its groups span tiles)
+        gb = torch.empty(N, dtype=torch.float32, device=dev)
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     pkey = (mode, N, K, T <= LARGE_T, rule_name, e.kind1, e.kind2, len(states), w_bf16, bool(sr), has_bias,
             e.signs, scale is not None, prec, e.flags, on_gpu, dyn is not None, sq is not None,
@@ -166,7 +186,7 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
                     W_BF16=w_bf16, SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec,
                     HAS_DYN=dyn is not None, SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
                     SIGN1=e.signs[0], SIGN2=e.signs[1], APPROX=bool(approx), ACC_KIND=acc_kind,
-                    ACC_READ=bool(accum_read), ACC_GROUP=acc_group,
+                    ACC_READ=bool(accum_read), ACC_GROUP=acc_group, FAST=fast_bits() if on_gpu else 0,
                     **dict(zip(FLAG_NAMES, e.flags, strict=True)))
         plan = _PLANS[pkey] = _plan(mode, N, K, T, max(e.kind1, e.kind2) >= STATE_KIND["int8"], tune, on_gpu, meta)
     if part is None or part.numel() != plan.nparts or part.device != dev:
@@ -182,6 +202,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         _DIRECT(plan, pkey, args, (N, K, sx, sdy), (T, *args[-2:]))
     else:
         plan.kernel[plan.grid](*args, **plan.meta)
+    if fold_int8 and has_bias:
+        accum.fold_tail_(gb, N * K, first=not accum_read)
     return part
 
 
