@@ -25,6 +25,12 @@ bf16's 8 relative to each element), ``1 + 4 / group_size`` without (1.02 at 256)
 Transients: a fold makes ``v`` and one dequantized copy in fp32 (the buffer's numel), freed when
 it returns; the quantize / dequantize ops are Triton kernels on CUDA and the pure-torch
 reference elsewhere (:mod:`leantrain.ops.quant`), bit-identical to each other.
+
+A kernel may fold in place instead (FORGE's tile kernel, ``MODE_ACCUM`` of
+:mod:`leantrain.forge.kernel`): :meth:`Int8GradBuffer.writable` hands it the codes and residual
+(allocated once) and counts the fold; the kernel does the same operations on whole groups it
+owns, and :meth:`Int8GradBuffer.fold_tail_` folds the groups from a group-aligned offset to the
+end (a layer's bias) in torch, with transients of that tail's size only.
 """
 
 from __future__ import annotations
