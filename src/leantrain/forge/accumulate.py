@@ -34,14 +34,15 @@ divides each micro-batch's loss by ``k`` (the trainer does), so the update sees 
 buffers, the rounding of the partial sums to bf16; with int8, the requantization error).
 
 Each buffer holds one layer's weight and bias gradients, flat (``numel`` of the layer's fused
-parameters, the weight row-major then the bias: the workspace's layout and the kernel's): in ``accum_dtype`` bf16 / fp32, or for ``int8`` a
-:class:`leantrain.optim.grad8.Int8GradBuffer` (int8 codes with one fp32 scale per
-``ACCUM_GROUP`` elements, plus an int8 error-feedback residual with its own scales unless
-``accum_error_feedback=False``: 2.03 / 1.02 bytes a parameter, against bf16's 2 and fp32's 4);
-made at the first accumulating micro-batch and kept across steps.
+parameters, the weight row-major then the bias: the workspace's layout and the kernel's): in
+``accum_dtype`` bf16 / fp32, or for ``int8`` a :class:`leantrain.optim.grad8.Int8GradBuffer`
+(int8 codes with one fp32 scale per ``ACCUM_GROUP`` elements, plus an int8 error-feedback
+residual with its own scales unless ``accum_error_feedback=False``: 2.03 / 1.02 bytes a
+parameter, against bf16's 2 and fp32's 4); made at the first accumulating micro-batch and kept
+across steps.
 
-What exists in fp32, and when. Held between micro-batches: only fp32 buffers (``accum_dtype="fp32"``,
-4 bytes a parameter). Transient: on the fused tiles, nothing of the layer's size (the dW tile
+What exists in fp32, and when. Held between micro-batches: only fp32 buffers
+(``accum_dtype="fp32"``, 4 bytes a parameter). Transient: on the fused tiles, nothing of the layer's size (the dW tile
 lives in registers; an int8 fold of a layer with a bias makes an fp32 vector of its
 ``out_features`` and the fold's copies of it). On the split path, the materialized dW of the one
 layer being processed (the reused workspace: :attr:`peak_dw_numel` counts it) and, with int8, the

@@ -93,6 +93,28 @@ def accum_args(accum, dummy) -> tuple[int, int, tuple]:
     return kinds[accum.dtype], 1, (accum,) + (dummy,) * 3
 
 
+def _accum_launch(mode: int, accum, N: int, K: int, has_bias: bool, dummy) -> tuple[int, int, tuple, object]:
+    """:func:`accum_args` of a launch after its checks, and the fp32 db an int8 fold of a layer with a
+    bias writes for :meth:`~leantrain.optim.grad8.Int8GradBuffer.fold_tail_` (else None). An int8
+    ``MODE_ACCUM`` counts its fold (:meth:`~leantrain.optim.grad8.Int8GradBuffer.writable`)."""
+    if (mode == MODE_ACCUM and accum is None) or (mode == MODE_WRITE_DW and accum is not None):
+        raise ValueError("launch_forge: accum= goes with MODE_ACCUM (required) and MODE_FUSED")
+    fold_gb = None
+    if accum is not None:
+        held = accum.numel if isinstance(accum, Int8GradBuffer) else accum.numel()
+        if held != N * K + (N if has_bias else 0):
+            raise ValueError(f"launch_forge(accum=...): a buffer of {held} elements for a [{N}, {K}] layer"
+                             f"{' with bias' if has_bias else ''}")
+        if mode == MODE_ACCUM and isinstance(accum, Int8GradBuffer):
+            if K % accum.group_size:
+                raise ValueError(f"launch_forge(MODE_ACCUM): an int8 buffer needs K ({K}) a multiple of its group "
+                                 f"size ({accum.group_size}); fold with Int8GradBuffer.add_ instead")
+            accum.writable(dummy.device)
+            if has_bias:  # (its groups span tiles: folded after the launch)
+                fold_gb = torch.empty(N, dtype=torch.float32, device=dummy.device)
+    return (*accum_args(accum, dummy), fold_gb)
+
+
 _PLANS: dict = {}
 _DIRECT = DirectLauncher(_forge_kernel, "T", "MODE") if HAS_TRITON else None
 
@@ -143,8 +165,6 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
                              tune=tune, part=part, dyn=dyn, sq=sq, ticket=ticket, rows=rows, approx=approx)
     if rows is not None:
         raise ValueError("launch_forge(rows=...): the update-only mode only")
-    if accum is None and mode == MODE_ACCUM or accum is not None and mode == MODE_WRITE_DW:
-        raise ValueError("launch_forge: accum= goes with MODE_ACCUM (required) and MODE_FUSED")
     dummy = w if w is not None else g
     N, K = dummy.shape
     dev = dummy.device
@@ -154,13 +174,6 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     if not on_gpu and x.dtype != torch.float32 and interpreting():  # the interpreter's tl.dot: wrong on bf16
         x, dy = x.float(), dy.float()  # exact: same products, fp32 accumulation
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    fold_int8 = mode == MODE_ACCUM and isinstance(accum, Int8GradBuffer)
-    if fold_int8:
-        if K % accum.group_size:
-            raise ValueError(f"launch_forge(MODE_ACCUM): an int8 buffer needs K ({K}) a multiple of its group size "
-                             f"({accum.group_size}); fold with Int8GradBuffer.add_ instead")
-        accum.writable(dev)
-    acc_kind, acc_group, acc_ptrs = accum_args(accum, dummy)
     if mode in (MODE_WRITE_DW, MODE_ACCUM):
         has_bias = (gb is not None) if mode == MODE_WRITE_DW else (b is not None)
         states, bias_states, kinds, dyn, b, scale, sq = (), (), (), None, None, None, None
@@ -168,13 +181,9 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     else:
         e = epilogue_args(rule_name, hp, step, kinds, qtables, dyn)
         has_bias = b is not None
-    if accum is not None:
-        held = accum.numel if isinstance(accum, Int8GradBuffer) else accum.numel()
-        if held != N * K + (N if has_bias else 0):
-            raise ValueError(f"launch_forge(accum=...): a buffer of {held} elements for a [{N}, {K}] layer"
-                             f"{' with bias' if has_bias else ''}")
-    if fold_int8 and has_bias:  # db, folded after the launch (its groups span tiles)
-        gb = torch.empty(N, dtype=torch.float32, device=dev)
+    acc_kind, acc_group, acc_ptrs, fold_gb = _accum_launch(mode, accum, N, K, has_bias, dummy)
+    if fold_gb is not None:
+        gb = fold_gb
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     pkey = (mode, N, K, T <= LARGE_T, rule_name, e.kind1, e.kind2, len(states), w_bf16, bool(sr), has_bias,
             e.signs, scale is not None, prec, e.flags, on_gpu, dyn is not None, sq is not None,
@@ -202,8 +211,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         _DIRECT(plan, pkey, args, (N, K, sx, sdy), (T, *args[-2:]))
     else:
         plan.kernel[plan.grid](*args, **plan.meta)
-    if fold_int8 and has_bias:
-        accum.fold_tail_(gb, N * K, first=not accum_read)
+    if fold_gb is not None:
+        accum.fold_tail_(fold_gb, N * K, first=not accum_read)
     return part
 
 
