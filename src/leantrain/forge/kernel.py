@@ -40,7 +40,7 @@ whole groups in a tile: ``K`` a multiple of ``ACC_GROUP`` and ``BLOCK_K = ACC_GR
 row one group; the bias's groups (runs of ``ACC_GROUP`` bias rows) span tiles, so db is written to
 ``GB`` and folded by the launcher (:meth:`Int8GradBuffer.fold_tail_`).
 
-Every program also writes the sum of squares of its (unscaled) gradient tile to
+Every program (but ``MODE_ACCUM``'s) also writes the sum of squares of its (unscaled) gradient tile to
 ``PART[pid]``: the layer's gradient norm (clipping, metrics) and its non-finite flag. A tile
 whose sum of squares is not finite stores nothing: its W and state keep their old bits. Other
 tiles of the same layer are updated.
@@ -51,7 +51,8 @@ read + 12 B written per weight element; bf16 W + int8 states: 4 B + 4/256 B each
 Layer total: ``T·(N·⌈K/BK⌉ + K·⌈N/BN⌉)·sizeof(x)`` (X and dY are re-read by every tile row
 / column; L2 absorbs most of it) plus the W/state traffic; no dW write or read. An accumulated
 gradient adds its read (4, 2, or 1 + 4/ACC_GROUP bytes an element, twice with the residual);
-``MODE_ACCUM`` reads and writes the buffer once (4 or 2 bytes an element each way).
+``MODE_ACCUM`` reads and writes the buffer once (4 or 2 bytes an element each way; int8: the
+codes and scales, the residual's too, with the layer's N fp32 db written and folded apart).
 """
 
 from __future__ import annotations
