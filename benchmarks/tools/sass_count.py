@@ -178,7 +178,7 @@ def main(argv=None) -> int:
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early), ROWS=False,
-                    ACC_KIND=fk.ACC_NONE, ACC_READ=False, ACC_GROUP=1, FAST=0)
+                    ACC_KIND=0, ACC_READ=False, ACC_GROUP=1, FAST=0)  # (no accumulated gradient)
         if not fused:
             raise SystemExit("forge --mode update: the update-only kernel is ops.update._update_kernel now; "
                              "count --mode fused here")
