@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         kind = STATE_KIND[a.sdtype]
         sdt = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*u8", "int8p": "*u8"}[a.sdtype]
         sig = {n: "*fp32" for n in ("X", "DY", "W", "B", "S1", "S2", "A1", "A2", "BS1", "BS2", "Q1", "Q2", "G", "GB",
-                                    "PART", "SCALE", "DYN", "SQ", "TICKET")}
+                                    "PART", "SCALE", "DYN", "SQ", "TICKET", "ACC", "ACS", "ACR", "ACRS")}
         sig.update(W=f"*{a.wdtype}", S1=sdt, S2=sdt, G="*bf16", TICKET="*i32", OWNER="*i32", KEYS="*i32", ROW0="*i32")
         sig.update({n: "i32" for n in ("T", "N", "K", "stride_x", "stride_dy")})
         sig.update({n: "fp32" for n in ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c",
@@ -177,7 +177,8 @@ def main(argv=None) -> int:
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
                     SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
-                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early), ROWS=False)
+                    SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early), ROWS=False,
+                    ACC_KIND=0, ACC_READ=False, ACC_GROUP=1, FAST=0)  # (no accumulated gradient)
         if not fused:
             raise SystemExit("forge --mode update: the update-only kernel is ops.update._update_kernel now; "
                              "count --mode fused here")

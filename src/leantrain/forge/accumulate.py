@@ -4,15 +4,29 @@ With ``grad_accum = k`` a step is ``k`` micro-batches. :meth:`AccumulateMixin.be
 is called before each micro-batch's forward (the FORGE technique calls it from its
 ``before_forward`` hook); it counts the calls since the last ``step()`` / ``zero_grad()``:
 
-- micro-batches 1..k-1 *accumulate*: each fused layer's dW (and db) is computed into the reused
-  workspace (the split path's, on every backend: one layer's dW at a time), then added into the
-  layer's accumulation buffer (``accum_dtype``: bf16, fp32 or int8; the first micro-batch
-  copies). No update, no data-parallel reduction (that happens once, on the sum);
-- micro-batch k *updates*: the layer's dW is materialized (the split path, whatever the kernel
-  choice), the accumulated sum is added to it, and the rest is the ordinary update: the
-  data-parallel reduction, the clip (its norms are the summed gradient's), the non-finite gate,
-  the rule. The fused tile and warp-specialized kernels are not used for a layer that has an
-  accumulated gradient.
+- micro-batches 1..k-1 *accumulate*: each fused layer's dW (and db) is added into the layer's
+  accumulation buffer (``accum_dtype``: bf16, fp32 or int8; the first micro-batch copies). No
+  update, no data-parallel reduction (that happens once, on the sum);
+- micro-batch k *updates*: the accumulated sum is added to the layer's dW and the rest is the
+  ordinary update: the data-parallel reduction, the clip (its norms are the summed gradient's),
+  the non-finite gate, the rule.
+
+Where the sum is added, by the layer's path (:mod:`leantrain.forge.dispatch`):
+
+- the fused tiles (Triton): inside the tile kernel (:mod:`leantrain.forge.kernel`). An
+  accumulating micro-batch runs its ``MODE_ACCUM`` (the dW tile added into a bf16 / fp32 buffer in
+  the epilogue, or folded into an int8 one group by group when ``in_features`` is a multiple of
+  ``ACCUM_GROUP``: :meth:`_accumulates_in_kernel`); the last runs ``MODE_FUSED`` with the buffer as
+  an input, added to the dW tile before its sum of squares and the update. The same fp32
+  operations in the same order as the split path below: the same bits for the same dW;
+- the split path (every other case): dW is computed into the reused workspace (one layer's at a
+  time), then added into the buffer (``acc.add_(dW)``), or, in the last micro-batch, the buffer
+  into dW (:meth:`_add_accumulated`) before the update-only kernel or the torch rule. It is taken
+  by the torch backend, ``kernel="split"`` (and ``"auto"`` on CUDA at the default ``split_tokens``),
+  a ``fill`` caller, in the last micro-batch by data parallelism and ``clip="layer"`` /
+  ``"est_global"``, and in accumulating micro-batches by an int8 buffer of a layer whose
+  ``in_features`` is not a multiple of ``ACCUM_GROUP``. The warp-specialized kernel does not
+  take an accumulated gradient (its layer's last micro-batch runs the tiles or the split path).
 
 The non-fused parameters accumulate in ``.grad`` as usual (``step()`` steps them). The caller
 divides each micro-batch's loss by ``k`` (the trainer does), so the update sees the mean over the
@@ -20,19 +34,22 @@ divides each micro-batch's loss by ``k`` (the trainer does), so the update sees 
 buffers, the rounding of the partial sums to bf16; with int8, the requantization error).
 
 Each buffer holds one layer's weight and bias gradients, flat (``numel`` of the layer's fused
-parameters): in ``accum_dtype`` bf16 / fp32, or for ``int8`` a
-:class:`leantrain.optim.grad8.Int8GradBuffer` (int8 codes with one fp32 scale per
-``ACCUM_GROUP`` elements, plus an int8 error-feedback residual with its own scales unless
-``accum_error_feedback=False``: 2.03 / 1.02 bytes a parameter, against bf16's 2 and fp32's 4);
-made at the first accumulating micro-batch and kept across steps.
+parameters, the weight row-major then the bias: the workspace's layout and the kernel's): in
+``accum_dtype`` bf16 / fp32, or for ``int8`` a :class:`leantrain.optim.grad8.Int8GradBuffer`
+(int8 codes with one fp32 scale per ``ACCUM_GROUP`` elements, plus an int8 error-feedback
+residual with its own scales unless ``accum_error_feedback=False``: 2.03 / 1.02 bytes a
+parameter, against bf16's 2 and fp32's 4); made at the first accumulating micro-batch and kept
+across steps.
 
-What exists in fp32, and when: the materialized dW of the one layer being processed (the reused
-workspace: every accum_dtype, the split path's buffer) and, with int8, the fold's transient
-``dequant(sum) + dW`` and one dequantized copy (the layer's size, freed after the fold); the last
-micro-batch adds the dequantized sum into the materialized dW before the update, as the bf16 path
-adds its buffer. No fp32 gradient outlives a layer's backward. A buffer is "filled" from its first accumulation to the update that consumes it;
-``step()`` and ``zero_grad()`` end the step's accumulation, so a checkpoint (written after a full
-step) never holds one.
+What exists in fp32, and when. Held between micro-batches: only fp32 buffers
+(``accum_dtype="fp32"``, 4 bytes a parameter). Transient: on the fused tiles, nothing of the layer's size (the dW tile
+lives in registers; an int8 fold of a layer with a bias makes an fp32 vector of its
+``out_features`` and the fold's copies of it). On the split path, the materialized dW of the one
+layer being processed (the reused workspace: :attr:`peak_dw_numel` counts it) and, with int8, the
+fold's transient ``dequant(sum) + dW`` and one dequantized copy (the layer's size, freed after
+the fold). No fp32 gradient outlives a layer's backward. A buffer is "filled" from its first
+accumulation to the update that consumes it; ``step()`` and ``zero_grad()`` end the step's
+accumulation, so a checkpoint (written after a full step) never holds one.
 """
 
 from __future__ import annotations
@@ -40,6 +57,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from leantrain.forge import launch as K
+from leantrain.forge.dispatch import choose_path
 from leantrain.forge.linear import ForgeLayer
 from leantrain.optim.grad8 import Int8GradBuffer
 
@@ -54,11 +73,11 @@ def check_accumulation(grad_accum: int, accum_dtype: str) -> None:
         raise ValueError(f"accum_dtype must be one of {sorted(ACCUM_DTYPES)}, got {accum_dtype!r}")
 
 
-def _holds(acc: Tensor | Int8GradBuffer, buf: Tensor) -> bool:
-    """Whether the accumulation buffer ``acc`` fits the layer's dW ``buf`` (size and device)."""
+def _holds(acc: Tensor | Int8GradBuffer, numel: int, device: torch.device) -> bool:
+    """Whether the accumulation buffer ``acc`` fits a layer's ``numel`` gradient elements on ``device``."""
     if isinstance(acc, Int8GradBuffer):
-        return acc.numel == buf.numel() and (acc.codes is None or acc.codes.device == buf.device)
-    return acc.numel() == buf.numel() and acc.device == buf.device
+        return acc.numel == numel and (acc.codes is None or acc.codes.device == device)
+    return acc.numel() == numel and acc.device == device
 
 
 class AccumulateMixin:
@@ -86,11 +105,30 @@ class AccumulateMixin:
         return [t for acc in self._accum.values()
                 for t in (acc.tensors() if isinstance(acc, Int8GradBuffer) else [acc])]
 
-    def _new_accum(self, buf: Tensor, backend: str) -> Tensor | Int8GradBuffer:
-        if self.accum_dtype == "int8":  # (its quantize ops on the layer's backend: torch or triton)
-            return Int8GradBuffer(buf.numel(), group_size=ACCUM_GROUP, error_feedback=self.accum_error_feedback,
-                                  backend=backend)
-        return torch.empty(buf.numel(), dtype=ACCUM_DTYPES[self.accum_dtype], device=buf.device)
+    def _buffer_for(self, slot: int, numel: int, device: torch.device, backend: str) -> Tensor | Int8GradBuffer:
+        """The layer's accumulation buffer, made at its first accumulating micro-batch and kept."""
+        acc = self._accum.get(slot)
+        if acc is None or not _holds(acc, numel, device):
+            if self.accum_dtype == "int8":  # (its quantize ops on the layer's backend: torch or triton)
+                acc = Int8GradBuffer(numel, group_size=ACCUM_GROUP, error_feedback=self.accum_error_feedback,
+                                     backend=backend)
+            else:
+                acc = torch.empty(numel, dtype=ACCUM_DTYPES[self.accum_dtype], device=device)
+            self._accum[slot] = acc
+        return acc
+
+    def _accumulates_in_kernel(self, layer: ForgeLayer, x2: Tensor | None, fill, backend: str) -> bool:
+        """Whether the layer's dW goes into its buffer inside the tile kernel (``MODE_ACCUM``): the
+        Triton backend, no ``fill`` caller, an fp32 / bf16 buffer or an int8 one whose groups are
+        whole runs of a weight row (``in_features`` a multiple of ``ACCUM_GROUP``), and the fused
+        tiles as the path :func:`~leantrain.forge.dispatch.choose_path` gives the layer (the CPU
+        interpreter; on CUDA with ``kernel="tiles"`` or ``split_tokens`` above the layer's tokens)."""
+        if backend != "triton" or fill is not None or x2 is None:
+            return False
+        if self.accum_dtype == "int8" and layer.weight.shape[1] % ACCUM_GROUP:
+            return False
+        return choose_path(self.kernel, x2.shape[0], on_cuda=layer.weight.is_cuda, must_materialize=False,
+                           ws_ok=False, split_tokens=self.split_tokens, ws_tokens=self.ws_tokens) == "tiles"
 
     def _accumulate_layer(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> None:
         """Add the layer's dW (and db) of this micro-batch into its buffer: no update."""
@@ -98,15 +136,20 @@ class AccumulateMixin:
             raise RuntimeError("FORGE: gradient accumulation cannot run inside a captured CUDA graph "
                                "(train.cuda_graph needs data.grad_accum 1)")
         backend = self._backend_for(layer.weight)
-        buf, _, _ = self._materialize(layer, x2, dy2, backend, fill, reduce=False)
-        acc = self._accum.get(layer.slot)
-        if acc is None or not _holds(acc, buf):
-            acc = self._accum[layer.slot] = self._new_accum(buf, backend)
-        if layer.slot in self._filled:
-            acc.add_(buf)
+        w, b = layer.weight, layer.bias
+        filled = layer.slot in self._filled
+        if self._accumulates_in_kernel(layer, x2, fill, backend):
+            acc = self._buffer_for(layer.slot, w.numel() + (0 if b is None else b.numel()), w.device, backend)
+            K.launch_forge(K.MODE_ACCUM, x=x2.contiguous(), dy=dy2.contiguous(), w=w, b=b, accum=acc,
+                           accum_read=filled)
         else:
-            acc.copy_(buf)
-            self._filled.add(layer.slot)
+            buf, _, _ = self._materialize(layer, x2, dy2, backend, fill, reduce=False)
+            acc = self._buffer_for(layer.slot, buf.numel(), buf.device, backend)
+            if filled:
+                acc.add_(buf)
+            else:
+                acc.copy_(buf)
+        self._filled.add(layer.slot)
 
     def _add_accumulated(self, layer: ForgeLayer, buf: Tensor) -> None:
         """The update's micro-batch: add the layer's accumulated gradient into its dW ``buf``."""

@@ -25,9 +25,10 @@ CPU (interpreter)      tiles           no cuBLAS there to win
 =====================  ==============  ====================================================
 
 Whatever the choice, a layer whose dW must be seen whole first (data parallelism, ``clip``
-``"layer"`` / ``"est_global"``, a ``fill`` caller, the torch backend, a gradient accumulated over
-the step's earlier micro-batches to add to it) materializes it (``split``);
-``ws`` also needs what :func:`ws_fits` checks, else ``split``.
+``"layer"`` / ``"est_global"``, a ``fill`` caller, the torch backend) materializes it (``split``);
+``ws`` also needs what :func:`ws_fits` checks, else ``split``, and takes no gradient accumulated
+over the step's earlier micro-batches (the tiles add it in their epilogue, the split path to the
+materialized dW: :mod:`leantrain.forge.accumulate`).
 """
 
 from __future__ import annotations

@@ -85,12 +85,11 @@ class LayerUpdateMixin:
 
     def _path(self, layer: ForgeLayer, x2: Tensor | None, dy2: Tensor | None, fill) -> str:
         """The layer's path on the Triton backend (:func:`leantrain.forge.dispatch.choose_path`)."""
-        must = (fill is not None or self.dp_group is not None or self.clip in ("layer", "est_global")
-                or layer.slot in self._filled)  # (an accumulated gradient is added to dW: forge/accumulate.py)
+        must = fill is not None or self.dp_group is not None or self.clip in ("layer", "est_global")
         tokens = 0 if x2 is None else x2.shape[0]
         ws_ok = False
-        wants_ws = self.kernel == "ws" or (self.kernel == "auto" and self.ws_tokens is not None
-                                           and tokens < self.ws_tokens)
+        wants_ws = layer.slot not in self._filled and (  # (an accumulated gradient: the tiles or split)
+            self.kernel == "ws" or (self.kernel == "auto" and self.ws_tokens is not None and tokens < self.ws_tokens))
         if wants_ws and not must and ws_fits(self, layer, x2, fill):
             from leantrain.forge import ws
 
@@ -265,14 +264,16 @@ class LayerUpdateMixin:
                 dy2 = dy2.contiguous()
             if path == "ws":
                 self._ws_launch(layer, h, x2, dy2, step, key, dyn, sums)
-            else:
+            else:  # (the step's accumulated gradient, if any, added in the kernel's epilogue: forge/accumulate.py)
+                accum = self._accum[layer.slot] if layer.slot in self._filled else None
                 part = K.launch_forge(K.MODE_FUSED, x=x2, dy=dy2, w=w, b=b, states=h.states, bias_states=h.bstates,
                                       kinds=h.kinds, qtables=h.qtables, rule_name=self.rule.name, hp=h.group,
                                       step=step, sr=self.stochastic_rounding, key=key,
                                       scale=self._clip_scale if self.clip == "prev_global" else None, part=h.part,
                                       dyn=dyn, sq=sums.sq_views[layer.slot], ticket=sums.ticket_views[layer.slot],
-                                      approx=self.fast_math)
+                                      approx=self.fast_math, accum=accum)
                 h.part = part  # reused next step (its last program has summed it, stream-ordered)
+                self._filled.discard(layer.slot)
         torch.autograd.graph.increment_version(w)
         if b is not None:
             torch.autograd.graph.increment_version(b)

@@ -25,6 +25,12 @@ bf16's 8 relative to each element), ``1 + 4 / group_size`` without (1.02 at 256)
 Transients: a fold makes ``v`` and one dequantized copy in fp32 (the buffer's numel), freed when
 it returns; the quantize / dequantize ops are Triton kernels on CUDA and the pure-torch
 reference elsewhere (:mod:`leantrain.ops.quant`), bit-identical to each other.
+
+A kernel may fold in place instead (FORGE's tile kernel, ``MODE_ACCUM`` of
+:mod:`leantrain.forge.kernel`): :meth:`Int8GradBuffer.writable` hands it the codes and residual
+(allocated once) and counts the fold; the kernel does the same operations on whole groups it
+owns, and :meth:`Int8GradBuffer.fold_tail_` folds the groups from a group-aligned offset to the
+end (a layer's bias) in torch, with transients of that tail's size only.
 """
 
 from __future__ import annotations
@@ -92,6 +98,59 @@ class Int8GradBuffer:
         self.codes = self._quantize(v)
         if self.error_feedback:
             self.resid = self._quantize(v.sub_(self._dequantize(self.codes)))
+
+    def writable(self, device) -> tuple[QTensor, QTensor | None]:
+        """The codes and the residual (None without error feedback) for a kernel that folds a
+        gradient into them in place, group by group, with :meth:`add_`'s operations
+        (``leantrain.forge.kernel``'s ``MODE_ACCUM``): allocated by the first call in
+        :func:`~leantrain.ops.quantize`'s layout, then kept; the call counts as one fold. Round to
+        nearest only (a kernel does not draw :meth:`add_`'s stochastic rounding bits)."""
+        if self.stochastic:
+            raise ValueError("Int8GradBuffer.writable: a stochastically rounded sum folds with add_ only")
+        if self.codes is None:
+            self.codes = self._empty(device)
+        if self.error_feedback and self.resid is None:
+            self.resid = self._empty(device)
+        self.folds += 2 if self.error_feedback else 1
+        return self.codes, self.resid
+
+    def _empty(self, device) -> QTensor:
+        groups = -(-self.numel // self.group_size)
+        return QTensor(torch.empty(groups * self.group_size, dtype=torch.uint8, device=device),
+                       torch.empty(groups, dtype=torch.float32, device=device), None, torch.Size([self.numel]),
+                       torch.float32, 8, self.group_size, True)
+
+    @torch.no_grad()
+    def fold_tail_(self, g: Tensor, start: int, first: bool) -> None:
+        """Fold ``g`` into the elements from ``start`` (a multiple of ``group_size``) to the end,
+        leaving those groups as :meth:`add_` (:meth:`copy_` with ``first``) leaves them: groups are
+        quantized independently, so the tail's codes are the whole buffer's. For a kernel that folds
+        the groups before ``start`` (after :meth:`writable`, which counted the fold)."""
+        gs = self.group_size
+        if start % gs or g.numel() != self.numel - start or self.codes is None:
+            raise ValueError(f"Int8GradBuffer.fold_tail_: {g.numel()} elements from {start} of a buffer of "
+                             f"{self.numel} (groups of {gs}), after writable()")
+        head = start // gs
+        v = g.detach().reshape(-1).to(torch.float32, copy=True)
+        if not first:
+            v.add_(self._dequantize(self._tail(self.codes, head)))
+            if self.resid is not None:
+                v.add_(self._dequantize(self._tail(self.resid, head)))
+        codes = quantize(v, bits=8, group_size=gs, backend=self.backend)
+        self._put(self.codes, head, codes)
+        if self.resid is not None:
+            self._put(self.resid, head, quantize(v.sub_(self._dequantize(codes)), bits=8, group_size=gs,
+                                                 backend=self.backend))
+
+    def _tail(self, q: QTensor, head: int) -> QTensor:
+        gs = self.group_size
+        return QTensor(q.data[head * gs:], q.scale[head:], None, torch.Size([self.numel - head * gs]),
+                       torch.float32, 8, gs, True)
+
+    @staticmethod
+    def _put(dst: QTensor, head: int, src: QTensor) -> None:
+        dst.data[head * dst.group_size:].copy_(src.data)
+        dst.scale[head:].copy_(src.scale)
 
     @torch.no_grad()
     def add_to(self, out: Tensor) -> Tensor:
