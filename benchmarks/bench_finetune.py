@@ -161,11 +161,12 @@ def run_lowmem(a) -> int:
     rows = []
     t0 = time.time()
     recipes = {name: LOWMEM_RECIPES[name] for name in (a.recipes or LOWMEM_RECIPES)}
+    lrs = {name: float(lr) for name, lr in (x.split("=") for x in a.lr_of or [])}
     for seed in a.seeds:
         for name, flags in recipes.items():
             run = out / "runs" / f"{name}-s{seed}"
             args = ["train", "--preset", a.preset, "--steps", str(a.steps), "--train.seed", str(seed),
-                    "--optim.lr", str(a.lr), "--data.batch-size", str(a.batch_size), "--data.seq-len", str(a.seq_len),
+                    "--optim.lr", str(lrs.get(name, a.lr)), "--data.batch-size", str(a.batch_size), "--data.seq-len", str(a.seq_len),
                     "--train.eval-every",
                     str(a.steps), "--train.eval-batches", "32", "--train.progress", "false", "--train.ckpt-every", "0",
                     "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags]
@@ -174,7 +175,7 @@ def run_lowmem(a) -> int:
                 if leantrain(args) != 0:
                     raise SystemExit(f"{name} seed {seed} failed")
             s = json.loads((run / "summary.json").read_text())
-            rows.append({"recipe": name, "seed": seed, "flags": flags, "val_loss": s["val_loss"],
+            rows.append({"recipe": name, "seed": seed, "flags": flags, "lr": lrs.get(name, a.lr), "val_loss": s["val_loss"],
                          "counted_bytes": counted_bytes(s), "tokens_per_second": s["tokens_per_second"]})
             print(f"[{time.time() - t0:6.0f}s] {name} seed {seed}: val loss {s['val_loss']:.4f}", flush=True)
     full = {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == "full"}
@@ -262,6 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lowmem", action="store_true", help="the memory-first recipes against full AdamW, each seed")
     ap.add_argument("--lr", type=float, default=1e-3, help="with --lowmem: optim.lr")
     ap.add_argument("--recipes", nargs="*", choices=list(LOWMEM_RECIPES), help="with --lowmem: these (full first)")
+    ap.add_argument("--lr-of", nargs="*", metavar="RECIPE=LR", help="with --lowmem: a recipe's own optim.lr")
     ap.add_argument("--budgets", nargs="*", help="fine-tune --preset under each of these memory budgets (24GB, ...)")
     a = ap.parse_args(argv)
     if a.hf_preset:
