@@ -436,6 +436,9 @@ TABLES: dict[str, list[tuple]] = {
         ("validation loss vs full AdamW (fp32), tiny, 120 steps from a trained run, 3 seeds",
          lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 1 %", F_LOWMEM),
         ("the same, FORGE's memory recipes", lowmem_ratio(["forge-bf16", "forge-int8-ckpt"]), "within 1 %", F_LOWMEM),
+        ("the ChunkFT recipes at half of AdamW's learning rate (5e-4 against 1e-3)",
+         lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 1 %",
+         "finetune/2026-12-05_cpu_lowmem-chunkft-half-lr.json"),
     ],
     "zo": [
         ("allocator peak vs inference, 1b, B = 16", zo_peak, "≤ 1.1×", F_ZO),
