@@ -23,7 +23,7 @@ train: $(STAMP)
 	$(BIN)/leantrain train --preset tiny --steps $(STEPS) --out $(OUT) --forge --agoq
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q --durations=30 -n 2 --dist loadfile   # two workers: one a core, a file's tests on one
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu and not benchmark and not slow and not distributed"
