@@ -467,19 +467,27 @@ class ChunkFT(torch.optim.Optimizer):
         self.chunk_steps = list(sd["chunk_steps"])
         self.chunk_norms = list(sd.get("chunk_norms", [0.0] * self.num_chunks))
         self.interval, self.in_interval = sd["interval"], sd["in_interval"]
-        self.stored = [False] * self.num_chunks
-        self.arena.zero_()
-        for k, chunk_state in enumerate(sd["state"]):
-            if not chunk_state:
-                continue
-            flat = torch.cat([chunk_state[self._key(pc)][name].reshape(-1).to(self.state_dtype)
-                              for pc in self.chunks[k] for name in self.rule.state_names])
-            if k == sd["active"]:
-                self.arena[:flat.numel()].copy_(flat)
-            else:
-                self.host[k].copy_(flat)
-                self.stored[k] = True
-        self._activate(sd["active"])
+        restore_chunks(self, sd, self.chunks)
+
+
+def restore_chunks(opt, sd: dict, pieces: list[list]) -> None:
+    """Put the chunks' saved state of ``sd`` back: the active chunk's into the device arena, the
+    others' into their host blocks (``pieces[k]``: chunk ``k``'s pieces, in the saved order; an
+    empty list skips the chunk), then activate the saved active chunk. ChunkFT's and
+    ShardedChunkFT's ``load_state_dict``."""
+    opt.stored = [False] * opt.num_chunks
+    opt.arena.zero_()
+    for k, chunk_state in enumerate(sd["state"]):
+        if not chunk_state or not pieces[k]:
+            continue
+        flat = torch.cat([chunk_state[opt._key(pc)][name].reshape(-1).to(opt.state_dtype)
+                          for pc in pieces[k] for name in opt.rule.state_names])
+        if k == sd["active"]:
+            opt.arena[:flat.numel()].copy_(flat)
+        else:
+            opt.host[k].copy_(flat)
+            opt.stored[k] = True
+    opt._activate(sd["active"])
 
 
 def _host_block(opt: ChunkFT, n: int) -> Tensor:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.finetune.chunkft import STATE_DTYPES, Piece, _host_block, plan_chunks
+from leantrain.finetune.chunkft import STATE_DTYPES, Piece, _host_block, plan_chunks, restore_chunks
 from leantrain.finetune.zo import local_rows
 from leantrain.optim.rules import Rule, make_rule
 from leantrain.runtime.checkpoint import CheckpointError
@@ -259,19 +259,7 @@ class ShardedChunkFT(torch.optim.Optimizer):
         self.param_groups[0].update(sd["param_groups"][0])
         self.chunk_steps, self.chunk_norms = list(sd["chunk_steps"]), list(sd["chunk_norms"])
         self.interval, self.in_interval = sd["interval"], sd["in_interval"]
-        self.stored = [False] * self.num_chunks
-        self.arena.zero_()
-        for k, chunk_state in enumerate(sd["state"]):
-            if not chunk_state or not self.sizes[k]:
-                continue
-            flat = torch.cat([chunk_state[self._key(lp)][n].reshape(-1).to(self.state_dtype)
-                              for lp in self.local[k] for n in self.rule.state_names])
-            if k == sd["active"]:
-                self.arena[:flat.numel()].copy_(flat)
-            else:
-                self.host[k].copy_(flat)
-                self.stored[k] = True
-        self._activate(sd["active"])
+        restore_chunks(self, sd, [lps if size else [] for lps, size in zip(self.local, self.sizes, strict=True)])
 
 
 __all__ = ["LocalPiece", "ShardedChunkFT"]
