@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
-# SECTION is any of: tests ops forge step agoq comm finetune lowmem fsdp memory scale (default: all of them, in that
-# order); `quick` runs fewer sizes and shapes.
-#   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime,
-#       then the 1b step through the trainer for this tree and for the tree under $BASE/src, in
-#       alternation: a change's correctness and its step time against a baseline in one run)
+# SECTION is any of: tests ops forge step accum agoq comm finetune lowmem convergence fsdp memory scale (default: all
+# of them, in that order); `quick` runs fewer sizes and shapes.
+#   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime
+#       (VERIFY_TESTS=0: none), then the 1b step through the trainer for this tree and for the tree under
+#       $BASE/src, in alternation: a change's correctness and its step time against a baseline in one run;
+#       a baseline tree: `mkdir base && git archive <commit> src | tar -x -C base`)
 # Runs from the repository root with PYTHONPATH=src. Writes $OUT/run.log, $OUT/tests/gpu_tests.txt and
 # each topic's result files under $OUT/<topic>/ (<date>_<hardware>[_what].json and .md). To commit a
 # result, copy it to benchmarks/results/<topic>/ and run `python benchmarks/report.py`.
@@ -15,9 +16,9 @@ mkdir -p "$OUT"
 export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
-SECTIONS=${*:-tests ops forge step agoq comm finetune lowmem fsdp memory scale}
+SECTIONS=${*:-tests ops forge step accum agoq comm finetune lowmem convergence fsdp memory scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|agoq|comm|finetune|lowmem|fsdp|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|accum|agoq|comm|finetune|lowmem|convergence|fsdp|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -67,6 +68,14 @@ step() {
   train1b compiled --train.compile true
 }
 
+accum() {
+  log "accum: 4 micro-batches a step (1b, B = 2 each): torch, FORGE's split path, the tile kernel's accumulation (bf16, int8)"
+  local A="--data.grad-accum 4"
+  timeout 540 python3 benchmarks/bench_step.py --preset 1b --batch 2 --steps 12 --rounds 1 --name forge-accum \
+    --recipe "torch=--baseline $A" --recipe "forge_split=--forge $A" --recipe "forge_tiles=--forge --forge.kernel tiles $A" \
+    --recipe "forge_tiles_int8=--forge --forge.kernel tiles --forge.accum-dtype int8 $A" --out "$OUT/step" 2>&1 | tail -8
+}
+
 agoq() {
   log "agoq: saved activations, peak, step time (1b, B = 8)"
   timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
@@ -90,6 +99,17 @@ lowmem() {
   timeout 420 python3 benchmarks/bench_finetune.py --preset 7b --budgets ${LOWMEM_BUDGETS:-30GB 22GB 14.5GiB 13.8GiB} \
     --steps 12 --batch-size 1 --seq-len 1024 --eval-examples 16 --out "$OUT/finetune/budgets-7b" 2>&1 | tail -6
   rm -rf "$OUT/finetune/budgets-7b/runs"
+}
+
+convergence() {
+  log "convergence: the memory-first recipes against full AdamW on 125m (300 steps of training, then 500 of each)"
+  local D="$OUT/finetune/lowmem-125m"
+  timeout 240 python3 -m leantrain train --preset 125m --steps 300 --data.batch-size 8 --data.seq-len 512 \
+    --train.eval-every 0 --train.ckpt-every 300 --train.sample-tokens 0 --train.progress false --out "$D/source" 2>&1 | tail -2
+  timeout 900 python3 benchmarks/bench_finetune.py --lowmem --preset 125m --from "$D/source" --steps 500 --seeds 0 \
+    --batch-size 8 --seq-len 512 --lr 6e-4 --lr-of chunkft4=3e-4 chunkft4-forge=3e-4 chunkft8-forge=3e-4 \
+    --recipes full forge-bf16 forge-int8-agoq forge-int8-ckpt chunkft4 chunkft4-forge chunkft8-forge --out "$D" 2>&1 | tail -10
+  rm -rf "$D/source" "$D/runs"
 }
 
 fsdp() {
