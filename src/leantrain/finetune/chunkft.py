@@ -397,12 +397,7 @@ class ChunkFT(torch.optim.Optimizer):
                 sl = slice(r0, r0 + rows)
                 self._update_rows(pc, sl, g[sl], st, step, scale)
         self.stepped = {}
-        self.last = {"chunk": self.active, "chunk_step": step, "grad_norm": norm, "skipped": skipped}
-        self.zero_grad()
-        self.in_interval += 1
-        if self.in_interval >= self.interval and self.num_chunks > 1:
-            self.in_interval = 0
-            self._swap((self.active + 1) % self.num_chunks)
+        end_chunk_step(self, step, norm, skipped)
         return loss
 
     # ------------------------------------------------------------------ memory and checkpoints
@@ -468,6 +463,17 @@ class ChunkFT(torch.optim.Optimizer):
         self.chunk_norms = list(sd.get("chunk_norms", [0.0] * self.num_chunks))
         self.interval, self.in_interval = sd["interval"], sd["in_interval"]
         restore_chunks(self, sd, self.chunks)
+
+
+def end_chunk_step(opt, step: int, norm: float, skipped: list) -> None:
+    """After a chunk's step: record it (``opt.last``), drop the gradients, and move to the next
+    chunk once the active one has had its ``interval`` steps. ChunkFT's and ShardedChunkFT's."""
+    opt.last = {"chunk": opt.active, "chunk_step": step, "grad_norm": norm, "skipped": skipped}
+    opt.zero_grad()
+    opt.in_interval += 1
+    if opt.in_interval >= opt.interval and opt.num_chunks > 1:
+        opt.in_interval = 0
+        opt._swap((opt.active + 1) % opt.num_chunks)
 
 
 def restore_chunks(opt, sd: dict, pieces: list[list]) -> None:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.finetune.chunkft import STATE_DTYPES, Piece, _host_block, plan_chunks, restore_chunks
+from leantrain.finetune.chunkft import STATE_DTYPES, Piece, _host_block, end_chunk_step, plan_chunks, restore_chunks
 from leantrain.finetune.zo import local_rows
 from leantrain.optim.rules import Rule, make_rule
 from leantrain.runtime.checkpoint import CheckpointError
@@ -202,12 +202,7 @@ class ShardedChunkFT(torch.optim.Optimizer):
                 w[sl].copy_(p_new)
                 for n, t in st_new.items():
                     st[n][sl].copy_(t)
-        self.last = {"chunk": self.active, "chunk_step": step, "grad_norm": norm, "skipped": skipped}
-        self.zero_grad()
-        self.in_interval += 1
-        if self.in_interval >= self.interval and self.num_chunks > 1:
-            self.in_interval = 0
-            self._swap((self.active + 1) % self.num_chunks)
+        end_chunk_step(self, step, norm, skipped)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
