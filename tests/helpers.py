@@ -91,3 +91,19 @@ def make_hf_model(out, seed: int = 0, family: str = "llama", **config):
     model.save_pretrained(out)
     fast.save_pretrained(out)
     return model
+
+
+def train_fsdp_rank(rank, world, corpus, out, over, resume=False):
+    """One rank's trainer run (for :func:`dist_utils.run_distributed`): (losses on rank 0, the
+    summary, this rank's weight shards as numpy arrays)."""
+    import json
+
+    from leantrain.train.trainer import Trainer
+
+    tr = Trainer(tiny_config(corpus, **over), out, resume=resume)
+    summary = tr.fit()
+    losses = [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
+        if rank == 0 else None
+    shards = {n: p.to_local().detach().numpy().copy() for n, p in tr.model.named_parameters()}
+    return losses, summary, shards
+

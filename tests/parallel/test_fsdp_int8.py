@@ -16,16 +16,15 @@ at another world size works (the grid's column).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 
 from dist_utils import run_distributed
-from helpers import tiny_config
+from helpers import tiny_config, train_fsdp_rank
 from leantrain.runtime import checkpoint
-from leantrain.train.trainer import Trainer, recipe_name
+from leantrain.train.trainer import recipe_name
 
 STEPS = 8
 GLOBAL_BATCH = 4
@@ -42,18 +41,8 @@ def _overrides(world: int, method: str, **extra) -> dict:
             **extra}
 
 
-def _train(rank, world, corpus, out, over, resume=False):
-    """One rank's run: (losses on rank 0, summary, this rank's weight shards)."""
-    tr = Trainer(tiny_config(corpus, **over), out, resume=resume)
-    summary = tr.fit()
-    losses = [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
-        if rank == 0 else None
-    shards = {n: p.to_local().detach().numpy().copy() for n, p in tr.model.named_parameters()}
-    return losses, summary, shards
-
-
 def _pair(corpus, root: Path, world: int) -> dict:
-    return {m: run_distributed(_train, world, args=(corpus, root / m, _overrides(world, m)))
+    return {m: run_distributed(train_fsdp_rank, world, args=(corpus, root / m, _overrides(world, m)))
             for m in ("none", "int8")}
 
 
@@ -96,7 +85,7 @@ def test_resume_at_the_same_world_size_is_bit_identical(two_ranks, corpus, tmp_p
     for _, path in checkpoint.checkpoints(out):
         if checkpoint.read_meta(path)["step"] > STEPS // 2:
             shutil.rmtree(path)
-    resumed = run_distributed(_train, 2, args=(corpus, out, _overrides(2, "int8"), True))
+    resumed = run_distributed(train_fsdp_rank, 2, args=(corpus, out, _overrides(2, "int8"), True))
     first = runs["int8"]
     assert resumed[0][0] == first[0][0]
     for (_, _, again), (_, _, whole) in zip(resumed, first, strict=True):
