@@ -185,3 +185,48 @@ def test_calibration_of_the_committed_sweep_holds_out_its_rates():
     v = validate_on(doc, other)
     assert len(v["points"]) == len(other["points"]) == 10
     assert v["efficiency"] != fc["model"].efficiency  # the 300 and 30 Mbit/s points are fitted this time
+
+
+def _paired_rows(rng, compute, hidden, eff, rates=(3e7, 1e8, 3e8, 1e9), drift=0.2, noise=0.002, pair_bps=1e10):
+    """Rows whose compute drifts by up to ``drift`` from run to run, each measured with its pair (the
+    same compute, at ``pair_bps``) next to it."""
+    rows = []
+    for recipe, c in compute.items():
+        wire = rng.uniform(2e7, 1e8)
+        for rate in rates:
+            c_run = c * (1 + rng.uniform(-drift, drift))
+            h = hidden.get(recipe, 0.0)
+            step = c_run + max(0.0, 8 * wire / (eff * rate) - h)
+            pair = c_run + max(0.0, 8 * wire / (eff * pair_bps) - h)
+            rows.append({"recipe": recipe, "rate": f"{rate:g}", "rate_bps": rate, "wire_bytes": wire,
+                         "step_time_s": step * (1 + rng.gauss(0, noise)), "paired_rate_bps": pair_bps,
+                         "paired_step_s": pair * (1 + rng.gauss(0, noise))})
+    return rows
+
+
+def test_paired_rows_cancel_the_compute_drift():
+    """Compute that moves by up to 20 % between runs: paired rows (each with the same recipe's step at
+    an unlimited link measured next to it) recover the efficiency and the hidden times and predict
+    held-out rates within 2 %; the same rows without their pairs miss by far more."""
+    import random
+
+    from leantrain.comm.cost import fit_step_model, held_out_check
+
+    rng = random.Random(3)
+    compute, hidden, eff = {"ddp": 2.0, "sharded": 1.5, "gift": 3.0}, {"ddp": 0.8, "sharded": 1.2}, 0.9
+    rows = _paired_rows(rng, compute, hidden, eff)
+    m = fit_step_model(rows, overlap=["ddp", "sharded"])
+    assert abs(m.efficiency - eff) < 0.01 and not m.alpha_fitted
+    for recipe in compute:
+        assert abs(m.hidden_s[recipe] - hidden.get(recipe, 0.0)) < 0.05
+        assert abs(m.compute_s[recipe] / compute[recipe] - 1) < 0.2
+    held = lambda r: r["rate"] in ("3e+08", "3e+07")  # noqa: E731
+    res = held_out_check(rows, held, overlap=["ddp", "sharded"])
+    assert res["max_abs_error"] < 0.02
+    unpaired = [{k: v for k, v in r.items() if not k.startswith("paired")} for r in rows]
+    assert held_out_check(unpaired, held, overlap=["ddp", "sharded"])["max_abs_error"] > 0.05
+    # a paired row's compute is its pair less the pair's own unhidden link time
+    r = rows[0]
+    assert m.compute_of(r) == pytest.approx(r["paired_step_s"] - m.comm_s(dict(r, rate_bps=r["paired_rate_bps"])))
+    with pytest.raises(ValueError, match="every row carries paired_step_s"):
+        fit_step_model(rows + unpaired[:1])
