@@ -51,6 +51,30 @@ def test_local_run_writes_a_point(corpus, tmp_path):
 
 
 @pytest.mark.distributed
+def test_local_run_through_phases_pairs_each_rate_with_the_unlimited_link(corpus, tmp_path):
+    """A run through phases (``--rates``): one point per rate and the pooled unshaped one; each rate's
+    point carries the mean of the two reference phases around it. ``--local`` never shapes the link,
+    so only the bookkeeping is checked here (the namespace test below shapes it)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
+    from phases import schedule, timed_rows
+
+    r, out = _run(tmp_path, corpus, "--local", "--rates", "100mbit,30mbit", "--phase-steps", "2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    pts = json.loads(out.read_text())["points"]
+    assert [p["rate"] for p in pts] == ["unshaped", "100mbit", "30mbit"]
+    assert schedule(["100mbit", "30mbit"]) == ["unshaped", "100mbit", "unshaped", "30mbit", "unshaped"]
+    assert list(timed_rows(1, 2)) == [4]  # phase 1: rows 3 (settles after the change) and 4 (timed)
+    ref, *shaped = pts
+    assert ref["steps"] == 1 + 5 * 2 and len(ref["step_times_s"]) == 3 and ref["phases"] == [0, 2, 4]
+    medians = ref["reference_phase_medians_s"]
+    for p, (before, after) in zip(shaped, [(0, 1), (1, 2)], strict=True):
+        assert len(p["step_times_s"]) == 1 and p["paired_rate_bps"] is None
+        assert p["paired_step_s"] == pytest.approx((medians[before] + medians[after]) / 2)
+        assert p["other_cpu_cores"] >= 0.0
+    assert ref["ledger_calls_per_step"]["all_reduce"] >= 1
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_namespace_run_counts_the_bytes_on_the_veth(corpus, tmp_path):
     if os.geteuid() != 0:
