@@ -56,16 +56,18 @@ def test_local_run_through_phases_pairs_each_rate_with_the_unlimited_link(corpus
     point carries the mean of the two reference phases around it. ``--local`` never shapes the link,
     so only the bookkeeping is checked here (the namespace test below shapes it)."""
     sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
-    from phases import schedule, timed_rows
+    from phases import WARMUP_STEPS, schedule, timed_rows
 
     r, out = _run(tmp_path, corpus, "--local", "--rates", "100mbit,30mbit", "--phase-steps", "2")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     pts = json.loads(out.read_text())["points"]
     assert [p["rate"] for p in pts] == ["unshaped", "100mbit", "30mbit"]
     assert schedule(["100mbit", "30mbit"]) == ["unshaped", "100mbit", "unshaped", "30mbit", "unshaped"]
-    assert list(timed_rows(1, 2)) == [4]  # phase 1: rows 3 (settles after the change) and 4 (timed)
+    # phase 1: the rows after the warm-up's and phase 0's; its first settles after the change, the second is timed
+    assert list(timed_rows(1, 2)) == [WARMUP_STEPS + 3]
     ref, *shaped = pts
-    assert ref["steps"] == 1 + 5 * 2 and len(ref["step_times_s"]) == 3 and ref["phases"] == [0, 2, 4]
+    assert ref["steps"] == WARMUP_STEPS + 5 * 2 and len(ref["step_times_s"]) == 3 and ref["phases"] == [0, 2, 4]
+    assert len(ref["row_times_s"]) == ref["steps"]
     medians = ref["reference_phase_medians_s"]
     for p, (before, after) in zip(shaped, [(0, 1), (1, 2)], strict=True):
         assert len(p["step_times_s"]) == 1 and p["paired_rate_bps"] is None

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from netns import IFNAME, Cluster, ClusterError, rate_bps, teardown  # noqa: E402
-from phases import CpuMeter, schedule, split_points, wait_until_idle  # noqa: E402
+from phases import CpuMeter, phase_after, run_steps, schedule, split_points, wait_until_idle  # noqa: E402
 
 # The techniques, each as the flags that turn it on (the one place to change when flags move).
 RECIPES: dict[str, list[str]] = {
@@ -115,7 +115,7 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
     (``--local``) the schedule's phases are kept apart but the link is never shaped."""
     phases = schedule(rates) if rates else None
     if phases:
-        steps = 1 + len(phases) * phase_steps
+        steps = run_steps(rates, phase_steps)
         rate = None
     out = workdir / "run"
     args = train_args(recipe, steps, user_args)
@@ -152,7 +152,7 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
             n = _rows(metrics)
             if n not in marks:
                 marks[n] = cluster.counters() if cluster else []
-            phase = (n - 1) // phase_steps if phases and n >= 1 else -1  # rank 0 logged the warm-up: phase 0
+            phase = phase_after(n, phase_steps) if phases else -1
             if phase > current:  # a phase ended (a poll that missed a boundary closes several at once)
                 cpu = meter.sample()
                 phase_cpu += [cpu] * (phase - current - 1 if current < 0 else phase - current)
@@ -182,14 +182,14 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
     shutil.rmtree(workdir, ignore_errors=True)
     tokens_per_step = summary["world_size"] * _flag(args, "--data.batch-size", int) * _flag(args, "--data.seq-len", int)
     all_times = [tokens_per_step / r["tokens_per_second"] for r in rows]
-    times = all_times[1:]  # row 0: the untimed warm-up
+    times = all_times[1:]  # row 0: the untimed warm-up (a run through phases leaves out more: phases.py)
     comm = summary["comm"]
     per = max(comm["steps"], 1)
     point = {
         "recipe": recipe, "rate": rate or "unshaped", "rate_bps": rate_bps(rate), "nodes": nodes if cluster else 1,
         "ranks_per_node": ranks_per_node, "world_size": summary["world_size"], "steps": steps,
         "step_time_s": statistics.median(times) if times else None, "step_times_s": times,
-        "tokens_per_step": tokens_per_step, "parameters": summary["parameters"],
+        "tokens_per_step": tokens_per_step, "row_times_s": all_times, "parameters": summary["parameters"],
         "ledger_bytes_per_step": comm["bytes_per_step"],
         "ledger_by_scope_per_step": {k: v / per for k, v in comm["by_scope"].items()},
         "ledger_by_op_per_step": {k: v / per for k, v in comm["by_op"].items()},
@@ -302,7 +302,7 @@ def cmd_sweep(a, user: list[str]) -> int:
     path = out_dir / f"{datetime.date.today().isoformat()}_{a.hardware}.json"
     train = [*SWEEP_TRAIN, *user]
     doc = {"command": shlex.join(["python", *sys.argv]), "environment": environment(), "nice": a.nice,
-           "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "steps": 1 + len(schedule(rates)) * a.phase_steps,
+           "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "steps": run_steps(rates, a.phase_steps),
            "protocol": {"schedule": schedule(rates), "phase_steps": a.phase_steps, "max_drift": a.max_drift,
                         "max_other_cores": a.max_other_cores, "repeats": a.repeats},
            "train_args": train, "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}

@@ -1,6 +1,6 @@
 """One training run measured at several link rates, each next to the unlimited link.
 
-A run's steps after the warm-up are cut into phases of ``phase_steps`` steps. The phases alternate
+A run's steps after ``WARMUP_STEPS`` untimed steps are cut into phases of ``phase_steps`` steps. The phases alternate
 between the reference (the unlimited link) and the rates asked for::
 
     warm-up | ref | rate 1 | ref | rate 2 | ref | ... | rate n | ref
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 SETTLE_STEPS = 1  # untimed steps at the start of each phase (the shaping changes during the first)
+WARMUP_STEPS = 2  # untimed steps before the first phase (allocations, gloo's first buffers)
 REFERENCE = "unshaped"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -39,21 +40,26 @@ def schedule(rates: list[str]) -> list[str]:
     return out
 
 
-def phase_of_row(row: int, phase_steps: int) -> int | None:
-    """The phase of metrics row ``row`` (0-based; row 0 is the warm-up: None)."""
-    return None if row == 0 else (row - 1) // phase_steps
+def run_steps(rates: list[str], phase_steps: int) -> int:
+    """Steps of a run through ``schedule(rates)``."""
+    return WARMUP_STEPS + len(schedule(rates)) * phase_steps
+
+
+def phase_after(rows: int, phase_steps: int) -> int:
+    """The phase that runs once rank 0 has logged ``rows`` rows (-1: still warming up)."""
+    return (rows - WARMUP_STEPS) // phase_steps if rows >= WARMUP_STEPS else -1
 
 
 def timed_rows(phase: int, phase_steps: int) -> range:
-    """The metrics rows whose steps are timed in ``phase`` (its settle steps left out)."""
-    first = 1 + phase * phase_steps
+    """The metrics rows (0-based) whose steps are timed in ``phase`` (its settle steps left out)."""
+    first = WARMUP_STEPS + phase * phase_steps
     return range(first + SETTLE_STEPS, first + phase_steps)
 
 
 def split_points(base: dict, times: list[float], rates: list[str], phase_steps: int, phase_cpu: list[dict],
                  rate_bps) -> list[dict]:
     """One point per rate (paired with its neighbouring reference phases) and the pooled reference
-    point, from a scheduled run's per-row step times ``times`` (row 0 included)."""
+    point, from a scheduled run's per-row step times ``times`` (the warm-up's rows included)."""
     phases = schedule(rates)
     per_phase = [[times[i] for i in timed_rows(j, phase_steps) if i < len(times)] for j in range(len(phases))]
     medians = [statistics.median(t) if t else None for t in per_phase]
