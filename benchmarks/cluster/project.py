@@ -185,7 +185,7 @@ def _assumptions(m, h200: dict) -> list[str]:
     ]
 
 
-def write_projection(json_path: Path, holdout: str = "300mbit,30mbit", validate: tuple[Path, ...] = ()) -> list[Path]:
+def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[Path, ...] = ()) -> list[Path]:
     """The fit, its checks (and, for each sweep in ``validate``, its prediction of that sweep's
     points) and the projection, as ``<today>_<hardware>_projection.{json,md}`` beside ``json_path``."""
     doc = json.loads(Path(json_path).read_text())
