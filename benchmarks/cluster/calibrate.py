@@ -131,7 +131,7 @@ def is_paired(doc: dict) -> bool:
 def rows_of(doc: dict, variant: str = "hinge") -> list[dict]:
     """The sweep's points as :func:`leantrain.comm.cost.fit_step_model` rows for ``variant``; a
     paired sweep's shaped points carry their pair (its unshaped points are the pairs, not rows)."""
-    share = {k: overlap_share(doc, k) for k in doc["recipes"]}
+    share = {k: overlap_share(doc, k) for k in doc["recipes"]} if variant == "hinge-backward-ops" else {}
     paired = is_paired(doc)
     rows = []
     for p in doc["points"]:

@@ -223,7 +223,7 @@ def _paired_hidden_fit(d, u, v, w, overlaps: bool, upper: float) -> tuple[float,
             cands.append(float(np.clip(np.sum(w * slope * (offset - d)) / denom, a, b)))
     scored = [(loss(h), h) for h in cands]
     best = min(x[0] for x in scored)
-    return min(h for x, h in scored if x <= best * (1 + 1e-9) + 1e-15), best
+    return float(min(h for x, h in scored if x <= best * (1 + 1e-9) + 1e-15)), best
 
 
 def _paired_fit_at(rows, recipes, overlap, k):
