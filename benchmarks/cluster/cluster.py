@@ -150,26 +150,8 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
                 procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
                                               stderr=subprocess.STDOUT))
         metrics = out / "metrics.jsonl"
-        marks: dict[int, list[dict]] = {}  # rows logged -> counters when rank 0 logged that many
-        meter, phase_cpu, current = CpuMeter([p.pid for p in procs]), [], -1
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            if time.time() - t0 > timeout:
-                raise TimeoutError(f"{recipe} at {rate}: no result after {timeout:.0f} s")
-            n = _rows(metrics)
-            if n not in marks:
-                marks[n] = cluster.counters() if cluster else []
-            phase = phase_after(n, phase_steps) if phases else -1
-            if phase > current:  # a phase ended (a poll that missed a boundary closes several at once)
-                cpu = meter.sample()
-                phase_cpu += [cpu] * (phase - current - 1 if current < 0 else phase - current)
-                current = phase
-                if cluster and phase < len(phases):
-                    cluster.set_rate(None if phases[phase] == "unshaped" else phases[phase])
-            time.sleep(0.02)
-        if phases:
-            phase_cpu += [meter.sample()] * (len(phases) - len(phase_cpu))
+        marks, phase_cpu = _watch(procs, metrics, cluster, phases, phase_steps, t0 + timeout,
+                                  f"{recipe} at {rate or ','.join(rates or [])}")
         end_counters = cluster.counters() if cluster else None
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
         if bad or any(p.poll() is None for p in procs):
@@ -211,6 +193,34 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
     if phases:
         return split_points(point, all_times, rates, phase_steps, phase_cpu, rate_bps)
     return point
+
+
+def _watch(procs, metrics: Path, cluster: Cluster | None, phases: list[str] | None, phase_steps: int,
+           deadline: float, what: str) -> tuple[dict, list[dict]]:
+    """Poll a run until its processes exit (or one fails): ``marks`` (rows rank 0 has logged ->
+    the links' counters at that moment) and, for a run through ``phases``, the shaping changed at
+    each phase's start and other work's cores over each phase (``phases.CpuMeter``)."""
+    marks: dict[int, list[dict]] = {}
+    meter, phase_cpu, current = CpuMeter([p.pid for p in procs]), [], -1
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        if time.time() > deadline:
+            raise TimeoutError(f"{what}: no result in time")
+        n = _rows(metrics)
+        if n not in marks:
+            marks[n] = cluster.counters() if cluster else []
+        phase = phase_after(n, phase_steps) if phases else -1
+        if phase > current:  # a phase ended (a poll that missed a boundary closes several at once)
+            cpu = meter.sample()
+            phase_cpu += [cpu] * (phase - current - 1 if current < 0 else phase - current)
+            current = phase
+            if cluster and phase < len(phases):
+                cluster.set_rate(None if phases[phase] == "unshaped" else phases[phase])
+        time.sleep(0.02)
+    if phases:
+        phase_cpu += [meter.sample()] * (len(phases) - len(phase_cpu))
+    return marks, phase_cpu
 
 
 def _flag(args: list[str], name: str, tp):
