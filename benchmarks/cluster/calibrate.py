@@ -17,6 +17,10 @@ Checks, each on real points the fit did not see:
   every other rate (the unshaped points are always fitted: they are the only ones that show a
   recipe's compute alone).
 
+A paired sweep (``phases.py``: each rate measured in the same run as, and between, two phases at
+the unlimited link) is fitted on the link's excess over the pair (``paired_step_s``), and each
+prediction starts from the point's own pair; its unshaped points are those pairs.
+
 The sweep has one layout (its nodes x ranks), so errors are broken down by recipe and rate only.
 """
 
@@ -119,13 +123,24 @@ VARIANTS = {
 }
 
 
+def is_paired(doc: dict) -> bool:
+    """Whether the sweep measured each rate next to its recipe's unlimited link (``phases.py``)."""
+    return any("paired_step_s" in p for p in doc["points"])
+
+
 def rows_of(doc: dict, variant: str = "hinge") -> list[dict]:
-    """The sweep's points as :func:`leantrain.comm.cost.fit_step_model` rows for ``variant``."""
-    share = {k: overlap_share(doc, k) for k in doc["recipes"]}
+    """The sweep's points as :func:`leantrain.comm.cost.fit_step_model` rows for ``variant``; a
+    paired sweep's shaped points carry their pair (its unshaped points are the pairs, not rows)."""
+    share = {k: overlap_share(doc, k) for k in doc["recipes"]} if variant == "hinge-backward-ops" else {}
+    paired = is_paired(doc)
     rows = []
     for p in doc["points"]:
+        if paired and not p["rate_bps"]:
+            continue
         row = {"recipe": p["recipe"], "rate": p["rate"], "rate_bps": p["rate_bps"], "step_time_s": p["step_time_s"],
                "wire_bytes": max(p["wire_tx_bytes_per_step"])}
+        if paired:
+            row |= {"paired_step_s": p["paired_step_s"], "paired_rate_bps": p["paired_rate_bps"]}
         if variant == "hinge-backward-ops":
             row["overlap_share"] = share[p["recipe"]]
         rows.append(row)

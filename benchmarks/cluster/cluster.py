@@ -1,8 +1,9 @@
 """leantrain's trainer on a bandwidth-limited cluster made on one machine.
 
-    # one run: 2 nodes x 2 ranks, 100 Mbit/s links, the int8 all-reduce
-    python benchmarks/cluster/cluster.py run --nodes 2 --ranks-per-node 2 --rate 100mbit \
-        --recipe ddp-int8 --out /tmp/p.json -- --preset small --steps 6
+    # one run: 2 nodes x 1 rank, 100 Mbit/s links, the int8 all-reduce
+    python benchmarks/cluster/cluster.py run --rate 100mbit --recipe ddp-int8 --out /tmp/p.json -- --preset small
+    # one run through phases: unlimited | 100 Mbit/s | unlimited | 30 Mbit/s | unlimited (phases.py)
+    python benchmarks/cluster/cluster.py run --rates 100mbit,30mbit --recipe ddp-int8 --out /tmp/p.json -- ...
     # the same without namespaces or shaping (plain torchrun on this host; no root needed)
     python benchmarks/cluster/cluster.py run --local --ranks-per-node 2 --recipe ddp-fp32 --out /tmp/p.json -- ...
     # the whole grid -> benchmarks/results/comm-cluster/<date>_cpu-netns.{json,md,png}
@@ -14,9 +15,16 @@
 Each node is a network namespace on a bridge (``netns.py``); its ranks run under one
 ``torchrun --nnodes M --node-rank i`` inside it, gloo bound to the node's veth
 (``GLOO_SOCKET_IFNAME``). A point records the median step time of the timed steps (from
-``metrics.jsonl``), the bytes per step of the communication ledger (``summary.json``) and, as a
-cross-check, of the veth counters (sampled when rank 0 logs a step, so the window holds whole
-steps), and the validation loss. Needs root for namespaces; says so in one sentence otherwise.
+``metrics.jsonl``), the bytes and calls per step of the communication ledger (``summary.json``) and,
+as a cross-check, the bytes of the veth counters (sampled when rank 0 logs a step, so the window
+holds whole steps), the validation loss, and the cores other work took meanwhile. Needs root for
+namespaces; says so in one sentence otherwise.
+
+The sweep measures each recipe in one run whose phases alternate between the unlimited link and
+each rate (``phases.py``), so every shaped point is paired with its recipe's compute measured
+seconds before and after it, and the cost model fits only what the link adds. It runs 2 nodes x 1
+rank (a core a rank on a 2-core host: no oversubscription), waits for other work on the host to
+stop before each run, and measures a recipe again when its reference phases drifted apart.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from netns import IFNAME, Cluster, ClusterError, rate_bps, teardown  # noqa: E402
+from phases import CpuMeter, phase_after, run_steps, schedule, split_points, wait_until_idle  # noqa: E402
 
 # The techniques, each as the flags that turn it on (the one place to change when flags move).
 RECIPES: dict[str, list[str]] = {
@@ -64,10 +73,16 @@ REFERENCE = {"ddp-fp32": "ddp-fp32", "ddp-bf16": "ddp-fp32", "ddp-int8": "ddp-fp
              "sharded-adams": "sharded-adams", "scape-90": "sharded-adams", "scape-99": "sharded-adams"}
 
 # the sweep's model and grid: the small preset (15.7 M parameters) at a batch a 2-core CPU steps
-# through in about a second with 4 ranks
+# through in about a second; 2 nodes x 1 rank, so each rank has a core of its own. Each recipe is
+# one run whose phases alternate between the unlimited link and each rate (phases.py).
 SWEEP_TRAIN = ["--preset", "small", "--data.batch-size", "2", "--data.seq-len", "128"]
-SWEEP_RATES = ["unshaped", "1gbit", "300mbit", "100mbit"]
-SWEEP_STEPS = 6
+SWEEP_RATES = ["1gbit", "300mbit", "100mbit", "30mbit"]
+SWEEP_STEPS = 8  # a run at one rate (`run` without --rates)
+PHASE_STEPS = 4  # steps a phase of a scheduled run: the first settles after the link changes, 3 are timed
+# the sweep measures a recipe again when the two unlimited-link phases around a rate differ by more
+# than MAX_DRIFT, or when other work took more than MAX_OTHER_CORES of the host's cores in a phase
+MAX_DRIFT = 0.05
+MAX_OTHER_CORES = 0.2
 # every run: no checkpoints, samples or progress bars; one CPU thread a rank; one evaluation at the end
 FIXED = ["--train.ckpt-every", "0", "--train.sample-tokens", "0", "--train.progress", "false",
          "--train.threads", "1", "--train.log-every", "1000", "--train.eval-batches", "4"]
@@ -101,8 +116,15 @@ def _rows(path: Path) -> int:
 
 def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_per_node: int,
            rate: str | None, cluster: Cluster | None, workdir: Path, timeout: float = 900.0,
-           nice: int = 0) -> dict:
-    """One training run across the nodes; returns its point (see the module docstring)."""
+           nice: int = 0, rates: list[str] | None = None, phase_steps: int = PHASE_STEPS) -> dict | list[dict]:
+    """One training run across the nodes; returns its point (see the module docstring), or with
+    ``rates`` a run through ``phases.schedule(rates)`` (``steps`` is then set by the schedule) and
+    its points, one per rate and the unshaped one (``phases.split_points``). Without a cluster
+    (``--local``) the schedule's phases are kept apart but the link is never shaped."""
+    phases = schedule(rates) if rates else None
+    if phases:
+        steps = run_steps(rates, phase_steps)
+        rate = None
     out = workdir / "run"
     args = train_args(recipe, steps, user_args)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -128,17 +150,8 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
                 procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
                                               stderr=subprocess.STDOUT))
         metrics = out / "metrics.jsonl"
-        marks: dict[int, list[dict]] = {}  # rows logged -> counters when rank 0 logged that many
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            if time.time() - t0 > timeout:
-                raise TimeoutError(f"{recipe} at {rate}: no result after {timeout:.0f} s")
-            if cluster:
-                n = _rows(metrics)
-                if n not in marks:
-                    marks[n] = cluster.counters()
-            time.sleep(0.02)
+        marks, phase_cpu = _watch(procs, metrics, cluster, phases, phase_steps, t0 + timeout,
+                                  f"{recipe} at {rate or ','.join(rates or [])}")
         end_counters = cluster.counters() if cluster else None
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
         if bad or any(p.poll() is None for p in procs):
@@ -158,24 +171,56 @@ def launch(*, recipe: str, steps: int, user_args: list[str], nodes: int, ranks_p
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     shutil.rmtree(workdir, ignore_errors=True)
     tokens_per_step = summary["world_size"] * _flag(args, "--data.batch-size", int) * _flag(args, "--data.seq-len", int)
-    times = [tokens_per_step / r["tokens_per_second"] for r in rows[1:]]  # row 1: the untimed warm-up
+    all_times = [tokens_per_step / r["tokens_per_second"] for r in rows]
+    times = all_times[1:]  # row 0: the untimed warm-up (a run through phases leaves out more: phases.py)
     comm = summary["comm"]
     per = max(comm["steps"], 1)
     point = {
         "recipe": recipe, "rate": rate or "unshaped", "rate_bps": rate_bps(rate), "nodes": nodes if cluster else 1,
         "ranks_per_node": ranks_per_node, "world_size": summary["world_size"], "steps": steps,
         "step_time_s": statistics.median(times) if times else None, "step_times_s": times,
-        "tokens_per_step": tokens_per_step, "parameters": summary["parameters"],
+        "tokens_per_step": tokens_per_step, "row_times_s": all_times, "parameters": summary["parameters"],
         "ledger_bytes_per_step": comm["bytes_per_step"],
         "ledger_by_scope_per_step": {k: v / per for k, v in comm["by_scope"].items()},
         "ledger_by_op_per_step": {k: v / per for k, v in comm["by_op"].items()},
+        "ledger_calls_per_step": {k: v / per for k, v in comm.get("calls_by_op", {}).items()},
         "val_loss": summary["val_loss"], "initial_val_loss": summary["initial_val_loss"],
         "final_loss": summary["final_loss"], "wall_s": time.time() - t0, "loadavg": os.getloadavg(),
         "commands": cmds,
     }
     if cluster:
         point.update(_wire(marks, end_counters, steps))
+    if phases:
+        return split_points(point, all_times, rates, phase_steps, phase_cpu, rate_bps)
     return point
+
+
+def _watch(procs, metrics: Path, cluster: Cluster | None, phases: list[str] | None, phase_steps: int,
+           deadline: float, what: str) -> tuple[dict, list[dict]]:
+    """Poll a run until its processes exit (or one fails): ``marks`` (rows rank 0 has logged ->
+    the links' counters at that moment) and, for a run through ``phases``, the shaping changed at
+    each phase's start and other work's cores over each phase (``phases.CpuMeter``)."""
+    marks: dict[int, list[dict]] = {}
+    meter, phase_cpu, current = CpuMeter([p.pid for p in procs]), [], -1
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        if time.time() > deadline:
+            raise TimeoutError(f"{what}: no result in time")
+        n = _rows(metrics)
+        if n not in marks:
+            marks[n] = cluster.counters() if cluster else []
+        phase = phase_after(n, phase_steps) if phases else -1
+        if phase > current:  # a phase ended (a poll that missed a boundary closes several at once)
+            cpu = meter.sample()
+            phase_cpu += [cpu] * (phase - current - 1 if current < 0 else phase - current)
+            current = phase
+            if cluster and phase < len(phases):
+                cluster.set_rate(None if phases[phase] == "unshaped" else phases[phase])
+        time.sleep(0.02)
+    if phases:
+        phase_cpu += [meter.sample()] * (len(phases) - len(phase_cpu))
+    return marks, phase_cpu
 
 
 def _flag(args: list[str], name: str, tp):
@@ -201,7 +246,7 @@ def _wire(marks: dict, end: list[dict], steps: int) -> dict:
     warm-up (row 1: the end of step 2) and its last row before the end (row ``steps - 1``: the end
     of the last step); a row the poll missed moves the window by a step. The whole run (DDP's
     first broadcast included) when no such window was seen."""
-    inside = sorted(k for k in marks if 1 <= k <= steps - 1)
+    inside = sorted(k for k in marks if 1 <= k <= steps - 1 and marks[k])
     if len(inside) >= 2:
         i, j = inside[0], inside[-1]
         a, b, n, window = marks[i], marks[j], j - i, f"steps {i + 2}..{j + 1}"
@@ -227,18 +272,21 @@ def _on_signal(signum, _frame):
 
 def cmd_run(a, user: list[str]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ltcluster-"))
+    rates = a.rates.split(",") if a.rates else None
+    if rates and a.rate:
+        raise SystemExit("cluster: give --rate (one rate a run) or --rates (a run through phases), not both")
+    opts = dict(recipe=a.recipe, steps=a.steps, user_args=user, ranks_per_node=a.ranks_per_node, workdir=workdir,
+                timeout=a.timeout, nice=a.nice, rates=rates, phase_steps=a.phase_steps)
     try:
         if a.local:
-            point = launch(recipe=a.recipe, steps=a.steps, user_args=user, nodes=1, ranks_per_node=a.ranks_per_node,
-                           rate=None, cluster=None, workdir=workdir, timeout=a.timeout, nice=a.nice)
+            point = launch(nodes=1, rate=None, cluster=None, **opts)
         else:
-            with Cluster(a.nodes, a.rate, a.delay) as c:
-                point = launch(recipe=a.recipe, steps=a.steps, user_args=user, nodes=a.nodes,
-                               ranks_per_node=a.ranks_per_node, rate=a.rate, cluster=c, workdir=workdir,
-                               timeout=a.timeout, nice=a.nice)
+            with Cluster(a.nodes, None if rates else a.rate, a.delay) as c:
+                point = launch(nodes=a.nodes, rate=a.rate, cluster=c, **opts)
     except ClusterError as e:
         return _refuse(e)
-    point["command"] = _portable(shlex.join(["python", *sys.argv]))
+    command = _portable(shlex.join(["python", *sys.argv]))
+    point = {"command": command, "points": point} if rates else {**point, "command": command}
     text = json.dumps(point, indent=1)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +302,17 @@ def environment() -> dict:
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
 
 
+def _worst(points: list[dict]) -> tuple[float, float]:
+    """A scheduled run's largest drift between the reference phases around a rate, and the most
+    cores other work took in a phase."""
+    return (max((p.get("paired_drift", 0.0) for p in points), default=0.0),
+            max((p.get("other_cpu_cores") or 0.0 for p in points), default=0.0))
+
+
 def cmd_sweep(a, user: list[str]) -> int:
+    """Per recipe, one run through the phases of ``phases.schedule(rates)``; a run whose reference
+    phases drifted apart or that shared the host is measured again (``--repeats``), the run with the
+    smallest drift kept and the others under ``replaced_points``."""
     recipes = a.recipes.split(",") if a.recipes else list(RECIPES)
     rates = a.rates.split(",")
     out_dir = Path(a.out)
@@ -262,35 +320,42 @@ def cmd_sweep(a, user: list[str]) -> int:
     path = out_dir / f"{datetime.date.today().isoformat()}_{a.hardware}.json"
     train = [*SWEEP_TRAIN, *user]
     doc = {"command": shlex.join(["python", *sys.argv]), "environment": environment(), "nice": a.nice,
-           "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "steps": a.steps, "train_args": train,
-           "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}
-    if path.exists() and a.resume:  # today's points kept; this command's points added to them
+           "nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "steps": run_steps(rates, a.phase_steps),
+           "protocol": {"schedule": schedule(rates), "phase_steps": a.phase_steps, "max_drift": a.max_drift,
+                        "max_other_cores": a.max_other_cores, "repeats": a.repeats},
+           "train_args": train, "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}
+    if path.exists() and a.resume:  # today's points kept; this command's recipes run again unless done
         old = json.loads(path.read_text())
         doc = {**old, "commands": [*old.get("commands", [old["command"]]), doc["command"]],
                "recipes": {**old["recipes"], **doc["recipes"]}}
-        if a.redo:  # measured again (e.g. after other work on the host stopped): the old points kept aside
-            redo = set(a.redo.split(","))
-            doc["replaced_points"] = [*doc.get("replaced_points", []),
-                                      *(p for p in doc["points"] if p["rate"] in redo)]
-            doc["points"] = [p for p in doc["points"] if p["rate"] not in redo]
-    done = {(p["recipe"], p["rate"]) for p in doc["points"]}
+    done = {p["recipe"] for p in doc["points"]}
     t0 = time.time()
     try:
-        for rate in rates:
-            todo = [r for r in recipes if (r, rate) not in done]
-            if not todo:
-                continue
-            with Cluster(a.nodes, None if rate == "unshaped" else rate) as c:
-                for r in todo:
-                    workdir = Path(tempfile.mkdtemp(prefix="ltcluster-"))
-                    p = launch(recipe=r, steps=a.steps, user_args=train, nodes=a.nodes,
-                               ranks_per_node=a.ranks_per_node, rate=None if rate == "unshaped" else rate,
-                               cluster=c, workdir=workdir, timeout=a.timeout, nice=a.nice)
-                    doc["points"].append(p)
-                    path.write_text(json.dumps(doc, indent=1))
-                    print(f"[{time.time() - t0:6.0f} s] {rate:>9} {r:<16} step {p['step_time_s']:.3f} s  "
-                          f"ledger {p['ledger_bytes_per_step'] / 1e6:7.2f} MB  wire "
-                          f"{max(p['wire_tx_bytes_per_step']) / 1e6:7.2f} MB  val {p['val_loss']:.4f}", flush=True)
+        for r in [r for r in recipes if r not in done]:
+            runs = []
+            for attempt in range(1 + a.repeats):
+                busy = wait_until_idle(a.max_other_cores, a.busy_wait)
+                if busy > a.max_other_cores and not a.allow_busy:
+                    print(f"cluster: other work keeps {busy:.2f} cores of this host busy (limit {a.max_other_cores}); "
+                          "the sweep stops here, rerun it with --resume when the host is idle", file=sys.stderr)
+                    return 3
+                with Cluster(a.nodes, None) as c:
+                    pts = launch(recipe=r, steps=0, user_args=train, nodes=a.nodes, ranks_per_node=a.ranks_per_node,
+                                 rate=None, cluster=c, workdir=Path(tempfile.mkdtemp(prefix="ltcluster-")),
+                                 timeout=a.timeout, nice=a.nice, rates=rates, phase_steps=a.phase_steps)
+                for p in pts:
+                    p["attempt"] = attempt
+                runs.append(pts)
+                drift, other = _worst(pts)
+                print(f"[{time.time() - t0:6.0f} s] {r:<16} " + "  ".join(
+                    f"{p['rate']} {p['step_time_s']:.3f} s" for p in pts) + f"  drift {drift:.1%}  other work "
+                    f"{other:.2f} cores  wire {max(pts[0]['wire_tx_bytes_per_step']) / 1e6:.2f} MB", flush=True)
+                if drift <= a.max_drift and other <= a.max_other_cores:
+                    break
+            best = min(runs, key=lambda pts: _worst(pts)[0])
+            doc["points"] += best
+            doc["replaced_points"] = [*doc.get("replaced_points", []), *(p for pts in runs if pts is not best for p in pts)]
+            path.write_text(json.dumps(doc, indent=1))
     except ClusterError as e:
         return _refuse(e)
     from report import write_report
@@ -327,30 +392,40 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("run", "sweep"):
         p = sub.add_parser(name)
         p.add_argument("--nodes", type=int, default=2)
-        p.add_argument("--ranks-per-node", type=int, default=2)
-        p.add_argument("--steps", type=int, default=SWEEP_STEPS, help="steps a run (the first is not timed)")
+        p.add_argument("--ranks-per-node", type=int, default=1,
+                       help="ranks a node (default 1: 2 nodes x 1 rank keep a core a rank on a 2-core host)")
+        p.add_argument("--steps", type=int, default=SWEEP_STEPS, help="steps a run at one rate (the first is not timed)")
+        p.add_argument("--phase-steps", type=int, default=PHASE_STEPS,
+                       help="steps a phase of a run through several rates (the first of each is not timed)")
         p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
         p.add_argument("--nice", type=int, default=-10 if name == "sweep" else 0,
                        help="the ranks' niceness (negative: ahead of other work on the host, for steadier timings)")
     run = sub.choices["run"]
     run.add_argument("--recipe", default="ddp-fp32", help=f"one of {sorted(RECIPES)}")
     run.add_argument("--rate", default=None, help="link rate, e.g. 100mbit, 1gbit (default: unshaped)")
+    run.add_argument("--rates", default=None, help="comma list: one run through phases alternating the unlimited "
+                                                   "link and each rate (phases.py); writes {'points': [...]}")
     run.add_argument("--delay", default=None, help="one-way delay a link, e.g. 1ms (needs netem)")
     run.add_argument("--local", action="store_true", help="plain torchrun on this host: no namespaces, no shaping")
     run.add_argument("--out", help="write the point's JSON here")
     sw = sub.choices["sweep"]
-    sw.add_argument("--rates", default=",".join(SWEEP_RATES))
+    sw.add_argument("--rates", default=",".join(SWEEP_RATES), help="shaped rates (each paired with the unlimited link)")
+    sw.add_argument("--repeats", type=int, default=1, help="extra runs of a recipe whose run drifted or shared the host")
+    sw.add_argument("--max-drift", type=float, default=MAX_DRIFT,
+                    help="largest change between the two unlimited-link phases around a rate before a repeat")
+    sw.add_argument("--max-other-cores", type=float, default=MAX_OTHER_CORES,
+                    help="cores other work may use (before a run: waits, then stops; in a phase: a repeat)")
+    sw.add_argument("--busy-wait", type=float, default=600.0, help="seconds to wait for an idle host before a run")
+    sw.add_argument("--allow-busy", action="store_true", help="run even when other work keeps the host busy")
     sw.add_argument("--recipes", default=None, help="comma list (default: all)")
     sw.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
     sw.add_argument("--hardware", default="cpu-netns")
-    sw.add_argument("--resume", action="store_true", help="keep the points of today's JSON, run the rest")
-    sw.add_argument("--redo", default="", help="with --resume: these rates' points measured again (the old kept "
-                                               "under replaced_points)")
+    sw.add_argument("--resume", action="store_true", help="keep the recipes of today's JSON, run the rest")
     p = sub.add_parser("report")
     p.add_argument("json")
     p = sub.add_parser("project")
     p.add_argument("json")
-    p.add_argument("--holdout", default="300mbit,30mbit",
+    p.add_argument("--holdout", default="300mbit",
                    help="the rates (comma list) whose points are predicted, not fitted")
     p.add_argument("--validate", action="append", default=[],
                    help="another sweep's JSON whose points the model fitted on every point of the first predicts")

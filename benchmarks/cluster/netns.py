@@ -129,10 +129,20 @@ class Cluster:
         finally:
             self._lock.close()
 
-    def _shape(self, dev: str, ns: str | None) -> None:
-        if rate_bps(self.rate) is None and not self.delay:
-            return
+    def set_rate(self, rate: str | None) -> None:
+        """Shape every link to ``rate`` from now on (None: unshaped), e.g. between two phases of a
+        run; packets queued at the change may be dropped (TCP sends them again)."""
+        self.rate = rate
+        for i in range(self.nodes):
+            self._shape(IFNAME, NS.format(i), replace=True)
+            self._shape(HOST_VETH.format(i), None, replace=True)
+
+    def _shape(self, dev: str, ns: str | None, replace: bool = False) -> None:
         pre = ["-n", ns] if ns else []
+        if rate_bps(self.rate) is None and not self.delay:
+            if replace:  # back to the device's default (no qdisc of ours)
+                subprocess.run(["tc", *pre, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            return
         if self.delay:
             spec = ["netem", "delay", self.delay] + (["rate", self.rate] if rate_bps(self.rate) else [])
         else:

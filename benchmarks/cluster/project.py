@@ -38,6 +38,8 @@ from calibrate import (  # noqa: E402
     validate_on,
 )
 from calibrate import markdown as fit_markdown  # noqa: E402
+from errors import error_sources  # noqa: E402
+from errors import markdown as errors_markdown  # noqa: E402
 
 from leantrain.comm.cost import estimate_time  # noqa: E402
 from leantrain.config import preset  # noqa: E402
@@ -183,7 +185,7 @@ def _assumptions(m, h200: dict) -> list[str]:
     ]
 
 
-def write_projection(json_path: Path, holdout: str = "300mbit,30mbit", validate: tuple[Path, ...] = ()) -> list[Path]:
+def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[Path, ...] = ()) -> list[Path]:
     """The fit, its checks (and, for each sweep in ``validate``, its prediction of that sweep's
     points) and the projection, as ``<today>_<hardware>_projection.{json,md}`` beside ``json_path``."""
     doc = json.loads(Path(json_path).read_text())
@@ -194,6 +196,7 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit", validate:
     comparison = compare_models(doc, holdout)
     cv = leave_one_rate_out(doc)
     m = fc["model"]
+    sources = error_sources(doc, cv, m)
     h200 = h200_inputs()
     proj = project(doc, m, h200)
     hardware = Path(json_path).stem.split("_", 1)[-1]  # the sweep's <date>_<hardware>
@@ -212,7 +215,7 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit", validate:
                        "compute_spread": fc["compute_spread"], "repeatability": fc["repeatability"],
                        "validation": fc["validation"],
                        "fit_points": fc["fit"], "held_out_points": fc["held_out"]},
-               "leave_one_rate_out": cv, "model_comparison": comparison, "h200": h200, "assumptions": _assumptions(m, h200), "projection": proj}
+               "leave_one_rate_out": cv, "error_sources": sources, "model_comparison": comparison, "h200": h200, "assumptions": _assumptions(m, h200), "projection": proj}
     Path(f"{base}.json").write_text(json.dumps(doc_out, indent=1))
     Path(f"{base}.md").write_text(markdown(doc_out, fc, cv, comparison))
     return [Path(f"{base}.json"), Path(f"{base}.md")]
@@ -220,7 +223,8 @@ def write_projection(json_path: Path, holdout: str = "300mbit,30mbit", validate:
 
 def markdown(d: dict, fc: dict, cv: dict, comparison: list[dict]) -> str:
     L = ["# The cost model: fit, held-out check, projection to the papers' settings", "",
-         f"Command: `{d['command']}` (measurements: `{d['source']}`)", "", *fit_markdown(fc, cv, comparison)]
+         f"Command: `{d['command']}` (measurements: `{d['source']}`)", "", *fit_markdown(fc, cv, comparison),
+         *errors_markdown(d["error_sources"])]
     f = d["fit"]
     pts = f["fit_points"] + f["held_out_points"]
     L += ["The model's share of each step spent on the link (link time not hidden, over the predicted step):", "",

@@ -34,6 +34,13 @@ hidden part to that share of its link time (the bytes of the collectives launche
 backward), the rest counted after compute:
 ``max(0, share * link_s - hidden) + (1 - share) * link_s``. :func:`held_out_check` fits on some
 rows and predicts the others.
+
+Paired rows: on a shared host a recipe's compute moves between runs by more than the link adds
+at fast rates, so a row may carry ``paired_step_s``, the same recipe's step measured right next
+to it at ``paired_rate_bps`` (None: an unlimited link). The fit then explains only the link's
+excess, ``step - paired_step = comm(R) - comm(R_pair)``, and a prediction starts from the row's
+own paired step instead of a fitted compute (which is reported as the median over the rows of
+``paired_step - comm(R_pair)``).
 """
 
 from __future__ import annotations
@@ -108,8 +115,20 @@ class StepModel:
         share = row.get("overlap_share", 1.0)
         return self.alpha_s * row.get("calls", 0) + max(0.0, share * link - hidden) + (1 - share) * link
 
+    def compute_of(self, row: dict) -> float:
+        """The row's compute: its paired step less that step's own communication when the row is
+        paired (see the module docstring), else the recipe's fitted compute."""
+        if row.get("paired_step_s") is None:
+            return self.compute_s[row["recipe"]]
+        return row["paired_step_s"] - self.comm_s(_paired_row(row))
+
     def predict(self, row: dict) -> float:
-        return self.compute_s[row["recipe"]] + self.comm_s(row)
+        return self.compute_of(row) + self.comm_s(row)
+
+
+def _paired_row(row: dict) -> dict:
+    """The row measured at the paired rate (the same recipe, bytes and calls)."""
+    return dict(row, rate_bps=row.get("paired_rate_bps"), paired_step_s=None)
 
 
 def _hinge_fit(t, u, w, overlaps: bool) -> tuple[float, float, float]:
@@ -180,31 +199,56 @@ def _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, iterations=30):
     return loss, dict(compute), dict(hidden), alpha
 
 
-def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> StepModel:
-    """Weighted least-squares fit of :class:`StepModel` to measured rows.
-
-    Each row: ``recipe``, ``step_time_s``, ``wire_bytes`` (per step, on the busiest link),
-    ``rate_bps`` (None or 0: unshaped, no link term) and optionally ``calls`` (collective calls a
-    step) and ``overlap_share`` (the share of the link time that may run under compute, default 1;
-    constant within a recipe). ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
-    for them; the others get 0). Rows are weighted by ``1 / step_time_s``, so the fit minimizes
-    relative error. The efficiency is found by a one-dimensional search (a coarse log grid, then
-    golden-section refinement); at a fixed efficiency each recipe's compute and hidden time are an
-    exact piecewise-quadratic minimum (:func:`_hinge_fit`). Latency is only separable from compute
-    when the number of calls varies within a recipe (e.g. across message sizes or delays); then
-    it is fitted by alternating with the hinge fits, otherwise ``alpha_s`` is kept at the value
-    given and reported as not fitted.
-    """
+def _paired_hidden_fit(d, u, v, w, overlaps: bool, upper: float) -> tuple[float, float]:
+    """``(hidden, loss)`` of ``d ~ max(0, u - hidden) - max(0, v - hidden)`` for one recipe's paired
+    rows (``d``: step minus paired step, ``u`` / ``v``: link seconds at the row's / the paired
+    rate), ``0 <= hidden <= upper`` (0 unless ``overlaps``). Between consecutive knots (the ``u``
+    and ``v``) every term is linear in ``hidden``, so the minimum is a knot or an interval's
+    closed-form least-squares point; ties go to the smallest ``hidden``."""
     import numpy as np
 
-    recipes = sorted({r["recipe"] for r in rows})
-    if not any(r.get("rate_bps") and r["wire_bytes"] for r in rows):
-        raise ValueError("fit_step_model: no row has a shaped rate, so the bandwidth term cannot be fitted")
-    overlap = set(overlap)
-    fit_alpha = any(len({r.get("calls", 0) for r in rows if r["recipe"] == k}) > 1 for k in recipes)
+    def loss(h: float) -> float:
+        return float(np.sum(w * (d - np.maximum(0.0, u - h) + np.maximum(0.0, v - h)) ** 2))
 
-    def loss(log_k: float) -> float:
-        return _fit_at(rows, recipes, overlap, math.exp(log_k), alpha_s, fit_alpha)[0]
+    if not overlaps:
+        return 0.0, loss(0.0)
+    knots = np.unique(np.clip(np.concatenate([[0.0, upper], u, v]), 0.0, upper))
+    cands = list(knots)
+    for a, b in zip(knots[:-1], knots[1:]):
+        mid = (a + b) / 2
+        slope = (u > mid).astype(float) - (v > mid)  # d(excess)/d(hidden) = -slope
+        offset = np.where(u > mid, u, 0.0) - np.where(v > mid, v, 0.0)
+        denom = float(np.sum(w * slope**2))
+        if denom > 0:
+            cands.append(float(np.clip(np.sum(w * slope * (offset - d)) / denom, a, b)))
+    scored = [(loss(h), h) for h in cands]
+    best = min(x[0] for x in scored)
+    return float(min(h for x, h in scored if x <= best * (1 + 1e-9) + 1e-15)), best
+
+
+def _paired_fit_at(rows, recipes, overlap, k):
+    """Best ``(loss, compute, hidden)`` of paired rows at ``k = 1 / efficiency``; compute is the
+    median over a recipe's rows of its paired step less that step's unhidden link time."""
+    import numpy as np
+
+    t = np.array([r["step_time_s"] for r in rows])
+    d = t - np.array([r["paired_step_s"] for r in rows])
+    u = np.array([k * 8 * r["wire_bytes"] / r["rate_bps"] if r.get("rate_bps") else 0.0 for r in rows])
+    v = np.array([k * 8 * r["wire_bytes"] / r["paired_rate_bps"] if r.get("paired_rate_bps") else 0.0 for r in rows])
+    w = 1.0 / t**2  # relative error of the step
+    loss, compute, hidden = 0.0, {}, {}
+    for name in recipes:
+        i = np.array([j for j, r in enumerate(rows) if r["recipe"] == name])
+        upper = float(np.min(t[i] - d[i]))  # hidden <= compute <= the paired step
+        hidden[name], part = _paired_hidden_fit(d[i], u[i], v[i], w[i], name in overlap, upper)
+        compute[name] = float(np.median(t[i] - d[i] - np.maximum(0.0, v[i] - hidden[name])))
+        loss += part
+    return loss, compute, hidden
+
+
+def _search_efficiency(loss) -> float:
+    """``k = 1 / efficiency`` minimizing ``loss(log k)``: a coarse log grid, then golden section."""
+    import numpy as np
 
     grid = np.linspace(math.log(0.05), math.log(20.0), 97)
     losses = [loss(g) for g in grid]
@@ -222,7 +266,45 @@ def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> Ste
             lo, a, fa = a, b, fb
             b = lo + golden * (hi - lo)
             fb = loss(b)
-    k = math.exp((lo + hi) / 2)
+    return math.exp((lo + hi) / 2)
+
+
+def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> StepModel:
+    """Weighted least-squares fit of :class:`StepModel` to measured rows.
+
+    Each row: ``recipe``, ``step_time_s``, ``wire_bytes`` (per step, on the busiest link),
+    ``rate_bps`` (None or 0: unshaped, no link term) and optionally ``calls`` (collective calls a
+    step) and ``overlap_share`` (the share of the link time that may run under compute, default 1;
+    constant within a recipe). ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
+    for them; the others get 0). Rows are weighted by ``1 / step_time_s``, so the fit minimizes
+    relative error. The efficiency is found by a one-dimensional search (a coarse log grid, then
+    golden-section refinement); at a fixed efficiency each recipe's compute and hidden time are an
+    exact piecewise-quadratic minimum (:func:`_hinge_fit`). Latency is only separable from compute
+    when the number of calls varies within a recipe (e.g. across message sizes or delays); then
+    it is fitted by alternating with the hinge fits, otherwise ``alpha_s`` is kept at the value
+    given and reported as not fitted.
+
+    Paired rows (every row with ``paired_step_s`` and ``paired_rate_bps``: the same recipe's step
+    measured next to it, see the module docstring) fit only ``efficiency`` and ``hidden`` to the
+    link's excess over the paired step (:func:`_paired_hidden_fit`); unshaped rows whose pair is
+    also unshaped carry no information and may be left out.
+    """
+    recipes = sorted({r["recipe"] for r in rows})
+    if not any(r.get("rate_bps") and r["wire_bytes"] for r in rows):
+        raise ValueError("fit_step_model: no row has a shaped rate, so the bandwidth term cannot be fitted")
+    overlap = set(overlap)
+    paired = [r.get("paired_step_s") is not None for r in rows]
+    if any(paired):
+        if not all(paired):
+            raise ValueError("fit_step_model: either every row carries paired_step_s or none does")
+        if alpha_s:
+            raise ValueError("fit_step_model: paired rows cancel a per-call latency (the pair makes the same "
+                             "calls); fit them with alpha_s=0")
+        k = _search_efficiency(lambda log_k: _paired_fit_at(rows, recipes, overlap, math.exp(log_k))[0])
+        _, compute, hidden = _paired_fit_at(rows, recipes, overlap, k)
+        return StepModel(compute_s=compute, alpha_s=0.0, efficiency=1.0 / k, alpha_fitted=False, hidden_s=hidden)
+    fit_alpha = any(len({r.get("calls", 0) for r in rows if r["recipe"] == k}) > 1 for k in recipes)
+    k = _search_efficiency(lambda log_k: _fit_at(rows, recipes, overlap, math.exp(log_k), alpha_s, fit_alpha)[0])
     _, compute, hidden, alpha = _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha)
     return StepModel(compute_s=compute, alpha_s=alpha, efficiency=1.0 / k, alpha_fitted=fit_alpha, hidden_s=hidden)
 

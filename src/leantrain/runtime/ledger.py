@@ -251,6 +251,12 @@ class CommLedger:
             out[op] += b
         return dict(out)
 
+    def calls_by_op(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (op, _), n in self.calls.items():
+            out[op] += n
+        return dict(out)
+
     def per_step(self) -> float:
         return self.total / max(self.steps, 1)
 
@@ -261,6 +267,7 @@ class CommLedger:
             "bytes_per_step": self.per_step(),
             "by_scope": self.by_scope(),
             "by_op": self.by_op(),
+            "calls_by_op": self.calls_by_op(),
         }
 
     @contextlib.contextmanager
