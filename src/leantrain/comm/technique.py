@@ -81,7 +81,7 @@ class Gift(Technique):
         self.gift = None
         if run.world > 1:  # (one process: nothing to reduce)
             self.gift = GIFT(run.model, rank=g.rank or None, refresh_every=g.refresh_every, min_numel=g.min_numel,
-                             whiten=g.whiten, format=g.format)
+                             whiten=g.whiten, format=g.format, transform_dtype=g.transform_dtype)
 
     def ddp_comm_hook(self):
         return (None, GIFT.ddp_noop_hook) if self.gift is not None else None  # (GIFT reduces after backward)
