@@ -11,8 +11,11 @@ process (one rank's share), for the preset's model (random weights and tokens):
   runs them (subspace iteration batched over the layers, cold and warm-started; the full ``eigh`` one
   factor at a time, up to ``--eigh-max`` rows); the model's total is the sum over the shapes (on ``n``
   ranks the roots share it about ``n`` ways);
-- **transforms**: whiten + unwhiten of a gradient (fp32, as GIFT runs them; also in TF32), per shape
-  and for the model (each shape's time times its count), and one transform's three products alone;
+- **transforms**: whiten + unwhiten of a gradient by the per-layer reference (``_two_sided``: fp32, also
+  in TF32), per shape and for the model (each shape's time times its count), and one transform's three
+  products alone; and **batched** as GIFT runs them (``TransformGroup``: all the ``count`` layers of a
+  shape in one call each way, in place, in each ``transform_dtype``), per shape and for the model (the sum
+  over the shapes), with each dtype's error against the fp32 batched whitening and its round trip;
 - **codecs**: quantize + dequantize of the model's gradients in E4M3 (block 1024) and NVFP4, and each
   codec's throughput on one 2^26-element fp32 tensor against the device's copy bandwidth (the bytes a
   quantize moves: 4 read + codes and scales written; a dequantize: those read, 4 written).
@@ -45,6 +48,7 @@ from leantrain import config as C  # noqa: E402
 from leantrain.comm import gift as G  # noqa: E402  (top_eigenpairs_batched)
 from leantrain.comm.fp4 import nvfp4_nbytes  # noqa: E402
 from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, fp8_dequantize, fp8_quantize  # noqa: E402
+from leantrain.comm.gift_transforms import TRANSFORM_DTYPES, TransformGroup  # noqa: E402
 from leantrain.model import Llama  # noqa: E402
 from leantrain.ops import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 
@@ -127,6 +131,36 @@ def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.devic
     row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
     lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
     row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
+    row.update(measure_batched(a, b, n, k, count, args, dev, gen))
+    return row
+
+
+def measure_batched(a: _Side, b: _Side, n: int, k: int, count: int, args, dev: torch.device,
+                    gen: torch.Generator) -> dict:
+    """Whiten + unwhiten of ``count`` gradients of shape ``n x k`` in one :class:`TransformGroup` call each
+    way (in place, as GIFT runs them), per ``transform_dtype``; the relative error of its whitening against
+    the fp32 one and of its round trip (Euclidean), on the first gradient."""
+    grads = [torch.randn(n, k, device=dev, generator=gen) for _ in range(count)]
+    slots = list(range(count))
+    row = {"batched_transforms_ms": {}, "batched_whiten_error": {}, "batched_round_trip_error": {}}
+    white32 = None
+    for dtype in TRANSFORM_DTYPES:
+        grp = TransformGroup(n, k, dtype)
+        grp.rebuild([(a, b)] * count)
+        work = [g.clone() for g in grads]
+
+        def transforms(grp=grp, work=work):
+            grp.apply(slots, work, work, True)
+            grp.apply(slots, work, work, False)
+
+        row["batched_transforms_ms"][dtype] = timeit(transforms, args.reps, dev) * 1e3
+        w, back = torch.empty_like(grads[0]), torch.empty_like(grads[0])
+        grp.apply([0], [grads[0]], [w], True)
+        grp.apply([0], [w], [back], False)
+        white32 = w if white32 is None else white32
+        row["batched_whiten_error"][dtype] = float((w - white32).norm() / white32.norm())
+        row["batched_round_trip_error"][dtype] = float((back - grads[0]).norm() / grads[0].norm())
+        del work
     return row
 
 
@@ -183,7 +217,8 @@ def main(argv=None) -> int:
     for (n, k), count in shapes.items():
         row = {"count": count, **measure_shape(gift, n, k, count, args, dev, gen)}
         per_shape[f"{n}x{k}"] = row
-        print(f"{n}x{k} (x{count}): " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key != "count"),
+        print(f"{n}x{k} (x{count}): " + ", ".join(f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}"
+                                                  for key, v in row.items() if key != "count"),
               flush=True)
     res["per_shape"] = per_shape
 
@@ -229,7 +264,9 @@ def main(argv=None) -> int:
     tr32 = sum(r["transforms_tf32_ms"] * r["count"] for r in per_shape.values())
     ref_sub = sum(r["refresh_subspace_ms"] for r in per_shape.values())
     ref_warm = sum(r["refresh_subspace_warm_ms"] for r in per_shape.values())
-    res["model"] = {"transforms_ms": tr, "transforms_tf32_ms": tr32,
+    batched = {dt: sum(r["batched_transforms_ms"][dt] for r in per_shape.values()) for dt in TRANSFORM_DTYPES}
+    res["model"] = {"transforms_ms": tr, "transforms_tf32_ms": tr32, "batched_transforms_ms": batched,
+                    "batched_transforms_of_plain_step": {dt: t / res["step_ms"]["plain"] for dt, t in batched.items()},
                     "refresh_subspace_cold_ms": ref_sub,
                     "refresh_subspace_warm_ms": ref_warm}
     if all("refresh_eigh_ms" in r for r in per_shape.values()):
@@ -264,6 +301,18 @@ def markdown(res: dict) -> str:
                      f"{eigh} | {r['transforms_ms']:.3f} | {r['transforms_tf32_ms']:.3f} | "
                      f"{r['product_P_ms']:.3f}, {r['product_Q_ms']:.3f}, {r['product_final_ms']:.3f} |")
     m = res["model"]
+    dts = list(next(iter(res["per_shape"].values()))["batched_transforms_ms"])
+    lines += ["", "Batched as GIFT runs them (all the count layers of a shape, one call each way, in place), "
+              "whiten + unwhiten ms, and each dtype's whitening error against fp32 / round-trip error:", "",
+              "| layer N×K | " + " | ".join(dts) + " |", "|---|" + "---|" * len(dts)]
+    for shape, r in res["per_shape"].items():
+        lines.append(f"| {shape} | " + " | ".join(
+            f"{r['batched_transforms_ms'][d]:.2f} ({r['batched_whiten_error'][d]:.1e} / "
+            f"{r['batched_round_trip_error'][d]:.1e})" for d in dts) + " |")
+    m = res["model"]
+    lines += ["", "Batched, the model a step: " + ", ".join(
+        f"{d} {m['batched_transforms_ms'][d]:.2f} ms ({100 * m['batched_transforms_of_plain_step'][d]:.1f} % of "
+        f"a plain step)" for d in dts) + "."]
     lines += ["", "The refresh's set-up and Rayleigh-Ritz alone (no iteration), ms: "
               + ", ".join(f"{shape} {r['refresh_iters0_ms']:.1f}" for shape, r in res["per_shape"].items()), ""]
     lines += ["", "Model totals (refresh: the sum over the shapes; transforms: each shape's time × its count): "
