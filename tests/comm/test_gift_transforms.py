@@ -1,7 +1,8 @@
 """GIFT's batched whitening transforms (comm/gift_transforms.py): the batched group against the per-layer
 reference, the map back as the exact inverse of the map out in every ``transform_dtype``, in place and
 on a subset of the layers; and on 2 gloo ranks, the reduction against the per-layer path's (whiten each
-layer, FP8 all-reduce in model order, map back) and the bf16 option's error advantage over Euclidean FP8.
+layer, FP8 all-reduce in model order, map back) and the bf16 option's error advantage over Euclidean FP8;
+``min_gain``: the gain estimate, the layers sent Euclidean, the decision kept by a state round trip.
 
 Tolerances: fp32 products agree with the per-layer reference to ``1e-5`` relative (the same products,
 batched); the fp32 and TF32 round trips to ``1e-5`` (the map back inverts the bases as rounded). bf16
@@ -101,9 +102,10 @@ class _Net(nn.Module):
 
 
 def _per_layer_reduction(gift, params):
-    """The reduction layer by layer: each whitened by the reference, one FP8 all-reduce of everything in
-    model order, each mapped back by the reference."""
+    """The reduction layer by layer: each whitened by the reference (unless sent Euclidean), one FP8
+    all-reduce of everything in model order, each mapped back by the reference."""
     layers = [gift.layers.get(id(p)) for p in params]
+    layers = [None if la is None or la.euclidean else la for la in layers]
     pieces = [(_two_sided(la.B, la.A, p.grad, True) if la else p.grad).reshape(-1) for la, p in zip(layers, params)]
     flat = fp8_all_reduce(torch.cat(pieces), average=True)
     out, o = [], 0
@@ -114,10 +116,10 @@ def _per_layer_reduction(gift, params):
     return out
 
 
-def _worker(rank, world, dtype):
+def _worker(rank, world, dtype, min_gain=0.0):
     torch.manual_seed(0)
     model = _Net()
-    gift = GIFT(model, min_numel=1024, rank=8, refresh_every=5, transform_dtype=dtype)
+    gift = GIFT(model, min_numel=1024, rank=8, refresh_every=5, transform_dtype=dtype, min_gain=min_gain)
     params = list(model.parameters())
     out = {}
     for step in range(2):  # (step 0 refreshes the factors; step 1 is compared)
@@ -135,6 +137,7 @@ def _worker(rank, world, dtype):
             out["exact"] = [t.numpy() for t in exact]
         gift.reduce_gradients()
     out["got"] = [p.grad.numpy() for p in params]
+    out["euclidean"] = [la.euclidean for la in gift.layers.values()]
     out["groups"] = sorted(len([la for la in gift.layers.values() if la.group is grp]) for grp in gift.groups.values())
     return out
 
@@ -156,3 +159,44 @@ def test_batched_reduction_equals_the_per_layer_one_and_bf16_keeps_gifts_advanta
         assert _rel(torch.from_numpy(got), torch.from_numpy(ex)) < max(1.5 * err, 1e-2)
     for name, e in o0["errs"].items():
         assert 0 < e["gift_whitened"] < e["euclidean_whitened"], (name, e)
+
+
+@pytest.mark.distributed
+def test_layers_below_min_gain_are_sent_euclidean_on_every_rank():
+    o0, o1 = run_distributed(_worker, 2, args=("float32", 1e9))  # (no layer gains that much)
+    assert o0["euclidean"] == o1["euclidean"] == [True, True, True]
+    for got, again, ref in zip(o0["got"], o1["got"], o0["ref"]):
+        assert (got == again).all() and (got == ref).all()  # (the raw gradients' FP8 all-reduce, bit for bit)
+
+
+class _MixedNet(nn.Module):
+    """One layer with strongly anisotropic inputs (whitening pays) and one with isotropic inputs and output
+    gradients (it does not: its estimated gain is about 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.aniso = nn.Linear(64, 64, bias=False)
+        self.iso = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x, z, w):
+        return self.aniso(x * torch.logspace(-2, 1, 64)).square().mean() + (self.iso(z) * w).sum()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
+def test_min_gain_sends_the_layers_where_whitening_does_not_pay_euclidean(fmt):
+    torch.manual_seed(0)
+    model = _MixedNet()
+    gift = GIFT(model, min_numel=1024, rank=8, min_gain=1.5, format=fmt)
+    model(torch.randn(256, 64), torch.randn(256, 64), torch.randn(256, 64)).backward()
+    gift.reduce_gradients()  # (one process: the refresh and the roots' decisions, no reduction)
+    layers = {la.name: la for la in gift.layers.values()}
+    gains = {n: gift._gain(la.A, la.B, la.mod.weight.grad) for n, la in layers.items()}
+    # (measured: aniso 1.8 in E4M3, 3.3 in NVFP4; iso 1.05 in both)
+    assert gains["aniso"] > 1.5 > 1.2 > gains["iso"] > 0.8, gains
+    assert not layers["aniso"].euclidean and layers["iso"].euclidean
+    state = gift.state_dict()
+    other = GIFT(_MixedNet(), min_numel=1024, rank=8, min_gain=1.5, format=fmt)
+    other.load_state_dict(state)
+    assert [la.euclidean for la in other.layers.values()] == [la.euclidean for la in layers.values()]
+    with pytest.raises(ValueError):
+        GIFT(model, min_gain=-1.0)

@@ -35,7 +35,8 @@ or bf16 products are cheaper, and the map back stays the exact inverse of the ma
 **Which layers** (the selection "where it pays"): ``nn.Linear`` weights with at least ``min_numel``
 elements (not subclasses with their own forward, such as the model's LM head that returns the loss).
 Everything else (norms, embeddings, small layers, biases) goes through the same FP8
-all-reduce in its own coordinates, i.e. Euclidean FP8.
+all-reduce in its own coordinates, i.e. Euclidean FP8. With ``min_gain``, a layer whose root estimates
+at a refresh that whitening gains less than that (:meth:`GIFT._gain`) is sent Euclidean until the next.
 
 **The FP8 all-reduce** (:func:`fp8_all_reduce`) is AGoQ's two-phase scheme (``int8_allreduce.py``)
 with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``block`` elements are
@@ -69,10 +70,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from leantrain.comm.fp4 import GROUP as FP4_GROUP
 from leantrain.comm.fp4 import nvfp4_all_reduce
 from leantrain.comm.gift_transforms import TRANSFORM_DTYPES, TransformGroup, _Side, _tf32, _two_sided  # noqa: F401
 from leantrain.comm.int8_allreduce import two_phase_all_reduce
-from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
+from leantrain.ops import QTensor, dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from leantrain.runtime import collectives as C
 
 __all__ = ["GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
@@ -187,6 +189,7 @@ class _Layer:
         self.A: _Side | None = None  # the factors every rank uses
         self.B: _Side | None = None
         self.slot = -1  # its place in its group's stacks (set by the group's rebuild)
+        self.euclidean = False  # its root measured too small a gain at the last refresh (``min_gain``)
 
     @property
     def ready(self) -> bool:
@@ -223,13 +226,17 @@ class GIFT:
     CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
     and averaged). ``transform_dtype``: the precision of the whitening transforms' products with the
     gradients, ``"float32"``, ``"tfloat32"`` or ``"bfloat16"`` (``comm/gift_transforms.py``; the map back
-    is the exact inverse of the map out in each)."""
+    is the exact inverse of the map out in each). ``min_gain``: on each refresh a layer's root estimates
+    the gain of whitening, Euclidean error / GIFT's error in the K-FAC metric, from one pass of its own
+    gradient through the wire codec (:meth:`_gain`); a layer below ``min_gain`` is sent Euclidean until
+    the next refresh (the root's decision is broadcast with the factors: every rank agrees). ``0``:
+    every layer whitened."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
                  whiten: bool = True, bucket_numel: int = 1 << 25, format: str = "e4m3",
                  stochastic: bool = True, solver: str = "auto", tf32: bool = True, scope: str = "world",
-                 transform_dtype: str = "float32"):
+                 transform_dtype: str = "float32", min_gain: float = 0.0):
         if format not in ("e4m3", "nvfp4"):
             raise ValueError(f"GIFT: format must be 'e4m3' or 'nvfp4', got {format!r}")
         if solver not in ("auto", "eigh", "subspace"):
@@ -242,12 +249,14 @@ class GIFT:
             raise ValueError(f"GIFT: damping must be > 0 (the factors are inverted), got {damping}")
         if transform_dtype not in TRANSFORM_DTYPES:
             raise ValueError(f"GIFT: transform_dtype must be one of {TRANSFORM_DTYPES}, got {transform_dtype!r}")
+        if min_gain < 0:
+            raise ValueError(f"GIFT: min_gain must be >= 0 (0: every layer whitened), got {min_gain}")
         if rank is not None and rank < 1:
             raise ValueError(f"GIFT: rank must be >= 1 or None (full rank), got {rank}")
         self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
         self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
         self.bucket_numel, self.format, self.stochastic, self.solver = bucket_numel, format, stochastic, solver
-        self.tf32, self.transform_dtype = tf32, transform_dtype
+        self.tf32, self.transform_dtype, self.min_gain = tf32, transform_dtype, min_gain
         self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.me = C.rank(group) if self.world > 1 else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -355,7 +364,7 @@ class GIFT:
             # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
             buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=la.mod.weight.device)
             if (id(la), 0) in done:
-                parts = [torch.ones(1, device=buf.device)]
+                parts = [torch.full((1,), 2.0 if self._euclidean(la, done) else 1.0, device=buf.device)]
                 for j in (0, 1):
                     u, sv, sigma, lam = done[(id(la), j)]
                     parts += [u.reshape(-1), sv, torch.tensor([sigma, lam], device=buf.device)]
@@ -364,8 +373,10 @@ class GIFT:
             la.na = la.nb = 0
             if self.world > 1:
                 C.broadcast(buf, self._global_rank(la.root), group=self.group, scope=self.scope)
-            if not buf[0].item():  # (the root saw no statistics: the old factors stay)
+            flag = buf[0].item()  # 0: the root saw no statistics (the old factors stay); 1: whiten; 2: Euclidean
+            if not flag:
                 continue
+            la.euclidean = flag == 2
             o = 1
             sides = []
             for dim, r in ((k_, ra), (n_, rb)):
@@ -379,6 +390,42 @@ class GIFT:
             la.A, la.B = sides
         self._rebuild_groups()
 
+    def _euclidean(self, la: _Layer, done: dict) -> bool:
+        """Whether the root sends ``la`` Euclidean until the next refresh: its gain under ``min_gain``."""
+        grad = la.mod.weight.grad
+        if self.min_gain <= 0 or grad is None:
+            return False
+        a, b = (_Side(*done[(id(la), j)]) for j in (0, 1))
+        return self._gain(a, b, grad.float()) < self.min_gain
+
+    def _gain(self, a: _Side, b: _Side, g: Tensor) -> float:
+        """The estimated gain of whitening ``g`` with the factors ``a``, ``b``: the K-FAC-metric error of a
+        pass of ``g`` through the wire codec over that of its whitened form (one local quantization each,
+        round to nearest: a proxy for the all-reduce's, which quantizes the sum again)."""
+        grp = TransformGroup(*g.shape, dtype=self.transform_dtype)
+        grp.rebuild([(a, b)])
+
+        def white(x):
+            out = torch.empty_like(x)
+            grp.apply([0], [x], [out], True)
+            return out
+
+        w = white(g)
+        euclidean = (white(self._wire_round_trip(g)) - w).norm()
+        gift = (self._wire_round_trip(w) - w).norm()
+        return float(euclidean / gift.clamp_min(1e-30))
+
+    def _wire_round_trip(self, x: Tensor) -> Tensor:
+        """``x`` (fp32) quantized and dequantized once by the all-reduce's codec (round to nearest)."""
+        flat = x.reshape(-1)
+        multiple = FP4_GROUP if self.format == "nvfp4" else self.block
+        v = torch.nn.functional.pad(flat, (0, (-flat.numel()) % multiple))
+        if self.format == "nvfp4":
+            v = dequantize_nvfp4(quantize_nvfp4(v, scale_round="up", nonfinite="nan", local_scale=True))
+        else:
+            v = fp8_dequantize(*fp8_quantize(v, self.block), self.block)
+        return v.reshape(-1)[:flat.numel()].view_as(x)
+
     def state_dict(self) -> dict:
         """The step count, and per layer its root's statistics EMA and the factors in use (a resumed run
         whitens as the uninterrupted one would)."""
@@ -386,7 +433,8 @@ class GIFT:
             return None if sd is None else {"u": sd.u, "s": sd.s, "sigma": sd.sigma, "lam": sd.lam}
 
         return {"steps": self.steps, "layers": {la.name: {"a_ema": la.a_ema, "b_ema": la.b_ema, "A": side(la.A),
-                                                           "B": side(la.B)} for la in self.layers.values()}}
+                                                           "B": side(la.B), "euclidean": la.euclidean}
+                                               for la in self.layers.values()}}
 
     def load_state_dict(self, state: dict) -> None:
         names = {la.name: la for la in self.layers.values()}
@@ -403,6 +451,7 @@ class GIFT:
             la.a_ema, la.b_ema = to(st["a_ema"]), to(st["b_ema"])
             la.A, la.B = (None if sd is None else _Side(to(sd["u"]), to(sd["s"]), sd["sigma"], sd["lam"])
                           for sd in (st["A"], st["B"]))
+            la.euclidean = st.get("euclidean", False)
         self._rebuild_groups()
 
     def _global_rank(self, r: int) -> int:
@@ -424,7 +473,8 @@ class GIFT:
         if self._collect:
             self._refresh_all([self.layers[id(p)] for p in params if id(p) in self.layers])
         if self.world > 1:
-            held = {id(p): p.grad.float() for p in params if id(p) in self.layers and self.layers[id(p)].ready}
+            held = {id(p): p.grad.float() for p in params
+                    if id(p) in self.layers and self.layers[id(p)].ready and not self.layers[id(p)].euclidean}
             self._transform_all(held, inverse=True)
             start, size, bucket = 0, 0, 0
             for i, p in enumerate(params):
@@ -509,7 +559,7 @@ class GIFT:
             seed = -(self.steps * 65_537 + layer.index + 1)  # (not a seed a reduction uses)
             euc = self._all_reduce(g.clone(), seed, "probe")
             wh = self._all_reduce(layer.whiten(g), seed, "probe")
-            gift = layer.unwhiten(wh)
+            gift = euc if layer.euclidean else layer.unwhiten(wh)  # (what the reduction sends)
             w_exact = layer.whiten(exact)
 
             def rel(e, ref):
