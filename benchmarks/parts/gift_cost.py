@@ -16,6 +16,9 @@ process (one rank's share), for the preset's model (random weights and tokens):
   products alone; and **batched** as GIFT runs them (``TransformGroup``: all the ``count`` layers of a
   shape in one call each way, in place, in each ``transform_dtype``), per shape and for the model (the sum
   over the shapes), with each dtype's error against the fp32 batched whitening and its round trip;
+- **gain estimates**: what ``min_gain`` would see: each layer's estimated gain of whitening (Euclidean /
+  GIFT error of one codec pass in the K-FAC metric) on the gradient of one step, with factors from that
+  step's statistics, in E4M3 and in NVFP4;
 - **codecs**: quantize + dequantize of the model's gradients in E4M3 (block 1024) and NVFP4, and each
   codec's throughput on one 2^26-element fp32 tensor against the device's copy bandwidth (the bytes a
   quantize moves: 4 read + codes and scales written; a dequantize: those read, 4 written).
@@ -164,6 +167,27 @@ def measure_batched(a: _Side, b: _Side, n: int, k: int, count: int, args, dev: t
     return row
 
 
+def gain_estimates(model, gift: GIFT, layers: list, x: torch.Tensor, dev: torch.device) -> dict:
+    """What ``min_gain`` would see: after one step with statistics and a refresh (factors from that step
+    alone), each layer's estimated gain of whitening (``GIFT._gain``) on its gradient, per wire format
+    and shape (lists in model order)."""
+    gift.steps = 0
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    gift._refresh_all(layers)
+    out = {}
+    for fmt in ("e4m3", "nvfp4"):
+        gift.format = fmt
+        per = out.setdefault(fmt, {})
+        for la in layers:
+            per.setdefault("x".join(map(str, la.mod.weight.shape)), []).append(
+                gift._gain(la.A, la.B, la.mod.weight.grad.float()))
+    gift.format = "e4m3"
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b")
@@ -210,6 +234,10 @@ def main(argv=None) -> int:
     t_stats = timeit(step, args.reps, dev)
     res["step_ms"] = {"plain": t_plain * 1e3, "with_statistics": t_stats * 1e3}
     print(f"step {t_plain * 1e3:.2f} ms, with statistics {t_stats * 1e3:.2f} ms", flush=True)
+    res["gain_estimates"] = gain_estimates(model, gift, layers, x, dev)
+    print("gain estimates (min, median, max): " + json.dumps({f: {sh: [min(g), statistics.median(g), max(g)]
+                                                                   for sh, g in v.items()}
+                                                               for f, v in res["gain_estimates"].items()}), flush=True)
 
     # --- per shape: the eigen-solves and the transforms
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -313,6 +341,14 @@ def markdown(res: dict) -> str:
     lines += ["", "Batched, the model a step: " + ", ".join(
         f"{d} {m['batched_transforms_ms'][d]:.2f} ms ({100 * m['batched_transforms_of_plain_step'][d]:.1f} % of "
         f"a plain step)" for d in dts) + "."]
+    ge = res.get("gain_estimates", {})
+    if ge:
+        lines += ["", "Estimated gain of whitening (``min_gain``'s measure) over a shape's layers, min / median / max:",
+                  "", "| layer N×K | " + " | ".join(ge) + " |", "|---|" + "---|" * len(ge)]
+        for shape in next(iter(ge.values())):
+            lines.append(f"| {shape} | " + " | ".join(
+                f"{min(v[shape]):.2f} / {statistics.median(v[shape]):.2f} / {max(v[shape]):.2f}" for v in ge.values())
+                + " |")
     lines += ["", "The refresh's set-up and Rayleigh-Ritz alone (no iteration), ms: "
               + ", ".join(f"{shape} {r['refresh_iters0_ms']:.1f}" for shape, r in res["per_shape"].items()), ""]
     lines += ["", "Model totals (refresh: the sum over the shapes; transforms: each shape's time × its count): "
