@@ -50,8 +50,14 @@ import harness  # noqa: E402
 from leantrain import config as C  # noqa: E402
 from leantrain.comm import gift as G  # noqa: E402  (top_eigenpairs_batched)
 from leantrain.comm.fp4 import nvfp4_nbytes  # noqa: E402
-from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, fp8_dequantize, fp8_quantize  # noqa: E402
-from leantrain.comm.gift_transforms import TRANSFORM_DTYPES, TransformGroup  # noqa: E402
+from leantrain.comm.gift import GIFT, fp8_dequantize, fp8_quantize  # noqa: E402
+from leantrain.comm.gift_transforms import (  # noqa: E402
+    TRANSFORM_DTYPES,
+    TransformGroup,
+    _Side,
+    _tf32,
+    _two_sided,
+)
 from leantrain.model import Llama  # noqa: E402
 from leantrain.ops import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 

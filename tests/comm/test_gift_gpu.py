@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, top_eigenpairs_batched
-from leantrain.comm.gift_transforms import TransformGroup
+from leantrain.comm.gift import GIFT, top_eigenpairs_batched
+from leantrain.comm.gift_transforms import TransformGroup, _Side, _tf32, _two_sided
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

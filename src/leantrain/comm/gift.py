@@ -72,7 +72,7 @@ from torch import Tensor, nn
 
 from leantrain.comm.fp4 import GROUP as FP4_GROUP
 from leantrain.comm.fp4 import nvfp4_all_reduce
-from leantrain.comm.gift_transforms import TRANSFORM_DTYPES, TransformGroup, _Side, _tf32, _two_sided  # noqa: F401
+from leantrain.comm.gift_transforms import TRANSFORM_DTYPES, TransformGroup, _Side, _tf32
 from leantrain.comm.int8_allreduce import two_phase_all_reduce
 from leantrain.ops import QTensor, dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from leantrain.runtime import collectives as C
