@@ -166,16 +166,17 @@ class TransformGroup:
         p = torch.empty(n_, self.n, ra, dtype=self.store, device=dev)
         q = torch.empty(n_, rb, self.k, dtype=self.store, device=dev)
         with _tf32(self.dtype == "tfloat32"):
-            for i, g in enumerate(srcs):  # the two thin products, layer by layer, into the stacks
+            # the two thin products, layer by layer, into the stacks (unbind: one call for a stack's views)
+            for g, ua_i, ubt_i, p_i, q_i in zip(srcs, ua.unbind(0), ub.mT.unbind(0), p.unbind(0), q.unbind(0)):
                 gl = g.to(self.store)
-                torch.mm(gl, ua[i], out=p[i])
-                torch.mm(ub[i].t(), gl, out=q[i])
+                torch.mm(gl, ua_i, out=p_i)
+                torch.mm(ubt_i, gl, out=q_i)
             p, q = p.float(), q.float()
             msm = torch.bmm(torch.bmm(mb, torch.bmm(ub32.mT, p)), ma)  # M_b S M_a
             left = torch.cat([torch.baddbmm(torch.bmm(p, cbma), ub32, msm), ub32], -1).to(self.store)
             right = torch.cat([ua32.mT, torch.bmm(camb, q)], 1).to(self.store)
-            for i, (src, dst) in enumerate(zip(srcs, dsts)):
-                self._final(src, left[i], right[i], cc[i], dst)
+            for src, dst, left_i, right_i, beta in zip(srcs, dsts, left.unbind(0), right.unbind(0), cc):
+                self._final(src, left_i, right_i, beta, dst)
 
     def _final(self, src: Tensor, left: Tensor, right: Tensor, beta: float, dst: Tensor) -> None:
         """``dst = beta src + left @ right``: one ``addmm`` in fp32 / TF32 (in place when ``dst`` is ``src``);
