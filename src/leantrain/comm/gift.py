@@ -30,7 +30,8 @@ a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale;
 never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step, run
 for all the layers of one weight shape at once (``comm/gift_transforms.py``: the small products batched,
 the three large ones a layer, in place in the gradients), in ``transform_dtype`` (fp32 by default; TF32
-or bf16 products are cheaper, and the map back stays the exact inverse of the map out).
+or bf16 products are cheaper: the map back is still the inverse of the map out as applied, with the
+bases as rounded, and only the products' rounding of the gradients adds error).
 
 **Which layers** (the selection "where it pays"): ``nn.Linear`` weights with at least ``min_numel``
 elements (not subclasses with their own forward, such as the model's LM head that returns the loss).
@@ -225,8 +226,8 @@ class GIFT:
     subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
     CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
     and averaged). ``transform_dtype``: the precision of the whitening transforms' products with the
-    gradients, ``"float32"``, ``"tfloat32"`` or ``"bfloat16"`` (``comm/gift_transforms.py``; the map back
-    is the exact inverse of the map out in each). ``min_gain``: on each refresh a layer's root estimates
+    gradients, ``"float32"``, ``"tfloat32"`` or ``"bfloat16"`` (``comm/gift_transforms.py``; in each the
+    map back inverts the map out as applied). ``min_gain``: on each refresh a layer's root estimates
     the gain of whitening, Euclidean error / GIFT's error in the K-FAC metric, from one pass of its own
     gradient through the wire codec (:meth:`_gain`); a layer below ``min_gain`` is sent Euclidean until
     the next refresh (the root's decision is broadcast with the factors: every rank agrees). ``0``:

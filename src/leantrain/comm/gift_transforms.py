@@ -16,6 +16,9 @@ lies and writing each result where it is wanted (in place into the gradient, or 
 batched product would first need the layers' gradients copied into one stacked tensor, a pass over the
 gradients as long as the product's own, where a layer's own product costs one launch.
 Per layer and direction that is three launches of the large products; the small ops run once a group.
+(Run layer by layer, the small ops took more than half of a 2048 x 2048 layer's transform time on an
+H200, ``benchmarks/results/comm/2026-12-03_H200_gift-cost.json``; for the 1b's 88 layers a step makes
+about 700 kernel-launching calls batched against about 3100 layer by layer, counted on the CPU.)
 
 **The map back is the exact inverse of the map out.** The whitening uses ``M = diag(e)``; the map back
 uses the ``M'`` that inverts ``c I + U M Uᵀ`` exactly for the basis as the products see it (rounded to the
