@@ -11,8 +11,14 @@ process (one rank's share), for the preset's model (random weights and tokens):
   runs them (subspace iteration batched over the layers, cold and warm-started; the full ``eigh`` one
   factor at a time, up to ``--eigh-max`` rows); the model's total is the sum over the shapes (on ``n``
   ranks the roots share it about ``n`` ways);
-- **transforms**: whiten + unwhiten of a gradient (fp32, as GIFT runs them; also in TF32), per shape
-  and for the model (each shape's time times its count), and one transform's three products alone;
+- **transforms**: whiten + unwhiten of a gradient by the per-layer reference (``_two_sided``: fp32, also
+  in TF32), per shape and for the model (each shape's time times its count), and one transform's three
+  products alone; and **batched** as GIFT runs them (``TransformGroup``: all the ``count`` layers of a
+  shape in one call each way, in place, in each ``transform_dtype``), per shape and for the model (the sum
+  over the shapes), with each dtype's error against the fp32 batched whitening and its round trip;
+- **gain estimates**: what ``min_gain`` would see: each layer's estimated gain of whitening (Euclidean /
+  GIFT error of one codec pass in the K-FAC metric) on the gradient of one step, with factors from that
+  step's statistics, in E4M3 and in NVFP4;
 - **codecs**: quantize + dequantize of the model's gradients in E4M3 (block 1024) and NVFP4, and each
   codec's throughput on one 2^26-element fp32 tensor against the device's copy bandwidth (the bytes a
   quantize moves: 4 read + codes and scales written; a dequantize: those read, 4 written).
@@ -44,7 +50,14 @@ import harness  # noqa: E402
 from leantrain import config as C  # noqa: E402
 from leantrain.comm import gift as G  # noqa: E402  (top_eigenpairs_batched)
 from leantrain.comm.fp4 import nvfp4_nbytes  # noqa: E402
-from leantrain.comm.gift import GIFT, _Side, _tf32, _two_sided, fp8_dequantize, fp8_quantize  # noqa: E402
+from leantrain.comm.gift import GIFT, fp8_dequantize, fp8_quantize  # noqa: E402
+from leantrain.comm.gift_transforms import (  # noqa: E402
+    TRANSFORM_DTYPES,
+    TransformGroup,
+    _Side,
+    _tf32,
+    _two_sided,
+)
 from leantrain.model import Llama  # noqa: E402
 from leantrain.ops import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 
@@ -127,7 +140,58 @@ def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.devic
     row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
     lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
     row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
+    row.update(measure_batched(a, b, n, k, count, args, dev, gen))
     return row
+
+
+def measure_batched(a: _Side, b: _Side, n: int, k: int, count: int, args, dev: torch.device,
+                    gen: torch.Generator) -> dict:
+    """Whiten + unwhiten of ``count`` gradients of shape ``n x k`` in one :class:`TransformGroup` call each
+    way (in place, as GIFT runs them), per ``transform_dtype``; the relative error of its whitening against
+    the fp32 one and of its round trip (Euclidean), on the first gradient."""
+    grads = [torch.randn(n, k, device=dev, generator=gen) for _ in range(count)]
+    slots = list(range(count))
+    row = {"batched_transforms_ms": {}, "batched_whiten_error": {}, "batched_round_trip_error": {}}
+    white32 = None
+    for dtype in TRANSFORM_DTYPES:
+        grp = TransformGroup(n, k, dtype)
+        grp.rebuild([(a, b)] * count)
+        work = [g.clone() for g in grads]
+
+        def transforms(grp=grp, work=work):
+            grp.apply(slots, work, work, True)
+            grp.apply(slots, work, work, False)
+
+        row["batched_transforms_ms"][dtype] = timeit(transforms, args.reps, dev) * 1e3
+        w, back = torch.empty_like(grads[0]), torch.empty_like(grads[0])
+        grp.apply([0], [grads[0]], [w], True)
+        grp.apply([0], [w], [back], False)
+        white32 = w if white32 is None else white32
+        row["batched_whiten_error"][dtype] = float((w - white32).norm() / white32.norm())
+        row["batched_round_trip_error"][dtype] = float((back - grads[0]).norm() / grads[0].norm())
+        del work
+    return row
+
+
+def gain_estimates(model, gift: GIFT, layers: list, x: torch.Tensor, dev: torch.device) -> dict:
+    """What ``min_gain`` would see: after one step with statistics and a refresh (factors from that step
+    alone), each layer's estimated gain of whitening (``GIFT._gain``) on its gradient, per wire format
+    and shape (lists in model order)."""
+    gift.steps = 0
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    gift._refresh_all(layers)
+    out = {}
+    for fmt in ("e4m3", "nvfp4"):
+        gift.format = fmt
+        per = out.setdefault(fmt, {})
+        for la in layers:
+            per.setdefault("x".join(map(str, la.mod.weight.shape)), []).append(
+                gift._gain(la.A, la.B, la.mod.weight.grad.float()))
+    gift.format = "e4m3"
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -176,6 +240,10 @@ def main(argv=None) -> int:
     t_stats = timeit(step, args.reps, dev)
     res["step_ms"] = {"plain": t_plain * 1e3, "with_statistics": t_stats * 1e3}
     print(f"step {t_plain * 1e3:.2f} ms, with statistics {t_stats * 1e3:.2f} ms", flush=True)
+    res["gain_estimates"] = gain_estimates(model, gift, layers, x, dev)
+    print("gain estimates (min, median, max): " + json.dumps({f: {sh: [min(g), statistics.median(g), max(g)]
+                                                                   for sh, g in v.items()}
+                                                               for f, v in res["gain_estimates"].items()}), flush=True)
 
     # --- per shape: the eigen-solves and the transforms
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -183,7 +251,8 @@ def main(argv=None) -> int:
     for (n, k), count in shapes.items():
         row = {"count": count, **measure_shape(gift, n, k, count, args, dev, gen)}
         per_shape[f"{n}x{k}"] = row
-        print(f"{n}x{k} (x{count}): " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key != "count"),
+        print(f"{n}x{k} (x{count}): " + ", ".join(f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}"
+                                                  for key, v in row.items() if key != "count"),
               flush=True)
     res["per_shape"] = per_shape
 
@@ -229,7 +298,9 @@ def main(argv=None) -> int:
     tr32 = sum(r["transforms_tf32_ms"] * r["count"] for r in per_shape.values())
     ref_sub = sum(r["refresh_subspace_ms"] for r in per_shape.values())
     ref_warm = sum(r["refresh_subspace_warm_ms"] for r in per_shape.values())
-    res["model"] = {"transforms_ms": tr, "transforms_tf32_ms": tr32,
+    batched = {dt: sum(r["batched_transforms_ms"][dt] for r in per_shape.values()) for dt in TRANSFORM_DTYPES}
+    res["model"] = {"transforms_ms": tr, "transforms_tf32_ms": tr32, "batched_transforms_ms": batched,
+                    "batched_transforms_of_plain_step": {dt: t / res["step_ms"]["plain"] for dt, t in batched.items()},
                     "refresh_subspace_cold_ms": ref_sub,
                     "refresh_subspace_warm_ms": ref_warm}
     if all("refresh_eigh_ms" in r for r in per_shape.values()):
@@ -264,6 +335,26 @@ def markdown(res: dict) -> str:
                      f"{eigh} | {r['transforms_ms']:.3f} | {r['transforms_tf32_ms']:.3f} | "
                      f"{r['product_P_ms']:.3f}, {r['product_Q_ms']:.3f}, {r['product_final_ms']:.3f} |")
     m = res["model"]
+    dts = list(next(iter(res["per_shape"].values()))["batched_transforms_ms"])
+    lines += ["", "Batched as GIFT runs them (all the count layers of a shape, one call each way, in place), "
+              "whiten + unwhiten ms, and each dtype's whitening error against fp32 / round-trip error:", "",
+              "| layer N×K | " + " | ".join(dts) + " |", "|---|" + "---|" * len(dts)]
+    for shape, r in res["per_shape"].items():
+        lines.append(f"| {shape} | " + " | ".join(
+            f"{r['batched_transforms_ms'][d]:.2f} ({r['batched_whiten_error'][d]:.1e} / "
+            f"{r['batched_round_trip_error'][d]:.1e})" for d in dts) + " |")
+    m = res["model"]
+    lines += ["", "Batched, the model a step: " + ", ".join(
+        f"{d} {m['batched_transforms_ms'][d]:.2f} ms ({100 * m['batched_transforms_of_plain_step'][d]:.1f} % of "
+        f"a plain step)" for d in dts) + "."]
+    ge = res.get("gain_estimates", {})
+    if ge:
+        lines += ["", "Estimated gain of whitening (``min_gain``'s measure) over a shape's layers, min / median / max:",
+                  "", "| layer N×K | " + " | ".join(ge) + " |", "|---|" + "---|" * len(ge)]
+        for shape in next(iter(ge.values())):
+            lines.append(f"| {shape} | " + " | ".join(
+                f"{min(v[shape]):.2f} / {statistics.median(v[shape]):.2f} / {max(v[shape]):.2f}" for v in ge.values())
+                + " |")
     lines += ["", "The refresh's set-up and Rayleigh-Ritz alone (no iteration), ms: "
               + ", ".join(f"{shape} {r['refresh_iters0_ms']:.1f}" for shape, r in res["per_shape"].items()), ""]
     lines += ["", "Model totals (refresh: the sum over the shapes; transforms: each shape's time × its count): "

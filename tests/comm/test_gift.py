@@ -12,14 +12,13 @@ from dist_utils import run_distributed
 from leantrain.comm.fp4 import nvfp4_all_reduce, nvfp4_nbytes
 from leantrain.comm.gift import (
     GIFT,
-    _Side,
-    _two_sided,
     fp8_all_reduce,
     fp8_dequantize,
     fp8_quantize,
     top_eigenpairs,
     top_eigenpairs_batched,
 )
+from leantrain.comm.gift_transforms import _Side, _two_sided
 from leantrain.runtime.ledger import COMM
 
 

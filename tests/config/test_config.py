@@ -90,3 +90,19 @@ def test_recipe_names_of_the_gift_all_reduces():
                      ("nvfp4", "true"): "ddp-gift-nvfp4", ("nvfp4", "false"): "ddp-nvfp4"}
     with pytest.raises(ConfigError):
         C.build("tiny", overrides={"comm.gift.format": "fp4"})
+
+
+def test_gift_transform_dtype_and_min_gain_fields():
+    import torch
+
+    from leantrain.comm.technique import Gift
+
+    cfg = C.build("tiny", overrides={"comm.method": "gift", "dist.mode": "ddp", "comm.gift.transform_dtype": "bfloat16",
+                                     "comm.gift.min_gain": "1.5"})
+    assert cfg.comm.gift.transform_dtype == "bfloat16" and cfg.comm.gift.min_gain == 1.5
+    Gift.check(cfg, device=torch.device("cpu"), world=2)
+    with pytest.raises(ConfigError):
+        C.build("tiny", overrides={"comm.gift.transform_dtype": "float16"})
+    cfg.comm.gift.min_gain = -1.0
+    with pytest.raises(ConfigError):
+        Gift.check(cfg, device=torch.device("cpu"), world=2)

@@ -27,13 +27,17 @@ small factors, is ``O(dim³)``). It damps both by ``damping`` times the mean eig
 broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms from the same
 numbers: the whitened sum maps back exactly, and the factors' traffic is ``(K + N) · rank`` floats
 a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale; that costs precision,
-never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step
-(:func:`_two_sided`).
+never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step, run
+for all the layers of one weight shape at once (``comm/gift_transforms.py``: the small products batched,
+the three large ones a layer, in place in the gradients), in ``transform_dtype`` (fp32 by default; TF32
+or bf16 products are cheaper: the map back is still the inverse of the map out as applied, with the
+bases as rounded, and only the products' rounding of the gradients adds error).
 
 **Which layers** (the selection "where it pays"): ``nn.Linear`` weights with at least ``min_numel``
 elements (not subclasses with their own forward, such as the model's LM head that returns the loss).
 Everything else (norms, embeddings, small layers, biases) goes through the same FP8
-all-reduce in its own coordinates, i.e. Euclidean FP8.
+all-reduce in its own coordinates, i.e. Euclidean FP8. With ``min_gain``, a layer whose root estimates
+at a refresh that whitening gains less than that (:meth:`GIFT._gain`) is sent Euclidean until the next.
 
 **The FP8 all-reduce** (:func:`fp8_all_reduce`) is AGoQ's two-phase scheme (``int8_allreduce.py``)
 with an E4M3 codec: the padded tensor is cut into ``n`` chunks. Blocks of ``block`` elements are
@@ -61,16 +65,17 @@ FP8 against the exact average in both metrics; ``benchmarks/bench_gift.py`` repo
 
 from __future__ import annotations
 
-import contextlib
 from itertools import groupby
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from leantrain.comm.fp4 import GROUP as FP4_GROUP
 from leantrain.comm.fp4 import nvfp4_all_reduce
+from leantrain.comm.gift_transforms import TRANSFORM_DTYPES, TransformGroup, _Side, _tf32
 from leantrain.comm.int8_allreduce import two_phase_all_reduce
-from leantrain.ops import QTensor, dequantize_fp8, quantize_fp8
+from leantrain.ops import QTensor, dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from leantrain.runtime import collectives as C
 
 __all__ = ["GIFT", "fp8_all_reduce", "fp8_dequantize", "fp8_quantize", "top_eigenpairs"]
@@ -112,20 +117,6 @@ def fp8_all_reduce(tensor: Tensor, group=None, *, block: int = 1024, average: bo
 
 
 _OVERSAMPLE = 16  # extra columns of the subspace iteration
-
-
-@contextlib.contextmanager
-def _tf32(enabled: bool):
-    """Matrix products of fp32 CUDA tensors in TF32 inside the block (nothing changes on the CPU)."""
-    if not enabled or not torch.cuda.is_available():
-        yield
-        return
-    mm = torch.backends.cuda.matmul
-    prev, mm.fp32_precision = mm.fp32_precision, "tf32"
-    try:
-        yield
-    finally:
-        mm.fp32_precision = prev
 
 
 def _orthonormalize(y: Tensor) -> Tensor:
@@ -188,45 +179,9 @@ def top_eigenpairs_batched(fs: list[Tensor], r: int, *, warm: list[Tensor | None
     return s.flip(-1)[..., :r].clamp_min(0), q @ v.flip(-1)[..., :r]
 
 
-class _Side:
-    """One K-FAC factor as low-rank eigenpairs + the mean of the rest: its powers ±1/2, damped.
-    Built on every rank from the same broadcast numbers (the same transforms everywhere)."""
-
-    def __init__(self, u: Tensor, s: Tensor, sigma: float, lam: float):
-        self.u, self.s, self.sigma, self.lam = u, s, sigma, lam  # u: (dim, r), orthonormal columns
-        self.full = u.shape[1] == u.shape[0]
-        self._coef = {}  # inverse -> (c, e), computed once (the transforms run every step)
-        for inverse, d, c in ((True, (s + lam).rsqrt(), (sigma + lam) ** -0.5),
-                              (False, (s + lam).sqrt(), (sigma + lam) ** 0.5)):
-            self._coef[inverse] = (0.0, d) if self.full else (c, d - c)
-
-    def coef(self, inverse: bool) -> tuple[float, Tensor]:
-        """``(c, e)`` with ``F^{∓1/2} = c I + U diag(e) Uᵀ`` (``-`` when ``inverse``); full rank: ``c = 0``."""
-        return self._coef[inverse]
-
-
-def _two_sided(b: _Side, a: _Side, g: Tensor, inverse: bool) -> Tensor:
-    """``B^{∓1/2} g A^{∓1/2}`` in three passes over ``g``. With ``F^p = c I + U diag(e) Uᵀ`` on each side,
-    ``P = g U_a``, ``Q = U_bᵀ g`` and ``S = U_bᵀ P``, the product is
-    ``c_a c_b g + [c_b P E_a + U_b E_b S E_a, U_b] @ [U_aᵀ ; c_a E_b Q]``: two thin products, then one
-    product of inner size ``r_a + r_b`` added to the scaled ``g`` (``4 N K r`` multiply-adds, fp32). On an
-    H200 the three products take 0.13-0.41 ms on the 1b's layers, 4-7x the time of their 16 bytes an
-    element, whatever the rank; the small ops around them take the rest, more than half of a small
-    layer's time (2048x2048: 0.42 of 0.69 ms). Splitting the thin products by hand was slower; TF32
-    saves a fifth of the time at a 0.9 % round-trip error and is not used."""
-    ca, ea = a.coef(inverse)
-    cb, eb = b.coef(inverse)
-    p = g @ a.u  # (N, ra)
-    q = b.u.t() @ g  # (rb, K)
-    sm = b.u.t() @ p  # (rb, ra)
-    left = torch.cat([cb * p * ea + b.u @ (eb[:, None] * sm * ea[None, :]), b.u], 1)
-    right = torch.cat([a.u.t(), ca * eb[:, None] * q], 0)
-    return torch.addmm(g, left, right, beta=ca * cb)
-
-
 class _Layer:
-    def __init__(self, name: str, mod: nn.Linear, index: int, root: int):
-        self.name, self.mod, self.index, self.root = name, mod, index, root
+    def __init__(self, name: str, mod: nn.Linear, index: int, root: int, group: TransformGroup):
+        self.name, self.mod, self.index, self.root, self.group = name, mod, index, root, group
         self.a_ema: Tensor | None = None  # (root only) EMA of E[x xᵀ]
         self.b_ema: Tensor | None = None  # (root only) EMA of E[δ δᵀ]
         self.a_new: Tensor | None = None  # this refresh step's sums and token counts
@@ -234,16 +189,25 @@ class _Layer:
         self.na = self.nb = 0
         self.A: _Side | None = None  # the factors every rank uses
         self.B: _Side | None = None
+        self.slot = -1  # its place in its group's stacks (set by the group's rebuild)
+        self.euclidean = False  # its root measured too small a gain at the last refresh (``min_gain``)
 
     @property
     def ready(self) -> bool:
         return self.A is not None
 
+    def _apply(self, g: Tensor, inverse: bool) -> Tensor:
+        out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        self.group.apply([self.slot], [g.float()], [out], inverse)
+        return out
+
     def whiten(self, g: Tensor) -> Tensor:
-        return _two_sided(self.B, self.A, g, inverse=True)
+        """``B^{-1/2} g A^{-1/2}`` (a new fp32 tensor), through the batched transforms GIFT sends with."""
+        return self._apply(g, True)
 
     def unwhiten(self, g: Tensor) -> Tensor:
-        return _two_sided(self.B, self.A, g, inverse=False)
+        """The map back: the exact inverse of :meth:`whiten` (``gift_transforms``' module doc)."""
+        return self._apply(g, False)
 
 
 class GIFT:
@@ -261,12 +225,19 @@ class GIFT:
     rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
     subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
     CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
-    and averaged; the transforms stay in fp32, see :func:`_two_sided`)."""
+    and averaged). ``transform_dtype``: the precision of the whitening transforms' products with the
+    gradients, ``"float32"``, ``"tfloat32"`` or ``"bfloat16"`` (``comm/gift_transforms.py``; in each the
+    map back inverts the map out as applied). ``min_gain``: on each refresh a layer's root estimates
+    the gain of whitening, Euclidean error / GIFT's error in the K-FAC metric, from one pass of its own
+    gradient through the wire codec (:meth:`_gain`); a layer below ``min_gain`` is sent Euclidean until
+    the next refresh (the root's decision is broadcast with the factors: every rank agrees). ``0``:
+    every layer whitened."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
                  whiten: bool = True, bucket_numel: int = 1 << 25, format: str = "e4m3",
-                 stochastic: bool = True, solver: str = "auto", tf32: bool = True, scope: str = "world"):
+                 stochastic: bool = True, solver: str = "auto", tf32: bool = True, scope: str = "world",
+                 transform_dtype: str = "float32", min_gain: float = 0.0):
         if format not in ("e4m3", "nvfp4"):
             raise ValueError(f"GIFT: format must be 'e4m3' or 'nvfp4', got {format!r}")
         if solver not in ("auto", "eigh", "subspace"):
@@ -277,16 +248,21 @@ class GIFT:
             raise ValueError(f"GIFT: ema must be in [0, 1), got {ema}")
         if damping <= 0:
             raise ValueError(f"GIFT: damping must be > 0 (the factors are inverted), got {damping}")
+        if transform_dtype not in TRANSFORM_DTYPES:
+            raise ValueError(f"GIFT: transform_dtype must be one of {TRANSFORM_DTYPES}, got {transform_dtype!r}")
+        if min_gain < 0:
+            raise ValueError(f"GIFT: min_gain must be >= 0 (0: every layer whitened), got {min_gain}")
         if rank is not None and rank < 1:
             raise ValueError(f"GIFT: rank must be >= 1 or None (full rank), got {rank}")
         self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
         self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
         self.bucket_numel, self.format, self.stochastic, self.solver = bucket_numel, format, stochastic, solver
-        self.tf32 = tf32
+        self.tf32, self.transform_dtype, self.min_gain = tf32, transform_dtype, min_gain
         self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.me = C.rank(group) if self.world > 1 else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layers: dict[int, _Layer] = {}  # id(weight) -> layer
+        self.groups: dict[tuple[int, int], TransformGroup] = {}  # weight shape -> its layers' transforms
         self.steps = 0
         self._hooks = []
         if whiten:
@@ -298,7 +274,10 @@ class GIFT:
             for i, (name, mod) in enumerate(mods):
                 if id(mod.weight) in self.layers:  # (a weight shared by two layers: the first one's factors)
                     continue
-                layer = _Layer(name, mod, index=i, root=i % self.world)
+                shape = tuple(mod.weight.shape)
+                if shape not in self.groups:
+                    self.groups[shape] = TransformGroup(*shape, dtype=transform_dtype)
+                layer = _Layer(name, mod, index=i, root=i % self.world, group=self.groups[shape])
                 self.layers[id(mod.weight)] = layer
                 self._hooks.append(mod.register_forward_hook(self._forward_hook(layer)))
 
@@ -386,7 +365,7 @@ class GIFT:
             # [have, U_A, s_A, σ_A, λ_A, U_B, s_B, σ_B, λ_B]: one broadcast a layer
             buf = torch.zeros(1 + k_ * ra + ra + 2 + n_ * rb + rb + 2, device=la.mod.weight.device)
             if (id(la), 0) in done:
-                parts = [torch.ones(1, device=buf.device)]
+                parts = [torch.full((1,), 2.0 if self._euclidean(la, done) else 1.0, device=buf.device)]
                 for j in (0, 1):
                     u, sv, sigma, lam = done[(id(la), j)]
                     parts += [u.reshape(-1), sv, torch.tensor([sigma, lam], device=buf.device)]
@@ -395,8 +374,10 @@ class GIFT:
             la.na = la.nb = 0
             if self.world > 1:
                 C.broadcast(buf, self._global_rank(la.root), group=self.group, scope=self.scope)
-            if not buf[0].item():  # (the root saw no statistics: the old factors stay)
+            flag = buf[0].item()  # 0: the root saw no statistics (the old factors stay); 1: whiten; 2: Euclidean
+            if not flag:
                 continue
+            la.euclidean = flag == 2
             o = 1
             sides = []
             for dim, r in ((k_, ra), (n_, rb)):
@@ -408,6 +389,43 @@ class GIFT:
                 o += 2
                 sides.append(_Side(u.clone(), sv.clone(), sigma, lam))
             la.A, la.B = sides
+        self._rebuild_groups()
+
+    def _euclidean(self, la: _Layer, done: dict) -> bool:
+        """Whether the root sends ``la`` Euclidean until the next refresh: its gain under ``min_gain``."""
+        grad = la.mod.weight.grad
+        if self.min_gain <= 0 or grad is None:
+            return False
+        a, b = (_Side(*done[(id(la), j)]) for j in (0, 1))
+        return self._gain(a, b, grad.float()) < self.min_gain
+
+    def _gain(self, a: _Side, b: _Side, g: Tensor) -> float:
+        """The estimated gain of whitening ``g`` with the factors ``a``, ``b``: the K-FAC-metric error of a
+        pass of ``g`` through the wire codec over that of its whitened form (one local quantization each,
+        round to nearest: a proxy for the all-reduce's, which quantizes the sum again)."""
+        grp = TransformGroup(*g.shape, dtype=self.transform_dtype)
+        grp.rebuild([(a, b)])
+
+        def white(x):
+            out = torch.empty_like(x)
+            grp.apply([0], [x], [out], True)
+            return out
+
+        w = white(g)
+        euclidean = (white(self._wire_round_trip(g)) - w).norm()
+        gift = (self._wire_round_trip(w) - w).norm()
+        return float(euclidean / gift.clamp_min(1e-30))
+
+    def _wire_round_trip(self, x: Tensor) -> Tensor:
+        """``x`` (fp32) quantized and dequantized once by the all-reduce's codec (round to nearest)."""
+        flat = x.reshape(-1)
+        multiple = FP4_GROUP if self.format == "nvfp4" else self.block
+        v = torch.nn.functional.pad(flat, (0, (-flat.numel()) % multiple))
+        if self.format == "nvfp4":
+            v = dequantize_nvfp4(quantize_nvfp4(v, scale_round="up", nonfinite="nan", local_scale=True))
+        else:
+            v = fp8_dequantize(*fp8_quantize(v, self.block), self.block)
+        return v.reshape(-1)[:flat.numel()].view_as(x)
 
     def state_dict(self) -> dict:
         """The step count, and per layer its root's statistics EMA and the factors in use (a resumed run
@@ -416,7 +434,8 @@ class GIFT:
             return None if sd is None else {"u": sd.u, "s": sd.s, "sigma": sd.sigma, "lam": sd.lam}
 
         return {"steps": self.steps, "layers": {la.name: {"a_ema": la.a_ema, "b_ema": la.b_ema, "A": side(la.A),
-                                                           "B": side(la.B)} for la in self.layers.values()}}
+                                                           "B": side(la.B), "euclidean": la.euclidean}
+                                               for la in self.layers.values()}}
 
     def load_state_dict(self, state: dict) -> None:
         names = {la.name: la for la in self.layers.values()}
@@ -433,6 +452,8 @@ class GIFT:
             la.a_ema, la.b_ema = to(st["a_ema"]), to(st["b_ema"])
             la.A, la.B = (None if sd is None else _Side(to(sd["u"]), to(sd["s"]), sd["sigma"], sd["lam"])
                           for sd in (st["A"], st["B"]))
+            la.euclidean = st.get("euclidean", False)
+        self._rebuild_groups()
 
     def _global_rank(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -441,22 +462,52 @@ class GIFT:
 
     def reduce_gradients(self) -> None:
         """Average every parameter's gradient over the group, in place: ``nn.Linear`` weights of at least
-        ``min_numel`` elements in whitened coordinates, the rest as they are. One FP8 all-reduce a bucket
-        of consecutive parameters of about ``bucket_numel`` elements (the transient fp32 copies are a
-        bucket's, not the model's; the split depends only on the parameters' order and sizes). On a
-        refresh step (every ``refresh_every``, the first included) the factors are rebuilt first from
-        the statistics that step's forward and backward took. Counts the step."""
+        ``min_numel`` elements in whitened coordinates, the rest as they are. The whitened layers are
+        whitened first, all of one shape at once (:class:`TransformGroup`), in place in their fp32
+        gradients (a gradient of another dtype: into an fp32 copy held until the map back); then one
+        low-precision all-reduce a bucket of consecutive parameters of about ``bucket_numel`` elements, in
+        model order (the transient fp32 copies are a bucket's, not the model's; the split depends only on
+        the parameters' order and sizes); then the map back, again a shape at once. On a refresh step
+        (every ``refresh_every``, the first included) the factors are rebuilt first from the statistics
+        that step's forward and backward took. Counts the step."""
         params = [p for p in self.params if p.grad is not None]
         if self._collect:
             self._refresh_all([self.layers[id(p)] for p in params if id(p) in self.layers])
         if self.world > 1:
+            held = {id(p): p.grad.float() for p in params
+                    if id(p) in self.layers and self.layers[id(p)].ready and not self.layers[id(p)].euclidean}
+            self._transform_all(held, inverse=True)
             start, size, bucket = 0, 0, 0
             for i, p in enumerate(params):
                 size += p.numel()
                 if size >= self.bucket_numel or i == len(params) - 1:
-                    self._reduce_bucket(params[start:i + 1], self.steps * 65_537 + bucket)
+                    self._reduce_bucket(params[start:i + 1], self.steps * 65_537 + bucket, held)
                     start, size, bucket = i + 1, 0, bucket + 1
+            self._transform_all(held, inverse=False)
+            for p in params:
+                if id(p) in held and held[id(p)] is not p.grad:
+                    p.grad.copy_(held[id(p)])
         self.steps += 1
+
+    def _transform_all(self, held: dict[int, Tensor], inverse: bool) -> None:
+        """Whiten (``inverse``) or map back, in place, the fp32 gradients ``held`` (``id(weight)`` -> tensor):
+        one batched call a weight shape."""
+        by_group: dict[int, list[tuple[int, Tensor]]] = {}
+        for pid, t in held.items():
+            la = self.layers[pid]
+            by_group.setdefault(id(la.group), []).append((la.slot, t))
+        for grp in self.groups.values():
+            items = sorted(by_group.get(id(grp), []), key=lambda item: item[0])
+            ts = [t for _, t in items]
+            grp.apply([slot for slot, _ in items], ts, ts, inverse)
+
+    def _rebuild_groups(self) -> None:
+        """Restack every group's factors from its ready layers (after a refresh or a state load)."""
+        for grp in self.groups.values():
+            ready = [la for la in self.layers.values() if la.group is grp and la.ready]
+            for slot, la in enumerate(ready):
+                la.slot = slot
+            grp.rebuild([(la.A, la.B) for la in ready])
 
     def _all_reduce(self, flat: Tensor, seed: int, scope: str) -> Tensor:
         """The average over the group of ``flat`` through the low-precision all-reduce, in place."""
@@ -464,21 +515,16 @@ class GIFT:
             return nvfp4_all_reduce(flat, self.group, average=True, stochastic=self.stochastic, seed=seed, scope=scope)
         return fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=scope)
 
-    def _reduce_bucket(self, params: list, seed: int) -> None:
-        pieces = []
-        for p in params:
-            layer = self.layers.get(id(p))
-            g = p.grad.float()
-            pieces.append((layer.whiten(g) if layer is not None and layer.ready else g).reshape(-1))
-        flat = torch.cat(pieces)
+    def _reduce_bucket(self, params: list, seed: int, held: dict[int, Tensor]) -> None:
+        """One bucket's all-reduce: the whitened layers' ``held`` tensors, the other gradients as they are;
+        the average is written back to where each came from."""
+        flat = torch.cat([held.get(id(p), p.grad).float().reshape(-1) for p in params])
         self._all_reduce(flat, seed, self.scope)
         o = 0
         for p in params:
             k = p.numel()
-            red = flat[o:o + k].view(p.shape)
+            held.get(id(p), p.grad).copy_(flat[o:o + k].view(p.shape))
             o += k
-            layer = self.layers.get(id(p))
-            p.grad.copy_(layer.unwhiten(red) if layer is not None and layer.ready else red)
 
     @staticmethod
     def ddp_noop_hook(state, bucket):
@@ -514,7 +560,7 @@ class GIFT:
             seed = -(self.steps * 65_537 + layer.index + 1)  # (not a seed a reduction uses)
             euc = self._all_reduce(g.clone(), seed, "probe")
             wh = self._all_reduce(layer.whiten(g), seed, "probe")
-            gift = layer.unwhiten(wh)
+            gift = euc if layer.euclidean else layer.unwhiten(wh)  # (what the reduction sends)
             w_exact = layer.whiten(exact)
 
             def rel(e, ref):

@@ -71,6 +71,8 @@ class Gift(Technique):
             raise ConfigError("comm.method gift reduces whole gradients after backward: use it with --dist.mode ddp "
                               "and without --forge, whose per-layer reduction runs inside backward (with FORGE use "
                               "--comm.method int8)")
+        if g.min_gain < 0:
+            raise ConfigError(f"comm.gift.min_gain must be >= 0 (0: every layer whitened), got {g.min_gain}")
         if g.rank < 0 or g.refresh_every < 1:
             raise ConfigError(f"comm.gift.rank must be >= 0 (0: full rank) and comm.gift.refresh_every >= 1, got "
                               f"{g.rank} and {g.refresh_every}")
@@ -81,7 +83,8 @@ class Gift(Technique):
         self.gift = None
         if run.world > 1:  # (one process: nothing to reduce)
             self.gift = GIFT(run.model, rank=g.rank or None, refresh_every=g.refresh_every, min_numel=g.min_numel,
-                             whiten=g.whiten, format=g.format)
+                             whiten=g.whiten, format=g.format, transform_dtype=g.transform_dtype,
+                             min_gain=g.min_gain)
 
     def ddp_comm_hook(self):
         return (None, GIFT.ddp_noop_hook) if self.gift is not None else None  # (GIFT reduces after backward)

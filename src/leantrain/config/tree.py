@@ -272,6 +272,12 @@ class GiftConfig:
     min_numel: int = 16384  # the smallest linear weight sent whitened (smaller ones: sent as they are)
     whiten: bool = True  # false: every gradient sent unwhitened (the baseline GIFT improves on)
     format: Literal["e4m3", "nvfp4"] = "e4m3"  # FP8 E4M3, or NVFP4-style 4-bit (stochastic rounding)
+    # precision of the whitening transforms' products with the gradients (docs/gift.md): fp32; TF32 on
+    # CUDA (fp32 elsewhere); bf16 (under 1 % error in the whitened metric, below E4M3's rounding)
+    transform_dtype: Literal["float32", "tfloat32", "bfloat16"] = "float32"
+    # whiten only layers whose estimated gain (Euclidean / GIFT error in the K-FAC metric, measured by
+    # each layer's root at every refresh) is at least this; the others are sent Euclidean (0: all whitened)
+    min_gain: float = 0.0
 
 
 @dataclass
