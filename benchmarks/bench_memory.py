@@ -257,7 +257,34 @@ def profiled(one_step: Callable, device: str, steps: int = 2, top: int = 30) -> 
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 1e6 / steps if kernels else None
     table = events.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=top)
-    return {"wall_s": wall, "device_busy_s": busy, "kernels_per_step": len(kernels) / steps, "table": table}
+    return {"wall_s": wall, "device_busy_s": busy, "kernels_per_step": len(kernels) / steps, "table": table,
+            "host_calls": host_call_sites(one_step, activities, steps)}
+
+
+def host_call_sites(one_step: Callable, activities, steps: int = 2, top: int = 25) -> list[dict]:
+    """The operators called most often a step and where from: ``steps`` more steps profiled with
+    the Python tracer (a separate pass: it slows the host, so the timed profile above runs without
+    it), each operator called from Python grouped by its innermost leantrain / benchmark frames."""
+    from collections import Counter
+
+    from torch.profiler import profile
+
+    with profile(activities=activities, with_stack=True) as prof:
+        for _ in range(steps):
+            one_step()
+    sites: Counter = Counter()
+    for e in prof.events():
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue  # (operators an operator calls count with their caller)
+        frames = []
+        while parent is not None and len(frames) < 5:
+            if ".py(" in parent.name and ("leantrain" in parent.name or "benchmarks" in parent.name):
+                frames.append(parent.name.split("src/")[-1])
+            parent = parent.cpu_parent
+        sites[(e.name, tuple(frames))] += 1
+    return [{"op": op, "calls_per_step": n / steps, "stack": list(frames)}
+            for (op, frames), n in sites.most_common(top)]
 
 
 # ----------------------------------------------------------------------------- the sweep

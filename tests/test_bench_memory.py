@@ -43,6 +43,21 @@ def test_configs_run_on_cpu(tmp_path):
     assert "## tiny, vocabulary 512, T = 32" in md and all(f"| {c} |" in md for c in configs)
 
 
+def test_the_profile_names_where_the_host_calls_come_from(tmp_path):
+    """``--profile``: the step's operators by call count, each with the leantrain frames that called it."""
+    bench = _load()
+    assert bench.main(["--presets", "tiny", "--vocab", "512", "--batches", "1", "--seqs", "32", "--steps", "1",
+                       "--warmup", "0", "--device", "cpu", "--configs", "forge_int8_states", "--profile",
+                       "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*_memory.json")
+    [row] = json.loads(path.read_text())["rows"]
+    calls = row["profile"]["host_calls"]
+    assert calls and all(c["op"].startswith("aten::") and c["calls_per_step"] > 0 for c in calls)
+    assert [c["calls_per_step"] for c in calls] == sorted((c["calls_per_step"] for c in calls), reverse=True)
+    # FORGE's int8 states on CPU run the torch reference of the codec: its calls are attributed to it
+    assert any(any("leantrain/ops/state8.py" in f for f in c["stack"]) for c in calls)
+
+
 def test_adamw8bit_follows_torch_adamw():
     """Five steps on a 67 x 130 weight (quantized: over 4096 elements, blocks of 256 with a partial
     last one) with gradients whose rows differ in scale: the 8-bit optimizer's displacement of the
