@@ -140,7 +140,9 @@ class Technique:
         raise TypeError(f"{type(self).__name__} is not a zeroth-order technique")
 
     def step_metrics(self, opt) -> dict[str, Any]:
-        """Values to log for the step just taken (device tensors are read when the row is written)."""
+        """Values to log for the step just taken. One-element device tensors are read when the row is
+        written, up to ``train.log_every`` steps later: return a fresh tensor, never a buffer that a
+        later step overwrites."""
         return {}
 
     def summary(self, opt) -> dict[str, Any]:

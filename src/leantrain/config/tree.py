@@ -154,6 +154,8 @@ class TrainConfig:
     # one device's memory budget, e.g. "24GB" or "22GiB": the fastest plan of leantrain's memory
     # techniques whose estimated peak fits is applied (leantrain/train/budget.py); "": as given
     memory_budget: str = ""
+    # a progress line every log_every steps; every step has its row in metrics.jsonl, but the rows'
+    # values are read from the device only after a log step (no host sync on the steps between)
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -23,9 +24,9 @@ def fmt_seconds(s: float) -> str:
 
 
 class Progress:
-    """``update(row, memory)`` after each logged step; ``close()`` at the end. On a terminal
-    (stderr a TTY) a tqdm bar; otherwise (a file, CI, nohup) a plain line every ``every`` steps
-    and at the last step, flushed at once."""
+    """``update(row, memory)`` after each step's row is written (``memory()``: the peak bytes, asked
+    for only when shown); ``close()`` at the end. On a terminal (stderr a TTY) a tqdm bar; otherwise
+    (a file, CI, nohup) a plain line every ``every`` steps and at the last step, flushed at once."""
 
     def __init__(self, total: int, initial: int, every: int, enabled: bool):
         self.total, self.start, self.every = total, initial, max(every, 1)
@@ -37,21 +38,21 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, row: dict, memory: int) -> None:
+    def update(self, row: dict, memory: Callable[[], int]) -> None:
         if not self.enabled:
             return
         step = row["step"]
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_second']:.0f}",
-                                 mem=fmt_bytes(memory))
+                                 mem=fmt_bytes(memory()))
             return
         if step % self.every and step != self.total:
             return
         done = step - self.start
         eta = (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else 0.0
         print(f"step {step}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.3g} "
-              f"tok/s {row['tokens_per_second']:.0f} mem {fmt_bytes(memory)} eta {fmt_seconds(eta)}", flush=True)
+              f"tok/s {row['tokens_per_second']:.0f} mem {fmt_bytes(memory())} eta {fmt_seconds(eta)}", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,8 +10,9 @@ itself.
 It logs ``metrics.jsonl``, writes ``config.json``, ``summary.json``, a loss
 plot and atomic checkpoints, and ``resume=True`` continues bit-identically.
 The host does not wait for a step's backward: its loss (and grad norm, a technique's non-finite
-count) stay on the device and its row is written once the next step has been issued (before an
-evaluation or a checkpoint at once). A non-finite loss stops the run when its row is written
+count) stay on the device, and the rows are read together once the step after a log step
+(``train.log_every``) has been issued (before an evaluation or a checkpoint at once): no sync on
+the steps between. A non-finite loss stops the run when its row is written
 (``train.on_nonfinite=stop``), or is checked before its update and skipped (``skip``: a sync a
 step).
 """
@@ -458,7 +459,7 @@ class Trainer:
         tokens_per_step = c.data.seq_len * c.data.batch_size * c.data.grad_accum * self.world
         rows = StepRows(metrics_path if is0 else None, append=self.step > 0, tokens_per_step=tokens_per_step,
                         progress=Progress(t.steps, self.step, t.log_every, enabled=is0 and t.progress),
-                        peak=self._peak, stop=self._stop, trackers=trackers)
+                        peak=self._peak, stop=self._stop, trackers=trackers, every=t.log_every)
         self.last_memory, val, first_val = None, None, None
         start_step = self.step
         if self.device.type == "cuda":
@@ -477,8 +478,7 @@ class Trainer:
             while self.step < last:
                 info = self.train_step(measure=self.step == start_step)
                 self.step += 1
-                rows.flush()  # the last step's row: its values are ready once this step was issued
-                rows.add(self.step, info)
+                rows.add(self.step, info)  # (rows are read on the device after a log step: StepRows)
                 if t_first is None and self.step - start_step >= min(n_warm, last - start_step):
                     # warm-up steps are not timed: the first (and with a CUDA graph the second, its capture)
                     self._sync()
