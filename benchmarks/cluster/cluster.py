@@ -83,9 +83,11 @@ PHASE_STEPS = 4  # steps a phase of a scheduled run: the first settles after the
 # than MAX_DRIFT, or when other work took more than MAX_OTHER_CORES of the host's cores in a phase
 MAX_DRIFT = 0.05
 MAX_OTHER_CORES = 0.2
-# every run: no checkpoints, samples or progress bars; one CPU thread a rank; one evaluation at the end
+# every run: no checkpoints, samples or progress bars; one CPU thread a rank; one evaluation at the end;
+# every step a log step, so that each step's row reaches metrics.jsonl as the next one starts (the
+# harness follows the run's progress, and times its steps, by those rows)
 FIXED = ["--train.ckpt-every", "0", "--train.sample-tokens", "0", "--train.progress", "false",
-         "--train.threads", "1", "--train.log-every", "1000", "--train.eval-batches", "4"]
+         "--train.threads", "1", "--train.log-every", "1", "--train.eval-batches", "4"]
 
 
 
