@@ -5,7 +5,7 @@
 The kernel is compiled for sm_90a (Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``)
 with the constexprs and tile the launcher builds (:func:`leantrain.ops.update_launch.update_meta`,
 :func:`~leantrain.ops.update_launch.update_plan`), for FORGE's update-only launch of a bf16 W with
-stochastic rounding and AdamW's two states in bf16, int8 (codes + an absmax tensor) and int8p
+stochastic rounding and AdamW's two states in fp32, bf16, int8 (codes + an absmax tensor) and int8p
 (absmax in the codes), from an fp32 gradient. Reported per configuration: the SASS instructions
 by class on the main path (up to the first ``EXIT``: every branch, no out-of-line slow path) per
 element of the tile (a thread's instructions / the elements a thread holds), the registers a
@@ -16,7 +16,9 @@ body counts once. The GPU machine's Triton may schedule differently (the version
 
 from __future__ import annotations
 
+import ast
 import collections
+import functools
 import os
 import re
 import subprocess
@@ -47,8 +49,8 @@ CLASSES = {
 _CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
 _INSN = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)")
 
-# the three FORGE state layouts compared (the kinds of leantrain.ops.update.STATE_KIND)
-STATE_LAYOUTS = ("bf16", "int8", "int8p")
+# the FORGE state layouts compared (the kinds of leantrain.ops.update.STATE_KIND)
+STATE_LAYOUTS = ("fp32", "bf16", "int8", "int8p")
 
 
 def _tools() -> str:
@@ -70,8 +72,9 @@ def launch_config(state: str, N: int = 4096, K: int = 11008, tune: dict | None =
     g = torch.empty(N, K, dtype=torch.float32, device=meta_dev)
     part = torch.empty(1, dtype=torch.float32, device=meta_dev)
     ticket = torch.empty((), dtype=torch.int32, device=meta_dev)
-    if state == "bf16":
-        states, qtables = [torch.empty(N, K, dtype=torch.bfloat16, device=meta_dev)] * 2, [None, None]
+    if state in ("fp32", "bf16"):
+        dtype = torch.float32 if state == "fp32" else torch.bfloat16
+        states, qtables = [torch.empty(N, K, dtype=dtype, device=meta_dev)] * 2, [None, None]
     else:
         codes = torch.empty(N // 16, K // 16, 16, 16, dtype=torch.uint8, device=meta_dev)
         absmax = None if state == "int8p" else torch.empty(N // 16, K // 16, dtype=torch.float32, device=meta_dev)
@@ -130,14 +133,31 @@ def sass_of(ck) -> tuple[str, str]:
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
+@functools.cache
+def _functions(path: str) -> list[tuple[int, int, str]]:
+    """``(first line, last line, name)`` of every function in the Python file ``path``."""
+    try:
+        tree = ast.parse(open(path).read())
+    except (OSError, SyntaxError):
+        return []
+    return [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+
+
+def _function_at(path: str, line: int) -> str:
+    """``"file.py:function"``: the innermost function of ``path`` holding ``line``."""
+    spans = [(first, name) for first, last, name in _functions(path) if first <= line <= last]
+    return f"{os.path.basename(path)}:{max(spans)[1] if spans else '?'}"
+
+
 def classify(sass: str) -> dict:
     """SASS instruction counts by class (:data:`CLASSES`): ``main`` up to the first ``EXIT``,
     ``total`` the whole kernel (``NOP`` padding left out), the main path's opcodes, and (SASS
-    disassembled with ``-g``) its instructions by source line, ``"file.py:line"``."""
-    ops, where, here = [], [], "?"
+    disassembled with ``-g``) its instructions by source line (``"file.py:line"``) and by the
+    source function they were inlined from (``"file.py:function"``)."""
+    ops, where, here = [], [], ("?", 0)
     for line in sass.splitlines():
         if (m := _LINE.search(line)) is not None:
-            here = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            here = (m.group(1), int(m.group(2)))
         elif (m := _INSN.match(line)) is not None and m.group(1) != "NOP":
             ops.append(m.group(1))
             where.append(here)
@@ -146,8 +166,10 @@ def classify(sass: str) -> dict:
     by_class = collections.Counter()
     for op, n in main.items():
         by_class[_CLASS_OF.get(op, "other")] += n
+    lines = collections.Counter(f"{os.path.basename(path)}:{ln}" for path, ln in where[:end])
+    funcs = collections.Counter(_function_at(path, ln) for path, ln in where[:end])
     return {"main": end, "total": len(ops), "classes": dict(by_class), "opcodes": dict(main.most_common()),
-            "lines": dict(collections.Counter(where[:end]).most_common())}
+            "lines": dict(lines.most_common()), "functions": dict(funcs.most_common())}
 
 
 def analyse(state: str, tune: dict | None = None) -> dict:
@@ -170,6 +192,8 @@ def analyse(state: str, tune: dict | None = None) -> dict:
         "convert_layout": ttgir.count("ttg.convert_layout"),
         "opcodes": c["opcodes"],
         "lines_per_element": {k: round(v / per_thread, 2) for k, v in c["lines"].items() if v >= per_thread / 4},
+        "functions_per_element": {k: round(v / per_thread, 2) for k, v in c["functions"].items()
+                                  if v >= per_thread / 8},
     }
 
 
@@ -190,8 +214,15 @@ def markdown(rows: list[dict]) -> str:
         per = [f"{r['per_element'].get(c, 0):g}" for c in cols]
         lines.append(f"| {r['state']} | {t['BLOCK_N']}x{t['BLOCK_K']} ({t['num_warps']}) | " + " | ".join(per)
                      + f" | {r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} | {r['convert_layout']} |")
+    funcs = sorted({f for r in rows for f, v in r["functions_per_element"].items() if v >= 0.5},
+                   key=lambda f: -max(r["functions_per_element"].get(f, 0) for r in rows))
+    by_func = ["| source function | " + " | ".join(r["state"] for r in rows) + " |",
+               "|---" * (len(rows) + 1) + "|"]
+    by_func += [f"| {f} | " + " | ".join(f"{r['functions_per_element'].get(f, 0):g}" for r in rows) + " |"
+                for f in funcs]
     return ("SASS instructions per element on the main path (a thread's / the elements it holds), by class\n\n"
-            + head + "\n".join(lines) + "\n")
+            + head + "\n".join(lines) + "\n\nThe same by the source function they were inlined from "
+            "(0.5 an element or more somewhere)\n\n" + "\n".join(by_func) + "\n")
 
 
 def run(out, log=print) -> dict:
