@@ -33,10 +33,12 @@ for both maps: the worst case is the 0.99.. | 1.0 midpoint), far from the fp32 r
 error of Q (~1e-5). Hence with ``c = clamp(trunc(Q), 0, 254)`` the exact code
 ``#{k : mid_k < x}`` is ``c`` or ``c + 1``, and it is ``c + (mid_c < x)`` with
 ``mid_c = (qmap[c] + qmap[c+1]) * 0.5`` read from the midpoint table (the reference's own
-values): bit-exact, ties to the lower entry as before, +-inf to 255 / 0. Per element: ~40
-ALU ops and one gather from the 1 KiB midpoint table (the binary search had 16 gathers and
-8 dependent steps; reading both neighbours of the map and averaging them had two, and the
-L1 wavefronts of those gathers, not HBM, bounded the encode kernel on an H200).
+values): bit-exact, ties to the lower entry, +-inf to 255 / 0. Per element: one gather
+from the 1 KiB midpoint table (the binary search had 16 gathers and 8 dependent steps;
+reading both neighbours of the map and averaging them had two, and the L1 wavefronts of
+those gathers, not HBM, bounded the encode kernel on an H200) and ~22 ALU instructions on
+sm_90 where the map's sign is a compile-time constant (:func:`state8_encode_finite`: the 13
+of the lines, no clamp on ``c``: ``|x|`` clamped to 1 keeps ``trunc(Q)`` in [0, 254]).
 
 Tiling (Triton encode): one program owns ``ROWS`` blocks (a ``[ROWS, next_pow2(bs)]`` tile,
 ``ENCODE_ELEMS`` = 1024 elements at 2 warps, 16 a thread; at least one block); 64-bit
