@@ -233,7 +233,11 @@ def run(out, log=print) -> dict:
     import harness
 
     rows = [analyse(s) for s in STATE_LAYOUTS]
-    res = {"env": harness.env() | versions(), "command": "PYTHONPATH=src python3 benchmarks/bench_forge.py --part sass",
+    res = {"env": harness.env() | versions(),
+           "what": "FORGE's update-only kernel compiled for sm_90a (no GPU): SASS instructions per element by class "
+                   "and by source function, registers, shared memory, TTGIR layout conversions; fp32 / bf16 / int8 / "
+                   "int8p AdamW states",
+           "command": "PYTHONPATH=src python3 benchmarks/bench_forge.py --part sass --out benchmarks/results/forge",
            "launch": "update-only, bf16 W [4096, 11008] + SR, AdamW (betas 0.9 / 0.95, no decay), fp32 gradient, "
                      "the tile sums summed by the last program", "rows": rows}
     out = Path(out)
