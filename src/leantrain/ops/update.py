@@ -268,10 +268,10 @@ if HAS_TRITON:
         return ss
 
     @triton.jit
-    def _finite(v, SHAPE: tl.constexpr):
-        """Whether the scalar ``v`` is finite, as a tensor of ``SHAPE`` (the interpreter cannot
+    def _finite(v, R: tl.constexpr, C: tl.constexpr):
+        """Whether the scalar ``v`` is finite, as an ``[R, C]`` tensor (the interpreter cannot
         combine scalar and tensor booleans)."""
-        return tl.abs(tl.zeros(SHAPE, dtype=tl.float32) + v) < float("inf")
+        return tl.abs(tl.zeros([R, C], dtype=tl.float32) + v) < float("inf")
 
     @triton.jit
     def _update_tile(acc, accb, ss, w, s1, s2, gate, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
@@ -289,8 +289,8 @@ if HAS_TRITON:
         scaled and gated, W and the state read (unless ``LOADED``: ``w, s1, s2`` and, with
         ``HAS_DYN``, the scalars and ``gate`` were read by the caller), the rule applied, W and
         the state stored where ``ss`` (the tile's sum of squares) is finite and the gates allow."""
-        gok = _finite(ss, [BLOCK_N, BLOCK_K])  # the tile-wide conditions to store anything, on the
-        blk_ok = _finite(ss, [BLOCK_N // 16, BLOCK_K // 16])  # tile and on its 16 x 16 blocks (not ROWS)
+        gok = _finite(ss, BLOCK_N, BLOCK_K)  # the tile-wide conditions to store anything, on the
+        blk_ok = _finite(ss, BLOCK_N // 16, BLOCK_K // 16)  # tile and on its 16 x 16 blocks (not ROWS)
         g = acc
         if ROWS:  # several parameters, a [rows, 16] view of them: each row's own parameter (OWNER)
             # gives its scale (SCALE: one a parameter, NaN where its gradient is not finite: then
@@ -305,13 +305,13 @@ if HAS_TRITON:
                 lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
                     _dyn_scalars(DYN, dyn_off)
             g = g * gate
-            gok = gok & _finite(gate, [BLOCK_N, BLOCK_K])
-            blk_ok = blk_ok & _finite(gate, [BLOCK_N // 16, BLOCK_K // 16])
+            gok = gok & _finite(gate, BLOCK_N, BLOCK_K)
+            blk_ok = blk_ok & _finite(gate, BLOCK_N // 16, BLOCK_K // 16)
         if HAS_SCALE and not ROWS:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
             sc = tl.load(SCALE)
             g = g * sc
-            gok = gok & _finite(sc, [BLOCK_N, BLOCK_K])
-            blk_ok = blk_ok & _finite(sc, [BLOCK_N // 16, BLOCK_K // 16])
+            gok = gok & _finite(sc, BLOCK_N, BLOCK_K)
+            blk_ok = blk_ok & _finite(sc, BLOCK_N // 16, BLOCK_K // 16)
         smask = mask & gok
         if ROWS and (KIND1 == 2 or KIND2 == 2):  # the gates differ by row: whether a block stores an element
             blk_ok = tl.max(tl.max(tl.reshape(smask.to(tl.int32), [BLOCK_N // 16, 16, BLOCK_K // 16, 16]), 3), 1) > 0
