@@ -140,7 +140,8 @@ def _functions(path: str) -> list[tuple[int, int, str]]:
         tree = ast.parse(open(path).read())
     except (OSError, SyntaxError):
         return []
-    return [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    return [(min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno, n.name)  # (from its decorators)
+            for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
 
 
 def _function_at(path: str, line: int) -> str:
