@@ -85,8 +85,7 @@ def launch_config(state: str, N: int = 4096, K: int = 11008, tune: dict | None =
     meta = U.update_meta(e, N=N, K=K, rule_name="adamw", nstate=2, w_bf16=True, sr=True, has_bias=False,
                          has_scale=False, has_dyn=False, sum_out=True, on_gpu=True, rows=False, approx=False)
     plan = U.update_plan(N, K, tune, True, meta)
-    args = U.update_args(e, w=w, g=g, b=None, gb=None, states=states, bias_states=(), qtables=qtables, scale=None,
-                         part=part, dyn=None, sq=part, ticket=ticket, rows=None, key=123)
+    args = U.update_args(e, N, K, w, g, None, None, states, (), qtables, None, part, None, part, ticket, None, 123)
     kernel = plan.kernel
     names = list(kernel.arg_names)
     dtypes = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.uint8: "*u8", torch.int32: "*i32"}

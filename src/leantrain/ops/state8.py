@@ -114,8 +114,8 @@ if HAS_TRITON:
     def state8_encode_finite(x_normalized, a_normalized, qmap_ptr, SIGNED: tl.constexpr):
         """:func:`state8_encode` for ``x_normalized`` whose ``|x|`` the caller already has
         (``a_normalized``) and a map whose signedness is a compile-time constant: the same codes
-        (NaN -> 0, +-inf to the extreme entries) with ~11 fewer operations per element (the
-        encode kernel's and the update epilogue's hot loop).
+        (NaN -> 0, +-inf to the extreme entries) without the sign's selects and without a clamp
+        on ``c`` (the encode kernel's and the update epilogue's hot loop).
 
         ``|x|`` is clamped to 1, not 2: the codes of ``|x| >= 1`` are the extreme ones either way
         (``c`` is 254 or 0 and the midpoint comparison decides), and then ``Q`` needs no clamp:

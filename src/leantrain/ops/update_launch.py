@@ -232,11 +232,10 @@ def update_meta(e: Launch, *, N: int, K: int, rule_name: str, nstate: int, w_bf1
                 **dict(zip(FLAG_NAMES, e.flags, strict=True)))
 
 
-def update_args(e: Launch, *, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket, rows,
-                key) -> tuple:
-    """The update kernel's arguments in signature order (:func:`launch_update`'s; the unused
-    pointers are ``w`` or ``part``)."""
-    N, K = w.shape
+def update_args(e: Launch, N: int, K: int, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket,
+                rows, key) -> tuple:
+    """The update kernel's arguments in signature order (:func:`launch_update`'s, whose names
+    these are; the unused pointers are ``w`` or ``part``). Positional: a call a launch."""
     return (w, w if b is None else b, *state_args(w, states, bias_states, qtables, e.kind1, e.kind2),
             g, g if gb is None else gb, part, part if scale is None else scale, part if dyn is None else dyn[0],
             part if sq is None else sq, part if ticket is None else ticket,
@@ -280,8 +279,7 @@ def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(),
             on_gpu=on_gpu, rows=rows is not None, approx=approx))
     if part is None or part.numel() != plan.nparts or part.device != dev:
         part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
-    args = update_args(e, w=w, g=g, b=b, gb=gb, states=states, bias_states=bias_states, qtables=qtables,
-                       scale=scale, part=part, dyn=dyn, sq=sq, ticket=ticket, rows=rows, key=key)
+    args = update_args(e, N, K, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket, rows, key)
     if on_gpu:
         _DIRECT(plan, pkey, args, (N, K), args[-2:])
     else:
