@@ -1,6 +1,6 @@
 """FORGE benchmarks on one CUDA GPU (written for an H200).
 
-    PYTHONPATH=src python3 benchmarks/bench_forge.py --out benchmarks/results [--quick] [--part a|b|all]
+    PYTHONPATH=src python3 benchmarks/bench_forge.py --out benchmarks/results [--quick] [--part a|b|all|sass]
 
 (a) One linear layer, shapes of the 1b preset (N x K), T tokens: FORGE's fused dW + AdamW
     update (fp32 W/m/v, bf16 X/dY) against ``torch.matmul`` (bf16 dYᵀX, cast to fp32) +
@@ -27,6 +27,11 @@
     from a CUDA graph (``lt.runtime.capture.GraphedStep``), captured after the eager warm-up; its peak
     includes the graph's pool and, for torch, the gradients the graph keeps. ``..._ckpt``: with
     activation checkpointing per block (``model.activation_checkpointing``).
+
+(sass) No GPU needed: the update-only kernel compiled for sm_90a with the launcher's constexprs and
+    tiles (bf16 W + SR, AdamW, fp32 / bf16 / int8 / int8p states), its SASS counted per element by
+    instruction class, with registers, spills, shared memory and TTGIR layout conversions
+    (``parts/update_sass.py``): ``<date>_<hardware>_update-sass.{json,md}``.
 
 Writes ``<date>_<hardware>_{layer,step}.json`` and ``.md`` into ``--out``. Every configuration is
 guarded: a failure is recorded with its error and the run continues.
@@ -555,7 +560,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="fewer shapes, tokens and batch sizes")
-    ap.add_argument("--part", choices=["a", "b", "all"], default="all")
+    ap.add_argument("--part", choices=["a", "b", "all", "sass"], default="all")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per whole-step configuration")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
@@ -574,6 +579,12 @@ def main(argv=None) -> int:
     if args.worker:  # a subprocess of part (b)
         steprun.print_result(steprun.guarded(lambda: step_worker(args.worker, args.batch, 1024, args.steps,
                                                                  args.warmup)))
+        return 0
+
+    if args.part == "sass":  # static, no GPU: the update kernel's SASS counted per element
+        from parts import update_sass
+
+        update_sass.run(Path(args.out))
         return 0
 
     import torch

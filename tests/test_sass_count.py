@@ -61,3 +61,27 @@ def test_fused_forge_occupancy_counts_the_dynamic_shared_memory():
     dyn2, smem2 = run(2)
     dyn4, smem4 = run(4)
     assert 0 < dyn2 < dyn4 and smem4 <= smem2
+
+
+@pytest.mark.skipif(not _have_ptxas(), reason="Triton's bundled ptxas / nvdisasm / cuobjdump not found")
+def test_update_kernel_counts_by_class_and_source():
+    """benchmarks/parts/update_sass.py (bench_forge.py --part sass) compiles the update kernel as the
+    launcher configures it and splits its main path by instruction class and by source function:
+    the classes add up to the path, the 8-bit state's codec shows up where the bf16 states have none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); from parts import update_sass as u; "
+            "print(json.dumps([u.analyse(s) for s in ('bf16', 'int8')]))")
+    root = os.path.join(HERE, "..")
+    env["PYTHONPATH"] = os.path.join(root, "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                         check=True, cwd=root).stdout
+    import json
+
+    bf16, int8 = json.loads(out.splitlines()[-1])
+    for r in (bf16, int8):
+        assert sum(v for k, v in r["per_thread"].items() if k not in ("main", "total")) == r["per_thread"]["main"]
+        assert r["registers"] > 0 and r["spill_bytes"] == 0
+    assert int8["tile"] == {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2}  # the launcher's 8-bit tile
+    assert int8["functions_per_element"].get("state8.py:_lines", 0) > 0
+    assert "state8.py:_lines" not in bf16["functions_per_element"]
+    assert int8["per_element"]["global_load"] > bf16["per_element"]["global_load"]  # the map's gathers

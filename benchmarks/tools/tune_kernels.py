@@ -1181,7 +1181,8 @@ def tune_forge_int8(log) -> list[dict]:
     """FORGE's update-only kernel (the split path's second half, the default on CUDA)
     with bf16 W + stochastic rounding + int8 AdamW states, per tile / warps, on 1b shapes; and
     the fp32-state update for reference. Each tile's W and states are checked equal to the
-    default tile's (the SR hash and the 16 x 16 state blocks do not depend on the tile)."""
+    default tile's (the SR hash and the 16 x 16 state blocks do not depend on the tile).
+    ``TUNE_INT8_TILES="bn,bk,warps[,maxnreg];..."`` and ``TUNE_INT8_KINDS="int8,int8p,fp32"`` choose."""
     from leantrain.forge import attach
     from leantrain.forge.launch import MODE_UPDATE, heuristic_config, launch_forge
     from leantrain.optim import AdamW
@@ -1222,9 +1223,10 @@ def tune_forge_int8(log) -> list[dict]:
             run(default)
             ref = [w.clone()] + [t.clone() for t in h.states]
             nbytes = N * K * (4 + 2 * 2 + {"int8": 2 * 2 * (1 + 4 / 256), "int8p": 2 * 2}.get(sd, 16))
-            for bn, bk, warps in tiles:
-                tune = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-                case = f"update {N}x{K} bf16 W + SR, {sd} states, tile {bn}x{bk} warps {warps}"
+            for bn, bk, warps, *cap in tiles:  # (a fourth value: ptxas's register cap, maxnreg)
+                tune = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"maxnreg": cap[0]} if cap else {}))
+                case = f"update {N}x{K} bf16 W + SR, {sd} states, tile {bn}x{bk} warps {warps}" + (
+                    f" maxnreg {cap[0]}" if cap else "")
                 try:
                     restore()
                     run(tune)

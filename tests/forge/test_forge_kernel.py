@@ -355,7 +355,7 @@ def test_early_loads_default_and_explicit_tile():
         meta = dict(KIND1=kind, KIND2=kind, NSTATE=2, W_BF16=w_bf16)
         meta.update((n, 0) for n in U._DIRECT.const_names if n not in meta and n not in ("BLOCK_N", "BLOCK_K",
                                                                                        "GROUP_N", "EARLY_LOADS"))
-        return U._update_plan(64, 64, tune, True, meta).meta["EARLY_LOADS"]
+        return U.update_plan(64, 64, tune, True, meta).meta["EARLY_LOADS"]
 
     bf16, fp32 = U.STATE_KIND["bf16"], U.STATE_KIND["fp32"]
     assert early(bf16, True) and not early(fp32, True) and not early(fp32, False)

@@ -1,5 +1,6 @@
 """Code paths of the bandwidth-tuned kernels that the per-op tests do not reach by default:
-the closed-form ``state8_encode`` on every boundary of both maps, the reduce kernel's
+the closed-form ``state8_encode`` (and ``state8_encode_finite``, the sign a constexpr) on every
+boundary of both maps, NaN and +-inf, the reduce kernel's
 per-row scales / runtime peer loop / non-power-of-two groups, and the int64 fallback of the
 uint32 stochastic-rounding counter (must hash exactly like the uint32 one)."""
 
@@ -22,13 +23,18 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from leantrain.ops.state8 import state8_encode
+    from leantrain.ops.state8 import state8_encode, state8_encode_finite
 
     @triton.jit
-    def _encode_elems(x_ptr, out_ptr, qmap_ptr, n, BLOCK: tl.constexpr):
+    def _encode_elems(x_ptr, out_ptr, qmap_ptr, n, BLOCK: tl.constexpr, SIGN: tl.constexpr):
+        """``SIGN``: -1 the generic helper, 1 / 0 the compile-time signed / unsigned one."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < n, other=0.0)
-        tl.store(out_ptr + i, state8_encode(x, qmap_ptr), mask=i < n)
+        if SIGN >= 0:
+            code = state8_encode_finite(x, tl.abs(x), qmap_ptr, SIGN == 1)
+        else:
+            code = state8_encode(x, qmap_ptr)
+        tl.store(out_ptr + i, code, mask=i < n)
 
 
 def _needs_triton():
@@ -45,11 +51,7 @@ def _ulps(v: torch.Tensor, k: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_state8_encode_helper_exact_on_all_boundaries(signed):
-    """Closed form + one comparison == searchsorted over the midpoints, on every map entry,
-    every midpoint (ties go low) and 3 ulps either side, log-spread values, +-inf, |x| > 1."""
-    _needs_triton()
+def _check_encode_helper(signed: bool, generic: bool, device: str) -> None:
     q = create_dynamic_map(signed)
     mids = (q[1:] + q[:-1]) * 0.5
     g = torch.Generator().manual_seed(0)
@@ -59,17 +61,39 @@ def test_state8_encode_helper_exact_on_all_boundaries(signed):
              torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0000001, -1.0000001, 2.0, -2.0, 1e30, -1e30, 1e-40,
                            -1e-40, 1e-45, float("inf"), -float("inf")])]
     x = torch.cat(parts).float().contiguous()
-    out = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
-    xd = x.to(DEVICE)
-    table = StateCodec8(signed).qmap_on(DEVICE)  # the map, then its midpoints
+    out = torch.empty(x.numel(), dtype=torch.int32, device=device)
+    xd = x.to(device)
+    table = StateCodec8(signed).qmap_on(device)  # the map, then its midpoints
     assert torch.equal(table[:256].cpu(), q) and torch.equal(table[256:].cpu(), mids)
-    _encode_elems[(triton.cdiv(x.numel(), 4096),)](xd, out, table, x.numel(), BLOCK=4096)
+    sign = -1 if generic else int(signed)
+    _encode_elems[(triton.cdiv(x.numel(), 4096),)](xd, out, table, x.numel(), BLOCK=4096, SIGN=sign)
     ref = torch.searchsorted(mids, x, right=False).to(torch.int32)
     assert torch.equal(out.cpu(), ref)
-    nan = torch.full((4,), float("nan"), device=DEVICE)
-    o = torch.empty(4, dtype=torch.int32, device=DEVICE)
-    _encode_elems[(1,)](nan, o, table, 4, BLOCK=16)
-    assert (o == 0).all()  # documented: NaN -> code 0 (as the binary search gave)
+    nan = torch.tensor([float("nan"), -float("nan"), float("nan"), 0.5], device=device)
+    o = torch.empty(4, dtype=torch.int32, device=device)
+    _encode_elems[(1,)](nan, o, table, 4, BLOCK=16, SIGN=sign)
+    assert (o[:3] == 0).all()  # documented: NaN -> code 0 (as the binary search gave)
+
+
+@pytest.mark.parametrize("generic", [True, False])
+@pytest.mark.parametrize("signed", [True, False])
+def test_state8_encode_helper_exact_on_all_boundaries(signed, generic):
+    """Closed form + one comparison == searchsorted over the midpoints, on every map entry,
+    every midpoint (ties go low) and 3 ulps either side, log-spread values, +-inf, |x| > 1,
+    NaN; the generic helper and the one whose map sign is a compile-time constant."""
+    _needs_triton()
+    _check_encode_helper(signed, generic, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("generic", [True, False])
+@pytest.mark.parametrize("signed", [True, False])
+def test_state8_encode_helper_exact_compiled(signed, generic):
+    """The same on the GPU, compiled: the hardware's float -> int truncation of the closed form's
+    negative values (-0.6 -> 0) and NaN (never converted: it takes the negative branch)."""
+    if not torch.cuda.is_available() or DEVICE != "cuda":
+        pytest.skip("needs CUDA (compiled, not the interpreter)")
+    _check_encode_helper(signed, generic, "cuda")
 
 
 # (bits, symmetric, group_size) in -> (group_size) out: per-row scales (gs_in % gs_out == 0,

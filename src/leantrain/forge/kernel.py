@@ -156,13 +156,13 @@ if HAS_TRITON:
                 acc = _add_accum(acc, ACC, ACS, ACR, ACRS, offs, mask, ACC_KIND, ACC_GROUP)
                 if HAS_BIAS:
                     accb = _add_accum(accb, ACC, ACS, ACR, ACRS, boffs, mn & bias_here, ACC_KIND, ACC_GROUP)
-            ok = _tile_sumsq(acc, accb, mn, bias_here, PART, pid, BLOCK_N, BLOCK_K, HAS_BIAS)
+            ss = _tile_sumsq(acc, accb, mn, bias_here, PART, pid, BLOCK_N, BLOCK_K, HAS_BIAS)
             if MODE == 1:
                 tl.store(G + offs, acc, mask=mask)
                 if HAS_BIAS:
                     tl.store(GB + offs_n, accb, mask=mn & bias_here)
             else:
-                _update_tile(acc, accb, ok, acc, acc, acc, 1.0, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
+                _update_tile(acc, accb, ss, acc, acc, acc, 1.0, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
                              PART, PART, PART, offs_n, offs_k, mn, mk, mask, offs, boffs, bias_here, blk_n, blk_k,
                              kb, nb, jpos, code_offs, K, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c,
                              eps, mom, key, dyn_off, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_BIAS, HAS_DECAY,

@@ -33,10 +33,12 @@ for both maps: the worst case is the 0.99.. | 1.0 midpoint), far from the fp32 r
 error of Q (~1e-5). Hence with ``c = clamp(trunc(Q), 0, 254)`` the exact code
 ``#{k : mid_k < x}`` is ``c`` or ``c + 1``, and it is ``c + (mid_c < x)`` with
 ``mid_c = (qmap[c] + qmap[c+1]) * 0.5`` read from the midpoint table (the reference's own
-values): bit-exact, ties to the lower entry as before, +-inf to 255 / 0. Per element: ~40
-ALU ops and one gather from the 1 KiB midpoint table (the binary search had 16 gathers and
-8 dependent steps; reading both neighbours of the map and averaging them had two, and the
-L1 wavefronts of those gathers, not HBM, bounded the encode kernel on an H200).
+values): bit-exact, ties to the lower entry, +-inf to 255 / 0. Per element: one gather
+from the 1 KiB midpoint table (the binary search had 16 gathers and 8 dependent steps;
+reading both neighbours of the map and averaging them had two, and the L1 wavefronts of
+those gathers, not HBM, bounded the encode kernel on an H200) and ~22 ALU instructions on
+sm_90 where the map's sign is a compile-time constant (:func:`state8_encode_finite`: the 13
+of the lines, no clamp on ``c``: ``|x|`` clamped to 1 keeps ``trunc(Q)`` in [0, 254]).
 
 Tiling (Triton encode): one program owns ``ROWS`` blocks (a ``[ROWS, next_pow2(bs)]`` tile,
 ``ENCODE_ELEMS`` = 1024 elements at 2 warps, 16 a thread; at least one block); 64-bit
@@ -89,35 +91,45 @@ if HAS_TRITON:
 
     @triton.jit
     def _position(a):
-        """``P(a) - 0.1`` of the module docstring: the min over the decades' lines, |x| >= 2 (and
-        NaN) clamped to 2 so it stays small and finite. Fused multiply-adds on purpose: it only
-        picks the candidate code (margin >= 0.15); the midpoint comparison makes it exact."""
-        a = tl.where(a < 2.0, a, 2.0)
-        p = tl.fma(a, 1111111.111111111, 127.28888888888889)
-        p = tl.minimum(p, tl.fma(a, 222222.22222222222, 128.17777777777778))
-        p = tl.minimum(p, tl.fma(a, 44444.444444444444, 129.95555555555555))
-        p = tl.minimum(p, tl.fma(a, 8888.8888888888889, 133.51111111111112))
-        p = tl.minimum(p, tl.fma(a, 1777.7777777777778, 140.62222222222223))
-        p = tl.minimum(p, tl.fma(a, 355.55555555555556, 154.84444444444446))
-        p = tl.minimum(p, tl.fma(a, 71.111111111111111, 183.28888888888889))
+        """``P(a) - 0.1`` of the module docstring, |x| >= 2 (and NaN) clamped to 2 so it stays
+        small and finite."""
+        return _lines(tl.where(a < 2.0, a, 2.0), 1.0, 0.0)
+
+    @triton.jit
+    def _lines(a, MUL: tl.constexpr, ADD: tl.constexpr):
+        """``MUL (P(a) - 0.1) + ADD`` (module docstring) for a finite ``a >= 0``: the min over the
+        decades' lines, each scaled and shifted (``MUL > 0``; exact for ``1, 0``). Fused
+        multiply-adds on purpose, and the lines' own rounding: it only picks the candidate code
+        (margin >= 0.15 against errors of ~1e-5); the midpoint comparison makes it exact."""
+        p = tl.fma(a, 1111111.111111111 * MUL, 127.28888888888889 * MUL + ADD)
+        p = tl.minimum(p, tl.fma(a, 222222.22222222222 * MUL, 128.17777777777778 * MUL + ADD))
+        p = tl.minimum(p, tl.fma(a, 44444.444444444444 * MUL, 129.95555555555555 * MUL + ADD))
+        p = tl.minimum(p, tl.fma(a, 8888.8888888888889 * MUL, 133.51111111111112 * MUL + ADD))
+        p = tl.minimum(p, tl.fma(a, 1777.7777777777778 * MUL, 140.62222222222223 * MUL + ADD))
+        p = tl.minimum(p, tl.fma(a, 355.55555555555556 * MUL, 154.84444444444446 * MUL + ADD))
+        p = tl.minimum(p, tl.fma(a, 71.111111111111111 * MUL, 183.28888888888889 * MUL + ADD))
         return p
 
     @triton.jit
-    def _closed_form_q(a, x, SIGNED: tl.constexpr):
-        """``Q`` of the module docstring for ``a = |x|`` (signedness known at compile time)."""
-        p = _position(a)
-        if SIGNED:
-            return tl.where(x < 0.0, 253.8 - p, p)
-        else:
-            return tl.where(x < 0.0, -1.0 - p, p * 2.0 - 254.4)
-
-    @triton.jit
     def state8_encode_finite(x_normalized, a_normalized, qmap_ptr, SIGNED: tl.constexpr):
-        """:func:`state8_encode` for finite ``x_normalized`` whose ``|x|`` the caller already
-        has (``a_normalized``) and a map whose signedness is a compile-time constant: the
-        same codes with ~7 fewer operations per element (the encode kernel's hot loop)."""
-        q = _closed_form_q(a_normalized, x_normalized, SIGNED)
-        c = tl.minimum(tl.maximum(q.to(tl.int32), 0), 254)  # trunc == floor after the clamp
+        """:func:`state8_encode` for ``x_normalized`` whose ``|x|`` the caller already has
+        (``a_normalized``) and a map whose signedness is a compile-time constant: the same codes
+        (NaN -> 0, +-inf to the extreme entries) without the sign's selects and without a clamp
+        on ``c`` (the encode kernel's and the update epilogue's hot loop).
+
+        ``|x|`` is clamped to 1, not 2: the codes of ``|x| >= 1`` are the extreme ones either way
+        (``c`` is 254 or 0 and the midpoint comparison decides), and then ``Q`` needs no clamp:
+        signed, ``Q`` lies in [-0.6, 254.4] (x >= 0: ``P - 0.1``; else ``253.8 - P``), unsigned in
+        [0.18, 254.4] (x >= 0: ``2 (P - 0.1) - 254.4``, the lines scaled and shifted so; else 0), so
+        ``trunc(Q)`` is in [0, 254]. NaN fails ``x >= 0`` and takes the negative branch: ``c = 0``
+        and ``mid_0 < NaN`` is false: code 0."""
+        a = tl.where(a_normalized < 1.0, a_normalized, 1.0)
+        if SIGNED:
+            p = _lines(a, 1.0, 0.0)
+            q = tl.where(x_normalized >= 0.0, p, 253.8 - p)
+        else:
+            q = tl.where(x_normalized >= 0.0, _lines(a, 2.0, -254.4), 0.0)
+        c = q.to(tl.int32)  # (trunc: -0.6 -> 0)
         mid = tl.load(qmap_ptr + 256 + c)  # (qmap[c] + qmap[c + 1]) * 0.5, precomputed
         return c + (mid < x_normalized).to(tl.int32)
 

@@ -144,7 +144,7 @@ if HAS_TRITON:
             tl.store(ptr + offs, x, mask=mask, eviction_policy=EV)
 
     @triton.jit
-    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, pmask, blk_n, blk_k, kb, nb,
+    def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, pmask, am_mask, blk_n, blk_k, kb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
         if KIND >= 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
@@ -154,8 +154,7 @@ if HAS_TRITON:
             inv = tl.where(am > 0, tl.div_rn(tl.zeros_like(am) + 1.0, tl.where(am > 0, am, 1.0)), 0.0)  # per block
             xn = x * _blocks_to_tile(inv, BN, BK)
             if SIGN >= 0:  # the map's sign known at compile time: the closed form without its selects
-                code = state8_encode_finite(xn, tl.abs(xn), qmap_ptr, SIGN == 1)
-                code = tl.where(xn == xn, code, 0)  # (NaN -> 0, as state8_encode)
+                code = state8_encode_finite(xn, tl.abs(xn), qmap_ptr, SIGN == 1)  # (NaN -> 0 too)
             else:
                 code = state8_encode(xn, qmap_ptr)
             if KIND == 3:  # int8p: the first 32 codes of a block move to an odd entry (c even: c + 1 if
@@ -168,9 +167,7 @@ if HAS_TRITON:
                 bits = (_blocks_to_tile(am.to(tl.int32, bitcast=True), BN, BK) >> (jpos & 31)) & 1
                 code = tl.where(head, base | bits, code)
                 tl.store(ptr + code_offs, code.to(tl.uint8), mask=pmask)
-            else:
-                any_valid = tl.max(tl.max(tl.reshape(mask.to(tl.int32), [BN // 16, 16, BK // 16, 16]), 3), 1) > 0
-                am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & any_valid
+            else:  # (am_mask: the blocks with an element stored)
                 tl.store(ptr + code_offs, code.to(tl.uint8), mask=mask)
                 tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
         else:
@@ -263,15 +260,21 @@ if HAS_TRITON:
     def _tile_sumsq(acc, accb, mn, bias_here, PART, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_BIAS: tl.constexpr):
         """The tile's sum of squares into ``PART[pid]`` (the layer norm, the non-finite flag);
-        returns whether it is finite, as a ``[BLOCK_N, BLOCK_K]`` mask."""
+        returns it (:func:`_update_tile` stores nothing of a tile whose sum is not finite)."""
         ss = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
         if HAS_BIAS:
             ss += tl.sum(tl.where(mn & bias_here, accb * accb, 0.0), axis=0)
         tl.store(PART + pid, ss)
-        return tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + ss) < float("inf")
+        return ss
 
     @triton.jit
-    def _update_tile(acc, accb, ok, w, s1, s2, gate, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
+    def _finite(v, R: tl.constexpr, C: tl.constexpr):
+        """Whether the scalar ``v`` is finite, as an ``[R, C]`` tensor (the interpreter cannot
+        combine scalar and tensor booleans)."""
+        return tl.abs(tl.zeros([R, C], dtype=tl.float32) + v) < float("inf")
+
+    @triton.jit
+    def _update_tile(acc, accb, ss, w, s1, s2, gate, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
                      OWNER, KEYS, ROW0, offs_n, offs_k, mn, mk, mask, offs, boffs, bias_here, blk_n, blk_k, kb, nb, jpos,
                      code_offs, K, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                      dyn_off, RULE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, NSTATE: tl.constexpr,
@@ -285,8 +288,9 @@ if HAS_TRITON:
         The epilogue of one tile: ``acc`` (its gradient, fp32) and ``accb`` (the bias rows')
         scaled and gated, W and the state read (unless ``LOADED``: ``w, s1, s2`` and, with
         ``HAS_DYN``, the scalars and ``gate`` were read by the caller), the rule applied, W and
-        the state stored where ``ok`` (the tile's sum of squares is finite) and the gates allow."""
-        gok = ok  # the tile-wide conditions to store anything
+        the state stored where ``ss`` (the tile's sum of squares) is finite and the gates allow."""
+        gok = _finite(ss, BLOCK_N, BLOCK_K)  # the tile-wide conditions to store anything, on the
+        blk_ok = _finite(ss, BLOCK_N // 16, BLOCK_K // 16)  # tile and on its 16 x 16 blocks (not ROWS)
         g = acc
         if ROWS:  # several parameters, a [rows, 16] view of them: each row's own parameter (OWNER)
             # gives its scale (SCALE: one a parameter, NaN where its gradient is not finite: then
@@ -301,12 +305,17 @@ if HAS_TRITON:
                 lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
                     _dyn_scalars(DYN, dyn_off)
             g = g * gate
-            gok = gok & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + gate) < float("inf"))
+            gok = gok & _finite(gate, BLOCK_N, BLOCK_K)
+            blk_ok = blk_ok & _finite(gate, BLOCK_N // 16, BLOCK_K // 16)
         if HAS_SCALE and not ROWS:  # a non-finite scale (set on purpose: the whole parameter is bad) stores nothing
             sc = tl.load(SCALE)
             g = g * sc
-            gok = gok & (tl.abs(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32) + sc) < float("inf"))
+            gok = gok & _finite(sc, BLOCK_N, BLOCK_K)
+            blk_ok = blk_ok & _finite(sc, BLOCK_N // 16, BLOCK_K // 16)
         smask = mask & gok
+        if ROWS and (KIND1 == 2 or KIND2 == 2):  # the gates differ by row: whether a block stores an element
+            blk_ok = tl.max(tl.max(tl.reshape(smask.to(tl.int32), [BLOCK_N // 16, 16, BLOCK_K // 16, 16]), 3), 1) > 0
+        am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & blk_ok  # int8: the blocks whose absmax is stored
         pmask = smask  # int8p: every code of the tile's 16 x 16 blocks, their zero padding included
         if KIND1 == 3 or KIND2 == 3:
             pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & gok
@@ -326,10 +335,10 @@ if HAS_TRITON:
         else:
             _store_plain(p, W, offs, smask, W_BF16, NATIVE_CVT, "")
         if NSTATE >= 1:
-            _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND1, BLOCK_N,
+            _store_state(s1, S1, A1, Q1, offs, code_offs, jpos, smask, pmask, am_mask, blk_n, blk_k, kb, KIND1, BLOCK_N,
                          BLOCK_K, NATIVE_CVT, SIGN1)
         if NSTATE >= 2:
-            _store_state(s2, S2, A2, Q2, offs, code_offs, jpos, smask, pmask, blk_n, blk_k, kb, nb, KIND2, BLOCK_N,
+            _store_state(s2, S2, A2, Q2, offs, code_offs, jpos, smask, pmask, am_mask, blk_n, blk_k, kb, KIND2, BLOCK_N,
                          BLOCK_K, NATIVE_CVT, SIGN2)
         if HAS_BIAS:  # bias rows of this tile (pid_k == 0 only); bias state is always fp32
             bmask = mn & bias_here & (tl.max(smask.to(tl.int32), axis=1) > 0)
@@ -407,8 +416,8 @@ if HAS_TRITON:
             w = acc
             s1 = acc
             s2 = acc
-        ok = _tile_sumsq(acc, accb, mn, bias_here, PART, pid, BLOCK_N, BLOCK_K, HAS_BIAS)
-        _update_tile(acc, accb, ok, w, s1, s2, gate, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
+        ss = _tile_sumsq(acc, accb, mn, bias_here, PART, pid, BLOCK_N, BLOCK_K, HAS_BIAS)
+        _update_tile(acc, accb, ss, w, s1, s2, gate, W, B, S1, S2, A1, A2, BS1, BS2, Q1, Q2, SCALE, DYN,
                      OWNER, KEYS, ROW0, offs_n, offs_k, mn, mk, mask, offs, boffs, bias_here, blk_n, blk_k, kb, nb, jpos,
                      code_offs, K, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, key,
                      dyn_off, RULE, KIND1, KIND2, NSTATE, W_BF16, SR, HAS_BIAS, HAS_DECAY, HAS_MOM, NESTEROV,

@@ -167,7 +167,7 @@ _PLANS: dict = {}
 _DIRECT = DirectLauncher(_update_kernel, "N", "RULE") if HAS_TRITON else None
 
 
-def _update_plan(N: int, K: int, tune: dict | None, on_gpu: bool, meta: dict) -> Plan:
+def update_plan(N: int, K: int, tune: dict | None, on_gpu: bool, meta: dict) -> Plan:
     """Tiles (the interpreter's, ``tune``, or :func:`update_tile`), grid and constexprs."""
     if not on_gpu:
         cfg = dict(INTERP_TILE, EARLY_LOADS=(tune or {}).get("EARLY_LOADS", False))
@@ -221,6 +221,28 @@ def state_args(dummy, states, bias_states, qtables, kind1: int, kind2: int) -> t
             bias_states[0] if nb > 0 else dummy, bias_states[1] if nb > 1 else dummy, q1, q2)
 
 
+def update_meta(e: Launch, *, N: int, K: int, rule_name: str, nstate: int, w_bf16: bool, sr: bool,
+                has_bias: bool, has_scale: bool, has_dyn: bool, sum_out: bool, on_gpu: bool, rows: bool,
+                approx: bool) -> dict:
+    """The update kernel's constexprs but the tile's (:func:`launch_update`; ``benchmarks/parts/
+    update_sass.py`` compiles the kernel from them)."""
+    return dict(RULE=RULE_IDS[rule_name], KIND1=e.kind1, KIND2=e.kind2, NSTATE=nstate, W_BF16=w_bf16, SR=bool(sr),
+                HAS_BIAS=has_bias, HAS_SCALE=has_scale, HAS_DYN=has_dyn, SUM_OUT=sum_out, IDX32=N * K + N < _I32,
+                NATIVE_CVT=on_gpu, SIGN1=e.signs[0], SIGN2=e.signs[1], ROWS=rows, APPROX=bool(approx),
+                **dict(zip(FLAG_NAMES, e.flags, strict=True)))
+
+
+def update_args(e: Launch, N: int, K: int, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket,
+                rows, key) -> tuple:
+    """The update kernel's arguments in signature order (:func:`launch_update`'s, whose names
+    these are; the unused pointers are ``w`` or ``part``). Positional: a call a launch."""
+    return (w, w if b is None else b, *state_args(w, states, bias_states, qtables, e.kind1, e.kind2),
+            g, g if gb is None else gb, part, part if scale is None else scale, part if dyn is None else dyn[0],
+            part if sq is None else sq, part if ticket is None else ticket,
+            *((part, part, part) if rows is None else rows), N, K, *e.scal,
+            0 if dyn is not None else int(key), 0 if dyn is None else dyn[1] * DYN_COLS)
+
+
 def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(), qtables=(), scale=None,
                   rule_name="adamw", hp=None, step=1, sr=True, key=0, tune=None, part=None, dyn=None, sq=None,
                   ticket=None, rows=None, approx=False):
@@ -251,19 +273,13 @@ def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(),
             None if tune is None else tuple(sorted(tune.items())), bool(approx))
     plan = _PLANS.get(pkey)
     if plan is None:
-        meta = dict(RULE=RULE_IDS[rule_name], KIND1=e.kind1, KIND2=e.kind2, NSTATE=len(states),
-                    W_BF16=w.dtype == torch.bfloat16, SR=bool(sr), HAS_BIAS=b is not None,
-                    HAS_SCALE=scale is not None, HAS_DYN=dyn is not None, SUM_OUT=sq is not None,
-                    IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu, SIGN1=e.signs[0], SIGN2=e.signs[1],
-                    ROWS=rows is not None, APPROX=bool(approx), **dict(zip(FLAG_NAMES, e.flags, strict=True)))
-        plan = _PLANS[pkey] = _update_plan(N, K, tune, on_gpu, meta)
+        plan = _PLANS[pkey] = update_plan(N, K, tune, on_gpu, update_meta(
+            e, N=N, K=K, rule_name=rule_name, nstate=len(states), w_bf16=w.dtype == torch.bfloat16, sr=sr,
+            has_bias=b is not None, has_scale=scale is not None, has_dyn=dyn is not None, sum_out=sq is not None,
+            on_gpu=on_gpu, rows=rows is not None, approx=approx))
     if part is None or part.numel() != plan.nparts or part.device != dev:
         part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
-    args = (w, w if b is None else b, *state_args(w, states, bias_states, qtables, e.kind1, e.kind2),
-            g, g if gb is None else gb, part, part if scale is None else scale, part if dyn is None else dyn[0],
-            part if sq is None else sq, part if ticket is None else ticket,
-            *((part, part, part) if rows is None else rows), N, K, *e.scal,
-            0 if dyn is not None else int(key), 0 if dyn is None else dyn[1] * DYN_COLS)
+    args = update_args(e, N, K, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket, rows, key)
     if on_gpu:
         _DIRECT(plan, pkey, args, (N, K), args[-2:])
     else:
@@ -351,4 +367,5 @@ def update_many(ws: list, gs: list, states: list, kinds, qtables, *, rule_name: 
 
 
 __all__ = ["scalars", "rule_scalars", "dyn_row", "launch_update",
-           "update_many", "bucket_ok", "Buckets", "device_keys", "update_tile"]
+           "update_many", "bucket_ok", "Buckets", "device_keys", "update_tile", "update_plan", "update_meta",
+           "update_args"]
