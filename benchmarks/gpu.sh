@@ -56,6 +56,9 @@ ops() {
 forge() {
   log "forge: one linear, every kernel path (part a)"
   timeout 600 python3 benchmarks/bench_forge.py --part a $Q --out "$OUT/forge" 2>&1 | tail -40
+  log "forge: the update kernel with 8-bit states, by tile and register cap (the static counts: bench_forge --part sass)"
+  TUNE_INT8_KINDS=int8,int8p TUNE_INT8_TILES="16,64,2;16,64,2,144;16,64,2,128;32,64,2;16,64,1" \
+    timeout 300 python3 benchmarks/tools/tune_kernels.py --what forge_int8 --out "$OUT/forge" 2>&1 | tail -14
 }
 
 step() {
