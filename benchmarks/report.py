@@ -414,6 +414,8 @@ TABLES: dict[str, list[tuple]] = {
         ("90 % sparse, seeds 1 and 2", scape_seeds, "within 1 %", "comm/2026-12-03_cpu_scape-seeds.json"),
         ("90 % / 99 % sparse, mean of seeds 1337, 1, 2", scape_fidelity, "within 1 % / 2 %",
          "comm/2026-12-05_cpu_scape-defaults.json"),
+        ("small preset, 300 steps, 90 % / 99 % sparse, seed 1337", scape_fidelity, "within 1 % / 2 %",
+         "comm/2026-12-05_cpu_scape-small.json"),
     ],
     "gift": [
         ("NVFP4 bytes vs a bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
