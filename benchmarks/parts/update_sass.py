@@ -144,7 +144,10 @@ def _functions(path: str) -> list[tuple[int, int, str]]:
 
 
 def _function_at(path: str, line: int) -> str:
-    """``"file.py:function"``: the innermost function of ``path`` holding ``line``."""
+    """``"file.py:function"``: the innermost function of ``path`` holding ``line`` (a path of another
+    checkout, as a cached compile may carry, is read from this tree's ``src/leantrain``)."""
+    if not os.path.exists(path) and "/leantrain/" in path:
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "leantrain", path.split("/leantrain/", 1)[1])
     spans = [(first, name) for first, last, name in _functions(path) if first <= line <= last]
     return f"{os.path.basename(path)}:{max(spans)[1] if spans else '?'}"
 

@@ -122,6 +122,7 @@ class StepRows:
 def read_scalars(tensors: list[torch.Tensor]):
     """The values of one-element tensors, as ``.item()`` gives them, in order (an iterator): one
     stack and one copy to the host per device and dtype, instead of a wait for each tensor."""
+    tensors = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]  # (FSDP's DTensor norms, as .item())
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
