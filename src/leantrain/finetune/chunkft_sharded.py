@@ -40,7 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from leantrain.finetune.chunkft import STATE_DTYPES, Piece, _host_block, end_chunk_step, plan_chunks, restore_chunks
+from leantrain.finetune.chunkft import (
+    STATE_DTYPES,
+    Piece,
+    _host_block,
+    end_chunk_step,
+    plan_chunks,
+    restore_chunks,
+)
 from leantrain.finetune.zo import local_rows
 from leantrain.optim.rules import Rule, make_rule
 from leantrain.runtime.checkpoint import CheckpointError
