@@ -30,6 +30,9 @@ The configurations (``CONFIGS``; bf16 weights unless said):
 - ``forge_bf16_states``, ``forge_int8_states``, ``forge_int8_states_agoq``,
   ``forge_int8_states_agoq_ckpt``: FORGE (``lt.forge.attach``, stochastic rounding) with bf16 or
   int8 AdamW states, with AGoQ's saved activations, with checkpointing.
+- ``torch_bf16_graph``, ``forge_bf16_states_graph``, ``forge_int8_states_graph``,
+  ``forge_int8_states_agoq_graph``: the same steps with forward + backward replayed from a CUDA
+  graph (``Config.graph``; the host's launch time leaves the step, as with ``--train.cuda-graph``).
 - ``chunkft8``, ``chunkft8_ckpt``, ``chunkft32_ckpt``: ``lt.finetune.ChunkFT`` with 8 or 32 chunks.
 - ``chunkft_fused_ckpt``, ``chunkft_fused_ckpt_agoq``: ChunkFT (8 chunks) with its update inside
   backward (``in_backward=True, state_dtype="bf16"``), checkpointing, and AGoQ.
@@ -41,6 +44,7 @@ Writes ``<date>_<hardware>_<name>.json`` and ``.md`` (one table per preset, voca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -68,18 +72,23 @@ class Setup:
     finish: Callable[[], None]
     state_bytes: Callable[[], int]
     host_state_bytes: Callable[[], int] = lambda: 0
+    capture_hooks: tuple = ()  # what runs inside backward on its own, for a CUDA-graph capture
 
 
 @dataclass(frozen=True)
 class Config:
     """A configuration: ``build(model)`` attaches its optimizer; the model's weights are fp32
     under bf16 autocast (``fp32_weights``) or bf16; ``checkpointing``: activation checkpointing;
-    ``offload``: the checkpointed blocks' inputs in pinned host memory."""
+    ``offload``: the checkpointed blocks' inputs in pinned host memory; ``graph``: forward and
+    backward captured once as a CUDA graph after the warm-up and replayed
+    (:class:`leantrain.runtime.capture.GraphedStep`, as ``--train.cuda-graph`` does; the
+    optimizer's step after it runs eagerly): the host's per-kernel launch time leaves the step."""
 
     build: Callable
     fp32_weights: bool = False
     checkpointing: bool = False
     offload: bool = False  # with checkpointing: the blocks' inputs in host memory (model.activation_offload)
+    graph: bool = False
 
 
 def _bytes_of(tensors) -> int:
@@ -136,7 +145,7 @@ def forge(model, *, state_dtype: str, agoq: bool = False) -> Setup:
     opt = lt.forge.attach(model, lt.optim.AdamW(**HYPER), state_dtype=state_dtype, stochastic_rounding=True)
     if agoq:
         lt.agoq.apply(model, lt.agoq.Policy())
-    return Setup(_closing(opt), lambda: _bytes_of(_optimizer_state(opt)))
+    return Setup(_closing(opt), lambda: _bytes_of(_optimizer_state(opt)), capture_hooks=(opt.capture_hooks,))
 
 
 def chunkft(model, *, num_chunks: int, agoq: bool = False, **chunkft_kw) -> Setup:
@@ -162,6 +171,10 @@ CONFIGS: dict[str, Config] = {
     "forge_int8_states": Config(_bind(forge, state_dtype="int8")),
     "forge_int8_states_agoq": Config(_bind(forge, state_dtype="int8", agoq=True)),
     "forge_int8_states_agoq_ckpt": Config(_bind(forge, state_dtype="int8", agoq=True), checkpointing=True),
+    "torch_bf16_graph": Config(torch_adamw, graph=True),
+    "forge_bf16_states_graph": Config(_bind(forge, state_dtype="bf16"), graph=True),
+    "forge_int8_states_graph": Config(_bind(forge, state_dtype="int8"), graph=True),
+    "forge_int8_states_agoq_graph": Config(_bind(forge, state_dtype="int8", agoq=True), graph=True),
     "chunkft8": Config(_bind(chunkft, num_chunks=8)),
     "chunkft8_ckpt": Config(_bind(chunkft, num_chunks=8), checkpointing=True),
     "chunkft32_ckpt": Config(_bind(chunkft, num_chunks=32), checkpointing=True),
@@ -213,20 +226,34 @@ def step_worker(config: str, preset_name: str, vocab: int, batch: int, seq: int,
     dev = torch.device(device)
     tokens = torch.Generator(device=dev).manual_seed(0)
 
+    graph = []  # spec.graph: the captured forward + backward, made after the warm-up
+
+    def forward(x, y):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=spec.fp32_weights):
+            return model(x, y)
+
     def one_step(meter=None):
         idx = torch.randint(0, vocab, (batch, seq + 1), device=dev, generator=tokens)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=spec.fp32_weights):
-            if meter is None:
-                loss = model(idx[:, :-1], idx[:, 1:])
-            else:
-                with meter:
-                    loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
+        if graph and meter is None:
+            loss = graph[0](idx[:, :-1], idx[:, 1:])
+        else:
+            with meter if meter is not None else contextlib.nullcontext():
+                loss = forward(idx[:, :-1], idx[:, 1:])
+            loss.backward()
         setup.finish()
         return loss.detach()
 
-    run = steprun.timed_steps(one_step, warmup=warmup, steps=steps, device=device)
-    meter = SavedActivationMeter(model.parameters())  # one more step, after the measured ones
+    def capture():  # its memory pool counts in the peak
+        from leantrain.runtime.capture import GraphedStep
+
+        idx = torch.randint(0, vocab, (batch, seq + 1), device=dev, generator=tokens)
+        graph.append(GraphedStep(forward, model.parameters(), idx[:, :-1], idx[:, 1:], hooks=setup.capture_hooks))
+        for _ in range(2):  # (a capture records kernels without running them; replays run them)
+            one_step()
+
+    run = steprun.timed_steps(one_step, warmup=warmup, steps=steps, device=device,
+                              after_warmup=capture if spec.graph else None)
+    meter = SavedActivationMeter(model.parameters())  # one more step, after the measured ones, eager
     one_step(meter)
     kernels = profiled(one_step, device) if profile else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
