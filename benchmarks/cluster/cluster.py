@@ -392,13 +392,14 @@ def cmd_collectives(a, _user) -> int:
     doc = {"what": "each collective the trainer uses, timed alone on the namespace cluster at each rate: seconds, "
                    "wire and ledger bytes, efficiency (collectives.py)",
            "command": shlex.join(["python", *sys.argv]), "environment": environment(), "nodes": a.nodes,
-           "ranks_per_node": a.ranks_per_node, "reps": a.reps, "sizes": sizes, "loadavg_before": os.getloadavg(),
+           "ranks_per_node": a.ranks_per_node, "reps": a.reps, "sizes": sizes, "nice": a.nice,
+           "loadavg_before": os.getloadavg(),
            "rows": []}
     try:
         with Cluster(a.nodes, None) as c:
             for rate in a.rates.split(","):
                 doc["rows"] += collectives.measure_rate(c, rate, nodes=a.nodes, ranks_per_node=a.ranks_per_node,
-                                                        sizes=sizes, reps=a.reps, timeout=a.timeout)
+                                                        sizes=sizes, reps=a.reps, timeout=a.timeout, nice=a.nice)
                 print(f"{rate}: " + "  ".join(f"{r['op']} {r['efficiency']:.2f}" for r in doc["rows"]
                                               if r["rate"] == rate), flush=True)
     except ClusterError as e:
@@ -469,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a rate may take")
+    p.add_argument("--nice", type=int, default=-10,
+                   help="the ranks' niceness (negative: ahead of other work on the host, for steadier timings)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
     p.add_argument("--hardware", default="cpu-netns")
     p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")

@@ -109,7 +109,7 @@ def worker(sizes: list[int], reps: int, ifname: str, out: Path) -> None:
 
 
 def measure_rate(cluster, rate: str, *, nodes: int, ranks_per_node: int, sizes: list[int], reps: int,
-                 timeout: float, port: int = 29500) -> list[dict]:
+                 timeout: float, nice: int = 0, port: int = 29500) -> list[dict]:
     """The rows of one rate: the links shaped to ``rate``, one torchrun a node running :func:`worker`."""
     from netns import IFNAME, rate_bps
 
@@ -120,7 +120,7 @@ def measure_rate(cluster, rate: str, *, nodes: int, ranks_per_node: int, sizes: 
     procs = []
     try:
         for node in range(nodes):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
+            cmd = [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
                    "--nproc-per-node", str(ranks_per_node), "--master-addr", cluster.addr(0), "--master-port",
                    str(port), str(Path(__file__).resolve()), "--worker", "--sizes", ",".join(map(str, sizes)),
                    "--reps", str(reps), "--ifname", IFNAME, "--out", str(out)]
