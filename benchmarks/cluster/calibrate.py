@@ -1,13 +1,18 @@
 """The cost model fitted to a cluster sweep and checked on points it was not fitted to.
 
-    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
+    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json \
+        [--collectives benchmarks/results/comm-cluster/<date>_cpu-netns_collectives.json]
 
 Model (:func:`leantrain.comm.cost.fit_step_model`): a step is the recipe's compute (its step with
 an unlimited link, compression kernels included) plus the link time ``8 * wire_bytes / (efficiency
 * rate)`` that exceeds the compute the recipe's communication runs under (``hidden``; 0 for the
 recipes whose trainer sends after backward). ``wire_bytes`` is the busiest node's veth bytes a step
 in the timed window (steady state: SCAPE's dense first step is outside it). One ``efficiency`` for
-every recipe; ``compute`` and ``hidden`` per recipe.
+every recipe; ``compute`` and ``hidden`` per recipe. The "hinge-per-collective" model (``--collectives``:
+a ``cluster.py collectives`` result, read by ``collectives.per_op``) splits a point's wire bytes by
+collective (:func:`wire_split`: the recipe's steady ledger bytes per collective times the collective's
+measured wire/ledger) and divides each collective's bytes by its efficiency measured alone, the mean
+over the result's rates and sizes; the fitted ``efficiency`` is then what is left over them.
 
 Checks, each on real points the fit did not see:
 
