@@ -220,7 +220,8 @@ def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[
     proj = project(doc, m, h200)
     hardware = Path(json_path).stem.split("_", 1)[-1]  # the sweep's <date>_<hardware>
     base = Path(json_path).parent / f"{datetime.date.today().isoformat()}_{hardware}_projection"
-    doc_out = {"what": f"the step-time cost model (alpha-beta with overlap under compute) fitted to the {hardware} "
+    per = ", each collective at its efficiency measured alone" if coll else ""
+    doc_out = {"what": f"the step-time cost model (alpha-beta with overlap under compute{per}) fitted to the {hardware} "
                        f"sweep, its errors on held-out points ({holdout}; leave one rate out), and its projection "
                        "to SDP4Bit's, SCAPE's and GIFT's settings",
                "source": _source(json_path),
