@@ -170,6 +170,84 @@ def test_cost_fit_recovers_known_compute_hidden_time_and_efficiency():
     assert max(abs(flat.predict(r) / r["step_time_s"] - 1) for r in rows) > 0.05
 
 
+# each collective's share of the link's rate, as gloo's measure on the namespace cluster (roughly)
+OP_EFFICIENCY = {"all_reduce": 0.95, "all_gather": 0.65, "reduce_scatter": 0.95, "all_to_all": 0.5}
+OP_MIX = {"ddp": {"all_reduce": 1.0}, "int8": {"all_to_all": 0.5, "all_gather": 0.5},
+          "sharded": {"reduce_scatter": 2 / 3, "all_gather": 1 / 3}, "gift": {"all_to_all": 0.5, "all_gather": 0.5}}
+
+
+def _per_op_rows(rng, compute, hidden, eff, rates=(3e7, 1e8, 3e8, 1e9), noise=0.002, pair_bps=None):
+    """Steps from the per-collective model: each recipe's wire bytes split by OP_MIX, each op's bytes
+    at OP_EFFICIENCY times ``eff``; with ``pair_bps`` each row carries its pair (drifting compute)."""
+    rows = []
+    for recipe, c in compute.items():
+        wire = rng.uniform(2e7, 1e8)
+        by_op = {op: wire * share for op, share in OP_MIX[recipe].items()}
+        bits = 8 * sum(b / OP_EFFICIENCY[op] for op, b in by_op.items())
+        for rate in rates:
+            c_run = c * (1 + rng.uniform(-0.2, 0.2)) if pair_bps else c
+            step = c_run + max(0.0, bits / (eff * rate) - hidden.get(recipe, 0.0))
+            row = {"recipe": recipe, "rate": f"{rate:g}", "rate_bps": rate, "wire_bytes": wire,
+                   "wire_bytes_by_op": by_op, "step_time_s": step * (1 + rng.gauss(0, noise))}
+            if pair_bps:
+                pair = c_run + max(0.0, bits / (eff * pair_bps) - hidden.get(recipe, 0.0))
+                row |= {"paired_rate_bps": pair_bps, "paired_step_s": pair * (1 + rng.gauss(0, noise))}
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_cost_fit_recovers_known_per_collective_parameters(paired):
+    """Steps whose collectives each reach their own share of the rate (all-to-all half of it): given
+    those shares (``op_efficiency``), the fit recovers the efficiency over them, the hidden times and
+    the compute, and predicts every row within 1 %; one efficiency for every collective cannot."""
+    import random
+
+    from leantrain.comm.cost import fit_step_model
+
+    rng = random.Random(5)
+    compute, hidden, eff = {"ddp": 2.0, "int8": 1.0, "sharded": 1.5, "gift": 3.0}, {"ddp": 0.8, "sharded": 1.2}, 0.9
+    rows = _per_op_rows(rng, compute, hidden, eff, pair_bps=1e10 if paired else None)
+    overlap = ["ddp", "int8", "sharded"]
+    m = fit_step_model(rows, overlap=overlap, op_efficiency=OP_EFFICIENCY)
+    assert abs(m.efficiency - eff) < 0.01 and m.op_efficiency == OP_EFFICIENCY
+    for recipe, c in compute.items():
+        assert abs(m.hidden_s[recipe] - hidden.get(recipe, 0.0)) < 0.05
+        assert abs(m.compute_s[recipe] / c - 1) < (0.2 if paired else 0.02)
+    assert max(abs(m.predict(r) / r["step_time_s"] - 1) for r in rows) < 0.01
+    r = rows[0]
+    bits = 8 * sum(b / OP_EFFICIENCY[op] for op, b in r["wire_bytes_by_op"].items())
+    assert m.link_s(r) == pytest.approx(bits / (m.efficiency * r["rate_bps"]))
+    single = fit_step_model(rows, overlap=overlap)
+    assert max(abs(single.predict(r) / r["step_time_s"] - 1) for r in rows) > 0.05
+
+
+def test_cost_fit_without_op_efficiency_ignores_the_split():
+    """``op_efficiency=None`` is the one-efficiency model, bit for bit: a row's ``wire_bytes_by_op``
+    is not read (here a split that does not even add up to its wire bytes). With every collective at
+    efficiency 1 and a split that adds up, the per-collective model is the same model."""
+    import random
+
+    from leantrain.comm.cost import fit_step_model
+
+    rng = random.Random(6)
+    for rows, overlap in ((_hinge_rows(rng, {"ddp": 2.0, "gift": 3.0}, {"ddp": 0.8}, 0.9), ["ddp"]),
+                          (_paired_rows(rng, {"ddp": 2.0, "gift": 3.0}, {"ddp": 0.8}, 0.9), ["ddp"])):
+        split = [dict(r, wire_bytes_by_op={"all_to_all": r["wire_bytes"] * 0.3, "all_gather": 1.0}) for r in rows]
+        plain = fit_step_model(rows, overlap=overlap)
+        assert fit_step_model(split, overlap=overlap) == fit_step_model(split, overlap=overlap, op_efficiency=None) \
+            == plain and plain.op_efficiency is None
+        assert [plain.predict(r) for r in split] == [plain.predict(r) for r in rows]
+        whole = [dict(r, wire_bytes_by_op={"all_reduce": r["wire_bytes"]}) for r in rows]
+        ones = fit_step_model(whole, overlap=overlap, op_efficiency={"all_reduce": 1.0})
+        assert ones.efficiency == pytest.approx(plain.efficiency, rel=1e-6)
+        assert ones.hidden_s == pytest.approx(plain.hidden_s, abs=1e-6)
+    with pytest.raises(ValueError, match="no wire_bytes_by_op"):
+        fit_step_model(rows, overlap=overlap, op_efficiency={"all_reduce": 1.0})
+    with pytest.raises(ValueError, match=r"no efficiency for \['all_to_all'\]"):
+        fit_step_model(split, op_efficiency={"all_gather": 0.6})
+
+
 def test_held_out_points_are_not_used_by_the_fit():
     import random
 
@@ -323,3 +401,71 @@ def test_namespace_run_through_phases_shapes_only_the_rate_phase(corpus, tmp_pat
     link_s = 8 * max(shaped["wire_tx_bytes_per_step"]) / 2e6
     assert shaped["step_time_s"] > 0.5 * link_s > 5 * shaped["paired_step_s"]
     assert max(ref["step_times_s"]) < 0.5 * link_s
+
+
+def _collectives_result():
+    """A ``cluster.py collectives`` result's rows (two rates, one size) with gloo's wire/ledger."""
+    wire_per_ledger = {"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": 2.0, "all_to_all": 1.0, "broadcast": 1.0}
+    rows = [{"rate": rate, "op": op, "payload_bytes": 4_000_000, "efficiency": eff * scale, "wire_per_ledger": f}
+            for rate, scale in (("1gbit", 1.0), ("100mbit", 0.9)) for op, f in wire_per_ledger.items()
+            for eff in [OP_EFFICIENCY.get(op, 0.96)]]
+    return {"rows": rows}
+
+
+def test_per_collective_rows_of_the_committed_sweep():
+    """``collectives.per_op`` reads a result into means over rates; a recipe's wire bytes are split by
+    its ledger bytes per collective times the collective's wire/ledger (gloo's reduce-scatter: 2), and
+    the comparison carries the per-collective model only when given a result."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
+    from calibrate import PER_COLLECTIVE, _fit_options, rows_of
+    from collectives import per_op
+
+    coll = per_op(_collectives_result())
+    assert coll["efficiency"]["all_to_all"] == pytest.approx(0.5 * 0.95)
+    assert coll["efficiency_by_rate"]["all_to_all"] == pytest.approx({"1gbit": 0.5, "100mbit": 0.45})
+    assert coll["wire_per_ledger"]["reduce_scatter"] == 2.0
+    doc = json.loads((ROOT / "benchmarks/results/comm-cluster/2026-12-05_cpu-netns-paired.json").read_text())
+    rows = rows_of(doc, PER_COLLECTIVE, coll)
+    assert [r["step_time_s"] for r in rows] == [r["step_time_s"] for r in rows_of(doc)]
+    for r in rows:
+        assert sum(r["wire_bytes_by_op"].values()) == pytest.approx(r["wire_bytes"])
+    by = {r["recipe"]: r["wire_bytes_by_op"] for r in rows}
+    assert set(by["ddp-fp32"]) == {"all_reduce"}
+    assert by["ddp-int8"]["all_to_all"] == pytest.approx(by["ddp-int8"]["all_gather"], rel=0.01)
+    assert by["sharded"]["reduce_scatter"] == pytest.approx(2 * by["sharded"]["all_gather"], rel=0.01)
+    assert _fit_options(doc, PER_COLLECTIVE, coll)["op_efficiency"] == coll["efficiency"]
+    with pytest.raises(SystemExit, match="needs a collectives result"):
+        rows_of(doc, PER_COLLECTIVE)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_namespace_collectives_measure_each_op(tmp_path):
+    """``cluster.py collectives`` on the namespace cluster (root): each op's row has its ledger bytes
+    (the CommLedger convention), the wire bytes gloo sends (its reduce-scatter twice the ring's), and
+    an efficiency near the rate."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    r = subprocess.run([sys.executable, str(SCRIPT), "collectives", "--rates", "100mbit", "--sizes", "800000",
+                        "--reps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    if r.returncode == 2:
+        pytest.skip(f"no namespace rights here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    doc = json.loads(next(tmp_path.glob("*_collectives.json")).read_text())
+    rows = {q["op"]: q for q in doc["rows"]}
+    assert set(rows) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+    assert rows["all_reduce"]["ledger_bytes"] == 800_000 and rows["broadcast"]["ledger_bytes"] == 800_000
+    assert rows["all_gather"]["ledger_bytes"] == rows["all_to_all"]["ledger_bytes"] == 400_000
+    assert rows["reduce_scatter"]["wire_per_ledger"] == pytest.approx(2.0, rel=0.1)
+    assert rows["all_reduce"]["wire_per_ledger"] == pytest.approx(1.0, rel=0.1)
+    assert all(0.2 < q["efficiency"] < 1.5 for q in rows.values())
+    assert doc["loadavg_before"] and doc["loadavg_after"] and (tmp_path / next(tmp_path.glob("*.md")).name).exists()
+
+
+def test_collectives_refuses_without_rights_in_one_sentence():
+    if os.geteuid() == 0:
+        pytest.skip("running as root: the refusal path is not reachable")
+    r = subprocess.run([sys.executable, str(SCRIPT), "collectives", "--rates", "100mbit"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "root" in r.stderr

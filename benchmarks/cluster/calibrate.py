@@ -1,13 +1,18 @@
 """The cost model fitted to a cluster sweep and checked on points it was not fitted to.
 
-    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
+    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json \
+        [--collectives benchmarks/results/comm-cluster/<date>_cpu-netns_collectives.json]
 
 Model (:func:`leantrain.comm.cost.fit_step_model`): a step is the recipe's compute (its step with
 an unlimited link, compression kernels included) plus the link time ``8 * wire_bytes / (efficiency
 * rate)`` that exceeds the compute the recipe's communication runs under (``hidden``; 0 for the
 recipes whose trainer sends after backward). ``wire_bytes`` is the busiest node's veth bytes a step
 in the timed window (steady state: SCAPE's dense first step is outside it). One ``efficiency`` for
-every recipe; ``compute`` and ``hidden`` per recipe.
+every recipe; ``compute`` and ``hidden`` per recipe. The "hinge-per-collective" model (``--collectives``:
+a ``cluster.py collectives`` result, read by ``collectives.per_op``) splits a point's wire bytes by
+collective (:func:`wire_split`: the recipe's steady ledger bytes per collective times the collective's
+measured wire/ledger) and divides each collective's bytes by its efficiency measured alone, the mean
+over the result's rates and sizes; the fitted ``efficiency`` is then what is left over them.
 
 Checks, each on real points the fit did not see:
 
@@ -115,12 +120,28 @@ def overlap_share(doc: dict, recipe: str) -> float:
     return wire["backward"] / total if total else 0.0
 
 
-# the models compared (fit_step_model's options): "hinge" is the one the projection uses
+# the models compared (fit_step_model's options): the projection uses "hinge", or "hinge-per-collective"
+# when the collectives' own efficiencies were measured (collectives.py; `project --collectives`)
 VARIANTS = {
     "flat": "no overlap: step = compute + link time (one line through both regimes)",
     "hinge": "the recipe's whole link time may run under compute (hidden); GIFT none",
     "hinge-backward-ops": "only the bytes of the collectives launched during backward may (overlap_share); GIFT none",
+    "hinge-per-collective": "hinge, each collective's wire bytes at its own measured efficiency (collectives.py)",
 }
+PER_COLLECTIVE = "hinge-per-collective"
+
+
+def wire_split(doc: dict, recipe: str, wire_per_ledger: dict) -> dict:
+    """The shares of ``recipe``'s wire bytes by collective: its steady ledger bytes by op
+    (:func:`steady_bytes_per_param`) times each op's measured wire bytes per ledger byte
+    (``wire_per_ledger``, from ``collectives.per_op``: gloo's reduce-scatter sends twice the ring's)."""
+    by_op = steady_bytes_per_param(doc, recipe, "ledger_by_op_per_step")
+    unknown = sorted(op for op, b in by_op.items() if b and op not in wire_per_ledger)
+    if unknown:
+        raise SystemExit(f"calibrate: the collectives result has no {unknown} (recipe {recipe} sends through them)")
+    wire = {op: b * wire_per_ledger[op] for op, b in by_op.items() if b}
+    total = sum(wire.values())
+    return {op: b / total for op, b in wire.items()}
 
 
 def is_paired(doc: dict) -> bool:
@@ -128,29 +149,42 @@ def is_paired(doc: dict) -> bool:
     return any("paired_step_s" in p for p in doc["points"])
 
 
-def rows_of(doc: dict, variant: str = "hinge") -> list[dict]:
+def point_row(doc: dict, p: dict, variant: str = "hinge", collectives: dict | None = None) -> dict:
+    """One point as a :func:`leantrain.comm.cost.fit_step_model` row for ``variant`` (``collectives``:
+    ``collectives.per_op`` of a collectives result, which "hinge-per-collective" needs)."""
+    row = {"recipe": p["recipe"], "rate": p["rate"], "rate_bps": p["rate_bps"], "step_time_s": p["step_time_s"],
+           "wire_bytes": max(p["wire_tx_bytes_per_step"])}
+    if "paired_step_s" in p:
+        row |= {"paired_step_s": p["paired_step_s"], "paired_rate_bps": p["paired_rate_bps"]}
+    if variant == "hinge-backward-ops":
+        row["overlap_share"] = overlap_share(doc, p["recipe"])
+    if variant == PER_COLLECTIVE:
+        split = wire_split(doc, p["recipe"], _need(collectives)["wire_per_ledger"])
+        row["wire_bytes_by_op"] = {op: row["wire_bytes"] * share for op, share in split.items()}
+    return row
+
+
+def _need(collectives: dict | None) -> dict:
+    if collectives is None:
+        raise SystemExit(f"calibrate: the {PER_COLLECTIVE} model needs a collectives result (--collectives FILE, "
+                         "from `cluster.py collectives`)")
+    return collectives
+
+
+def rows_of(doc: dict, variant: str = "hinge", collectives: dict | None = None) -> list[dict]:
     """The sweep's points as :func:`leantrain.comm.cost.fit_step_model` rows for ``variant``; a
     paired sweep's shaped points carry their pair (its unshaped points are the pairs, not rows)."""
-    share = {k: overlap_share(doc, k) for k in doc["recipes"]} if variant == "hinge-backward-ops" else {}
     paired = is_paired(doc)
-    rows = []
-    for p in doc["points"]:
-        if paired and not p["rate_bps"]:
-            continue
-        row = {"recipe": p["recipe"], "rate": p["rate"], "rate_bps": p["rate_bps"], "step_time_s": p["step_time_s"],
-               "wire_bytes": max(p["wire_tx_bytes_per_step"])}
-        if paired:
-            row |= {"paired_step_s": p["paired_step_s"], "paired_rate_bps": p["paired_rate_bps"]}
-        if variant == "hinge-backward-ops":
-            row["overlap_share"] = share[p["recipe"]]
-        rows.append(row)
-    return rows
+    return [point_row(doc, p, variant, collectives) for p in doc["points"] if not (paired and not p["rate_bps"])]
 
 
-def _fit_options(doc: dict, variant: str) -> dict:
+def _fit_options(doc: dict, variant: str, collectives: dict | None = None) -> dict:
     if variant not in VARIANTS:
         raise SystemExit(f"project: unknown model {variant!r}; choose from {sorted(VARIANTS)}")
-    return {"overlap": [] if variant == "flat" else overlapped_recipes(doc)}
+    opts = {"overlap": [] if variant == "flat" else overlapped_recipes(doc)}
+    if variant == PER_COLLECTIVE:
+        opts["op_efficiency"] = _need(collectives)["efficiency"]
+    return opts
 
 
 def _summary(points: list[dict]) -> dict:
@@ -160,15 +194,15 @@ def _summary(points: list[dict]) -> dict:
     return {"points": len(errors), "mean_abs_error": statistics.fmean(errors), "max_abs_error": max(errors)}
 
 
-def fit_and_check(doc: dict, holdout: str, variant: str = "hinge") -> dict:
+def fit_and_check(doc: dict, holdout: str, variant: str = "hinge", collectives: dict | None = None) -> dict:
     """The fit on every rate but ``holdout`` (comma list) and its errors on the held-out points."""
-    rows = rows_of(doc, variant)
+    rows = rows_of(doc, variant, collectives)
     held = set(holdout.split(","))
     missing = held - {r["rate"] for r in rows}
     if missing:
         raise SystemExit(f"project: the sweep has no points at {sorted(missing)}; its rates: "
                          f"{sorted({r['rate'] for r in rows})}")
-    opts = _fit_options(doc, variant)
+    opts = _fit_options(doc, variant, collectives)
     res = held_out_check(rows, lambda r: r["rate"] in held, **opts)
     m, ref = res["model"], doc["reference"]
     return {"model": m, "variant": variant, "fit": res["fit"], "held_out": res["held_out"], "holdout_rate": holdout,
@@ -178,11 +212,11 @@ def fit_and_check(doc: dict, holdout: str, variant: str = "hinge") -> dict:
                                   if ref.get(k) in m.compute_s and ref[k] != k}}
 
 
-def leave_one_rate_out(doc: dict, variant: str = "hinge") -> dict:
+def leave_one_rate_out(doc: dict, variant: str = "hinge", collectives: dict | None = None) -> dict:
     """Every shaped point predicted by a model fitted without its rate; errors overall, by recipe
     and by rate."""
-    rows = rows_of(doc, variant)
-    opts = _fit_options(doc, variant)
+    rows = rows_of(doc, variant, collectives)
+    opts = _fit_options(doc, variant, collectives)
     points, efficiency = [], {}
     for rate in dict.fromkeys(r["rate"] for r in rows if r["rate_bps"]):
         res = held_out_check(rows, lambda r, rate=rate: r["rate"] == rate, **opts)
@@ -195,23 +229,27 @@ def leave_one_rate_out(doc: dict, variant: str = "hinge") -> dict:
             "link_bound": _summary([p for p in points if p["comm_share_model"] >= LINK_BOUND_SHARE])}
 
 
-def validate_on(doc: dict, other: dict, variant: str = "hinge") -> dict:
+def validate_on(doc: dict, other: dict, variant: str = "hinge", collectives: dict | None = None) -> dict:
     """A model fitted on every point of ``doc`` predicts every point of ``other`` (another sweep of the
     same grid: a later day, other rates); errors per point, overall and on the link-bound ones."""
-    opts = _fit_options(doc, variant)
+    opts = _fit_options(doc, variant, collectives)
     known = set(doc["recipes"])
-    rows = rows_of(doc, variant) + [dict(r, new=True) for r in rows_of(other, variant) if r["recipe"] in known]
+    rows = rows_of(doc, variant, collectives) + [dict(r, new=True) for r in rows_of(other, variant, collectives)
+                                                 if r["recipe"] in known]
     res = held_out_check(rows, lambda r: r.get("new", False), **opts)
     return {"source": other.get("command"), "date": other["environment"]["date"], "points": res["held_out"],
             "summary": _summary(res["held_out"]), "efficiency": res["model"].efficiency,
             "link_bound": _summary([p for p in res["held_out"] if p["comm_share_model"] >= LINK_BOUND_SHARE])}
 
 
-def compare_models(doc: dict, holdout: str) -> list[dict]:
-    """Each of VARIANTS on the same two checks: held-out and leave-one-rate-out errors."""
+def compare_models(doc: dict, holdout: str, collectives: dict | None = None) -> list[dict]:
+    """Each of VARIANTS on the same two checks: held-out and leave-one-rate-out errors ("hinge-per-
+    collective" only with ``collectives``)."""
     out = []
     for variant, what in VARIANTS.items():
-        fc, cv = fit_and_check(doc, holdout, variant), leave_one_rate_out(doc, variant)
+        if variant == PER_COLLECTIVE and collectives is None:
+            continue
+        fc, cv = fit_and_check(doc, holdout, variant, collectives), leave_one_rate_out(doc, variant, collectives)
         out.append({"variant": variant, "description": what, "efficiency": fc["model"].efficiency,
                     "held_out": fc["summary"], "held_out_link_bound": fc["link_bound"],
                     "leave_one_rate_out": cv["summary"], "leave_one_rate_out_link_bound": cv["link_bound"]})
@@ -253,10 +291,18 @@ def markdown(fit: dict, cv: dict, comparison: list[dict]) -> list[str]:
     """The fit's section of the projection's markdown."""
     m = fit["model"]
     s, lb = fit["summary"], fit["link_bound"]
-    L = ["Model: step = compute(recipe) + max(0, 8 x wire bytes / (efficiency x rate) - hidden(recipe)) "
+    if m.op_efficiency:
+        link = ("8 x sum over collectives of (wire bytes of the collective / its efficiency) / (efficiency x rate); "
+                "each collective's efficiency measured alone on the same links (collectives.py, the mean over rates "
+                "and sizes: " + ", ".join(f"{op} {e:.3f}" for op, e in m.op_efficiency.items()) + "), a recipe's "
+                "wire bytes split by its ledger bytes per collective times the collective's measured wire/ledger")
+        what = "the efficiency left over the collectives' own"
+    else:
+        link, what = "8 x wire bytes / (efficiency x rate)", "efficiency"
+    L = [f"Model ({fit['variant']}): step = compute(recipe) + max(0, link - hidden(recipe)), link = {link} "
          "(leantrain.comm.cost.fit_step_model); hidden = 0 for the recipes whose trainer sends after backward "
          f"({', '.join(r for r in m.compute_s if r not in fit['overlap'])}).",
-         f"Fitted on every rate but {fit['holdout_rate']}: efficiency {m.efficiency:.3f} of the nominal rate; "
+         f"Fitted on every rate but {fit['holdout_rate']}: {what} {m.efficiency:.3f} of the nominal rate; "
          f"latency {'fitted' if m.alpha_fitted else 'not separable from compute here (no delay sweep, no call counts)'}.",
          "", "| recipe | compute s (unlimited link) | hidden s (link time under compute) | kernels' overhead vs reference s |",
          "|---|---|---|---|"]

@@ -11,6 +11,8 @@
     # the table and plot again from a sweep's JSON; the cost model's fit and projection
     python benchmarks/cluster/cluster.py report benchmarks/results/comm-cluster/<date>_cpu-netns.json
     python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
+    # each collective alone: its efficiency and wire bytes per rate (collectives.py)
+    python benchmarks/cluster/cluster.py collectives --rates 1gbit,300mbit,100mbit
 
 Each node is a network namespace on a bridge (``netns.py``); its ranks run under one
 ``torchrun --nnodes M --node-rank i`` inside it, gloo bound to the node's veth
@@ -49,6 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+import collectives  # noqa: E402
 from netns import IFNAME, Cluster, ClusterError, rate_bps, teardown  # noqa: E402
 from phases import CpuMeter, phase_after, run_steps, schedule, split_points, wait_until_idle  # noqa: E402
 
@@ -377,7 +380,32 @@ def cmd_report(a, _user) -> int:
 def cmd_project(a, _user) -> int:
     from project import write_projection
 
-    for p in write_projection(Path(a.json), holdout=a.holdout, validate=tuple(Path(v) for v in a.validate)):
+    for p in write_projection(Path(a.json), holdout=a.holdout, validate=tuple(Path(v) for v in a.validate),
+                              collectives=Path(a.collectives) if a.collectives else None):
+        print(p)
+    return 0
+
+
+def cmd_collectives(a, _user) -> int:
+    """Each collective alone at each rate (``collectives.py``), in one cluster whose links change rate."""
+    sizes = [int(s) for s in a.sizes.split(",")]
+    doc = {"what": "each collective the trainer uses, timed alone on the namespace cluster at each rate: seconds, "
+                   "wire and ledger bytes, efficiency (collectives.py)",
+           "command": shlex.join(["python", *sys.argv]), "environment": environment(), "nodes": a.nodes,
+           "ranks_per_node": a.ranks_per_node, "reps": a.reps, "sizes": sizes, "nice": a.nice,
+           "loadavg_before": os.getloadavg(),
+           "rows": []}
+    try:
+        with Cluster(a.nodes, None) as c:
+            for rate in a.rates.split(","):
+                doc["rows"] += collectives.measure_rate(c, rate, nodes=a.nodes, ranks_per_node=a.ranks_per_node,
+                                                        sizes=sizes, reps=a.reps, timeout=a.timeout, nice=a.nice)
+                print(f"{rate}: " + "  ".join(f"{r['op']} {r['efficiency']:.2f}" for r in doc["rows"]
+                                              if r["rate"] == rate), flush=True)
+    except ClusterError as e:
+        return _refuse(e)
+    doc["loadavg_after"] = os.getloadavg()
+    for p in collectives.write_result(doc, Path(a.out), a.hardware):
         print(p)
     return 0
 
@@ -431,6 +459,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="the rates (comma list) whose points are predicted, not fitted")
     p.add_argument("--validate", action="append", default=[],
                    help="another sweep's JSON whose points the model fitted on every point of the first predicts")
+    p.add_argument("--collectives", default=None,
+                   help="a `collectives` result: the model takes each collective's measured efficiency and wire bytes")
+    p = sub.add_parser("collectives", help="each collective alone at each rate (collectives.py)")
+    p.add_argument("--rates", default=",".join(collectives.RATES), help="shaped rates (comma list)")
+    p.add_argument("--sizes", default=",".join(map(str, collectives.SIZES)),
+                   help="payload bytes (comma list; see collectives.OPS)")
+    p.add_argument("--reps", type=int, default=collectives.REPS,
+                   help="timed calls an op, size and rate (their mean is kept)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a rate may take")
+    p.add_argument("--nice", type=int, default=-10,
+                   help="the ranks' niceness (negative: ahead of other work on the host, for steadier timings)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
+    p.add_argument("--hardware", default="cpu-netns")
     p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
@@ -438,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "clean":
         teardown()
         return 0
-    return {"run": cmd_run, "sweep": cmd_sweep, "report": cmd_report, "project": cmd_project}[a.cmd](a, user)
+    return {"run": cmd_run, "sweep": cmd_sweep, "report": cmd_report, "project": cmd_project,
+            "collectives": cmd_collectives}[a.cmd](a, user)
 
 
 if __name__ == "__main__":

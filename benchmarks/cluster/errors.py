@@ -62,14 +62,19 @@ def features(p: dict, q: dict, doc: dict) -> dict:
     return f
 
 
-def compute_vs_load(doc: dict, model) -> dict:
+def _plain_row(p: dict) -> dict:
+    return {"recipe": p["recipe"], "rate_bps": p["rate_bps"], "wire_bytes": max(p["wire_tx_bytes_per_step"])}
+
+
+def compute_vs_load(doc: dict, model, row_of=_plain_row) -> dict:
     """Among the compute-bound points (the replaced runs included), r and the slope of
-    ``log(step / the recipe's fitted compute)`` against the host's 1-minute load."""
+    ``log(step / the recipe's fitted compute)`` against the host's 1-minute load; ``row_of``: a
+    point as the model's row (``calibrate.point_row`` for the model's variant)."""
     x, y = [], []
     for p in doc["points"] + doc.get("replaced_points", []):
         if p["recipe"] not in model.compute_s:
             continue
-        row = {"recipe": p["recipe"], "rate_bps": p["rate_bps"], "wire_bytes": max(p["wire_tx_bytes_per_step"])}
+        row = dict(row_of(p), paired_step_s=None)
         if model.comm_s(row) / model.predict(row) < COMPUTE_BOUND_SHARE:
             x.append(p["loadavg"][0])
             y.append(math.log(p["step_time_s"] / model.compute_s[p["recipe"]]))
@@ -81,9 +86,9 @@ def compute_vs_load(doc: dict, model) -> dict:
     return {"points": len(x), "r": r, "log_step_per_load": slope}
 
 
-def error_sources(doc: dict, cv: dict, model) -> dict:
+def error_sources(doc: dict, cv: dict, model, row_of=_plain_row) -> dict:
     """The analysis (see the module docstring); ``cv``: ``calibrate.leave_one_rate_out(doc)``,
-    ``model``: the model fitted on every point but the held-out rates."""
+    ``model``: the model fitted on every point but the held-out rates, ``row_of``: a point as its row."""
     by_key = {(p["recipe"], p["rate"]): p for p in doc["points"]}
     pairs = [(by_key[(q["recipe"], q["rate"])], q) for q in cv["points"]]
     regimes = {"link-bound": lambda s: s >= LINK_BOUND_SHARE,
@@ -102,7 +107,7 @@ def error_sources(doc: dict, cv: dict, model) -> dict:
     return {"by_regime": by_regime, "correlations": correlations,
             "within_run_spread": {"median": statistics.median(spreads), "max": max(spreads),
                                   "median_se_of_median": statistics.median(se)},
-            "compute_vs_load": compute_vs_load(doc, model),
+            "compute_vs_load": compute_vs_load(doc, model, row_of),
             "calls_recorded": any(p.get("ledger_calls_per_step") for p in doc["points"])}
 
 

@@ -1,6 +1,7 @@
 """The cost model fitted to a cluster sweep, checked on held-out points, projected to the papers' settings.
 
-    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
+    python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json \
+        [--collectives benchmarks/results/comm-cluster/<date>_cpu-netns_collectives.json]
 
 Fit and checks: ``calibrate.py`` (the held-out rates, leave one rate out, the compute's own spread).
 
@@ -9,7 +10,9 @@ other sizes) + the technique's kernels (measured on an H200 where a committed fi
 communication from :func:`leantrain.comm.cost.estimate_time` at the paper's link rates, with the
 ledger's bytes per parameter measured here (steady state) rescaled from this
 cluster's layout to the target's (ring: (N-1)/N; intra-node: (g-1)/g; the hierarchical inter-node
-stage: (M-1)/M / g) and divided by the efficiency fitted here. Two figures a row: with no overlap
+stage: (M-1)/M / g) and divided by the efficiency fitted here (capped at 1). The per-collective
+efficiencies a "hinge-per-collective" model carries (``--collectives``) are gloo's over TCP and are
+not carried over: NCCL's collectives were not measured here. Two figures a row: with no overlap
 (every byte after compute: an upper bound on communication's cost) and with the overlap the
 fitted model has, carried to the GPU: the collectives the trainer launches during backward
 (``calibrate.gradient_ops``) run under the backward (BACKWARD_SHARE of the compute), the rest after it. Every
@@ -29,15 +32,18 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(HERE))
 from calibrate import (  # noqa: E402
+    PER_COLLECTIVE,
     bytes_by_path,
     compare_models,
     compute_spread,
     fit_and_check,
     leave_one_rate_out,
+    point_row,
     repeatability,
     validate_on,
 )
 from calibrate import markdown as fit_markdown  # noqa: E402
+from collectives import per_op  # noqa: E402
 from errors import error_sources  # noqa: E402
 from errors import markdown as errors_markdown  # noqa: E402
 
@@ -161,6 +167,15 @@ def project(doc: dict, model, h200: dict) -> list[dict]:
 
 
 def _assumptions(m, h200: dict) -> list[str]:
+    if m.op_efficiency:
+        efficiency = (f"divided by the efficiency fitted here over the collectives' own ({m.efficiency:.3f}, capped "
+                      "at 1), and not by gloo's per-collective efficiencies measured here ("
+                      + ", ".join(f"{op} {e:.2f}" for op, e in m.op_efficiency.items())
+                      + "): those are gloo's algorithms over TCP on these links (its all-to-all and all-gather often "
+                      "send one direction after the other), not NCCL's, which were not measured")
+    else:
+        efficiency = (f"divided by the efficiency fitted here ({m.efficiency:.3f}, capped at 1): the share of the "
+                      "nominal rate gloo over TCP reached on the shaped links, assumed for NCCL on the papers' networks")
     return [
         f"compute: the 1b preset's step on one H200, {h200['step_1b_s'] * 1e3:.1f} ms ({h200['step_1b_source']}); "
         "other sizes scaled by parameter count; the same for every recipe (the optimizer step's differences ignored)",
@@ -170,8 +185,7 @@ def _assumptions(m, h200: dict) -> list[str]:
         f"SCAPE's dense first step taken out), rescaled to the target layout "
         f"(ring (N-1)/N, intra (g-1)/g, inter (M-1)/M/g), times the parameters; time by "
         f"leantrain.comm.cost.estimate_time at {INTRA_GBPS:g} GB/s intra-node (its NVLink default) and the paper's "
-        f"inter-node rate per GPU, divided by the efficiency fitted here ({m.efficiency:.3f}, capped at 1): the share "
-        "of the nominal rate gloo over TCP reached on the shaped links, assumed for NCCL on the papers' networks",
+        f"inter-node rate per GPU, {efficiency}",
         f"overlap (the 'step speedup' column): the collectives the trainer launches during backward (DDP's buckets, "
         f"the sharded optimizer's gradient reduce-scatter / SDP4Bit's all-to-all) hide under the backward, "
         f"{BACKWARD_SHARE:.2f} of the compute; the weights' all-gather (SCAPE's mask with it) and GIFT's reduction run "
@@ -185,31 +199,38 @@ def _assumptions(m, h200: dict) -> list[str]:
     ]
 
 
-def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[Path, ...] = ()) -> list[Path]:
+def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[Path, ...] = (),
+                     collectives: Path | None = None) -> list[Path]:
     """The fit, its checks (and, for each sweep in ``validate``, its prediction of that sweep's
-    points) and the projection, as ``<today>_<hardware>_projection.{json,md}`` beside ``json_path``."""
+    points) and the projection, as ``<today>_<hardware>_projection.{json,md}`` beside ``json_path``.
+    With ``collectives`` (a ``cluster.py collectives`` result) the model is "hinge-per-collective":
+    each collective's efficiency is the result's mean over its rates and sizes."""
     doc = json.loads(Path(json_path).read_text())
-    fc = fit_and_check(doc, holdout)
+    coll = per_op(json.loads(Path(collectives).read_text())) if collectives else None
+    variant = PER_COLLECTIVE if coll else "hinge"
+    fc = fit_and_check(doc, holdout, variant, coll)
     fc["compute_spread"] = compute_spread(doc, fc)
     fc["repeatability"] = repeatability(doc)
-    fc["validation"] = [validate_on(doc, json.loads(Path(v).read_text())) for v in validate]
-    comparison = compare_models(doc, holdout)
-    cv = leave_one_rate_out(doc)
+    fc["validation"] = [validate_on(doc, json.loads(Path(v).read_text()), variant, coll) for v in validate]
+    comparison = compare_models(doc, holdout, coll)
+    cv = leave_one_rate_out(doc, variant, coll)
     m = fc["model"]
-    sources = error_sources(doc, cv, m)
+    sources = error_sources(doc, cv, m, lambda p: point_row(doc, p, variant, coll))
     h200 = h200_inputs()
     proj = project(doc, m, h200)
     hardware = Path(json_path).stem.split("_", 1)[-1]  # the sweep's <date>_<hardware>
     base = Path(json_path).parent / f"{datetime.date.today().isoformat()}_{hardware}_projection"
-    src = Path(json_path).resolve()
-    doc_out = {"what": f"the step-time cost model (alpha-beta with overlap under compute) fitted to the {hardware} "
+    per = ", each collective at its efficiency measured alone" if coll else ""
+    doc_out = {"what": f"the step-time cost model (alpha-beta with overlap under compute{per}) fitted to the {hardware} "
                        f"sweep, its errors on held-out points ({holdout}; leave one rate out), and its projection "
                        "to SDP4Bit's, SCAPE's and GIFT's settings",
-               "source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
+               "source": _source(json_path),
                "command": f"python benchmarks/cluster/cluster.py project {json_path} --holdout {holdout}"
-                          + "".join(f" --validate {v}" for v in validate),
-               "fit": {"compute_s": m.compute_s, "hidden_s": m.hidden_s, "overlapped_recipes": fc["overlap"],
-                       "efficiency": m.efficiency, "alpha_s": m.alpha_s, "alpha_fitted": m.alpha_fitted,
+                          + "".join(f" --validate {v}" for v in validate)
+                          + (f" --collectives {collectives}" if collectives else ""),
+               "fit": {"variant": variant, "compute_s": m.compute_s, "hidden_s": m.hidden_s,
+                       "overlapped_recipes": fc["overlap"], "efficiency": m.efficiency, "op_efficiency": m.op_efficiency,
+                       "collectives": _source(collectives) if collectives else None, "collectives_per_op": coll, "alpha_s": m.alpha_s, "alpha_fitted": m.alpha_fitted,
                        "kernel_overhead_s": fc["kernel_overhead_s"], "holdout_rate": holdout,
                        "held_out_summary": fc["summary"], "held_out_link_bound_summary": fc["link_bound"],
                        "compute_spread": fc["compute_spread"], "repeatability": fc["repeatability"],
@@ -219,6 +240,11 @@ def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[
     Path(f"{base}.json").write_text(json.dumps(doc_out, indent=1))
     Path(f"{base}.md").write_text(markdown(doc_out, fc, cv, comparison))
     return [Path(f"{base}.json"), Path(f"{base}.md")]
+
+
+def _source(path: Path) -> str:
+    src = Path(path).resolve()
+    return str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src)
 
 
 def markdown(d: dict, fc: dict, cv: dict, comparison: list[dict]) -> str:

@@ -20,7 +20,14 @@ bound) and does not model overlap with compute; the fitted step model below does
 ``wire_bytes`` are the bytes per step on the busiest shaped link (the interface counters: the
 collective algorithm's real traffic and the protocol's overhead included), ``R`` its rate in
 bit/s, ``efficiency`` the share of the nominal rate a collective achieves while it sends (gaps
-between messages, TCP's window), ``alpha`` the latency per collective call. ``compute_recipe``
+between messages, TCP's window), ``alpha`` the latency per collective call. With per-collective
+efficiencies (``op_efficiency``, measured apart: each collective alone on the same links) a row
+carries its wire bytes split by collective, ``wire_bytes_by_op``, and
+
+    link_s = 8 * sum over ops o of (wire_bytes_o / op_efficiency_o) / (efficiency * R)
+
+so the fitted ``efficiency`` is what is left once each collective's own share of the rate is
+accounted for (1: the collectives achieve in a step what they achieve alone). ``compute_recipe``
 is the step with an unlimited link: the model's compute plus the technique's compression
 kernels (a recipe minus its uncompressed reference is the kernels' cost; it does not depend on
 the link). ``hidden_recipe`` is the compute the recipe's communication runs under: where the
@@ -93,21 +100,41 @@ def estimate_time(
     return out
 
 
+def effective_wire_bytes(row: dict, op_efficiency: dict[str, float] | None = None) -> float:
+    """The row's ``wire_bytes``, or with ``op_efficiency`` the sum over its ``wire_bytes_by_op`` of
+    each collective's bytes over its efficiency (the bytes a link at the collective's full rate
+    would carry in the same time). Collectives with no bytes need no efficiency."""
+    if op_efficiency is None:
+        return row["wire_bytes"]
+    by_op = row.get("wire_bytes_by_op")
+    if by_op is None:
+        raise ValueError(f"a row of {row['recipe']!r} has no wire_bytes_by_op, which per-collective "
+                         "efficiencies (op_efficiency) need")
+    unknown = sorted(op for op, b in by_op.items() if b and op not in op_efficiency)
+    if unknown:
+        raise ValueError(f"op_efficiency has no efficiency for {unknown} (a row of {row['recipe']!r} sends "
+                         f"bytes through them); it has {sorted(op_efficiency)}")
+    return sum(b / op_efficiency[op] for op, b in by_op.items() if b)
+
+
 @dataclass
 class StepModel:
     """A fitted step-time model (see the module docstring); ``predict`` takes a measurement row
-    (``recipe``, ``wire_bytes``, ``rate_bps``, optionally ``calls`` and ``overlap_share``)."""
+    (``recipe``, ``wire_bytes``, ``rate_bps``, optionally ``calls``, ``overlap_share``, the paired
+    step, and ``wire_bytes_by_op``, which a model with ``op_efficiency`` needs)."""
 
     compute_s: dict[str, float]
     alpha_s: float
     efficiency: float
     alpha_fitted: bool = True
     hidden_s: dict[str, float] = field(default_factory=dict)
+    op_efficiency: dict[str, float] | None = None
 
     def link_s(self, row: dict) -> float:
-        """Seconds the row's bytes keep its link busy at the fitted efficiency (0 unshaped)."""
+        """Seconds the row's bytes keep its link busy at the fitted efficiency (and each
+        collective's ``op_efficiency`` when the model has them; 0 unshaped)."""
         rate = row.get("rate_bps")
-        return 0.0 if not rate else 8 * row["wire_bytes"] / (self.efficiency * rate)
+        return 0.0 if not rate else 8 * effective_wire_bytes(row, self.op_efficiency) / (self.efficiency * rate)
 
     def comm_s(self, row: dict) -> float:
         """Seconds communication adds to the step: latency plus the link time not hidden under compute."""
@@ -164,14 +191,15 @@ def _hinge_fit(t, u, w, overlaps: bool) -> tuple[float, float, float]:
     return min((x for x in feasible if x[2] <= best * (1 + 1e-9) + 1e-15), key=lambda x: x[1])
 
 
-def _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, iterations=30):
+def _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, op_efficiency=None, iterations=30):
     """Best ``(loss, compute, hidden, alpha)`` at a fixed ``k = 1 / efficiency``: per-recipe hinge
     fits, alternated with the least-squares latency ``alpha`` when it is fitted."""
     import numpy as np
 
     t = np.array([r["step_time_s"] for r in rows])
     w = 1.0 / t**2  # relative error
-    x = np.array([8 * r["wire_bytes"] / r["rate_bps"] if r.get("rate_bps") else 0.0 for r in rows])
+    x = np.array([8 * effective_wire_bytes(r, op_efficiency) / r["rate_bps"] if r.get("rate_bps") else 0.0
+                  for r in rows])
     calls = np.array([float(r.get("calls", 0)) for r in rows])
     share = np.array([float(r.get("overlap_share", 1.0)) for r in rows])
     idx = {name: np.array([i for i, r in enumerate(rows) if r["recipe"] == name]) for name in recipes}
@@ -226,15 +254,16 @@ def _paired_hidden_fit(d, u, v, w, overlaps: bool, upper: float) -> tuple[float,
     return float(min(h for x, h in scored if x <= best * (1 + 1e-9) + 1e-15)), best
 
 
-def _paired_fit_at(rows, recipes, overlap, k):
+def _paired_fit_at(rows, recipes, overlap, k, op_efficiency=None):
     """Best ``(loss, compute, hidden)`` of paired rows at ``k = 1 / efficiency``; compute is the
     median over a recipe's rows of its paired step less that step's unhidden link time."""
     import numpy as np
 
     t = np.array([r["step_time_s"] for r in rows])
     d = t - np.array([r["paired_step_s"] for r in rows])
-    u = np.array([k * 8 * r["wire_bytes"] / r["rate_bps"] if r.get("rate_bps") else 0.0 for r in rows])
-    v = np.array([k * 8 * r["wire_bytes"] / r["paired_rate_bps"] if r.get("paired_rate_bps") else 0.0 for r in rows])
+    wire = [effective_wire_bytes(r, op_efficiency) for r in rows]
+    u = np.array([k * 8 * b / r["rate_bps"] if r.get("rate_bps") else 0.0 for b, r in zip(wire, rows)])
+    v = np.array([k * 8 * b / r["paired_rate_bps"] if r.get("paired_rate_bps") else 0.0 for b, r in zip(wire, rows)])
     w = 1.0 / t**2  # relative error of the step
     loss, compute, hidden = 0.0, {}, {}
     for name in recipes:
@@ -269,14 +298,19 @@ def _search_efficiency(loss) -> float:
     return math.exp((lo + hi) / 2)
 
 
-def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> StepModel:
+def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=(),
+                   op_efficiency: dict[str, float] | None = None) -> StepModel:
     """Weighted least-squares fit of :class:`StepModel` to measured rows.
 
     Each row: ``recipe``, ``step_time_s``, ``wire_bytes`` (per step, on the busiest link),
     ``rate_bps`` (None or 0: unshaped, no link term) and optionally ``calls`` (collective calls a
-    step) and ``overlap_share`` (the share of the link time that may run under compute, default 1;
-    constant within a recipe). ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
-    for them; the others get 0). Rows are weighted by ``1 / step_time_s``, so the fit minimizes
+    step), ``overlap_share`` (the share of the link time that may run under compute, default 1;
+    constant within a recipe) and ``wire_bytes_by_op`` (``wire_bytes`` split by collective).
+    ``overlap``: the recipes whose communication runs under compute (a ``hidden`` is fitted
+    for them; the others get 0). ``op_efficiency``: each collective's share of the link's rate,
+    measured apart (every row then needs ``wire_bytes_by_op``; see the module docstring); the
+    fitted ``efficiency`` multiplies them. None: one efficiency for every collective, and
+    ``wire_bytes_by_op`` is not read. Rows are weighted by ``1 / step_time_s``, so the fit minimizes
     relative error. The efficiency is found by a one-dimensional search (a coarse log grid, then
     golden-section refinement); at a fixed efficiency each recipe's compute and hidden time are an
     exact piecewise-quadratic minimum (:func:`_hinge_fit`). Latency is only separable from compute
@@ -290,6 +324,7 @@ def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> Ste
     also unshaped carry no information and may be left out.
     """
     recipes = sorted({r["recipe"] for r in rows})
+    op_efficiency = None if op_efficiency is None else dict(op_efficiency)
     if not any(r.get("rate_bps") and r["wire_bytes"] for r in rows):
         raise ValueError("fit_step_model: no row has a shaped rate, so the bandwidth term cannot be fitted")
     overlap = set(overlap)
@@ -300,13 +335,16 @@ def fit_step_model(rows: list[dict], *, alpha_s: float = 0.0, overlap=()) -> Ste
         if alpha_s:
             raise ValueError("fit_step_model: paired rows cancel a per-call latency (the pair makes the same "
                              "calls); fit them with alpha_s=0")
-        k = _search_efficiency(lambda log_k: _paired_fit_at(rows, recipes, overlap, math.exp(log_k))[0])
-        _, compute, hidden = _paired_fit_at(rows, recipes, overlap, k)
-        return StepModel(compute_s=compute, alpha_s=0.0, efficiency=1.0 / k, alpha_fitted=False, hidden_s=hidden)
+        k = _search_efficiency(lambda log_k: _paired_fit_at(rows, recipes, overlap, math.exp(log_k), op_efficiency)[0])
+        _, compute, hidden = _paired_fit_at(rows, recipes, overlap, k, op_efficiency)
+        return StepModel(compute_s=compute, alpha_s=0.0, efficiency=1.0 / k, alpha_fitted=False, hidden_s=hidden,
+                         op_efficiency=op_efficiency)
     fit_alpha = any(len({r.get("calls", 0) for r in rows if r["recipe"] == k}) > 1 for k in recipes)
-    k = _search_efficiency(lambda log_k: _fit_at(rows, recipes, overlap, math.exp(log_k), alpha_s, fit_alpha)[0])
-    _, compute, hidden, alpha = _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha)
-    return StepModel(compute_s=compute, alpha_s=alpha, efficiency=1.0 / k, alpha_fitted=fit_alpha, hidden_s=hidden)
+    k = _search_efficiency(lambda log_k: _fit_at(rows, recipes, overlap, math.exp(log_k), alpha_s, fit_alpha,
+                                                 op_efficiency)[0])
+    _, compute, hidden, alpha = _fit_at(rows, recipes, overlap, k, alpha_s, fit_alpha, op_efficiency)
+    return StepModel(compute_s=compute, alpha_s=alpha, efficiency=1.0 / k, alpha_fitted=fit_alpha, hidden_s=hidden,
+                     op_efficiency=op_efficiency)
 
 
 def _scored(model: StepModel, row: dict) -> dict:
@@ -336,4 +374,4 @@ def held_out_check(rows: list[dict], held_out, **fit_kwargs) -> dict:
             "mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors)}
 
 
-__all__ = ["StepModel", "estimate_time", "fit_step_model", "held_out_check"]
+__all__ = ["StepModel", "effective_wire_bytes", "estimate_time", "fit_step_model", "held_out_check"]
