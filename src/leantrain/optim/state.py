@@ -40,13 +40,16 @@ import torch
 from torch import Tensor
 
 from leantrain.ops.state8 import StateCodec8, block_inverse
+from leantrain.ops.tiles import ieee_div
 
-STATE_DTYPES = ("fp32", "bf16", "int8", "int8p")
+STATE_DTYPES = ("fp32", "bf16", "int8", "int8p", "fp8", "fp8v")
 MIN_NUMEL = 4096  # smaller tensors keep fp32 state
 MIN_NUMEL_PACKED = 256  # "int8p": one whole block at least
 PACKED_BITS = 32  # "int8p": the absmax's bits ride in the low bits of a block's first 32 codes
 TILE = 16  # 2-D blocks are TILE x TILE = 256 elements
 FLAT_BLOCK = 256
+FP8_MAX = 448.0  # "fp8": the largest finite e4m3 value; a block's absmax maps onto it
+FP8_FLOOR = 2.0**-100  # "fp8": the least absmax a block stores (so 448 / absmax stays finite)
 
 
 @functools.cache
@@ -135,6 +138,46 @@ def dequantize8p(codes: Tensor, signed: bool, shape) -> Tensor:
     return v.reshape(-1)[: int(torch.Size(shape).numel())].view(shape)
 
 
+def quantize_fp8(x: Tensor, signed: bool, root: bool = True) -> tuple[Tensor, Tensor]:
+    """fp32 ``x`` -> (e4m3 codes as ``torch.float8_e4m3fn``, fp32 absmax per block): ``"fp8"``.
+
+    Blocks and shapes as :func:`quantize8`. Per block: ``y`` = the values (unsigned states with
+    ``root``: their square roots), non-finite ones 0; ``absmax = max(max |y|, FP8_FLOOR)``;
+    ``code = e4m3_rne(y * (448 / absmax))`` (IEEE division once a block, then one multiply; the
+    product is at most 448 (1 + 2**-23), which rounds to 448)."""
+    y = x.float()
+    if not signed and root:
+        y = torch.sqrt(y)
+    if tile_blocks(x.shape) is None:
+        n = y.numel()
+        nb = -(-n // FLAT_BLOCK)
+        blocks = torch.nn.functional.pad(y.reshape(-1), (0, nb * FLAT_BLOCK - n)).view(nb, FLAT_BLOCK)
+    else:
+        blocks = to_tiles(y)
+        blocks = blocks.reshape(-1, FLAT_BLOCK)
+    blocks = torch.where(torch.isfinite(blocks), blocks, 0.0)
+    absmax = blocks.abs().amax(1).clamp_min(FP8_FLOOR) if blocks.shape[0] else blocks.new_zeros(0)
+    codes = (blocks * ieee_div(FP8_MAX, absmax)[:, None]).to(torch.float8_e4m3fn)
+    if tile_blocks(x.shape) is None:
+        return codes.view(torch.uint8).reshape(-1)[: x.numel()].view(torch.float8_e4m3fn).view(x.shape), absmax
+    rb, cb = tile_blocks(x.shape)
+    return codes.view(rb, cb, TILE, TILE), absmax.view(rb, cb)
+
+
+def dequantize_fp8(codes: Tensor, absmax: Tensor, signed: bool, shape, root: bool = True) -> Tensor:
+    """``"fp8"`` codes -> fp32 tensor of ``shape``: ``fp32(code) * (absmax / 448)`` (IEEE division
+    once a block, then one multiply), squared for unsigned states with ``root``."""
+    flat = absmax.reshape(-1)
+    scale = ieee_div(flat, FP8_MAX)
+    if codes.dim() == 4:
+        v = from_tiles(codes.float() * scale.view(absmax.shape)[:, :, None, None], shape)
+    else:
+        n = codes.numel()
+        blk = torch.arange(n, device=codes.device) // FLAT_BLOCK
+        v = (codes.reshape(-1).float() * scale[blk]).view(codes.shape)
+    return v * v if not signed and root else v
+
+
 class StateStorage:
     """How a rule's state tensors are stored: ``StateStorage("fp32" | "bf16" | "int8")``."""
 
@@ -147,7 +190,7 @@ class StateStorage:
     def kind_for(self, p: Tensor, force_fp32: bool = False) -> str:
         if force_fp32 or self.dtype == "fp32":
             return "fp32"
-        if self.dtype == "int8" and p.numel() < self.min_numel:
+        if self.dtype in ("int8", "fp8", "fp8v") and p.numel() < self.min_numel:
             return "fp32"
         if self.dtype == "int8p" and p.numel() < min(self.min_numel, MIN_NUMEL_PACKED):
             return "fp32"
@@ -164,6 +207,11 @@ class StateStorage:
                 out[name] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
             elif kind == "int8p":
                 out[name] = quantize8p(torch.zeros(p.shape, device=p.device), name in rule.signed_states)
+            elif kind in ("fp8", "fp8v"):
+                codes, absmax = quantize_fp8(torch.zeros(p.shape, device=p.device), name in rule.signed_states,
+                                             kind == "fp8")
+                out[name] = codes if kind == "fp8" else codes.view(torch.float8_e4m3fnuz)
+                out[name + "_absmax"] = absmax
             else:
                 signed = name in rule.signed_states
                 codes, absmax = quantize8(torch.zeros(p.shape, device=p.device), signed)
@@ -175,7 +223,8 @@ class StateStorage:
         t = state[name]
         if t.dtype == torch.uint8:
             return "int8" if name + "_absmax" in state else "int8p"
-        return {torch.float32: "fp32", torch.bfloat16: "bf16"}[t.dtype]
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8",
+                torch.float8_e4m3fnuz: "fp8v"}[t.dtype]
 
     @staticmethod
     def kernel_table(state: dict, name: str, signed: bool, device):
@@ -201,6 +250,8 @@ class StateStorage:
             return t.float()
         if kind == "int8p":
             return dequantize8p(t, signed, t.shape if shape is None else shape)
+        if kind in ("fp8", "fp8v"):
+            return dequantize_fp8(t.view(torch.float8_e4m3fn), state[name + "_absmax"], signed, shape, kind == "fp8")
         return dequantize8(t, state[name + "_absmax"], signed, shape)
 
     @staticmethod
@@ -210,6 +261,16 @@ class StateStorage:
         if StateStorage.kind_of(state, name) == "int8p":
             codes = quantize8p(value, signed)
             t.copy_(codes if keep_old is None else torch.where(keep_old, t, codes))
+            return
+        kind = StateStorage.kind_of(state, name)
+        if kind in ("fp8", "fp8v"):
+            codes, absmax = quantize_fp8(value, signed, kind == "fp8")
+            codes = codes.view(torch.uint8)
+            if keep_old is not None:
+                codes = torch.where(keep_old, t.view(torch.uint8), codes)
+                absmax = torch.where(keep_old, state[name + "_absmax"], absmax)
+            t.view(torch.uint8).copy_(codes)
+            state[name + "_absmax"].copy_(absmax)
             return
         if t.dtype == torch.uint8:
             codes, absmax = quantize8(value, signed)
