@@ -77,7 +77,8 @@ def dyn_row(rule_name: str, hp: dict, step: int, gate: float = 1.0) -> np.ndarra
 def map_sign(qmap) -> int:
     """1 / 0: ``qmap`` is a :class:`~leantrain.ops.state8.StateCodec8` device table of the signed /
     unsigned dynamic map (the codec marks the tables it makes), whose closed-form encoder is then
-    compiled for that sign; -1: another table (the generic encoder, which reads the sign from it)."""
+    compiled for that sign, or an fp8 state's :class:`~leantrain.ops.update.Fp8Table`; -1: another
+    table (the generic encoder, which reads the sign from it)."""
     signed = getattr(qmap, "_lt_signed", None)
     return -1 if signed is None else int(signed)
 
@@ -210,13 +211,19 @@ def epilogue_args(rule_name: str, hp: dict | None, step: int, kinds, qtables, dy
     return Launch(scal, flags, kind1, kind2, signs)
 
 
+def _codes(t, kind: int):
+    """A state tensor as the kernel reads it: fp8 codes (``torch.float8_e4m3fn``) as their uint8 bits."""
+    return t.view(torch.uint8) if kind == STATE_KIND["fp8"] else t
+
+
 def state_args(dummy, states, bias_states, qtables, kind1: int, kind2: int) -> tuple:
     """``S1, S2, A1, A2, BS1, BS2, Q1, Q2`` (``dummy`` for those a launch does not have)."""
     nstate, nb = len(states), len(bias_states)
-    int8 = STATE_KIND["int8"]
+    int8, fp8 = STATE_KIND["int8"], STATE_KIND["fp8"]
     q1, a1 = qtables[0] if kind1 >= int8 else (dummy, dummy)
     q2, a2 = qtables[1] if kind2 >= int8 else (dummy, dummy)
-    return (states[0] if nstate > 0 else dummy, states[1] if nstate > 1 else dummy,
+    q1, q2 = dummy if kind1 == fp8 else q1, dummy if kind2 == fp8 else q2  # (fp8: no map table)
+    return (_codes(states[0], kind1) if nstate > 0 else dummy, _codes(states[1], kind2) if nstate > 1 else dummy,
             dummy if a1 is None else a1, dummy if a2 is None else a2,  # (int8p: no absmax tensor)
             bias_states[0] if nb > 0 else dummy, bias_states[1] if nb > 1 else dummy, q1, q2)
 
@@ -250,8 +257,9 @@ def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(),
     bf16, read in fp32) and ``gb`` (the bias's, with ``b``). Returns the per-tile sums of squares.
 
     ``states`` the stored state tensors of W (codes ``[RB, CB, 16, 16]`` for int8) and ``kinds``
-    their kinds (``"fp32" | "bf16" | "int8" | "int8p"``); ``qtables`` one ``(qmap, absmax)`` per int8
-    state, ``(qmap, None)`` per int8p state (None otherwise); ``bias_states`` fp32 tensors.
+    their kinds (``"fp32" | "bf16" | "int8" | "int8p" | "fp8"``); ``qtables`` one ``(qmap, absmax)`` per
+    int8 state, ``(qmap, None)`` per int8p state, ``(Fp8Table(signed), absmax)`` per fp8 state (None
+    otherwise); ``bias_states`` fp32 tensors.
     ``scale``: an optional fp32 scalar tensor multiplied into the gradient (not finite: nothing is
     stored). ``tune``: a tile (``BLOCK_N, BLOCK_K, num_warps[, GROUP_N, num_stages, maxnreg,
     EARLY_LOADS]``) instead of :func:`update_tile`'s (tuning scripts). ``part``: a reused fp32 buffer
@@ -297,9 +305,10 @@ _ROWS: dict = {}  # (sizes, device) -> the row tables of update_many
 def bucket_ok(p: torch.Tensor, kinds) -> bool:
     """Whether the 1-D parameter ``p`` (its states of ``kinds``) can be stepped with others in one
     :func:`update_many` launch: at most ``BUCKET_MAX`` elements, a multiple of 16 (of 256 with
-    int8p states: whole blocks; int8 states are not taken)."""
+    int8p states: whole blocks; int8 and fp8 states are not taken)."""
     n = p.numel()
-    return p.dim() == 1 and n <= BUCKET_MAX and "int8" not in kinds and n % (256 if "int8p" in kinds else 16) == 0
+    return (p.dim() == 1 and n <= BUCKET_MAX and "int8" not in kinds and "fp8" not in kinds
+            and n % (256 if "int8p" in kinds else 16) == 0)
 
 
 def device_keys(seed: int, indices: list[int], step: int, device) -> torch.Tensor:

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from leantrain.ops.state8 import StateCodec8, block_inverse
 from leantrain.ops.tiles import ieee_div
+from leantrain.ops.update import FP8_FLOOR, FP8_MAX, Fp8Table
 
 STATE_DTYPES = ("fp32", "bf16", "int8", "int8p", "fp8", "fp8v")
 MIN_NUMEL = 4096  # smaller tensors keep fp32 state
@@ -48,8 +49,6 @@ MIN_NUMEL_PACKED = 256  # "int8p": one whole block at least
 PACKED_BITS = 32  # "int8p": the absmax's bits ride in the low bits of a block's first 32 codes
 TILE = 16  # 2-D blocks are TILE x TILE = 256 elements
 FLAT_BLOCK = 256
-FP8_MAX = 448.0  # "fp8": the largest finite e4m3 value; a block's absmax maps onto it
-FP8_FLOOR = 2.0**-100  # "fp8": the least absmax a block stores (so 448 / absmax stays finite)
 
 
 @functools.cache
@@ -147,7 +146,7 @@ def quantize_fp8(x: Tensor, signed: bool, root: bool = True) -> tuple[Tensor, Te
     product is at most 448 (1 + 2**-23), which rounds to 448)."""
     y = x.float()
     if not signed and root:
-        y = torch.sqrt(y)
+        y = y.sqrt()  # (the method: what rules.py calls, correctly rounded as the kernel's sqrt_rn)
     if tile_blocks(x.shape) is None:
         n = y.numel()
         nb = -(-n // FLAT_BLOCK)
@@ -230,8 +229,10 @@ class StateStorage:
     def kernel_table(state: dict, name: str, signed: bool, device):
         """What FORGE's kernel takes for state ``name`` (``launch_forge``'s ``qtables``): ``(map
         table, absmax)`` for int8, ``(map table, None)`` for int8p (the absmax is in the codes),
-        None for fp32 / bf16."""
+        ``(Fp8Table(signed), absmax)`` for fp8, None for fp32 / bf16."""
         kind = StateStorage.kind_of(state, name)
+        if kind == "fp8":
+            return Fp8Table(bool(signed)), state[name + "_absmax"]
         if kind not in ("int8", "int8p"):
             return None
         return qmap_on(signed, device), state.get(name + "_absmax")
