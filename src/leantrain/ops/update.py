@@ -11,7 +11,8 @@ keeps each block's absmax in the low bits of its first 32 codes; "fp8" holds e4m
 :mod:`leantrain.optim.state`).
 
 "fp8" (``KIND == 4``). Encode a block: ``absmax = max(max |y|, 2**-100)``, ``code = e4m3_rne(y *
-(448 / absmax))``; decode: ``fp32(code) * (absmax / 448)`` (each division IEEE, once a block), with
+(448 / absmax))`` (the division IEEE, once a block); decode: ``fp32(code) * (absmax * fp32(1 / 448))``
+(one multiply a block, one an element), with
 ``y`` the state for signed states (``SIGN == 1``) and its square root for unsigned ones
 (``SIGN == 0``: the decoded value is squared). Compiled (``NATIVE_CVT``), the conversions are the
 hardware's (``cvt.rn.satfinite.e4m3x2.f32``: two elements an instruction, and back through f16);
@@ -46,7 +47,8 @@ from leantrain.ops._backend import HAS_TRITON
 RULE_IDS = {"sgd": 0, "adamw": 1, "lion": 2, "adams": 3}
 STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2, "int8p": 3, "fp8": 4}
 FP8_MAX = 448.0  # "fp8": a block's absmax maps onto the largest finite e4m3 value ...
-FP8_FLOOR = 2.0**-100  # ... and is at least this (448 / absmax stays finite, absmax / 448 normal)
+FP8_FLOOR = 2.0**-100  # ... and is at least this (448 / absmax stays finite, the decode scale normal)
+FP8_INV_MAX = 0.0022321429569274187  # fp32(1 / 448): a block's decode scale is absmax * FP8_INV_MAX
 
 
 class Fp8Table(NamedTuple):
@@ -146,8 +148,7 @@ if HAS_TRITON:
             code = tl.load(ptr + code_offs, mask=mask, other=0)
             am = tl.load(am_ptr + blk_n[:, None] * kb + blk_k[None, :],
                          mask=(blk_n[:, None] < nb) & (blk_k[None, :] < kb), other=0.0)
-            scale = tl.div_rn(am, tl.zeros_like(am) + 448.0)
-            v = _fp8_decode(code, NATIVE_CVT) * _blocks_to_tile(scale, BN, BK)
+            v = _fp8_decode(code, NATIVE_CVT) * _blocks_to_tile(am * 0.0022321429569274187, BN, BK)  # FP8_INV_MAX
             if SIGN == 0:
                 v = v * v
             return v
@@ -203,7 +204,8 @@ if HAS_TRITON:
         if KIND == 4:  # fp8: absmax of each 16 x 16 block (of the root, unsigned), then e4m3 of y * (448 / absmax)
             if SIGN == 0:
                 x = tl.sqrt_rn(x)
-            x = tl.where(mask, x, 0.0)
+            # (no select on ``mask``: outside the tensor every input loaded 0 and each rule maps zeros to
+            # zero states, so those elements are 0 in every block's max, as the reference's padding)
             a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
             am = tl.maximum(tl.max(tl.max(a4, axis=3), axis=1), 7.888609052210118e-31)  # FP8_FLOOR = 2**-100
             inv = tl.div_rn(tl.zeros_like(am) + 448.0, am)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from leantrain.ops.state8 import StateCodec8, block_inverse
 from leantrain.ops.tiles import ieee_div
-from leantrain.ops.update import FP8_FLOOR, FP8_MAX, Fp8Table
+from leantrain.ops.update import FP8_FLOOR, FP8_INV_MAX, FP8_MAX, Fp8Table
 
 STATE_DTYPES = ("fp32", "bf16", "int8", "int8p", "fp8", "fp8v")
 MIN_NUMEL = 4096  # smaller tensors keep fp32 state
@@ -164,10 +164,10 @@ def quantize_fp8(x: Tensor, signed: bool, root: bool = True) -> tuple[Tensor, Te
 
 
 def dequantize_fp8(codes: Tensor, absmax: Tensor, signed: bool, shape, root: bool = True) -> Tensor:
-    """``"fp8"`` codes -> fp32 tensor of ``shape``: ``fp32(code) * (absmax / 448)`` (IEEE division
-    once a block, then one multiply), squared for unsigned states with ``root``."""
+    """``"fp8"`` codes -> fp32 tensor of ``shape``: ``fp32(code) * (absmax * FP8_INV_MAX)`` (``FP8_INV_MAX``
+    = fp32(1 / 448); a multiply once a block, then one an element), squared for unsigned states with ``root``."""
     flat = absmax.reshape(-1)
-    scale = ieee_div(flat, FP8_MAX)
+    scale = flat * FP8_INV_MAX
     if codes.dim() == 4:
         v = from_tiles(codes.float() * scale.view(absmax.shape)[:, :, None, None], shape)
     else:
