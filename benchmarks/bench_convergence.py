@@ -184,6 +184,7 @@ def state_fidelity(args) -> int:
     seeds, dtypes = [int(x) for x in args.seeds.split(",")], [d for d in args.state_dtypes.split(",") if d]
     out = Path(args.out)
     args.out = tempfile.mkdtemp(prefix="state-fidelity-")  # (the runs' directories)
+    print(f"runs in {args.out}", flush=True)  # (benchmarks/parts/fp8_second_moment.py reads their checkpoints)
     runs: dict[str, dict[int, dict]] = {d: {} for d in dtypes}
     for seed in seeds:  # (seed-major: a stopped sweep has every dtype of its first seeds)
         for d in dtypes:
