@@ -44,7 +44,7 @@ def _effect(pairs, root: bool) -> dict:
     n = flushed = grown = 0
     worst, errors = 1.0, []
     for m, v in pairs:
-        # (unsigned with root: StateStorage's "fp8"; signed: the e4m3 of v itself, v >= 0 taken as is)
+        # (unsigned: StateStorage's "fp8", the root; signed: the e4m3 of v itself, v >= 0 taken as is)
         codes, absmax = quantize_fp8(v, signed=not root)
         vq = dequantize_fp8(codes, absmax, not root, v.shape)
         u, uq = m / (v.sqrt() + EPS), m / (vq.sqrt() + EPS)

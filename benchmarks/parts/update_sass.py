@@ -89,7 +89,7 @@ def launch_config(state: str, N: int = 4096, K: int = 11008, tune: dict | None =
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
     e = U.epilogue_args("adamw", hp, 10, [state, state], qtables, None)
     meta = U.update_meta(e, N=N, K=K, rule_name="adamw", nstate=2, w_bf16=True, sr=True, has_bias=False,
-                         has_scale=False, has_dyn=False, sum_out=True, on_gpu=True, rows=False, approx=False)
+                         has_scale=False, has_dyn=False, sum_out=True, native=2, rows=False, approx=False)
     plan = U.update_plan(N, K, tune, True, meta)
     args = U.update_args(e, N, K, w, g, None, None, states, (), qtables, None, part, None, part, ticket, None, 123)
     kernel = plan.kernel

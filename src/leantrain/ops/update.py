@@ -128,15 +128,16 @@ if HAS_TRITON:
     @triton.jit
     def _fp8_encode(y, NATIVE: tl.constexpr):
         """fp32 ``y`` (``|y| <= 448 (1 + 2**-23)``) -> its e4m3 bit pattern (uint8), round to nearest
-        even: the hardware conversion (``NATIVE``), or integer ops (the interpreter's cast is not RNE)."""
-        if NATIVE:
+        even: the hardware conversion (``NATIVE >= 2``: sm_89 and newer, ``update_launch.native_cvt``),
+        or integer ops (the interpreter's cast is not RNE; older GPUs have no e4m3 cvt)."""
+        if NATIVE >= 2:
             return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         return fp8_encode_tl(y, 3, 7, -6).to(tl.uint8)
 
     @triton.jit
     def _fp8_decode(code, NATIVE: tl.constexpr):
         """An e4m3 bit pattern (uint8) -> fp32, exact."""
-        if NATIVE:
+        if NATIVE >= 2:
             return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         return fp8_decode_tl(code.to(tl.int32), 3, 7, -6, True)
 

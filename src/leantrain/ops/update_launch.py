@@ -5,6 +5,7 @@ Used by the reference optimizer (:mod:`leantrain.optim.optimizer`) and by FORGE.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -15,6 +16,21 @@ from leantrain.ops.update import DYN_COLS, FLAG_NAMES, RULE_IDS, SCALAR_NAMES, S
 
 if HAS_TRITON:
     from leantrain.ops.update import _update_kernel
+
+
+def native_cvt(device) -> int:
+    """The kernels' ``NATIVE_CVT`` for tensors on ``device``: 0 under the interpreter or off CUDA (every
+    conversion in integer ops), 1 compiled for CUDA (bf16 by the hardware's ``cvt``), 2 also e4m3
+    (``cvt.rn.satfinite.e4m3x2.f32``: sm_89 and newer)."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return 0
+    return 2 if _capability(device.index) >= (8, 9) else 1
+
+
+@functools.cache
+def _capability(index) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -157,7 +173,7 @@ def update_tile(w_bf16: bool, states_bf16: bool, int8: bool) -> dict:
         return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": warps, "num_stages": 1,
                 "EARLY_LOADS": early}  # (BLOCK_T: no token loop here; kept for tools that print tiles)
 
-    if int8:  # also packed ("int8p")
+    if int8:  # also packed ("int8p") and fp8
         return tile(16, 64, 2)
     if w_bf16:
         return tile(16, 128, 8, early=states_bf16)
@@ -229,13 +245,13 @@ def state_args(dummy, states, bias_states, qtables, kind1: int, kind2: int) -> t
 
 
 def update_meta(e: Launch, *, N: int, K: int, rule_name: str, nstate: int, w_bf16: bool, sr: bool,
-                has_bias: bool, has_scale: bool, has_dyn: bool, sum_out: bool, on_gpu: bool, rows: bool,
+                has_bias: bool, has_scale: bool, has_dyn: bool, sum_out: bool, native: int, rows: bool,
                 approx: bool) -> dict:
     """The update kernel's constexprs but the tile's (:func:`launch_update`; ``benchmarks/parts/
     update_sass.py`` compiles the kernel from them)."""
     return dict(RULE=RULE_IDS[rule_name], KIND1=e.kind1, KIND2=e.kind2, NSTATE=nstate, W_BF16=w_bf16, SR=bool(sr),
                 HAS_BIAS=has_bias, HAS_SCALE=has_scale, HAS_DYN=has_dyn, SUM_OUT=sum_out, IDX32=N * K + N < _I32,
-                NATIVE_CVT=on_gpu, SIGN1=e.signs[0], SIGN2=e.signs[1], ROWS=rows, APPROX=bool(approx),
+                NATIVE_CVT=native, SIGN1=e.signs[0], SIGN2=e.signs[1], ROWS=rows, APPROX=bool(approx),
                 **dict(zip(FLAG_NAMES, e.flags, strict=True)))
 
 
@@ -271,20 +287,21 @@ def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(),
     ``approx``: AdamW's / AdamS's square root and divisions approximate (FORGE's ``fast_math``)."""
     N, K = w.shape
     dev = w.device
-    on_gpu = dev.type == "cuda" and not interpreting()
+    native = native_cvt(dev)
+    on_gpu = native > 0
     e = epilogue_args(rule_name, hp, step, kinds, qtables, dyn)
     if rows is not None and (scale is None or dyn is not None or b is not None or K != 16):
         raise ValueError("launch_update(rows=...): a [rows, 16] view, with a scale per parameter, no bias, "
                          "no device scalars")
     pkey = (N, K, rows is not None, rule_name, e.kind1, e.kind2, len(states), w.dtype, bool(sr), b is not None,
-            e.signs, scale is not None, e.flags, on_gpu, dyn is not None, sq is not None,
+            e.signs, scale is not None, e.flags, native, dyn is not None, sq is not None,
             None if tune is None else tuple(sorted(tune.items())), bool(approx))
     plan = _PLANS.get(pkey)
     if plan is None:
         plan = _PLANS[pkey] = update_plan(N, K, tune, on_gpu, update_meta(
             e, N=N, K=K, rule_name=rule_name, nstate=len(states), w_bf16=w.dtype == torch.bfloat16, sr=sr,
             has_bias=b is not None, has_scale=scale is not None, has_dyn=dyn is not None, sum_out=sq is not None,
-            on_gpu=on_gpu, rows=rows is not None, approx=approx))
+            native=native, rows=rows is not None, approx=approx))
     if part is None or part.numel() != plan.nparts or part.device != dev:
         part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
     args = update_args(e, N, K, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket, rows, key)
@@ -377,4 +394,4 @@ def update_many(ws: list, gs: list, states: list, kinds, qtables, *, rule_name: 
 
 __all__ = ["scalars", "rule_scalars", "dyn_row", "launch_update",
            "update_many", "bucket_ok", "Buckets", "device_keys", "update_tile", "update_plan", "update_meta",
-           "update_args"]
+           "update_args", "native_cvt"]

@@ -82,8 +82,7 @@ def parameter_count(cfg: Config) -> int:
 
 
 def _state_bytes(dtype: str) -> float:
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int8p": 1.0, "fp8": 1.0 + 4.0 / 256,
-            "fp8v": 1.0 + 4.0 / 256}[dtype]
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int8p": 1.0, "fp8": 1.0 + 4.0 / 256}[dtype]
 
 
 def estimate(cfg: Config) -> Estimate:
