@@ -261,7 +261,8 @@ def test_nonfinite_tiles_untouched():
 # Triton CI installed before, 5.4e-6 with Triton 3.9's; the bound leaves room for that); 8-bit
 # states round those differences to different codes now and then (1e-3).
 @pytest.mark.parametrize("rule,state_dtype,tol", [("sgd_mom", "fp32", 1e-6), ("adamw", "fp32", 2e-5),
-                                                  pytest.param("adamw", "int8", 1e-3, marks=pytest.mark.slow)])
+                                                  pytest.param("adamw", "int8", 1e-3, marks=pytest.mark.slow),
+                                                  pytest.param("adamw", "fp8", 1e-3, marks=pytest.mark.slow)])
 def test_model_triton_matches_torch_backend(rule, state_dtype, tol):
     torch.manual_seed(11)
     m0, m1 = pair(Net(33, 130, 40).to(DEV))
