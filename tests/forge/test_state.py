@@ -7,7 +7,8 @@ import torch
 
 import leantrain as lt
 from leantrain.ops.tiles import ieee_div
-from leantrain.optim.state import FP8_FLOOR, StateStorage, dequantize8, dequantize_fp8, quantize8, quantize_fp8
+from leantrain.ops.update import FP8_FLOOR
+from leantrain.optim.state import StateStorage, dequantize8, dequantize_fp8, quantize8, quantize_fp8
 
 
 @pytest.mark.parametrize("shape", [(127, 65), (1, 4097), (4097,), (3, 5, 300)])
