@@ -7,6 +7,8 @@
         --out benchmarks/results/comm/2026-12-04_cpu_scape-fidelity.json  # SCAPE 90 % / 99 % vs dense AdamS
     PYTHONPATH=src python3 benchmarks/bench_convergence.py --forge-accum --steps 30 \
         --set data.batch_size=8 --set data.seq_len=64 --out benchmarks/results/forge/2026-12-05_cpu_accum.json  # FORGE k=4 accumulation vs one 4x batch
+    PYTHONPATH=src python3 benchmarks/bench_convergence.py --state-fidelity --steps 300 --seeds 0,1,2 \
+        --state-dtypes bf16,int8,fp8 --set forge.backend=torch --out DIR/states.json  # FORGE state dtypes
 
 Single-process recipes run one after the other (``leantrain train``); distributed recipes run
 under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Writes
@@ -17,6 +19,12 @@ a ratio to the baseline), ``loss.png`` and ``summary.json`` into ``--out``.
 ``--seeds`` (2 gloo ranks, the preset's global batch); writes one JSON (``--out``): per seed the
 final validation loss, its ratio to dense AdamS of the same seed and the bytes a step, and per
 recipe the mean over seeds.
+
+``--state-fidelity``: FORGE (bf16 weights, stochastic rounding) with each state dtype of
+``--state-dtypes`` (the first is the yardstick), each seed of ``--seeds``, single process
+(``--set forge.backend=torch`` steps with the pure-torch reference, which the kernels equal bit for
+bit); writes one JSON (``--out``): per seed the final validation and training loss and the
+validation loss's ratio to the yardstick's of the same seed, and per dtype the mean over seeds.
 
 ``--forge-accum``: FORGE with 4 micro-batches of a quarter of the preset's batch against one step
 over the same rows, for each ``forge.accum_dtype`` (bf16, fp32, int8, int8 without error
@@ -103,10 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override key=value (repeatable)")
     p.add_argument("--scape-fidelity", action="store_true", help="SCAPE 90 %% / 99 %% vs dense AdamS over --seeds")
     p.add_argument("--seeds", default="1337,1,2")
+    p.add_argument("--state-fidelity", action="store_true", help="FORGE per --state-dtypes over --seeds")
+    p.add_argument("--state-dtypes", default="bf16,int8,fp8")
     p.add_argument("--forge-accum", action="store_true", help="FORGE k=4 accumulation vs one 4x batch, per accum_dtype")
     args = p.parse_args(argv)
     if args.scape_fidelity:
         return scape_fidelity(args)
+    if args.state_fidelity:
+        return state_fidelity(args)
     if args.forge_accum:
         from parts.forge_accum import forge_accum
 
@@ -161,6 +173,40 @@ def scape_fidelity(args) -> int:
                                    "worst_seed_vs_dense": max(r["val_vs_dense"] for r in per.values())}
         print(f"{name:>18}: mean val {mean:.4f} ({100 * (mean / dense_mean - 1):+.2f}% vs dense), per seed "
               + ", ".join(f"{100 * (r['val_vs_dense'] - 1):+.2f}%" for r in per.values()), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def state_fidelity(args) -> int:
+    """FORGE with every state dtype of ``--state-dtypes`` for every seed; one JSON at ``--out``."""
+    seeds, dtypes = [int(x) for x in args.seeds.split(",")], [d for d in args.state_dtypes.split(",") if d]
+    out = Path(args.out)
+    args.out = tempfile.mkdtemp(prefix="state-fidelity-")  # (the runs' directories)
+    print(f"runs in {args.out}", flush=True)  # (benchmarks/parts/fp8_second_moment.py reads their checkpoints)
+    runs: dict[str, dict[int, dict]] = {d: {} for d in dtypes}
+    for seed in seeds:  # (seed-major: a stopped sweep has every dtype of its first seeds)
+        for d in dtypes:
+            ov = {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": d, "train.seed": seed}
+            runs[d][seed] = run(f"forge-bf16-{d}_seed{seed}", ov, args)
+    ref = runs[dtypes[0]]
+    extra = "".join(f" --set {kv}" for kv in args.set)
+    result = {"what": f"FORGE (bf16 weights, stochastic rounding) per optimizer-state dtype, {args.preset} preset, "
+                      f"{args.steps} steps, seeds {seeds}, ratios to {dtypes[0]} states",
+              "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --state-fidelity "
+                         f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
+                         f"--state-dtypes {args.state_dtypes}{extra} --out {out}",
+              "state_dtypes": {}}
+    for d, by_seed in runs.items():
+        per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],
+                           "val_vs_ref": s["val_loss"] / ref[seed]["val_loss"]} for seed, s in by_seed.items()}
+        mean = sum(r["val_loss"] for r in per.values()) / len(per)
+        ref_mean = sum(s["val_loss"] for s in ref.values()) / len(ref)
+        result["state_dtypes"][d] = {"seeds": per, "mean_val_loss": mean, "mean_vs_ref": mean / ref_mean,
+                                     "worst_seed_vs_ref": max(r["val_vs_ref"] for r in per.values())}
+        print(f"{d:>8}: mean val {mean:.4f} ({100 * (mean / ref_mean - 1):+.2f}% vs {dtypes[0]}), per seed "
+              + ", ".join(f"{100 * (r['val_vs_ref'] - 1):+.2f}%" for r in per.values()), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -29,7 +29,7 @@
     activation checkpointing per block (``model.activation_checkpointing``).
 
 (sass) No GPU needed: the update-only kernel compiled for sm_90a with the launcher's constexprs and
-    tiles (bf16 W + SR, AdamW, fp32 / bf16 / int8 / int8p states), its SASS counted per element by
+    tiles (bf16 W + SR, AdamW, fp32 / bf16 / int8 / int8p / fp8 states), its SASS counted per element by
     instruction class, with registers, spills, shared memory and TTGIR layout conversions
     (``parts/update_sass.py``): ``<date>_<hardware>_update-sass.{json,md}``.
 
@@ -77,6 +77,8 @@ EXTRA_CONFIGS = ["forge_bf16_sr_int8_states_agoq",
                  "torch_bf16_ckpt", "forge_bf16_sr_bf16_states_ckpt", "forge_bf16_sr_int8_states_ckpt",
                  # 8-bit states with each block's absmax packed into its codes' low bits (1 byte an element)
                  "forge_bf16_sr_int8p_states", "forge_bf16_sr_int8p_states_graph",
+                 # 8-bit e4m3 states (int8's bytes, the GPU's own conversions instead of the map's arithmetic)
+                 "forge_bf16_sr_fp8_states", "forge_bf16_sr_fp8_states_graph", "forge_bf16_sr_fp8_states_agoq",
                  # q/k/v and gate/up as one linear each (model.fused_proj): 4 FORGE updates a block, not 7
                  "torch_bf16_fp_graph", "forge_bf16_sr_bf16_states_bf16_dw_fp_graph", "torch_bf16_fp",
                  "forge_bf16_sr_bf16_states_bf16_dw_fp", "forge_bf16_sr_int8p_states_fp_graph",
@@ -355,7 +357,8 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
     config = set_layout(cfg, config.removesuffix("_ckpt"))
     bf16_weights = config in ("torch_bf16", "torch_optim_in_backward_bf16", "forge_bf16_sr_fp32_states",
                               "forge_bf16_sr_int8_states", "forge_bf16_sr_int8_states_agoq",
-                              "forge_bf16_sr_int8p_states", "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",
+                              "forge_bf16_sr_int8p_states", "forge_bf16_sr_fp8_states", "forge_bf16_sr_fp8_states_agoq",
+                              "forge_bf16_sr_bf16_states", "forge_bf16_sr_bf16_states_bf16_dw",
                               "forge_bf16_rtn_bf16_states_bf16_dw")
     with torch.device("cuda"):
         model = Llama(cfg)
@@ -377,7 +380,7 @@ def step_worker(config: str, batch: int, seq: int, steps: int, warmup: int) -> d
             p.register_post_accumulate_grad_hook(hook)
     else:
         state_dtype = ("int8" if "int8_states" in config else "int8p" if "int8p_states" in config
-                       else "bf16" if "bf16_states" in config else "fp32")
+                       else "fp8" if "fp8_states" in config else "bf16" if "bf16_states" in config else "fp32")
         opt = lt.forge.attach(model, lt.optim.AdamW(**kw), state_dtype=state_dtype,
                               stochastic_rounding="_rtn_" not in config,
                               grad_dtype="bf16" if config.endswith("_bf16_dw") else "fp32")

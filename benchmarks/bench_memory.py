@@ -28,11 +28,13 @@ The configurations (``CONFIGS``; bf16 weights unless said):
   (``register_post_accumulate_grad_hook``, one optimizer a parameter, the gradient freed at once),
   activation checkpointing.
 - ``forge_bf16_states``, ``forge_int8_states``, ``forge_int8_states_agoq``,
-  ``forge_int8_states_agoq_ckpt``: FORGE (``lt.forge.attach``, stochastic rounding) with bf16 or
-  int8 AdamW states, with AGoQ's saved activations, with checkpointing.
+  ``forge_int8_states_agoq_ckpt``, ``forge_fp8_states``, ``forge_fp8_states_agoq``: FORGE
+  (``lt.forge.attach``, stochastic rounding) with bf16, int8 or fp8 (e4m3) AdamW states, with
+  AGoQ's saved activations, with checkpointing.
 - ``torch_bf16_graph``, ``forge_bf16_states_graph``, ``forge_int8_states_graph``,
-  ``forge_int8_states_agoq_graph``: the same steps with forward + backward replayed from a CUDA
-  graph (``Config.graph``; the host's launch time leaves the step, as with ``--train.cuda-graph``).
+  ``forge_fp8_states_graph``, ``forge_int8_states_agoq_graph``, ``forge_fp8_states_agoq_graph``:
+  the same steps with forward + backward replayed from a CUDA graph (``Config.graph``; the host's
+  launch time leaves the step, as with ``--train.cuda-graph``).
 - ``chunkft8``, ``chunkft8_ckpt``, ``chunkft32_ckpt``: ``lt.finetune.ChunkFT`` with 8 or 32 chunks.
 - ``chunkft_fused_ckpt``, ``chunkft_fused_ckpt_agoq``: ChunkFT (8 chunks) with its update inside
   backward (``in_backward=True, state_dtype="bf16"``), checkpointing, and AGoQ.
@@ -171,10 +173,14 @@ CONFIGS: dict[str, Config] = {
     "forge_int8_states": Config(_bind(forge, state_dtype="int8")),
     "forge_int8_states_agoq": Config(_bind(forge, state_dtype="int8", agoq=True)),
     "forge_int8_states_agoq_ckpt": Config(_bind(forge, state_dtype="int8", agoq=True), checkpointing=True),
+    "forge_fp8_states": Config(_bind(forge, state_dtype="fp8")),
+    "forge_fp8_states_agoq": Config(_bind(forge, state_dtype="fp8", agoq=True)),
     "torch_bf16_graph": Config(torch_adamw, graph=True),
     "forge_bf16_states_graph": Config(_bind(forge, state_dtype="bf16"), graph=True),
     "forge_int8_states_graph": Config(_bind(forge, state_dtype="int8"), graph=True),
+    "forge_fp8_states_graph": Config(_bind(forge, state_dtype="fp8"), graph=True),
     "forge_int8_states_agoq_graph": Config(_bind(forge, state_dtype="int8", agoq=True), graph=True),
+    "forge_fp8_states_agoq_graph": Config(_bind(forge, state_dtype="fp8", agoq=True), graph=True),
     "chunkft8": Config(_bind(chunkft, num_chunks=8)),
     "chunkft8_ckpt": Config(_bind(chunkft, num_chunks=8), checkpointing=True),
     "chunkft32_ckpt": Config(_bind(chunkft, num_chunks=32), checkpointing=True),

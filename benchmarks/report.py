@@ -106,6 +106,29 @@ def val_delta(name, base="baseline"):
     return f
 
 
+def state_dtypes_vs_ref(*names):
+    """``bench_convergence.py --state-fidelity``: each dtype's mean validation loss vs the yardstick's."""
+    return lambda d: " / ".join(pct(d["state_dtypes"][n]["mean_vs_ref"] - 1) for n in names)
+
+
+def sass_per_element(*states):
+    """``bench_forge.py --part sass``: SASS instructions an element on the main path, per state layout."""
+    def f(d):
+        by = {r["state"]: r["per_element"]["main"] for r in d["rows"]}
+        return " / ".join(f"{by[s]:g}" for s in states) + f" (fp8 {x(by['fp8'] / by['bf16'])} bf16's)"
+    return f
+
+
+def fp8_second_moment(d):
+    """``parts/fp8_second_moment.py``: updates grown > 2x and the update's relative L2 error, v vs sqrt(v)."""
+    runs = list(d["runs"].values())
+    def cell(way):
+        grown = max(r[way]["update_grown_2x_share"] for r in runs)
+        err = max(r[way]["update_rel_l2_max"] for r in runs)
+        return f"{grown * 100:.2f} % of updates grown > 2×, rel. L2 error ≤ {err:.3g}"
+    return f"e4m3 of v: {cell('e4m3_of_v')}; of sqrt(v): {cell('e4m3_of_sqrt_v')}"
+
+
 def agoq(key, fmt=x):
     return lambda d: fmt(d["rows"][0][key])
 
@@ -326,6 +349,9 @@ F_STEP = "step/2026-12-02_H200_forge-graphed.json"
 F_1B = "step/2026-12-02_H200_train-1b.json"
 F_CONV = "convergence/2026-12-02_cpu_tiny-forge-agoq.json"
 F_INT8 = "convergence/2026-12-01_cpu_tiny-int8-states.json"
+F_FP8 = "convergence/2026-12-05_cpu_tiny-fp8-states.json"
+F_FP8V = "convergence/2026-12-05_cpu_tiny-fp8-second-moment.json"
+F_SASS = "forge/2026-12-05_cpu_update-sass.json"
 F_DIST = "convergence/2026-11-29_cpu_tiny-distributed.json"
 F_AGOQ = "agoq/2026-12-01_H200.json"
 F_125 = "convergence/2026-12-01_H200_125m-agoq.json"
@@ -387,6 +413,11 @@ TABLES: dict[str, list[tuple]] = {
         ("tiny: FORGE bf16 + SR", val_delta("forge-bf16"), "within 1 %", F_CONV),
         ("tiny: FORGE bf16 + SR, int8 / int8p states", lambda d: val_delta("forge-bf16-int8")(d) + " / "
          + val_delta("forge-bf16-int8p")(d), "within 1 %", F_INT8),
+        ("tiny, 300 steps, seeds 0–2, mean val loss vs bf16 states: int8 / fp8 / fp8 with e4m3 of v itself",
+         state_dtypes_vs_ref("int8", "fp8", "fp8v"), "within 1 %", F_FP8),
+        ("fp8 second moments on the bf16-state runs' last states", fp8_second_moment, "", F_FP8V),
+        ("update-only kernel, SASS instructions an element (sm_90a, static): bf16 / int8 / fp8 states",
+         sass_per_element("bf16", "int8", "fp8"), "fp8 ≤ 1.1× bf16", F_SASS),
     ],
     "agoq": [
         ("saved activations vs bf16, 1b, B = 8", agoq("saved_ratio", lambda v: x(v, 3)), "≤ 0.3×", F_AGOQ),

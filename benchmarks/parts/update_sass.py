@@ -5,8 +5,8 @@
 The kernel is compiled for sm_90a (Triton's wheel carries ``ptxas``, ``nvdisasm`` and ``cuobjdump``)
 with the constexprs and tile the launcher builds (:func:`leantrain.ops.update_launch.update_meta`,
 :func:`~leantrain.ops.update_launch.update_plan`), for FORGE's update-only launch of a bf16 W with
-stochastic rounding and AdamW's two states in fp32, bf16, int8 (codes + an absmax tensor) and int8p
-(absmax in the codes), from an fp32 gradient. Reported per configuration: the SASS instructions
+stochastic rounding and AdamW's two states in fp32, bf16, int8 (codes + an absmax tensor), int8p
+(absmax in the codes) and fp8 (e4m3 codes + an absmax tensor), from an fp32 gradient. Reported per configuration: the SASS instructions
 by class on the main path (up to the first ``EXIT``: every branch, no out-of-line slow path) per
 element of the tile (a thread's instructions / the elements a thread holds), the registers a
 thread, local-memory spills, shared memory, and the ``convert_layout`` ops of the TTGIR (layout
@@ -50,7 +50,7 @@ _CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
 _INSN = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)")
 
 # the FORGE state layouts compared (the kinds of leantrain.ops.update.STATE_KIND)
-STATE_LAYOUTS = ("fp32", "bf16", "int8", "int8p")
+STATE_LAYOUTS = ("fp32", "bf16", "int8", "int8p", "fp8")
 
 
 def _tools() -> str:
@@ -66,6 +66,7 @@ def launch_config(state: str, N: int = 4096, K: int = 11008, tune: dict | None =
     (``BLOCK_N, BLOCK_K, num_warps``) instead of the launcher's, as ``launch_update(tune=...)``."""
     from leantrain.ops import update_launch as U
     from leantrain.ops.state8 import StateCodec8
+    from leantrain.ops.update import Fp8Table
 
     meta_dev = torch.device("meta")
     w = torch.empty(N, K, dtype=torch.bfloat16, device=meta_dev)
@@ -75,6 +76,11 @@ def launch_config(state: str, N: int = 4096, K: int = 11008, tune: dict | None =
     if state in ("fp32", "bf16"):
         dtype = torch.float32 if state == "fp32" else torch.bfloat16
         states, qtables = [torch.empty(N, K, dtype=dtype, device=meta_dev)] * 2, [None, None]
+    elif state == "fp8":
+        codes = torch.empty(N // 16, K // 16, 16, 16, dtype=torch.float8_e4m3fn, device=meta_dev)
+        absmax = torch.empty(N // 16, K // 16, dtype=torch.float32, device=meta_dev)
+        qtables = [(Fp8Table(s), absmax) for s in (True, False)]
+        states = [codes, codes]
     else:
         codes = torch.empty(N // 16, K // 16, 16, 16, dtype=torch.uint8, device=meta_dev)
         absmax = None if state == "int8p" else torch.empty(N // 16, K // 16, dtype=torch.float32, device=meta_dev)
@@ -83,7 +89,7 @@ def launch_config(state: str, N: int = 4096, K: int = 11008, tune: dict | None =
     hp = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
     e = U.epilogue_args("adamw", hp, 10, [state, state], qtables, None)
     meta = U.update_meta(e, N=N, K=K, rule_name="adamw", nstate=2, w_bf16=True, sr=True, has_bias=False,
-                         has_scale=False, has_dyn=False, sum_out=True, on_gpu=True, rows=False, approx=False)
+                         has_scale=False, has_dyn=False, sum_out=True, native=2, rows=False, approx=False)
     plan = U.update_plan(N, K, tune, True, meta)
     args = U.update_args(e, N, K, w, g, None, None, states, (), qtables, None, part, None, part, ticket, None, 123)
     kernel = plan.kernel
@@ -239,7 +245,7 @@ def run(out, log=print) -> dict:
     res = {"env": harness.env() | versions(),
            "what": "FORGE's update-only kernel compiled for sm_90a (no GPU): SASS instructions per element by class "
                    "and by source function, registers, shared memory, TTGIR layout conversions; fp32 / bf16 / int8 / "
-                   "int8p AdamW states",
+                   "int8p / fp8 AdamW states",
            "command": "PYTHONPATH=src python3 benchmarks/bench_forge.py --part sass --out benchmarks/results/forge",
            "launch": "update-only, bf16 W [4096, 11008] + SR, AdamW (betas 0.9 / 0.95, no decay), fp32 gradient, "
                      "the tile sums summed by the last program", "rows": rows}

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         cons = dict(MODE=fk.MODE_FUSED if fused else fk.MODE_UPDATE, RULE=RULE_IDS["adamw"], KIND1=kind, KIND2=kind, NSTATE=2, APPROX=False,
                     W_BF16=a.wdtype == "bf16", SR=bool(a.sr), HAS_BIAS=False, HAS_DECAY=True, HAS_MOM=False,
                     NESTEROV=False, LERP_SMALL=True, HAS_SCALE=False, PREC="tf32" if fused else "ieee", HAS_DYN=True,
-                    SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=True,
+                    SUM_OUT=True, BLOCK_N=a.bn, BLOCK_K=a.bk, BLOCK_T=a.bt if fused else 16, GROUP_N=8, IDX32=True, NATIVE_CVT=2,
                     SIGN1=1 if kind >= 2 else -1, SIGN2=0 if kind >= 2 else -1, EARLY_LOADS=bool(a.early), ROWS=False,
                     ACC_KIND=0, ACC_READ=False, ACC_GROUP=1, FAST=0)  # (no accumulated gradient)
         if not fused:

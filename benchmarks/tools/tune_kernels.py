@@ -1182,7 +1182,7 @@ def tune_forge_int8(log) -> list[dict]:
     with bf16 W + stochastic rounding + int8 AdamW states, per tile / warps, on 1b shapes; and
     the fp32-state update for reference. Each tile's W and states are checked equal to the
     default tile's (the SR hash and the 16 x 16 state blocks do not depend on the tile).
-    ``TUNE_INT8_TILES="bn,bk,warps[,maxnreg];..."`` and ``TUNE_INT8_KINDS="int8,int8p,fp32"`` choose."""
+    ``TUNE_INT8_TILES="bn,bk,warps[,maxnreg];..."`` and ``TUNE_INT8_KINDS="int8,int8p,fp8,fp32"`` choose."""
     from leantrain.forge import attach
     from leantrain.forge.launch import MODE_UPDATE, heuristic_config, launch_forge
     from leantrain.optim import AdamW
@@ -1222,7 +1222,8 @@ def tune_forge_int8(log) -> list[dict]:
             default = heuristic_config(MODE_UPDATE, 0, int8=sd != "fp32")
             run(default)
             ref = [w.clone()] + [t.clone() for t in h.states]
-            nbytes = N * K * (4 + 2 * 2 + {"int8": 2 * 2 * (1 + 4 / 256), "int8p": 2 * 2}.get(sd, 16))
+            nbytes = N * K * (4 + 2 * 2 + {"int8": 2 * 2 * (1 + 4 / 256), "int8p": 2 * 2,
+                                           "fp8": 2 * 2 * (1 + 4 / 256)}.get(sd, 16))
             for bn, bk, warps, *cap in tiles:  # (a fourth value: ptxas's register cap, maxnreg)
                 tune = dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"maxnreg": cap[0]} if cap else {}))
                 case = f"update {N}x{K} bf16 W + SR, {sd} states, tile {bn}x{bk} warps {warps}" + (
@@ -1230,7 +1231,8 @@ def tune_forge_int8(log) -> list[dict]:
                 try:
                     restore()
                     run(tune)
-                    same = all(torch.equal(a, b) for a, b in zip([w, *h.states], ref))
+                    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1
+                               else torch.equal(a, b) for a, b in zip([w, *h.states], ref))  # (fp8: as bytes)
                     restore()
                     ms = _bench(lambda tune=tune: run(tune), rep=40)
                     r = {"case": case, "ms": ms, "gbps": nbytes / ms / 1e6, "same_as_default": same}

@@ -35,6 +35,7 @@ RECIPES: dict[str, dict] = {
     "forge-bf16": {"forge.enabled": "true", "train.weights": "bf16"},
     "forge-bf16-int8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8"},
     "forge-bf16-int8p": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "int8p"},
+    "forge-bf16-fp8": {"forge.enabled": "true", "train.weights": "bf16", "forge.state_dtype": "fp8"},
     "agoq": {"agoq.enabled": "true"},
     "agoq+forge": {"agoq.enabled": "true", "forge.enabled": "true"},
 }

@@ -22,6 +22,7 @@ CASES = {  # name: (rule, weight dtype, attach kwargs)
     "adamw_fp32": ("adamw", torch.float32, {}),
     "adamw_bf16_sr_int8": ("adamw", torch.bfloat16, {"state_dtype": "int8"}),
     "adamw_bf16_sr_int8p": ("adamw", torch.bfloat16, {"state_dtype": "int8p"}),
+    "adamw_bf16_sr_fp8": ("adamw", torch.bfloat16, {"state_dtype": "fp8"}),
     "lion_bf16_sr": ("lion", torch.bfloat16, {}),
     "sgd_nesterov_layer_clip": ("sgd_nesterov", torch.float32, {"clip": "layer", "clip_value": 0.05}),
     "adams_prev_global": ("adams", torch.float32, {"clip": "prev_global", "clip_value": 0.05}),
@@ -57,7 +58,8 @@ def test_device_scalars_give_the_argument_bits(case):
 
 
 @needs_triton
-@pytest.mark.parametrize("case", ["adamw_fp32", "adamw_bf16_sr_int8", "adamw_bf16_sr_int8p", "sgd_nesterov_layer_clip"])
+@pytest.mark.parametrize("case", ["adamw_fp32", "adamw_bf16_sr_int8", "adamw_bf16_sr_int8p", "adamw_bf16_sr_fp8",
+                                  "sgd_nesterov_layer_clip"])
 def test_replay_order_equals_the_eager_step(case):
     """What GraphedStep does, with the graph replaced by running the same code again (on CPU the
     "captured" launches run at once): a warm-up pass (NaN gate: nothing stored, no step

@@ -40,8 +40,10 @@ def _hp(rule):
     return {k: v for k, v in rule.hyper().items()}
 
 
-def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", wdtype=torch.float32, seed=0):
-    """Return ((W, b, states) fused, (W, b, states) write-dW + torch rule) after ``steps`` steps."""
+def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", wdtype=torch.float32, seed=0,
+              update_only=False):
+    """Return ((W, b, states) fused, (W, b, states) write-dW + torch rule) after ``steps`` steps
+    (``update_only``: the kernel's side is write-dW + the update-only launch instead of fused)."""
     K = _kernel()
     from leantrain.ops.rng import kernel_key
     from leantrain.ops.sr import bf16_stochastic_round
@@ -70,9 +72,13 @@ def _run_pair(rule_key, *, bias, n=33, k=20, t=21, steps=5, state_dtype="fp32", 
         w, b, st, bst = sides[0]
         kinds = [storage.kind_of(st, s) for s in names]
         qt = [StateStorage.kernel_table(st, s, s in signed, w.device) for s in names]
-        K.launch_forge(K.MODE_FUSED, x=x, dy=dy, w=w, b=b, states=[st[s] for s in names],
-                       bias_states=[bst[s] for s in names] if bias else [], kinds=kinds, qtables=qt,
-                       rule_name=rule.name, hp=hp, step=step, sr=True, key=key)
+        inputs = {"x": x, "dy": dy}
+        if update_only:
+            inputs = {"g": torch.empty(n, k, device=DEV), "gb": torch.empty(n, device=DEV) if bias else None}
+            K.launch_forge(K.MODE_WRITE_DW, x=x, dy=dy, **inputs)
+        K.launch_forge(K.MODE_UPDATE if update_only else K.MODE_FUSED, **inputs, w=w, b=b,
+                       states=[st[s] for s in names], bias_states=[bst[s] for s in names] if bias else [],
+                       kinds=kinds, qtables=qt, rule_name=rule.name, hp=hp, step=step, sr=True, key=key)
         # write dW, then the torch rule
         w, b, st, bst = sides[1]
         gw = torch.empty(n, k, device=DEV)
@@ -110,8 +116,10 @@ def _assert_same(sides):
             for k in bs0:
                 assert torch.equal(bs0[k], bs1[k]), k
     for k in s0:
-        if torch.is_tensor(s0[k]):
-            assert torch.equal(s0[k], s1[k]), k
+        if torch.is_tensor(s0[k]):  # (fp8 codes compared as their bytes)
+            same = torch.equal(s0[k].view(torch.uint8), s1[k].view(torch.uint8)) if s0[k].element_size() == 1 \
+                else torch.equal(s0[k], s1[k])
+            assert same, k
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -164,6 +172,36 @@ def test_int8p_states_bitwise(rule, n, k):
     st = sides[0][2]
     assert all(StateStorage.kind_of(st, s) == "int8p" for s in RULES[rule]().state_names)
     assert not any(k.endswith("_absmax") for k in st)
+
+
+@pytest.mark.parametrize("rule,n,k,wdtype", [("adamw", 40, 33, torch.bfloat16), ("adamw", 17, 50, torch.float32),
+                                              ("sgd_mom", 17, 50, torch.bfloat16), ("adams", 33, 20, torch.float32)])
+@pytest.mark.parametrize("update_only", [False, True])
+def test_fp8_states_bitwise(rule, n, k, wdtype, update_only):
+    """fp8 states (e4m3 codes, one absmax per 16 x 16 block; unsigned states as their root): the
+    epilogue's codes and absmax equal StateStorage's ``quantize_fp8`` bit for bit (odd shapes: partial
+    blocks), fused and update-only. On CUDA the kernel converts with the hardware's cvt; under the
+    interpreter with integer ops."""
+    sides = _run_pair(rule, bias=True, n=n, k=k, steps=3, state_dtype="fp8", wdtype=wdtype, update_only=update_only)
+    _assert_same(sides)
+    st = sides[0][2]
+    assert all(StateStorage.kind_of(st, s) == "fp8" and st[s + "_absmax"].dtype == torch.float32
+               for s in RULES[rule]().state_names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA, compiled")
+@pytest.mark.parametrize("update_only", [False, True])
+@pytest.mark.parametrize("rule,n,k", [("adamw", 40, 33), ("adamw", 256, 320), ("sgd_mom", 17, 50), ("adams", 33, 20)])
+def test_fp8_states_bitwise_hardware_cvt(rule, n, k, update_only):
+    """On the GPU (compiled: the hardware's e4m3 conversions and the launcher's GPU tiles, 16 x 64 and
+    larger) the fp8 epilogue equals StateStorage bit for bit, as under the interpreter; with the int8
+    states' case for comparison."""
+    _assert_same(_run_pair(rule, bias=True, n=n, k=k, steps=3, state_dtype="fp8", wdtype=torch.bfloat16,
+                           update_only=update_only))
+    if rule == "adamw":
+        _assert_same(_run_pair(rule, bias=True, n=n, k=k, steps=3, state_dtype="int8", wdtype=torch.bfloat16,
+                               update_only=update_only))
 
 
 def test_bf16_states_bitwise():
@@ -223,7 +261,8 @@ def test_nonfinite_tiles_untouched():
 # Triton CI installed before, 5.4e-6 with Triton 3.9's; the bound leaves room for that); 8-bit
 # states round those differences to different codes now and then (1e-3).
 @pytest.mark.parametrize("rule,state_dtype,tol", [("sgd_mom", "fp32", 1e-6), ("adamw", "fp32", 2e-5),
-                                                  pytest.param("adamw", "int8", 1e-3, marks=pytest.mark.slow)])
+                                                  pytest.param("adamw", "int8", 1e-3, marks=pytest.mark.slow),
+                                                  pytest.param("adamw", "fp8", 1e-3, marks=pytest.mark.slow)])
 def test_model_triton_matches_torch_backend(rule, state_dtype, tol):
     torch.manual_seed(11)
     m0, m1 = pair(Net(33, 130, 40).to(DEV))
@@ -473,8 +512,10 @@ def test_32_bit_offsets_draw_the_64_bit_bits(monkeypatch):
     (w0, b0, s0, _), (w1, b1, s1, _) = outs
     assert torch.equal(w0, w1) and torch.equal(b0, b1)
     for k in s0:
-        if torch.is_tensor(s0[k]):
-            assert torch.equal(s0[k], s1[k]), k
+        if torch.is_tensor(s0[k]):  # (fp8 codes compared as their bytes)
+            same = torch.equal(s0[k].view(torch.uint8), s1[k].view(torch.uint8)) if s0[k].element_size() == 1 \
+                else torch.equal(s0[k], s1[k])
+            assert same, k
 
 
 def test_int8_encoder_compiled_for_the_map_sign_equals_the_generic_one():

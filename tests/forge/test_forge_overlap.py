@@ -39,6 +39,7 @@ CASES = {  # name: (rule, weight dtype, attach kwargs)
     "adamw_bf16_sr_bf16_states_bf16_dw": ("adamw", torch.bfloat16, {"state_dtype": "bf16", "grad_dtype": "bf16"}),
     "adamw_bf16_sr_int8": ("adamw", torch.bfloat16, {"state_dtype": "int8"}),
     "adamw_bf16_sr_int8p": ("adamw", torch.bfloat16, {"state_dtype": "int8p"}),
+    "adamw_bf16_sr_fp8": ("adamw", torch.bfloat16, {"state_dtype": "fp8"}),
     "lion_fp32_layer_clip": ("lion", torch.float32, {"clip": "layer", "clip_value": 0.05}),
     "adams_fp32_est_global": ("adams", torch.float32, {"clip": "est_global", "clip_value": 0.05}),
 }

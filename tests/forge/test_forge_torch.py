@@ -138,7 +138,7 @@ def test_lr_scheduler_read_at_backward_time():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int8p"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8", "int8p", "fp8"])
 def test_state_dict_resume_bit_identical(state_dtype):
     torch.manual_seed(5)
     data = batches(6, shape=(2, 12, 33))
@@ -150,8 +150,8 @@ def test_state_dict_resume_bit_identical(state_dtype):
     train(m1, o1, data[:3])
     sd = copy.deepcopy(o1.state_dict())
     msd = copy.deepcopy(m1.state_dict())
-    if state_dtype != "fp32":
-        assert o1.state[m1.fc1.weight]["exp_avg"].dtype == torch.uint8
+    if state_dtype != "fp32":  # (fp8: e4m3 codes, one byte each as int8's)
+        assert o1.state[m1.fc1.weight]["exp_avg"].dtype == (torch.float8_e4m3fn if state_dtype == "fp8" else torch.uint8)
     m2 = Net(33, 160, 40)
     m2.load_state_dict(msd)
     o2 = lt.forge.attach(m2, RULES["adamw"](), backend="torch", state_dtype=state_dtype, clip="prev_global")
@@ -297,11 +297,12 @@ def test_bf16_stochastic_rounding_unbiased():
     assert outs.std(0).max() > 0  # it really rounded stochastically
 
 
-@pytest.mark.parametrize("state_dtype", ["int8", "int8p"])
+@pytest.mark.parametrize("state_dtype", ["int8", "int8p", "fp8"])
 def test_int8_states_track_fp32(state_dtype):
-    """AdamW with 8-bit states (packed or not): after 10 steps the weights differ from the
+    """AdamW with 8-bit states (packed or not, fp8): after 10 steps the weights differ from the
     fp32-state run by < 5 % of the distance travelled, and the dequantized first moment by < 5 %
-    (relative L2)."""
+    (relative L2; fp8 < 10 %: e4m3 keeps 3 mantissa bits, a step of 2**-3 relative at every scale,
+    where the dynamic map steps ~1.4 % of the block max near it)."""
     torch.manual_seed(10)
     m0, m1 = pair(Net(33, 160, 40))
     w_init = m0.fc1.weight.detach().clone()
@@ -310,12 +311,12 @@ def test_int8_states_track_fp32(state_dtype):
     data = batches(10)
     train(m0, o0, data)
     train(m1, o1, data)
-    assert o1.state[m1.fc1.weight]["exp_avg_sq"].dtype == torch.uint8
+    assert o1.state[m1.fc1.weight]["exp_avg_sq"].element_size() == 1
     delta = (m0.fc1.weight - w_init).norm()
     assert (m1.fc1.weight - m0.fc1.weight).norm() / delta < 0.05
     m_ref = o0.state[m0.fc1.weight]["exp_avg"]
     m_q = o1.storage.read(o1.state[m1.fc1.weight], "exp_avg", True, m1.fc1.weight.shape)
-    assert (m_q - m_ref).norm() / m_ref.norm() < 0.05
+    assert (m_q - m_ref).norm() / m_ref.norm() < (0.10 if state_dtype == "fp8" else 0.05)
 
 
 def _no_decay_groups(m):

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import leantrain as lt
-from leantrain.optim.state import StateStorage, dequantize8, quantize8
+from leantrain.ops.tiles import ieee_div
+from leantrain.ops.update import FP8_FLOOR
+from leantrain.optim.state import StateStorage, dequantize8, dequantize_fp8, quantize8, quantize_fp8
 
 
 @pytest.mark.parametrize("shape", [(127, 65), (1, 4097), (4097,), (3, 5, 300)])
@@ -33,7 +35,7 @@ def test_tile_blocks_are_local():
     assert absmax[0, 0] == 100.0 and (absmax.flatten()[1:] < 1).all()
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int8p"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8", "int8p", "fp8"])
 def test_reference_optimizer_state_dtype(state_dtype):
     torch.manual_seed(0)
     lin32, linq = torch.nn.Linear(80, 64), torch.nn.Linear(80, 64)
@@ -55,7 +57,7 @@ def test_reference_optimizer_state_dtype(state_dtype):
 
 def test_bad_state_dtype():
     with pytest.raises(ValueError, match="state_dtype must be one of"):
-        StateStorage("fp8")
+        StateStorage("fp4")
 
 
 @pytest.mark.parametrize("shape", [(127, 65), (1, 4097), (4097,), (3, 5, 300), (256,)])
@@ -122,3 +124,76 @@ def test_storage_int8p_kinds_and_bytes():
     before = sb["exp_avg"].clone()
     sto.write(sb, "exp_avg", v * 3, True, keep_old=keep)
     assert torch.equal(sb["exp_avg"], before)
+
+
+@pytest.mark.parametrize("shape", [(127, 65), (1, 4097), (4097,), (3, 5, 300), (16, 16)])
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_fp8_round_trip(shape, signed):
+    """"fp8": e4m3 codes in int8's blocks; a signed state's value (an unsigned one's root) is within
+    half an e4m3 step (2**-4 relative) or half the block's subnormal step of the stored value."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    x = x if signed else x.square() * 1e-6  # (a second moment)
+    codes, absmax = quantize_fp8(x, signed)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == quantize8(x, signed)[0].shape
+    assert absmax.shape == quantize8(x, signed)[1].shape  # one fp32 a block, as int8
+    y = dequantize_fp8(codes, absmax, signed, x.shape)
+    assert y.shape == x.shape
+    r, ry = (x, y) if signed else (x.sqrt(), y.sqrt())
+    amax = r.abs().max()
+    assert ((ry - r).abs() <= 2.0**-4 * r.abs() + amax / 448 * 2.0**-10 * 1.001).all()
+    assert 10 * torch.log10(x.square().sum() / (y - x).square().sum()) > (29 if signed else 23)  # SQNR (dB)
+
+
+def test_fp8_encode_is_the_stated_formula():
+    """code = e4m3_rne(y * (448 / absmax)) (IEEE division), decode fp32(code) * (absmax * fp32(1/448)); a
+    block's absmax is at least 2**-100; non-finite values are 0; unsigned states keep their root."""
+    x = torch.randn(40, 33, generator=torch.Generator().manual_seed(2)) * 3
+    x[0, :16] = 0.0
+    x[16:32, 16:32] *= 1e-36  # a tiny block: 448 / absmax stays finite
+    x[20, 20], x[5, 30] = float("nan"), float("inf")
+    codes, absmax = quantize_fp8(x, True)
+    from leantrain.optim.state import to_tiles
+
+    t = to_tiles(torch.where(torch.isfinite(x), x, 0.0)).reshape(-1, 256)
+    am = t.abs().amax(1).clamp_min(FP8_FLOOR)
+    assert torch.equal(absmax.reshape(-1), am) and (absmax >= FP8_FLOOR).all()
+    want = (t * ieee_div(448.0, am)[:, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(codes.reshape(-1, 256).view(torch.uint8), want.view(torch.uint8))
+    y = dequantize_fp8(codes, absmax, True, x.shape)
+    assert torch.isfinite(y).all() and y[20, 20] == 0 and y[5, 30] == 0
+    assert (y[16:32, 16:32] != 0).any()  # the tiny block is kept, not flushed
+    v = x.abs()
+    cu, au = quantize_fp8(v, False)
+    assert torch.equal(cu.view(torch.uint8), quantize_fp8(v.sqrt(), True)[0].view(torch.uint8))
+    assert torch.equal(dequantize_fp8(cu, au, False, v.shape), dequantize_fp8(cu, au, True, v.shape).square())
+
+
+def test_storage_fp8_kinds_and_bytes():
+    """"fp8" holds exactly what "int8" holds (1 byte an element, one fp32 absmax a block, fp32 below
+    MIN_NUMEL), is told apart by its dtype, and keeps its old bits where asked."""
+    rule = lt.optim.AdamW()
+    sto, sto8 = StateStorage("fp8"), StateStorage("int8")
+    for shape in ((64, 80), (5000,), (200,)):
+        s, s8 = sto.init(rule, torch.zeros(shape)), sto8.init(rule, torch.zeros(shape))
+        assert {k: (v.shape, v.element_size()) for k, v in s.items()} == \
+            {k: (v.shape, v.element_size()) for k, v in s8.items()}
+        assert StateStorage.kind_of(s, "exp_avg") == ("fp32" if shape == (200,) else "fp8")
+    sb = sto.init(rule, torch.zeros(64, 80))
+    v = torch.randn(64, 80)
+    sto.write(sb, "exp_avg", v, True)
+    assert (sto.read(sb, "exp_avg", True, v.shape) - v).abs().max() <= 2.0**-4 * v.abs().max()
+    before = {k: t.clone() for k, t in sb.items()}
+    sto.write(sb, "exp_avg", v * 3, True, keep_old=torch.tensor(True))
+    assert all(torch.equal(sb[k].view(torch.uint8) if sb[k].element_size() == 1 else sb[k],
+                           before[k].view(torch.uint8) if before[k].element_size() == 1 else before[k]) for k in sb)
+
+
+def test_fp8_second_moment_is_kept_as_its_root():
+    """A block of second moments spanning more than e4m3's range relative to its max (448 / 2**-9 ~ 2.3e5)
+    keeps its small entries through the root (v down to ~4e-11 of the max); e4m3 of v itself would
+    flush those below ~4.4e-6 of the max to 0, and m / (sqrt(v) + eps) would then divide by eps."""
+    v = torch.logspace(0, -10, 256).view(16, 16)
+    codes, absmax = quantize_fp8(v, False)
+    y = dequantize_fp8(codes, absmax, False, v.shape)
+    assert (y > 0).all()
+    assert ((y.sqrt() - v.sqrt()).abs() <= 2.0**-4 * v.sqrt() + 1 / 448 * 2.0**-10).all()

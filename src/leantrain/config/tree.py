@@ -195,7 +195,7 @@ def logger_names(loggers: str) -> list[str]:
 @dataclass
 class ForgeConfig:
     enabled: bool = False
-    state_dtype: Literal["fp32", "bf16", "int8", "int8p"] = "fp32"
+    state_dtype: Literal["fp32", "bf16", "int8", "int8p", "fp8"] = "fp32"
     stochastic_rounding: bool = True
     backend: Literal["auto", "torch", "triton"] = "auto"
     # global-norm clipping needs the norm before any update, impossible inside backward.

@@ -26,8 +26,9 @@ def attach(model: nn.Module, rule: Rule, *, state_dtype: str = "fp32", stochasti
             embedding's and the head's contributions are already summed in ``.grad``.
         rule: ``lt.optim.SGD / AdamW / Lion / AdamS``; its fields become the param-group defaults.
         state_dtype: ``"fp32"``, ``"bf16"``, ``"int8"`` (256-element blocks with an fp32 absmax each;
-            < 4096 elements: fp32) or ``"int8p"`` (the absmax packed into the codes' low bits: exactly
-            1 byte an element; < 256 elements: fp32; :mod:`leantrain.optim.state`).
+            < 4096 elements: fp32), ``"int8p"`` (the absmax packed into the codes' low bits: exactly
+            1 byte an element; < 256 elements: fp32) or ``"fp8"`` (e4m3 codes in int8's blocks and
+            bytes, converted by the GPU's own instructions; :mod:`leantrain.optim.state`).
         stochastic_rounding: bf16 weights are stored with unbiased stochastic rounding (else nearest).
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         clip: ``"none"``, ``"layer"`` (each layer's gradient, weight and bias together, scaled by

@@ -30,6 +30,7 @@ from leantrain.ops.update_launch import (
     dyn_row,
     epilogue_args,
     launch_update,
+    native_cvt,
     rule_scalars,
     scalars,
     state_args,
@@ -168,7 +169,8 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
     dummy = w if w is not None else g
     N, K = dummy.shape
     dev = dummy.device
-    on_gpu = dev.type == "cuda" and not interpreting()
+    native = native_cvt(dev)
+    on_gpu = native > 0
     T = x.shape[0]
     assert x.stride(-1) == 1 and dy.stride(-1) == 1 and x.dtype == dy.dtype
     if not on_gpu and x.dtype != torch.float32 and interpreting():  # the interpreter's tl.dot: wrong on bf16
@@ -186,14 +188,14 @@ def launch_forge(mode: int, *, x=None, dy=None, w=None, b=None, states=(), bias_
         gb = fold_gb
     w_bf16 = w is not None and w.dtype == torch.bfloat16
     pkey = (mode, N, K, T <= LARGE_T, rule_name, e.kind1, e.kind2, len(states), w_bf16, bool(sr), has_bias,
-            e.signs, scale is not None, prec, e.flags, on_gpu, dyn is not None, sq is not None,
+            e.signs, scale is not None, prec, e.flags, native, dyn is not None, sq is not None,
             None if tune is None else tuple(sorted(tune.items())), bool(approx), acc_kind, bool(accum_read),
             acc_group)
     plan = _PLANS.get(pkey)
     if plan is None:
         meta = dict(MODE=mode, RULE=RULE_IDS[rule_name], KIND1=e.kind1, KIND2=e.kind2, NSTATE=len(states),
                     W_BF16=w_bf16, SR=bool(sr), HAS_BIAS=has_bias, HAS_SCALE=scale is not None, PREC=prec,
-                    HAS_DYN=dyn is not None, SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=on_gpu,
+                    HAS_DYN=dyn is not None, SUM_OUT=sq is not None, IDX32=N * K + N < _I32, NATIVE_CVT=native,
                     SIGN1=e.signs[0], SIGN2=e.signs[1], APPROX=bool(approx), ACC_KIND=acc_kind,
                     ACC_READ=bool(accum_read), ACC_GROUP=acc_group, FAST=fast_bits() if on_gpu else 0,
                     **dict(zip(FLAG_NAMES, e.flags, strict=True)))

@@ -189,7 +189,8 @@ class RestMixin:
         if self._backend_for(p) != "triton":
             return False
         kinds = [self.storage.kind_of(state, k) for k in self.rule.state_names]
-        return p.dim() == 2 or "int8" not in kinds and ("int8p" not in kinds or p.numel() % 16 == 0)
+        return p.dim() == 2 or ("int8" not in kinds and "fp8" not in kinds
+                                and ("int8p" not in kinds or p.numel() % 16 == 0))
 
     def _step_rest_kernel(self, p: Tensor, g: Tensor, state: dict, gate: Tensor) -> None:
         """The rule on a whole non-fused parameter in the kernel's update-only mode. ``gate``
@@ -201,7 +202,7 @@ class RestMixin:
         packed = p.dim() == 1 and "int8p" in kinds  # [n / 16, 16]: 16 x 16 blocks = flat blocks of 256
         as2d = (lambda t: t) if p.dim() == 2 else (lambda t: t.view(-1, 16)) if packed else (lambda t: t.view(1, -1))
         states = [state[k].view(-1, 1, 16, 16) if packed and kind == "int8p"
-                  else state[k] if kind in ("int8", "int8p") else as2d(state[k]) for k, kind in zip(names, kinds, strict=True)]
+                  else state[k] if kind in ("int8", "int8p", "fp8") else as2d(state[k]) for k, kind in zip(names, kinds, strict=True)]
         qt = [self.storage.kernel_table(state, k, k in self.rule.signed_states, p.device) for k in names]
         step = state["step"]
         K.launch_forge(K.MODE_UPDATE, w=as2d(p.data), states=states, kinds=kinds, qtables=qt,

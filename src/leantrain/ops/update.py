@@ -7,7 +7,17 @@ maps ``(W, g, state)`` to ``(W', state')``; :func:`_rule` transcribes it operati
 ``div_rn`` / ``sqrt_rn``). A tile's W is fp32 or bf16 (stored rounded to nearest, or
 stochastically with the counter hash of :mod:`leantrain.ops.rng` keyed by (seed, element
 index)); its state fp32, bf16, or uint8 codes with one absmax per 16 x 16 block ("int8"; "int8p"
-keeps each block's absmax in the low bits of its first 32 codes, :mod:`leantrain.optim.state`).
+keeps each block's absmax in the low bits of its first 32 codes; "fp8" holds e4m3 bit patterns,
+:mod:`leantrain.optim.state`).
+
+"fp8" (``KIND == 4``). Encode a block: ``absmax = max(max |y|, 2**-100)``, ``code = e4m3_rne(y *
+(448 / absmax))`` (the division IEEE, once a block); decode: ``fp32(code) * (absmax * fp32(1 / 448))``
+(one multiply a block, one an element), with
+``y`` the state for signed states (``SIGN == 1``) and its square root for unsigned ones
+(``SIGN == 0``: the decoded value is squared). Compiled (``NATIVE_CVT``), the conversions are the
+hardware's (``cvt.rn.satfinite.e4m3x2.f32``: two elements an instruction, and back through f16);
+under the interpreter, whose fp32 -> fp8 cast is not round-to-nearest-even at every binade, integer
+ops (:func:`leantrain.ops.fp8.fp8_encode_tl` / ``fp8_decode_tl``) give the same bits.
 
 :func:`_update_tile` is the whole epilogue of one tile (gradient scale and gate, loads, rule,
 stores, the bias rows); FORGE's fused kernel (:mod:`leantrain.forge.kernel`) calls it after its
@@ -30,10 +40,27 @@ Bytes per tile (update-only): ``BLOCK_N·BLOCK_K·(sizeof(g) + sizeof(W) + Σ si
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from leantrain.ops._backend import HAS_TRITON
 
 RULE_IDS = {"sgd": 0, "adamw": 1, "lion": 2, "adams": 3}
-STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2, "int8p": 3}
+STATE_KIND = {"none": 0, "fp32": 0, "bf16": 1, "int8": 2, "int8p": 3, "fp8": 4}
+FP8_MAX = 448.0  # "fp8": a block's absmax maps onto the largest finite e4m3 value ...
+FP8_FLOOR = 2.0**-100  # ... and is at least this (448 / absmax stays finite, the decode scale normal)
+FP8_INV_MAX = 0.0022321429569274187  # fp32(1 / 448): a block's decode scale is absmax * FP8_INV_MAX
+
+
+class Fp8Table(NamedTuple):
+    """What an ``"fp8"`` state gives the epilogue in place of a map table (it has none): its sign,
+    compiled in (signed: the e4m3 of the value; unsigned: of its square root). ``_lt_signed``
+    as :meth:`leantrain.ops.state8.StateCodec8.qmap_on`'s tables, for ``update_launch.map_sign``."""
+
+    signed: bool
+
+    @property
+    def _lt_signed(self) -> bool:
+        return self.signed
 SCALAR_NAMES = ("lr", "decay", "step_size", "bc2_sqrt", "b1", "b2", "omb1", "omb2", "lerp_c", "eps", "mom")
 FLAG_NAMES = ("HAS_DECAY", "HAS_MOM", "NESTEROV", "LERP_SMALL")
 
@@ -52,6 +79,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from leantrain.ops.fp8 import fp8_decode_tl, fp8_encode_tl
     from leantrain.ops.rng import hash_u32_tl
     from leantrain.ops.sr import sr_bf16
     from leantrain.ops.state8 import state8_encode, state8_encode_finite
@@ -98,9 +126,34 @@ if HAS_TRITON:
         return (lo | (hi << 16)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _fp8_encode(y, NATIVE: tl.constexpr):
+        """fp32 ``y`` (``|y| <= 448 (1 + 2**-23)``) -> its e4m3 bit pattern (uint8), round to nearest
+        even: the hardware conversion (``NATIVE >= 2``: sm_89 and newer, ``update_launch.native_cvt``),
+        or integer ops (the interpreter's cast is not RNE; older GPUs have no e4m3 cvt)."""
+        if NATIVE >= 2:
+            return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        return fp8_encode_tl(y, 3, 7, -6).to(tl.uint8)
+
+    @triton.jit
+    def _fp8_decode(code, NATIVE: tl.constexpr):
+        """An e4m3 bit pattern (uint8) -> fp32, exact."""
+        if NATIVE >= 2:
+            return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return fp8_decode_tl(code.to(tl.int32), 3, 7, -6, True)
+
+    @triton.jit
     def _load_state(ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
-                    KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        if KIND == 3:  # int8p: the codes as int8's, the first 32 of a block decoding the odd entry
+                    KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
+                    SIGN: tl.constexpr):
+        if KIND == 4:  # fp8: fp32(code) * (absmax / 448), squared for an unsigned state (its root is stored)
+            code = tl.load(ptr + code_offs, mask=mask, other=0)
+            am = tl.load(am_ptr + blk_n[:, None] * kb + blk_k[None, :],
+                         mask=(blk_n[:, None] < nb) & (blk_k[None, :] < kb), other=0.0)
+            v = _fp8_decode(code, NATIVE_CVT) * _blocks_to_tile(am * 0.0022321429569274187, BN, BK)  # FP8_INV_MAX
+            if SIGN == 0:
+                v = v * v
+            return v
+        elif KIND == 3:  # int8p: the codes as int8's, the first 32 of a block decoding the odd entry
             code = tl.load(ptr + code_offs, mask=mask, other=0).to(tl.int32)
             am = _packed_absmax(ptr, blk_n, blk_k, kb, nb)
             return tl.load(qmap_ptr + tl.where(jpos < 32, code | 1, code)) * _blocks_to_tile(am, BN, BK)
@@ -115,15 +168,17 @@ if HAS_TRITON:
     @triton.jit
     def _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
                       NSTATE: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr):
+                      BK: tl.constexpr, NATIVE_CVT: tl.constexpr, SIGN1: tl.constexpr, SIGN2: tl.constexpr):
         """A tile's W and optimizer state, in fp32."""
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.zeros([BN, BK], dtype=tl.float32)
         s2 = tl.zeros([BN, BK], dtype=tl.float32)
         if NSTATE >= 1:
-            s1 = _load_state(S1, A1, Q1, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb, KIND1, BN, BK)
+            s1 = _load_state(S1, A1, Q1, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb, KIND1, BN, BK,
+                             NATIVE_CVT, SIGN1)
         if NSTATE >= 2:
-            s2 = _load_state(S2, A2, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb, KIND2, BN, BK)
+            s2 = _load_state(S2, A2, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb, KIND2, BN, BK,
+                             NATIVE_CVT, SIGN2)
         return w, s1, s2
 
     @triton.jit
@@ -147,7 +202,18 @@ if HAS_TRITON:
     def _store_state(x, ptr, am_ptr, qmap_ptr, offs, code_offs, jpos, mask, pmask, am_mask, blk_n, blk_k, kb,
                      KIND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NATIVE_CVT: tl.constexpr,
                      SIGN: tl.constexpr):
-        if KIND >= 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
+        if KIND == 4:  # fp8: absmax of each 16 x 16 block (of the root, unsigned), then e4m3 of y * (448 / absmax)
+            if SIGN == 0:
+                x = tl.sqrt_rn(x)
+            # (no select on ``mask``: outside the tensor every input loaded 0 and each rule maps zeros to
+            # zero states, so those elements are 0 in every block's max, as the reference's padding)
+            a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
+            am = tl.maximum(tl.max(tl.max(a4, axis=3), axis=1), 7.888609052210118e-31)  # FP8_FLOOR = 2**-100
+            inv = tl.div_rn(tl.zeros_like(am) + 448.0, am)
+            code = _fp8_encode(x * _blocks_to_tile(inv, BN, BK), NATIVE_CVT)
+            tl.store(ptr + code_offs, code, mask=mask)
+            tl.store(am_ptr + blk_n[:, None] * kb + blk_k[None, :], am, mask=am_mask)
+        elif KIND >= 2:  # 8-bit: absmax of each 16 x 16 block of the tile, then the nearest map entry
             x = tl.where(mask, x, 0.0)
             a4 = tl.reshape(tl.abs(x), [BN // 16, 16, BK // 16, 16])
             am = tl.max(tl.max(a4, axis=3), axis=1)  # [BN/16, BK/16]
@@ -313,15 +379,15 @@ if HAS_TRITON:
             gok = gok & _finite(sc, BLOCK_N, BLOCK_K)
             blk_ok = blk_ok & _finite(sc, BLOCK_N // 16, BLOCK_K // 16)
         smask = mask & gok
-        if ROWS and (KIND1 == 2 or KIND2 == 2):  # the gates differ by row: whether a block stores an element
+        if ROWS and (KIND1 == 2 or KIND2 == 2 or KIND1 == 4 or KIND2 == 4):  # the gates differ by row: whether a block stores an element
             blk_ok = tl.max(tl.max(tl.reshape(smask.to(tl.int32), [BLOCK_N // 16, 16, BLOCK_K // 16, 16]), 3), 1) > 0
-        am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & blk_ok  # int8: the blocks whose absmax is stored
+        am_mask = (blk_n[:, None] < nb) & (blk_k[None, :] < kb) & blk_ok  # int8, fp8: the blocks whose absmax is stored
         pmask = smask  # int8p: every code of the tile's 16 x 16 blocks, their zero padding included
         if KIND1 == 3 or KIND2 == 3:
             pmask = (offs_n < nb * 16)[:, None] & (offs_k < kb * 16)[None, :] & gok
         if not LOADED:
             w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
-                                      NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
+                                      NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K, NATIVE_CVT, SIGN1, SIGN2)
         p, s1, s2 = _rule(w, g, s1, s2, lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom,
                           tl.zeros_like(g), RULE, HAS_DECAY, HAS_MOM, NESTEROV, LERP_SMALL, APPROX)
         if W_BF16 and SR:
@@ -408,7 +474,7 @@ if HAS_TRITON:
             # reduction (a barrier) the compiler does not move loads across: one memory round
             # trip a tile instead of two (the gradient's, then W's and the state's)
             w, s1, s2 = _load_w_state(W, S1, S2, A1, A2, Q1, Q2, offs, code_offs, jpos, mask, blk_n, blk_k, kb, nb,
-                                      NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K)
+                                      NSTATE, KIND1, KIND2, BLOCK_N, BLOCK_K, NATIVE_CVT, SIGN1, SIGN2)
             if HAS_DYN:
                 lr, decay, step_size, bc2_sqrt, b1, b2, omb1, omb2, lerp_c, eps, mom, gate, key = \
                     _dyn_scalars(DYN, dyn_off)

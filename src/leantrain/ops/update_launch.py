@@ -5,6 +5,7 @@ Used by the reference optimizer (:mod:`leantrain.optim.optimizer`) and by FORGE.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -15,6 +16,21 @@ from leantrain.ops.update import DYN_COLS, FLAG_NAMES, RULE_IDS, SCALAR_NAMES, S
 
 if HAS_TRITON:
     from leantrain.ops.update import _update_kernel
+
+
+def native_cvt(device) -> int:
+    """The kernels' ``NATIVE_CVT`` for tensors on ``device``: 0 under the interpreter or off CUDA (every
+    conversion in integer ops), 1 compiled for CUDA (bf16 by the hardware's ``cvt``), 2 also e4m3
+    (``cvt.rn.satfinite.e4m3x2.f32``: sm_89 and newer)."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return 0
+    return 2 if _capability(device.index) >= (8, 9) else 1
+
+
+@functools.cache
+def _capability(index) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -77,7 +93,8 @@ def dyn_row(rule_name: str, hp: dict, step: int, gate: float = 1.0) -> np.ndarra
 def map_sign(qmap) -> int:
     """1 / 0: ``qmap`` is a :class:`~leantrain.ops.state8.StateCodec8` device table of the signed /
     unsigned dynamic map (the codec marks the tables it makes), whose closed-form encoder is then
-    compiled for that sign; -1: another table (the generic encoder, which reads the sign from it)."""
+    compiled for that sign, or an fp8 state's :class:`~leantrain.ops.update.Fp8Table`; -1: another
+    table (the generic encoder, which reads the sign from it)."""
     signed = getattr(qmap, "_lt_signed", None)
     return -1 if signed is None else int(signed)
 
@@ -156,7 +173,7 @@ def update_tile(w_bf16: bool, states_bf16: bool, int8: bool) -> dict:
         return {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_T": 16, "GROUP_N": 8, "num_warps": warps, "num_stages": 1,
                 "EARLY_LOADS": early}  # (BLOCK_T: no token loop here; kept for tools that print tiles)
 
-    if int8:  # also packed ("int8p")
+    if int8:  # also packed ("int8p") and fp8
         return tile(16, 64, 2)
     if w_bf16:
         return tile(16, 128, 8, early=states_bf16)
@@ -210,25 +227,31 @@ def epilogue_args(rule_name: str, hp: dict | None, step: int, kinds, qtables, dy
     return Launch(scal, flags, kind1, kind2, signs)
 
 
+def _codes(t, kind: int):
+    """A state tensor as the kernel reads it: fp8 codes (``torch.float8_e4m3fn``) as their uint8 bits."""
+    return t.view(torch.uint8) if kind == STATE_KIND["fp8"] else t
+
+
 def state_args(dummy, states, bias_states, qtables, kind1: int, kind2: int) -> tuple:
     """``S1, S2, A1, A2, BS1, BS2, Q1, Q2`` (``dummy`` for those a launch does not have)."""
     nstate, nb = len(states), len(bias_states)
-    int8 = STATE_KIND["int8"]
+    int8, fp8 = STATE_KIND["int8"], STATE_KIND["fp8"]
     q1, a1 = qtables[0] if kind1 >= int8 else (dummy, dummy)
     q2, a2 = qtables[1] if kind2 >= int8 else (dummy, dummy)
-    return (states[0] if nstate > 0 else dummy, states[1] if nstate > 1 else dummy,
+    q1, q2 = dummy if kind1 == fp8 else q1, dummy if kind2 == fp8 else q2  # (fp8: no map table)
+    return (_codes(states[0], kind1) if nstate > 0 else dummy, _codes(states[1], kind2) if nstate > 1 else dummy,
             dummy if a1 is None else a1, dummy if a2 is None else a2,  # (int8p: no absmax tensor)
             bias_states[0] if nb > 0 else dummy, bias_states[1] if nb > 1 else dummy, q1, q2)
 
 
 def update_meta(e: Launch, *, N: int, K: int, rule_name: str, nstate: int, w_bf16: bool, sr: bool,
-                has_bias: bool, has_scale: bool, has_dyn: bool, sum_out: bool, on_gpu: bool, rows: bool,
+                has_bias: bool, has_scale: bool, has_dyn: bool, sum_out: bool, native: int, rows: bool,
                 approx: bool) -> dict:
     """The update kernel's constexprs but the tile's (:func:`launch_update`; ``benchmarks/parts/
     update_sass.py`` compiles the kernel from them)."""
     return dict(RULE=RULE_IDS[rule_name], KIND1=e.kind1, KIND2=e.kind2, NSTATE=nstate, W_BF16=w_bf16, SR=bool(sr),
                 HAS_BIAS=has_bias, HAS_SCALE=has_scale, HAS_DYN=has_dyn, SUM_OUT=sum_out, IDX32=N * K + N < _I32,
-                NATIVE_CVT=on_gpu, SIGN1=e.signs[0], SIGN2=e.signs[1], ROWS=rows, APPROX=bool(approx),
+                NATIVE_CVT=native, SIGN1=e.signs[0], SIGN2=e.signs[1], ROWS=rows, APPROX=bool(approx),
                 **dict(zip(FLAG_NAMES, e.flags, strict=True)))
 
 
@@ -250,8 +273,9 @@ def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(),
     bf16, read in fp32) and ``gb`` (the bias's, with ``b``). Returns the per-tile sums of squares.
 
     ``states`` the stored state tensors of W (codes ``[RB, CB, 16, 16]`` for int8) and ``kinds``
-    their kinds (``"fp32" | "bf16" | "int8" | "int8p"``); ``qtables`` one ``(qmap, absmax)`` per int8
-    state, ``(qmap, None)`` per int8p state (None otherwise); ``bias_states`` fp32 tensors.
+    their kinds (``"fp32" | "bf16" | "int8" | "int8p" | "fp8"``); ``qtables`` one ``(qmap, absmax)`` per
+    int8 state, ``(qmap, None)`` per int8p state, ``(Fp8Table(signed), absmax)`` per fp8 state (None
+    otherwise); ``bias_states`` fp32 tensors.
     ``scale``: an optional fp32 scalar tensor multiplied into the gradient (not finite: nothing is
     stored). ``tune``: a tile (``BLOCK_N, BLOCK_K, num_warps[, GROUP_N, num_stages, maxnreg,
     EARLY_LOADS]``) instead of :func:`update_tile`'s (tuning scripts). ``part``: a reused fp32 buffer
@@ -263,20 +287,21 @@ def launch_update(*, w, g, b=None, gb=None, states=(), bias_states=(), kinds=(),
     ``approx``: AdamW's / AdamS's square root and divisions approximate (FORGE's ``fast_math``)."""
     N, K = w.shape
     dev = w.device
-    on_gpu = dev.type == "cuda" and not interpreting()
+    native = native_cvt(dev)
+    on_gpu = native > 0
     e = epilogue_args(rule_name, hp, step, kinds, qtables, dyn)
     if rows is not None and (scale is None or dyn is not None or b is not None or K != 16):
         raise ValueError("launch_update(rows=...): a [rows, 16] view, with a scale per parameter, no bias, "
                          "no device scalars")
     pkey = (N, K, rows is not None, rule_name, e.kind1, e.kind2, len(states), w.dtype, bool(sr), b is not None,
-            e.signs, scale is not None, e.flags, on_gpu, dyn is not None, sq is not None,
+            e.signs, scale is not None, e.flags, native, dyn is not None, sq is not None,
             None if tune is None else tuple(sorted(tune.items())), bool(approx))
     plan = _PLANS.get(pkey)
     if plan is None:
         plan = _PLANS[pkey] = update_plan(N, K, tune, on_gpu, update_meta(
             e, N=N, K=K, rule_name=rule_name, nstate=len(states), w_bf16=w.dtype == torch.bfloat16, sr=sr,
             has_bias=b is not None, has_scale=scale is not None, has_dyn=dyn is not None, sum_out=sq is not None,
-            on_gpu=on_gpu, rows=rows is not None, approx=approx))
+            native=native, rows=rows is not None, approx=approx))
     if part is None or part.numel() != plan.nparts or part.device != dev:
         part = torch.empty(plan.nparts, dtype=torch.float32, device=dev)
     args = update_args(e, N, K, w, g, b, gb, states, bias_states, qtables, scale, part, dyn, sq, ticket, rows, key)
@@ -297,9 +322,10 @@ _ROWS: dict = {}  # (sizes, device) -> the row tables of update_many
 def bucket_ok(p: torch.Tensor, kinds) -> bool:
     """Whether the 1-D parameter ``p`` (its states of ``kinds``) can be stepped with others in one
     :func:`update_many` launch: at most ``BUCKET_MAX`` elements, a multiple of 16 (of 256 with
-    int8p states: whole blocks; int8 states are not taken)."""
+    int8p states: whole blocks; int8 and fp8 states are not taken)."""
     n = p.numel()
-    return p.dim() == 1 and n <= BUCKET_MAX and "int8" not in kinds and n % (256 if "int8p" in kinds else 16) == 0
+    return (p.dim() == 1 and n <= BUCKET_MAX and "int8" not in kinds and "fp8" not in kinds
+            and n % (256 if "int8p" in kinds else 16) == 0)
 
 
 def device_keys(seed: int, indices: list[int], step: int, device) -> torch.Tensor:
@@ -368,4 +394,4 @@ def update_many(ws: list, gs: list, states: list, kinds, qtables, *, rule_name: 
 
 __all__ = ["scalars", "rule_scalars", "dyn_row", "launch_update",
            "update_many", "bucket_ok", "Buckets", "device_keys", "update_tile", "update_plan", "update_meta",
-           "update_args"]
+           "update_args", "native_cvt"]

@@ -44,7 +44,7 @@ class Optimizer(torch.optim.Optimizer):
             fp32 update (unbiased); otherwise round to nearest.
         seed: seed of the stochastic-rounding stream (reproducible runs).
         state_dtype: how optimizer state is kept between steps: ``"fp32"``, ``"bf16"``,
-            ``"int8"`` or ``"int8p"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
+            ``"int8"``, ``"int8p"`` or ``"fp8"`` (8-bit block-quantized, see :mod:`leantrain.optim.state`).
         backend: ``"torch"`` (the rule op by op, any device: the reference), ``"triton"``
             (the update kernel of :mod:`leantrain.ops.update` for each parameter it takes: 1-D or 2-D, fp32 or bf16,
             fp32 or bf16 states; the others op by op) or ``"auto"`` (triton for CUDA parameters

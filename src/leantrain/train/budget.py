@@ -12,7 +12,7 @@ weight gradient, the loss's logits slice). Its parts, for ``P`` parameters, ``L`
 - weights: ``P`` x 2 (bf16) or 4 bytes;
 - torch-style AdamW (``full``): a gradient per weight plus two fp32 states;
 - FORGE: no weight gradient for the linear layers (stepped inside backward), the states in
-  ``forge.state_dtype`` (int8: one byte and a scale per 256), the other parameters' gradients;
+  ``forge.state_dtype`` (int8, fp8: one byte and a scale per 256), the other parameters' gradients;
 - ChunkFT: the largest chunk's state (``finetune.chunk_state_dtype``) and, unless it steps inside
   backward (``--forge``), that chunk's fp32 gradient rows;
 - saved activations per layer and token, from the layer's shapes (bf16): the two norms' inputs,
@@ -82,7 +82,7 @@ def parameter_count(cfg: Config) -> int:
 
 
 def _state_bytes(dtype: str) -> float:
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int8p": 1.0}[dtype]
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int8p": 1.0, "fp8": 1.0 + 4.0 / 256}[dtype]
 
 
 def estimate(cfg: Config) -> Estimate:
