@@ -185,26 +185,29 @@ def test_a_signal_finishes_the_step_writes_everything_and_resume_continues(tmp_p
 
     flags = _flags(corpus, **{"train.ckpt_every": "1000", "train.eval_every": "0", "train.log_every": "1",
                               "train.progress": "true"})
+    # long enough that the signal, sent once 3 rows are written, lands before the last step even when
+    # the test process is starved of CPU for seconds (a shorter run can end first: nothing to stop)
+    steps = 120
     out, log = tmp_path / "s", tmp_path / "s.log"
-    p = _start(["train", "--out", str(out), "--steps", "40", *flags], log)
+    p = _start(["train", "--out", str(out), "--steps", str(steps), *flags], log)
     _wait_rows(out / "metrics.jsonl", 3, p)
     p.send_signal(sig)
     assert p.wait(timeout=240) == 130
     text = log.read_text()
     assert "Traceback" not in text and "continue with the same command and --resume" in text
-    assert "step 1/40 loss" in text and "eta" in text  # (progress lines: stdout is a file)
+    assert f"step 1/{steps} loss" in text and "eta" in text  # (progress lines: stdout is a file)
     step = int(checkpoint.latest(out).name.split("_")[1])
-    assert 3 <= step < 40 and (out / "summary.json").exists()
-    p = _start(["train", "--out", str(out), "--steps", "40", "--resume", *flags], log)
+    assert 3 <= step < steps and (out / "summary.json").exists()
+    p = _start(["train", "--out", str(out), "--steps", str(steps), "--resume", *flags], log)
     assert p.wait(timeout=600) == 0
     ref = tmp_path / "ref"
-    p = _start(["train", "--out", str(ref), "--steps", "40", *flags], tmp_path / "ref.log")
+    p = _start(["train", "--out", str(ref), "--steps", str(steps), *flags], tmp_path / "ref.log")
     assert p.wait(timeout=600) == 0
     a = load_file(str(checkpoint.latest(out) / "model.safetensors"))
     b = load_file(str(checkpoint.latest(ref) / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, 41))
+    assert rows == list(range(1, steps + 1))
 
 
 def test_chunkft_resume_names_the_chunk_count(tmp_path, corpus, capsys):

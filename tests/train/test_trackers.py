@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,8 +133,12 @@ def test_wandb_offline_run_holds_the_rows_and_resume_continues_its_id(tmp_path, 
             trackers.log(row)
     assert (out / WANDB_ID_FILE).read_text().strip() == run_id
     (run_file,) = (out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    keys = (b"train/loss", b"val/val_loss", b"tokens_per_second")
+    deadline = time.time() + 60  # W&B's service process writes the offline file after finish() returns
+    while not all(k in run_file.read_bytes() for k in keys) and time.time() < deadline:
+        time.sleep(0.2)
     data = run_file.read_bytes()
-    assert b"train/loss" in data and b"val/val_loss" in data and b"tokens_per_second" in data
+    assert all(k in data for k in keys)
 
     with open_trackers(cfg, out, rank=0, resume=True, start_step=3) as trackers:
         assert trackers.wandb_run.id == run_id
