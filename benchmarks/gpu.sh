@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
-# SECTION is any of: tests ops forge step accum agoq comm finetune lowmem convergence fsdp memory scale (default: all
+# SECTION is any of: tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale (default: all
 # of them, in that order); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime
 #       (VERIFY_TESTS=0: none), then the 1b step through the trainer for this tree and for the tree under
@@ -16,9 +16,9 @@ mkdir -p "$OUT"
 export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
-SECTIONS=${*:-tests ops forge step accum agoq comm finetune lowmem convergence fsdp memory scale}
+SECTIONS=${*:-tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|accum|agoq|comm|finetune|lowmem|convergence|fsdp|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|accum|agoq|comm|finetune|lowmem|convergence|fsdp|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -57,7 +57,7 @@ forge() {
   log "forge: one linear, every kernel path (part a)"
   timeout 600 python3 benchmarks/bench_forge.py --part a $Q --out "$OUT/forge" 2>&1 | tail -40
   log "forge: the update kernel with 8-bit states, by tile and register cap (the static counts: bench_forge --part sass)"
-  TUNE_INT8_KINDS=int8,int8p TUNE_INT8_TILES="16,64,2;16,64,2,144;16,64,2,128;32,64,2;16,64,1" \
+  TUNE_INT8_KINDS=int8,int8p,fp8 TUNE_INT8_TILES="16,64,2;16,64,2,144;16,64,2,128;32,64,2;16,64,1" \
     timeout 300 python3 benchmarks/tools/tune_kernels.py --what forge_int8 --out "$OUT/forge" 2>&1 | tail -14
 }
 
@@ -126,6 +126,14 @@ fsdp() {
     --out "$OUT/step" 2>&1 | tail -6
 }
 
+speed() {
+  log "speed: FORGE's small-batch step on 7b / 8b (32k vocabulary): bf16 / int8 / fp8 states, AGoQ, eager and graphed, against torch"
+  timeout 1500 python3 benchmarks/bench_memory.py --presets 7b 8b --vocab 32000 --batches 1 2 4 --seqs 1024 \
+    --configs torch_bf16 torch_bf16_graph torch_fp32_master_autocast forge_bf16_states forge_int8_states forge_fp8_states \
+    forge_fp8_states_graph forge_int8_states_agoq forge_fp8_states_agoq forge_fp8_states_agoq_graph \
+    --out "$OUT/memory" --name speed 2>&1 | tail -40
+}
+
 memory() {
   log "memory: the whole step of 7b / 8b (32k vocabulary, then 8b's own 128k) under every way to fit it"
   local sel="--batches 1 2 4 --largest"
@@ -137,7 +145,8 @@ memory() {
     --name memory-8b-128k 2>&1 | tail -20
   log "memory: where the small-batch step's time goes (7b, B = 1, profiled)"
   timeout 600 python3 benchmarks/bench_memory.py --presets 7b --batches 1 --configs torch_bf16 torch_fp32_master_autocast \
-    forge_bf16_states forge_int8_states forge_int8_states_agoq --profile --out "$OUT/memory" --name profile-7b 2>&1 | tail -12
+    forge_bf16_states forge_int8_states forge_fp8_states forge_int8_states_agoq forge_fp8_states_agoq --profile \
+    --out "$OUT/memory" --name profile-7b 2>&1 | tail -12
 }
 
 scale() {
