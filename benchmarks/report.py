@@ -398,7 +398,7 @@ TABLES: dict[str, list[tuple]] = {
          trainer_vs_base, "no slower", "step/2026-12-04_H200_trainer-vs-base.json"),
     ],
     "timings": [
-        ("`make test` (fresh clone, 2-core CPU)", make_test, "≤ 20 min", "ci/2026-12-05_cpu_make-timings.json"),
+        ("`make test` (fresh clone, 2-core CPU)", make_test, "≤ 20 min", "ci/2026-12-05_cpu_make-test.json"),
         ("`make train` (venv installed)", make_train, "", "ci/2026-12-05_cpu_make-timings.json"),
     ],
     "forge": [
