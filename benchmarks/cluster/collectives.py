@@ -22,8 +22,8 @@ trainer's calls. A result row per (rate, size, op):
 - ``wire_per_ledger``: what gloo really sends per ledger byte (its reduce-scatter sends twice the
   ring's bytes);
 - ``efficiency``: ``8 * wire_tx_bytes / (rate * seconds)``, the share of the nominal rate the op's
-  real traffic achieves (gloo's all-to-all sends its two directions one after the other, so it
-  reaches about half).
+  real traffic achieves (gloo's all-to-all and all-gather send their two directions one after the
+  other in many calls, so their means fall well below all-reduce's).
 
 :func:`per_op` reads a result into the cost model's inputs (``calibrate.py --collectives``).
 """
