@@ -201,7 +201,17 @@ def test_a_signal_to_one_rank_then_resume_is_bit_identical(tmp_path, corpus, env
     job.wait_for(lambda: _rows(out) >= rows, f"{rows} metrics rows")
     workers = job.workers()
     assert sorted(workers) == [0, 1], workers
-    os.kill(job.proc.pid if victim == LAUNCHER else workers[victim], sig)
+    if victim == LAUNCHER:
+        # the ranks are held (SIGSTOP) until torchrun has passed the signal on to both: on a busy
+        # host torchrun may otherwise forward it only after the ranks have run their last step
+        for pid in workers.values():
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(job.proc.pid, sig)
+        job.wait_for(lambda: job.text().count(f"closing signal {sig.name}") >= 2, "the signal passed on to both ranks")
+        for pid in workers.values():
+            os.kill(pid, signal.SIGCONT)
+    else:
+        os.kill(workers[victim], sig)
     rc = job.wait()
     text = job.text()
     assert rc != 0, text[-3000:]  # (torchrun: a worker that ends with an error or by a signal fails the job)
