@@ -15,10 +15,10 @@ under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Wri
 ``report.md`` (final and validation loss, tokens/s, memory breakdown, bytes per step, each as
 a ratio to the baseline), ``loss.png`` and ``summary.json`` into ``--out``.
 
-``--scape-fidelity``: dense sharded AdamS, SCAPE at 90 % and at 99 % sparsity, each seed of
-``--seeds`` (2 gloo ranks, the preset's global batch); writes one JSON (``--out``): per seed the
-final validation loss, its ratio to dense AdamS of the same seed and the bytes a step, and per
-recipe the mean over seeds.
+``--scape-fidelity``: dense sharded AdamS, SCAPE at 90 % and at 99 % sparsity (or the recipes of
+``--scape-recipes``), each seed of ``--seeds`` (2 gloo ranks, the preset's global batch); writes
+one JSON (``--out``): per seed the final validation loss, the validation loss at each evaluation,
+its ratio to dense AdamS of the same seed and the bytes a step, and per recipe the mean over seeds.
 
 ``--state-fidelity``: FORGE (bf16 weights, stochastic rounding) with each state dtype of
 ``--state-dtypes`` (the first is the yardstick), each seed of ``--seeds``, single process
@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override key=value (repeatable)")
     p.add_argument("--scape-fidelity", action="store_true", help="SCAPE 90 %% / 99 %% vs dense AdamS over --seeds")
     p.add_argument("--seeds", default="1337,1,2")
+    p.add_argument("--scape-recipes", default=",".join(("sharded-adams", "sharded-scape90", "sharded-scape99")),
+                   help="with --scape-fidelity: the recipes (dense sharded-adams first, the yardstick)")
     p.add_argument("--state-fidelity", action="store_true", help="FORGE per --state-dtypes over --seeds")
     p.add_argument("--state-dtypes", default="bf16,int8,fp8")
     p.add_argument("--forge-accum", action="store_true", help="FORGE k=4 accumulation vs one 4x batch, per accum_dtype")
@@ -141,27 +143,35 @@ def main(argv=None) -> int:
     return 0
 
 
-SCAPE_FIDELITY = ("sharded-adams", "sharded-scape90", "sharded-scape99")
+def _val_by_step(run_dir: Path) -> dict[str, float]:
+    """A run's validation loss at each evaluation (from its ``metrics.jsonl``)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {str(r["step"]): r["val_loss"] for r in rows if r.get("val_loss") is not None}
 
 
 def scape_fidelity(args) -> int:
-    """Every recipe of ``SCAPE_FIDELITY`` for every seed on 2 ranks; one JSON at ``--out``."""
+    """Every recipe of ``--scape-recipes`` for every seed on 2 ranks; one JSON at ``--out``."""
     nproc, seeds = 2, [int(x) for x in args.seeds.split(",")]
     out = Path(args.out)
     args.nproc, args.out = nproc, tempfile.mkdtemp(prefix="scape-fidelity-")  # (the runs' directories)
-    runs: dict[str, dict[int, dict]] = {name: {} for name in SCAPE_FIDELITY}
-    for name in SCAPE_FIDELITY:
+    recipes = [r for r in args.scape_recipes.split(",") if r]
+    if recipes[0] != "sharded-adams":
+        raise SystemExit("--scape-recipes: the first is the yardstick, sharded-adams")
+    runs: dict[str, dict[int, dict]] = {name: {} for name in recipes}
+    for name in recipes:
         ov = {**DIST_RECIPES[name], "dist.intra_node_size": 1, "data.batch_size": _per_rank_batch(args, name)}
         for seed in seeds:
             runs[name][seed] = run(f"{name}_seed{seed}", {**ov, "train.seed": seed}, args, nproc=nproc)
     dense = runs["sharded-adams"]
-    result = {"what": f"SCAPE at 90 % and 99 % sparsity vs dense sharded AdamS, {args.preset} preset, "
+    result = {"what": f"{', '.join(recipes[1:])} vs dense sharded AdamS, {args.preset} preset, "
                       f"{args.steps} steps, {nproc} gloo ranks, seeds {seeds}",
               "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
-                         f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} --out {out}",
+                         f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
+                         f"--scape-recipes {args.scape_recipes} --out {out}",
               "recipes": {}}
     for name, by_seed in runs.items():
         per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],
+                           "val_loss_by_step": _val_by_step(Path(args.out) / f"{name}_seed{seed}"),
                            "val_vs_dense": s["val_loss"] / dense[seed]["val_loss"],
                            "comm_bytes_per_step": s["comm_bytes_per_step"],
                            "bytes_vs_dense": s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]}
