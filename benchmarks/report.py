@@ -275,10 +275,23 @@ def scape_fidelity(d):
     """bench_convergence --scape-fidelity: each sparsity's mean validation loss against dense's (per seed)."""
     out = []
     for name in ("sharded-scape90", "sharded-scape99"):
+        if name not in d["recipes"]:
+            continue
         r = d["recipes"][name]
         seeds = ", ".join(pct(v["val_vs_dense"] - 1) for v in r["seeds"].values())
         out.append(f"{pct(r['mean_vs_dense'] - 1)} ({seeds})")
     return " / ".join(out)
+
+
+def scape_gap_by_step(steps, name="sharded-scape90"):
+    """bench_convergence --scape-fidelity: the mean over seeds of the validation loss against dense's
+    at the evaluations ``steps``."""
+    def f(d):
+        dense, sparse = d["recipes"]["sharded-adams"]["seeds"], d["recipes"][name]["seeds"]
+        gap = {s: statistics.mean(sparse[k]["val_loss_by_step"][str(s)] for k in sparse)
+               / statistics.mean(dense[k]["val_loss_by_step"][str(s)] for k in sparse) - 1 for s in steps}
+        return ", ".join(f"{pct(g, 1)} at {s}" for s, g in gap.items())
+    return f
 
 
 def memory_cell(rel_config, preset, vocab, seq, batch):
@@ -447,6 +460,12 @@ TABLES: dict[str, list[tuple]] = {
          "comm/2026-12-05_cpu_scape-defaults.json"),
         ("small preset, 300 steps, 90 % / 99 % sparse, seed 1337", scape_fidelity, "within 1 % / 2 %",
          "comm/2026-12-05_cpu_scape-small.json"),
+        ("1000 steps, 90 % sparse, mean of seeds 1337, 1, 2", scape_fidelity, "within 1 %",
+         "comm/2026-12-05_cpu_scape90-1000steps.json"),
+        ("the same, by step (mean over seeds)", scape_gap_by_step((100, 200, 300, 500, 700, 1000)), "",
+         "comm/2026-12-05_cpu_scape90-1000steps.json"),
+        ("1000 steps, 90 % / 99 % sparse, seed 1337", scape_fidelity, "within 1 % / 2 %",
+         "comm/2026-12-05_cpu_scape-1000steps.json"),
     ],
     "gift": [
         ("NVFP4 bytes vs a bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
