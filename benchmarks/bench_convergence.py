@@ -167,7 +167,7 @@ def scape_fidelity(args) -> int:
                       f"{args.steps} steps, {nproc} gloo ranks, seeds {seeds}",
               "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
                          f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
-                         f"--scape-recipes {args.scape_recipes} --out {out}",
+                         f"--scape-recipes {args.scape_recipes}{''.join(f' --set {kv}' for kv in args.set)} --out {out}",
               "recipes": {}}
     for name, by_seed in runs.items():
         per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],

@@ -222,6 +222,8 @@ def test_bad_arguments():
         SCAPE(0.0)
     with pytest.raises(ValueError, match="first moment"):
         SCAPE().init_state(8, 4, lt.optim.SGD(lr=0.1, momentum=0.0), "cpu")
+    with pytest.raises(ValueError, match="catch_up_mode"):
+        SCAPE(catch_up_mode="sqrt")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -271,16 +273,17 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
 
 
-@pytest.mark.parametrize("catch_up,score,dense,per_tensor", [(0, "m", 1, True), (4, "m", 1, True), (0, "m_age", 1, True),
-                                                            (10, "m_age", 3, True), (10, "m_age", 1, False)])
-def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, device="cpu"):
+@pytest.mark.parametrize("catch_up,score,dense,per_tensor,mode", [
+    (0, "m", 1, True, "steps"), (4, "m", 1, True, "steps"), (0, "m_age", 1, True, "steps"),
+    (10, "m_age", 3, True, "steps"), (10, "m_age", 1, False, "steps"), (10, "m_age", 1, False, "sign")])
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, mode, device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
     bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
     moment plus the window, error feedback, masked AdamS steps, catch-up spans)."""
     rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
     m1, m2 = _mlp().to(device), _mlp().to(device)
     comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense,
-                 per_tensor=per_tensor)
+                 per_tensor=per_tensor, catch_up_mode=mode)
     opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     S, k = b.padded, comp.k(b.padded)
@@ -296,7 +299,7 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 
     w, mom, resid = layout(params2), torch.zeros(S, device=device), torch.zeros(S, device=device)
     last, mask = torch.zeros(S, dtype=torch.int64, device=device), None
-    moved = []
+    moved, shortened = [], 0
     for step in range(1, 9):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 7, generator=g).to(device)
@@ -318,8 +321,13 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
             p0, st0 = w[mask], {"exp_avg": mom[mask]}
             if catch_up:
                 span = (step - last[mask]).clamp(1, catch_up).float()
+                if mode == "sign":  # (noise, a mean gradient against m, moves sqrt(span) steps' distance)
+                    moves = torch.where(torch.sign(sent / span) == torch.sign(st0["exp_avg"]), span, span.sqrt())
+                else:
+                    moves = span
+                shortened += int((moves != span).sum())
                 p_new, st = rule.update(p0, sent / span, st0, step=step, **rule.hyper())
-                p_new = p0 + span * (p_new - p0)
+                p_new = p0 + moves * (p_new - p0)
             else:
                 p_new, st = rule.update(p0, sent, st0, step=step, **rule.hyper())
             w[mask], mom[mask] = p_new, st["exp_avg"]
@@ -334,20 +342,21 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
                 p.copy_(w[off:off + p.numel()].view_as(p))
     assert torch.equal(layout(list(b.params)), layout(params2))
     assert all(x > 2 * k for x in moved[:dense]) and all(0 < x <= k for x in moved[dense:])  # dense, then masked
+    assert (shortened > 0) == (mode == "sign")  # (the sign rule did shorten some moves)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, device="cuda")
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor) == \
-        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor)
+    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode) == \
+        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode)
 
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():

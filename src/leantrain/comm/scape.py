@@ -27,7 +27,10 @@ and ``k = round(density * S)``:
    ``lr * b1 / sqrt(b2) * sign(m)``). AdamS's second moment ``b2 m² + (1 - b2) g²`` is
    rebuilt from ``m`` and the one reduced buffer, as the paper does. A coordinate that waited
    ``τ`` steps gets the rule on its mean gradient and ``min(τ, catch_up)`` times the move (an
-   Adam-type step is normalized: one step for ``τ`` steps' gradient would lose the rest).
+   Adam-type step is normalized: one step for ``τ`` steps' gradient would lose the rest). With
+   ``catch_up_mode="sign"`` a coordinate whose mean gradient disagrees in sign with ``m`` moves
+   ``sqrt(min(τ, catch_up))`` times instead: its gradient is mostly noise, over which dense
+   Adam-type steps random-walk about ``sqrt(τ)`` steps' distance in ``τ`` steps, not ``τ``.
 4. **Weights.** Only masked coordinates changed, so each rank all-gathers the new values of
    its shard's ``k`` coordinates (model dtype) and every rank writes them into its weights.
 
@@ -80,6 +83,9 @@ class SCAPE(NoCompression):
     ``catch_up``: an update ``τ`` steps after the previous one applies the rule to the mean
     gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
     update one step's move, however long the coordinate waited).
+    ``catch_up_mode``: ``"steps"`` moves ``min(τ, catch_up)`` times; ``"sign"`` does so where the
+    mean gradient agrees in sign with the first moment and moves ``sqrt(min(τ, catch_up))`` times
+    where it does not (noise; the move of a random walk over ``τ`` steps).
     ``dense_steps``: the first steps are dense (the first always is: it has no mask).
     ``per_tensor``: a score is divided by the mean ``|m|`` of its parameter tensor on the shard, so
     every tensor gets about its share of the mask (an Adam-type step is about as large in every
@@ -95,6 +101,7 @@ class SCAPE(NoCompression):
     score: str = "m_age"
     dense_steps: int = 1
     per_tensor: bool = False
+    catch_up_mode: str = "steps"
 
     name = "scape"
 
@@ -109,6 +116,8 @@ class SCAPE(NoCompression):
             raise ValueError(f"SCAPE: dense_steps must be >= 1 (the first step has no mask), got {self.dense_steps}")
         if self.catch_up < 0:
             raise ValueError(f"SCAPE: catch_up must be >= 0, got {self.catch_up}")
+        if self.catch_up_mode not in ("steps", "sign"):
+            raise ValueError(f"SCAPE: catch_up_mode must be 'steps' or 'sign', got {self.catch_up_mode!r}")
         if self.value_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"SCAPE: value_dtype must be float32, bfloat16 or float16, got {self.value_dtype}")
         self._mask: dict[int, Tensor] = {}  # bucket -> [world, k] int64 shard-local indices in force (sorted)
@@ -167,6 +176,11 @@ class SCAPE(NoCompression):
         if not self.catch_up:
             return idx, None
         return idx, (int(state["step"]) - state["scape_last"][idx]).clamp_(1, self.catch_up).float()
+
+    def catch_up_moves(self, span: Tensor, g_mean: Tensor, state: dict[str, Tensor]) -> Tensor:
+        if self.catch_up_mode == "steps":
+            return span
+        return torch.where(torch.sign(g_mean) == torch.sign(state[self._moment]), span, span.sqrt())
 
     def _mask_in_force(self, key: int) -> Tensor | None:
         pend = self._next.pop(key, None)

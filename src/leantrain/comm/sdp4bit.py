@@ -123,6 +123,11 @@ class NoCompression:
         update stands for (None: one each)."""
         return None, None
 
+    def catch_up_moves(self, span: Tensor, g_mean: Tensor, state: dict[str, Tensor]) -> Tensor:
+        """How many one-step moves each update of ``update_index``'s coordinates makes, given the
+        steps it stands for (``span``), its mean gradient and its rule state before the update."""
+        return span
+
     def after_update(self, key: int, state: dict, topo: Topology) -> None:
         """Called once a bucket's shard has been stepped, before its weight gather."""
 

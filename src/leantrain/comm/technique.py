@@ -140,7 +140,7 @@ class ShardCompression(Technique):
         else:
             s = c.scape
             run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,
-                                    per_tensor=s.per_tensor)
+                                    per_tensor=s.per_tensor, catch_up_mode=s.catch_up_mode)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:

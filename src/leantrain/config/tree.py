@@ -261,6 +261,9 @@ class ScapeConfig:
     score: Literal["m", "m_age"] = "m_age"  # mask by |m|, or |m| times the steps since the last update
     dense_steps: int = 1  # the first steps are dense
     catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
+    # steps: an update moves min(τ, catch_up) steps' distance; sign: that where the mean gradient
+    # agrees in sign with the first moment, its square root where it does not (noise random-walks)
+    catch_up_mode: Literal["steps", "sign"] = "steps"
     # mask scores relative to their tensor's mean |m| (each tensor gets its share of the mask)
     per_tensor: bool = False
 

@@ -227,10 +227,12 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             sel = idx[inside]  # only these coordinates: the others keep weight and state
             if sel.numel():
                 p0, gs = master[sel], g[sel]
+                old = {k: st[k][sel] for k in names}
                 sp = None if span is None else span[inside]
                 if sp is not None:  # the rule on the mean gradient, the move times the steps it covers
                     gs = gs / sp
-                p_new, s_new = self.rule.update(p0, gs, {k: st[k][sel] for k in names}, step=st["step"], **hp)
+                    sp = self.compression.catch_up_moves(sp, gs, old)
+                p_new, s_new = self.rule.update(p0, gs, old, step=st["step"], **hp)
                 if sp is not None:
                     p_new = p0 + sp * (p_new - p0)
                 master.index_copy_(0, sel, p_new.to(master.dtype))
