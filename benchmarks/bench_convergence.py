@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="1337,1,2")
     p.add_argument("--scape-recipes", default=",".join(("sharded-adams", "sharded-scape90", "sharded-scape99")),
                    help="with --scape-fidelity: the recipes (dense sharded-adams first, the yardstick)")
+    p.add_argument("--dense-from", default="",
+                   help="with --scape-fidelity: take the dense runs from this earlier --scape-fidelity JSON of the "
+                        "same preset and steps (dense runs are bit-reproducible)")
     p.add_argument("--state-fidelity", action="store_true", help="FORGE per --state-dtypes over --seeds")
     p.add_argument("--state-dtypes", default="bf16,int8,fp8")
     p.add_argument("--forge-accum", action="store_true", help="FORGE k=4 accumulation vs one 4x batch, per accum_dtype")
@@ -158,20 +161,35 @@ def scape_fidelity(args) -> int:
     if recipes[0] != "sharded-adams":
         raise SystemExit("--scape-recipes: the first is the yardstick, sharded-adams")
     runs: dict[str, dict[int, dict]] = {name: {} for name in recipes}
+    if args.dense_from:  # (dense runs are bit-reproducible: an earlier file's stand for them)
+        earlier = json.loads(Path(args.dense_from).read_text())
+        if f"--preset {args.preset} --steps {args.steps} " not in earlier["command"]:
+            raise SystemExit(f"--dense-from: {args.dense_from} is not of --preset {args.preset} --steps {args.steps}")
+        have = earlier["recipes"]["sharded-adams"]["seeds"]
+        missing = [s for s in seeds if str(s) not in have]
+        if missing:
+            raise SystemExit(f"--dense-from: {args.dense_from} has no dense run of seeds {missing}")
+        runs["sharded-adams"] = {s: have[str(s)] for s in seeds}
     for name in recipes:
+        if runs[name]:
+            continue
         ov = {**DIST_RECIPES[name], "dist.intra_node_size": 1, "data.batch_size": _per_rank_batch(args, name)}
         for seed in seeds:
-            runs[name][seed] = run(f"{name}_seed{seed}", {**ov, "train.seed": seed}, args, nproc=nproc)
+            s = run(f"{name}_seed{seed}", {**ov, "train.seed": seed}, args, nproc=nproc)
+            runs[name][seed] = {**{k: s[k] for k in ("val_loss", "final_loss", "comm_bytes_per_step")},
+                                "val_loss_by_step": _val_by_step(Path(args.out) / f"{name}_seed{seed}")}
     dense = runs["sharded-adams"]
+    dense_from = f" --dense-from {args.dense_from}" if args.dense_from else ""
     result = {"what": f"{', '.join(recipes[1:])} vs dense sharded AdamS, {args.preset} preset, "
                       f"{args.steps} steps, {nproc} gloo ranks, seeds {seeds}",
               "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
                          f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
-                         f"--scape-recipes {args.scape_recipes}{''.join(f' --set {kv}' for kv in args.set)} --out {out}",
+                         f"--scape-recipes {args.scape_recipes}{''.join(f' --set {kv}' for kv in args.set)}"
+                         f"{dense_from} --out {out}",
               "recipes": {}}
     for name, by_seed in runs.items():
         per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],
-                           "val_loss_by_step": _val_by_step(Path(args.out) / f"{name}_seed{seed}"),
+                           "val_loss_by_step": s["val_loss_by_step"],
                            "val_vs_dense": s["val_loss"] / dense[seed]["val_loss"],
                            "comm_bytes_per_step": s["comm_bytes_per_step"],
                            "bytes_vs_dense": s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]}
