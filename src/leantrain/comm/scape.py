@@ -28,9 +28,9 @@ and ``k = round(density * S)``:
    rebuilt from ``m`` and the one reduced buffer, as the paper does. A coordinate that waited
    ``τ`` steps gets the rule on its mean gradient and ``min(τ, catch_up)`` times the move (an
    Adam-type step is normalized: one step for ``τ`` steps' gradient would lose the rest). With
-   ``catch_up_mode="sign"`` a coordinate whose mean gradient disagrees in sign with ``m`` moves
-   ``sqrt(min(τ, catch_up))`` times instead: its gradient is mostly noise, over which dense
-   Adam-type steps random-walk about ``sqrt(τ)`` steps' distance in ``τ`` steps, not ``τ``.
+   ``catch_up_mode="sign"`` (the default) a coordinate whose mean gradient disagrees in sign with
+   ``m`` moves ``sqrt(min(τ, catch_up))`` times instead: its gradient is mostly noise, over which
+   dense Adam-type steps random-walk about ``sqrt(τ)`` steps' distance in ``τ`` steps, not ``τ``.
 4. **Weights.** Only masked coordinates changed, so each rank all-gathers the new values of
    its shard's ``k`` coordinates (model dtype) and every rank writes them into its weights.
 
@@ -72,7 +72,7 @@ def unpack_bits(packed: Tensor) -> Tensor:
 @dataclass
 class SCAPE(NoCompression):
     """``SCAPE(density=0.1, *, explore=0.1, value_dtype=torch.bfloat16, error_feedback=True,
-    catch_up=10, score="m_age", dense_steps=1)``.
+    catch_up=10, score="m_age", dense_steps=1, per_tensor=False, catch_up_mode="sign")``.
 
     ``density``: fraction of each shard's coordinates sent a step (0.1: 90 % sparsity).
     ``explore``: fraction of those ``k`` taken from a rotating window instead of the top scores.
@@ -83,9 +83,9 @@ class SCAPE(NoCompression):
     ``catch_up``: an update ``τ`` steps after the previous one applies the rule to the mean
     gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
     update one step's move, however long the coordinate waited).
-    ``catch_up_mode``: ``"steps"`` moves ``min(τ, catch_up)`` times; ``"sign"`` does so where the
-    mean gradient agrees in sign with the first moment and moves ``sqrt(min(τ, catch_up))`` times
-    where it does not (noise; the move of a random walk over ``τ`` steps).
+    ``catch_up_mode``: ``"steps"`` moves ``min(τ, catch_up)`` times; ``"sign"`` (default) does so
+    where the mean gradient agrees in sign with the first moment and moves ``sqrt(min(τ, catch_up))``
+    times where it does not (noise; the move of a random walk over ``τ`` steps).
     ``dense_steps``: the first steps are dense (the first always is: it has no mask).
     ``per_tensor``: a score is divided by the mean ``|m|`` of its parameter tensor on the shard, so
     every tensor gets about its share of the mask (an Adam-type step is about as large in every
@@ -101,7 +101,7 @@ class SCAPE(NoCompression):
     score: str = "m_age"
     dense_steps: int = 1
     per_tensor: bool = False
-    catch_up_mode: str = "steps"
+    catch_up_mode: str = "sign"
 
     name = "scape"
 

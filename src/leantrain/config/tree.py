@@ -263,7 +263,7 @@ class ScapeConfig:
     catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
     # steps: an update moves min(τ, catch_up) steps' distance; sign: that where the mean gradient
     # agrees in sign with the first moment, its square root where it does not (noise random-walks)
-    catch_up_mode: Literal["steps", "sign"] = "steps"
+    catch_up_mode: Literal["steps", "sign"] = "sign"
     # mask scores relative to their tensor's mean |m| (each tensor gets its share of the mask)
     per_tensor: bool = False
 
