@@ -294,6 +294,18 @@ def scape_gap_by_step(steps, name="sharded-scape90"):
     return f
 
 
+def scape_hypothesis(key):
+    """bench_convergence --scape-fidelity runs of one SCAPE hypothesis: against dense per seed, and the mean
+    over the seeds where all three ran."""
+    def f(d):
+        r = d["runs"][key]
+        seeds = ", ".join(pct(v["val_vs_dense"] - 1) for v in r["seeds"].values())
+        if "mean_vs_dense" in r:
+            return f"{pct(r['mean_vs_dense'] - 1)} ({seeds})"
+        return f"{seeds} (stopped after {len(r['seeds'])} of 3 seeds)"
+    return f
+
+
 def memory_cell(rel_config, preset, vocab, seq, batch):
     """One bench_memory row: peak GiB and tokens/s, named by its configuration."""
     def f(d):
@@ -369,6 +381,17 @@ F_DIST = "convergence/2026-11-29_cpu_tiny-distributed.json"
 F_AGOQ = "agoq/2026-12-01_H200.json"
 F_125 = "convergence/2026-12-01_H200_125m-agoq.json"
 F_SCAPE = "comm/2026-12-03_cpu_scape.json"
+F_SCAPE300 = "comm/2026-12-05_cpu_scape-hypotheses300.json"
+SCAPE300 = [("defaults: \\|m\\| × age, `catch_up` 10, `catch_up_mode sign`", "defaults"),
+            ("`catch_up` 30", "catch_up30"), ("`catch_up` 100", "catch_up100"),
+            ("the first moment moves as over τ dense steps (local edit)", "moment_tau"),
+            ("`optim.betas 0.95,0.95`: a slower first moment", "beta1_095"),
+            ("clipping by the mean gradients' norm (local edit)", "clip_mean_gradient"),
+            ("round robin: score = steps since the last update (local edit)", "round_robin"),
+            ("`per_tensor`, the tensor's mean \\|m\\| to the power 0.5 (local edit)", "per_tensor_sqrt"),
+            ("`optim.warmup_steps 60` (preset: 30)", "warmup60"),
+            ("score = the owner's own residual \\|r\\| (local edit)", "residual_score"),
+            ("coasting between updates, corrected at the next (local edit)", "coasting")]
 F_GIFT = "comm/2026-12-03_cpu_gift-nvfp4.json"
 F_GIFT4 = "comm/2026-12-03_cpu_gift-nvfp4-4ranks.json"
 F_GIFT8 = "comm/2026-12-03_cpu_gift-e4m3.json"
@@ -472,6 +495,9 @@ TABLES: dict[str, list[tuple]] = {
          "comm/2026-12-05_cpu_scape90-1000steps.json"),
         ("1000 steps, 90 % / 99 % sparse, `catch_up_mode steps`, seed 1337", scape_fidelity, "within 1 % / 2 %",
          "comm/2026-12-05_cpu_scape-1000steps.json"),
+        ("batch 64 (4× the preset's 16), 300 steps, 90 % sparse, seed 1337", scape_fidelity, "within 1 %",
+         "comm/2026-12-05_cpu_scape-batch64.json"),
+        ("the same, by step", scape_gap_by_step((50, 100, 150, 200, 300)), "", "comm/2026-12-05_cpu_scape-batch64.json"),
     ],
     "gift": [
         ("NVFP4 bytes vs a bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
@@ -524,8 +550,10 @@ TABLES: dict[str, list[tuple]] = {
     ],
 }
 
+TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
+
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
-         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape"], "docs/gift.md": ["gift"],
+         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape300"], "docs/gift.md": ["gift"],
          "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/fsdp.md": ["fsdp"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
