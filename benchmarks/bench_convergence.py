@@ -189,7 +189,7 @@ def scape_fidelity(args) -> int:
               "recipes": {}}
     for name, by_seed in runs.items():
         per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],
-                           "val_loss_by_step": s["val_loss_by_step"],
+                           "val_loss_by_step": s.get("val_loss_by_step", {}),  # (absent in older files)
                            "val_vs_dense": s["val_loss"] / dense[seed]["val_loss"],
                            "comm_bytes_per_step": s["comm_bytes_per_step"],
                            "bytes_vs_dense": s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]}

@@ -1,0 +1,61 @@
+"""benchmarks/bench_convergence.py --scape-fidelity --dense-from: an earlier file's dense runs stand in
+for this command's (older files have no per-step losses); a file of another preset is refused. The
+training runs themselves are stubbed: this checks the bookkeeping, not SCAPE."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_convergence_under_test", BENCH / "bench_convergence.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _earlier(tmp_path, preset="tiny"):
+    dense = {"val_loss": 5.0, "final_loss": 4.9, "comm_bytes_per_step": 1000.0}  # (no val_loss_by_step)
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({
+        "command": f"python3 benchmarks/bench_convergence.py --scape-fidelity --preset {preset} --steps 20 --seeds 1",
+        "recipes": {"sharded-adams": {"seeds": {"1": dense}}}}))
+    return path
+
+
+def test_dense_from_an_older_file(tmp_path, monkeypatch):
+    bc = _load()
+    ran = []
+
+    def run(name, overrides, args, nproc=1):
+        ran.append((name, overrides["comm.scape.density"]))
+        out = Path(args.out) / name
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": 5.5}) + "\n")
+        return {"val_loss": 5.5, "final_loss": 5.4, "comm_bytes_per_step": 100.0}
+
+    monkeypatch.setattr(bc, "run", run)
+    out = tmp_path / "r.json"
+    assert bc.main(["--scape-fidelity", "--preset", "tiny", "--steps", "20", "--seeds", "1", "--scape-recipes",
+                    "sharded-adams,sharded-scape90", "--dense-from", str(_earlier(tmp_path)), "--out", str(out)]) == 0
+    assert ran == [("sharded-scape90_seed1", 0.1)]  # (the dense run came from the file)
+    r = json.loads(out.read_text())
+    sparse = r["recipes"]["sharded-scape90"]
+    assert sparse["mean_vs_dense"] == pytest.approx(1.1) and sparse["seeds"]["1"]["bytes_vs_dense"] == pytest.approx(0.1)
+    assert sparse["seeds"]["1"]["val_loss_by_step"] == {"20": 5.5}
+    assert r["recipes"]["sharded-adams"]["seeds"]["1"]["val_loss_by_step"] == {}
+    assert "--dense-from" in r["command"]
+
+
+def test_dense_from_another_preset_is_refused(tmp_path):
+    bc = _load()
+    with pytest.raises(SystemExit, match="not of --preset tiny"):
+        bc.main(["--scape-fidelity", "--preset", "tiny", "--steps", "20", "--seeds", "1", "--dense-from",
+                 str(_earlier(tmp_path, preset="small")), "--out", str(tmp_path / "r.json")])
