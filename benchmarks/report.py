@@ -485,6 +485,7 @@ TABLES: dict[str, list[tuple]] = {
          "comm/2026-12-05_cpu_scape-defaults.json"),
         ("small preset, 300 steps, 90 % sparse, seed 1337", scape_fidelity, "within 1 %",
          "comm/2026-12-05_cpu_scape-small-sign.json"),
+        ("the same, 99 % sparse", scape_fidelity, "within 2 %", "comm/2026-12-05_cpu_scape99-small-sign.json"),
         ("the same, 90 % / 99 % sparse, `catch_up_mode steps`", scape_fidelity, "within 1 % / 2 %",
          "comm/2026-12-05_cpu_scape-small.json"),
         ("1000 steps, 90 % sparse, mean of seeds 1337, 1, 2", scape_fidelity, "within 1 %",
