@@ -155,6 +155,25 @@ def _save_hf_result(a, out: Path, rows: list) -> None:
     (out / "hf.json").write_text(json.dumps(result, indent=1))
 
 
+def _write_lowmem(a, out: Path, rows: list) -> dict:
+    """Write ``lowmem.json`` from the runs so far; returns each recipe's mean ratio to full AdamW's
+    validation loss over the seeds whose full run has finished."""
+    full = {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == "full"}
+    for r in rows:
+        if r["seed"] in full:
+            r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
+    names = dict.fromkeys(r["recipe"] for r in rows)
+    means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name and "ratio_to_full" in r)
+             for name in names if any(r["recipe"] == name and "ratio_to_full" in r for r in rows)}
+    result = {"command": harness.command(), "env": harness.env(),
+              "preset": a.preset, "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
+              "seq_len": a.seq_len, "seeds": a.seeds,
+              "source": a.source or f"random weights of the {a.preset} preset", "runs": rows,
+              "mean_ratio_to_full": means}
+    (out / "lowmem.json").write_text(json.dumps(result, indent=1))
+    return means
+
+
 def run_lowmem(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,16 +197,7 @@ def run_lowmem(a) -> int:
             rows.append({"recipe": name, "seed": seed, "flags": flags, "lr": lrs.get(name, a.lr), "val_loss": s["val_loss"],
                          "counted_bytes": counted_bytes(s), "tokens_per_second": s["tokens_per_second"]})
             print(f"[{time.time() - t0:6.0f}s] {name} seed {seed}: val loss {s['val_loss']:.4f}", flush=True)
-    full = {r["seed"]: r["val_loss"] for r in rows if r["recipe"] == "full"}
-    for r in rows:
-        r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
-    means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name) for name in recipes}
-    result = {"command": harness.command(), "env": harness.env(),
-              "preset": a.preset, "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
-              "seq_len": a.seq_len, "seeds": a.seeds,
-              "source": a.source or f"random weights of the {a.preset} preset", "runs": rows,
-              "mean_ratio_to_full": means}
-    (out / "lowmem.json").write_text(json.dumps(result, indent=1))
+            means = _write_lowmem(a, out, rows)  # (after every run: a run cut short keeps what finished)
     for name, m in means.items():
         print(f"{name}: validation loss / full AdamW's = {m:.4f} (mean of {len(a.seeds)} seeds)")
     return 0

@@ -2,7 +2,8 @@
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
 # SECTION is any of: tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale (default: all
-# of them, in that order); `quick` runs fewer sizes and shapes.
+# of them, in that order; comm = sdp4bit giftcost, fsdp = fsdp1b fsdp8b; CONV_RECIPES and SPEED_CONFIGS narrow
+# convergence's recipes and speed's configurations); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime
 #       (VERIFY_TESTS=0: none), then the 1b step through the trainer for this tree and for the tree under
 #       $BASE/src, in alternation: a change's correctness and its step time against a baseline in one run;
@@ -18,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
 SECTIONS=${*:-tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|accum|agoq|comm|finetune|lowmem|convergence|fsdp|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|accum|agoq|comm|sdp4bit|giftcost|finetune|lowmem|convergence|fsdp|fsdp1b|fsdp8b|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -84,9 +85,15 @@ agoq() {
   timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
 }
 
-comm() {
-  log "comm: SDP4Bit compression path; GIFT's compute"
+comm() { sdp4bit; giftcost; }
+
+sdp4bit() {
+  log "sdp4bit: the compression path"
   timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
+}
+
+giftcost() {
+  log "giftcost: GIFT's transforms against the 1b step"
   timeout 300 python3 benchmarks/bench_comm.py gift-cost --preset 1b --batch 4 --out "$OUT/comm" 2>&1 | tail -20
 }
 
@@ -111,15 +118,21 @@ convergence() {
     --train.eval-every 0 --train.ckpt-every 300 --train.sample-tokens 0 --train.progress false --out "$D/source" 2>&1 | tail -2
   timeout 900 python3 benchmarks/bench_finetune.py --lowmem --preset 125m --from "$D/source" --steps 500 --seeds 0 \
     --batch-size 8 --seq-len 512 --lr 6e-4 --lr-of chunkft4=3e-4 chunkft4-forge=3e-4 chunkft8-forge=3e-4 \
-    --recipes full forge-bf16 forge-int8-agoq forge-int8-ckpt chunkft4 chunkft4-forge chunkft8-forge --out "$D" 2>&1 | tail -10
+    --recipes ${CONV_RECIPES:-full forge-bf16 forge-int8-agoq forge-int8-ckpt chunkft4 chunkft4-forge chunkft8-forge} --out "$D" 2>&1 | tail -10
   rm -rf "$D/source" "$D/runs"
 }
 
-fsdp() {
+fsdp() { fsdp1b; fsdp8b; }
+
+fsdp1b() {
   log "fsdp: the 1b preset under FSDP2 on one GPU (bf16 all-gathers), and with AGoQ, against the baseline"
   local F="--dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32"
   timeout 420 python3 benchmarks/bench_step.py --preset 1b --batch 8 --steps 16 --rounds 1 --name fsdp-1gpu \
     --recipe "baseline=--baseline" --recipe "fsdp=$F" --recipe "fsdp_agoq=$F --agoq" --out "$OUT/step" 2>&1 | tail -6
+}
+
+fsdp8b() {
+  local F="--dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32"
   log "fsdp: the 8b preset under FSDP2 on one GPU (fp32 shards and states in host memory; with FORGE + AGoQ)"
   timeout 600 python3 benchmarks/bench_step.py --preset 8b --batch 1 --steps 6 --rounds 1 --name fsdp-8b-1gpu \
     --recipe "fsdp_offload=$F --dist.cpu-offload true" --recipe "fsdp_forge_agoq=$F --forge --agoq" \
@@ -129,8 +142,8 @@ fsdp() {
 speed() {
   log "speed: FORGE's small-batch step on 7b / 8b (32k vocabulary): bf16 / int8 / fp8 states, AGoQ, eager and graphed, against torch"
   timeout 1500 python3 benchmarks/bench_memory.py --presets 7b 8b --vocab 32000 --batches 1 2 4 --seqs 1024 \
-    --configs torch_bf16 torch_bf16_graph torch_fp32_master_autocast forge_bf16_states forge_int8_states forge_fp8_states \
-    forge_fp8_states_graph forge_int8_states_agoq forge_fp8_states_agoq forge_fp8_states_agoq_graph \
+    --configs ${SPEED_CONFIGS:-torch_bf16 torch_bf16_graph torch_fp32_master_autocast forge_bf16_states forge_int8_states \
+    forge_fp8_states forge_fp8_states_graph forge_int8_states_agoq forge_fp8_states_agoq forge_fp8_states_agoq_graph} \
     --out "$OUT/memory" --name speed 2>&1 | tail -40
 }
 
