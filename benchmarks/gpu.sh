@@ -133,9 +133,9 @@ fsdp1b() {
 
 fsdp8b() {
   local F="--dist.mode fsdp --dist.param-dtype bf16 --train.weights fp32"
-  log "fsdp: the 8b preset under FSDP2 on one GPU (fp32 shards and states in host memory; with FORGE + AGoQ)"
+  log "fsdp: the 8b preset under FSDP2 on one GPU with FORGE + AGoQ (fp32 shards and states: 96 GB, an H200's)"
   timeout 600 python3 benchmarks/bench_step.py --preset 8b --batch 1 --steps 6 --rounds 1 --name fsdp-8b-1gpu \
-    --recipe "fsdp_offload=$F --dist.cpu-offload true" --recipe "fsdp_forge_agoq=$F --forge --agoq" \
+    --recipe "fsdp_forge_agoq=$F --forge --agoq" \
     --out "$OUT/step" 2>&1 | tail -6
 }
 
