@@ -104,7 +104,8 @@ if HAS_TRITON:
             v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
         else:
             v = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), v)
-        return tl.where((c >> 7) != 0, -v, v)
+        # the sign as a bit: compiled, ``-v`` is ``0 - v``, which turns the code 0x80 into +0, not -0
+        return (v.to(tl.int32, bitcast=True) | ((c >> 7) << 31)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _qfp8_kernel(x_ptr, data_ptr, scale_ptr, n, n_groups, FMAX: tl.constexpr,
