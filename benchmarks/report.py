@@ -367,6 +367,28 @@ def trainer_vs_base(d):
     return "; ".join(f"{name} {x(row['this_over_base'], 3)}" for name, row in t.items() if "this_over_base" in row)
 
 
+def gift_batched(min_gain, fmt="e4m3"):
+    """bench_comm gift-cost: the batched whitening transforms a step in each transform dtype, over the
+    layers whose estimated gain is at least ``min_gain``, and their share of the plain step. A shape
+    with only some layers over the threshold counts its batched time pro rata (marked ≈)."""
+    def f(d):
+        plain, partial, out = d["step_ms"]["plain"], False, []
+        for dtype in ("float32", "tfloat32", "bfloat16"):
+            ms = 0.0
+            for shape, row in d["per_shape"].items():
+                kept = sum(g >= min_gain for g in d["gain_estimates"][fmt][shape])
+                partial |= 0 < kept < row["count"]
+                ms += row["batched_transforms_ms"][dtype] * kept / row["count"]
+            out.append(f"{dtype} {'≈' if partial else ''}{ms:.1f} ms ({ms / plain:.1%})")
+        return "; ".join(out) + f" of a {plain:.1f} ms step"
+    return f
+
+
+def gift_gains(d, fmt="e4m3"):
+    return "; ".join(f"{shape} {statistics.median(g):.2f} (min {min(g):.2f})"
+                     for shape, g in d["gain_estimates"][fmt].items())
+
+
 # ---- the blocks: (what, function, target, file) ---------------------------------------------
 
 F_LAYER = "forge/2026-12-03_H200_layer.json"
@@ -398,6 +420,8 @@ F_GIFT8 = "comm/2026-12-03_cpu_gift-e4m3.json"
 F_CHUNK = "finetune/2026-12-03_H200_chunkft-1b.json"
 F_ZO = "finetune/2026-12-02_H200_zo-1b.json"
 F_LOWMEM = "finetune/2026-12-05_cpu_lowmem.json"
+F_LOWMEM125 = "finetune/2026-12-06_H100-80GB-HBM3_lowmem-125m.json"
+F_GIFT_COST = "comm/2026-12-06_H100-80GB-HBM3_gift-cost.json"
 F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
 F_MEM = "memory/2026-12-05_H200_memory.json"
@@ -430,8 +454,8 @@ TABLES: dict[str, list[tuple]] = {
          "data/2026-12-04_cpu.json"),
         ("tiny, 20 steps: final loss vs the tree before the technique protocol, CPU", same_losses,
          "unchanged", "convergence/2026-12-04_cpu_trainer-vs-base.json"),
-        ("1b step through the trainer vs the tree before the technique protocol, H200, tokens/s",
-         trainer_vs_base, "no slower", "step/2026-12-04_H200_trainer-vs-base.json"),
+        ("1b step through the trainer vs the tree before the technique protocol, H100, tokens/s",
+         trainer_vs_base, "no slower", "step/2026-12-06_H100-80GB-HBM3_trainer-vs-base.json"),
     ],
     "timings": [
         ("`make test` (fresh clone, 2-core CPU)", make_test, "≤ 20 min", "ci/2026-12-05_cpu_make-test.json"),
@@ -508,8 +532,14 @@ TABLES: dict[str, list[tuple]] = {
         ("E4M3 bytes, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT8),
         ("NVFP4 val loss vs the exact all-reduce, 2 ranks", gift_loss, "within 1 %", F_GIFT),
         ("NVFP4 val loss vs exact, 4 ranks", gift_loss, "within 1 %", F_GIFT4),
-        ("whitening transforms a step, 1b, B = 4, H200", lambda d: f"{d['model']['transforms_ms']:.1f} ms", "",
-         "comm/2026-12-03_H200_gift-cost.json"),
+        ("whitening transforms a step, 1b, B = 4, H200, layer by layer (fp32)",
+         lambda d: f"{d['model']['transforms_ms']:.1f} ms", "", "comm/2026-12-03_H200_gift-cost.json"),
+        ("the same batched by shape, H100: each `transform_dtype` (share of the plain step)", gift_batched(0.0),
+         "≤ 10 %", F_GIFT_COST),
+        ("the same with `min_gain 1.2` (the layers whose estimated E4M3 gain is at least 1.2)", gift_batched(1.2),
+         "≤ 10 %", F_GIFT_COST),
+        ("estimated E4M3 gain of whitening per shape, median (min) over the 22 layers", gift_gains, "",
+         F_GIFT_COST),
     ],
     "chunkft": [
         ("peak above weights vs AdamW, 1b, B = 16", chunkft_peak, "≤ 1/chunks", F_CHUNK),
@@ -526,6 +556,9 @@ TABLES: dict[str, list[tuple]] = {
         ("the ChunkFT recipes at half of AdamW's learning rate (5e-4 against 1e-3)",
          lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 1 %",
          "finetune/2026-12-05_cpu_lowmem-chunkft-half-lr.json"),
+        ("validation loss vs full AdamW, 125m, 500 steps from a 300-step run, seed 0, H100 (ChunkFT at 3e-4, "
+         "the others 6e-4)", lowmem_ratio(["forge-bf16", "forge-int8-agoq", "chunkft4-forge", "chunkft8-forge"]),
+         "within 2 %", F_LOWMEM125),
     ],
     "zo": [
         ("allocator peak vs inference, 1b, B = 16", zo_peak, "≤ 1.1×", F_ZO),
