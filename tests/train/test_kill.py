@@ -307,3 +307,26 @@ def test_no_bad_input_prints_a_traceback(tmp_path, corpus, env):
                 or not err[0].startswith("leantrain: error:") or (out / "metrics.jsonl").exists()):
             failures.append(f"{case}: exit {proc.returncode}\n{stdout[-1500:]}{stderr[-1500:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_signal_handled_as_the_all_reduce_returns_is_kept_for_the_next_check(monkeypatch):
+    """Python runs a signal handler after the blocking call it arrived in: when that call is the
+    ranks' all-reduce of the stop flag, this round's result (0: nobody had a signal) must not erase
+    it, and the next round tells every rank."""
+    from leantrain.train.rows import StopSignals
+
+    stop = StopSignals()
+    rounds = []
+
+    def all_reduce(t, op=None):  # the peer sends 0; on the first round our handler runs as it returns
+        if not rounds:
+            stop._handle(signal.SIGINT, None)
+        rounds.append(float(t.item()))
+
+    monkeypatch.setattr("leantrain.train.rows.dist.all_reduce", all_reduce)
+    try:
+        assert not stop.requested(2, "cpu")  # (the round's result: every rank goes on, together)
+        assert stop.requested(2, "cpu") and stop.signum == signal.SIGINT
+        assert rounds == [0.0, float(signal.SIGINT)]
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

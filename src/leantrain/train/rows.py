@@ -47,8 +47,12 @@ class StopSignals:
             return self.signum != 0
         signum = torch.tensor([float(self.signum)], device=device)
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        self.signum = int(signum.item())
-        return self.signum != 0
+        agreed = int(signum.item())
+        # a signal whose handler ran as the all-reduce returned (Python runs it after the blocking
+        # call) is not in this round's result: it stays in self.signum for the next check
+        if agreed:
+            self.signum = agreed
+        return agreed != 0
 
 
 class StepRows:
