@@ -540,6 +540,9 @@ TABLES: dict[str, list[tuple]] = {
          "≤ 10 %", F_GIFT_COST),
         ("estimated E4M3 gain of whitening per shape, median (min) over the 22 layers", gift_gains, "",
          F_GIFT_COST),
+        ("a refresh, 1b, H100: the statistics' extra forward + backward time; the refresh warm / cold",
+         lambda d: f"{d['step_ms']['with_statistics'] - d['step_ms']['plain']:.0f} ms; "
+                   f"{d['model']['refresh_subspace_warm_ms']:.0f} / {d['model']['refresh_subspace_cold_ms']:.0f} ms", "", F_GIFT_COST),
     ],
     "chunkft": [
         ("peak above weights vs AdamW, 1b, B = 16", chunkft_peak, "≤ 1/chunks", F_CHUNK),
