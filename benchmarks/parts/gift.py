@@ -62,8 +62,8 @@ def worker(args) -> int:
     cfg = C.build("tiny", overrides=overrides)
     tr = Trainer(cfg, args.run_out)
     rows = []
-    if args.errors and tr.gift is not None:
-        gift = tr.gift
+    gift = next((t.gift for t in tr.techniques if t.name == "gift"), None)
+    if args.errors and gift is not None:
         real = gift.reduce_gradients
 
         def reduce_and_measure():
