@@ -262,6 +262,16 @@ def profile_table(rel: str, page: str, top: int = 4) -> str:
     return "\n".join(lines + ["", f"From {link(page, rel)}: `{d['command']}`"])
 
 
+def step_errors(d):
+    """bench_step runs that failed: each recipe's error, shortened to its kind."""
+    def kind(err):
+        if "OutOfMemoryError" in err:
+            return "CUDA out of memory"
+        return "killed by SIGKILL, no error output" if err == "exit -9" else err.splitlines()[-1][:80]
+    return "; ".join(f"{r['recipe']}: {kind(r['error'])}" if "error" in r else f"{r['recipe']}: ran"
+                     for r in d["runs"])
+
+
 def step_runs(d):
     """bench_step without a base: each recipe's tokens/s and allocator peak."""
     out = []
@@ -576,6 +586,8 @@ TABLES: dict[str, list[tuple]] = {
     "fsdp": [
         ("1b, B = 8, T = 1024, one H200: baseline / FSDP2 (bf16 all-gathers) / FSDP2 + AGoQ", step_runs, "",
          "step/2026-12-05_H200_fsdp-1gpu.json"),
+        ("8b, B = 1, T = 1024, one H100 (80 GB, 128 GiB host): FSDP2 + CPU offload / FSDP2 + FORGE + AGoQ",
+         step_errors, "runs", "step/2026-12-06_H100-80GB-HBM3_fsdp-8b-1gpu.json"),
     ],
     "ops": [
         ("quantize / dequantize int8, int4 (fp32, g128), 2 GiB, vs copy",
