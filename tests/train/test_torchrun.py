@@ -77,24 +77,24 @@ def test_killed_worker_ends_the_job_with_an_error(corpus, tmp_path):
 def test_sharded_optimizer_in_the_trainer_matches_ddp_sdp4bit_and_scape_split_traffic(corpus, tmp_path):
     ddp = tmp_path / "ddp"
     r = subprocess.run([*_torchrun(2), *_args(ddp, corpus, 2, steps=6)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     sh = tmp_path / "sharded"
     r = subprocess.run([*_torchrun(2), *_args(sh, corpus, 2, steps=6), "--dist.mode", "sharded"], env=_env(),
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     for x, y in zip(_losses(ddp), _losses(sh)):
         assert abs(x - y) <= 1e-4 * abs(x)
     q = tmp_path / "sdp4bit"
     r = subprocess.run([*_torchrun(4), *_args(q, corpus, 1, steps=6), "--dist.mode", "sharded", "--comm.method", "sdp4bit",
                         "--dist.intra-node-size", "2"], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     s = json.loads((q / "summary.json").read_text())
     assert s["comm"]["by_scope"]["inter"] > 0 and s["comm"]["by_scope"]["intra"] > 0
     assert all(x == x for x in _losses(q))  # finite
     sc = tmp_path / "scape"  # SCAPE at 90 % sparsity, AdamS: after its dense first step, ~0.09x the traffic
     r = subprocess.run([*_torchrun(2), *_args(sc, corpus, 2, steps=6), "--dist.mode", "sharded", "--comm.method", "scape",
                         "--optim.name", "adams"], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     dense = json.loads((sh / "summary.json").read_text())["comm_bytes_per_step"]
     sparse = json.loads((sc / "summary.json").read_text())["comm_bytes_per_step"]
     assert sparse < 0.3 * dense, (sparse, dense)  # the mean of one dense step and five at ~0.09: ~0.24
@@ -107,7 +107,7 @@ def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
     r = subprocess.run([*_torchrun(2), *_args(out, corpus, 2, steps=8), "--forge.enabled", "true",
                         "--agoq.enabled", "true", "--comm.method", "int8", "--optim.lr", "1e-2"],
                        env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["recipe"] == "forge+agoq+ddp-int8"
     by_op = s["comm"]["by_op"]
@@ -115,7 +115,7 @@ def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
     # saved activations are packed: far below the same model's raw fp32 bytes
     ref = tmp_path / "plain"
     r = subprocess.run([sys.executable, *_args(ref, corpus, 4, steps=1)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     raw = json.loads((ref / "summary.json").read_text())["memory"]["activations"]
     per_sample_ratio = (s["memory"]["activations"] / 2) / (raw / 4)  # batch 2 per rank vs 4, fp32 model
     assert per_sample_ratio < 0.3, per_sample_ratio
@@ -138,9 +138,9 @@ def test_gift_follows_the_exact_all_reduce_and_resumes_bit_identically(corpus, t
     exact, gift = tmp_path / "exact", tmp_path / "gift"
     r = subprocess.run([*_torchrun(2), *_args(exact, corpus, 2, steps=8), "--train.ckpt-every", "4", "--optim.lr", "1e-2"],
                        env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     r = subprocess.run([*_torchrun(2), *_gift_args(gift, corpus)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     a, b = _losses(exact), _losses(gift)
     assert len(a) == len(b) == 8 and a != b
     for x, y in zip(a, b):
@@ -166,7 +166,7 @@ def _assert_resumes_bit_identically(run, resumed, args):
     assert checkpoint.latest(resumed).name != checkpoint.latest(run).name
     r = subprocess.run([*_torchrun(2), *args(resumed), "--resume"], env=_env(), capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     m1, _, _ = checkpoint.load(checkpoint.latest(run))
     m2, _, _ = checkpoint.load(checkpoint.latest(resumed))
     assert checkpoint.latest(resumed).name == checkpoint.latest(run).name
@@ -184,7 +184,7 @@ def test_gift_in_nvfp4_learns_and_resumes_bit_identically(corpus, tmp_path):
         return [*_gift_args(out, corpus), "--comm.gift.format", "nvfp4"]
 
     r = subprocess.run([*_torchrun(2), *args(run)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     losses = _losses(run)
     assert len(losses) == 8 and losses[-1] < losses[0]
     s = json.loads((run / "summary.json").read_text())
