@@ -32,7 +32,8 @@ def parse_pytest(text: str) -> dict:
     if not found:
         raise SystemExit("no pytest summary line in the log")
     passed, skipped, deselected, seconds = found[-1]
-    failed = re.findall(r"(\d+) failed", text.splitlines()[-1] if text.splitlines() else "")
+    last = [line for line in text.splitlines() if SUMMARY.search(line)][-1]  # (make's own lines may follow it)
+    failed = re.findall(r"(\d+) failed", last)
     return {"passed": int(passed), "skipped": int(skipped or 0), "deselected": int(deselected or 0),
             "failed": int(failed[0]) if failed else 0, "pytest_seconds": float(seconds),
             "failures": re.findall(r"^FAILED (\S+)", text, re.M),
