@@ -162,9 +162,11 @@ def _write_lowmem(a, out: Path, rows: list) -> dict:
     for r in rows:
         if r["seed"] in full:
             r["ratio_to_full"] = r["val_loss"] / full[r["seed"]]
-    names = dict.fromkeys(r["recipe"] for r in rows)
-    means = {name: statistics.mean(r["ratio_to_full"] for r in rows if r["recipe"] == name and "ratio_to_full" in r)
-             for name in names if any(r["recipe"] == name and "ratio_to_full" in r for r in rows)}
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if "ratio_to_full" in r:
+            ratios.setdefault(r["recipe"], []).append(r["ratio_to_full"])
+    means = {name: statistics.mean(v) for name, v in ratios.items()}
     result = {"command": harness.command(), "env": harness.env(),
               "preset": a.preset, "data": "the embedded corpus", "steps": a.steps, "lr": a.lr, "batch_size": a.batch_size,
               "seq_len": a.seq_len, "seeds": a.seeds,
