@@ -29,7 +29,7 @@ or activation checkpointing; ChunkFT, and ChunkFT stepping inside backward) agai
 (fp32), each continuing the training of ``--from`` on the embedded corpus (``leantrain train
 --from``) at ``--lr`` for ``--steps`` steps, each seed of ``--seeds``: ``lowmem.json`` holds per
 recipe and seed the validation loss and its ratio to full AdamW's of the same seed, and per recipe
-the mean ratio::
+the mean ratio; ``--flags "..."`` adds trainer flags to every run (``--train.dtype bf16``, ...)::
 
     PYTHONPATH=src python3 benchmarks/bench_finetune.py --lowmem --from runs/default --steps 200 --out DIR
 """
@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import io
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -190,13 +191,13 @@ def run_lowmem(a) -> int:
                     "--optim.lr", str(lrs.get(name, a.lr)), "--data.batch-size", str(a.batch_size), "--data.seq-len", str(a.seq_len),
                     "--train.eval-every",
                     str(a.steps), "--train.eval-batches", "32", "--train.progress", "false", "--train.ckpt-every", "0",
-                    "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags]
+                    "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags, *shlex.split(a.flags)]
             args += (["--from", a.source] if a.source else []) + (["--train.device", a.device] if a.device else [])
             with contextlib.redirect_stdout(io.StringIO()):
                 if leantrain(args) != 0:
                     raise SystemExit(f"{name} seed {seed} failed")
             s = json.loads((run / "summary.json").read_text())
-            rows.append({"recipe": name, "seed": seed, "flags": flags, "lr": lrs.get(name, a.lr), "val_loss": s["val_loss"],
+            rows.append({"recipe": name, "seed": seed, "flags": [*flags, *shlex.split(a.flags)], "lr": lrs.get(name, a.lr), "val_loss": s["val_loss"],
                          "counted_bytes": counted_bytes(s), "tokens_per_second": s["tokens_per_second"]})
             print(f"[{time.time() - t0:6.0f}s] {name} seed {seed}: val loss {s['val_loss']:.4f}", flush=True)
             means = _write_lowmem(a, out, rows)  # (after every run: a run cut short keeps what finished)
@@ -276,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="with --lowmem: optim.lr")
     ap.add_argument("--recipes", nargs="*", choices=list(LOWMEM_RECIPES), help="with --lowmem: these (full first)")
     ap.add_argument("--lr-of", nargs="*", metavar="RECIPE=LR", help="with --lowmem: a recipe's own optim.lr")
+    ap.add_argument("--flags", default="", help="with --lowmem: trainer flags added to every run (one string)")
     ap.add_argument("--budgets", nargs="*", help="fine-tune --preset under each of these memory budgets (24GB, ...)")
     a = ap.parse_args(argv)
     if a.hf_preset:

@@ -112,12 +112,12 @@ lowmem() {
 }
 
 convergence() {
-  log "convergence: the memory-first recipes against full AdamW on 125m (300 steps of training, then 500 of each)"
+  log "convergence: the memory-first recipes against full AdamW on 125m (2000 steps of training, then 500 of each)"
   local D="$OUT/finetune/lowmem-125m"
-  timeout 240 python3 -m leantrain train --preset 125m --steps 300 --data.batch-size 8 --data.seq-len 512 \
-    --train.eval-every 0 --train.ckpt-every 300 --train.sample-tokens 0 --train.progress false --out "$D/source" 2>&1 | tail -2
+  timeout 300 python3 -m leantrain train --preset 125m --steps 2000 --data.batch-size 8 --data.seq-len 512 \
+    --train.eval-every 0 --train.ckpt-every 2000 --train.sample-tokens 0 --train.progress false --out "$D/source" 2>&1 | tail -2
   timeout 900 python3 benchmarks/bench_finetune.py --lowmem --preset 125m --from "$D/source" --steps 500 --seeds 0 \
-    --batch-size 8 --seq-len 512 --lr 6e-4 --lr-of chunkft4=3e-4 chunkft4-forge=3e-4 chunkft8-forge=3e-4 \
+    --batch-size 8 --seq-len 512 --lr 6e-4 --lr-of chunkft4=1.5e-4 chunkft4-forge=1.5e-4 chunkft8-forge=1.5e-4 \
     --recipes ${CONV_RECIPES:-full forge-bf16 forge-int8-agoq forge-int8-ckpt chunkft4 chunkft4-forge chunkft8-forge} --out "$D" 2>&1 | tail -10
   rm -rf "$D/source" "$D/runs"
 }

@@ -433,6 +433,7 @@ F_CHUNK = "finetune/2026-12-03_H200_chunkft-1b.json"
 F_ZO = "finetune/2026-12-02_H200_zo-1b.json"
 F_LOWMEM = "finetune/2026-12-05_cpu_lowmem.json"
 F_LOWMEM125 = "finetune/2026-12-06_H100-80GB-HBM3_lowmem-125m.json"
+F_LOWMEM125_2K = "finetune/2026-12-06_H200_lowmem-125m-2k.json"
 F_GIFT_COST = "comm/2026-12-06_H100-80GB-HBM3_gift-cost.json"
 F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
@@ -574,6 +575,11 @@ TABLES: dict[str, list[tuple]] = {
         ("validation loss vs full AdamW, 125m, 500 steps from a 300-step run, seed 0, H100 (ChunkFT at 3e-4, "
          "the others 6e-4)", lowmem_ratio(["forge-bf16", "forge-int8-agoq", "chunkft4-forge", "chunkft8-forge"]),
          "within 2 %", F_LOWMEM125),
+        ("the ChunkFT recipes, 125m, 500 steps from a 300-step run, seed 0, H200, ChunkFT at 1.5e-4 / 7.5e-5 / "
+         "7.5e-5", lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 2 %",
+         "finetune/2026-12-06_H200_lowmem-125m-lr.json"),
+        ("the same from a 2000-step run (fine-tuning a trained model), ChunkFT at 1.5e-4, the others 6e-4",
+         lowmem_ratio(["chunkft4", "chunkft4-forge", "chunkft8-forge"]), "within 2 %", F_LOWMEM125_2K),
     ],
     "zo": [
         ("allocator peak vs inference, 1b, B = 16", zo_peak, "≤ 1.1×", F_ZO),
@@ -590,6 +596,8 @@ TABLES: dict[str, list[tuple]] = {
          "step/2026-12-05_H200_fsdp-1gpu.json"),
         ("8b, B = 1, T = 1024, one H100 (80 GB, 128 GiB host): FSDP2 + CPU offload / FSDP2 + FORGE + AGoQ",
          step_errors, "runs", "step/2026-12-06_H100-80GB-HBM3_fsdp-8b-1gpu.json"),
+        ("8b, B = 1, T = 1024, one H200 (141 GB): FSDP2 + FORGE + AGoQ (fp32 shards and states)", step_runs, "runs",
+         "step/2026-12-06_H200_fsdp-8b-1gpu.json"),
     ],
     "ops": [
         ("quantize / dequantize int8, int4 (fp32, g128), 2 GiB, vs copy",
