@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "leantrain"]
+PRELOAD = ["torch", "torch.distributed", "leantrain", "interp_speed"]
 
 
 def _context():
