@@ -56,6 +56,19 @@ def run_fresh() -> dict:
             "val_loss_after": summary.get("val_loss")}}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's word for it: CI hosts differ."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -64,7 +77,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     result = {"what": "make test on a fresh clone (CI: .ci/run, the install included) and make train (FORGE + "
                       "AGoQ, tiny, 200 steps) on the 2-core CPU development machine",
-              "hardware": "2-core CPU development machine, torch 2.13 CPU",
+              "hardware": f"2-core CPU development machine ({cpu_model()}), torch 2.13 CPU",
               "command": "python3 benchmarks/bench_ci.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if a.log:
         result["what"] = ("make test on a fresh clone (CI: .ci/run, the install included) on the 2-core CPU "
