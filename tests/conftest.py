@@ -29,8 +29,14 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Tokenizers and token caches of tests go to one temporary directory per session."""
-    monkeypatch.setenv("LEANTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    """Tokenizers and token caches of tests go to one temporary directory per session, shared by the
+    session's xdist workers (each a directory of its own under the session's: the parent): a corpus
+    is tokenized once, not once a worker. The cache's files are written under a name of their
+    process and renamed into place, so workers filling it at once do not collide."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    monkeypatch.setenv("LEANTRAIN_CACHE", str(base / "cache"))
 
 
 @pytest.fixture(scope="session")
