@@ -184,6 +184,7 @@ def run_lowmem(a) -> int:
     t0 = time.time()
     recipes = {name: LOWMEM_RECIPES[name] for name in (a.recipes or LOWMEM_RECIPES)}
     lrs = {name: float(lr) for name, lr in (x.split("=") for x in a.lr_of or [])}
+    extra = shlex.split(a.flags)
     for seed in a.seeds:
         for name, flags in recipes.items():
             run = out / "runs" / f"{name}-s{seed}"
@@ -191,13 +192,13 @@ def run_lowmem(a) -> int:
                     "--optim.lr", str(lrs.get(name, a.lr)), "--data.batch-size", str(a.batch_size), "--data.seq-len", str(a.seq_len),
                     "--train.eval-every",
                     str(a.steps), "--train.eval-batches", "32", "--train.progress", "false", "--train.ckpt-every", "0",
-                    "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags, *shlex.split(a.flags)]
+                    "--train.sample-tokens", "0", "--out", str(run), "--overwrite", *flags, *extra]
             args += (["--from", a.source] if a.source else []) + (["--train.device", a.device] if a.device else [])
             with contextlib.redirect_stdout(io.StringIO()):
                 if leantrain(args) != 0:
                     raise SystemExit(f"{name} seed {seed} failed")
             s = json.loads((run / "summary.json").read_text())
-            rows.append({"recipe": name, "seed": seed, "flags": [*flags, *shlex.split(a.flags)], "lr": lrs.get(name, a.lr), "val_loss": s["val_loss"],
+            rows.append({"recipe": name, "seed": seed, "flags": [*flags, *extra], "lr": lrs.get(name, a.lr), "val_loss": s["val_loss"],
                          "counted_bytes": counted_bytes(s), "tokens_per_second": s["tokens_per_second"]})
             print(f"[{time.time() - t0:6.0f}s] {name} seed {seed}: val loss {s['val_loss']:.4f}", flush=True)
             means = _write_lowmem(a, out, rows)  # (after every run: a run cut short keeps what finished)

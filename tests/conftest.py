@@ -14,7 +14,6 @@ if os.environ.get("LEANTRAIN_TEST_GPU") != "1":
     if "numpy" not in sys.modules and platform.machine() in ("x86_64", "AMD64"):
         os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
-
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "src"))
 

@@ -183,15 +183,15 @@ def _uneven(rank, world, method, sharded):
     net = _Net().to(dtype)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 5, generator=g).to(dtype), torch.randn(8, 3, generator=g).to(dtype)
-    part = range(rank * 8 // world, (rank + 1) * 8 // world)
+    lo, hi = rank * 8 // world, (rank + 1) * 8 // world
     if sharded:
         fully_shard(net.block)
         fully_shard(net, reshard_after_forward=True)  # (the root all-gathers at every forward: zo.py)
 
     def per_example():
         if method == "grzo":
-            return (net(x[part.start:part.stop]) - y[part.start:part.stop]).pow(2).mean(1)
-        return torch.cat([(net(x[i:i + 1]) - y[i:i + 1]).pow(2).mean(1) for i in part])
+            return (net(x[lo:hi]) - y[lo:hi]).pow(2).mean(1)
+        return torch.cat([(net(x[i:i + 1]) - y[i:i + 1]).pow(2).mean(1) for i in range(lo, hi)])
 
     if method == "mezo":  # (6 elements a noise block: blocks straddle the 4-row / 3-row split of 35 elements)
         opt, closure = MeZO(net.parameters(), lr=1e-2, eps=1e-3, seed=4, noise_block=6), \
