@@ -210,8 +210,8 @@ def main(argv=None) -> dict:
 
 
 def dispatch(argv: list[str]) -> int:
-    """``gift`` and ``gift-cost`` run GIFT's benchmarks (``parts/gift.py``, ``parts/gift_cost.py``);
-    anything else is SDP4Bit's (``main``)."""
+    """``gift`` and ``gift-cost`` run GIFT's benchmarks (``parts/gift.py``, ``parts/gift_cost.py``),
+    ``scape-cost`` SCAPE's compute (``parts/scape_cost.py``); anything else is SDP4Bit's (``main``)."""
     if argv and argv[0] == "gift":
         from parts.gift import main as gift
 
@@ -220,6 +220,10 @@ def dispatch(argv: list[str]) -> int:
         from parts.gift_cost import main as gift_cost
 
         return gift_cost(argv[1:])
+    if argv and argv[0] == "scape-cost":
+        from parts.scape_cost import main as scape_cost
+
+        return scape_cost(argv[1:])
     main(argv[1:] if argv and argv[0] == "sdp4bit" else argv)
     return 0
 

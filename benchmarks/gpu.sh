@@ -2,7 +2,7 @@
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
 # SECTION is any of: tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale (default: all
-# of them, in that order; comm = sdp4bit giftcost, fsdp = fsdp1b fsdp8b; CONV_RECIPES and SPEED_CONFIGS narrow
+# of them, in that order; comm = sdp4bit giftcost scapecost, fsdp = fsdp1b fsdp8b; CONV_RECIPES and SPEED_CONFIGS narrow
 # convergence's recipes and speed's configurations); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime
 #       (VERIFY_TESTS=0: none), then the 1b step through the trainer for this tree and for the tree under
@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
 SECTIONS=${*:-tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|accum|agoq|comm|sdp4bit|giftcost|finetune|lowmem|convergence|fsdp|fsdp1b|fsdp8b|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|accum|agoq|comm|sdp4bit|giftcost|scapecost|finetune|lowmem|convergence|fsdp|fsdp1b|fsdp8b|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -85,11 +85,16 @@ agoq() {
   timeout 600 python3 benchmarks/bench_agoq.py --steps 16 --graph --variants= --out "$OUT/agoq" 2>&1 | tail -6
 }
 
-comm() { sdp4bit; giftcost; }
+comm() { sdp4bit; giftcost; scapecost; }
 
 sdp4bit() {
   log "sdp4bit: the compression path"
   timeout 300 python3 benchmarks/bench_comm.py --out "$OUT/comm" 2>&1 | tail -20
+}
+
+scapecost() {
+  log "scapecost: SCAPE's compute as rank 0 of 32, Llama-1.8B-sized"
+  timeout 300 python3 benchmarks/bench_comm.py scape-cost --params 1.8e9 --world 32 --out "$OUT/comm" 2>&1 | tail -8
 }
 
 giftcost() {

@@ -173,7 +173,8 @@ def measure_batched(a: _Side, b: _Side, n: int, k: int, count: int, args, dev: t
     return row
 
 
-def gain_estimates(model, gift: GIFT, layers: list, x: torch.Tensor, dev: torch.device) -> dict:
+def gain_estimates(model, gift: GIFT, layers: list, x: torch.Tensor, dev: torch.device,
+                   formats=("e4m3", "nvfp4")) -> dict:
     """What ``min_gain`` would see: after one step with statistics and a refresh (factors from that step
     alone), each layer's estimated gain of whitening (``GIFT._gain``) on its gradient, per wire format
     and shape (lists in model order)."""
@@ -183,7 +184,7 @@ def gain_estimates(model, gift: GIFT, layers: list, x: torch.Tensor, dev: torch.
     loss.backward()
     gift._refresh_all(layers)
     out = {}
-    for fmt in ("e4m3", "nvfp4"):
+    for fmt in formats:
         gift.format = fmt
         per = out.setdefault(fmt, {})
         for la in layers:
@@ -202,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--eigh-max", type=int, default=6000, help="largest factor the full eigh is timed on")
+    ap.add_argument("--stat-tokens", type=int, nargs="*", default=[512, 1024],
+                    help="also time the refresh step with GIFT's stat_tokens at each of these")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -240,10 +243,23 @@ def main(argv=None) -> int:
     t_stats = timeit(step, args.reps, dev)
     res["step_ms"] = {"plain": t_plain * 1e3, "with_statistics": t_stats * 1e3}
     print(f"step {t_plain * 1e3:.2f} ms, with statistics {t_stats * 1e3:.2f} ms", flush=True)
+    for n in args.stat_tokens:  # the statistics from at most n strided rows a layer (of batch x seq)
+        gift.stat_tokens, gift.steps = n, 0
+        res["step_ms"][f"with_statistics_{n}_tokens"] = timeit(step, args.reps, dev) * 1e3
+        print(f"with statistics of {n} tokens {res['step_ms'][f'with_statistics_{n}_tokens']:.2f} ms", flush=True)
+    gift.stat_tokens = 0
     res["gain_estimates"] = gain_estimates(model, gift, layers, x, dev)
     print("gain estimates (min, median, max): " + json.dumps({f: {sh: [min(g), statistics.median(g), max(g)]
                                                                    for sh, g in v.items()}
                                                                for f, v in res["gain_estimates"].items()}), flush=True)
+    for n in args.stat_tokens:  # the same from statistics of at most n tokens a layer (fresh factors)
+        for la in layers:
+            la.A = la.B = la.a_ema = la.b_ema = None
+        gift.stat_tokens = n
+        res.setdefault("gain_estimates_stat_tokens", {})[str(n)] = gain_estimates(model, gift, layers, x, dev, ("e4m3",))
+        gift.stat_tokens = 0
+        print(f"gain estimates, statistics of {n} tokens (e4m3 median): " + json.dumps(
+            {sh: statistics.median(g) for sh, g in res["gain_estimates_stat_tokens"][str(n)]["e4m3"].items()}), flush=True)
 
     # --- per shape: the eigen-solves and the transforms
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -325,7 +341,9 @@ def markdown(res: dict) -> str:
              f"{res['seq']} tokens.", "",
              "| forward + backward | ms |", "|---|---|",
              f"| plain | {res['step_ms']['plain']:.2f} |",
-             f"| with GIFT's statistics (a refresh step) | {res['step_ms']['with_statistics']:.2f} |", "",
+             f"| with GIFT's statistics (a refresh step) | {res['step_ms']['with_statistics']:.2f} |",
+             *[f"| the same, statistics of at most {k.split('_')[2]} tokens a layer | {v:.2f} |"
+               for k, v in res["step_ms"].items() if k.endswith("_tokens")], "",
              "| layer N×K | count | refresh of the count layers: subspace, cold ms | subspace, warm ms | full eigh ms "
              "| whiten + unwhiten of one layer ms | TF32 ms | one transform's products P, Q, final ms |",
              "|---|---|---|---|---|---|---|---|"]

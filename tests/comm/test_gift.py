@@ -143,7 +143,7 @@ def test_whiten_then_unwhiten_is_the_identity(rank):
 
 def test_gift_checks_its_arguments():
     m = nn.Linear(4, 4)
-    for kw in ({"refresh_every": 0}, {"ema": 1.0}, {"damping": 0.0}, {"rank": 0}):
+    for kw in ({"refresh_every": 0}, {"ema": 1.0}, {"damping": 0.0}, {"rank": 0}, {"stat_tokens": -1}):
         with pytest.raises(ValueError):
             GIFT(m, **kw)
     for kw in ({"format": "fp4"}, {"solver": "lanczos"}):
@@ -314,6 +314,29 @@ def test_gift_in_buckets_gives_identical_ranks_near_the_exact_average():
         assert (outs[0]["grads"][n] == outs[1]["grads"][n]).all(), n
         g, ref = torch.from_numpy(outs[0]["grads"][n]), torch.from_numpy(outs[0]["exact"][n])
         assert ((g - ref).norm() / ref.norm()).item() < 0.1, n
+
+
+def test_stat_tokens_takes_the_statistics_from_evenly_strided_rows():
+    """With ``stat_tokens`` a layer's ``x xᵀ`` and ``δ δᵀ`` come from every ``ceil(n / stat_tokens)``-th row
+    of its input and output gradient; with 0, or at least as many as there are rows, from all of them."""
+    x, y = _data(0, 0)
+    for tokens, stride in ((100, 3), (0, 1), (256, 1), (64, 4)):
+        torch.manual_seed(0)
+        model = _Net()
+        gift = GIFT(model, min_numel=1024, stat_tokens=tokens)
+        seen = {}
+
+        def keep(mod, inputs, out):
+            seen["x"] = inputs[0].detach()
+            out.register_hook(lambda g: seen.update(d=g.detach()))
+
+        model.fc1.register_forward_hook(keep)
+        (model(x) - y).pow(2).mean().backward()
+        la = gift.layers[id(model.fc1.weight)]
+        xs, ds = seen["x"][::stride], seen["d"][::stride]
+        assert la.na == xs.shape[0] and la.nb == ds.shape[0]
+        torch.testing.assert_close(la.a_new, xs.t() @ xs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(la.b_new, ds.t() @ ds, rtol=1e-5, atol=1e-8)
 
 
 def test_state_dict_round_trip_restores_the_factors():

@@ -231,13 +231,15 @@ class GIFT:
     the gain of whitening, Euclidean error / GIFT's error in the K-FAC metric, from one pass of its own
     gradient through the wire codec (:meth:`_gain`); a layer below ``min_gain`` is sent Euclidean until
     the next refresh (the root's decision is broadcast with the factors: every rank agrees). ``0``:
-    every layer whitened."""
+    every layer whitened. ``stat_tokens``: the most tokens (rows) a layer's statistics take from one
+    forward or backward, evenly strided (``0``: all): ``δ δᵀ`` of a wide layer costs ``tokens · n²``,
+    more than the step's own products, and the top eigenpairs need far fewer rows."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
                  whiten: bool = True, bucket_numel: int = 1 << 25, format: str = "e4m3",
                  stochastic: bool = True, solver: str = "auto", tf32: bool = True, scope: str = "world",
-                 transform_dtype: str = "float32", min_gain: float = 0.0):
+                 transform_dtype: str = "float32", min_gain: float = 0.0, stat_tokens: int = 0):
         if format not in ("e4m3", "nvfp4"):
             raise ValueError(f"GIFT: format must be 'e4m3' or 'nvfp4', got {format!r}")
         if solver not in ("auto", "eigh", "subspace"):
@@ -252,12 +254,15 @@ class GIFT:
             raise ValueError(f"GIFT: transform_dtype must be one of {TRANSFORM_DTYPES}, got {transform_dtype!r}")
         if min_gain < 0:
             raise ValueError(f"GIFT: min_gain must be >= 0 (0: every layer whitened), got {min_gain}")
+        if stat_tokens < 0:
+            raise ValueError(f"GIFT: stat_tokens must be >= 0 (0: every token), got {stat_tokens}")
         if rank is not None and rank < 1:
             raise ValueError(f"GIFT: rank must be >= 1 or None (full rank), got {rank}")
         self.group, self.rank, self.refresh_every, self.ema = group, rank, refresh_every, ema
         self.damping, self.block, self.whiten, self.scope = damping, block, whiten, scope
         self.bucket_numel, self.format, self.stochastic, self.solver = bucket_numel, format, stochastic, solver
         self.tf32, self.transform_dtype, self.min_gain = tf32, transform_dtype, min_gain
+        self.stat_tokens = stat_tokens
         self.world = C.world_size(group) if dist.is_available() and dist.is_initialized() else 1
         self.me = C.rank(group) if self.world > 1 else 0
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -293,20 +298,27 @@ class GIFT:
             if not (self._collect and layer.root == self.me and torch.is_grad_enabled() and mod.training
                     and isinstance(out, Tensor) and out.shape[-1:] == (mod.out_features,)):
                 return
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            x = self._rows(inputs[0].detach().reshape(-1, inputs[0].shape[-1])).float()
             with _tf32(self.tf32):
                 a = x.t() @ x
             layer.a_new = a if layer.a_new is None else layer.a_new + a
             layer.na += x.shape[0]
             if out.requires_grad:
                 def grad_hook(g):
-                    g = g.detach().reshape(-1, g.shape[-1]).float()
+                    g = self._rows(g.detach().reshape(-1, g.shape[-1])).float()
                     with _tf32(self.tf32):
                         b = g.t() @ g
                     layer.b_new = b if layer.b_new is None else layer.b_new + b
                     layer.nb += g.shape[0]
                 out.register_hook(grad_hook)
         return hook
+
+    def _rows(self, t: Tensor) -> Tensor:
+        """At most ``stat_tokens`` rows of ``t``, evenly strided (all of them when ``stat_tokens`` is 0)."""
+        n = t.shape[0]
+        if not self.stat_tokens or n <= self.stat_tokens:
+            return t
+        return t[::-(-n // self.stat_tokens)]
 
     def remove(self) -> None:
         """Remove the statistics hooks."""

@@ -73,6 +73,8 @@ class Gift(Technique):
                               "--comm.method int8)")
         if g.min_gain < 0:
             raise ConfigError(f"comm.gift.min_gain must be >= 0 (0: every layer whitened), got {g.min_gain}")
+        if g.stat_tokens < 0:
+            raise ConfigError(f"comm.gift.stat_tokens must be >= 0 (0: every token), got {g.stat_tokens}")
         if g.rank < 0 or g.refresh_every < 1:
             raise ConfigError(f"comm.gift.rank must be >= 0 (0: full rank) and comm.gift.refresh_every >= 1, got "
                               f"{g.rank} and {g.refresh_every}")
@@ -84,7 +86,7 @@ class Gift(Technique):
         if run.world > 1:  # (one process: nothing to reduce)
             self.gift = GIFT(run.model, rank=g.rank or None, refresh_every=g.refresh_every, min_numel=g.min_numel,
                              whiten=g.whiten, format=g.format, transform_dtype=g.transform_dtype,
-                             min_gain=g.min_gain)
+                             min_gain=g.min_gain, stat_tokens=g.stat_tokens)
 
     def ddp_comm_hook(self):
         return (None, GIFT.ddp_noop_hook) if self.gift is not None else None  # (GIFT reduces after backward)

@@ -283,6 +283,9 @@ class GiftConfig:
     # whiten only layers whose estimated gain (Euclidean / GIFT error in the K-FAC metric, measured by
     # each layer's root at every refresh) is at least this; the others are sent Euclidean (0: all whitened)
     min_gain: float = 0.0
+    # the most tokens a layer's K-FAC statistics take from a refresh step's forward and backward, evenly
+    # strided (0: every token); a wide layer's statistics otherwise cost more than the step (docs/gift.md)
+    stat_tokens: int = 0
 
 
 @dataclass
