@@ -40,11 +40,12 @@ sys.path.insert(0, str(ROOT / "src"))
 import harness  # noqa: E402
 
 
-def runs(fmt: str, rank: int = 64, min_gain: float = 0.0) -> dict[str, list[str]]:
+def runs(fmt: str, rank: int = 64, min_gain: float = 0.0, stat_tokens: int = 0) -> dict[str, list[str]]:
     """The three runs' config overrides (``rank``: GIFT's eigenpairs a factor; ``min_gain``: whiten
-    only the layers whose estimated gain is at least this)."""
+    only the layers whose estimated gain is at least this; ``stat_tokens``: the statistics' rows)."""
     low = ["comm.method=gift", f"comm.gift.format={fmt}", f"comm.gift.rank={rank}"]
-    gift = low + ([f"comm.gift.min_gain={min_gain}"] if min_gain else [])
+    gift = low + ([f"comm.gift.min_gain={min_gain}"] if min_gain else []) \
+        + ([f"comm.gift.stat_tokens={stat_tokens}"] if stat_tokens else [])
     return {"exact": [], "fp8" if fmt == "e4m3" else "fp4": [*low, "comm.gift.whiten=false"], "gift": gift}
 
 
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--format", default="e4m3", choices=["e4m3", "nvfp4"], help="GIFT's wire format")
     ap.add_argument("--gift-rank", type=int, default=64, help="eigenpairs kept a K-FAC factor")
     ap.add_argument("--min-gain", type=float, default=0.0, help="comm.gift.min_gain of the gift run")
+    ap.add_argument("--stat-tokens", type=int, default=0, help="comm.gift.stat_tokens of the gift run")
     ap.add_argument("--run-out")
     ap.add_argument("--errors", action="store_true")
     ap.add_argument("--set", nargs="*", default=[])
@@ -185,10 +187,11 @@ def main(argv=None) -> int:
                       + (f" --ranks {args.ranks}" if args.ranks != 2 else "")
                       + (f" --format {args.format}" if args.format != "e4m3" else "")
                       + (f" --gift-rank {args.gift_rank}" if args.gift_rank != 64 else "")
-                      + (f" --min-gain {args.min_gain:g}" if args.min_gain else ""),
+                      + (f" --min-gain {args.min_gain:g}" if args.min_gain else "")
+                      + (f" --stat-tokens {args.stat_tokens}" if args.stat_tokens else ""),
            "steps": args.steps, "ranks": args.ranks, "format": args.format, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in runs(args.format, args.gift_rank, args.min_gain).items():
+        for name, extra in runs(args.format, args.gift_rank, args.min_gain, args.stat_tokens).items():
             print(f"run {name} ...", flush=True)
             r = _launch(name, extra, Path(tmp), args.steps, args.every, errors=name == "gift", ranks=args.ranks)
             res["runs"][name] = r
@@ -196,7 +199,8 @@ def main(argv=None) -> int:
                   f"bytes/step {r['summary'].get('comm_bytes_per_step')}", flush=True)
     stem = harness.stem(f"gift-{args.format}" + (f"-{args.ranks}ranks" if args.ranks != 2 else "")
                         + (f"-rank{args.gift_rank}" if args.gift_rank != 64 else "")
-                        + (f"-mingain{args.min_gain:g}" if args.min_gain else ""))
+                        + (f"-mingain{args.min_gain:g}" if args.min_gain else "")
+                        + (f"-stat{args.stat_tokens}" if args.stat_tokens else ""))
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))

@@ -205,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eigh-max", type=int, default=6000, help="largest factor the full eigh is timed on")
     ap.add_argument("--stat-tokens", type=int, nargs="*", default=[512, 1024],
                     help="also time the refresh step with GIFT's stat_tokens at each of these")
+    ap.add_argument("--min-gains", type=float, nargs="*", default=[0.0, 1.2],
+                    help="time GIFT's own transforms with each of these min_gain")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -260,6 +262,33 @@ def main(argv=None) -> int:
         gift.stat_tokens = 0
         print(f"gain estimates, statistics of {n} tokens (e4m3 median): " + json.dumps(
             {sh: statistics.median(g) for sh, g in res["gain_estimates_stat_tokens"][str(n)]["e4m3"].items()}), flush=True)
+
+    # --- GIFT's own transforms, both directions, as reduce_gradients runs them on the model's gradients:
+    # factors from one refresh step (statistics of at most the last --stat-tokens rows), the layers under
+    # each --min-gains left Euclidean, in each transform_dtype
+    st_rows = args.stat_tokens[-1] if args.stat_tokens else 0
+    gift.steps = 1  # (the benchmark's first GIFT takes no more statistics)
+    res["gift_transforms"] = {"stat_tokens": st_rows, "min_gain": {}}
+    for mg in args.min_gains:
+        per = res["gift_transforms"]["min_gain"][f"{mg:g}"] = {}
+        for dt in TRANSFORM_DTYPES:
+            g2 = GIFT(model, rank=args.rank, transform_dtype=dt, min_gain=mg, stat_tokens=st_rows)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            g2._refresh_all(list(g2.layers.values()))
+            held = {pid: la.mod.weight.grad.float() for pid, la in g2.layers.items() if la.ready and not la.euclidean}
+
+            def both(g2=g2, held=held):
+                g2._transform_all(held, inverse=True)
+                g2._transform_all(held, inverse=False)
+
+            ms = timeit(both, args.reps, dev) * 1e3
+            per[dt] = {"ms": ms, "whitened_layers": len(held), "of_plain_step": ms / res["step_ms"]["plain"]}
+            g2.remove()
+            model.zero_grad(set_to_none=True)
+            del g2, held
+        print(f"GIFT's transforms, min_gain {mg:g}: " + json.dumps(per), flush=True)
 
     # --- per shape: the eigen-solves and the transforms
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -332,6 +361,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def gift_transforms_table(res: dict) -> list[str]:
+    """GIFT's own transforms (whiten + map back) a step, per ``min_gain`` and ``transform_dtype``."""
+    gt = res.get("gift_transforms")
+    if not gt:
+        return []
+    lines = [f"GIFT's own transforms a step (whiten + map back of the whitened layers' gradients, factors from "
+             f"statistics of at most {gt['stat_tokens'] or 'all'} tokens a layer), ms and share of the plain step:", "",
+             "| min_gain | whitened layers | " + " | ".join(TRANSFORM_DTYPES) + " |",
+             "|---|---|" + "---|" * len(TRANSFORM_DTYPES)]
+    for mg, per in gt["min_gain"].items():
+        n = per[TRANSFORM_DTYPES[0]]["whitened_layers"]
+        lines.append(f"| {mg} | {n} | " + " | ".join(f"{per[dt]['ms']:.2f} ({100 * per[dt]['of_plain_step']:.1f}%)"
+                                                      for dt in TRANSFORM_DTYPES) + " |")
+    return [*lines, ""]
+
+
 def markdown(res: dict) -> str:
     e = res["env"]
     lines = [f"# GIFT's compute, {res['preset']} preset — {e['device']}, {e['date']}", "",
@@ -344,6 +389,7 @@ def markdown(res: dict) -> str:
              f"| with GIFT's statistics (a refresh step) | {res['step_ms']['with_statistics']:.2f} |",
              *[f"| the same, statistics of at most {k.split('_')[2]} tokens a layer | {v:.2f} |"
                for k, v in res["step_ms"].items() if k.endswith("_tokens")], "",
+             *gift_transforms_table(res),
              "| layer N×K | count | refresh of the count layers: subspace, cold ms | subspace, warm ms | full eigh ms "
              "| whiten + unwhiten of one layer ms | TF32 ms | one transform's products P, Q, final ms |",
              "|---|---|---|---|---|---|---|---|"]

@@ -77,7 +77,7 @@ def local_collectives(world: int, intra: int):
         sharded_mod.get_topology = saved_topo
 
 
-def measure(params: list, compression, args, dev: torch.device) -> dict:
+def measure(params: list, compression, bucket_mb: float, args, dev: torch.device) -> dict:
     """Median seconds of ``step()`` and the allocator's peak over it, for one compressor."""
     def sync():
         if dev.type == "cuda":
@@ -85,7 +85,7 @@ def measure(params: list, compression, args, dev: torch.device) -> dict:
 
     with local_collectives(args.world, args.intra):
         opt = lt.parallel.ShardedOptimizer(params, lt.optim.AdamS(lr=1e-4), compression=compression,
-                                           max_grad_norm=1.0)
+                                           max_grad_norm=1.0, bucket_mb=bucket_mb)
         times = []
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -97,6 +97,15 @@ def measure(params: list, compression, args, dev: torch.device) -> dict:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+        if args.profile:  # one more step under the profiler: the ops by their device (or CPU) time
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                opt.step()
+                sync()
+            key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=args.profile), flush=True)
         buckets = len(opt.buckets)
         del opt
     return {"step_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
@@ -110,8 +119,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=32)
     ap.add_argument("--intra", type=int, default=8, help="ranks a node")
     ap.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.01])
+    ap.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0, 200.0],
+                    help="the optimizer's bucket sizes to time (MiB of fp32 gradient; 25 is its default)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", type=int, default=0, help="print the top N ops of a profiled step")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,13 +142,15 @@ def main(argv=None) -> int:
            "params": n, "world": args.world, "intra": args.intra, "optimizer": "AdamS, max_grad_norm 1.0",
            "runs": {}}
     print(f"{name}: {n:,} bf16 parameters, rank 0 of {args.world}", flush=True)
-    runs = {"dense": None, **{f"scape-{round(100 * (1 - d))}": lt.comm.SCAPE(density=d) for d in args.densities}}
-    for key, comp in runs.items():
-        r = measure(params, comp, args, dev)
-        if key != "dense":
-            r["extra_ms"] = r["step_ms"] - res["runs"]["dense"]["step_ms"]
-        res["runs"][key] = r
-        print(f"{key}: " + json.dumps(r), flush=True)
+    runs = {"dense": None, **{f"scape-{round(100 * (1 - d))}": d for d in args.densities}}
+    for mb in args.bucket_mb:
+        per = res["runs"][f"{mb:g}"] = {}
+        for key, d in runs.items():
+            r = measure(params, None if d is None else lt.comm.SCAPE(density=d), mb, args, dev)
+            if key != "dense":
+                r["extra_ms"] = r["step_ms"] - per["dense"]["step_ms"]
+            per[key] = r
+            print(f"buckets of {mb:g} MiB, {key}: " + json.dumps(r), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = harness.stem("scape-cost")
@@ -151,12 +165,13 @@ def markdown(res: dict) -> str:
     lines = [f"# SCAPE's compute, rank 0 of {res['world']} — {e['device']}, {e['date']}", "",
              f"torch {e['torch']}; command: `{res['command']}`. {res['params']:,} bf16 parameters, "
              f"{res['optimizer']}; the sharded optimizer's step with the collectives replaced by local copies.", "",
-             "| compressor | step ms (median) | min / max ms | extra over dense ms | buckets | peak GiB |",
-             "|---|---|---|---|---|---|"]
-    for key, r in res["runs"].items():
-        extra = f"{r['extra_ms']:+.2f}" if "extra_ms" in r else "—"
-        lines.append(f"| {key} | {r['step_ms']:.2f} | {r['min_ms']:.2f} / {r['max_ms']:.2f} | {extra} | "
-                     f"{r['buckets']} | {r['peak_GiB']:.2f} |")
+             "| bucket MiB | compressor | step ms (median) | min / max ms | extra over dense ms | buckets | peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for mb, per in res["runs"].items():
+        for key, r in per.items():
+            extra = f"{r['extra_ms']:+.2f}" if "extra_ms" in r else "—"
+            lines.append(f"| {mb} | {key} | {r['step_ms']:.2f} | {r['min_ms']:.2f} / {r['max_ms']:.2f} | {extra} | "
+                         f"{r['buckets']} | {r['peak_GiB']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

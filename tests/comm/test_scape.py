@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import leantrain as lt
 from dist_utils import resumes_bit_identically, run_distributed
-from leantrain.comm.scape import SCAPE, pack_bits, unpack_bits
+from leantrain.comm.scape import SCAPE, bitmap_indices, pack_bits, unpack_bits
 from leantrain.config import ModelConfig
 from leantrain.model import Llama
 
@@ -215,6 +215,57 @@ def suites():
 def test_bits_round_trip():
     m = torch.rand(8 * 37) < 0.3
     assert torch.equal(unpack_bits(pack_bits(m)), m)
+
+
+def test_bitmap_indices_are_the_set_bits_in_order():
+    g = torch.Generator().manual_seed(0)
+    rows, n, k = 5, 8 * 41, 37
+    bits = torch.zeros(rows, n, dtype=torch.bool)
+    for r in range(rows):
+        bits[r, torch.randperm(n, generator=g)[:k]] = True
+    got = bitmap_indices(pack_bits(bits.reshape(-1)).view(rows, n // 8), k)
+    assert torch.equal(got, bits.nonzero()[:, 1].view(rows, k))
+
+
+def test_parameter_groups_step_with_their_own_hyperparameters():
+    """Two parameter groups in one bucket (two segments of the shard). Dense (density 1): the weights
+    equal two optimizers' of one group each, bit for bit. Sparse: a group at lr 0 never moves while
+    the other's masked coordinates do."""
+    rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+
+    def groups(m, lr2):
+        return [{"params": [m[0].weight, m[2].weight]},
+                {"params": [m[0].bias, m[2].bias], "lr": lr2, "weight_decay": 0.0}]
+
+    def train(m, opts, steps=5):
+        for _ in range(steps):
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            m(x).pow(2).mean().backward()
+            for o in opts:
+                o.step()
+
+    def scape(density):
+        return SCAPE(density, value_dtype=torch.float32, explore=0.0)
+
+    m1, m2 = _mlp(), _mlp()
+    opt = lt.dist.ShardedOptimizer(groups(m1, 3e-2), rule, bucket_mb=1, compression=scape(1.0))
+    assert len(opt.buckets) == 1 and len(opt.buckets[0].segments) == 2
+    train(m1, [opt])
+    train(m2, [lt.dist.ShardedOptimizer(g["params"], lt.optim.AdamS(**{**rule.hyper(), **{
+        k: v for k, v in g.items() if k != "params"}}), bucket_mb=1, compression=scape(1.0)) for g in groups(m2, 3e-2)])
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    m3, m0 = _mlp(), _mlp()
+    opt = lt.dist.ShardedOptimizer(groups(m3, 0.0), rule, bucket_mb=1, compression=scape(0.3))
+    train(m3, [opt], steps=4)
+    before = [m3[0].weight.detach().clone(), m3[2].weight.detach().clone()]
+    train(m3, [opt], steps=1)
+    assert torch.equal(m3[0].bias, m0[0].bias) and torch.equal(m3[2].bias, m0[2].bias)
+    moved = sum(int((a != b).sum()) for a, b in zip((m3[0].weight, m3[2].weight), before, strict=True))
+    assert 0 < moved <= SCAPE(0.3).k(opt.buckets[0].shard)  # (a masked step)
 
 
 def test_bad_arguments():

@@ -69,6 +69,19 @@ def unpack_bits(packed: Tensor) -> Tensor:
     return (packed.unsqueeze(-1) & _BITS.to(packed.device)).ne(0).reshape(*packed.shape[:-1], -1)
 
 
+def bitmap_indices(packed: Tensor, k: int) -> Tensor:
+    """The positions of the set bits of each row of ``packed`` (uint8 ``[rows, n / 8]``, :func:`pack_bits`'s
+    layout), ascending, as int64 ``[rows, k]``; every row must hold exactly ``k`` set bits. Unlike
+    ``nonzero`` it never waits for the device: each set bit goes to the column its running count names,
+    the clear ones to a spare column that is dropped."""
+    bits = unpack_bits(packed)
+    rows, n = bits.shape
+    slot = torch.where(bits, bits.cumsum(1, dtype=torch.int32) - 1, k).long()
+    out = torch.empty(rows, k + 1, dtype=torch.int64, device=packed.device)
+    out.scatter_(1, slot, torch.arange(n, device=packed.device).expand(rows, n))
+    return out[:, :k].contiguous()
+
+
 @dataclass
 class SCAPE(NoCompression):
     """``SCAPE(density=0.1, *, explore=0.1, value_dtype=torch.bfloat16, error_feedback=True,
@@ -240,7 +253,7 @@ class SCAPE(NoCompression):
 
             def finish() -> Tensor:
                 _wait(w)
-                return unpack_bits(out.view(world, S // 8)).nonzero()[:, 1].view(world, k)
+                return bitmap_indices(out.view(world, S // 8), k)
         else:
             out = torch.empty(world * k, dtype=torch.int32, device=m.device)
             w = C.all_gather_into_tensor(out, idx.to(torch.int32), group=topo.group, scope="world", async_op=True)
@@ -296,4 +309,4 @@ class SCAPE(NoCompression):
         return Pending(finish)
 
 
-__all__ = ["SCAPE", "pack_bits", "unpack_bits"]
+__all__ = ["SCAPE", "bitmap_indices", "pack_bits", "unpack_bits"]

@@ -213,7 +213,11 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         names = self.rule.state_names
         # a sparse compressor's coordinates, and how many steps each update stands for (None: one)
         idx, span = self.compression.update_index(b.index, self.topo, st)
-        for lo, hi, gi in b.segments:
+        cuts = None  # where each segment's coordinates start and end in the sorted idx (None: all of idx)
+        if idx is not None and [(lo, hi) for lo, hi, _ in b.segments] != [(0, b.shard)]:
+            edges = torch.tensor([e for lo, hi, _ in b.segments for e in (lo, hi)], device=idx.device)
+            cuts = torch.searchsorted(idx, edges.to(idx.dtype)).tolist()  # (the bucket's one wait for the device)
+        for j, (lo, hi, gi) in enumerate(b.segments):
             group = self.param_groups[gi]
             hp = {k: v for k, v in group.items() if k != "params"}
             if idx is None:
@@ -223,12 +227,12 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 for k, v in s_new.items():
                     st[k][lo:hi].copy_(v)
                 continue
-            inside = (idx >= lo) & (idx < hi)
-            sel = idx[inside]  # only these coordinates: the others keep weight and state
+            part = slice(None) if cuts is None else slice(cuts[2 * j], cuts[2 * j + 1])
+            sel = idx[part]  # only these coordinates: the others keep weight and state
             if sel.numel():
                 p0, gs = master[sel], g[sel]
                 old = {k: st[k][sel] for k in names}
-                sp = None if span is None else span[inside]
+                sp = None if span is None else span[part]
                 if sp is not None:  # the rule on the mean gradient, the move times the steps it covers
                     gs = gs / sp
                     sp = self.compression.catch_up_moves(sp, gs, old)
