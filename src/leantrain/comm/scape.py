@@ -56,30 +56,56 @@ from leantrain.comm.sdp4bit import NoCompression, Pending, _wait
 from leantrain.comm.topology import Topology
 from leantrain.runtime import collectives as C
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_BITS: dict = {}  # device -> uint8 [1, 2, 4, ..., 128] (made once a device: a host-to-device copy waits)
+
+
+def _bits(dev) -> Tensor:
+    if dev not in _BITS:
+        _BITS[dev] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(dev)
+    return _BITS[dev]
 
 
 def pack_bits(mask: Tensor) -> Tensor:
     """Bool ``[n]`` (n a multiple of 8) -> uint8 ``[n / 8]``, bit ``i`` of byte ``j`` = element ``8j + i``."""
-    return (mask.view(-1, 8).to(torch.uint8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+    return (mask.view(-1, 8).to(torch.uint8) * _bits(mask.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: Tensor) -> Tensor:
     """The inverse of :func:`pack_bits`."""
-    return (packed.unsqueeze(-1) & _BITS.to(packed.device)).ne(0).reshape(*packed.shape[:-1], -1)
+    return (packed.unsqueeze(-1) & _bits(packed.device)).ne(0).reshape(*packed.shape[:-1], -1)
+
+
+_BYTE_TABLES: dict = {}  # device -> _byte_tables(device)
+
+
+def _byte_tables(dev) -> tuple[Tensor, Tensor]:
+    """Each byte value's popcount (int32 ``[256]``) and the position (0..7) of its ``j+1``-th set bit (int64
+    ``[256, 8]``, 0 where there is none), on ``dev``; made once a device, so a call copies nothing to it."""
+    if dev not in _BYTE_TABLES:
+        pop = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int32)
+        nth = torch.tensor([([i for i in range(8) if v >> i & 1] + [0] * 8)[:8] for v in range(256)])
+        _BYTE_TABLES[dev] = (pop.to(dev), nth.to(dev))
+    return _BYTE_TABLES[dev]
 
 
 def bitmap_indices(packed: Tensor, k: int) -> Tensor:
     """The positions of the set bits of each row of ``packed`` (uint8 ``[rows, n / 8]``, :func:`pack_bits`'s
     layout), ascending, as int64 ``[rows, k]``; every row must hold exactly ``k`` set bits. Unlike
-    ``nonzero`` it never waits for the device: each set bit goes to the column its running count names,
-    the clear ones to a spare column that is dropped."""
-    bits = unpack_bits(packed)
-    rows, n = bits.shape
-    slot = torch.where(bits, bits.cumsum(1, dtype=torch.int32) - 1, k).long()
-    out = torch.empty(rows, k + 1, dtype=torch.int64, device=packed.device)
-    out.scatter_(1, slot, torch.arange(n, device=packed.device).expand(rows, n))
-    return out[:, :k].contiguous()
+    ``nonzero`` it never waits for the device. Over the rows laid end to end, the ``i``-th set bit lies
+    in the first byte where the running count of set bits reaches ``i + 1`` (a scan of the bytes'
+    popcounts, then a binary search a bit), at that byte's ``(i + 1 - count before it)``-th set bit;
+    row ``r`` starts at count ``r * k``."""
+    dev = packed.device
+    rows, nb = packed.shape
+    popcount, nth_bit = _byte_tables(dev)
+    byte = packed.reshape(-1).long()
+    pop = popcount[byte]
+    count = pop.cumsum(0, dtype=torch.int32)
+    want = torch.arange(1, rows * k + 1, dtype=torch.int32, device=dev)
+    at = torch.searchsorted(count, want)
+    nth = want - (count[at] - pop[at]) - 1
+    pos = at * 8 + nth_bit[byte[at], nth]
+    return pos.view(rows, k).sub_(torch.arange(rows, device=dev).mul_(nb * 8).unsqueeze(1))
 
 
 @dataclass

@@ -246,6 +246,9 @@ class DistConfig:
     # FSDP2 (weights, gradients and optimizer state sharded per block; DCP checkpoints, docs/fsdp.md)
     mode: Literal["ddp", "sharded", "fsdp"] = "ddp"
     intra_node_size: int = 0  # ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE
+    # sharded: MiB of fp32 gradient a bucket (one reduce-scatter and one weight all-gather each, launched
+    # during backward); larger buckets launch fewer kernels a step (SCAPE's compute: docs/scape.md)
+    bucket_mb: float = 25.0
     timeout_s: float = 120.0  # a collective that waits longer fails the job
     replicate: int = 1  # fsdp: data-parallel replicas (HSDP), each sharding over world/replicate ranks; 1: plain FSDP
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # fsdp: the dtype weights are all-gathered and computed in

@@ -19,6 +19,8 @@ class Sharded(Technique):
 
     @classmethod
     def check(cls, cfg: Config, *, device, world: int) -> None:
+        if cfg.dist.bucket_mb <= 0:
+            raise ConfigError(f"dist.bucket_mb must be > 0, got {cfg.dist.bucket_mb}")
         if not cfg.optim.decay_1d:
             raise ConfigError("optim.decay_1d false needs per-parameter weight decay, which the sharded optimizer "
                               "does not have; use --dist.mode ddp or keep optim.decay_1d true")
@@ -26,7 +28,8 @@ class Sharded(Technique):
     def optimizer(self, run: Run, rule):
         c = run.cfg
         return ShardedOptimizer(run.model, rule, intra_node_size=c.dist.intra_node_size or None,
-                                compression=run.compression, max_grad_norm=c.optim.grad_clip or None)
+                                compression=run.compression, max_grad_norm=c.optim.grad_clip or None,
+                                bucket_mb=c.dist.bucket_mb)
 
     def clips_gradients(self) -> bool:
         return True  # (max_grad_norm: the reduced gradient, since its hooks may already have sent .grad)
