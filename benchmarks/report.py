@@ -401,6 +401,45 @@ def gift_gains(d, fmt="e4m3"):
                      for shape, g in d["gain_estimates"][fmt].items())
 
 
+def gift_own(d):
+    """bench_comm gift-cost: GIFT's own transforms a step (its reduce path's whiten + map back), per
+    ``min_gain`` and ``transform_dtype``, and their share of the plain step."""
+    out = []
+    for mg, per in d["gift_transforms"]["min_gain"].items():
+        n = per["float32"]["whitened_layers"]
+        out.append(f"min_gain {mg} ({n} layers): " + ", ".join(f"{dt} {r['ms']:.1f} ms ({r['of_plain_step']:.1%})"
+                                                              for dt, r in per.items()))
+    return "; ".join(out) + f" of a {d['step_ms']['plain']:.1f} ms step"
+
+
+def gift_stat_tokens(d):
+    st = d["step_ms"]
+    return "; ".join(f"{k.split('_')[2]} tokens {v - st['plain']:.0f} ms" for k, v in st.items() if k.endswith("_tokens")) \
+        + f" (every token: {st['with_statistics'] - st['plain']:.0f} ms)"
+
+
+def gift_gains_tokens(n, fmt="e4m3"):
+    def f(d):
+        return "; ".join(f"{shape} {statistics.median(g):.2f} (min {min(g):.2f})"
+                         for shape, g in d["gain_estimates_stat_tokens"][str(n)][fmt].items())
+    return f
+
+
+def gift_overhead(d, min_gain="1.2", dtype="tfloat32", tokens=1024, refresh_every=10):
+    """The whole of GIFT's compute a step besides the codec: its transforms, and the statistics and the
+    refresh spread over ``refresh_every`` steps, with one rank rooting every layer and with 8."""
+    st = d["step_ms"]
+    tr = d["gift_transforms"]["min_gain"][min_gain][dtype]["ms"]
+    refresh = st[f"with_statistics_{tokens}_tokens"] - st["plain"] + d["model"]["refresh_subspace_warm_ms"]
+    return "; ".join(f"{ranks} rank{'s' if ranks > 1 else ''} {tr + refresh / ranks / refresh_every:.1f} ms "
+                     f"({(tr + refresh / ranks / refresh_every) / st['plain']:.1%})" for ranks in (1, 8))
+
+
+def scape_cost(d):
+    return "; ".join(f"{mb} MiB: " + " / ".join(f"+{per[k]['extra_ms']:.0f}" for k in ("scape-90", "scape-99"))
+                     + f" ms (dense {per['dense']['step_ms']:.0f} ms)" for mb, per in d["runs"].items())
+
+
 # ---- the blocks: (what, function, target, file) ---------------------------------------------
 
 F_LAYER = "forge/2026-12-03_H200_layer.json"
@@ -529,6 +568,8 @@ TABLES: dict[str, list[tuple]] = {
          "comm/2026-12-05_cpu_scape90-sign-1000steps.json"),
         ("the same, by step (mean over seeds)", scape_gap_by_step((100, 200, 300, 500, 700, 1000)), "",
          "comm/2026-12-05_cpu_scape90-sign-1000steps.json"),
+        ("SCAPE's extra compute a step over dense, 1.8 B parameters, rank 0 of 32, H100, 90 % / 99 %, by bucket "
+         "size (`dist.bucket_mb`)", scape_cost, "", "comm/2026-12-06_H100-80GB-HBM3_scape-cost.json"),
         ("1000 steps, 90 % sparse, `catch_up_mode steps`, mean of seeds 1337, 1, 2", scape_fidelity, "within 1 %",
          "comm/2026-12-05_cpu_scape90-1000steps.json"),
         ("the same, by step (mean over seeds)", scape_gap_by_step((100, 200, 300, 500, 700, 1000)), "",
@@ -556,6 +597,17 @@ TABLES: dict[str, list[tuple]] = {
         ("a refresh, 1b, H100: the statistics' extra forward + backward time; the refresh warm / cold",
          lambda d: f"{d['step_ms']['with_statistics'] - d['step_ms']['plain']:.0f} ms; "
                    f"{d['model']['refresh_subspace_warm_ms']:.0f} / {d['model']['refresh_subspace_cold_ms']:.0f} ms", "", F_GIFT_COST),
+        ("GIFT's own transforms a step (its reduction's whiten + map back), 1b, B = 4, H100, factors from "
+         "statistics of 1024 tokens", gift_own, "≤ 10 %", F_GIFT_COST),
+        ("the statistics' extra forward + backward with `stat_tokens`", gift_stat_tokens, "", F_GIFT_COST),
+        ("estimated E4M3 gain per shape from statistics of 1024 tokens, median (min)", gift_gains_tokens(1024), "",
+         F_GIFT_COST),
+        ("all of GIFT's compute a step but the codec, `min_gain 1.2`, `tfloat32`, `stat_tokens 1024`, refresh "
+         "every 10: one rank rooting every layer / 8 ranks", gift_overhead, "", F_GIFT_COST),
+        ("E4M3 val loss vs exact, 2 ranks, `min_gain 1.2` (on the tiny preset every layer's gain is over 1.2)",
+         gift_loss, "within 1 %", "comm/2026-12-06_cpu_gift-e4m3-mingain1.2.json"),
+        ("the same with `stat_tokens 512` (one token in 8)", gift_loss, "within 1 %",
+         "comm/2026-12-06_cpu_gift-e4m3-mingain1.2-stat512.json"),
     ],
     "chunkft": [
         ("peak above weights vs AdamW, 1b, B = 16", chunkft_peak, "≤ 1/chunks", F_CHUNK),

@@ -476,3 +476,28 @@ def test_collectives_refuses_without_rights_in_one_sentence():
     r = subprocess.run([sys.executable, str(SCRIPT), "collectives", "--rates", "100mbit"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "root" in r.stderr
+
+
+def test_projection_takes_every_kernel_time_from_a_committed_gpu_file(tmp_path):
+    """The projection to the papers' settings: every recipe's kernels come from a committed one-GPU
+    measurement (none assumed free), the tuned GIFT costs less than its defaults with the same bytes, and
+    the projection of the committed paired sweep is written with a row per recipe and setting."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "cluster"))
+    import shutil
+
+    from project import BYTES_OF, SETTINGS, gpu_inputs, write_projection
+
+    g = gpu_inputs()
+    recipes = [r for s in SETTINGS for r in s["recipes"]]
+    assert set(g["kernels_s"]) == set(recipes) and all(g["kernels_s"][r] > 0 for r in recipes)
+    assert all("assumed" not in g["kernels_source"][r] for r in recipes)
+    assert g["kernels_s"]["gift-e4m3-tuned"] < g["kernels_s"]["gift-e4m3"]
+    assert g["kernels_s"]["scape-99"] < g["kernels_s"]["scape-90"]
+    sweep = tmp_path / "2026-12-05_cpu-netns-paired.json"
+    shutil.copy(ROOT / "benchmarks/results/comm-cluster/2026-12-05_cpu-netns-paired.json", sweep)
+    out = write_projection(sweep, collectives=ROOT / "benchmarks/results/comm-cluster/2026-12-05_cpu-netns_collectives.json")
+    proj = json.loads(out[0].read_text())["projection"]
+    assert [p["recipe"] for p in proj] == recipes
+    rows = {p["recipe"]: p for p in proj}
+    for tuned, base in BYTES_OF.items():
+        assert rows[tuned]["bytes"] == rows[base]["bytes"] and rows[tuned]["speedup"] > rows[base]["speedup"]

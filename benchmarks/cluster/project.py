@@ -6,7 +6,7 @@
 Fit and checks: ``calibrate.py`` (the held-out rates, leave one rate out, the compute's own spread).
 
 Projection: a step on H200s = compute (the 1b preset's measured step, scaled by parameters for
-other sizes) + the technique's kernels (measured on an H200 where a committed file has it) +
+other sizes) + the technique's kernels (measured on one GPU, an H200 or an H100, named in each source) +
 communication from :func:`leantrain.comm.cost.estimate_time` at the paper's link rates, with the
 ledger's bytes per parameter measured here (steady state) rescaled from this
 cluster's layout to the target's (ring: (N-1)/N; intra-node: (g-1)/g; the hierarchical inter-node
@@ -53,7 +53,9 @@ from leantrain.config import preset  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 SRC_1B = RESULTS / "step" / "2026-12-02_H200_train-1b.json"
 SRC_SDP4BIT = RESULTS / "comm" / "2026-11-29_H200_sdp4bit.json"
-SRC_GIFT = RESULTS / "comm" / "2026-12-03_H200_gift-cost.json"
+SRC_GIFT = RESULTS / "comm" / "2026-12-06_H100-80GB-HBM3_gift-cost.json"
+SRC_SCAPE = RESULTS / "comm" / "2026-12-06_H100-80GB-HBM3_scape-cost.json"
+SCAPE_BUCKET_MB = "200"  # the scape-cost run the projection takes (dist.bucket_mb 200; the default 25 is slower)
 
 # the papers' settings, as issue 46 states them; the claim is the paper's headline figure
 SETTINGS = [
@@ -61,17 +63,22 @@ SETTINGS = [
      "params": "1b", "claim": "4.08x end-to-end throughput"},
     {"paper": "SCAPE", "recipes": ["scape-90", "scape-99"], "gpus": 32, "per_node": 8, "inter_GBps": 25.0,
      "params": 1.8e9, "claim": "3.26x a step (Llama-1.8B)"},
-    {"paper": "GIFT", "recipes": ["gift-e4m3", "gift-nvfp4"], "gpus": 64, "per_node": 8, "inter_GBps": 25.0,
-     "params": "1b", "claim": "7.6 %"},
+    {"paper": "GIFT", "recipes": ["gift-e4m3", "gift-nvfp4", "gift-e4m3-tuned", "gift-nvfp4-tuned"], "gpus": 64,
+     "per_node": 8, "inter_GBps": 25.0, "params": "1b", "claim": "7.6 %"},
 ]
+# a recipe projected with another recipe's measured bytes (the same wire format, other compute settings)
+BYTES_OF = {"gift-e4m3-tuned": "gift-e4m3", "gift-nvfp4-tuned": "gift-nvfp4"}
+TUNED_GIFT = {"min_gain": "1.2", "transform_dtype": "tfloat32", "stat_tokens": 1024}
 INTRA_GBPS = 450.0  # estimate_time's NVLink default (H100/H200, per direction)
 BACKWARD_SHARE = 2 / 3  # of a step's compute: backward does about twice the forward's FLOPs
 
 
-# ---------------------------------------------------------------- H200 inputs, each from a file
+# ---------------------------------------------------------------- GPU inputs, each from a file
 
 
-def h200_inputs() -> dict:
+def gpu_inputs() -> dict:
+    """The compute time of a step (the 1b preset on one H200) and each technique's kernels a step and
+    rank, each from a committed measurement on one GPU (the device is in each source)."""
     d = json.loads(SRC_1B.read_text())
     key = "baseline"
     batch = int(re.search(r"--data.batch-size (\d+)", d["command"]).group(1))
@@ -80,28 +87,56 @@ def h200_inputs() -> dict:
     step_1b = batch * seq / run["tokens_per_second"]
     sdp = json.loads(SRC_SDP4BIT.read_text())
     g = json.loads(SRC_GIFT.read_text())
+    sc = json.loads(SRC_SCAPE.read_text())
+    g_dev, sc_dev = g["env"]["device"], sc["env"]["device"]
     refresh_every = preset("1b").comm.gift.refresh_every
-    stats = (g["step_ms"]["with_statistics"] - g["step_ms"]["plain"]) / 1e3
-    gift_common = stats + g["model"]["transforms_ms"] / 1e3 + g["model"]["refresh_subspace_warm_ms"] / 1e3 / refresh_every
+    world = next(s["gpus"] for s in SETTINGS if s["paper"] == "GIFT")
+    layers = sum(g["shapes"].values())
+    share = -(-layers // world) / layers  # the busiest rank roots ceil(layers / world) layers' statistics and refreshes
+    step = g["step_ms"]
     codec = g["model_codecs_ms"]
+
+    def gift(transforms_ms: float, stats_ms: float, fmt: str) -> float:
+        per_refresh = (stats_ms + g["model"]["refresh_subspace_warm_ms"]) * share
+        return (transforms_ms + per_refresh / refresh_every + codec[f"{fmt}_quantize_ms"]
+                + codec[f"{fmt}_dequantize_ms"]) / 1e3
+
+    tr = g["gift_transforms"]["min_gain"]
+    default_tr, tuned_tr = tr["0"]["float32"]["ms"], tr[TUNED_GIFT["min_gain"]][TUNED_GIFT["transform_dtype"]]["ms"]
+    stats_all = step["with_statistics"] - step["plain"]
+    stats_tuned = step[f"with_statistics_{TUNED_GIFT['stat_tokens']}_tokens"] - step["plain"]
+    sc_runs = sc["runs"][SCAPE_BUCKET_MB]
+    gift_src = (f"{SRC_GIFT.relative_to(ROOT)} ({g_dev}, 1b, B=4): GIFT's own transforms a step (gift_transforms) + "
+                f"(the statistics' extra forward + backward (step_ms) + a warm refresh) x {share:.3f} (the busiest "
+                f"rank's share of the {layers} layers' roots at {world} ranks) / refresh_every {refresh_every} + the "
+                "codec's quantize + dequantize of the model's gradients")
     return {
         "step_1b_s": step_1b, "params_1b": run["parameters"],
         "step_1b_source": f"{SRC_1B.relative_to(ROOT)}: runs[{key!r}], {run['tokens_per_second']:.0f} tokens/s "
                           f"at B={batch}, T={seq} (torch.optim.AdamW, bf16)",
         "kernels_s": {
             "sharded-sdp4bit": sdp["estimate"]["450/25"]["sdp4bit_compute_s"],
-            "gift-e4m3": gift_common + (codec["e4m3_quantize_ms"] + codec["e4m3_dequantize_ms"]) / 1e3,
-            "gift-nvfp4": gift_common + (codec["nvfp4_quantize_ms"] + codec["nvfp4_dequantize_ms"]) / 1e3,
-            "scape-90": 0.0, "scape-99": 0.0,
+            "gift-e4m3": gift(default_tr, stats_all, "e4m3"),
+            "gift-nvfp4": gift(default_tr, stats_all, "nvfp4"),
+            "gift-e4m3-tuned": gift(tuned_tr, stats_tuned, "e4m3"),
+            "gift-nvfp4-tuned": gift(tuned_tr, stats_tuned, "nvfp4"),
+            "scape-90": sc_runs["scape-90"]["extra_ms"] / 1e3,
+            "scape-99": sc_runs["scape-99"]["extra_ms"] / 1e3,
         },
         "kernels_source": {
             "sharded-sdp4bit": f"{SRC_SDP4BIT.relative_to(ROOT)}: estimate['450/25'].sdp4bit_compute_s "
                                "(encode/reduce/decode of a 1b step on one H200)",
-            "gift-e4m3": f"{SRC_GIFT.relative_to(ROOT)}: statistics (step_ms.with_statistics - plain, B=4) + "
-                         f"model.transforms_ms + refresh_subspace_warm_ms / {refresh_every} + E4M3 codec",
+            "gift-e4m3": f"{gift_src}; the defaults (every layer whitened, float32 transforms, statistics of every token)",
             "gift-nvfp4": "the same, NVFP4 codec",
-            "scape-90": "not measured on a GPU: 0 assumed (top-k masks of the moments)",
-            "scape-99": "not measured on a GPU: 0 assumed",
+            "gift-e4m3-tuned": f"the same with min_gain {TUNED_GIFT['min_gain']}, transform_dtype "
+                               f"{TUNED_GIFT['transform_dtype']}, stat_tokens {TUNED_GIFT['stat_tokens']} (bytes: "
+                               "gift-e4m3's)",
+            "gift-nvfp4-tuned": "the same, NVFP4 codec (bytes: gift-nvfp4's)",
+            "scape-90": f"{SRC_SCAPE.relative_to(ROOT)} ({sc_dev}): the sharded optimizer's step as rank 0 of "
+                        f"{sc['world']} for {sc['params'] / 1e9:.2f} B parameters, collectives as local copies, minus "
+                        f"the dense step's, buckets of {SCAPE_BUCKET_MB} MiB (dist.bucket_mb; at the default 25 MiB: "
+                        f"+{sc['runs']['25']['scape-90']['extra_ms']:.0f} ms)",
+            "scape-99": f"the same (at 25 MiB: +{sc['runs']['25']['scape-99']['extra_ms']:.0f} ms)",
         },
     }
 
@@ -124,7 +159,7 @@ def comm_time(doc: dict, recipe: str, params: float, setting: dict, efficiency: 
     ``setting``."""
     nodes = setting["gpus"] // setting["per_node"]
     seconds, total = {}, {}
-    for path, bpp in bytes_by_path(doc, recipe).items():
+    for path, bpp in bytes_by_path(doc, BYTES_OF.get(recipe, recipe)).items():
         b = rescale(bpp, params, (doc["nodes"], doc["ranks_per_node"]), (nodes, setting["per_node"]))
         b = {k: v * scale for k, v in b.items()}
         t = estimate_time(b, intra_GBps=INTRA_GBPS, inter_GBps=setting["inter_GBps"], alpha_us=0.0, nodes=nodes)
@@ -140,18 +175,18 @@ def step_time(compute: float, kernels: float, comm: dict, overlap: bool) -> floa
     return compute + kernels + comm["after"] + max(0.0, comm["backward"] - hidden)
 
 
-def project(doc: dict, model, h200: dict) -> list[dict]:
+def project(doc: dict, model, gpu: dict) -> list[dict]:
     eff = min(model.efficiency, 1.0)
     out = []
     for s in SETTINGS:
-        params = h200["params_1b"] if s["params"] == "1b" else s["params"]
-        compute = h200["step_1b_s"] * params / h200["params_1b"]
+        params = gpu["params_1b"] if s["params"] == "1b" else s["params"]
+        compute = gpu["step_1b_s"] * params / gpu["params_1b"]
         for r in s["recipes"]:
-            ref = doc["reference"][r]
+            ref = doc["reference"][BYTES_OF.get(r, r)]
             c_ref, b_ref = comm_time(doc, ref, params, s, eff)
             c_ref16, _ = comm_time(doc, ref, params, s, eff, scale=0.5)
             c_t, b_t = comm_time(doc, r, params, s, eff)
-            k = h200["kernels_s"][r]
+            k = gpu["kernels_s"][r]
             row = {"paper": s["paper"], "recipe": r, "reference": ref, "gpus": s["gpus"], "per_node": s["per_node"],
                    "inter_GBps": s["inter_GBps"], "intra_GBps": INTRA_GBPS, "params": params, "compute_s": compute,
                    "kernels_s": k, "comm_ref_s": c_ref, "comm_ref_bf16_s": c_ref16, "comm_s": c_t,
@@ -166,7 +201,7 @@ def project(doc: dict, model, h200: dict) -> list[dict]:
     return out
 
 
-def _assumptions(m, h200: dict) -> list[str]:
+def _assumptions(m, gpu: dict) -> list[str]:
     if m.op_efficiency:
         efficiency = (f"divided by the efficiency fitted here over the collectives' own ({m.efficiency:.3f}, capped "
                       "at 1), and not by gloo's per-collective efficiencies measured here ("
@@ -177,10 +212,10 @@ def _assumptions(m, h200: dict) -> list[str]:
         efficiency = (f"divided by the efficiency fitted here ({m.efficiency:.3f}, capped at 1): the share of the "
                       "nominal rate gloo over TCP reached on the shaped links, assumed for NCCL on the papers' networks")
     return [
-        f"compute: the 1b preset's step on one H200, {h200['step_1b_s'] * 1e3:.1f} ms ({h200['step_1b_source']}); "
+        f"compute: the 1b preset's step on one H200, {gpu['step_1b_s'] * 1e3:.1f} ms ({gpu['step_1b_source']}); "
         "other sizes scaled by parameter count; the same for every recipe (the optimizer step's differences ignored)",
-        "kernels: " + "; ".join(f"{r} {h200['kernels_s'][r] * 1e3:.1f} ms ({h200['kernels_source'][r]})"
-                                for r in h200["kernels_s"]),
+        "kernels: " + "; ".join(f"{r} {gpu['kernels_s'][r] * 1e3:.1f} ms ({gpu['kernels_source'][r]})"
+                                for r in gpu["kernels_s"]),
         f"communication: bytes per parameter and scope from this sweep's ledger (fp32 weights and gradients; "
         f"SCAPE's dense first step taken out), rescaled to the target layout "
         f"(ring (N-1)/N, intra (g-1)/g, inter (M-1)/M/g), times the parameters; time by "
@@ -216,8 +251,8 @@ def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[
     cv = leave_one_rate_out(doc, variant, coll)
     m = fc["model"]
     sources = error_sources(doc, cv, m, lambda p: point_row(doc, p, variant, coll))
-    h200 = h200_inputs()
-    proj = project(doc, m, h200)
+    gpu = gpu_inputs()
+    proj = project(doc, m, gpu)
     hardware = Path(json_path).stem.split("_", 1)[-1]  # the sweep's <date>_<hardware>
     base = Path(json_path).parent / f"{datetime.date.today().isoformat()}_{hardware}_projection"
     per = ", each collective at its efficiency measured alone" if coll else ""
@@ -236,7 +271,7 @@ def write_projection(json_path: Path, holdout: str = "300mbit", validate: tuple[
                        "compute_spread": fc["compute_spread"], "repeatability": fc["repeatability"],
                        "validation": fc["validation"],
                        "fit_points": fc["fit"], "held_out_points": fc["held_out"]},
-               "leave_one_rate_out": cv, "error_sources": sources, "model_comparison": comparison, "h200": h200, "assumptions": _assumptions(m, h200), "projection": proj}
+               "leave_one_rate_out": cv, "error_sources": sources, "model_comparison": comparison, "gpu": gpu, "assumptions": _assumptions(m, gpu), "projection": proj}
     Path(f"{base}.json").write_text(json.dumps(doc_out, indent=1))
     Path(f"{base}.md").write_text(markdown(doc_out, fc, cv, comparison))
     return [Path(f"{base}.json"), Path(f"{base}.md")]

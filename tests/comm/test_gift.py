@@ -326,9 +326,9 @@ def test_stat_tokens_takes_the_statistics_from_evenly_strided_rows():
         gift = GIFT(model, min_numel=1024, stat_tokens=tokens)
         seen = {}
 
-        def keep(mod, inputs, out):
+        def keep(mod, inputs, out, seen=seen):
             seen["x"] = inputs[0].detach()
-            out.register_hook(lambda g: seen.update(d=g.detach()))
+            out.register_hook(lambda g, seen=seen: seen.update(d=g.detach()))
 
         model.fc1.register_forward_hook(keep)
         (model(x) - y).pow(2).mean().backward()

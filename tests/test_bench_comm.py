@@ -1,0 +1,32 @@
+"""bench_comm.py scape-cost on CPU: SCAPE's step as rank 0 of a larger world with the collectives replaced by
+local copies; the collectives and the topology are the library's own again afterwards."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_scape_cost_times_dense_and_sparse_steps_and_restores_the_collectives(tmp_path):
+    from parts import scape_cost
+
+    from leantrain.parallel import sharded
+    from leantrain.runtime import collectives as C
+
+    before = (C.reduce_scatter_tensor, C.all_gather_into_tensor, C.all_reduce, C.broadcast, sharded.get_topology)
+    assert scape_cost.main(["--params", "40000", "--tensor", "10000", "--world", "4", "--intra", "2", "--reps", "1",
+                            "--warmup", "2", "--bucket-mb", "0.05", "1", "--out", str(tmp_path)]) == 0
+    assert before == (C.reduce_scatter_tensor, C.all_gather_into_tensor, C.all_reduce, C.broadcast, sharded.get_topology)
+    (path,) = tmp_path.glob("*_scape-cost.json")
+    res = json.loads(path.read_text())
+    assert res["world"] == 4 and res["params"] == 40000 and set(res["runs"]) == {"0.05", "1"}
+    small, big = res["runs"]["0.05"], res["runs"]["1"]
+    assert set(small) == {"dense", "scape-90", "scape-99"}
+    assert small["dense"]["buckets"] == 4 and big["dense"]["buckets"] == 1  # (a tensor a bucket, or all in one)
+    assert all("extra_ms" in r for k, r in small.items() if k != "dense")
+    assert (tmp_path / path.name.replace(".json", ".md")).read_text().count("| scape-") == 4
+    assert not torch.distributed.is_initialized()
