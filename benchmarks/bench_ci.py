@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import cpu_model  # noqa: E402
+
 SUMMARY = re.compile(r"(\d+) passed(?:, (\d+) skipped)?(?:, (\d+) deselected)?.* in ([\d.]+)s")
 DURATION = re.compile(r"^([\d.]+)s (call|setup|teardown) +(\S+)$", re.M)  # pytest --durations lines
 
@@ -54,19 +57,6 @@ def run_fresh() -> dict:
             "seconds": round(time.time() - t0, 1), "exit": train.returncode, "steps": summary.get("steps"),
             "final_loss": summary.get("final_loss"), "val_loss_before": summary.get("initial_val_loss"),
             "val_loss_after": summary.get("val_loss")}}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's word for it: CI hosts differ."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:

@@ -36,8 +36,10 @@ buffers hold per fused parameter, counted from the real buffers after one accumu
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -48,6 +50,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
+import torch  # noqa: E402
 
 from leantrain.cli import RECIPES  # noqa: E402
 from leantrain.train.report import write_report  # noqa: E402
@@ -116,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--dense-from", default="",
                    help="with --scape-fidelity: take the dense runs from this earlier --scape-fidelity JSON of the "
                         "same preset and steps (dense runs are bit-reproducible)")
+    p.add_argument("--jobs", type=int, default=1, help="with --scape-fidelity: runs at a time (2 processes each)")
     p.add_argument("--state-fidelity", action="store_true", help="FORGE per --state-dtypes over --seeds")
     p.add_argument("--state-dtypes", default="bf16,int8,fp8")
     p.add_argument("--forge-accum", action="store_true", help="FORGE k=4 accumulation vs one 4x batch, per accum_dtype")
@@ -152,16 +158,27 @@ def _val_by_step(run_dir: Path) -> dict[str, float]:
     return {str(r["step"]): r["val_loss"] for r in rows if r.get("val_loss") is not None}
 
 
+def _recipe(name: str) -> dict:
+    """A recipe of DIST_RECIPES, or ``<recipe>@<key>=<value>;<key>=<value>``: that recipe with overrides."""
+    base, _, extra = name.partition("@")
+    if base not in DIST_RECIPES:
+        raise SystemExit(f"--scape-recipes: no recipe {base!r} (one of {', '.join(DIST_RECIPES)})")
+    return {**DIST_RECIPES[base], **dict(kv.split("=", 1) for kv in extra.split(";") if kv)}
+
+
 def scape_fidelity(args) -> int:
-    """Every recipe of ``--scape-recipes`` for every seed on 2 ranks; one JSON at ``--out``."""
+    """Every recipe of ``--scape-recipes`` for every seed on 2 ranks, ``--jobs`` runs at a time; one JSON
+    at ``--out``, rewritten as runs finish (the runs done so far, their seeds compared where the dense
+    run of the seed is done)."""
     nproc, seeds = 2, [int(x) for x in args.seeds.split(",")]
     out = Path(args.out)
     args.nproc, args.out = nproc, tempfile.mkdtemp(prefix="scape-fidelity-")  # (the runs' directories)
     recipes = [r for r in args.scape_recipes.split(",") if r]
     if recipes[0] != "sharded-adams":
         raise SystemExit("--scape-recipes: the first is the yardstick, sharded-adams")
+    configs = {name: _recipe(name) for name in recipes}
     runs: dict[str, dict[int, dict]] = {name: {} for name in recipes}
-    if args.dense_from:  # (dense runs are bit-reproducible: an earlier file's stand for them)
+    if args.dense_from:  # (dense runs are bit-reproducible on one host: an earlier file's stand for them)
         earlier = json.loads(Path(args.dense_from).read_text())
         if f"--preset {args.preset} --steps {args.steps} " not in earlier["command"]:
             raise SystemExit(f"--dense-from: {args.dense_from} is not of --preset {args.preset} --steps {args.steps}")
@@ -170,41 +187,61 @@ def scape_fidelity(args) -> int:
         if missing:
             raise SystemExit(f"--dense-from: {args.dense_from} has no dense run of seeds {missing}")
         runs["sharded-adams"] = {s: have[str(s)] for s in seeds}
-    for name in recipes:
-        if runs[name]:
-            continue
-        ov = {**DIST_RECIPES[name], "dist.intra_node_size": 1, "data.batch_size": _per_rank_batch(args, name)}
-        for seed in seeds:
-            s = run(f"{name}_seed{seed}", {**ov, "train.seed": seed}, args, nproc=nproc)
-            runs[name][seed] = {**{k: s[k] for k in ("val_loss", "final_loss", "comm_bytes_per_step")},
-                                "val_loss_by_step": _val_by_step(Path(args.out) / f"{name}_seed{seed}")}
-    dense = runs["sharded-adams"]
     dense_from = f" --dense-from {args.dense_from}" if args.dense_from else ""
+    command = ("PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
+               f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
+               f"--scape-recipes '{args.scape_recipes}'{''.join(f' --set {kv}' for kv in args.set)}"
+               f"{dense_from} --out {out}")
+
+    def one(name: str, seed: int) -> tuple[str, int, dict]:
+        ov = {**configs[name], "dist.intra_node_size": 1, "data.batch_size": _per_rank_batch(args, "sharded-adams")}
+        tag = f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}_seed{seed}"
+        s = run(tag, {**ov, "train.seed": seed}, args, nproc=nproc)
+        return name, seed, {**{k: s[k] for k in ("val_loss", "final_loss", "comm_bytes_per_step")},
+                            "val_loss_by_step": _val_by_step(Path(args.out) / tag)}
+
+    todo = [(name, seed) for name in recipes if not runs[name] for seed in seeds]
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for fut in concurrent.futures.as_completed([pool.submit(one, *job) for job in todo]):
+            name, seed, r = fut.result()
+            runs[name][seed] = r
+            _write_fidelity(out, args, recipes, configs, runs, command, final=False)
+    result = _write_fidelity(out, args, recipes, configs, runs, command, final=True)
+    dense_mean = result["recipes"]["sharded-adams"]["mean_val_loss"]
+    for name, r in result["recipes"].items():
+        print(f"{name:>18}: mean val {r['mean_val_loss']:.4f} ({100 * (r['mean_val_loss'] / dense_mean - 1):+.2f}% "
+              "vs dense), per seed " + ", ".join(f"{100 * (x['val_vs_dense'] - 1):+.2f}%" for x in r["seeds"].values()),
+              flush=True)
+    print(f"wrote {out}")
+    return 0
+
+
+def _write_fidelity(out: Path, args, recipes, configs, runs, command, final: bool) -> dict:
+    """The fidelity JSON of the runs done so far: per recipe and seed, against the seed's dense run."""
+    dense = runs["sharded-adams"]
     result = {"what": f"{', '.join(recipes[1:])} vs dense sharded AdamS, {args.preset} preset, "
-                      f"{args.steps} steps, {nproc} gloo ranks, seeds {seeds}",
-              "command": "PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
-                         f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
-                         f"--scape-recipes {args.scape_recipes}{''.join(f' --set {kv}' for kv in args.set)}"
-                         f"{dense_from} --out {out}",
+                      f"{args.steps} steps, {args.nproc} gloo ranks, seeds {args.seeds}"
+                      + ("" if final else " (partial: the runs done so far)"),
+              "command": command, "env": {"cpu": harness.cpu_model(), "torch": torch.__version__},
               "recipes": {}}
-    for name, by_seed in runs.items():
+    for name in recipes:
+        done = {seed: s for seed, s in sorted(runs[name].items()) if seed in dense}
+        if not done:
+            continue
         per = {str(seed): {"val_loss": s["val_loss"], "final_loss": s["final_loss"],
                            "val_loss_by_step": s.get("val_loss_by_step", {}),  # (absent in older files)
                            "val_vs_dense": s["val_loss"] / dense[seed]["val_loss"],
                            "comm_bytes_per_step": s["comm_bytes_per_step"],
                            "bytes_vs_dense": s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]}
-               for seed, s in by_seed.items()}
+               for seed, s in done.items()}
         mean = sum(r["val_loss"] for r in per.values()) / len(per)
-        dense_mean = sum(r["val_loss"] for r in dense.values()) / len(dense)
-        result["recipes"][name] = {"config": DIST_RECIPES[name], "seeds": per, "mean_val_loss": mean,
+        dense_mean = sum(dense[seed]["val_loss"] for seed in done) / len(done)
+        result["recipes"][name] = {"config": configs[name], "seeds": per, "mean_val_loss": mean,
                                    "mean_vs_dense": mean / dense_mean,
                                    "worst_seed_vs_dense": max(r["val_vs_dense"] for r in per.values())}
-        print(f"{name:>18}: mean val {mean:.4f} ({100 * (mean / dense_mean - 1):+.2f}% vs dense), per seed "
-              + ", ".join(f"{100 * (r['val_vs_dense'] - 1):+.2f}%" for r in per.values()), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return result
 
 
 def state_fidelity(args) -> int:

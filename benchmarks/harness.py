@@ -21,6 +21,18 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's word for it: hosts differ, and so do
+    their floating-point results (a CPU run's numbers are this host's)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware() -> str:
     """``H200`` (the GPU's name without its vendor), ``H200x2`` for several, or ``cpu``."""
     try:

@@ -59,3 +59,33 @@ def test_dense_from_another_preset_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="not of --preset tiny"):
         bc.main(["--scape-fidelity", "--preset", "tiny", "--steps", "20", "--seeds", "1", "--dense-from",
                  str(_earlier(tmp_path, preset="small")), "--out", str(tmp_path / "r.json")])
+
+
+def test_variants_run_in_parallel_jobs_and_are_compared_seed_by_seed(tmp_path, monkeypatch):
+    """``<recipe>@<key>=<value>;...`` runs a recipe with overrides; ``--jobs`` runs several at once; the
+    file is complete at the end whatever order the runs finished in."""
+    bc = _load()
+    ran = []
+
+    def run(name, overrides, args, nproc=1):
+        ran.append((name, overrides.get("comm.scape.catch_up"), overrides.get("comm.method")))
+        out = Path(args.out) / name
+        out.mkdir(parents=True)
+        seed = overrides["train.seed"]
+        val = 5.0 + seed / 10 + (0.5 if overrides.get("comm.scape.catch_up") == "30" else 0.0)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": val}) + "\n")
+        return {"val_loss": val, "final_loss": val, "comm_bytes_per_step": 100.0}
+
+    monkeypatch.setattr(bc, "run", run)
+    out = tmp_path / "r.json"
+    assert bc.main(["--scape-fidelity", "--preset", "tiny", "--steps", "20", "--seeds", "1,2", "--jobs", "3",
+                    "--scape-recipes", "sharded-adams,sharded-scape90@comm.scape.catch_up=30", "--out", str(out)]) == 0
+    assert sorted(ran) == [("sharded-adams_seed1", None, None), ("sharded-adams_seed2", None, None),
+                           ("sharded-scape90-comm.scape.catch_up-30_seed1", "30", "scape"),
+                           ("sharded-scape90-comm.scape.catch_up-30_seed2", "30", "scape")]
+    r = json.loads(out.read_text())
+    v = r["recipes"]["sharded-scape90@comm.scape.catch_up=30"]
+    assert v["config"]["comm.scape.catch_up"] == "30" and list(v["seeds"]) == ["1", "2"]
+    assert v["seeds"]["2"]["val_vs_dense"] == pytest.approx(5.7 / 5.2) and "partial" not in r["what"]
+    with pytest.raises(SystemExit, match="no recipe"):
+        bc.main(["--scape-fidelity", "--scape-recipes", "sharded-adams,nope@x=1", "--out", str(out)])
