@@ -191,7 +191,7 @@ def scape_fidelity(args) -> int:
     command = ("PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
                f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
                f"--scape-recipes '{args.scape_recipes}'{''.join(f' --set {kv}' for kv in args.set)}"
-               f"{dense_from} --out {out}")
+               f"{dense_from}{f' --jobs {args.jobs}' if args.jobs > 1 else ''} --out {out}")
 
     def one(name: str, seed: int) -> tuple[str, int, dict]:
         ov = {**configs[name], "dist.intra_node_size": 1, "data.batch_size": _per_rank_batch(args, "sharded-adams")}
@@ -222,7 +222,7 @@ def _write_fidelity(out: Path, args, recipes, configs, runs, command, final: boo
     result = {"what": f"{', '.join(recipes[1:])} vs dense sharded AdamS, {args.preset} preset, "
                       f"{args.steps} steps, {args.nproc} gloo ranks, seeds {args.seeds}"
                       + ("" if final else " (partial: the runs done so far)"),
-              "command": command, "env": {"cpu": harness.cpu_model(), "torch": torch.__version__},
+              "command": command, "env": {"cpu": harness.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__},
               "recipes": {}}
     for name in recipes:
         done = {seed: s for seed, s in sorted(runs[name].items()) if seed in dense}

@@ -316,6 +316,17 @@ def scape_hypothesis(key):
     return f
 
 
+def scape_recipe(name):
+    """bench_convergence --scape-fidelity: one recipe's mean validation loss against dense's (each seed's;
+    the worst), and its bytes a step against dense's."""
+    def f(d):
+        r = d["recipes"][name]
+        seeds = ", ".join(pct(v["val_vs_dense"] - 1, 1) for v in r["seeds"].values())
+        nbytes = statistics.mean(v["bytes_vs_dense"] for v in r["seeds"].values())
+        return f"{pct(r['mean_vs_dense'] - 1)} ({seeds}); bytes {x(nbytes, 3)}"
+    return f
+
+
 def memory_cell(rel_config, preset, vocab, seq, batch):
     """One bench_memory row: peak GiB and tokens/s, named by its configuration."""
     def f(d):
@@ -663,10 +674,20 @@ TABLES: dict[str, list[tuple]] = {
     ],
 }
 
+F_SCAPE6, F_SCAPE6B = "comm/2026-12-06_cpu_scape-fidelity-6seeds.json", "comm/2026-12-06_cpu_scape-fidelity-6seeds-b.json"
+TABLES["scape6"] = [
+    ("90 %, defaults", scape_recipe("sharded-scape90"), "within 1 %", F_SCAPE6),
+    ("90 %, `catch_up` 20", scape_recipe("sharded-scape90@comm.scape.catch_up=20"), "within 1 %", F_SCAPE6),
+    ("90 %, `catch_up` 30", scape_recipe("sharded-scape90@comm.scape.catch_up=30"), "within 1 %", F_SCAPE6),
+    ("90 %, the first 30 steps dense (`dense_steps 30`)", scape_recipe("sharded-scape90@comm.scape.dense_steps=30"),
+     "within 1 %", F_SCAPE6B),
+    ("80 % (`density 0.2`)", scape_recipe("sharded-scape90@comm.scape.density=0.2"), "", F_SCAPE6B),
+    ("70 % (`density 0.3`)", scape_recipe("sharded-scape90@comm.scape.density=0.3"), "", F_SCAPE6B),
+]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
-         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape300"], "docs/gift.md": ["gift"],
+         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape6", "scape300"], "docs/gift.md": ["gift"],
          "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/fsdp.md": ["fsdp"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
