@@ -232,8 +232,8 @@ class GIFT:
     gradient through the wire codec (:meth:`_gain`); a layer below ``min_gain`` is sent Euclidean until
     the next refresh (the root's decision is broadcast with the factors: every rank agrees). ``0``:
     every layer whitened. ``stat_tokens``: the most tokens (rows) a layer's statistics take from one
-    forward or backward, evenly strided (``0``: all): ``δ δᵀ`` of a wide layer costs ``tokens · n²``,
-    more than the step's own products, and the top eigenpairs need far fewer rows."""
+    forward or backward, evenly strided (``0``: all): ``δ δᵀ`` of a wide layer costs ``tokens · n²``, more
+    than the step's own products (on the 1b, 1024 of 4096 tokens barely change the gains: docs/gift.md)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
