@@ -70,7 +70,7 @@ def adams():
 
 def _dense_equivalence(rank, world):
     out = []
-    for comp in (None, SCAPE(1.0, explore=0.0, value_dtype=torch.float32, catch_up=0)):
+    for comp in (None, SCAPE(1.0, explore=0.0, value_dtype=torch.float32, catch_up=0, beta1=None)):
         m = make_model()
         o = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=comp)
         for s in range(4):
@@ -275,6 +275,8 @@ def test_bad_arguments():
         SCAPE().init_state(8, 4, lt.optim.SGD(lr=0.1, momentum=0.0), "cpu")
     with pytest.raises(ValueError, match="catch_up_mode"):
         SCAPE(catch_up_mode="sqrt")
+    with pytest.raises(ValueError, match="beta1"):
+        SCAPE(beta1=1.0)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -324,17 +326,21 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
 
 
-@pytest.mark.parametrize("catch_up,score,dense,per_tensor,mode", [
-    (0, "m", 1, True, "steps"), (4, "m", 1, True, "steps"), (0, "m_age", 1, True, "steps"),
-    (10, "m_age", 3, True, "steps"), (10, "m_age", 1, False, "steps"), (10, "m_age", 1, False, "sign")])
-def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, mode, device="cpu"):
+@pytest.mark.parametrize("catch_up,score,dense,per_tensor,mode,beta1", [
+    (0, "m", 1, True, "steps", None), (4, "m", 1, True, "steps", None), (0, "m_age", 1, True, "steps", None),
+    (10, "m_age", 3, True, "steps", None), (10, "m_age", 1, False, "steps", None),
+    (10, "m_age", 1, False, "sign", None), (10, "m_age", 1, False, "sign", 0.8)])
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, mode, beta1,
+                                                          device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
     bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
-    moment plus the window, error feedback, masked AdamS steps, catch-up spans)."""
+    moment plus the window, error feedback, masked AdamS steps, catch-up spans, the masked updates'
+    own β1)."""
     rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
     m1, m2 = _mlp().to(device), _mlp().to(device)
     comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense,
-                 per_tensor=per_tensor, catch_up_mode=mode)
+                 per_tensor=per_tensor, catch_up_mode=mode, beta1=beta1)
+    masked = rule.hyper() if beta1 is None else {**rule.hyper(), "betas": (beta1, rule.betas[1])}
     opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     S, k = b.padded, comp.k(b.padded)
@@ -377,10 +383,10 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
                 else:
                     moves = span
                 shortened += int((moves != span).sum())
-                p_new, st = rule.update(p0, sent / span, st0, step=step, **rule.hyper())
+                p_new, st = rule.update(p0, sent / span, st0, step=step, **masked)
                 p_new = p0 + moves * (p_new - p0)
             else:
-                p_new, st = rule.update(p0, sent, st0, step=step, **rule.hyper())
+                p_new, st = rule.update(p0, sent, st0, step=step, **masked)
             w[mask], mom[mask] = p_new, st["exp_avg"]
             last[mask] = step
         ids = tensor_ids(b.offsets, [p.numel() for p in b.params], 0, S).to(device)
@@ -399,15 +405,15 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", device="cuda")
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", 0.8, device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode) == \
-        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode)
+    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
+        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
 
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():

@@ -128,6 +128,10 @@ class NoCompression:
         steps it stands for (``span``), its mean gradient and its rule state before the update."""
         return span
 
+    def update_hyper(self, hyper: dict) -> dict:
+        """The rule's hyperparameters for the update of ``update_index``'s coordinates, given the group's."""
+        return hyper
+
     def after_update(self, key: int, state: dict, topo: Topology) -> None:
         """Called once a bucket's shard has been stepped, before its weight gather."""
 

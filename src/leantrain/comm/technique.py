@@ -132,6 +132,8 @@ class ShardCompression(Technique):
                               "(or adamw, lion, sgd with momentum)")
         if c.method == "scape" and not 0 < c.scape.density <= 1:
             raise ConfigError(f"comm.scape.density must be in (0, 1], got {c.scape.density}")
+        if c.method == "scape" and not 0 <= c.scape.beta1 < 1:
+            raise ConfigError(f"comm.scape.beta1 must be in [0, 1) (0: the optimizer's), got {c.scape.beta1}")
 
     def __init__(self, run: Run):
         super().__init__(run)
@@ -142,7 +144,7 @@ class ShardCompression(Technique):
         else:
             s = c.scape
             run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,
-                                    per_tensor=s.per_tensor, catch_up_mode=s.catch_up_mode)
+                                    per_tensor=s.per_tensor, catch_up_mode=s.catch_up_mode, beta1=s.beta1 or None)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:

@@ -269,6 +269,9 @@ class ScapeConfig:
     catch_up_mode: Literal["steps", "sign"] = "sign"
     # mask scores relative to their tensor's mean |m| (each tensor gets its share of the mask)
     per_tensor: bool = False
+    # the first moment's β1 on the masked updates (AdamS, AdamW); 0: the optimizer's. A coordinate is
+    # updated once in ~1/density steps, so the optimizer's 0.9 averages over ten times the steps
+    beta1: float = 0.8
 
 
 @dataclass

@@ -236,7 +236,7 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 if sp is not None:  # the rule on the mean gradient, the move times the steps it covers
                     gs = gs / sp
                     sp = self.compression.catch_up_moves(sp, gs, old)
-                p_new, s_new = self.rule.update(p0, gs, old, step=st["step"], **hp)
+                p_new, s_new = self.rule.update(p0, gs, old, step=st["step"], **self.compression.update_hyper(hp))
                 if sp is not None:
                     p_new = p0 + sp * (p_new - p0)
                 master.index_copy_(0, sel, p_new.to(master.dtype))
