@@ -691,6 +691,8 @@ TABLES["scape_beta1"] = [
      scape_recipe("sharded-scape90"), "within 1 %", "comm/2026-12-06_cpu_scape-fidelity-beta08-4seeds.json"),
     ("90 %, `comm.scape.beta1 0.8`, seeds 1–5, 1337, dense and sparse on the 2-core host",
      scape_recipe("sharded-scape90@comm.scape.beta1=0.8"), "within 1 %", F_SCAPE_B1),
+    ("99 %, `comm.scape.beta1 0.8`, seeds 1, 2, 1337, the same host", scape_recipe("sharded-scape99@comm.scape.beta1=0.8"),
+     "within 2 %", "comm/2026-12-06_cpu_scape99-fidelity-beta1.json"),
 ]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
