@@ -352,11 +352,7 @@ def main(argv=None) -> int:
         res["model"]["refresh_eigh_ms"] = sum(r["refresh_eigh_ms"] for r in per_shape.values())
     print(json.dumps(res["model"]), flush=True)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = harness.stem("gift-cost")
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (out / f"{stem}.md").write_text(markdown(res))
+    harness.write(args.out, "gift-cost", res, markdown(res))
     print(markdown(res))
     return 0
 

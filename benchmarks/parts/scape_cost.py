@@ -151,11 +151,7 @@ def main(argv=None) -> int:
                 r["extra_ms"] = r["step_ms"] - per["dense"]["step_ms"]
             per[key] = r
             print(f"buckets of {mb:g} MiB, {key}: " + json.dumps(r), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = harness.stem("scape-cost")
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (out / f"{stem}.md").write_text(markdown(res))
+    harness.write(args.out, "scape-cost", res, markdown(res))
     print(markdown(res))
     return 0
 
