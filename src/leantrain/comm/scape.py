@@ -58,36 +58,29 @@ from leantrain.comm.sdp4bit import NoCompression, Pending, _wait
 from leantrain.comm.topology import Topology
 from leantrain.runtime import collectives as C
 
-_BITS: dict = {}  # device -> uint8 [1, 2, 4, ..., 128] (made once a device: a host-to-device copy waits)
+_TABLES: dict = {}  # device -> _tables(device)
 
 
-def _bits(dev) -> Tensor:
-    if dev not in _BITS:
-        _BITS[dev] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(dev)
-    return _BITS[dev]
+def _tables(dev) -> tuple[Tensor, Tensor, Tensor]:
+    """On ``dev``: the bit values (uint8 ``[1, 2, ..., 128]``), each byte value's popcount (int32 ``[256]``)
+    and the position (0..7) of its ``j+1``-th set bit (int64 ``[256, 8]``, 0 where there is none). Made
+    once a device: a host-to-device copy a call would wait for the device."""
+    if dev not in _TABLES:
+        bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+        pop = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int32)
+        nth = torch.tensor([([i for i in range(8) if v >> i & 1] + [0] * 8)[:8] for v in range(256)])
+        _TABLES[dev] = (bits.to(dev), pop.to(dev), nth.to(dev))
+    return _TABLES[dev]
 
 
 def pack_bits(mask: Tensor) -> Tensor:
     """Bool ``[n]`` (n a multiple of 8) -> uint8 ``[n / 8]``, bit ``i`` of byte ``j`` = element ``8j + i``."""
-    return (mask.view(-1, 8).to(torch.uint8) * _bits(mask.device)).sum(1, dtype=torch.uint8)
+    return (mask.view(-1, 8).to(torch.uint8) * _tables(mask.device)[0]).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: Tensor) -> Tensor:
     """The inverse of :func:`pack_bits`."""
-    return (packed.unsqueeze(-1) & _bits(packed.device)).ne(0).reshape(*packed.shape[:-1], -1)
-
-
-_BYTE_TABLES: dict = {}  # device -> _byte_tables(device)
-
-
-def _byte_tables(dev) -> tuple[Tensor, Tensor]:
-    """Each byte value's popcount (int32 ``[256]``) and the position (0..7) of its ``j+1``-th set bit (int64
-    ``[256, 8]``, 0 where there is none), on ``dev``; made once a device, so a call copies nothing to it."""
-    if dev not in _BYTE_TABLES:
-        pop = torch.tensor([bin(v).count("1") for v in range(256)], dtype=torch.int32)
-        nth = torch.tensor([([i for i in range(8) if v >> i & 1] + [0] * 8)[:8] for v in range(256)])
-        _BYTE_TABLES[dev] = (pop.to(dev), nth.to(dev))
-    return _BYTE_TABLES[dev]
+    return (packed.unsqueeze(-1) & _tables(packed.device)[0]).ne(0).reshape(*packed.shape[:-1], -1)
 
 
 def bitmap_indices(packed: Tensor, k: int) -> Tensor:
@@ -99,7 +92,7 @@ def bitmap_indices(packed: Tensor, k: int) -> Tensor:
     row ``r`` starts at count ``r * k``."""
     dev = packed.device
     rows, nb = packed.shape
-    popcount, nth_bit = _byte_tables(dev)
+    _, popcount, nth_bit = _tables(dev)
     byte = packed.reshape(-1).long()
     pop = popcount[byte]
     count = pop.cumsum(0, dtype=torch.int32)
