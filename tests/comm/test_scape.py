@@ -172,7 +172,8 @@ def _bytes(rank, world, density, steps):
 def _resume(rank, world):
     def build(seed):
         m = make_model(seed)
-        return m, lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=SCAPE(0.1))
+        # (a warm-up to step 5: the resume at step 3 lands in it, and the density still falls after)
+        return m, lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=SCAPE(0.1, warmup=5))
 
     return resumes_bit_identically(build, batch, rank, world, 3, 7)
 
@@ -326,25 +327,29 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 7))
 
 
-@pytest.mark.parametrize("catch_up,score,dense,per_tensor,mode,beta1", [
-    (0, "m", 1, True, "steps", None), (4, "m", 1, True, "steps", None), (0, "m_age", 1, True, "steps", None),
-    (10, "m_age", 3, True, "steps", None), (10, "m_age", 1, False, "steps", None),
-    (10, "m_age", 1, False, "sign", None), (10, "m_age", 1, False, "sign", 0.8)])
-def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, mode, beta1,
+@pytest.mark.parametrize("catch_up,score,dense,per_tensor,mode,beta1,warmup", [
+    (0, "m", 1, True, "steps", None, 0), (4, "m", 1, True, "steps", None, 0), (0, "m_age", 1, True, "steps", None, 0),
+    (10, "m_age", 3, True, "steps", None, 0), (10, "m_age", 1, False, "steps", None, 0),
+    (10, "m_age", 1, False, "sign", None, 0), (10, "m_age", 1, False, "sign", 0.8, 0),
+    (10, "m_age", 1, False, "sign", 0.8, 6)])
+def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, mode, beta1, warmup,
                                                           device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
     bit, a plain-torch rendering of the algorithm (dense first step, masks from the updated first
     moment plus the window, error feedback, masked AdamS steps, catch-up spans, the masked updates'
-    own β1)."""
+    own β1, the density's warm-up)."""
     rule = lt.optim.AdamS(lr=1e-2, weight_decay=0.1)
     m1, m2 = _mlp().to(device), _mlp().to(device)
     comp = SCAPE(0.25, value_dtype=torch.float32, catch_up=catch_up, score=score, dense_steps=dense,
-                 per_tensor=per_tensor, catch_up_mode=mode, beta1=beta1)
+                 per_tensor=per_tensor, catch_up_mode=mode, beta1=beta1, warmup=warmup)
     masked = rule.hyper() if beta1 is None else {**rule.hyper(), "betas": (beta1, rule.betas[1])}
     opt = lt.dist.ShardedOptimizer(m1, rule, bucket_mb=1, compression=comp)
     (b,) = opt.buckets
-    S, k = b.padded, comp.k(b.padded)
-    n_ex = int(comp.explore * k)
+    S = b.padded
+
+    def k_at(n):  # coordinates sent at step n: the density falls from 1 as 0.25 ** (n / warmup)
+        return max(1, min(S, round((0.25 ** (n / warmup) if n < warmup else 0.25) * S)))
+
     names = {id(p): n for n, p in m1.named_parameters()}
     params2 = [dict(m2.named_parameters())[names[id(q)]] for q in b.params]  # (the bucket's order)
 
@@ -356,7 +361,7 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 
     w, mom, resid = layout(params2), torch.zeros(S, device=device), torch.zeros(S, device=device)
     last, mask = torch.zeros(S, dtype=torch.int64, device=device), None
-    moved, shortened = [], 0
+    moved, limit, shortened = [], [], 0
     for step in range(1, 9):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 7, generator=g).to(device)
@@ -366,6 +371,7 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
         opt.step()
         opt.zero_grad()
         moved.append(int((layout(list(b.params)) != before).sum()))
+        limit.append(k_at(step) if mask is not None else S)
         acc = layout([p.grad for p in params2]) + resid
         m2.zero_grad()
         if mask is None:
@@ -392,28 +398,33 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
         ids = tensor_ids(b.offsets, [p.numel() for p in b.params], 0, S).to(device)
         prio = relative(mom.abs(), ids) if per_tensor else mom.abs()
         prio = prio * (step + 1 - last).float() if score == "m_age" else prio
+        k = k_at(step + 1)
+        n_ex = int(comp.explore * k)
         prio[(step * n_ex + torch.arange(n_ex, device=device)) % S] = float("inf")
         mask = torch.topk(prio, k).indices.sort().values if step >= dense else None
         with torch.no_grad():
             for p, off in zip(params2, b.offsets, strict=True):
                 p.copy_(w[off:off + p.numel()].view_as(p))
     assert torch.equal(layout(list(b.params)), layout(params2))
-    assert all(x > 2 * k for x in moved[:dense]) and all(0 < x <= k for x in moved[dense:])  # dense, then masked
+    assert all(x > 2 * k_at(8) for x in moved[:dense]) and all(0 < x <= n for x, n in zip(moved, limit))
+    if warmup:  # (the density falls over the warm-up: more coordinates move early)
+        assert limit[1] > limit[3] > limit[5] == limit[7] == k_at(8) and moved[1] > 2 * k_at(8)
     assert (shortened > 0) == (mode == "sign")  # (the sign rule did shorten some moves)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", 0.8, device="cuda")
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", 0.8, 4, device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
-        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
+    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None,
+            c.warmup) == (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1,
+                          s.warmup)
 
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():

@@ -106,7 +106,8 @@ def bitmap_indices(packed: Tensor, k: int) -> Tensor:
 @dataclass
 class SCAPE(NoCompression):
     """``SCAPE(density=0.1, *, explore=0.1, value_dtype=torch.bfloat16, error_feedback=True,
-    catch_up=10, score="m_age", dense_steps=1, per_tensor=False, catch_up_mode="sign", beta1=0.8)``.
+    catch_up=10, score="m_age", dense_steps=1, per_tensor=False, catch_up_mode="sign", beta1=0.8,
+    warmup=0)``.
 
     ``density``: fraction of each shard's coordinates sent a step (0.1: 90 % sparsity).
     ``explore``: fraction of those ``k`` taken from a rotating window instead of the top scores.
@@ -121,6 +122,9 @@ class SCAPE(NoCompression):
     where the mean gradient agrees in sign with the first moment and moves ``sqrt(min(τ, catch_up))``
     times where it does not (noise; the move of a random walk over ``τ`` steps).
     ``dense_steps``: the first steps are dense (the first always is: it has no mask).
+    ``warmup``: the density falls geometrically from 1 to ``density`` over the first ``warmup`` steps
+    (step ``n`` sends ``density ** (n / warmup)`` of each shard), the sparsity warm-up of Deep Gradient
+    Compression: early steps, whose gradients change fastest, are sent (almost) whole (0: off).
     ``beta1``: the first moment's decay on the masked updates of AdamS or AdamW (None: the rule's). A
     coordinate is updated about once in ``1 / density`` steps, so the rule's ``β1`` (0.9: ten updates)
     averages its gradient over ten times as many steps as dense AdamS's does; 0.8 (five updates) took the
@@ -141,6 +145,7 @@ class SCAPE(NoCompression):
     per_tensor: bool = False
     catch_up_mode: str = "sign"
     beta1: float | None = 0.8
+    warmup: int = 0
 
     name = "scape"
 
@@ -153,6 +158,8 @@ class SCAPE(NoCompression):
             raise ValueError(f"SCAPE: score must be 'm' or 'm_age', got {self.score!r}")
         if self.dense_steps < 1:
             raise ValueError(f"SCAPE: dense_steps must be >= 1 (the first step has no mask), got {self.dense_steps}")
+        if self.warmup < 0:
+            raise ValueError(f"SCAPE: warmup must be >= 0, got {self.warmup}")
         if self.catch_up < 0:
             raise ValueError(f"SCAPE: catch_up must be >= 0, got {self.catch_up}")
         if self.catch_up_mode not in ("steps", "sign"):
@@ -192,8 +199,12 @@ class SCAPE(NoCompression):
         mean = torch.zeros(count.numel(), device=abs_m.device).index_add_(0, ids, abs_m) / count
         return mean.clamp_(min=1e-30)[ids]
 
-    def k(self, shard: int) -> int:
-        return max(1, min(shard, round(self.density * shard)))
+    def k(self, shard: int, step: int | None = None) -> int:
+        """Coordinates a shard of ``shard`` sends at step ``step`` (1-based; None: after the warm-up)."""
+        d = self.density
+        if step is not None and step < self.warmup:
+            d = self.density ** (step / self.warmup)
+        return max(1, min(shard, round(d * shard)))
 
     # ------------------------------------------------------------------ optimizer hooks
     def init_state(self, padded: int, shard: int, rule, device) -> dict:
@@ -269,7 +280,7 @@ class SCAPE(NoCompression):
     def _gather_mask(self, state: dict, topo: Topology, key: int) -> Pending:
         m, step = state[self._moment], int(state["step"])
         S, world = m.numel(), topo.world
-        k = self.k(S)
+        k = self.k(S, step + 1)  # (the mask is used at the next step)
         score = m.detach().float().abs()
         if self.per_tensor and key in self._tensor_of:  # |m| relative to its tensor's mean |m| on the shard
             score.div_(self._tensor_mean(key, score))
