@@ -408,14 +408,16 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
     assert torch.equal(layout(list(b.params)), layout(params2))
     assert all(x > 2 * k_at(8) for x in moved[:dense]) and all(0 < x <= n for x, n in zip(moved, limit))
     if warmup:  # (the density falls over the warm-up: more coordinates move early)
-        assert limit[1] > limit[3] > limit[5] == limit[7] == k_at(8) and moved[1] > 2 * k_at(8)
+        sparse = limit[dense:]
+        assert all(a >= b for a, b in zip(sparse, sparse[1:])) and sparse[0] > sparse[-1] == k_at(8)
+        assert moved[dense] > k_at(8)
     assert (shortened > 0) == (mode == "sign")  # (the sign rule did shorten some moves)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", 0.8, 4, device="cuda")
+    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", 0.8, 6, device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
