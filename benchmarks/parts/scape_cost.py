@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     for mb in args.bucket_mb:
         per = res["runs"][f"{mb:g}"] = {}
         for key, d in runs.items():
-            r = measure(params, None if d is None else lt.comm.SCAPE(density=d), mb, args, dev)
+            r = measure(params, None if d is None else lt.comm.SCAPE(density=d, warmup=0), mb, args, dev)
             if key != "dense":
                 r["extra_ms"] = r["step_ms"] - per["dense"]["step_ms"]
             per[key] = r

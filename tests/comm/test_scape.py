@@ -100,7 +100,7 @@ class Recorder(SCAPE):
 
 def _sparse_steps(rank, world, density):
     m = make_model()
-    comp = Recorder(density, value_dtype=torch.float32, per_tensor=True)  # (a bf16 sum over ranks rounds: not fed back)
+    comp = Recorder(density, value_dtype=torch.float32, per_tensor=True, warmup=0)  # (a bf16 sum over ranks rounds: not fed back)
     comp.delivered = []
     opt = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.02, compression=comp)
     total = torch.zeros(sum(b.padded for b in opt.buckets))  # every rank's gradient, summed, all steps
@@ -159,7 +159,7 @@ def _sparse_steps(rank, world, density):
 
 def _bytes(rank, world, density, steps):
     m = make_model()
-    opt = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.05, compression=SCAPE(density) if density else None)
+    opt = lt.dist.ShardedOptimizer(m, adams(), bucket_mb=0.05, compression=SCAPE(density, warmup=0) if density else None)
     for s in range(steps):
         x, y = batch(s, rank, world)
         with lt.runtime.ledger.COMM.capture() as led:
@@ -180,7 +180,7 @@ def _resume(rank, world):
 
 def _learns(rank, world):
     losses = {}
-    for name, comp in (("dense", None), ("scape90", SCAPE(0.1))):
+    for name, comp in (("dense", None), ("scape90", SCAPE(0.1, warmup=0))):
         m = make_model()
         o = lt.dist.ShardedOptimizer(m, lt.optim.AdamS(lr=1e-2), bucket_mb=0.05, compression=comp)
         for s in range(60):
@@ -248,7 +248,7 @@ def test_parameter_groups_step_with_their_own_hyperparameters():
                 o.step()
 
     def scape(density):
-        return SCAPE(density, value_dtype=torch.float32, explore=0.0)
+        return SCAPE(density, value_dtype=torch.float32, explore=0.0, warmup=0)
 
     m1, m2 = _mlp(), _mlp()
     opt = lt.dist.ShardedOptimizer(groups(m1, 3e-2), rule, bucket_mb=1, compression=scape(1.0))
@@ -266,7 +266,7 @@ def test_parameter_groups_step_with_their_own_hyperparameters():
     train(m3, [opt], steps=1)
     assert torch.equal(m3[0].bias, m0[0].bias) and torch.equal(m3[2].bias, m0[2].bias)
     moved = sum(int((a != b).sum()) for a, b in zip((m3[0].weight, m3[2].weight), before, strict=True))
-    assert 0 < moved <= SCAPE(0.3).k(opt.buckets[0].shard)  # (a masked step)
+    assert 0 < moved <= SCAPE(0.3, warmup=0).k(opt.buckets[0].shard)  # (a masked step)
 
 
 def test_bad_arguments():
@@ -431,7 +431,7 @@ def test_the_trainers_defaults_are_the_compressors():
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():
     m = _mlp()
-    comp = SCAPE(0.25, error_feedback=False)
+    comp = SCAPE(0.25, error_feedback=False, warmup=0)
     opt = lt.dist.ShardedOptimizer(m, lt.optim.AdamS(lr=1e-2), bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     assert "scape_residual" not in opt.state[b.index]
@@ -452,7 +452,7 @@ def _mask_shares(per_tensor: bool) -> list[float]:
     weight's share of the mask over its share of the coordinates (1: its fair share)."""
     m = _mlp()
     m[0].weight.register_hook(lambda g: g * 1000.0)
-    comp = SCAPE(0.1, per_tensor=per_tensor, explore=0.0)
+    comp = SCAPE(0.1, per_tensor=per_tensor, explore=0.0, warmup=0)
     opt = lt.dist.ShardedOptimizer(m, lt.optim.AdamS(lr=1e-2), bucket_mb=1, compression=comp)
     (b,) = opt.buckets
     for step in range(6):

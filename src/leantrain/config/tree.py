@@ -273,7 +273,7 @@ class ScapeConfig:
     # updated once in ~1/density steps, so the optimizer's 0.9 averages over ten times the steps
     beta1: float = 0.8
     # the density falls geometrically from 1 to `density` over the first steps (0: off)
-    warmup: int = 0
+    warmup: int = 100
 
 
 @dataclass
