@@ -327,6 +327,20 @@ def scape_recipe(name):
     return f
 
 
+def scape_recipe_seeds(name, *more):
+    """:func:`scape_recipe` over the seeds of the row's file and of ``more`` files (each against its own
+    dense runs), the mean of the seeds' ratios: one recipe run in several sittings."""
+    def f(d):
+        per = [v for doc in (d, *map(load, more)) for v in doc["recipes"][name]["seeds"].values()]
+        ratios = [v["val_vs_dense"] for v in per]
+        seeds = ", ".join(pct(r - 1, 1) for r in ratios)
+        nbytes = statistics.mean(v["bytes_vs_dense"] for v in per)
+        return (f"{pct(statistics.mean(ratios) - 1)} over {len(per)} seeds ({seeds}); worst {pct(max(ratios) - 1)}; "
+                f"bytes {x(nbytes, 3)}")
+    f.more = more  # (the files whose commands the table lists too)
+    return f
+
+
 def memory_cell(rel_config, preset, vocab, seq, batch):
     """One bench_memory row: peak GiB and tokens/s, named by its configuration."""
     def f(d):
@@ -694,10 +708,31 @@ TABLES["scape_beta1"] = [
     ("99 %, `comm.scape.beta1 0.8`, seeds 1, 2, 1337, the same host", scape_recipe("sharded-scape99@comm.scape.beta1=0.8"),
      "within 2 %", "comm/2026-12-06_cpu_scape99-fidelity-beta1.json"),
 ]
+F_SCAPE_W, F_SCAPE_W2 = "comm/2026-12-06_cpu_scape-fidelity-warmup.json", "comm/2026-12-06_cpu_scape-fidelity-warmup-seeds6-8.json"
+F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
+               "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
+W90 = "sharded-scape90@comm.scape.warmup=100"
+TABLES["scape_warmup"] = [
+    ("90 %, no warm-up (`beta1 0.8`, the defaults before `warmup`)", scape_recipe("sharded-scape90"), "within 1 %",
+     "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
+    ("90 %, `warmup 50`", scape_recipe("sharded-scape90@comm.scape.warmup=50"), "within 1 %", F_SCAPE_W),
+    ("90 %, `warmup 100` (the default)", scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %, each seed 2 %", F_SCAPE_W),
+    ("99 %, no warm-up, `catch_up 100`", scape_recipe("sharded-scape99@comm.scape.catch_up=100"), "within 2 %",
+     F_SCAPE99_W[0]),
+    ("99 %, `catch_up 100`, `beta1 0.5`", scape_recipe("sharded-scape99@comm.scape.catch_up=100;comm.scape.beta1=0.5"),
+     "within 2 %", F_SCAPE99_W[0]),
+    ("99 %, `warmup 100`", scape_recipe_seeds("sharded-scape99@comm.scape.warmup=100", F_SCAPE99_W[2]), "within 2 %",
+     F_SCAPE99_W[0]),
+    ("99 %, `warmup 100`, `catch_up 100`", scape_recipe("sharded-scape99@comm.scape.catch_up=100;comm.scape.warmup=100"),
+     "within 2 %", F_SCAPE99_W[0]),
+    ("99 %, `warmup 150`", scape_recipe("sharded-scape99@comm.scape.warmup=150"), "within 2 %", F_SCAPE99_W[1]),
+    ("99 %, `warmup 200`", scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE99_W[2]), "within 2 %",
+     F_SCAPE99_W[1]),
+]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
-         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape6", "scape_beta1", "scape300"], "docs/gift.md": ["gift"],
+         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape6", "scape_beta1", "scape_warmup", "scape300"], "docs/gift.md": ["gift"],
          "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/fsdp.md": ["fsdp"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
@@ -743,7 +778,8 @@ def table(name: str, page: str) -> str:
         data = cache.setdefault(rel, load(rel))
         lines.append(f"| {what} | {fn(data)} | {target or '—'} | {link(page, rel)} |")
     cmds = []
-    for rel in dict.fromkeys(r[3] for r in TABLES[name]):
+    for rel in dict.fromkeys(f for r in TABLES[name] for f in (r[3], *getattr(r[1], "more", ()))):
+        cache.setdefault(rel, load(rel))
         for cmd in cache[rel].get("commands") or [cache[rel].get("command")]:
             if cmd:
                 cmds.append(f"- `{rel}`: `{cmd}`")
