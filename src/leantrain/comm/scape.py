@@ -3,7 +3,8 @@
 A compressor of :class:`leantrain.parallel.ShardedOptimizer` (``compression=lt.comm.SCAPE(0.1)``)
 for rules with a first moment (``exp_avg``: AdamS, which it was designed for; AdamW, Lion,
 SGD with momentum work too). Per bucket and step, with ``S`` elements a shard, ``world`` ranks
-and ``k = round(density * S)``:
+and ``k = round(density * S)`` (over the first ``warmup`` steps a larger share, falling
+geometrically from all of ``S``):
 
 1. **The mask.** After the owner of a shard has stepped it, it picks ``k`` coordinates of its
    shard: the largest scores (``|m|`` of the first moment ``exp_avg``, with ``per_tensor`` over
