@@ -715,6 +715,7 @@ F_SCAPE_W, F_SCAPE_W2 = "comm/2026-12-06_cpu_scape-fidelity-warmup.json", "comm/
 F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
                "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
 W90 = "sharded-scape90@comm.scape.warmup=100"
+F_SCAPE_SMALL = "comm/2026-12-06_cpu_scape-small-warmup.json"
 TABLES["scape_warmup"] = [
     ("90 %, no warm-up (`beta1 0.8`, the defaults before `warmup`)", scape_recipe("sharded-scape90"), "within 1 %",
      "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
@@ -731,6 +732,10 @@ TABLES["scape_warmup"] = [
     ("99 %, `warmup 150`", scape_recipe("sharded-scape99@comm.scape.warmup=150"), "within 2 %", F_SCAPE99_W[1]),
     ("99 %, `warmup 200`", scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE99_W[2]), "within 2 %",
      F_SCAPE99_W[1]),
+    ("small preset, seed 1337, 2-core host: 90 %, `warmup 100` (the default)", scape_recipe(W90), "within 1 %",
+     F_SCAPE_SMALL),
+    ("small preset, the same: 99 %, `warmup 200`", scape_recipe("sharded-scape99@comm.scape.warmup=200"), "within 2 %",
+     F_SCAPE_SMALL),
 ]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
