@@ -732,6 +732,8 @@ TABLES["scape_warmup"] = [
     ("99 %, `warmup 150`", scape_recipe("sharded-scape99@comm.scape.warmup=150"), "within 2 %", F_SCAPE99_W[1]),
     ("99 %, `warmup 200`", scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE99_W[2]), "within 2 %",
      F_SCAPE99_W[1]),
+    ("90 %, `warmup 100`, 2-core host, against its dense runs", scape_recipe(W90), "within 1 %, each seed 2 %",
+     "comm/2026-12-06_cpu_scape-fidelity-warmup-2core.json"),
     ("small preset, seed 1337, 2-core host: 90 %, `warmup 100` (the default)", scape_recipe(W90), "within 1 %",
      F_SCAPE_SMALL),
     ("small preset, the same: 99 %, `warmup 200`", scape_recipe("sharded-scape99@comm.scape.warmup=200"), "within 2 %",
