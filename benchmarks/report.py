@@ -734,6 +734,8 @@ TABLES["scape_warmup"] = [
      F_SCAPE99_W[1]),
     ("90 %, `warmup 100`, 2-core host, against its dense runs", scape_recipe(W90), "within 1 %, each seed 2 %",
      "comm/2026-12-06_cpu_scape-fidelity-warmup-2core.json"),
+    ("the same against dense AdamS at β1 0.8 (`optim.betas 0.8,0.95` in both runs), seeds 1, 2, 1337",
+     scape_recipe(W90), "within 1 %, each seed 2 %", "comm/2026-12-06_cpu_scape-fidelity-warmup-beta08.json"),
     ("small preset, seed 1337, 2-core host: 90 %, `warmup 100` (the default)", scape_recipe(W90), "within 1 %",
      F_SCAPE_SMALL),
     ("small preset, the same: 99 %, `warmup 200`", scape_recipe("sharded-scape99@comm.scape.warmup=200"), "within 2 %",
