@@ -25,6 +25,19 @@ import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "torch.distributed", "leantrain", "interp_speed"]
 
+# what a rank prints when gloo's threads abort the process (a C++ std::terminate in torch's gloo
+# backend, seen rarely on a loaded host, also after a run that finished; not in leantrain's code)
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def once_more_on_gloo_abort(job):
+    """``job()`` (a ``subprocess.CompletedProcess`` of a multi-process run), and once more if it failed
+    by gloo's own abort; ``job`` must start afresh (e.g. into an empty directory)."""
+    r = job()
+    if r.returncode != 0 and GLOO_ABORT in r.stdout + r.stderr:
+        r = job()
+    return r
+
 
 def _context():
     if "forkserver" not in mp.get_all_start_methods():

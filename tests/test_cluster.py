@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_utils import once_more_on_gloo_abort
 from helpers import TINY_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,19 +24,12 @@ MODEL = ["--model.dim", "48", "--model.n-layers", "2", "--model.n-heads", "4", "
          "--data.tokenizer-vocab", TINY_OVERRIDES["data.tokenizer_vocab"]]
 
 
-# what a rank prints when gloo's threads abort the process (a C++ std::terminate in torch's gloo
-# backend, seen rarely on a loaded host, not in leantrain's code): such a run is tried once more
-GLOO_ABORT = "terminate called without an active exception"
-
-
 def _run(tmp_path, corpus, *extra, recipe="ddp-fp32", steps=3):
     out = tmp_path / f"{recipe}.json"
     cmd = [sys.executable, str(SCRIPT), "run", "--ranks-per-node", "2", "--steps", str(steps), "--recipe", recipe, *extra,
            "--out", str(out), "--", "--preset", "tiny", "--data", str(corpus), *MODEL]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and GLOO_ABORT in r.stdout + r.stderr:  # gloo's own abort in its threads: once more
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r = once_more_on_gloo_abort(lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300))
     return r, out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_utils import free_port
+from dist_utils import free_port, once_more_on_gloo_abort
 from helpers import TINY_OVERRIDES, tiny_config
 from leantrain import data as data_mod
 from leantrain.cli import main as cli_main
@@ -94,8 +95,13 @@ def env(tmp_path_factory, corpus) -> dict:
 def reference(tmp_path_factory, corpus, env) -> dict:
     """The final weights of an uninterrupted 2-rank run."""
     out = tmp_path_factory.mktemp("kill") / "reference"
-    r = subprocess.run(_torchrun("-m", "leantrain", *_train_args(out, corpus)), env=env, capture_output=True,
-                       text=True, timeout=JOB_TIMEOUT)
+
+    def job():
+        shutil.rmtree(out, ignore_errors=True)
+        return subprocess.run(_torchrun("-m", "leantrain", *_train_args(out, corpus)), env=env, capture_output=True,
+                              text=True, timeout=JOB_TIMEOUT)
+
+    r = once_more_on_gloo_abort(job)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert checkpoint.latest(out).name == f"step_{STEPS:07d}"
     return load_file(str(checkpoint.latest(out) / "model.safetensors"))
