@@ -508,6 +508,9 @@ MEM_8B_128K = memory_cell([("ChunkFT + FORGE, 128 chunks, inputs offloaded", "ch
                            ("torchtune's recipe", "torchtune_recipe"), ("torch bf16 + checkpointing", "torch_bf16_ckpt")],
                           "8b", 128256, 2048, 2)
 
+F_SCAPE_W, F_SCAPE_W2 = "comm/2026-12-06_cpu_scape-fidelity-warmup.json", "comm/2026-12-06_cpu_scape-fidelity-warmup-seeds6-8.json"
+W90 = "sharded-scape90@comm.scape.warmup=100"
+
 TABLES: dict[str, list[tuple]] = {
     "readme": [
         ("FORGE, one linear vs matmul + fused AdamW, T ≤ 2048, H200 (`fast_math`)", layer_small_fast, "≥ 1.5×", F_LAYER),
@@ -520,8 +523,7 @@ TABLES: dict[str, list[tuple]] = {
         ("SCAPE bytes vs dense sharded AdamS, 90 % sparse", bytes_vs("sharded-scape90x2", "sharded-adamsx2"),
          "≤ 0.1×", F_SCAPE),
         ("SCAPE 90 % (its default 100-step warm-up) val loss vs dense sharded AdamS, tiny, 300 steps, 2 gloo ranks",
-         scape_recipe_seeds("sharded-scape90@comm.scape.warmup=100", "comm/2026-12-06_cpu_scape-fidelity-warmup-seeds6-8.json"),
-         "within 1 %", "comm/2026-12-06_cpu_scape-fidelity-warmup.json"),
+         scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %", F_SCAPE_W),
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
@@ -711,10 +713,8 @@ TABLES["scape_beta1"] = [
     ("99 %, `comm.scape.beta1 0.8`, seeds 1, 2, 1337, the same host", scape_recipe("sharded-scape99@comm.scape.beta1=0.8"),
      "within 2 %", "comm/2026-12-06_cpu_scape99-fidelity-beta1.json"),
 ]
-F_SCAPE_W, F_SCAPE_W2 = "comm/2026-12-06_cpu_scape-fidelity-warmup.json", "comm/2026-12-06_cpu_scape-fidelity-warmup-seeds6-8.json"
 F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
                "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
-W90 = "sharded-scape90@comm.scape.warmup=100"
 F_SCAPE_SMALL = "comm/2026-12-06_cpu_scape-small-warmup.json"
 TABLES["scape_warmup"] = [
     ("90 %, no warm-up (`beta1 0.8`, the defaults before `warmup`)", scape_recipe("sharded-scape90"), "within 1 %",
