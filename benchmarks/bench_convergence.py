@@ -16,7 +16,9 @@ under ``torchrun`` (gloo on CPU, NCCL on CUDA) with the same *global* batch. Wri
 a ratio to the baseline), ``loss.png`` and ``summary.json`` into ``--out``.
 
 ``--scape-fidelity``: dense sharded AdamS, SCAPE at 90 % and at 99 % sparsity (or the recipes of
-``--scape-recipes``), each seed of ``--seeds`` (2 gloo ranks, the preset's global batch); writes
+``--scape-recipes``), each seed of ``--seeds`` (``--ranks`` gloo ranks, 2 by default, the preset's global
+batch; ``--ranks 1``: one process, on the GPU where there is one: the same masks, residual and catch-up
+over the whole bucket, without the sum over ranks, a fast screen of SCAPE's settings); writes
 one JSON (``--out``): per seed the final validation loss, the validation loss at each evaluation,
 its ratio to dense AdamS of the same seed and the bytes a step, and per recipe the mean over seeds.
 
@@ -121,7 +123,10 @@ def main(argv=None) -> int:
     p.add_argument("--dense-from", default="",
                    help="with --scape-fidelity: take the dense runs from this earlier --scape-fidelity JSON of the "
                         "same preset and steps (dense runs are bit-reproducible)")
-    p.add_argument("--jobs", type=int, default=1, help="with --scape-fidelity: runs at a time (2 processes each)")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="with --scape-fidelity: processes a run (gloo; 1: one process, the mask over the whole bucket "
+                        "and no byte on a wire, on the GPU if there is one)")
+    p.add_argument("--jobs", type=int, default=1, help="with --scape-fidelity: runs at a time")
     p.add_argument("--state-fidelity", action="store_true", help="FORGE per --state-dtypes over --seeds")
     p.add_argument("--state-dtypes", default="bf16,int8,fp8")
     p.add_argument("--forge-accum", action="store_true", help="FORGE k=4 accumulation vs one 4x batch, per accum_dtype")
@@ -167,10 +172,12 @@ def _recipe(name: str) -> dict:
 
 
 def scape_fidelity(args) -> int:
-    """Every recipe of ``--scape-recipes`` for every seed on 2 ranks, ``--jobs`` runs at a time; one JSON
-    at ``--out``, rewritten as runs finish (the runs done so far, their seeds compared where the dense
+    """Every recipe of ``--scape-recipes`` for every seed on ``--ranks`` ranks, ``--jobs`` runs at a time; one
+    JSON at ``--out``, rewritten as runs finish (the runs done so far, their seeds compared where the dense
     run of the seed is done)."""
-    nproc, seeds = 2, [int(x) for x in args.seeds.split(",")]
+    nproc, seeds = args.ranks, [int(x) for x in args.seeds.split(",")]
+    if nproc < 1:
+        raise SystemExit(f"--ranks must be >= 1, got {nproc}")
     out = Path(args.out)
     args.nproc, args.out = nproc, tempfile.mkdtemp(prefix="scape-fidelity-")  # (the runs' directories)
     recipes = [r for r in args.scape_recipes.split(",") if r]
@@ -180,8 +187,10 @@ def scape_fidelity(args) -> int:
     runs: dict[str, dict[int, dict]] = {name: {} for name in recipes}
     if args.dense_from:  # (dense runs are bit-reproducible on one host: an earlier file's stand for them)
         earlier = json.loads(Path(args.dense_from).read_text())
-        if f"--preset {args.preset} --steps {args.steps} " not in earlier["command"]:
-            raise SystemExit(f"--dense-from: {args.dense_from} is not of --preset {args.preset} --steps {args.steps}")
+        if f"--preset {args.preset} --steps {args.steps} " not in earlier["command"] \
+                or _ranks(earlier["command"]) != nproc:
+            raise SystemExit(f"--dense-from: {args.dense_from} is not of --preset {args.preset} --steps {args.steps} "
+                             f"--ranks {nproc}")
         have = earlier["recipes"]["sharded-adams"]["seeds"]
         missing = [s for s in seeds if str(s) not in have]
         if missing:
@@ -191,6 +200,7 @@ def scape_fidelity(args) -> int:
     command = ("PYTHONPATH=src python3 benchmarks/bench_convergence.py --scape-fidelity "
                f"--preset {args.preset} --steps {args.steps} --seeds {args.seeds} "
                f"--scape-recipes '{args.scape_recipes}'{''.join(f' --set {kv}' for kv in args.set)}"
+               f"{f' --ranks {nproc}' if nproc != 2 else ''}"
                f"{dense_from}{f' --jobs {args.jobs}' if args.jobs > 1 else ''} --out {out}")
 
     def one(name: str, seed: int) -> tuple[str, int, dict]:
@@ -220,9 +230,11 @@ def _write_fidelity(out: Path, args, recipes, configs, runs, command, final: boo
     """The fidelity JSON of the runs done so far: per recipe and seed, against the seed's dense run."""
     dense = runs["sharded-adams"]
     result = {"what": f"{', '.join(recipes[1:])} vs dense sharded AdamS, {args.preset} preset, "
-                      f"{args.steps} steps, {args.nproc} gloo ranks, seeds {args.seeds}"
+                      f"{args.steps} steps, {_procs(args.nproc)}, seeds {args.seeds}"
                       + ("" if final else " (partial: the runs done so far)"),
-              "command": command, "env": {"cpu": harness.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__},
+              "command": command, "env": {"cpu": harness.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+                                          **({"gpu": torch.cuda.get_device_name(0)} if args.nproc == 1 and
+                                             torch.cuda.is_available() else {})},
               "recipes": {}}
     for name in recipes:
         done = {seed: s for seed, s in sorted(runs[name].items()) if seed in dense}
@@ -232,7 +244,8 @@ def _write_fidelity(out: Path, args, recipes, configs, runs, command, final: boo
                            "val_loss_by_step": s.get("val_loss_by_step", {}),  # (absent in older files)
                            "val_vs_dense": s["val_loss"] / dense[seed]["val_loss"],
                            "comm_bytes_per_step": s["comm_bytes_per_step"],
-                           "bytes_vs_dense": s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]}
+                           "bytes_vs_dense": (s["comm_bytes_per_step"] / dense[seed]["comm_bytes_per_step"]
+                                              if dense[seed]["comm_bytes_per_step"] else None)}  # (1 process: none)
                for seed, s in done.items()}
         mean = sum(r["val_loss"] for r in per.values()) / len(per)
         dense_mean = sum(dense[seed]["val_loss"] for seed in done) / len(done)
@@ -242,6 +255,19 @@ def _write_fidelity(out: Path, args, recipes, configs, runs, command, final: boo
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _procs(n: int) -> str:
+    """How a fidelity file's runs ran: ``2 gloo ranks``, or one process (on the GPU, if the host has one)."""
+    if n > 1:
+        return f"{n} gloo ranks"
+    return "1 process on " + ("the GPU" if torch.cuda.is_available() else "the CPU")
+
+
+def _ranks(command: str) -> int:
+    """The ``--ranks`` of a fidelity file's command (2 where it names none)."""
+    m = re.search(r"--ranks (\d+)", command)
+    return int(m.group(1)) if m else 2
 
 
 def state_fidelity(args) -> int:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of leantrain in one run, on a machine where nothing can be installed:
 #   OUT=dir bash benchmarks/gpu.sh [quick] [SECTION ...]
-# SECTION is any of: tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale (default: all
-# of them, in that order; comm = sdp4bit giftcost scapecost, fsdp = fsdp1b fsdp8b; CONV_RECIPES and SPEED_CONFIGS narrow
-# convergence's recipes and speed's configurations); `quick` runs fewer sizes and shapes.
+# SECTION is any of: tests ops forge step accum agoq comm scapefidelity finetune lowmem convergence fsdp speed memory scale
+# (default: all of them, in that order; comm = sdp4bit giftcost scapecost, fsdp = fsdp1b fsdp8b; CONV_RECIPES and
+# SPEED_CONFIGS narrow convergence's recipes and speed's configurations); `quick` runs fewer sizes and shapes.
 #   OUT=dir BASE=dir bash benchmarks/gpu.sh verify   (the GPU tests of ops, forge, agoq, model, runtime
 #       (VERIFY_TESTS=0: none), then the 1b step through the trainer for this tree and for the tree under
 #       $BASE/src, in alternation: a change's correctness and its step time against a baseline in one run;
@@ -17,9 +17,9 @@ mkdir -p "$OUT"
 export LEANTRAIN_TEST_GPU=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 Q=""; [ "${1:-}" = quick ] && { Q="--quick"; shift; }
-SECTIONS=${*:-tests ops forge step accum agoq comm finetune lowmem convergence fsdp speed memory scale}
+SECTIONS=${*:-tests ops forge step accum agoq comm scapefidelity finetune lowmem convergence fsdp speed memory scale}
 for s in $SECTIONS; do
-  case $s in tests|ops|forge|step|accum|agoq|comm|sdp4bit|giftcost|scapecost|finetune|lowmem|convergence|fsdp|fsdp1b|fsdp8b|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
+  case $s in tests|ops|forge|step|accum|agoq|comm|sdp4bit|giftcost|scapecost|scapefidelity|finetune|lowmem|convergence|fsdp|fsdp1b|fsdp8b|speed|memory|scale|verify) ;; *) echo "gpu.sh: no section '$s'" >&2; exit 2;; esac
 done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 log() { echo "=== $(date +%T) $*"; }
@@ -95,6 +95,22 @@ sdp4bit() {
 scapecost() {
   log "scapecost: SCAPE's compute as rank 0 of 32, Llama-1.8B-sized"
   timeout 300 python3 benchmarks/bench_comm.py scape-cost --params 1.8e9 --world 32 --out "$OUT/comm" 2>&1 | tail -8
+}
+
+scapefidelity() {  # SCAPE_SEEDS narrows the seeds of the 300-step tiny runs
+  log "scapefidelity: SCAPE 90 % / 99 % against dense AdamS, one process on the GPU (tiny 300 and 1000 steps, small 300)"
+  local F="$OUT/comm/$(date +%F)_$(cd benchmarks && python3 -c 'import harness; print(harness.hardware())')"
+  local R='sharded-adams,sharded-scape90,sharded-scape99@comm.scape.warmup=200'
+  for p in tiny small; do  # (the first run of a preset makes its tokenizer: not in parallel)
+    python3 -m leantrain train --preset $p --steps 1 --train.eval-every 0 --train.ckpt-every 0 \
+      --train.sample-tokens 0 --train.progress false --out "$OUT/comm/warm-$p" > /dev/null 2>&1; rm -rf "$OUT/comm/warm-$p"
+  done
+  timeout 240 python3 benchmarks/bench_convergence.py --scape-fidelity --ranks 1 --jobs 9 --preset tiny --steps 300 \
+    --seeds "${SCAPE_SEEDS:-1337,1,2,3,4,5}" --scape-recipes "$R" --out "${F}_scape-fidelity-1proc.json" 2>&1 | tail -4
+  timeout 200 python3 benchmarks/bench_convergence.py --scape-fidelity --ranks 1 --jobs 9 --preset small --steps 300 \
+    --seeds 1337,1,2 --scape-recipes "$R" --out "${F}_scape-small-1proc.json" 2>&1 | tail -4
+  timeout 200 python3 benchmarks/bench_convergence.py --scape-fidelity --ranks 1 --jobs 9 --preset tiny --steps 1000 \
+    --seeds 1337,1,2 --scape-recipes "$R" --out "${F}_scape-1000steps-1proc.json" 2>&1 | tail -4
 }
 
 giftcost() {

@@ -89,3 +89,30 @@ def test_variants_run_in_parallel_jobs_and_are_compared_seed_by_seed(tmp_path, m
     assert v["seeds"]["2"]["val_vs_dense"] == pytest.approx(5.7 / 5.2) and "partial" not in r["what"]
     with pytest.raises(SystemExit, match="no recipe"):
         bc.main(["--scape-fidelity", "--scape-recipes", "sharded-adams,nope@x=1", "--out", str(out)])
+
+
+def test_one_process_runs_the_whole_batch_and_refuses_a_two_rank_yardstick(tmp_path, monkeypatch):
+    """``--ranks 1``: each run is one process with the preset's whole batch, sends nothing (no byte
+    ratio), says so in the file, and an earlier file of 2 ranks cannot stand in for its dense runs."""
+    bc = _load()
+    ran = []
+
+    def run(name, overrides, args, nproc=1):
+        ran.append((name, nproc, int(overrides["data.batch_size"])))
+        out = Path(args.out) / name
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": 5.0}) + "\n")
+        return {"val_loss": 5.0, "final_loss": 5.0, "comm_bytes_per_step": 0.0}
+
+    monkeypatch.setattr(bc, "run", run)
+    out = tmp_path / "r.json"
+    assert bc.main(["--scape-fidelity", "--ranks", "1", "--preset", "tiny", "--steps", "20", "--seeds", "1",
+                    "--scape-recipes", "sharded-adams,sharded-scape99", "--out", str(out)]) == 0
+    batch = bc._per_rank_batch(type("A", (), {"preset": "tiny", "set": [], "nproc": 1})(), "x")
+    assert sorted(ran) == [("sharded-adams_seed1", 1, batch), ("sharded-scape99_seed1", 1, batch)]
+    r = json.loads(out.read_text())
+    assert "1 process on the" in r["what"] and "--ranks 1" in r["command"]
+    assert r["recipes"]["sharded-scape99"]["seeds"]["1"]["bytes_vs_dense"] is None
+    with pytest.raises(SystemExit, match="--ranks 1"):
+        bc.main(["--scape-fidelity", "--ranks", "1", "--preset", "tiny", "--steps", "20", "--seeds", "1",
+                 "--dense-from", str(_earlier(tmp_path)), "--out", str(tmp_path / "r2.json")])
