@@ -322,8 +322,8 @@ def scape_recipe(name):
     def f(d):
         r = d["recipes"][name]
         seeds = ", ".join(pct(v["val_vs_dense"] - 1, 1) for v in r["seeds"].values())
-        nbytes = statistics.mean(v["bytes_vs_dense"] for v in r["seeds"].values())
-        return f"{pct(r['mean_vs_dense'] - 1)} ({seeds}); bytes {x(nbytes, 3)}"
+        nbytes = [v["bytes_vs_dense"] for v in r["seeds"].values() if v["bytes_vs_dense"] is not None]
+        return f"{pct(r['mean_vs_dense'] - 1)} ({seeds})" + (f"; bytes {x(statistics.mean(nbytes), 3)}" if nbytes else "")
     return f
 
 
@@ -334,9 +334,9 @@ def scape_recipe_seeds(name, *more):
         per = [v for doc in (d, *map(load, more)) for v in doc["recipes"][name]["seeds"].values()]
         ratios = [v["val_vs_dense"] for v in per]
         seeds = ", ".join(pct(r - 1, 1) for r in ratios)
-        nbytes = statistics.mean(v["bytes_vs_dense"] for v in per)
-        return (f"{pct(statistics.mean(ratios) - 1)} over {len(per)} seeds ({seeds}); worst {pct(max(ratios) - 1)}; "
-                f"bytes {x(nbytes, 3)}")
+        nbytes = [v["bytes_vs_dense"] for v in per if v["bytes_vs_dense"] is not None]  # (none in one process)
+        return (f"{pct(statistics.mean(ratios) - 1)} over {len(per)} seeds ({seeds}); worst {pct(max(ratios) - 1)}"
+                + (f"; bytes {x(statistics.mean(nbytes), 3)}" if nbytes else ""))
     f.more = more  # (the files whose commands the table lists too)
     return f
 
@@ -741,10 +741,44 @@ TABLES["scape_warmup"] = [
     ("small preset, the same: 99 %, `warmup 200`", scape_recipe("sharded-scape99@comm.scape.warmup=200"), "within 2 %",
      F_SCAPE_SMALL),
 ]
+G = "comm/2026-12-06_H100-80GB-HBM3_"
+S99, W200 = "sharded-scape99@comm.scape.warmup=200", "warmup 200"
+TABLES["scape_gpu"] = [
+    ("tiny, 300 steps, 6 seeds: 90 %, the defaults", scape_recipe("sharded-scape90"), "within 1 %, each seed 2 %",
+     G + "scape-fidelity-1proc.json"),
+    (f"the same: 99 %, `{W200}`", scape_recipe(S99), "within 2 %", G + "scape-fidelity-1proc.json"),
+    ("small, 300 steps, 3 seeds: 90 %, the defaults", scape_recipe("sharded-scape90"), "within 1 %, each seed 2 %",
+     G + "scape-small-1proc.json"),
+    (f"the same: 99 %, `{W200}`", scape_recipe(S99), "within 2 %", G + "scape-small-1proc.json"),
+    ("tiny, 1000 steps, 3 seeds: 90 %, the defaults", scape_recipe("sharded-scape90"), "", G + "scape-1000steps-1proc.json"),
+    (f"the same: 99 %, `{W200}`", scape_recipe(S99), "", G + "scape-1000steps-1proc.json"),
+    *[(f"the same, and `{v.replace('=', ' ').replace(';', '`, `')}`",
+       scape_recipe(S99 + "".join(f";comm.scape.{kv}" for kv in v.split(";"))), "", G + f)
+      for v, f in [("per_tensor=true", "scape99-1000steps-variants-1proc.json"),
+                   ("score=m", "scape99-1000steps-variants-1proc.json"),
+                   ("catch_up_mode=steps", "scape99-1000steps-variants-1proc.json"),
+                   ("catch_up=3", "scape99-1000steps-variants-b-1proc.json"),
+                   ("catch_up=5", "scape99-1000steps-variants-b-1proc.json"),
+                   ("catch_up=30", "scape99-1000steps-variants-1proc.json"),
+                   ("catch_up=100", "scape99-1000steps-variants-1proc.json"),
+                   ("beta1=0.9", "scape99-1000steps-variants-1proc.json"),
+                   ("beta1=0.7", "scape99-1000steps-variants-1proc.json"),
+                   ("beta1=0.65", "scape99-1000steps-variants-c-1proc.json"),
+                   ("beta1=0.6", "scape99-1000steps-variants-b-1proc.json"),
+                   ("beta1=0.5", "scape99-1000steps-variants-b-1proc.json"),
+                   ("beta1=0.3", "scape99-1000steps-variants-b-1proc.json"),
+                   ("beta1=0.5;catch_up=5", "scape99-1000steps-variants-b-1proc.json"),
+                   ("beta1=0.5;catch_up=30", "scape99-1000steps-variants-b-1proc.json")]],
+    *[(f"tiny, 300 steps, 6 seeds: 99 %, `warmup {w}`, `beta1 {b}`",
+       scape_recipe(f"sharded-scape99@comm.scape.warmup={w};comm.scape.beta1={b}"), "within 2 %",
+       G + "scape99-beta1-1proc.json") for w, b in [(200, 0.7), (200, 0.65), (200, 0.6), (150, 0.6), (100, 0.6)]],
+    *[(f"small, 300 steps, 3 seeds: 99 %, `{W200}`, `beta1 {b}`",
+       scape_recipe(f"{S99};comm.scape.beta1={b}"), "within 2 %", G + "scape99-small-beta1-1proc.json") for b in (0.7, 0.6)],
+]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
-         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape6", "scape_beta1", "scape_warmup", "scape300"], "docs/gift.md": ["gift"],
+         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape6", "scape_beta1", "scape_warmup", "scape_gpu", "scape300"], "docs/gift.md": ["gift"],
          "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/fsdp.md": ["fsdp"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
