@@ -774,6 +774,10 @@ TABLES["scape_gpu"] = [
        G + "scape99-beta1-1proc.json") for w, b in [(200, 0.7), (200, 0.65), (200, 0.6), (150, 0.6), (100, 0.6)]],
     *[(f"small, 300 steps, 3 seeds: 99 %, `{W200}`, `beta1 {b}`",
        scape_recipe(f"{S99};comm.scape.beta1={b}"), "within 2 %", G + "scape99-small-beta1-1proc.json") for b in (0.7, 0.6)],
+    ("small, 1000 steps, 3 seeds: 90 %, the defaults", scape_recipe("sharded-scape90"), "",
+     G + "scape-small-1000steps-1proc.json"),
+    *[(f"the same: 99 %, `{W200}`{b and f', `beta1 {b}`'}", scape_recipe(S99 + (b and f";comm.scape.beta1={b}")), "",
+       G + "scape-small-1000steps-1proc.json") for b in ("", "0.7", "0.6")],
 ]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
