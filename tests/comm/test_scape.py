@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -424,9 +426,17 @@ def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None,
-            c.warmup) == (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1,
-                          s.warmup)
+    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
+        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
+    assert c.warmup is None and {f.name: f.default for f in dataclasses.fields(SCAPE)}["warmup"] is None
+
+
+def test_the_default_warmup_is_100_steps_a_tenfold_fall_of_the_density():
+    assert [SCAPE(d).warmup for d in (1.0, 0.1, 0.05, 0.01, 0.001)] == [0, 100, 130, 200, 300]
+    assert SCAPE(0.01, warmup=50).warmup == 50 and SCAPE(0.01, warmup=0).warmup == 0
+    assert SCAPE(0.01).k(10_000, 100) == 1000 and SCAPE(0.01).k(10_000, 200) == 100  # 10 %, then 1 %
+    with pytest.raises(ValueError, match="warmup"):
+        SCAPE(0.1, warmup=-1)
 
 
 def test_without_error_feedback_nothing_is_kept_and_steps_stay_masked():

@@ -134,7 +134,7 @@ class ShardCompression(Technique):
             raise ConfigError(f"comm.scape.density must be in (0, 1], got {c.scape.density}")
         if c.method == "scape" and not 0 <= c.scape.beta1 < 1:
             raise ConfigError(f"comm.scape.beta1 must be in [0, 1) (0: the optimizer's), got {c.scape.beta1}")
-        if c.method == "scape" and c.scape.warmup < 0:
+        if c.method == "scape" and c.scape.warmup is not None and c.scape.warmup < 0:
             raise ConfigError(f"comm.scape.warmup must be >= 0 steps, got {c.scape.warmup}")
 
     def __init__(self, run: Run):

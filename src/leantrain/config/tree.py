@@ -272,8 +272,9 @@ class ScapeConfig:
     # the first moment's β1 on the masked updates (AdamS, AdamW); 0: the optimizer's. A coordinate is
     # updated once in ~1/density steps, so the optimizer's 0.9 averages over ten times the steps
     beta1: float = 0.8
-    # the density falls geometrically from 1 to `density` over the first steps (0: off)
-    warmup: int = 100
+    # the density falls geometrically from 1 to `density` over the first steps (0: off); None: 100 steps
+    # for each tenfold fall, 100 * log10(1 / density) (100 at 90 % sparsity, 200 at 99 %)
+    warmup: int | None = None
 
 
 @dataclass
