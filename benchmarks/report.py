@@ -715,7 +715,7 @@ TABLES["scape_beta1"] = [
 ]
 F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
                "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
-F_SCAPE_SMALL = "comm/2026-12-06_cpu_scape-small-warmup.json"
+F_SCAPE_SMALL, F_SCAPE_SMALL12 = "comm/2026-12-06_cpu_scape-small-warmup.json", "comm/2026-12-06_cpu_scape-small-warmup-seeds1-2.json"
 TABLES["scape_warmup"] = [
     ("90 %, no warm-up (`beta1 0.8`, the defaults before `warmup`)", scape_recipe("sharded-scape90"), "within 1 %",
      "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
@@ -736,10 +736,10 @@ TABLES["scape_warmup"] = [
      "comm/2026-12-06_cpu_scape-fidelity-warmup-2core.json"),
     ("the same against dense AdamS at β1 0.8 (`optim.betas 0.8,0.95` in both runs), seeds 1, 2, 1337",
      scape_recipe(W90), "within 1 %, each seed 2 %", "comm/2026-12-06_cpu_scape-fidelity-warmup-beta08.json"),
-    ("small preset, seed 1337, 2-core host: 90 %, `warmup 100` (the default)", scape_recipe(W90), "within 1 %",
-     F_SCAPE_SMALL),
-    ("small preset, the same: 99 %, `warmup 200`", scape_recipe("sharded-scape99@comm.scape.warmup=200"), "within 2 %",
-     F_SCAPE_SMALL),
+    ("small preset, seeds 1337, 1, 2, 2-core host: 90 %, `warmup 100` (the default)",
+     scape_recipe_seeds(W90, F_SCAPE_SMALL12), "within 1 %, each seed 2 %", F_SCAPE_SMALL),
+    ("small preset, the same: 99 %, `warmup 200` (the default at 99 %)",
+     scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
 ]
 G = "comm/2026-12-06_H100-80GB-HBM3_"
 S99, W200 = "sharded-scape99@comm.scape.warmup=200", "warmup 200"
