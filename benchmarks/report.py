@@ -510,6 +510,7 @@ MEM_8B_128K = memory_cell([("ChunkFT + FORGE, 128 chunks, inputs offloaded", "ch
 
 F_SCAPE_W, F_SCAPE_W2 = "comm/2026-12-06_cpu_scape-fidelity-warmup.json", "comm/2026-12-06_cpu_scape-fidelity-warmup-seeds6-8.json"
 W90 = "sharded-scape90@comm.scape.warmup=100"
+F_SCAPE_SMALL, F_SCAPE_SMALL12 = "comm/2026-12-06_cpu_scape-small-warmup.json", "comm/2026-12-06_cpu_scape-small-warmup-seeds1-2.json"
 
 TABLES: dict[str, list[tuple]] = {
     "readme": [
@@ -524,6 +525,8 @@ TABLES: dict[str, list[tuple]] = {
          "≤ 0.1×", F_SCAPE),
         ("SCAPE 90 % (its default 100-step warm-up) val loss vs dense sharded AdamS, tiny, 300 steps, 2 gloo ranks",
          scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %", F_SCAPE_W),
+        ("SCAPE 99 % (its default 200-step warm-up) val loss vs dense sharded AdamS, small, 300 steps, 2 gloo ranks",
+         scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
@@ -715,7 +718,6 @@ TABLES["scape_beta1"] = [
 ]
 F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
                "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
-F_SCAPE_SMALL, F_SCAPE_SMALL12 = "comm/2026-12-06_cpu_scape-small-warmup.json", "comm/2026-12-06_cpu_scape-small-warmup-seeds1-2.json"
 TABLES["scape_warmup"] = [
     ("90 %, no warm-up (`beta1 0.8`, the defaults before `warmup`)", scape_recipe("sharded-scape90"), "within 1 %",
      "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
