@@ -21,6 +21,14 @@ def _load():
     return mod
 
 
+def _stub_run(args, name, val, nbytes) -> dict:
+    """What a stubbed training run leaves: its metrics file (one evaluation at step 20) and its summary."""
+    out = Path(args.out) / name
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": val}) + "\n")
+    return {"val_loss": val, "final_loss": val - 0.1, "comm_bytes_per_step": nbytes}
+
+
 def _earlier(tmp_path, preset="tiny"):
     dense = {"val_loss": 5.0, "final_loss": 4.9, "comm_bytes_per_step": 1000.0}  # (no val_loss_by_step)
     path = tmp_path / "earlier.json"
@@ -36,10 +44,7 @@ def test_dense_from_an_older_file(tmp_path, monkeypatch):
 
     def run(name, overrides, args, nproc=1):
         ran.append((name, overrides["comm.scape.density"]))
-        out = Path(args.out) / name
-        out.mkdir(parents=True)
-        (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": 5.5}) + "\n")
-        return {"val_loss": 5.5, "final_loss": 5.4, "comm_bytes_per_step": 100.0}
+        return _stub_run(args, name, 5.5, 100.0)
 
     monkeypatch.setattr(bc, "run", run)
     out = tmp_path / "r.json"
@@ -69,12 +74,8 @@ def test_variants_run_in_parallel_jobs_and_are_compared_seed_by_seed(tmp_path, m
 
     def run(name, overrides, args, nproc=1):
         ran.append((name, overrides.get("comm.scape.catch_up"), overrides.get("comm.method")))
-        out = Path(args.out) / name
-        out.mkdir(parents=True)
-        seed = overrides["train.seed"]
-        val = 5.0 + seed / 10 + (0.5 if overrides.get("comm.scape.catch_up") == "30" else 0.0)
-        (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": val}) + "\n")
-        return {"val_loss": val, "final_loss": val, "comm_bytes_per_step": 100.0}
+        val = 5.0 + overrides["train.seed"] / 10 + (0.5 if overrides.get("comm.scape.catch_up") == "30" else 0.0)
+        return _stub_run(args, name, val, 100.0)
 
     monkeypatch.setattr(bc, "run", run)
     out = tmp_path / "r.json"
@@ -99,10 +100,7 @@ def test_one_process_runs_the_whole_batch_and_refuses_a_two_rank_yardstick(tmp_p
 
     def run(name, overrides, args, nproc=1):
         ran.append((name, nproc, int(overrides["data.batch_size"])))
-        out = Path(args.out) / name
-        out.mkdir(parents=True)
-        (out / "metrics.jsonl").write_text(json.dumps({"step": 20, "val_loss": 5.0}) + "\n")
-        return {"val_loss": 5.0, "final_loss": 5.0, "comm_bytes_per_step": 0.0}
+        return _stub_run(args, name, 5.0, 0.0)
 
     monkeypatch.setattr(bc, "run", run)
     out = tmp_path / "r.json"
