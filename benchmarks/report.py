@@ -316,14 +316,20 @@ def scape_hypothesis(key):
     return f
 
 
+def _scape_bytes(seeds) -> str:
+    """``; bytes 0.163×``: the mean of the seeds' bytes against dense's (nothing for one-process runs, which
+    send none)."""
+    nbytes = [v["bytes_vs_dense"] for v in seeds if v["bytes_vs_dense"] is not None]
+    return f"; bytes {x(statistics.mean(nbytes), 3)}" if nbytes else ""
+
+
 def scape_recipe(name):
     """bench_convergence --scape-fidelity: one recipe's mean validation loss against dense's (each seed's;
     the worst), and its bytes a step against dense's."""
     def f(d):
         r = d["recipes"][name]
         seeds = ", ".join(pct(v["val_vs_dense"] - 1, 1) for v in r["seeds"].values())
-        nbytes = [v["bytes_vs_dense"] for v in r["seeds"].values() if v["bytes_vs_dense"] is not None]
-        return f"{pct(r['mean_vs_dense'] - 1)} ({seeds})" + (f"; bytes {x(statistics.mean(nbytes), 3)}" if nbytes else "")
+        return f"{pct(r['mean_vs_dense'] - 1)} ({seeds})" + _scape_bytes(r["seeds"].values())
     return f
 
 
@@ -334,9 +340,8 @@ def scape_recipe_seeds(name, *more):
         per = [v for doc in (d, *map(load, more)) for v in doc["recipes"][name]["seeds"].values()]
         ratios = [v["val_vs_dense"] for v in per]
         seeds = ", ".join(pct(r - 1, 1) for r in ratios)
-        nbytes = [v["bytes_vs_dense"] for v in per if v["bytes_vs_dense"] is not None]  # (none in one process)
         return (f"{pct(statistics.mean(ratios) - 1)} over {len(per)} seeds ({seeds}); worst {pct(max(ratios) - 1)}"
-                + (f"; bytes {x(statistics.mean(nbytes), 3)}" if nbytes else ""))
+                + _scape_bytes(per))
     f.more = more  # (the files whose commands the table lists too)
     return f
 
