@@ -280,6 +280,8 @@ def test_bad_arguments():
         SCAPE(catch_up_mode="sqrt")
     with pytest.raises(ValueError, match="beta1"):
         SCAPE(beta1=1.0)
+    with pytest.raises(ValueError, match="error_feedback"):
+        SCAPE(score="residual", error_feedback=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -333,7 +335,8 @@ def _mlp():
     (0, "m", 1, True, "steps", None, 0), (4, "m", 1, True, "steps", None, 0), (0, "m_age", 1, True, "steps", None, 0),
     (10, "m_age", 3, True, "steps", None, 0), (10, "m_age", 1, False, "steps", None, 0),
     (10, "m_age", 1, False, "sign", None, 0), (10, "m_age", 1, False, "sign", 0.8, 0),
-    (10, "m_age", 1, False, "sign", 0.8, 6)])
+    (10, "m_age", 1, False, "sign", 0.8, 6), (10, "residual", 1, False, "sign", 0.8, 6),
+    (10, "residual", 1, True, "sign", 0.8, 0)])
 def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense, per_tensor, mode, beta1, warmup,
                                                           device="cpu"):
     """World 1 (no process group), one bucket: the optimizer's weights after 8 steps equal, bit for
@@ -398,7 +401,8 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
             w[mask], mom[mask] = p_new, st["exp_avg"]
             last[mask] = step
         ids = tensor_ids(b.offsets, [p.numel() for p in b.params], 0, S).to(device)
-        prio = relative(mom.abs(), ids) if per_tensor else mom.abs()
+        base = resid.abs() if score == "residual" else mom.abs()  # (residual: the gradient not yet sent)
+        prio = relative(base, ids) if per_tensor else base
         prio = prio * (step + 1 - last).float() if score == "m_age" else prio
         k = k_at(step + 1)
         n_ex = int(comp.explore * k)
@@ -426,8 +430,8 @@ def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
-        (s.density, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
+    assert (c.density, c.explore, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
+        (s.density, s.explore, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
     assert c.warmup is None and {f.name: f.default for f in dataclasses.fields(SCAPE)}["warmup"] is None
 
 

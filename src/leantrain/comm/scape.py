@@ -167,8 +167,10 @@ class SCAPE(NoCompression):
             raise ValueError(f"SCAPE: density must be in (0, 1], got {self.density}")
         if not 0.0 <= self.explore < 1.0:
             raise ValueError(f"SCAPE: explore must be in [0, 1), got {self.explore}")
-        if self.score not in ("m", "m_age"):
-            raise ValueError(f"SCAPE: score must be 'm' or 'm_age', got {self.score!r}")
+        if self.score not in ("m", "m_age", "residual"):
+            raise ValueError(f"SCAPE: score must be 'm', 'm_age' or 'residual', got {self.score!r}")
+        if self.score == "residual" and not self.error_feedback:
+            raise ValueError("SCAPE: score='residual' ranks the error-feedback residual; it needs error_feedback=True")
         if self.dense_steps < 1:
             raise ValueError(f"SCAPE: dense_steps must be >= 1 (the first step has no mask), got {self.dense_steps}")
         if self.warmup is None:
@@ -296,7 +298,10 @@ class SCAPE(NoCompression):
         m, step = state[self._moment], int(state["step"])
         S, world = m.numel(), topo.world
         k = self.k(S, step + 1)  # (the mask is used at the next step)
-        score = m.detach().float().abs()
+        if self.score == "residual":  # the gradient waiting in this rank's residual (its share of the sum's)
+            score = state["scape_residual"].view(world, S)[topo.rank].abs()
+        else:
+            score = m.detach().float().abs()
         if self.per_tensor and key in self._tensor_of:  # |m| relative to its tensor's mean |m| on the shard
             score.div_(self._tensor_mean(key, score))
         if self.score == "m_age":  # |m| times the steps since the last update: the gradient mass waiting

@@ -134,6 +134,8 @@ class ShardCompression(Technique):
             raise ConfigError(f"comm.scape.density must be in (0, 1], got {c.scape.density}")
         if c.method == "scape" and not 0 <= c.scape.beta1 < 1:
             raise ConfigError(f"comm.scape.beta1 must be in [0, 1) (0: the optimizer's), got {c.scape.beta1}")
+        if c.method == "scape" and not 0 <= c.scape.explore < 1:
+            raise ConfigError(f"comm.scape.explore must be in [0, 1), got {c.scape.explore}")
         if c.method == "scape" and c.scape.warmup is not None and c.scape.warmup < 0:
             raise ConfigError(f"comm.scape.warmup must be >= 0 steps, got {c.scape.warmup}")
 
@@ -145,9 +147,9 @@ class ShardCompression(Technique):
             run.compression = SDP4Bit(quantize_weights=weights)
         else:
             s = c.scape
-            run.compression = SCAPE(s.density, catch_up=s.catch_up, score=s.score, dense_steps=s.dense_steps,
-                                    per_tensor=s.per_tensor, catch_up_mode=s.catch_up_mode, beta1=s.beta1 or None,
-                                    warmup=s.warmup)
+            run.compression = SCAPE(s.density, explore=s.explore, catch_up=s.catch_up, score=s.score,
+                                    dense_steps=s.dense_steps, per_tensor=s.per_tensor, catch_up_mode=s.catch_up_mode,
+                                    beta1=s.beta1 or None, warmup=s.warmup)
 
     @classmethod
     def tag(cls, cfg: Config) -> str:

@@ -261,7 +261,10 @@ class ScapeConfig:
     """SCAPE (``--comm.method scape``): sparse gradient traffic from first-moment masks."""
 
     density: float = 0.1  # fraction of each shard's coordinates sent a step
-    score: Literal["m", "m_age"] = "m_age"  # mask by |m|, or |m| times the steps since the last update
+    # mask by |m|, by |m| times the steps since the last update, or by the owner's own error-feedback
+    # residual on its shard (the gradient it has accumulated and not yet sent)
+    score: Literal["m", "m_age", "residual"] = "m_age"
+    explore: float = 0.1  # share of the mask taken from a rotating window instead of the top scores
     dense_steps: int = 1  # the first steps are dense
     catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
     # steps: an update moves min(τ, catch_up) steps' distance; sign: that where the mean gradient
