@@ -9,7 +9,7 @@ geometrically from all of ``S``):
 1. **The mask.** After the owner of a shard has stepped it, it picks ``k`` coordinates of its
    shard: the largest scores (``|m|`` of the first moment ``exp_avg``, with ``per_tensor`` over
    the mean ``|m|`` of its parameter tensor on the shard, by default times the steps since the
-   coordinate was last updated), plus a rotating window of ``explore * k``
+   coordinate was last updated; ``score="residual"``: the owner's residual instead), plus a rotating window of ``explore * k``
    coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
    score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
    that is smaller) and used at the next step: the all-gather overlaps that step's forward and
@@ -122,7 +122,10 @@ class SCAPE(NoCompression):
     ``value_dtype``: dtype of the reduced gradient values (bf16 halves the bytes of fp32; the sum
     over ranks then runs in bf16 too).
     ``score``: ``"m"`` ranks coordinates by ``|m|``; ``"m_age"`` by ``|m|`` times the steps since
-    the coordinate's last update (an estimate of the gradient waiting in the ranks' residuals).
+    the coordinate's last update (an estimate of the gradient waiting in the ranks' residuals);
+    ``"residual"`` by the owner's own residual on its shard, that gradient itself as far as one rank
+    holds it (Deep Gradient Compression's top-k of the accumulated gradient; the sum over ranks is
+    unknown to the owner).
     ``catch_up``: an update ``τ`` steps after the previous one applies the rule to the mean
     gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
     update one step's move, however long the coordinate waited).
