@@ -335,14 +335,18 @@ def scape_recipe(name):
 
 def scape_recipe_seeds(name, *more):
     """:func:`scape_recipe` over the seeds of the row's file and of ``more`` files (each against its own
-    dense runs), the mean of the seeds' ratios: one recipe run in several sittings."""
+    dense runs), the mean of the seeds' ratios: one recipe run in several sittings. A ``more`` entry
+    ``(file, recipe)`` names the recipe as that file does (the same settings, spelt otherwise)."""
+    named = [m if isinstance(m, tuple) else (m, name) for m in more]
+
     def f(d):
-        per = [v for doc in (d, *map(load, more)) for v in doc["recipes"][name]["seeds"].values()]
+        docs = [(d, name)] + [(load(rel), n) for rel, n in named]
+        per = [v for doc, n in docs for v in doc["recipes"][n]["seeds"].values()]
         ratios = [v["val_vs_dense"] for v in per]
         seeds = ", ".join(pct(r - 1, 1) for r in ratios)
         return (f"{pct(statistics.mean(ratios) - 1)} over {len(per)} seeds ({seeds}); worst {pct(max(ratios) - 1)}"
                 + _scape_bytes(per))
-    f.more = more  # (the files whose commands the table lists too)
+    f.more = [rel for rel, _ in named]  # (the files whose commands the table lists too)
     return f
 
 
@@ -516,6 +520,10 @@ MEM_8B_128K = memory_cell([("ChunkFT + FORGE, 128 chunks, inputs offloaded", "ch
 F_SCAPE_W, F_SCAPE_W2 = "comm/2026-12-06_cpu_scape-fidelity-warmup.json", "comm/2026-12-06_cpu_scape-fidelity-warmup-seeds6-8.json"
 W90 = "sharded-scape90@comm.scape.warmup=100"
 F_SCAPE_SMALL, F_SCAPE_SMALL12 = "comm/2026-12-06_cpu_scape-small-warmup.json", "comm/2026-12-06_cpu_scape-small-warmup-seeds1-2.json"
+F_SCAPE99_2C = "comm/2026-12-06_cpu_scape99-default-2core.json"
+F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
+               "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
+SCAPE99_BOTH = scape_recipe_seeds("sharded-scape99", *[(rel, "sharded-scape99@comm.scape.warmup=200") for rel in F_SCAPE99_W[1:]])
 
 TABLES: dict[str, list[tuple]] = {
     "readme": [
@@ -532,6 +540,8 @@ TABLES: dict[str, list[tuple]] = {
          scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %", F_SCAPE_W),
         ("SCAPE 99 % (its default 200-step warm-up) val loss vs dense sharded AdamS, small, 300 steps, 2 gloo ranks",
          scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
+        ("SCAPE 99 % (the defaults) val loss vs dense sharded AdamS, tiny, 300 steps, 2 gloo ranks, two hosts",
+         SCAPE99_BOTH, "within 2 %", F_SCAPE99_2C),
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
@@ -721,8 +731,6 @@ TABLES["scape_beta1"] = [
     ("99 %, `comm.scape.beta1 0.8`, seeds 1, 2, 1337, the same host", scape_recipe("sharded-scape99@comm.scape.beta1=0.8"),
      "within 2 %", "comm/2026-12-06_cpu_scape99-fidelity-beta1.json"),
 ]
-F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
-               "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
 TABLES["scape_warmup"] = [
     ("90 %, no warm-up (`beta1 0.8`, the defaults before `warmup`)", scape_recipe("sharded-scape90"), "within 1 %",
      "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
@@ -747,6 +755,14 @@ TABLES["scape_warmup"] = [
      scape_recipe_seeds(W90, F_SCAPE_SMALL12), "within 1 %, each seed 2 %", F_SCAPE_SMALL),
     ("small preset, the same: 99 %, `warmup 200` (the default at 99 %)",
      scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
+    ("99 %, the defaults (`warmup 200`), 2-core host, against its dense runs", scape_recipe("sharded-scape99"),
+     "within 2 %", F_SCAPE99_2C),
+    ("the same, and `score residual`", scape_recipe("sharded-scape99@comm.scape.score=residual"), "within 2 %",
+     "comm/2026-12-06_cpu_scape99-residual-2core.json"),
+    *[(f"the same, and `{v.replace('=', ' ')}`", scape_recipe(f"sharded-scape99@comm.scape.{v}"), "within 2 %",
+       "comm/2026-12-06_cpu_scape99-screen-2core.json") for v in ("catch_up=20", "explore=0.3")],
+    ("99 %, the defaults, both hosts: the 2-core host's 6 seeds and the 16-core host's 6", SCAPE99_BOTH, "within 2 %",
+     F_SCAPE99_2C),
 ]
 G = "comm/2026-12-06_H100-80GB-HBM3_"
 S99, W200 = "sharded-scape99@comm.scape.warmup=200", "warmup 200"
