@@ -524,6 +524,8 @@ F_SCAPE99_2C = "comm/2026-12-06_cpu_scape99-default-2core.json"
 F_SCAPE99_W = ("comm/2026-12-06_cpu_scape99-fidelity-warmup.json", "comm/2026-12-06_cpu_scape99-fidelity-warmup-b.json",
                "comm/2026-12-06_cpu_scape99-fidelity-warmup-c.json")
 SCAPE99_BOTH = scape_recipe_seeds("sharded-scape99", *[(rel, "sharded-scape99@comm.scape.warmup=200") for rel in F_SCAPE99_W[1:]])
+F_SCAPE99_SCREEN, F_SCAPE99_CU20 = "comm/2026-12-06_cpu_scape99-screen-2core.json", "comm/2026-12-06_cpu_scape99-catchup20-16core.json"
+CU20 = "sharded-scape99@comm.scape.catch_up=20"
 
 TABLES: dict[str, list[tuple]] = {
     "readme": [
@@ -538,10 +540,10 @@ TABLES: dict[str, list[tuple]] = {
          "≤ 0.1×", F_SCAPE),
         ("SCAPE 90 % (its default 100-step warm-up) val loss vs dense sharded AdamS, tiny, 300 steps, 2 gloo ranks",
          scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %", F_SCAPE_W),
-        ("SCAPE 99 % (its default 200-step warm-up) val loss vs dense sharded AdamS, small, 300 steps, 2 gloo ranks",
+        ("SCAPE 99 % (200-step warm-up, catch-up cap 10) val loss vs dense sharded AdamS, small, 300 steps, 2 gloo ranks",
          scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
-        ("SCAPE 99 % (the defaults) val loss vs dense sharded AdamS, tiny, 300 steps, 2 gloo ranks, two hosts",
-         SCAPE99_BOTH, "within 2 %", F_SCAPE99_2C),
+        ("SCAPE 99 % (the defaults: 200-step warm-up, catch-up cap 20) val loss vs dense sharded AdamS, tiny, 300 steps, "
+         "2 gloo ranks, two hosts", scape_recipe_seeds(CU20, F_SCAPE99_CU20), "within 2 %", F_SCAPE99_SCREEN),
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
@@ -755,14 +757,18 @@ TABLES["scape_warmup"] = [
      scape_recipe_seeds(W90, F_SCAPE_SMALL12), "within 1 %, each seed 2 %", F_SCAPE_SMALL),
     ("small preset, the same: 99 %, `warmup 200` (the default at 99 %)",
      scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
-    ("99 %, the defaults (`warmup 200`), 2-core host, against its dense runs", scape_recipe("sharded-scape99"),
-     "within 2 %", F_SCAPE99_2C),
+    ("99 %, `warmup 200`, `catch_up 10` (the defaults before the scaled cap), 2-core host, against its dense runs",
+     scape_recipe("sharded-scape99"), "within 2 %", F_SCAPE99_2C),
     ("the same, and `score residual`", scape_recipe("sharded-scape99@comm.scape.score=residual"), "within 2 %",
      "comm/2026-12-06_cpu_scape99-residual-2core.json"),
-    *[(f"the same, and `{v.replace('=', ' ')}`", scape_recipe(f"sharded-scape99@comm.scape.{v}"), "within 2 %",
-       "comm/2026-12-06_cpu_scape99-screen-2core.json") for v in ("catch_up=20", "explore=0.3")],
-    ("99 %, the defaults, both hosts: the 2-core host's 6 seeds and the 16-core host's 6", SCAPE99_BOTH, "within 2 %",
+    ("the same, and `explore 0.3`", scape_recipe("sharded-scape99@comm.scape.explore=0.3"), "within 2 %",
+     F_SCAPE99_SCREEN),
+    ("the same, and `catch_up 20` (the default at 99 %)", scape_recipe(CU20), "within 2 %", F_SCAPE99_SCREEN),
+    ("99 %, `catch_up 20` (the defaults), 16-core host", scape_recipe(CU20), "within 2 %", F_SCAPE99_CU20),
+    ("99 %, `catch_up 10`, both hosts: the 2-core host's 6 seeds and the 16-core host's 6", SCAPE99_BOTH, "within 2 %",
      F_SCAPE99_2C),
+    ("99 %, `catch_up 20` (the defaults), both hosts: the 2-core host's 6 seeds and the 16-core host's 6",
+     scape_recipe_seeds(CU20, F_SCAPE99_CU20), "within 2 %", F_SCAPE99_SCREEN),
 ]
 G = "comm/2026-12-06_H100-80GB-HBM3_"
 S99, W200 = "sharded-scape99@comm.scape.warmup=200", "warmup 200"
@@ -801,6 +807,24 @@ TABLES["scape_gpu"] = [
      G + "scape-small-1000steps-1proc.json"),
     *[(f"the same: 99 %, `{W200}`{b and f', `beta1 {b}`'}", scape_recipe(S99 + (b and f";comm.scape.beta1={b}")), "",
        G + "scape-small-1000steps-1proc.json") for b in ("", "0.7", "0.6")],
+    *[(f"tiny, 300 steps, 6 seeds: 99 %, `{v.replace('=', ' ')}`", scape_recipe(f"sharded-scape99@comm.scape.{v}"),
+       "within 2 %", G + f) for v, f in [("score=residual", "scape99-screen-1proc.json"),
+                                         ("explore=0.3", "scape99-screen-1proc.json"),
+                                         ("catch_up=15", "scape99-catchup-1proc.json"),
+                                         ("catch_up=20", "scape99-screen-1proc.json"),
+                                         ("catch_up=30", "scape99-catchup-1proc.json")]],
+    ("tiny, 300 steps, seeds 6–11: 90 %, the defaults", scape_recipe("sharded-scape90"), "within 1 %, each seed 2 %",
+     G + "scape-fidelity-seeds6-11-1proc.json"),
+    ("the same: 99 %, `catch_up 10`", scape_recipe("sharded-scape99"), "within 2 %",
+     G + "scape-fidelity-seeds6-11-1proc.json"),
+    ("the same: 99 %, `catch_up 20`", scape_recipe(CU20), "within 2 %", G + "scape99-catchup20-tiny-seeds6-11-1proc.json"),
+    ("tiny, 300 steps, 12 seeds (1337, 1–11): 99 %, `catch_up 10`",
+     scape_recipe_seeds(S99, (G + "scape-fidelity-seeds6-11-1proc.json", "sharded-scape99")), "within 2 %",
+     G + "scape-fidelity-1proc.json"),
+    ("the same: 99 %, `catch_up 20` (the defaults)", scape_recipe_seeds(CU20, G + "scape99-catchup20-tiny-seeds6-11-1proc.json"),
+     "within 2 %", G + "scape99-screen-1proc.json"),
+    ("tiny, 1000 steps, 3 seeds: 99 %, `catch_up 20`", scape_recipe(CU20), "", G + "scape99-catchup20-tiny-1000steps-1proc.json"),
+    ("small, 300 steps, 3 seeds: 99 %, `catch_up 20`", scape_recipe(CU20), "within 2 %", G + "scape99-catchup20-small-1proc.json"),
 ]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 

@@ -430,13 +430,16 @@ def test_the_trainers_defaults_are_the_compressors():
     from leantrain.config import ScapeConfig
 
     c, s = ScapeConfig(), SCAPE()
-    assert (c.density, c.explore, c.score, c.catch_up, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
-        (s.density, s.explore, s.score, s.catch_up, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
-    assert c.warmup is None and {f.name: f.default for f in dataclasses.fields(SCAPE)}["warmup"] is None
+    assert (c.density, c.explore, c.score, c.dense_steps, c.per_tensor, c.catch_up_mode, c.beta1 or None) == \
+        (s.density, s.explore, s.score, s.dense_steps, s.per_tensor, s.catch_up_mode, s.beta1)
+    defaults = {f.name: f.default for f in dataclasses.fields(SCAPE)}
+    assert c.warmup is None and defaults["warmup"] is None and c.catch_up is None and defaults["catch_up"] is None
 
 
-def test_the_default_warmup_is_100_steps_a_tenfold_fall_of_the_density():
+def test_the_default_warmup_and_catch_up_grow_with_each_tenfold_fall_of_the_density():
     assert [SCAPE(d).warmup for d in (1.0, 0.1, 0.05, 0.01, 0.001)] == [0, 100, 130, 200, 300]
+    assert [SCAPE(d).catch_up for d in (1.0, 0.1, 0.05, 0.01, 0.001)] == [0, 10, 13, 20, 30]  # (10 a tenfold fall)
+    assert SCAPE(0.01, catch_up=10).catch_up == 10 and SCAPE(0.01, catch_up=0).catch_up == 0
     assert SCAPE(0.01, warmup=50).warmup == 50 and SCAPE(0.01, warmup=0).warmup == 0
     assert SCAPE(0.01).k(10_000, 100) == 1000 and SCAPE(0.01).k(10_000, 200) == 100  # 10 %, then 1 %
     with pytest.raises(ValueError, match="warmup"):
@@ -489,3 +492,16 @@ def test_per_tensor_scores_give_every_tensor_its_share_of_the_mask():
     fair, raw = _mask_shares(True), _mask_shares(False)
     assert all(0.3 < share < 3.0 for share in fair), fair
     assert min(raw) == 0.0, raw  # (the mechanism: without per-tensor scores some tensor gets nothing)
+
+
+@pytest.mark.parametrize("key,value,match", [("density", 0.0, "density"), ("beta1", 1.0, "beta1"),
+                                             ("explore", 1.0, "explore"), ("warmup", -1, "warmup"),
+                                             ("catch_up", -1, "catch_up")])
+def test_the_trainer_refuses_bad_settings_with_a_sentence(key, value, match):
+    from leantrain.comm.technique import ShardCompression
+    from leantrain.config import ConfigError, build
+
+    cfg = build("tiny", overrides={"dist.mode": "sharded", "optim.name": "adams", "comm.method": "scape",
+                                   f"comm.scape.{key}": value})
+    with pytest.raises(ConfigError, match=f"comm.scape.{match}"):
+        ShardCompression.check(cfg, device="cpu", world=2)

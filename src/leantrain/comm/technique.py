@@ -138,6 +138,8 @@ class ShardCompression(Technique):
             raise ConfigError(f"comm.scape.explore must be in [0, 1), got {c.scape.explore}")
         if c.method == "scape" and c.scape.warmup is not None and c.scape.warmup < 0:
             raise ConfigError(f"comm.scape.warmup must be >= 0 steps, got {c.scape.warmup}")
+        if c.method == "scape" and c.scape.catch_up is not None and c.scape.catch_up < 0:
+            raise ConfigError(f"comm.scape.catch_up must be >= 0 steps (0: off), got {c.scape.catch_up}")
 
     def __init__(self, run: Run):
         super().__init__(run)

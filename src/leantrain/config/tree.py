@@ -266,7 +266,9 @@ class ScapeConfig:
     score: Literal["m", "m_age", "residual"] = "m_age"
     explore: float = 0.1  # share of the mask taken from a rotating window instead of the top scores
     dense_steps: int = 1  # the first steps are dense
-    catch_up: int = 10  # an update stands for the steps since the last one, at most this many (0: off)
+    # an update stands for the steps since the last one, at most this many (0: off); None: 10 for each
+    # tenfold fall of the density, 10 * log10(1 / density) (10 at 90 % sparsity, 20 at 99 %)
+    catch_up: int | None = None
     # steps: an update moves min(τ, catch_up) steps' distance; sign: that where the mean gradient
     # agrees in sign with the first moment, its square root where it does not (noise random-walks)
     catch_up_mode: Literal["steps", "sign"] = "sign"
