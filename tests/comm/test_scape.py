@@ -422,8 +422,9 @@ def test_one_process_matches_a_reference_of_the_algorithm(catch_up, score, dense
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-def test_one_process_matches_the_reference_on_cuda():
-    test_one_process_matches_a_reference_of_the_algorithm(10, "m_age", 3, True, "sign", 0.8, 6, device="cuda")
+@pytest.mark.parametrize("score", ["m_age", "residual"])
+def test_one_process_matches_the_reference_on_cuda(score):
+    test_one_process_matches_a_reference_of_the_algorithm(10, score, 3, True, "sign", 0.8, 6, device="cuda")
 
 
 def test_the_trainers_defaults_are_the_compressors():
