@@ -9,8 +9,8 @@ geometrically from all of ``S``):
 1. **The mask.** After the owner of a shard has stepped it, it picks ``k`` coordinates of its
    shard: the largest scores (``|m|`` of the first moment ``exp_avg``, with ``per_tensor`` over
    the mean ``|m|`` of its parameter tensor on the shard, by default times the steps since the
-   coordinate was last updated; ``score="residual"``: the owner's residual instead), plus a rotating window of ``explore * k``
-   coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
+   coordinate was last updated; ``score="residual"``: the owner's residual instead), plus a
+   rotating window of ``explore * k`` coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
    score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
    that is smaller) and used at the next step: the all-gather overlaps that step's forward and
    backward, and every rank holds the same global mask. The first step, before any mask, is
@@ -136,8 +136,9 @@ class SCAPE(NoCompression):
     gradient ``Σg / τ`` and moves ``τ`` times as far, ``τ`` capped at ``catch_up`` (0: off, each
     update one step's move, however long the coordinate waited). None (the default): 10 steps for each
     tenfold fall of the density, ``10 * log10(1 / density)`` (10 at 90 %, 20 at 99 %): a coordinate
-    waits about ``1 / density`` steps, and at 99 % a cap of 20 ended closer to dense AdamS than 10, 15
-    or 30 in six of six paired comparisons on the tiny and small presets (``docs/scape.md``).
+    waits about ``1 / density`` steps, and at 99 % a cap of 20 ended closer to dense AdamS than 10 in
+    six of six paired comparisons on the tiny and small presets, and than 30 after 1000 steps
+    (``docs/scape.md``).
     ``catch_up_mode``: ``"steps"`` moves ``min(τ, catch_up)`` times; ``"sign"`` (default) does so
     where the mean gradient agrees in sign with the first moment and moves ``sqrt(min(τ, catch_up))``
     times where it does not (noise; the move of a random walk over ``τ`` steps).
