@@ -10,8 +10,8 @@ geometrically from all of ``S``):
    shard: the largest scores (``|m|`` of the first moment ``exp_avg``, with ``per_tensor`` over
    the mean ``|m|`` of its parameter tensor on the shard, by default times the steps since the
    coordinate was last updated; ``score="residual"``: the owner's residual instead), plus a
-   rotating window of ``explore * k`` coordinates (so every coordinate is visited every ``S / (explore * k)`` steps whatever its
-   score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
+   rotating window of ``explore * k`` coordinates (so every coordinate is visited every
+   ``S / (explore * k)`` steps whatever its score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
    that is smaller) and used at the next step: the all-gather overlaps that step's forward and
    backward, and every rank holds the same global mask. The first step, before any mask, is
    dense.
