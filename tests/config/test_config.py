@@ -106,3 +106,20 @@ def test_gift_transform_dtype_and_min_gain_fields():
     cfg.comm.gift.min_gain = -1.0
     with pytest.raises(ConfigError):
         Gift.check(cfg, device=torch.device("cpu"), world=2)
+
+
+def test_techniques_check_and_build_in_the_builtin_order_whatever_was_imported_first():
+    """A technique module imported first (a test, a user's script) registers first; the checks and the
+    build still run in ``BUILTIN``'s order, so a run's first refusal does not depend on import order."""
+    import subprocess
+    import sys
+
+    code = ("import leantrain.comm.technique\n"  # (registers GIFT before FSDP)
+            "from leantrain import config\nfrom leantrain.train import techniques as T\n"
+            "cfg = config.build('tiny', overrides={'dist.mode': 'fsdp', 'comm.method': 'gift'})\n"
+            "print(' '.join(c.__module__ for c in T.wanted(cfg)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    from leantrain.train.techniques import BUILTIN
+
+    assert out == sorted(out, key=BUILTIN.index) and out.index("leantrain.parallel.fsdp") < out.index(
+        "leantrain.comm.technique"), out

@@ -26,9 +26,12 @@ def load_builtin() -> None:
 
 
 def wanted(cfg: Config) -> list[type[Technique]]:
-    """The registered techniques ``cfg`` asks for, in registration order."""
+    """The registered techniques ``cfg`` asks for: the built-in ones in ``BUILTIN``'s order, whatever
+    order their modules were first imported in, then the others in registration order."""
     load_builtin()
-    return [cls for cls in registered().values() if cls.wanted(cfg)]
+    rank = {name: i for i, name in enumerate(BUILTIN)}
+    ordered = sorted(registered().values(), key=lambda cls: rank.get(cls.__module__, len(BUILTIN)))  # (stable)
+    return [cls for cls in ordered if cls.wanted(cfg)]
 
 
 def check(classes: list[type[Technique]], cfg: Config, *, device, world: int) -> None:
