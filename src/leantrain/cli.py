@@ -284,14 +284,16 @@ def cmd_finetune(args, rest) -> int:
     return 0
 
 
-def _close_process_group(ok: bool) -> None:
-    """Shut the process group down before the interpreter exits: after a command that succeeded,
-    every rank first waits for the others (a rank that exits while another still runs its last
-    collectives and writes the summary can abort in the process group's threads at exit)."""
+def _close_process_group(together: bool) -> None:
+    """Shut the process group down before the interpreter exits. When every rank ended the same
+    way (the command succeeded, or all stopped at one step on a signal), each first waits for the
+    others: a rank that exits while another still runs its last collectives can abort it in the
+    process group's threads, and torchrun ends the whole job when the first rank exits with an
+    error, which would cut rank 0's summary, plot and closing line short."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        if ok:
+        if together:
             dist.barrier()
         dist.destroy_process_group()
 
@@ -351,11 +353,11 @@ COMMANDS = {"train": cmd_train, "compare": cmd_compare, "finetune": cmd_finetune
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    ok = False
+    ok = together = False
     try:
         if args.command in ("eval", "generate", "export") and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)}; see leantrain {args.command} --help")
-        ok = COMMANDS[args.command](args, rest) == 0
+        ok = together = COMMANDS[args.command](args, rest) == 0
         return 0 if ok else 1
     except (ConfigError, CheckpointError) as e:
         print(f"leantrain: error: {e}", file=sys.stderr)
@@ -374,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
 
             if collectives.rank() == 0:  # (every rank stops; one says so)
                 print(f"leantrain: {e}", file=sys.stderr)
+            together = True
             return 130
         raise
     finally:
-        _close_process_group(ok)
+        _close_process_group(together)
 
 
 if __name__ == "__main__":

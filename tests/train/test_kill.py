@@ -7,8 +7,8 @@ What each signal does to a 2-rank job (what the tests assert):
 
 - SIGINT or SIGTERM to one rank: that rank finishes its step; the all-reduce after each step
   (``StopSignals.requested``) tells the other rank, so both stop after the same step, both write
-  its checkpoint, rank 0 the summary and the plot, and each exits with 130 and the one line
-  saying how to resume. torchrun then reports the job failed (exit 1, with its own
+  its checkpoint, rank 0 the summary and the plot (the other rank waits for it: the test slows
+  rank 0's plot down), and each exits with 130 and the one line saying how to resume. torchrun then reports the job failed (exit 1, with its own
   ChildFailedError traceback: torchrun's, not a rank's).
 - SIGINT to torchrun (Ctrl-C in its terminal; the ranks run in sessions of their own, so only
   torchrun gets it): torchrun sends SIGINT to each rank, which stop as above; torchrun ends with
@@ -63,6 +63,25 @@ def slow_write(tensors, path):
         time.sleep(600)
 
 checkpoint._save_tensors = slow_write
+sys.exit(main())
+"""
+
+# a slow loss plot on rank 0: a script torchrun runs in place of ``-m leantrain``. Rank 0 writes the
+# summary and the plot after the other rank has nothing left to do; the other rank must wait for it,
+# or torchrun, which ends the job as soon as one rank exits with an error, cuts rank 0 short
+SLOW_PLOT = """
+import os, sys, time
+from leantrain.cli import main
+from leantrain.train import trainer
+
+plot = trainer.plot_losses
+
+def slow_plot(*args, **kwargs):
+    time.sleep(3)
+    return plot(*args, **kwargs)
+
+if int(os.environ["RANK"]) == 0:
+    trainer.plot_losses = slow_plot
 sys.exit(main())
 """
 
@@ -202,7 +221,9 @@ def _resume_and_compare(out: Path, corpus: Path, env: dict, reference: dict, fro
 def test_a_signal_to_one_rank_then_resume_is_bit_identical(tmp_path, corpus, env, reference, jobs, sig, victim):
     rows = random.Random(int(sig)).randint(3, STEPS - 8)  # (the rows logged when the signal is sent)
     out = tmp_path / "run"
-    job = Job(_torchrun("-m", "leantrain", *_train_args(out, corpus)), env, tmp_path / "job.log")
+    script = tmp_path / "slow_plot.py"
+    script.write_text(SLOW_PLOT)
+    job = Job(_torchrun(str(script), *_train_args(out, corpus)), env, tmp_path / "job.log")
     jobs.append(job)
     job.wait_for(lambda: _rows(out) >= rows, f"{rows} metrics rows")
     workers = job.workers()
