@@ -191,6 +191,14 @@ scale() {
   A="--preset small --steps 30 --forge --agoq --train.eval-every 10 --train.log-every 5"
   timeout 300 torchrun --standalone --nproc-per-node 2 -m leantrain train $A --data.batch-size 8 --out "$OUT/scale/two" 2>&1 | tail -4
   timeout 300 python3 -m leantrain train $A --data.batch-size 16 --out "$OUT/scale/one" 2>&1 | tail -4
+  log "scale: the cluster benchmark's grid over NCCL on $NGPU GPUs, 1b (cluster.py sweep --local)"
+  python3 -m leantrain train --preset 1b --steps 1 --data.batch-size 1 --data.max-corpus-mb 6 --train.eval-every 0 \
+    --train.ckpt-every 0 --train.sample-tokens 0 --train.progress false --out "$OUT/comm-cluster/warm" > /dev/null 2>&1
+  rm -rf "$OUT/comm-cluster/warm"  # (the tokenizer made once, before the ranks read it side by side)
+  # (SIGINT: the sweep then ends its runs' process groups; a partial JSON still goes through `cluster.py report`)
+  timeout -s INT 540 python3 benchmarks/cluster/cluster.py sweep --local --ranks-per-node "$NGPU" --steps 8 \
+    --allow-busy --busy-wait 0 --out "$OUT/comm-cluster" -- --preset 1b --data.batch-size 4 --data.max-corpus-mb 6 \
+    2>&1 | tail -14
 }
 
 {

@@ -52,6 +52,34 @@ def test_local_run_writes_a_point(corpus, tmp_path):
 
 
 @pytest.mark.distributed
+def test_local_sweep_writes_the_table_of_speedups_over_each_reference(corpus, tmp_path):
+    """``sweep --local`` (the grid a machine of several GPUs runs over NCCL) on 2 gloo ranks: one
+    point a recipe, its speedup over its reference in the table, and no link share (nothing shaped)."""
+    cmd = [sys.executable, str(SCRIPT), "sweep", "--local", "--ranks-per-node", "2", "--steps", "3",
+           "--recipes", "ddp-fp32,ddp-int8", "--allow-busy", "--busy-wait", "0", "--out", str(tmp_path),
+           "--", "--preset", "tiny", "--data", str(corpus), *MODEL]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = once_more_on_gloo_abort(lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (path,) = tmp_path.glob("*-local.json")
+    doc = json.loads(path.read_text())
+    assert doc["local"] and doc["backend"] == "gloo" and doc["nodes"] == 1
+    fp32, int8 = doc["points"]
+    for p in (fp32, int8):
+        _check_point(p, world=2)
+    assert (fp32["recipe"], int8["recipe"]) == ("ddp-fp32", "ddp-int8")
+    assert int8["ledger_bytes_per_step"] < 0.6 * fp32["ledger_bytes_per_step"]  # (int8 and its scales vs fp32)
+    table = path.with_suffix(".md").read_text()
+    assert "2 ranks under one plain torchrun (gloo" in table
+    speedup = f"{fp32['step_time_s'] / int8['step_time_s']:.2f}"
+    row = next(line for line in table.splitlines() if line.startswith("| unshaped | ddp-int8 |"))
+    assert speedup in row and "| – |" in row  # (no wire counters, no link share)
+    bad = subprocess.run([*cmd[:cmd.index("--recipes") + 1], "ddp-int8", *cmd[cmd.index("--recipes") + 2:]],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "lacks the references ['ddp-fp32']" in bad.stderr
+
+
+@pytest.mark.distributed
 def test_local_run_through_phases_pairs_each_rate_with_the_unlimited_link(corpus, tmp_path):
     """A run through phases (``--rates``): one point per rate and the pooled unshaped one; each rate's
     point carries the mean of the two reference phases around it. ``--local`` never shapes the link,

@@ -8,6 +8,9 @@
     python benchmarks/cluster/cluster.py run --local --ranks-per-node 2 --recipe ddp-fp32 --out /tmp/p.json -- ...
     # the whole grid -> benchmarks/results/comm-cluster/<date>_cpu-netns.{json,md,png}
     python benchmarks/cluster/cluster.py sweep
+    # the grid on this host's own links, no shaping (NCCL on a machine of several GPUs, gloo otherwise)
+    #   -> benchmarks/results/comm-cluster/<date>_<hardware>-local.{json,md}
+    python benchmarks/cluster/cluster.py sweep --local --ranks-per-node 8 -- --preset 1b --data.batch-size 4
     # the table and plot again from a sweep's JSON; the cost model's fit and projection
     python benchmarks/cluster/cluster.py report benchmarks/results/comm-cluster/<date>_cpu-netns.json
     python benchmarks/cluster/cluster.py project benchmarks/results/comm-cluster/<date>_cpu-netns.json
@@ -83,6 +86,7 @@ SWEEP_TRAIN = ["--preset", "small", "--data.batch-size", "2", "--data.seq-len", 
 SWEEP_RATES = ["1gbit", "300mbit", "100mbit", "30mbit"]
 SWEEP_STEPS = 8  # a run at one rate (`run` without --rates)
 PHASE_STEPS = 4  # steps a phase of a scheduled run: the first settles after the link changes, 3 are timed
+HARDWARE = "cpu-netns"  # the namespace sweep's result name
 # the sweep measures a recipe again when the two unlimited-link phases around a rate differ by more
 # than MAX_DRIFT, or when other work took more than MAX_OTHER_CORES of the host's cores in a phase
 MAX_DRIFT = 0.05
@@ -304,8 +308,11 @@ def cmd_run(a, user: list[str]) -> int:
 def environment() -> dict:
     import torch
 
-    return {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
+    env = {"date": datetime.date.today().isoformat(), "host": platform.node(), "cpus": os.cpu_count(),
+           "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():  # (the trainer's ranks then run on the GPUs, over NCCL)
+        env.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count())
+    return env
 
 
 def _worst(points: list[dict]) -> tuple[float, float]:
@@ -319,6 +326,8 @@ def cmd_sweep(a, user: list[str]) -> int:
     """Per recipe, one run through the phases of ``phases.schedule(rates)``; a run whose reference
     phases drifted apart or that shared the host is measured again (``--repeats``), the run with the
     smallest drift kept and the others under ``replaced_points``."""
+    if a.local:
+        return _sweep_local(a, user)
     recipes = a.recipes.split(",") if a.recipes else list(RECIPES)
     rates = a.rates.split(",")
     out_dir = Path(a.out)
@@ -367,6 +376,49 @@ def cmd_sweep(a, user: list[str]) -> int:
     from report import write_report
 
     write_report(path)
+    return 0
+
+
+def _sweep_local(a, user: list[str]) -> int:
+    """``sweep --local``: every recipe in one plain torchrun on this host, its links as they are (NVLink
+    and NCCL on a machine of several GPUs; loopback and gloo otherwise), ``--steps`` steps each: step
+    time, the ledger's bytes, validation loss, and each recipe's speedup over its uncompressed
+    reference on those links. No namespaces, so no root, no shaping and no interface counters."""
+    import torch
+
+    sys.path.append(str(HERE.parent))  # (after this folder: its report.py, not the benchmarks' one)
+    import harness
+
+    recipes = a.recipes.split(",") if a.recipes else list(RECIPES)
+    missing = sorted({REFERENCE[r] for r in recipes if r in REFERENCE} - set(recipes))
+    if missing:
+        raise SystemExit(f"cluster: --recipes lacks the references {missing} the speedups are taken against")
+    hardware = a.hardware if a.hardware != HARDWARE else f"{harness.hardware()}-local"
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{datetime.date.today().isoformat()}_{hardware}.json"
+    train = user or SWEEP_TRAIN  # (the namespace sweep's model unless the command names one)
+    doc = {"command": _portable(shlex.join(["python", *sys.argv])), "environment": environment(), "local": True,
+           "backend": "nccl" if torch.cuda.is_available() else "gloo", "nice": 0, "nodes": 1,
+           "ranks_per_node": a.ranks_per_node, "steps": a.steps, "train_args": train,
+           "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}
+    t0 = time.time()
+    for r in recipes:
+        busy = wait_until_idle(a.max_other_cores, a.busy_wait)
+        if busy > a.max_other_cores and not a.allow_busy:
+            print(f"cluster: other work keeps {busy:.2f} cores of this host busy (limit {a.max_other_cores}); "
+                  "the sweep stops here", file=sys.stderr)
+            return 3
+        p = launch(recipe=r, steps=a.steps, user_args=train, nodes=1, ranks_per_node=a.ranks_per_node, rate=None,
+                   cluster=None, workdir=Path(tempfile.mkdtemp(prefix="ltcluster-")), timeout=a.timeout)
+        doc["points"].append(p)
+        print(f"[{time.time() - t0:6.0f} s] {r:<16} {p['step_time_s']:.4f} s a step  "
+              f"ledger {p['ledger_bytes_per_step'] / 1e6:.2f} MB  val {p['val_loss']:.4f}", flush=True)
+        path.write_text(json.dumps(doc, indent=1))
+    from report import write_report
+
+    for f in write_report(path):
+        print(f)
     return 0
 
 
@@ -450,7 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--allow-busy", action="store_true", help="run even when other work keeps the host busy")
     sw.add_argument("--recipes", default=None, help="comma list (default: all)")
     sw.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
-    sw.add_argument("--hardware", default="cpu-netns")
+    sw.add_argument("--hardware", default=HARDWARE,
+                    help=f"the result's name after the date (default: {HARDWARE}; with --local the GPU or cpu, "
+                         "and -local)")
+    sw.add_argument("--local", action="store_true",
+                    help="plain torchrun on this host, its links unshaped (NCCL on GPUs): --steps steps a recipe, "
+                         "--ranks-per-node ranks; no root needed")
     sw.add_argument("--resume", action="store_true", help="keep the recipes of today's JSON, run the rest")
     p = sub.add_parser("report")
     p.add_argument("json")
@@ -474,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=-10,
                    help="the ranks' niceness (negative: ahead of other work on the host, for steadier timings)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/comm-cluster"))
-    p.add_argument("--hardware", default="cpu-netns")
+    p.add_argument("--hardware", default=HARDWARE)
     p = sub.add_parser("clean", help="remove namespaces, veths and the bridge a crashed run left")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)

@@ -28,7 +28,9 @@ def derive(doc: dict) -> list[dict]:
         base = by.get((p["recipe"], "unshaped"))
         q = dict(p)
         q["speedup"] = ref["step_time_s"] / p["step_time_s"] if ref else None
-        q["comm_share"] = (p["step_time_s"] - base["step_time_s"]) / p["step_time_s"] if base else None
+        # (a local sweep's links are never shaped: nothing to take the link's share from)
+        q["comm_share"] = (p["step_time_s"] - base["step_time_s"]) / p["step_time_s"] \
+            if base and not doc.get("local") else None
         q["val_gap"] = (p["val_loss"] / ref["val_loss"] - 1) if ref and ref["val_loss"] else None
         tx = p.get("wire_tx_bytes_per_step")
         q["wire_max"] = max(tx) if tx else None
@@ -45,19 +47,29 @@ def table(doc: dict) -> str:
     recipes = list(doc["recipes"])
     rates = sorted({(p["rate_bps"] or float("inf"), p["rate"]) for p in rows}, reverse=True)
     env = doc["environment"]
+    if doc.get("local"):
+        where = (f"{env['gpus']} x {env['gpu']}" if doc["backend"] == "nccl" else f"{env['cpus']} CPU cores")
+        head = [f"# Communication techniques on one host's own links, {doc['backend']} ({env['date']})", "",
+                f"{doc['ranks_per_node']} ranks under one plain torchrun ({doc['backend']}, the links as they are: "
+                f"nothing shaped, no interface counters), {where}, torch {env['torch']}."]
+    else:
+        head = [f"# Communication techniques on a shaped cluster of namespaces ({env['date']})", "",
+                f"{doc['nodes']} nodes x {doc['ranks_per_node']} ranks (gloo; one network namespace a node, links "
+                f"shaped by tbf, ranks of a node on its loopback), {env['cpus']} CPU cores, torch {env['torch']}, "
+                f"kernel {env['kernel']}."]
     lines = [
-        f"# Communication techniques on a shaped cluster of namespaces ({env['date']})",
-        "",
-        f"{doc['nodes']} nodes x {doc['ranks_per_node']} ranks (gloo; one network namespace a node, links shaped by "
-        f"tbf, ranks of a node on its loopback), {env['cpus']} CPU cores, torch {env['torch']}, kernel "
-        f"{env['kernel']}. Model: `{' '.join(doc['train_args'])}`, {doc['steps']} steps (unless a row says "
+        *head[:-1],
+        head[-1] + f" Model: `{' '.join(doc['train_args'])}`, {doc['steps']} steps (unless a row says "
         "otherwise), the first not timed.",
         "",
         "Commands: " + ", ".join(f"`{c}`" for c in doc.get("commands", [doc["command"]])),
         "",
         "step: median step time of the timed steps. ledger: bytes one rank sends a step (rank 0's "
-        "communication ledger, all steps). wire: bytes the busiest node's veth sent a step (steps 3..last, "
-        "TCP/IP headers included). comm share: (step - step unshaped) / step. speedup: the uncompressed run "
+        "communication ledger, all steps). "
+        + ("wire and comm share: not measured (no interface of its own, no shaped rate to compare). " if doc.get("local")
+           else "wire: bytes the busiest node's veth sent a step (steps 3..last, TCP/IP headers included). comm "
+                "share: (step - step unshaped) / step. ")
+        + "speedup: the uncompressed run "
         "of the same mode and optimizer over this one, at the same rate. val: validation loss after the "
         "last step; gap: against that reference. load: the host's 1-minute load average when the run ended (the "
         "host is shared: other work's CPU demand changes the compute part of a step by tens of percent between "
