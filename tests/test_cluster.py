@@ -42,21 +42,12 @@ def _check_point(p, world, steps=3):
 
 
 @pytest.mark.distributed
-def test_local_run_writes_a_point(corpus, tmp_path):
-    r, out = _run(tmp_path, corpus, "--local", recipe="sharded-sdp4bit")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    p = json.loads(out.read_text())
-    _check_point(p, world=2)
-    assert p["recipe"] == "sharded-sdp4bit" and p["rate"] == "unshaped"
-    assert "wire_tx_bytes_per_step" not in p  # (loopback carries every process's traffic: no counters)
-
-
-@pytest.mark.distributed
 def test_local_sweep_writes_the_table_of_speedups_over_each_reference(corpus, tmp_path):
     """``sweep --local`` (the grid a machine of several GPUs runs over NCCL) on 2 gloo ranks: one
-    point a recipe, its speedup over its reference in the table, and no link share (nothing shaped)."""
+    point a recipe, its speedup over its reference in the table, and no wire counters or link share
+    (loopback carries every process's traffic, and nothing is shaped)."""
     cmd = [sys.executable, str(SCRIPT), "sweep", "--local", "--ranks-per-node", "2", "--steps", "3",
-           "--recipes", "ddp-fp32,ddp-int8", "--allow-busy", "--busy-wait", "0", "--out", str(tmp_path),
+           "--recipes", "sharded,sharded-sdp4bit", "--allow-busy", "--busy-wait", "0", "--out", str(tmp_path),
            "--", "--preset", "tiny", "--data", str(corpus), *MODEL]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     r = once_more_on_gloo_abort(lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300))
@@ -64,19 +55,21 @@ def test_local_sweep_writes_the_table_of_speedups_over_each_reference(corpus, tm
     (path,) = tmp_path.glob("*-local.json")
     doc = json.loads(path.read_text())
     assert doc["local"] and doc["backend"] == "gloo" and doc["nodes"] == 1
-    fp32, int8 = doc["points"]
-    for p in (fp32, int8):
+    ref, q = doc["points"]
+    for p in (ref, q):
         _check_point(p, world=2)
-    assert (fp32["recipe"], int8["recipe"]) == ("ddp-fp32", "ddp-int8")
-    assert int8["ledger_bytes_per_step"] < 0.6 * fp32["ledger_bytes_per_step"]  # (int8 and its scales vs fp32)
+        assert p["rate"] == "unshaped" and "wire_tx_bytes_per_step" not in p
+    assert (ref["recipe"], q["recipe"]) == ("sharded", "sharded-sdp4bit")
+    assert q["ledger_bytes_per_step"] < 0.5 * ref["ledger_bytes_per_step"]  # (4-bit weights and 8/4-bit gradients)
     table = path.with_suffix(".md").read_text()
     assert "2 ranks under one plain torchrun (gloo" in table
-    speedup = f"{fp32['step_time_s'] / int8['step_time_s']:.2f}"
-    row = next(line for line in table.splitlines() if line.startswith("| unshaped | ddp-int8 |"))
+    speedup = f"{ref['step_time_s'] / q['step_time_s']:.2f}"
+    row = next(line for line in table.splitlines() if line.startswith("| unshaped | sharded-sdp4bit |"))
     assert speedup in row and "| – |" in row  # (no wire counters, no link share)
-    bad = subprocess.run([*cmd[:cmd.index("--recipes") + 1], "ddp-int8", *cmd[cmd.index("--recipes") + 2:]],
-                         env=env, capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "lacks the references ['ddp-fp32']" in bad.stderr
+    at = cmd.index("--recipes") + 1
+    for recipes, said in [("sharded-sdp4bit", "lacks the references ['sharded']"), ("sharded,ddp-fp33", "unknown recipes ['ddp-fp33']")]:
+        bad = subprocess.run([*cmd[:at], recipes, *cmd[at + 1:]], env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and said in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.distributed

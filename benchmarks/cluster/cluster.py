@@ -390,7 +390,10 @@ def _sweep_local(a, user: list[str]) -> int:
     import harness
 
     recipes = a.recipes.split(",") if a.recipes else list(RECIPES)
-    missing = sorted({REFERENCE[r] for r in recipes if r in REFERENCE} - set(recipes))
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise SystemExit(f"cluster: unknown recipes {unknown}; choose from {sorted(RECIPES)}")
+    missing = sorted({REFERENCE[r] for r in recipes} - set(recipes))
     if missing:
         raise SystemExit(f"cluster: --recipes lacks the references {missing} the speedups are taken against")
     hardware = a.hardware if a.hardware != HARDWARE else f"{harness.hardware()}-local"
