@@ -8,8 +8,9 @@ What each signal does to a 2-rank job (what the tests assert):
 - SIGINT or SIGTERM to one rank: that rank finishes its step; the all-reduce after each step
   (``StopSignals.requested``) tells the other rank, so both stop after the same step, both write
   its checkpoint, rank 0 the summary and the plot (the other rank waits for it: the test slows
-  rank 0's plot down), and each exits with 130 and the one line saying how to resume. torchrun then reports the job failed (exit 1, with its own
-  ChildFailedError traceback: torchrun's, not a rank's).
+  rank 0's plot down), and each exits with 130 and the one line saying how to resume. torchrun
+  then reports the job failed (exit 1, with its own ChildFailedError traceback: torchrun's, not a
+  rank's).
 - SIGINT to torchrun (Ctrl-C in its terminal; the ranks run in sessions of their own, so only
   torchrun gets it): torchrun sends SIGINT to each rank, which stop as above; torchrun ends with
   its SignalException (exit 1).
