@@ -30,6 +30,14 @@ train1b() {  # $1 name, rest: trainer arguments; the 1b preset, B = 8, 16 steps,
     --train.progress false --train.log-every 1 "$@" --out "$OUT/step/train-1b/$name" 2>&1 | tail -3
 }
 
+warm() {  # $1 preset, rest: trainer arguments; one step, so the preset's tokenizer is made once, before
+  # runs that read it side by side (runs that find none would each make it)
+  local p=$1; shift
+  python3 -m leantrain train --preset "$p" --steps 1 --train.eval-every 0 --train.ckpt-every 0 --train.sample-tokens 0 \
+    --train.progress false "$@" --out "$OUT/warm-$p" > /dev/null 2>&1
+  rm -rf "$OUT/warm-$p"
+}
+
 verify() {
   if [ "${VERIFY_TESTS:-1}" = 1 ]; then
     log "GPU tests of the kernels and the step"
@@ -101,10 +109,7 @@ scapefidelity() {  # SCAPE_SEEDS narrows the seeds of the 300-step tiny runs
   log "scapefidelity: SCAPE 90 % / 99 % against dense AdamS, one process on the GPU (tiny 300 and 1000 steps, small 300)"
   local F="$OUT/comm/$(date +%F)_$(cd benchmarks && python3 -c 'import harness; print(harness.hardware())')"
   local R='sharded-adams,sharded-scape90,sharded-scape99@comm.scape.warmup=200'
-  for p in tiny small; do  # (the first run of a preset makes its tokenizer: not in parallel)
-    python3 -m leantrain train --preset $p --steps 1 --train.eval-every 0 --train.ckpt-every 0 \
-      --train.sample-tokens 0 --train.progress false --out "$OUT/comm/warm-$p" > /dev/null 2>&1; rm -rf "$OUT/comm/warm-$p"
-  done
+  warm tiny; warm small  # (the runs below go side by side)
   timeout 240 python3 benchmarks/bench_convergence.py --scape-fidelity --ranks 1 --jobs 9 --preset tiny --steps 300 \
     --seeds "${SCAPE_SEEDS:-1337,1,2,3,4,5}" --scape-recipes "$R" --out "${F}_scape-fidelity-1proc.json" 2>&1 | tail -4
   timeout 200 python3 benchmarks/bench_convergence.py --scape-fidelity --ranks 1 --jobs 9 --preset small --steps 300 \
@@ -192,9 +197,7 @@ scale() {
   timeout 300 torchrun --standalone --nproc-per-node 2 -m leantrain train $A --data.batch-size 8 --out "$OUT/scale/two" 2>&1 | tail -4
   timeout 300 python3 -m leantrain train $A --data.batch-size 16 --out "$OUT/scale/one" 2>&1 | tail -4
   log "scale: the cluster benchmark's grid over NCCL on $NGPU GPUs, 1b (cluster.py sweep --local)"
-  python3 -m leantrain train --preset 1b --steps 1 --data.batch-size 1 --data.max-corpus-mb 6 --train.eval-every 0 \
-    --train.ckpt-every 0 --train.sample-tokens 0 --train.progress false --out "$OUT/comm-cluster/warm" > /dev/null 2>&1
-  rm -rf "$OUT/comm-cluster/warm"  # (the tokenizer made once, before the ranks read it side by side)
+  warm 1b --data.batch-size 1 --data.max-corpus-mb 6  # (the ranks below read the tokenizer side by side)
   # (SIGINT: the sweep then ends its runs' process groups; a partial JSON still goes through `cluster.py report`)
   timeout -s INT 540 python3 benchmarks/cluster/cluster.py sweep --local --ranks-per-node "$NGPU" --steps 8 \
     --allow-busy --busy-wait 0 --out "$OUT/comm-cluster" -- --preset 1b --data.batch-size 4 --data.max-corpus-mb 6 \

@@ -322,6 +322,17 @@ def _worst(points: list[dict]) -> tuple[float, float]:
             max((p.get("other_cpu_cores") or 0.0 for p in points), default=0.0))
 
 
+def _host_idle(a, then: str = "") -> bool:
+    """Wait (``--busy-wait``) for other work on the host to stop; False, said in one sentence, when it
+    still takes more than ``--max-other-cores`` (unless ``--allow-busy``)."""
+    busy = wait_until_idle(a.max_other_cores, a.busy_wait)
+    if busy > a.max_other_cores and not a.allow_busy:
+        print(f"cluster: other work keeps {busy:.2f} cores of this host busy (limit {a.max_other_cores}); "
+              f"the sweep stops here{then}", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_sweep(a, user: list[str]) -> int:
     """Per recipe, one run through the phases of ``phases.schedule(rates)``; a run whose reference
     phases drifted apart or that shared the host is measured again (``--repeats``), the run with the
@@ -349,10 +360,7 @@ def cmd_sweep(a, user: list[str]) -> int:
         for r in [r for r in recipes if r not in done]:
             runs = []
             for attempt in range(1 + a.repeats):
-                busy = wait_until_idle(a.max_other_cores, a.busy_wait)
-                if busy > a.max_other_cores and not a.allow_busy:
-                    print(f"cluster: other work keeps {busy:.2f} cores of this host busy (limit {a.max_other_cores}); "
-                          "the sweep stops here, rerun it with --resume when the host is idle", file=sys.stderr)
+                if not _host_idle(a, ", rerun it with --resume when the host is idle"):
                     return 3
                 with Cluster(a.nodes, None) as c:
                     pts = launch(recipe=r, steps=0, user_args=train, nodes=a.nodes, ranks_per_node=a.ranks_per_node,
@@ -407,10 +415,7 @@ def _sweep_local(a, user: list[str]) -> int:
            "recipes": {r: RECIPES[r] for r in recipes}, "reference": REFERENCE, "points": []}
     t0 = time.time()
     for r in recipes:
-        busy = wait_until_idle(a.max_other_cores, a.busy_wait)
-        if busy > a.max_other_cores and not a.allow_busy:
-            print(f"cluster: other work keeps {busy:.2f} cores of this host busy (limit {a.max_other_cores}); "
-                  "the sweep stops here", file=sys.stderr)
+        if not _host_idle(a):
             return 3
         p = launch(recipe=r, steps=a.steps, user_args=train, nodes=1, ranks_per_node=a.ranks_per_node, rate=None,
                    cluster=None, workdir=Path(tempfile.mkdtemp(prefix="ltcluster-")), timeout=a.timeout)

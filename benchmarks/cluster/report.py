@@ -49,17 +49,18 @@ def table(doc: dict) -> str:
     env = doc["environment"]
     if doc.get("local"):
         where = (f"{env['gpus']} x {env['gpu']}" if doc["backend"] == "nccl" else f"{env['cpus']} CPU cores")
-        head = [f"# Communication techniques on one host's own links, {doc['backend']} ({env['date']})", "",
-                f"{doc['ranks_per_node']} ranks under one plain torchrun ({doc['backend']}, the links as they are: "
-                f"nothing shaped, no interface counters), {where}, torch {env['torch']}."]
+        title = f"# Communication techniques on one host's own links, {doc['backend']} ({env['date']})"
+        setup = (f"{doc['ranks_per_node']} ranks under one plain torchrun ({doc['backend']}, the links as they are: "
+                 f"nothing shaped, no interface counters), {where}, torch {env['torch']}.")
     else:
-        head = [f"# Communication techniques on a shaped cluster of namespaces ({env['date']})", "",
-                f"{doc['nodes']} nodes x {doc['ranks_per_node']} ranks (gloo; one network namespace a node, links "
-                f"shaped by tbf, ranks of a node on its loopback), {env['cpus']} CPU cores, torch {env['torch']}, "
-                f"kernel {env['kernel']}."]
+        title = f"# Communication techniques on a shaped cluster of namespaces ({env['date']})"
+        setup = (f"{doc['nodes']} nodes x {doc['ranks_per_node']} ranks (gloo; one network namespace a node, links "
+                 f"shaped by tbf, ranks of a node on its loopback), {env['cpus']} CPU cores, torch {env['torch']}, "
+                 f"kernel {env['kernel']}.")
     lines = [
-        *head[:-1],
-        head[-1] + f" Model: `{' '.join(doc['train_args'])}`, {doc['steps']} steps (unless a row says "
+        title,
+        "",
+        setup + f" Model: `{' '.join(doc['train_args'])}`, {doc['steps']} steps (unless a row says "
         "otherwise), the first not timed.",
         "",
         "Commands: " + ", ".join(f"`{c}`" for c in doc.get("commands", [doc["command"]])),

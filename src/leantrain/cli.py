@@ -353,12 +353,12 @@ COMMANDS = {"train": cmd_train, "compare": cmd_compare, "finetune": cmd_finetune
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    ok = together = False
+    together = False  # every rank ended the same way (_close_process_group)
     try:
         if args.command in ("eval", "generate", "export") and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)}; see leantrain {args.command} --help")
-        ok = together = COMMANDS[args.command](args, rest) == 0
-        return 0 if ok else 1
+        together = COMMANDS[args.command](args, rest) == 0
+        return 0 if together else 1
     except (ConfigError, CheckpointError) as e:
         print(f"leantrain: error: {e}", file=sys.stderr)
         return 2

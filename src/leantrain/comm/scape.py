@@ -11,8 +11,8 @@ geometrically from all of ``S``):
    the mean ``|m|`` of its parameter tensor on the shard, by default times the steps since the
    coordinate was last updated; ``score="residual"``: the owner's residual instead), plus a
    rotating window of ``explore * k`` coordinates (so every coordinate is visited every
-   ``S / (explore * k)`` steps whatever its score). The pieces are all-gathered asynchronously (as a bitmap, or as int32 indices when
-   that is smaller) and used at the next step: the all-gather overlaps that step's forward and
+   ``S / (explore * k)`` steps whatever its score). The pieces are all-gathered asynchronously
+   (as a bitmap, or as int32 indices when that is smaller) and used at the next step: the all-gather overlaps that step's forward and
    backward, and every rank holds the same global mask. The first step, before any mask, is
    dense.
 2. **Gradients.** Each rank adds its error-feedback residual to its flat gradient, takes the
