@@ -25,8 +25,10 @@ import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "torch.distributed", "leantrain", "interp_speed"]
 
-# what a rank prints when gloo's threads abort the process (a C++ std::terminate in torch's gloo
-# backend, seen rarely on a loaded host, also after a run that finished; not in leantrain's code)
+# what a rank prints when gloo's threads abort the process at exit (a C++ std::terminate in torch's
+# gloo backend): a group that outlives destroy_process_group keeps its worker threads until the
+# interpreter shuts down. leantrain's DDP and sharded runs close theirs (runtime/distributed.py);
+# torch's own caches can still hold one (DTensor's sharding cache in an FSDP run); rare, on a loaded host
 GLOO_ABORT = "terminate called without an active exception"
 
 

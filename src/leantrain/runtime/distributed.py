@@ -8,6 +8,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists: ``torch.distributed.nn.functional`` binds
+# ``group.WORLD`` as the default argument of its functions when it is first imported, and DDP
+# imports it. Imported after ``init_process_group`` it would keep the world group alive past
+# ``destroy_process_group``, and with it gloo's worker threads, which then die with the
+# interpreter: a thread that drops its last tensor while Python shuts down aborts the process
+# ("terminate called without an active exception").
+import torch.distributed.nn  # noqa: F401, E402
+
 from leantrain.config import ConfigError
 from leantrain.runtime import collectives
 
