@@ -27,8 +27,8 @@ PRELOAD = ["torch", "torch.distributed", "leantrain", "interp_speed"]
 
 # what a rank prints when gloo's threads abort the process at exit (a C++ std::terminate in torch's
 # gloo backend): a group that outlives destroy_process_group keeps its worker threads until the
-# interpreter shuts down. leantrain's DDP and sharded runs close theirs (runtime/distributed.py);
-# torch's own caches can still hold one (DTensor's sharding cache in an FSDP run); rare, on a loaded host
+# interpreter shuts down. leantrain's commands close theirs (runtime.distributed.close); a rank that
+# a test's own code leaves with a live group can still abort so, rarely, on a loaded host
 GLOO_ABORT = "terminate called without an active exception"
 
 

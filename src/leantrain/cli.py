@@ -284,20 +284,6 @@ def cmd_finetune(args, rest) -> int:
     return 0
 
 
-def _close_process_group(together: bool) -> None:
-    """Shut the process group down before the interpreter exits. When every rank ended the same
-    way (the command succeeded, or all stopped at one step on a signal), each first waits for the
-    others: a rank that exits while another still runs its last collectives can abort it in the
-    process group's threads, and torchrun ends the whole job when the first rank exits with an
-    error, which would cut rank 0's summary, plot and closing line short."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if together:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``leantrain`` command line: one sub-command a verb (config fields are parsed apart)."""
     parser = argparse.ArgumentParser(prog="leantrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,7 +339,7 @@ COMMANDS = {"train": cmd_train, "compare": cmd_compare, "finetune": cmd_finetune
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    together = False  # every rank ended the same way (_close_process_group)
+    together = False  # every rank ended the same way (runtime.distributed.close)
     try:
         if args.command in ("eval", "generate", "export") and rest:
             raise ConfigError(f"unexpected arguments {' '.join(rest)}; see leantrain {args.command} --help")
@@ -380,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         raise
     finally:
-        _close_process_group(together)
+        if "torch" in sys.modules:  # (a command that never imported torch made no process group)
+            from leantrain.runtime import distributed
+
+            distributed.close(together)
 
 
 if __name__ == "__main__":

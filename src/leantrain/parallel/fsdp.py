@@ -161,7 +161,6 @@ class Fsdp(Technique):
 
     def __init__(self, run: Run):
         super().__init__(run)
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -177,7 +176,7 @@ class Fsdp(Technique):
                             for g in run.param_groups]
         shape, dims = ((d.replicate, run.world // d.replicate), ("replicate", "shard")) if d.replicate > 1 \
             else ((run.world,), ("shard",))
-        self.mesh = init_device_mesh(run.device.type, shape, mesh_dim_names=dims)
+        self.mesh = distributed.device_mesh(run.device.type, shape, dims)
         kw = {"mesh": self.mesh,
               "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[d.param_dtype], reduce_dtype=DTYPES[d.reduce_dtype]),
               "offload_policy": CPUOffloadPolicy() if d.cpu_offload else OffloadPolicy()}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from datetime import timedelta
 
 import torch
@@ -11,13 +13,13 @@ import torch.distributed as dist
 # Imported before any process group exists: ``torch.distributed.nn.functional`` binds
 # ``group.WORLD`` as the default argument of its functions when it is first imported, and DDP
 # imports it. Imported after ``init_process_group`` it would keep the world group alive past
-# ``destroy_process_group``, and with it gloo's worker threads, which then die with the
-# interpreter: a thread that drops its last tensor while Python shuts down aborts the process
-# ("terminate called without an active exception").
+# ``destroy_process_group`` (see ``close``).
 import torch.distributed.nn  # noqa: F401, E402
 
 from leantrain.config import ConfigError
 from leantrain.runtime import collectives
+
+_meshes: weakref.WeakSet = weakref.WeakSet()  # the device meshes made by device_mesh (see close)
 
 
 def setup(device: str = "auto", timeout_s: float = 120.0) -> tuple[torch.device, int, int]:
@@ -42,3 +44,35 @@ def ensure_group(device: torch.device) -> None:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], dim_names: tuple[str, ...]):
+    """``init_device_mesh``, the mesh remembered so that ``close`` can let go of its groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=dim_names)
+    _meshes.add(mesh)
+    return mesh
+
+
+def close(together: bool) -> None:
+    """Shut the process groups down before the interpreter exits.
+
+    When every rank ended the same way (the command succeeded, or all stopped at one step on a
+    signal), each first waits for the others: a rank that exits while another still runs its last
+    collectives can abort it in the process group's threads, and torchrun ends the whole job when
+    the first rank exits with an error, which would cut rank 0's summary, plot and closing line short.
+
+    A group must also be gone once this returns. A gloo group that outlives
+    ``destroy_process_group`` keeps its worker threads until the interpreter shuts down, and a
+    worker that drops its last tensor then aborts the rank ("terminate called without an active
+    exception") after a run that succeeded. DTensor's sharding caches keep the device mesh of an
+    FSDP run alive, and the mesh keeps its groups: they are released from the mesh here.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if together:
+            dist.barrier()
+        dist.destroy_process_group()
+    for mesh in list(_meshes):
+        getattr(mesh, "_pg_registry", {}).clear()  # (a private dict of torch's DeviceMesh; absent in some versions)
+    gc.collect()  # (a model, its hooks and its optimizer that hold a group in reference cycles)
