@@ -14,7 +14,7 @@ import torch.distributed as dist
 # ``group.WORLD`` as the default argument of its functions when it is first imported, and DDP
 # imports it. Imported after ``init_process_group`` it would keep the world group alive past
 # ``destroy_process_group`` (see ``close``).
-import torch.distributed.nn  # noqa: F401, E402
+import torch.distributed.nn  # noqa: F401
 
 from leantrain.config import ConfigError
 from leantrain.runtime import collectives
