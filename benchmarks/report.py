@@ -842,10 +842,54 @@ TABLES["scape_gpu"] = [
     ("tiny, 1000 steps, 3 seeds: 99 %, `catch_up 20`", scape_recipe(CU20), "", G + "scape99-catchup20-tiny-1000steps-1proc.json"),
     ("small, 300 steps, 3 seeds: 99 %, `catch_up 20`", scape_recipe(CU20), "within 2 %", G + "scape99-catchup20-small-1proc.json"),
 ]
+# what the defaults give, on every setup they ran on (docs/scape.md; the variants: docs/scape-record.md)
+TABLES["scape_defaults"] = [
+    ("bytes a step vs dense sharded AdamS once the warm-up is over, 90 % / 99 % sparse",
+     lambda d: bytes_vs("sharded-scape90x2", "sharded-adamsx2")(d) + " / " + bytes_vs("sharded-scape99x2", "sharded-adamsx2")(d),
+     "≤ 0.1× at 90 %", F_SCAPE),
+    ("90 %, tiny, 300 steps, 2 gloo ranks (bytes: over the whole run, warm-up included)",
+     scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %, each seed 2 %", F_SCAPE_W),
+    ("90 %, tiny, 300 steps, one process, H100", scape_recipe_seeds("sharded-scape90", G + "scape-fidelity-seeds6-11-1proc.json"),
+     "within 1 %, each seed 2 %", G + "scape-fidelity-1proc.json"),
+    ("90 %, small, 300 steps, 2 gloo ranks", scape_recipe_seeds(W90, F_SCAPE_SMALL12), "within 1 %, each seed 2 %",
+     F_SCAPE_SMALL),
+    ("90 %, small, 300 steps, one process, H100", scape_recipe("sharded-scape90"), "within 1 %, each seed 2 %",
+     G + "scape-small-1proc.json"),
+    ("99 %, tiny, 300 steps, 2 gloo ranks on two CPU hosts", SCAPE99_CU20_BOTH, "within 2 %", F_SCAPE99_SCREEN),
+    ("99 %, tiny, 300 steps, one process, CPU", scape_recipe("sharded-scape99"), "within 2 %", F_SCAPE99_1P),
+    ("99 %, tiny, 300 steps, one process, H100", scape_recipe_seeds(CU20, F_SCAPE99_GPU[1]), "within 2 %",
+     F_SCAPE99_GPU[0]),
+    ("99 %, tiny, 300 steps: every run above", SCAPE99_CU20_ALL, "within 2 %", F_SCAPE99_SCREEN),
+    ("99 %, small, 300 steps, one process, H100", scape_recipe(CU20), "within 2 %", G + "scape99-catchup20-small-1proc.json"),
+    ("90 %, tiny, 1000 steps, one process, H100", scape_recipe("sharded-scape90"), "", G + "scape-1000steps-1proc.json"),
+    ("99 %, tiny, 1000 steps, one process, H100", scape_recipe(CU20), "", G + "scape99-catchup20-tiny-1000steps-1proc.json"),
+]
+# what each part of the defaults buys, measured with and without it (docs/scape.md)
+V1000 = G + "scape99-1000steps-variants-1proc.json"
+TABLES["scape_design"] = [
+    ("90 %, tiny, 2 ranks, 16-core host: the masked updates at the optimizer's β1 0.9, no warm-up",
+     scape_recipe("sharded-scape90"), "", F_SCAPE6),
+    ("the same with `beta1 0.8` (the default)", scape_recipe("sharded-scape90"), "",
+     "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
+    ("the same with the density warm-up, 100 steps (the default)", scape_recipe_seeds(W90, F_SCAPE_W2), "", F_SCAPE_W),
+    ("99 %, 2-core host, 3 seeds: no warm-up, `catch_up 10`", scape_recipe("sharded-scape99@comm.scape.beta1=0.8"), "",
+     "comm/2026-12-06_cpu_scape99-fidelity-beta1.json"),
+    ("99 %, 16-core host, 6 seeds: a 200-step warm-up (the default), `catch_up 10`",
+     scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE99_W[2]), "", F_SCAPE99_W[1]),
+    ("90 % / 99 %, β1 0.9, no warm-up, 3 seeds: `catch_up_mode steps`", scape_fidelity, "",
+     "comm/2026-12-05_cpu_scape-defaults.json"),
+    ("the same with `catch_up_mode sign` (the default)", scape_fidelity, "", "comm/2026-12-05_cpu_scape-sign.json"),
+    ("99 %, 2 ranks on two CPU hosts, 12 runs: `catch_up 10`", SCAPE99_BOTH, "", F_SCAPE99_2C),
+    ("the same with `catch_up 20` (the default at 99 %)", SCAPE99_CU20_BOTH, "", F_SCAPE99_SCREEN),
+    ("99 %, tiny, 1000 steps, one process, H100, `catch_up 10`: `score m`",
+     scape_recipe(S99 + ";comm.scape.score=m"), "", V1000),
+    ("the same with `score m_age` (the default)", scape_recipe(S99), "", V1000),
+]
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
-         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape", "scape6", "scape_beta1", "scape_warmup", "scape_gpu", "scape300"], "docs/gift.md": ["gift"],
+         "docs/sdp4bit.md": ["sdp4bit"], "docs/scape.md": ["scape_defaults", "scape_design"],
+         "docs/scape-record.md": ["scape", "scape6", "scape_beta1", "scape_warmup", "scape_gpu", "scape300"], "docs/gift.md": ["gift"],
          "docs/chunkft.md": ["chunkft"], "docs/memory.md": ["memory"], "docs/fsdp.md": ["fsdp"], "docs/zo.md": ["zo"], "docs/benchmarks.md": ["ops"],
          "docs/compatibility.md": ["grid"]}
 
@@ -896,11 +940,15 @@ def table(name: str, page: str) -> str:
         for cmd in cache[rel].get("commands") or [cache[rel].get("command")]:
             if cmd:
                 cmds.append(f"- `{rel}`: `{cmd}`")
-    if cmds and name != "readme":
+    if name in SUMMARIES:  # (tables of rows from many files: each file's command is in the results index)
+        lines += ["", f"The command of each file: [the results index]({'' if page == 'README.md' else '../'}"
+                      "benchmarks/results/INDEX.md)."]
+    elif cmds and name != "readme":
         lines += ["", "Commands:", "", *cmds]
     return "\n".join(lines)
 
 
+SUMMARIES = {"scape_defaults", "scape_design"}
 BLOCK = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 
