@@ -888,6 +888,7 @@ TABLES["scape_design"] = [
      scape_recipe(S99 + ";comm.scape.score=m"), "", V1000),
     ("the same with `score m_age` (the default)", scape_recipe(S99), "", V1000),
 ]
+SUMMARIES = {"scape_defaults", "scape_design"}  # (rows from many files: no list of commands under them)
 TABLES["scape300"] = [(what, scape_hypothesis(key), "within 1 %", F_SCAPE300) for what, key in SCAPE300]
 
 PAGES = {"README.md": ["readme", "timings"], "docs/forge.md": ["forge", "forge_accum"], "docs/agoq.md": ["agoq"],
@@ -943,15 +944,13 @@ def table(name: str, page: str) -> str:
         for cmd in cache[rel].get("commands") or [cache[rel].get("command")]:
             if cmd:
                 cmds.append(f"- `{rel}`: `{cmd}`")
-    if name in SUMMARIES:  # (tables of rows from many files: each file's command is in the results index)
-        lines += ["", f"The command of each file: [the results index]({'' if page == 'README.md' else '../'}"
-                      "benchmarks/results/INDEX.md)."]
+    if name in SUMMARIES:
+        lines += ["", "The command of each file: [the results index](../benchmarks/results/INDEX.md)."]
     elif cmds and name != "readme":
         lines += ["", "Commands:", "", *cmds]
     return "\n".join(lines)
 
 
-SUMMARIES = {"scape_defaults", "scape_design"}
 BLOCK = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 
