@@ -35,3 +35,14 @@ def test_export_corpus_directory_and_tar(tmp_path):
         assert sorted(m.name for m in tar.getmembers() if m.isfile()) == sorted(want)
     with pytest.raises(SystemExit, match="not empty"):
         tool.main(["--out", str(tmp_path / "dir"), "--max-mb", "0.3"])
+
+
+def test_export_corpus_of_another_stdlib(tmp_path):
+    lib = tmp_path / "python3.99"
+    for name, text in [("a.py", "x = 1\n"), ("pkg/b.py", "y = 2\n"), ("site-packages/c.py", "z = 3\n"),
+                       ("notes.txt", "not python\n")]:
+        (lib / name).parent.mkdir(parents=True, exist_ok=True)
+        (lib / name).write_text(text)
+    assert _tool().main(["--stdlib", str(lib), "--out", str(tmp_path / "out")]) == 0
+    got = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert got == ["a.py", "pkg/b.py"]

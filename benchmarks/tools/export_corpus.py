@@ -2,14 +2,16 @@
 
     PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --out DIR [--max-mb 24]
     PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --out corpus.tar.gz
+    PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --stdlib LIB/python3.12 --out DIR
 
 The embedded corpus (no ``--data``) is the standard library of the Python that runs leantrain, so
 two hosts with different Pythons train the presets on different text. This writes the files the
 embedded corpus takes (``leantrain.data.stdlib_files``, ``--max-mb`` as ``data.max_corpus_mb``)
-under their standard-library paths, as a directory or a ``.tar.gz``; ``--data DIR`` on another host
-then trains on this host's text, split into train and validation files the same way (by file name).
-A directory read through ``--data`` skips files that are not UTF-8 text (a few test files), which the
-embedded corpus keeps.
+under their standard-library paths, as a directory or a ``.tar.gz``; with ``--stdlib``, those of
+another Python's standard library (its ``lib/python3.X`` directory), that Python's embedded corpus.
+``--data DIR`` then trains on that text on any host, split into train and validation files as the
+embedded corpus is (by file name). A directory read through ``--data`` skips files that are not
+UTF-8 text (a few test files), which the embedded corpus keeps.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="a directory, or a file ending in .tar.gz")
     ap.add_argument("--max-mb", type=float, default=24.0, help="data.max_corpus_mb of the runs (24: the default)")
+    ap.add_argument("--stdlib", help="another Python's standard library directory (default: this Python's)")
     args = ap.parse_args(argv)
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(args.max_mb)
+    root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(args.max_mb, root)
     if not files:
         raise SystemExit(f"no standard-library .py files under {root}")
     out = Path(args.out)
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dst)
     size = sum(f.stat().st_size for f in files) / 2**20
-    print(f"{len(files)} files, {size:.1f} MiB of the Python {sysconfig.get_python_version()} standard library -> {out}")
+    print(f"{len(files)} files, {size:.1f} MiB of the standard library at {root.name} -> {out}")
     return 0
 
 

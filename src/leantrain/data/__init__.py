@@ -67,9 +67,10 @@ def cache_dir() -> Path:
 # ---------------------------------------------------------------- sources
 
 
-def stdlib_files(max_mb: float) -> list[Path]:
-    """The standard library's .py files (no site-packages), sorted, up to ``max_mb`` of text."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_files(max_mb: float, root: Path | None = None) -> list[Path]:
+    """The standard library's .py files (no site-packages), sorted, up to ``max_mb`` of text: the
+    running Python's, or those of the standard library at ``root``."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
     files = []
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root).as_posix()
