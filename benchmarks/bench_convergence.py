@@ -41,6 +41,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -231,8 +232,9 @@ def _write_fidelity(out: Path, args, recipes, configs, runs, command, final: boo
     dense = runs["sharded-adams"]
     result = {"what": f"{', '.join(recipes[1:])} vs dense sharded AdamS, {args.preset} preset, "
                       f"{args.steps} steps, {_procs(args.nproc)}, seeds {args.seeds}"
-                      + ("" if final else " (partial: the runs done so far)"),
+                      + "".join(f", {kv}" for kv in args.set) + ("" if final else " (partial: the runs done so far)"),
               "command": command, "env": {"cpu": harness.cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+                                          "python": platform.python_version(),  # (the embedded corpus's Python)
                                           **({"gpu": torch.cuda.get_device_name(0)} if args.nproc == 1 and
                                              torch.cuda.is_available() else {})},
               "recipes": {}}
