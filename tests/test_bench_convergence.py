@@ -70,17 +70,20 @@ def test_variants_run_in_parallel_jobs_and_are_compared_seed_by_seed(tmp_path, m
     """``<recipe>@<key>=<value>;...`` runs a recipe with overrides; ``--jobs`` runs several at once; the
     file is complete at the end whatever order the runs finished in."""
     bc = _load()
-    ran = []
+    ran, dirs = [], set()
 
     def run(name, overrides, args, nproc=1):
         ran.append((name, overrides.get("comm.scape.catch_up"), overrides.get("comm.method")))
+        dirs.add(args.out)
         val = 5.0 + overrides["train.seed"] / 10 + (0.5 if overrides.get("comm.scape.catch_up") == "30" else 0.0)
         return _stub_run(args, name, val, 100.0)
 
     monkeypatch.setattr(bc, "run", run)
     out = tmp_path / "r.json"
     assert bc.main(["--scape-fidelity", "--preset", "tiny", "--steps", "20", "--seeds", "1,2", "--jobs", "3",
-                    "--scape-recipes", "sharded-adams,sharded-scape90@comm.scape.catch_up=30", "--out", str(out)]) == 0
+                    "--scape-recipes", "sharded-adams,sharded-scape90@comm.scape.catch_up=30",
+                    "--set", "data.seq_len=64", "--out", str(out)]) == 0
+    assert len(dirs) == 1 and not Path(dirs.pop()).exists()  # (the runs' directories are gone)
     assert sorted(ran) == [("sharded-adams_seed1", None, None), ("sharded-adams_seed2", None, None),
                            ("sharded-scape90-comm.scape.catch_up-30_seed1", "30", "scape"),
                            ("sharded-scape90-comm.scape.catch_up-30_seed2", "30", "scape")]
@@ -88,6 +91,7 @@ def test_variants_run_in_parallel_jobs_and_are_compared_seed_by_seed(tmp_path, m
     v = r["recipes"]["sharded-scape90@comm.scape.catch_up=30"]
     assert v["config"]["comm.scape.catch_up"] == "30" and list(v["seeds"]) == ["1", "2"]
     assert v["seeds"]["2"]["val_vs_dense"] == pytest.approx(5.7 / 5.2) and "partial" not in r["what"]
+    assert r["what"].endswith(", data.seq_len=64") and "--set data.seq_len=64" in r["command"]
     with pytest.raises(SystemExit, match="no recipe"):
         bc.main(["--scape-fidelity", "--scape-recipes", "sharded-adams,nope@x=1", "--out", str(out)])
 
