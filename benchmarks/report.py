@@ -534,7 +534,15 @@ F_SCAPE99_1P = "comm/2026-12-06_cpu_scape99-1proc-2core.json"  # (recipe sharded
 F_SCAPE99_1P_B = "comm/2026-12-07_cpu_scape99-1proc-seeds6-11-2core.json"  # (the same, seeds 6-11)
 F_SCAPE99_GPU = ("comm/2026-12-06_H100-80GB-HBM3_scape99-screen-1proc.json",
                  "comm/2026-12-06_H100-80GB-HBM3_scape99-catchup20-tiny-seeds6-11-1proc.json")
-# every run of the defaults at 99 % on tiny, 300 steps: 2 ranks on two hosts, one process on the CPU and on the H100
+# the same runs on the other host's text (--data: benchmarks/tools/export_corpus.py): the H100 on the 2-core host's
+# (Python 3.11's standard library, 24 MiB), the 2-core host on the GPU host's (Ubuntu's Python 3.12, 10 MiB; the GPU
+# host's 16 cores ran the "16-core" gloo runs)
+F_SCAPE99_GPU_CPUTEXT = "comm/2026-12-07_H100-80GB-HBM3_scape99-cpu-corpus-1proc.json"
+F_SCAPE99_CPU_GPUTEXT = "comm/2026-12-07_cpu_scape99-gpu-corpus-1proc-2core.json"
+# every run of the defaults at 99 % on tiny, 300 steps, on one text: 2 ranks, one process on the CPU and on the H100
+SCAPE99_TEXT_CPU = scape_recipe_seeds(CU20, (F_SCAPE99_1P, "sharded-scape99"), (F_SCAPE99_1P_B, "sharded-scape99"),
+                                      (F_SCAPE99_GPU_CPUTEXT, "sharded-scape99"))  # (row file: F_SCAPE99_SCREEN)
+SCAPE99_TEXT_GPU = scape_recipe_seeds(CU20, *F_SCAPE99_GPU, (F_SCAPE99_CPU_GPUTEXT, "sharded-scape99"))  # (F_SCAPE99_CU20)
 SCAPE99_CU20_ALL = scape_recipe_seeds(CU20, F_SCAPE99_CU20, (F_SCAPE99_1P, "sharded-scape99"),
                                       (F_SCAPE99_1P_B, "sharded-scape99"), *F_SCAPE99_GPU)
 
@@ -554,8 +562,10 @@ TABLES: dict[str, list[tuple]] = {
         ("SCAPE 99 % (200-step warm-up, catch-up cap 10) val loss vs dense sharded AdamS, small, 300 steps, 2 gloo ranks",
          scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE_SMALL12), "within 2 %", F_SCAPE_SMALL),
         ("SCAPE 99 % (the defaults: 200-step warm-up, catch-up cap 20) val loss vs dense sharded AdamS, tiny, 300 steps, "
-         "every run: 2 gloo ranks on two CPU hosts, one process on a CPU and on an H100", SCAPE99_CU20_ALL, "within 2 %",
-         F_SCAPE99_SCREEN),
+         "every run on Python 3.11's standard library (24 MiB): 2 gloo ranks and one process on a CPU, one process on an H100",
+         SCAPE99_TEXT_CPU, "within 2 %", F_SCAPE99_SCREEN),
+        ("the same on Ubuntu's Python 3.12 standard library (10 MiB, no test suite)", SCAPE99_TEXT_GPU, "within 2 %",
+         F_SCAPE99_CU20),
         ("GIFT NVFP4 bytes vs bf16 all-reduce, 2 ranks", bytes_vs("gift", "exact", half=True), "≤ 0.5×", F_GIFT),
         ("ChunkFT peak above weights vs AdamW, 1b", chunkft_peak, "≤ 1/chunks", F_CHUNK),
         ("7b full fine-tuning, B = 1, T = 1024, `--train.memory-budget 13.8GiB`, H200", budget_run("13.8GiB"),
@@ -849,36 +859,41 @@ TABLES["scape_defaults"] = [
     ("bytes a step vs dense sharded AdamS once the warm-up is over, 90 % / 99 % sparse",
      lambda d: bytes_vs("sharded-scape90x2", "sharded-adamsx2")(d) + " / " + bytes_vs("sharded-scape99x2", "sharded-adamsx2")(d),
      "≤ 0.1× at 90 %", F_SCAPE),
-    ("90 %, tiny, 300 steps, 2 gloo ranks (bytes: over the whole run, warm-up included)",
+    ("90 %, tiny, 300 steps, 2 gloo ranks, the GPU host's 16 cores (bytes: over the whole run, warm-up included)",
      scape_recipe_seeds(W90, F_SCAPE_W2), "within 1 %, each seed 2 %", F_SCAPE_W),
     ("90 %, tiny, 300 steps, one process, H100", scape_recipe_seeds("sharded-scape90", G + "scape-fidelity-seeds6-11-1proc.json"),
      "within 1 %, each seed 2 %", G + "scape-fidelity-1proc.json"),
-    ("90 %, small, 300 steps, 2 gloo ranks", scape_recipe_seeds(W90, F_SCAPE_SMALL12), "within 1 %, each seed 2 %",
+    ("90 %, small, 300 steps, 2 gloo ranks, 2-core host", scape_recipe_seeds(W90, F_SCAPE_SMALL12), "within 1 %, each seed 2 %",
      F_SCAPE_SMALL),
     ("90 %, small, 300 steps, one process, H100", scape_recipe("sharded-scape90"), "within 1 %, each seed 2 %",
      G + "scape-small-1proc.json"),
-    ("99 %, tiny, 300 steps, 2 gloo ranks on two CPU hosts", SCAPE99_CU20_BOTH, "within 2 %", F_SCAPE99_SCREEN),
-    ("99 %, tiny, 300 steps, one process, CPU", scape_recipe_seeds("sharded-scape99", F_SCAPE99_1P_B), "within 2 %",
-     F_SCAPE99_1P),
-    ("99 %, tiny, 300 steps, one process, H100", scape_recipe_seeds(CU20, F_SCAPE99_GPU[1]), "within 2 %",
-     F_SCAPE99_GPU[0]),
-    ("99 %, tiny, 300 steps: every run above", SCAPE99_CU20_ALL, "within 2 %", F_SCAPE99_SCREEN),
+    ("99 %, tiny, 300 steps, the 2-core host's text: 2 gloo ranks, 2-core host", scape_recipe(CU20), "within 2 %", F_SCAPE99_SCREEN),
+    ("the same text: one process, 2-core host", scape_recipe_seeds("sharded-scape99", F_SCAPE99_1P_B), "within 2 %", F_SCAPE99_1P),
+    ("the same text: one process, H100", scape_recipe_seeds("sharded-scape99"), "within 2 %", F_SCAPE99_GPU_CPUTEXT),
+    ("the same text: every run above", SCAPE99_TEXT_CPU, "within 2 %", F_SCAPE99_SCREEN),
+    ("99 %, tiny, 300 steps, the GPU host's text: 2 gloo ranks, its 16 cores", scape_recipe(CU20), "within 2 %",
+     F_SCAPE99_CU20),
+    ("the same text: one process, H100", scape_recipe_seeds(CU20, F_SCAPE99_GPU[1]), "within 2 %", F_SCAPE99_GPU[0]),
+    ("the same text: one process, 2-core host", scape_recipe_seeds("sharded-scape99"), "within 2 %", F_SCAPE99_CPU_GPUTEXT),
+    ("the same text: every run above", SCAPE99_TEXT_GPU, "within 2 %", F_SCAPE99_CU20),
     ("99 %, small, 300 steps, one process, H100", scape_recipe(CU20), "within 2 %", G + "scape99-catchup20-small-1proc.json"),
     ("90 %, tiny, 1000 steps, one process, H100", scape_recipe("sharded-scape90"), "", G + "scape-1000steps-1proc.json"),
     ("99 %, tiny, 1000 steps, one process, H100", scape_recipe(CU20), "", G + "scape99-catchup20-tiny-1000steps-1proc.json"),
+    ("the same, 6 seeds, on the 2-core host's text", scape_recipe("sharded-scape99"), "",
+     "comm/2026-12-07_H100-80GB-HBM3_scape99-cpu-corpus-1000steps-1proc.json"),
 ]
 # what each part of the defaults buys, measured with and without it (docs/scape.md)
 V1000 = G + "scape99-1000steps-variants-1proc.json"
 TABLES["scape_design"] = [
-    ("90 %, tiny, 2 ranks, 16-core host: the masked updates at the optimizer's β1 0.9, no warm-up",
+    ("90 %, tiny, 2 ranks, 16-core host (the GPU host's text): the masked updates at the optimizer's β1 0.9, no warm-up",
      scape_recipe("sharded-scape90"), "", F_SCAPE6),
     ("the same with `beta1 0.8` (the default)", scape_recipe("sharded-scape90"), "",
      "comm/2026-12-06_cpu_scape-fidelity-beta1-16core.json"),
     ("the same with the density warm-up, 100 steps (the default)", scape_recipe_seeds(W90, F_SCAPE_W2), "", F_SCAPE_W),
     ("99 %, 2-core host, 3 seeds: no warm-up, `catch_up 10`", scape_recipe("sharded-scape99@comm.scape.beta1=0.8"), "",
      "comm/2026-12-06_cpu_scape99-fidelity-beta1.json"),
-    ("99 %, 16-core host, 6 seeds: a 200-step warm-up (the default), `catch_up 10`",
-     scape_recipe_seeds("sharded-scape99@comm.scape.warmup=200", F_SCAPE99_W[2]), "", F_SCAPE99_W[1]),
+    ("the same host, 6 seeds: a 200-step warm-up (the default), `catch_up 10`", scape_recipe("sharded-scape99"), "",
+     F_SCAPE99_2C),
     ("90 % / 99 %, β1 0.9, no warm-up, 3 seeds: `catch_up_mode steps`", scape_fidelity, "",
      "comm/2026-12-05_cpu_scape-defaults.json"),
     ("the same with `catch_up_mode sign` (the default)", scape_fidelity, "", "comm/2026-12-05_cpu_scape-sign.json"),
