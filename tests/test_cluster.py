@@ -103,16 +103,17 @@ def test_local_run_through_phases_pairs_each_rate_with_the_unlimited_link(corpus
 def test_namespace_run_counts_the_bytes_on_the_veth(corpus, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root; the --local test covers the harness without them")
-    r, out = _run(tmp_path, corpus, "--nodes", "2", "--rate", "1gbit", steps=8)
+    r, out = _run(tmp_path, corpus, "--nodes", "2", "--rate", "1gbit", steps=24)
     if r.returncode == 2:
         pytest.skip(f"no namespace rights here: {r.stderr.strip()}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     p = json.loads(out.read_text())
-    _check_point(p, world=4, steps=8)
+    _check_point(p, world=4, steps=24)
     # an all-reduce over 2 nodes: each node's link carries one rank's share (a ring's hop to the other
     # node; the small preset measures 1.00-1.01x), plus TCP/IP headers. The bounds are loose: this tiny
     # model's steps (~15 ms) are shorter than the harness's 20 ms poll, so the counted window is only
-    # roughly aligned with steps (over 6 steps, one step more or less). The hop between the node's own ranks is on its loopback.
+    # roughly aligned with steps; over 22 counted steps a few steps' misalignment stays inside the bounds
+    # (over 6 it did not on a busy host). The hop between the node's own ranks is on its loopback.
     led = p["ledger_bytes_per_step"]
     for tx, lo in zip(p["wire_tx_bytes_per_step"], p["loopback_bytes_per_step"], strict=True):
         assert 0.5 * led < tx < 2.0 * led + 20_000
