@@ -1,6 +1,6 @@
 """The embedded corpus of the running Python, written out: the data of a run elsewhere made the same.
 
-    PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --out DIR [--max-mb 24]
+    PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --out DIR [--max-mb MB]
     PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --out corpus.tar.gz
     PYTHONPATH=src python3 benchmarks/tools/export_corpus.py --stdlib LIB/python3.12 --out DIR
 
@@ -28,11 +28,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main(argv=None) -> int:
+    from leantrain.config.tree import DataConfig
     from leantrain.data import stdlib_files
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="a directory, or a file ending in .tar.gz")
-    ap.add_argument("--max-mb", type=float, default=24.0, help="data.max_corpus_mb of the runs (24: the default)")
+    default_mb = DataConfig().max_corpus_mb
+    ap.add_argument("--max-mb", type=float, default=default_mb,
+                    help=f"data.max_corpus_mb of the runs ({default_mb:g}: its default)")
     ap.add_argument("--stdlib", help="another Python's standard library directory (default: this Python's)")
     args = ap.parse_args(argv)
     root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
