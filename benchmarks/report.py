@@ -449,6 +449,18 @@ def gift_own(d):
     return "; ".join(out) + f" of a {d['step_ms']['plain']:.1f} ms step"
 
 
+def gift_queued(d):
+    """bench_comm gift-cost: GIFT's own transforms a step timed on the device with the host ahead (queued
+    behind other work, as behind the backward's kernels in a step), per ``min_gain`` and ``transform_dtype``;
+    and the host's time to issue them against the plain step's."""
+    out = []
+    for mg, per in d["gift_transforms"]["min_gain"].items():
+        out.append(f"min_gain {mg}: " + ", ".join(f"{dt} {r['queued_ms']:.1f} ms ({r['queued_of_plain_step']:.1%}; "
+                                                  f"host {r['host_issue_ms']:.1f} ms)" for dt, r in per.items()))
+    return "; ".join(out) + (f" of a {d['step_ms']['plain']:.1f} ms step whose launches the host issues in "
+                             f"{d['step_host_issue_ms']:.1f} ms")
+
+
 def gift_stat_tokens(d):
     st = d["step_ms"]
     return "; ".join(f"{k.split('_')[2]} tokens {v - st['plain']:.0f} ms" for k, v in st.items() if k.endswith("_tokens")) \
@@ -511,6 +523,8 @@ F_LOWMEM = "finetune/2026-12-05_cpu_lowmem.json"
 F_LOWMEM125 = "finetune/2026-12-06_H100-80GB-HBM3_lowmem-125m.json"
 F_LOWMEM125_2K = "finetune/2026-12-06_H200_lowmem-125m-2k.json"
 F_GIFT_COST = "comm/2026-12-06_H100-80GB-HBM3_gift-cost.json"
+F_GIFT_COST_H200 = "comm/2026-12-07_H200_gift-cost.json"
+F_GIFT_QUEUED = "comm/2026-12-07_H100-80GB-HBM3_gift-cost.json"  # (with the device times, host ahead)
 F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
 F_MEM = "memory/2026-12-05_H200_memory.json"
@@ -671,11 +685,15 @@ TABLES: dict[str, list[tuple]] = {
                    f"{d['model']['refresh_subspace_warm_ms']:.0f} / {d['model']['refresh_subspace_cold_ms']:.0f} ms", "", F_GIFT_COST),
         ("GIFT's own transforms a step (its reduction's whiten + map back), 1b, B = 4, H100, factors from "
          "statistics of 1024 tokens", gift_own, "≤ 10 %", F_GIFT_COST),
+        ("the same on an H200", gift_own, "≤ 10 %", F_GIFT_COST_H200),
+        ("the same timed on the device with the host ahead (queued behind other work, as behind the backward "
+         "in a step), H100; the host's time to issue them", gift_queued, "≤ 10 %", F_GIFT_QUEUED),
         ("the statistics' extra forward + backward with `stat_tokens`", gift_stat_tokens, "", F_GIFT_COST),
         ("estimated E4M3 gain per shape from statistics of 1024 tokens, median (min)", gift_gains_tokens(1024), "",
          F_GIFT_COST),
         ("all of GIFT's compute a step but the codec, `min_gain 1.2`, `tfloat32`, `stat_tokens 1024`, refresh "
          "every 10: one rank rooting every layer / 8 ranks", gift_overhead, "", F_GIFT_COST),
+        ("the same on an H200", gift_overhead, "", F_GIFT_COST_H200),
         ("E4M3 val loss vs exact, 2 ranks, `min_gain 1.2` (on the tiny preset every layer's gain is over 1.2)",
          gift_loss, "within 1 %", "comm/2026-12-06_cpu_gift-e4m3-mingain1.2.json"),
         ("the same with `stat_tokens 512` (one token in 8)", gift_loss, "within 1 %",

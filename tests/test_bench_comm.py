@@ -30,3 +30,21 @@ def test_scape_cost_times_dense_and_sparse_steps_and_restores_the_collectives(tm
     assert all("extra_ms" in r for k, r in small.items() if k != "dense")
     assert (tmp_path / path.name.replace(".json", ".md")).read_text().count("| scape-") == 4
     assert not torch.distributed.is_initialized()
+
+
+def test_gift_cost_times_the_host_and_the_queued_device_and_tables_them():
+    import time
+
+    from parts import gift_cost
+
+    cpu = torch.device("cpu")
+    assert gift_cost.host_time(lambda: time.sleep(0.01), 3, cpu) >= 0.009
+    assert gift_cost.queued_time(lambda: time.sleep(0.01), 3, cpu) >= 0.009  # (wall time off CUDA)
+    row = {"ms": 2.0, "whitened_layers": 4, "of_plain_step": 0.2, "queued_ms": 1.5, "queued_of_plain_step": 0.15,
+           "host_issue_ms": 0.5}
+    res = {"gift_transforms": {"stat_tokens": 64, "min_gain": {"0": {dt: row for dt in gift_cost.TRANSFORM_DTYPES}}},
+           "step_ms": {"plain": 10.0}, "step_host_issue_ms": 7.0}
+    table = "\n".join(gift_cost.gift_transforms_table(res))
+    assert "| 0 | 1.50 (15.0%) | 0.50 |" in table and "host issues its launches in 7.00 ms" in table
+    del row["queued_ms"]  # (a file made before the queued timing: the first table alone)
+    assert "queued" not in "\n".join(gift_cost.gift_transforms_table(res))

@@ -25,7 +25,9 @@ process (one rank's share), for the preset's model (random weights and tokens):
 
 Times are medians of ``--reps`` calls after a warm-up, with the device synchronized around each call;
 the codecs' and the copy's are device times (CUDA events around 20 back-to-back calls, median of
-``--reps`` trials).
+``--reps`` trials). GIFT's own transforms are also timed with the host ahead of the device, as in a
+step (queued behind a sleep kernel, CUDA events around the calls alone), beside the host's time to
+issue them and the plain step's.
 Writes ``gift_cost_<date>_<device>.json`` and ``.md``.
 """
 
@@ -77,6 +79,43 @@ def timeit(fn, reps: int, dev: torch.device) -> float:
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def host_time(fn, reps: int, dev: torch.device) -> float:
+    """Median seconds the host takes to issue ``fn()`` (launch its work) from a synchronized device, not
+    waiting for the work itself."""
+    ts = []
+    for _ in range(reps + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return statistics.median(ts[1:])
+
+
+def queued_time(fn, reps: int, dev: torch.device, calls: int = 5) -> float:
+    """Device seconds of a call of ``fn()`` when the host is ahead of the device, as in a training step
+    where the host issues the reduction while the backward's kernels still run: the stream is first held
+    by a sleep kernel long enough for the host to queue ``calls`` calls, and CUDA events time the calls
+    alone (median of ``reps`` trials). Wall time off CUDA."""
+    if dev.type != "cuda":
+        return timeit(fn, reps, dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    ts = []
+    for _ in range(reps):
+        torch.cuda._sleep(int(5e8))  # (about 0.25 s at 2 GHz: far longer than the host takes to queue the calls)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(ts)
 
 
@@ -244,6 +283,8 @@ def main(argv=None) -> int:
     gift.steps = 0  # a refresh step (the roots, here every layer's, take statistics)
     t_stats = timeit(step, args.reps, dev)
     res["step_ms"] = {"plain": t_plain * 1e3, "with_statistics": t_stats * 1e3}
+    gift.steps = 1
+    res["step_host_issue_ms"] = host_time(step, args.reps, dev) * 1e3
     print(f"step {t_plain * 1e3:.2f} ms, with statistics {t_stats * 1e3:.2f} ms", flush=True)
     for n in args.stat_tokens:  # the statistics from at most n strided rows a layer (of batch x seq)
         gift.stat_tokens, gift.steps = n, 0
@@ -284,7 +325,10 @@ def main(argv=None) -> int:
                 g2._transform_all(held, inverse=False)
 
             ms = timeit(both, args.reps, dev) * 1e3
-            per[dt] = {"ms": ms, "whitened_layers": len(held), "of_plain_step": ms / res["step_ms"]["plain"]}
+            queued = queued_time(both, args.reps, dev) * 1e3
+            per[dt] = {"ms": ms, "whitened_layers": len(held), "of_plain_step": ms / res["step_ms"]["plain"],
+                       "queued_ms": queued, "queued_of_plain_step": queued / res["step_ms"]["plain"],
+                       "host_issue_ms": host_time(both, args.reps, dev) * 1e3}
             g2.remove()
             model.zero_grad(set_to_none=True)
             del g2, held
@@ -370,6 +414,18 @@ def gift_transforms_table(res: dict) -> list[str]:
         n = per[TRANSFORM_DTYPES[0]]["whitened_layers"]
         lines.append(f"| {mg} | {n} | " + " | ".join(f"{per[dt]['ms']:.2f} ({100 * per[dt]['of_plain_step']:.1f}%)"
                                                       for dt in TRANSFORM_DTYPES) + " |")
+    if "queued_ms" not in next(iter(gt["min_gain"].values()))[TRANSFORM_DTYPES[0]]:
+        return [*lines, ""]
+    lines += ["", "The same timed on the device with the host ahead (queued behind a sleep kernel, as behind the "
+              "backward's kernels in a step), and the host's time to issue them:", "",
+              "| min_gain | " + " | ".join(f"{dt} queued | {dt} host" for dt in TRANSFORM_DTYPES) + " |",
+              "|---|" + "---|---|" * len(TRANSFORM_DTYPES)]
+    for mg, per in gt["min_gain"].items():
+        lines.append(f"| {mg} | " + " | ".join(f"{per[dt]['queued_ms']:.2f} ({100 * per[dt]['queued_of_plain_step']:.1f}%)"
+                                               f" | {per[dt]['host_issue_ms']:.2f}" for dt in TRANSFORM_DTYPES) + " |")
+    if "step_host_issue_ms" in res:
+        lines += ["", f"The plain step's forward + backward: {res['step_ms']['plain']:.2f} ms, of which the host "
+                  f"issues its launches in {res['step_host_issue_ms']:.2f} ms."]
     return [*lines, ""]
 
 
