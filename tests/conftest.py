@@ -1,6 +1,7 @@
 import os
 import platform
 import sys
+from collections import Counter
 
 # Triton kernels run on CPU through the interpreter in the test suite (set before triton loads).
 # On the GPU machine, LEANTRAIN_TEST_GPU=1 runs them compiled (benchmarks/gpu.sh sets it).
@@ -26,16 +27,40 @@ def pytest_addoption(parser):
     parser.addoption("--grid-out", default=None, help="tests/test_grid.py: write the compatibility grid to this file")
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
+def pytest_configure(config):
+    """Under ``--dist loadfile`` xdist hands out whole files in the collection's order, which
+    :func:`pytest_collection_modifyitems` sets, instead of re-sorting them by their number of tests
+    (its ``--loadscope-reorder``): that sort starts a long file of one test (the compatibility grid)
+    last, while the other worker has nothing left to run."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # (after the -m selection)
+def pytest_collection_modifyitems(config, items):
+    """Files with the most ``slow`` tests first, then those with the most tests (xdist's own order),
+    so that the last files handed out to the workers are short. A stable sort: a file's tests stay
+    together and in their order."""
+    slow, tests = Counter(), Counter()
+    for item in items:
+        tests[item.path] += 1
+        slow[item.path] += item.get_closest_marker("slow") is not None
+    items.sort(key=lambda item: (-slow[item.path], -tests[item.path]))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
     """Tokenizers and token caches of tests go to one temporary directory per session, shared by the
     session's xdist workers (each a directory of its own under the session's: the parent): a corpus
     is tokenized once, not once a worker. The cache's files are written under a name of their
-    process and renamed into place, so workers filling it at once do not collide."""
+    process and renamed into place, so workers filling it at once do not collide. Session-scoped,
+    so that module-scoped fixtures (a run shared by a file's tests) use it too."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent
-    monkeypatch.setenv("LEANTRAIN_CACHE", str(base / "cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LEANTRAIN_CACHE", str(base / "cache"))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -18,15 +18,15 @@ DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"  # c
 
 
 class NormsNet(nn.Module):
-    """An embedding, three LayerNorms of ``width`` features (six 1-D parameters) and a linear head.
-    ``odd``: one more norm of 24 features (not a multiple of 16: its own launch)."""
+    """An embedding of ``vocab`` tokens, three LayerNorms of ``width`` features (six 1-D parameters)
+    and a linear head. ``odd``: one more norm of 24 features (not a multiple of 16: its own launch)."""
 
-    def __init__(self, width=32, odd=False):
+    def __init__(self, width=32, odd=False, vocab=40):
         super().__init__()
-        self.emb = nn.Embedding(40, width)
+        self.emb = nn.Embedding(vocab, width)
         self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(3))
         self.odd = nn.Sequential(nn.Linear(width, 24), nn.LayerNorm(24), nn.Linear(24, width)) if odd else None
-        self.fc = nn.Linear(width, 40)
+        self.fc = nn.Linear(width, vocab)
 
     def forward(self, idx):
         h = self.emb(idx)
@@ -49,7 +49,7 @@ def _run(base, rule, buckets, steps=3, nan_at=None, dtype=torch.float32, **kw):
     opt._step_rest_kernel = lambda *a: calls.__setitem__("single", calls["single"] + 1) or real_s(*a)
     g = torch.Generator().manual_seed(1)
     for s in range(steps):
-        idx = torch.randint(0, 40, (3, 7), generator=g).to(DEV)
+        idx = torch.randint(0, base.emb.num_embeddings, (3, 7), generator=g).to(DEV)
         if nan_at is not None and s == steps - 1:
             h = m.norms[1].weight.register_hook(
                 lambda gr: torch.where(torch.arange(gr.numel(), device=gr.device) == nan_at, float("nan"), gr))
@@ -73,11 +73,13 @@ def test_bucket_equals_one_launch_each(rule):
     assert_same_run(a, oa, b, ob)
 
 
-@pytest.mark.parametrize("state_dtype,width", [("bf16", 32), ("int8p", 256), ("fp32", 48)])
-def test_bucket_bf16_weights_with_stochastic_rounding(state_dtype, width):
-    """bf16 weights: each parameter draws its own launch's rounding bits (its key, its own offsets)."""
+@pytest.mark.parametrize("state_dtype,width,vocab", [("bf16", 32, 40), ("int8p", 256, 16), ("fp32", 48, 40)])
+def test_bucket_bf16_weights_with_stochastic_rounding(state_dtype, width, vocab):
+    """bf16 weights: each parameter draws its own launch's rounding bits (its key, its own offsets).
+    (int8p packs whole 256-element blocks: norms of 256 features; there a vocabulary of 16 keeps the
+    embedding's and the head's interpreted tiles, stepped outside the bucket, to a third.)"""
     torch.manual_seed(0)
-    base = NormsNet(width)
+    base = NormsNet(width, vocab=vocab)
     a, oa, ca = _run(base, "adamw", True, dtype=torch.bfloat16, state_dtype=state_dtype)
     b, ob, _ = _run(base, "adamw", False, dtype=torch.bfloat16, state_dtype=state_dtype)
     assert ca["bucket"] == 3

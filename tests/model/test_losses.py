@@ -187,8 +187,10 @@ def test_forge_head_updated_from_slices(clip):
 @pytest.mark.skipif(torch.cuda.is_available() and not interpreting(),
                     reason="the Triton interpreter on CPU tensors")
 def test_forge_head_triton_backend():
+    """The fused head's FORGE update on the Triton kernels (interpreted) follows the torch backend's;
+    one block beside it (each block's layers only add interpreted tiles)."""
     torch.manual_seed(1)
-    m0 = Llama(_cfg())
+    m0 = Llama(_cfg(n_layers=1))
     m1 = copy.deepcopy(m0)
     rule = lt.optim.SGD(lr=0.1, momentum=0.9)
     o0 = lt.forge.attach(m0, rule, backend="torch")

@@ -36,16 +36,36 @@ def _losses(out):
     return [json.loads(x)["loss"] for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_gloo_ranks_match_one_process(corpus, tmp_path):
-    one = subprocess.run([sys.executable, *_args(tmp_path / "one", corpus, 4)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([*_torchrun(2), *_args(tmp_path / "two", corpus, 2)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+# The plain runs several tests compare against, made once: 8 steps, a checkpoint every 4, lr 1e-2
+PLAIN = ["--train.ckpt-every", "4", "--optim.lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    """One process, a batch of 4: the reference of the 2-rank runs and of the activations' bytes."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    r = subprocess.run([sys.executable, *_args(out, corpus, 4), *PLAIN], env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp(corpus, tmp_path_factory):
+    """DDP's exact all-reduce on 2 gloo ranks of a batch of 2 (the same global batch)."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    r = subprocess.run([*_torchrun(2), *_args(out, corpus, 2), *PLAIN], env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out
+
+
+def test_two_gloo_ranks_match_one_process(one_process, ddp):
+    a, b = _losses(one_process), _losses(ddp)
     assert len(a) == len(b) == 8
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(x), (a, b)
-    s = json.loads((tmp_path / "two" / "summary.json").read_text())
+    s = json.loads((ddp / "summary.json").read_text())
     assert s["world_size"] == 2 and s["comm_bytes_per_step"] > 0
 
 
@@ -74,14 +94,12 @@ def test_killed_worker_ends_the_job_with_an_error(corpus, tmp_path):
     assert rc != 0
 
 
-def test_sharded_optimizer_in_the_trainer_matches_ddp_sdp4bit_and_scape_split_traffic(corpus, tmp_path):
-    ddp = tmp_path / "ddp"
-    r = subprocess.run([*_torchrun(2), *_args(ddp, corpus, 2, steps=6)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+def test_sharded_optimizer_in_the_trainer_matches_ddp_sdp4bit_and_scape_split_traffic(corpus, ddp, tmp_path):
     sh = tmp_path / "sharded"
-    r = subprocess.run([*_torchrun(2), *_args(sh, corpus, 2, steps=6), "--dist.mode", "sharded"], env=_env(),
+    r = subprocess.run([*_torchrun(2), *_args(sh, corpus, 2), *PLAIN, "--dist.mode", "sharded"], env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert len(_losses(sh)) == len(_losses(ddp)) == 8
     for x, y in zip(_losses(ddp), _losses(sh)):
         assert abs(x - y) <= 1e-4 * abs(x)
     q = tmp_path / "sdp4bit"
@@ -102,7 +120,7 @@ def test_sharded_optimizer_in_the_trainer_matches_ddp_sdp4bit_and_scape_split_tr
     assert all(x == x for x in _losses(sc)) and _losses(sc)[-1] < _losses(sc)[0]
 
 
-def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
+def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, one_process, tmp_path):
     """FORGE (per-layer dW reduced through AGoQ's int8 all-reduce) + AGoQ activations, 2 ranks."""
     out = tmp_path / "fa"
     r = subprocess.run([*_torchrun(2), *_args(out, corpus, 2, steps=8), "--forge.enabled", "true",
@@ -114,10 +132,7 @@ def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
     by_op = s["comm"]["by_op"]
     assert by_op.get("all_to_all", 0) > 0 and by_op.get("all_gather", 0) > 0  # the int8 all-reduce's two hops
     # saved activations are packed: far below the same model's raw fp32 bytes
-    ref = tmp_path / "plain"
-    r = subprocess.run([sys.executable, *_args(ref, corpus, 4, steps=1)], env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    raw = json.loads((ref / "summary.json").read_text())["memory"]["activations"]
+    raw = json.loads((one_process / "summary.json").read_text())["memory"]["activations"]
     per_sample_ratio = (s["memory"]["activations"] / 2) / (raw / 4)  # batch 2 per rank vs 4, fp32 model
     assert per_sample_ratio < 0.3, per_sample_ratio
     losses = _losses(out)
@@ -126,23 +141,17 @@ def test_forge_agoq_and_int8_allreduce_compose_in_one_run(corpus, tmp_path):
 
 def _gift_args(out, corpus, steps=8):
     return [*_args(out, corpus, 2, steps=steps), "--comm.method", "gift", "--comm.gift.min-numel", "1000",
-            "--comm.gift.refresh-every", "3", "--comm.gift.rank", "8", "--train.ckpt-every", "4", "--optim.lr", "1e-2"]
+            "--comm.gift.refresh-every", "3", "--comm.gift.rank", "8", *PLAIN]
 
 
-def test_gift_follows_the_exact_all_reduce_and_resumes_bit_identically(corpus, tmp_path):
+def test_gift_follows_the_exact_all_reduce_and_resumes_bit_identically(corpus, ddp, tmp_path):
     """comm.method=gift (FP8 in K-FAC-whitened coordinates, the factors refreshed every 3 steps): the loss
     curve stays within 2 % of DDP's exact all-reduce; the traffic is the FP8 all-reduce's two hops plus the
     factors' broadcasts; resumed from the step-4 checkpoint, the run ends with the uninterrupted one's bits."""
-
-
-
-    exact, gift = tmp_path / "exact", tmp_path / "gift"
-    r = subprocess.run([*_torchrun(2), *_args(exact, corpus, 2, steps=8), "--train.ckpt-every", "4", "--optim.lr", "1e-2"],
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    gift = tmp_path / "gift"
     r = subprocess.run([*_torchrun(2), *_gift_args(gift, corpus)], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    a, b = _losses(exact), _losses(gift)
+    a, b = _losses(ddp), _losses(gift)
     assert len(a) == len(b) == 8 and a != b
     for x, y in zip(a, b):
         assert abs(x - y) <= 0.02 * abs(x), (a, b)
