@@ -99,35 +99,24 @@ def host_time(fn, reps: int, dev: torch.device) -> float:
 
 def queued_time(fn, reps: int, dev: torch.device, calls: int = 5) -> float:
     """Device seconds of a call of ``fn()`` when the host is ahead of the device, as in a training step
-    where the host issues the reduction while the backward's kernels still run: the stream is first held
-    by a sleep kernel long enough for the host to queue ``calls`` calls, and CUDA events time the calls
-    alone (median of ``reps`` trials). Wall time off CUDA."""
-    if dev.type != "cuda":
-        return timeit(fn, reps, dev)
-    fn()
-    torch.cuda.synchronize(dev)
-    ts = []
-    for _ in range(reps):
-        torch.cuda._sleep(int(5e8))  # (about 0.25 s at 2 GHz: far longer than the host takes to queue the calls)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        ts.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(ts)
+    where the host issues the reduction while the backward's kernels still run (:func:`gpu_time` with the
+    stream held first). Wall time off CUDA."""
+    return gpu_time(fn, reps, dev, calls, hold=True)
 
 
-def gpu_time(fn, reps: int, dev: torch.device, calls: int = 20) -> float:
+def gpu_time(fn, reps: int, dev: torch.device, calls: int = 20, hold: bool = False) -> float:
     """Seconds a call of ``fn()`` on the device: median over ``reps`` trials of ``calls`` back-to-back calls
-    between two CUDA events (the host's launches overlap the device's work); wall time off CUDA."""
+    between two CUDA events (the host's launches overlap the device's work); wall time off CUDA. ``hold``:
+    a sleep kernel first holds the stream until the host has queued every call, so the events time the
+    device's work alone, with no wait for a launch."""
     if dev.type != "cuda":
         return timeit(fn, reps, dev)
     fn()
     torch.cuda.synchronize(dev)
     ts = []
     for _ in range(reps):
+        if hold:
+            torch.cuda._sleep(int(5e8))  # (about 0.25 s at 2 GHz: far longer than the host takes to queue the calls)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
