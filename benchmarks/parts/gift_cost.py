@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     gift.steps = 0  # a refresh step (the roots, here every layer's, take statistics)
     t_stats = timeit(step, args.reps, dev)
     res["step_ms"] = {"plain": t_plain * 1e3, "with_statistics": t_stats * 1e3}
-    gift.steps = 1
+    gift.steps = 1  # (the host's launches of the plain step)
     res["step_host_issue_ms"] = host_time(step, args.reps, dev) * 1e3
     print(f"step {t_plain * 1e3:.2f} ms, with statistics {t_stats * 1e3:.2f} ms", flush=True)
     for n in args.stat_tokens:  # the statistics from at most n strided rows a layer (of batch x seq)
