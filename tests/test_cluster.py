@@ -422,7 +422,8 @@ def test_namespace_run_through_phases_shapes_only_the_rate_phase(corpus, tmp_pat
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     ref, shaped = json.loads(out.read_text())["points"]
     link_s = 8 * max(shaped["wire_tx_bytes_per_step"]) / 4e6
-    assert shaped["step_time_s"] > 0.5 * link_s > 5 * shaped["paired_step_s"]
+    # (the unshaped medians well under the link's time, with room for a busy host's slower compute)
+    assert shaped["step_time_s"] > 0.5 * link_s > 2 * shaped["paired_step_s"]
     # (every unshaped step but at most one: on a busy host one step at a phase's edge can straddle `tc`'s change)
     assert sorted(ref["step_times_s"])[-2] < 0.5 * link_s
 
