@@ -63,6 +63,20 @@ def _isolated_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_across_files():
+    """A process group that a file's tests left in this process (a run of one process under FSDP makes
+    one, :func:`leantrain.runtime.distributed.ensure_group`) is closed after the file: the next file
+    on this worker starts without one, as it would alone."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from leantrain.runtime import distributed
+
+        distributed.close(together=False)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     from helpers import write_corpus

@@ -33,7 +33,6 @@ import pytest
 import torch
 
 from helpers import TINY_OVERRIDES, tiny_config
-from leantrain.runtime import distributed
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "grid"
 OK = "ok"
@@ -202,7 +201,6 @@ def compute(corpus, tmp: Path, hf_dirs: dict) -> dict[str, dict[str, str]]:
         if grid[recipe][column] == OK:
             where = tmp / "w2" / f"{recipe}-{column}".replace(" ", "_").replace("/", "_")
             grid[recipe][column] = _resume_on_one(recipe, corpus, where)
-    distributed.close(together=False)  # (the group of one that this process's FSDP runs made: not the next test's)
     return grid
 
 
