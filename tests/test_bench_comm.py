@@ -49,3 +49,32 @@ def test_gift_cost_times_the_host_and_the_queued_device_and_tables_them():
     assert "| 0 | 1.50 (15.0%) | 0.50 |" in table and "host issues its launches in 7.00 ms" in table
     del row["queued_ms"]  # (a file made before the queued timing: the first table alone)
     assert "queued" not in "\n".join(gift_cost.gift_transforms_table(res))
+
+
+def test_gift_cost_times_and_tables_the_split_thin_products():
+    """``--splits``: the transforms a step with ``TransformGroup.split`` set, and one layer's thin products
+    split each way, timed (wall time off CUDA) and tabled."""
+    from types import SimpleNamespace
+
+    from parts import gift_cost
+
+    from leantrain.comm.gift_transforms import _Side
+
+    g = torch.Generator().manual_seed(0)
+    n, k, r = 32, 16, 4
+
+    def side(dim):
+        u, _ = torch.linalg.qr(torch.randn(dim, r, generator=g))
+        return _Side(u, torch.rand(r, generator=g) + 1, 0.5, 1e-3)
+
+    times = gift_cost.thin_products_device_time(side(k), side(n), torch.randn(n, k, generator=g),
+                                                SimpleNamespace(splits=[2, 3], reps=1), torch.device("cpu"))
+    assert list(times["float32"]) == ["P+Q split 1", "P+Q split 2", "P+Q split 3", "final"]
+    assert all(v > 0 for d in times.values() for v in d.values())
+    row = {"ms": 2.0, "whitened_layers": 4, "of_plain_step": 0.2, "queued_ms": 1.5, "queued_of_plain_step": 0.15,
+           "host_issue_ms": 0.5, "split": {"4": {"ms": 1.0, "of_plain_step": 0.1, "queued_ms": 0.8,
+                                                 "queued_of_plain_step": 0.08}}}
+    res = {"gift_transforms": {"stat_tokens": 64, "min_gain": {"1.2": {dt: row for dt in gift_cost.TRANSFORM_DTYPES}}},
+           "step_ms": {"plain": 10.0}}
+    table = "\n".join(gift_cost.gift_transforms_table(res))
+    assert "| 1.2 | 4 | 1.00 (10.0%) / 0.80 (8.0%) |" in table

@@ -168,8 +168,30 @@ def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.devic
     row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
     lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
     row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
+    row["device_products_ms"] = thin_products_device_time(a, b, g, args, dev)
     row.update(measure_batched(a, b, n, k, count, args, dev, gen))
     return row
+
+
+def thin_products_device_time(a: _Side, b: _Side, g: torch.Tensor, args, dev: torch.device) -> dict:
+    """Device ms of one layer's thin products ``P = g Ua`` and ``Q = Ubᵀ g`` (one :class:`TransformGroup`
+    transform's, fp32 and TF32), unsplit and split each ``--splits`` way, with the host ahead
+    (:func:`queued_time`); and of the final ``g + left @ right``."""
+    n, k = g.shape
+    ua, ubt = a.u.contiguous(), b.u.contiguous().mT
+    p, q = torch.empty(n, ua.shape[1], device=dev), torch.empty(ubt.shape[0], k, device=dev)
+    lft, rgt = torch.randn(n, 2 * ua.shape[1], device=dev), torch.randn(2 * ua.shape[1], k, device=dev)
+    out = {}
+    for name, tf32 in (("float32", False), ("tfloat32", True)):
+        grp = TransformGroup(n, k, name)
+        row = out[name] = {}
+        with _tf32(tf32):
+            for sp in [1, *args.splits]:
+                grp.split = sp
+                thin = grp._thin_split if sp > 1 and n % sp == 0 == k % sp else grp._thin
+                row[f"P+Q split {sp}"] = queued_time(lambda t=thin: t(g, ua, ubt, p, q), args.reps, dev) * 1e3
+            row["final"] = queued_time(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
+    return out
 
 
 def measure_batched(a: _Side, b: _Side, n: int, k: int, count: int, args, dev: torch.device,
@@ -235,6 +257,8 @@ def main(argv=None) -> int:
                     help="also time the refresh step with GIFT's stat_tokens at each of these")
     ap.add_argument("--min-gains", type=float, nargs="*", default=[0.0, 1.2],
                     help="time GIFT's own transforms with each of these min_gain")
+    ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8],
+                    help="also time the transforms with the thin products split this many ways (TransformGroup.split)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -318,6 +342,13 @@ def main(argv=None) -> int:
             per[dt] = {"ms": ms, "whitened_layers": len(held), "of_plain_step": ms / res["step_ms"]["plain"],
                        "queued_ms": queued, "queued_of_plain_step": queued / res["step_ms"]["plain"],
                        "host_issue_ms": host_time(both, args.reps, dev) * 1e3}
+            for sp in args.splits:  # (the same factors and gradients, the thin products split)
+                for grp in g2.groups.values():
+                    grp.split = sp
+                ms, queued = timeit(both, args.reps, dev) * 1e3, queued_time(both, args.reps, dev) * 1e3
+                per[dt].setdefault("split", {})[str(sp)] = {
+                    "ms": ms, "of_plain_step": ms / res["step_ms"]["plain"],
+                    "queued_ms": queued, "queued_of_plain_step": queued / res["step_ms"]["plain"]}
             g2.remove()
             model.zero_grad(set_to_none=True)
             del g2, held
@@ -412,6 +443,17 @@ def gift_transforms_table(res: dict) -> list[str]:
     for mg, per in gt["min_gain"].items():
         lines.append(f"| {mg} | " + " | ".join(f"{per[dt]['queued_ms']:.2f} ({100 * per[dt]['queued_of_plain_step']:.1f}%)"
                                                f" | {per[dt]['host_issue_ms']:.2f}" for dt in TRANSFORM_DTYPES) + " |")
+    first = next(iter(gt["min_gain"].values()))[TRANSFORM_DTYPES[0]]
+    if first.get("split"):
+        lines += ["", "The same with the thin products split (``TransformGroup.split``), wall ms and share of the plain "
+                  "step / queued on the device:", "",
+                  "| min_gain | split | " + " | ".join(TRANSFORM_DTYPES) + " |", "|---|---|" + "---|" * len(TRANSFORM_DTYPES)]
+        for mg, per in gt["min_gain"].items():
+            for sp in first["split"]:
+                lines.append(f"| {mg} | {sp} | " + " | ".join(
+                    f"{per[dt]['split'][sp]['ms']:.2f} ({100 * per[dt]['split'][sp]['of_plain_step']:.1f}%) / "
+                    f"{per[dt]['split'][sp]['queued_ms']:.2f} ({100 * per[dt]['split'][sp]['queued_of_plain_step']:.1f}%)"
+                    for dt in TRANSFORM_DTYPES) + " |")
     if "step_host_issue_ms" in res:
         lines += ["", f"The plain step's forward + backward: {res['step_ms']['plain']:.2f} ms, of which the host "
                   f"issues its launches in {res['step_host_issue_ms']:.2f} ms."]
@@ -449,6 +491,15 @@ def markdown(res: dict) -> str:
             f"{r['batched_transforms_ms'][d]:.2f} ({r['batched_whiten_error'][d]:.1e} / "
             f"{r['batched_round_trip_error'][d]:.1e})" for d in dts) + " |")
     m = res["model"]
+    dp = [(shape, r["device_products_ms"]) for shape, r in res["per_shape"].items() if "device_products_ms" in r]
+    if dp:
+        cols = list(next(iter(dp))[1]["float32"])
+        lines += ["", "One layer's thin products P and Q, unsplit and split, and the final product, device ms with the "
+                  "host ahead, float32 / tfloat32:", "", "| layer N×K | " + " | ".join(cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for shape, d in dp:
+            lines.append(f"| {shape} | " + " | ".join(f"{d['float32'][c]:.3f} / {d['tfloat32'][c]:.3f}" for c in cols)
+                         + " |")
     lines += ["", "Batched, the model a step: " + ", ".join(
         f"{d} {m['batched_transforms_ms'][d]:.2f} ms ({100 * m['batched_transforms_of_plain_step'][d]:.1f} % of "
         f"a plain step)" for d in dts) + "."]

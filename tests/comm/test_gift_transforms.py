@@ -4,6 +4,8 @@ on a subset of the layers; and on 2 gloo ranks, the reduction against the per-la
 layer, FP8 all-reduce in model order, map back) and the bf16 option's error advantage over Euclidean FP8;
 ``min_gain``: the gain estimate, the layers sent Euclidean, the decision kept by a state round trip.
 
+``split`` (the thin products as batched slices) is held to the same tolerances as the plain products.
+
 Tolerances: fp32 products agree with the per-layer reference to ``1e-5`` relative (the same products,
 batched); the fp32 and TF32 round trips to ``1e-5`` (the map back inverts the bases as rounded). bf16
 products: the whitened gradient within ``1e-2`` of the fp64 whitening and the round trip within ``1e-2``
@@ -40,11 +42,12 @@ def _rel(x, ref):
     return float((x.double() - ref.double()).norm() / ref.double().norm())
 
 
+@pytest.mark.parametrize("split", [1, 4, 3])  # (3 divides neither 40 nor 24: unsplit)
 @pytest.mark.parametrize("rank", [8, None])
-def test_batched_transforms_match_the_per_layer_reference(rank):
+def test_batched_transforms_match_the_per_layer_reference(rank, split):
     n, k, layers = 40, 24, 3
     sides = [(_side(k, rank or k, 2 * i), _side(n, rank or n, 2 * i + 1)) for i in range(layers)]
-    grp = TransformGroup(n, k)
+    grp = TransformGroup(n, k, split=split)
     grp.rebuild(sides)
     gs = [torch.randn(n, k) for _ in range(layers)]
     for inverse in (True, False):
@@ -62,11 +65,11 @@ def test_batched_transforms_match_the_per_layer_reference(rank):
 
 @pytest.mark.parametrize("dtype,tol,euclidean_tol", [("float32", 1e-5, 1e-5), ("tfloat32", 1e-3, 1e-5),
                                                     ("bfloat16", 1e-2, 1e-1)])
-@pytest.mark.parametrize("rank", [16, None])
-def test_the_map_back_inverts_the_map_out(dtype, tol, euclidean_tol, rank):
+@pytest.mark.parametrize("rank,split", [(16, 1), (None, 1), (16, 8)])
+def test_the_map_back_inverts_the_map_out(dtype, tol, euclidean_tol, rank, split):
     n, k = 80, 48
     a, b = _side(k, rank or k, 1), _side(n, rank or n, 2)
-    grp = TransformGroup(n, k, dtype)
+    grp = TransformGroup(n, k, dtype, split=split)
     grp.rebuild([(a, b)])
     g = torch.randn(n, k) * torch.logspace(0, -1, k)
     w, back = torch.empty(n, k), torch.empty(n, k)

@@ -32,6 +32,12 @@ the same factors, so the map back of the summed whitened gradients is the same l
 TF32 on CUDA: fp32 off CUDA), ``"bfloat16"`` (the bases stored in bf16, each gradient cast to bf16 for its
 two thin products, the final product ``left @ right`` in bf16 added to the fp32 ``c_a c_b g``). The small
 ops run in fp32 in all three.
+
+**Split products** (``split = s > 1``). ``P`` (``N x r``) and ``Q`` (``r x K``) are thin: a GEMM library
+tiles their outputs into a few dozen blocks, fewer than a GPU has multiprocessors. Split in ``s`` along
+their inner dimension, each is one batched product of ``s`` slices read in place (``g``'s column blocks
+for ``P``, its row blocks for ``Q``: strided views, no copy), ``s`` times the blocks, then a sum of ``s``
+small partial products (``s r`` floats a row or column: ``s r / K`` of a pass over ``g``).
 """
 
 from __future__ import annotations
@@ -106,12 +112,14 @@ class TransformGroup:
     """The whitened layers of one weight shape ``N x K`` and their transforms, batched (module doc).
 
     :meth:`rebuild` stacks the layers' factors (on each refresh and state load); :meth:`apply` whitens or
-    maps back any subset of them. ``dtype``: one of :data:`TRANSFORM_DTYPES`."""
+    maps back any subset of them. ``dtype``: one of :data:`TRANSFORM_DTYPES`; ``split``: the thin products'
+    split (module doc)."""
 
-    def __init__(self, n: int, k: int, dtype: str = "float32"):
+    def __init__(self, n: int, k: int, dtype: str = "float32", split: int = 1):
         if dtype not in TRANSFORM_DTYPES:
             raise ValueError(f"GIFT: transform_dtype must be one of {TRANSFORM_DTYPES}, got {dtype!r}")
         self.n, self.k, self.dtype = n, k, dtype
+        self.split = split  # (module doc; a split that does not divide N and K runs unsplit)
         self.store = torch.bfloat16 if dtype == "bfloat16" else torch.float32  # the bases and the products
         self.size = 0  # layers stacked
 
@@ -170,16 +178,30 @@ class TransformGroup:
         q = torch.empty(n_, rb, self.k, dtype=self.store, device=dev)
         with _tf32(self.dtype == "tfloat32"):
             # the two thin products, layer by layer, into the stacks (unbind: one call for a stack's views)
+            thin = self._thin_split if self.split > 1 and self.n % self.split == 0 == self.k % self.split else self._thin
             for g, ua_i, ubt_i, p_i, q_i in zip(srcs, ua.unbind(0), ub.mT.unbind(0), p.unbind(0), q.unbind(0)):
-                gl = g.to(self.store)
-                torch.mm(gl, ua_i, out=p_i)
-                torch.mm(ubt_i, gl, out=q_i)
+                thin(g.to(self.store), ua_i, ubt_i, p_i, q_i)
             p, q = p.float(), q.float()
             msm = torch.bmm(torch.bmm(mb, torch.bmm(ub32.mT, p)), ma)  # M_b S M_a
             left = torch.cat([torch.baddbmm(torch.bmm(p, cbma), ub32, msm), ub32], -1).to(self.store)
             right = torch.cat([ua32.mT, torch.bmm(camb, q)], 1).to(self.store)
             for src, dst, left_i, right_i, beta in zip(srcs, dsts, left.unbind(0), right.unbind(0), cc):
                 self._final(src, left_i, right_i, beta, dst)
+
+    @staticmethod
+    def _thin(g: Tensor, ua: Tensor, ubt: Tensor, p: Tensor, q: Tensor) -> None:
+        """``p = g @ ua``, ``q = ubt @ g``: one product each."""
+        torch.mm(g, ua, out=p)
+        torch.mm(ubt, g, out=q)
+
+    def _thin_split(self, g: Tensor, ua: Tensor, ubt: Tensor, p: Tensor, q: Tensor) -> None:
+        """:meth:`_thin` as ``split`` slices of the inner dimension, a batched product each (module doc);
+        the partial products summed in fp32."""
+        s, n, k = self.split, self.n, self.k
+        cols = g.view(n, s, k // s).transpose(0, 1)  # [s, N, K/s]: g's column blocks, in place
+        p.copy_(torch.bmm(cols, ua.view(s, k // s, -1)).sum(0, dtype=torch.float32))
+        rows_t = ubt.view(-1, s, n // s).transpose(0, 1)  # [s, r, N/s]: Ubᵀ's column blocks
+        q.copy_(torch.bmm(rows_t, g.view(s, n // s, k)).sum(0, dtype=torch.float32))
 
     def _final(self, src: Tensor, left: Tensor, right: Tensor, beta: float, dst: Tensor) -> None:
         """``dst = beta src + left @ right``: one ``addmm`` in fp32 / TF32 (in place when ``dst`` is ``src``);
