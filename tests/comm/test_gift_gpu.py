@@ -71,15 +71,16 @@ def test_statistics_and_refresh_of_a_cuda_model():
         assert ((back - g).norm() / g.norm()).item() < 1e-4
 
 
+@pytest.mark.parametrize("split", [1, 8])
 @pytest.mark.parametrize("dtype,tol,euclidean_tol", [("float32", 1e-5, 1e-5), ("tfloat32", 2e-3, 2e-2),
                                                     ("bfloat16", 1e-2, 1e-1)])
-def test_batched_transforms_on_cuda_match_the_reference_and_invert(dtype, tol, euclidean_tol):
+def test_batched_transforms_on_cuda_match_the_reference_and_invert(dtype, tol, euclidean_tol, split):
     """The batched group on 1b-like shapes: fp32 equals the per-layer reference; in every dtype the map back
     inverts the map out (tolerances: the CPU tests' measured bf16 errors, TF32's scaled by its 3 more
-    mantissa bits, with margin)."""
+    mantissa bits, with margin); the same with the thin products split (cuBLAS on strided slices)."""
     n, k, layers = 2560, 2048, 3
     sides = [(_side(k, 64, 2 * i + 1), _side(n, 64, 2 * i + 2)) for i in range(layers)]
-    grp = TransformGroup(n, k, dtype)
+    grp = TransformGroup(n, k, dtype, split=split)
     grp.rebuild(sides)
     gs = [torch.randn(n, k, device="cuda") * torch.logspace(0, -1, k, device="cuda") for _ in range(layers)]
     w = [torch.empty_like(g) for g in gs]
