@@ -119,7 +119,7 @@ class TransformGroup:
         if dtype not in TRANSFORM_DTYPES:
             raise ValueError(f"GIFT: transform_dtype must be one of {TRANSFORM_DTYPES}, got {dtype!r}")
         self.n, self.k, self.dtype = n, k, dtype
-        self.split = split  # (module doc; a split that does not divide N and K runs unsplit)
+        self.split = split  # (module doc; one that does not divide N and K runs unsplit)
         self.store = torch.bfloat16 if dtype == "bfloat16" else torch.float32  # the bases and the products
         self.size = 0  # layers stacked
 
@@ -178,9 +178,8 @@ class TransformGroup:
         q = torch.empty(n_, rb, self.k, dtype=self.store, device=dev)
         with _tf32(self.dtype == "tfloat32"):
             # the two thin products, layer by layer, into the stacks (unbind: one call for a stack's views)
-            thin = self._thin_split if self.split > 1 and self.n % self.split == 0 == self.k % self.split else self._thin
             for g, ua_i, ubt_i, p_i, q_i in zip(srcs, ua.unbind(0), ub.mT.unbind(0), p.unbind(0), q.unbind(0)):
-                thin(g.to(self.store), ua_i, ubt_i, p_i, q_i)
+                self.thin_products(g.to(self.store), ua_i, ubt_i, p_i, q_i)
             p, q = p.float(), q.float()
             msm = torch.bmm(torch.bmm(mb, torch.bmm(ub32.mT, p)), ma)  # M_b S M_a
             left = torch.cat([torch.baddbmm(torch.bmm(p, cbma), ub32, msm), ub32], -1).to(self.store)
@@ -188,16 +187,15 @@ class TransformGroup:
             for src, dst, left_i, right_i, beta in zip(srcs, dsts, left.unbind(0), right.unbind(0), cc):
                 self._final(src, left_i, right_i, beta, dst)
 
-    @staticmethod
-    def _thin(g: Tensor, ua: Tensor, ubt: Tensor, p: Tensor, q: Tensor) -> None:
-        """``p = g @ ua``, ``q = ubt @ g``: one product each."""
-        torch.mm(g, ua, out=p)
-        torch.mm(ubt, g, out=q)
-
-    def _thin_split(self, g: Tensor, ua: Tensor, ubt: Tensor, p: Tensor, q: Tensor) -> None:
-        """:meth:`_thin` as ``split`` slices of the inner dimension, a batched product each (module doc);
-        the partial products summed in fp32."""
+    def thin_products(self, g: Tensor, ua: Tensor, ubt: Tensor, p: Tensor, q: Tensor) -> None:
+        """``p = g @ ua`` and ``q = ubt @ g`` of one layer: a product each, or with ``split`` (dividing ``N``
+        and ``K``) a batched product each of ``split`` slices of the inner dimension (module doc), the
+        partial products summed in fp32."""
         s, n, k = self.split, self.n, self.k
+        if s <= 1 or n % s or k % s:
+            torch.mm(g, ua, out=p)
+            torch.mm(ubt, g, out=q)
+            return
         cols = g.view(n, s, k // s).transpose(0, 1)  # [s, N, K/s]: g's column blocks, in place
         p.copy_(torch.bmm(cols, ua.view(s, k // s, -1)).sum(0, dtype=torch.float32))
         rows_t = ubt.view(-1, s, n // s).transpose(0, 1)  # [s, r, N/s]: Ubᵀ's column blocks
