@@ -596,8 +596,8 @@ TABLES: dict[str, list[tuple]] = {
          trainer_vs_base, "no slower", "step/2026-12-06_H100-80GB-HBM3_trainer-vs-base.json"),
     ],
     "timings": [
-        ("`make test` (fresh clone, 2-core CPU)", make_test, "≤ 20 min", "ci/2026-12-07_cpu_make-test.json"),
-        ("`make train` (venv installed)", make_train, "", "ci/2026-12-05_cpu_make-timings.json"),
+        ("`make test` (fresh clone, 2-core CPU)", make_test, "≤ 20 min", "ci/2026-12-07_cpu_make-timings.json"),
+        ("`make train` (venv installed)", make_train, "", "ci/2026-12-07_cpu_make-timings.json"),
     ],
     "forge": [
         ("one linear, best path vs matmul + fused AdamW, T ≤ 2048, `fast_math`", layer_small_fast, "≥ 1.5×", F_LAYER),
