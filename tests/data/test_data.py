@@ -63,6 +63,20 @@ def test_pretokenized_bin(tmp_path):
     assert torch.equal((x[:, 1:]), y[:, :-1])
 
 
+def test_an_eval_file_leaves_the_whole_corpus_to_training(tmp_path, corpus):
+    """``data.eval_path`` set: a directory of text files and a token file train on everything (no
+    validation split; the cached empty split reloads)."""
+    tok = D.load(cfg(corpus), log=lambda *_: None).tokenizer  # (one tokenizer: the same tokens a file)
+    held = D.load(cfg(corpus), log=lambda *_: None, tokenizer=tok)
+    for _ in range(2):  # (the second from the token cache)
+        whole = D.load(cfg(corpus, eval_path=str(corpus)), log=lambda *_: None, tokenizer=tok)
+        assert len(whole.val) == 0 and len(whole.train) == len(held.train) + len(held.val)
+    ids = (np.arange(5000) % 300).astype(np.uint16)
+    ids.tofile(tmp_path / "t.bin")
+    d = D.load(cfg(tmp_path / "t.bin", bin_vocab_size=300, eval_path=str(tmp_path)))
+    assert len(d.train) == 5000 and len(d.val) == 0
+
+
 def test_missing_and_empty_data_fail_clearly(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         D.load(cfg(tmp_path / "nope.txt"))

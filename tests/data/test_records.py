@@ -110,6 +110,35 @@ def test_every_kind_of_record_file_trains_on_the_same_rows(tmp_path, fmt):
     assert sum(len(r) for r in seen["jsonl"]) > 0
 
 
+def _trained_tokens(data) -> int:
+    """Tokens trained on over both splits: every token of a token corpus, the targets of examples."""
+    if isinstance(data, data_mod.TokenData):
+        return len(data.train) + len(data.val)
+    return int((data.train.targets != -100).sum() + (data.val.targets != -100).sum())
+
+
+@pytest.mark.parametrize("fmt", ["text", "instruct", "chat"])
+def test_an_eval_file_leaves_every_record_to_training(tmp_path, fmt):
+    """With ``data.eval_path`` set that file scores the run: nothing of ``data.path`` is held out (the
+    validation split is empty, from the cache too), and training has every token the two splits had."""
+    tok = _word_tokenizer()
+    path = write_as("jsonl", tmp_path, _rows(fmt, 40))
+    split = data_mod.load(DataConfig(path=str(path), seq_len=16, val_fraction=0.25), tokenizer=tok, **QUIET)
+    assert len(split.val.tokens if fmt != "text" else split.val) > 0
+    for _ in range(2):  # (the second from the token cache)
+        whole = data_mod.load(DataConfig(path=str(path), seq_len=16, val_fraction=0.25, eval_path=str(path)),
+                              tokenizer=tok, **QUIET)
+        assert len(whole.val.tokens if fmt != "text" else whole.val) == 0
+        assert _trained_tokens(whole) == _trained_tokens(split)
+    (tmp_path / "one").mkdir()
+    one = write_as("jsonl", tmp_path / "one", _rows(fmt, 1))  # (one example: enough once nothing is held out)
+    if fmt != "text":
+        with pytest.raises(ConfigError, match="at least 2"):
+            data_mod.load(DataConfig(path=str(one), seq_len=16), tokenizer=tok, **QUIET)
+    whole = data_mod.load(DataConfig(path=str(one), seq_len=16, eval_path=str(one)), tokenizer=tok, **QUIET)
+    assert _trained_tokens(whole) > 0
+
+
 def test_a_dataset_dict_trains_on_train_and_any_split_by_its_directory(tmp_path):
     path = write_as("dataset_dict", tmp_path, _rows("instruct"))
     assert len(list(read_records(path))) == 12 and len(list(read_records(path / "test"))) == 3

@@ -98,7 +98,7 @@ class DataConfig:
     batch_size: int = 16  # sequences per micro-batch per rank
     grad_accum: int = 1  # micro-batches per optimizer step
     tokenizer_vocab: int = 4096  # BPE vocabulary trained on the corpus
-    val_fraction: float = 0.05  # share of files (or of tokens for a single file) held out
+    val_fraction: float = 0.05  # share of files (or of tokens for a single file) held out; none with eval_path
     max_corpus_mb: float = 24.0  # cap on the embedded corpus text, for quick set-up
     # MB of a text corpus the BPE tokenizer is trained on, sampled over the whole corpus (larger
     # corpora are still tokenized whole)
@@ -118,7 +118,8 @@ class DataConfig:
     # instruct / chat data: several examples per sequence, no attention and no loss across them,
     # positions restarting at each (false: one example per sequence, padded)
     pack: bool = True
-    # a held-out file scored every train.eval_every steps in place of the val_fraction split:
+    # a held-out file scored every train.eval_every steps in place of the val_fraction split (then
+    # nothing of data.path is held out):
     # text, instruct / chat (the loss on what training trains on) or multiple choice ({"prompt",
     # "choices", "answer"}: accuracy too), in any file data.path reads (a DatasetDict directory: its
     # validation, else test, split); the whole file each time (leantrain/train/evalset.py)

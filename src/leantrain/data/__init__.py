@@ -29,6 +29,7 @@ batch ``N·B``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ from leantrain.data.examples import detect_format, example_texts
 from leantrain.data.packing import ExampleData, load_examples
 from leantrain.data.records import TRAIN_SPLITS, dataset_split, is_record_file, record_files
 from leantrain.data.sources import TEXT_SUFFIXES, Doc, Source, token_file, user_source
-from leantrain.data.stream import TokenWriter, sampled, token_dtype
+from leantrain.data.stream import TokenWriter, open_tokens, sampled, token_dtype
 from leantrain.data.tokenizer import Tokenizer
 
 __all__ = ["TEXT_SUFFIXES", "ExampleData", "TokenData", "Tokenizer", "cache_dir", "load", "open_tokenizer",
@@ -141,8 +142,9 @@ class _Split:
 
 
 def _plan(source: Source, val_fraction: float) -> _Split:
-    """Split by file name (a stable hash); a split left empty takes the last document of the other;
-    a corpus of one document is split by characters at its end."""
+    """Split by file name (a stable hash); a split left empty takes the last document of the other
+    (but for ``val_fraction`` 0: nothing held out); a corpus of one document is split by characters at
+    its end."""
     count = n_val = 0
     last: dict[bool, str | None] = {False: None, True: None}
     sizes = {False: 0, True: 0}
@@ -160,6 +162,8 @@ def _plan(source: Source, val_fraction: float) -> _Split:
     if count == 1:
         cut = int(first.chars() * (1 - val_fraction))
         return _Split(val_fraction, single=first, cut=cut, train_size=cut)
+    if val_fraction == 0:  # (nothing held out: the validation split stays empty)
+        return _Split(val_fraction, train_size=sizes[False])
     flipped = last[False] if n_val == 0 else last[True] if n_val == count else None
     return _Split(val_fraction, flipped=flipped, train_size=sizes[False] or sizes[True])
 
@@ -223,7 +227,7 @@ def _from_source(source: Source, cfg: DataConfig, key: str, log, tokenizer=None)
         log(f"tokenizer ready in {time.time() - t0:.1f}s ({tok_path})")
     paths = {name: cdir / f"tokens-{key}-{name}.bin" for name in ("train", "val")}
     if all(p.exists() for p in paths.values()):
-        arrays = {name: np.memmap(p, dtype=token_dtype(tok.vocab_size), mode="r") for name, p in paths.items()}
+        arrays = {name: open_tokens(p, token_dtype(tok.vocab_size)) for name, p in paths.items()}
     else:
         t0 = time.time()
         arrays = _tokenize(source, split, tok, paths)
@@ -275,7 +279,11 @@ def load(cfg: DataConfig, log=print, tokenizer=None) -> TokenData | ExampleData:
     :class:`leantrain.model.hf.HFTokenizer`: a model's own); text is encoded with it and no BPE is
     trained. Neither: a BPE of ``data.tokenizer_vocab`` tokens is trained on the corpus (and
     cached). Instruct / chat records (``data.format``) give :class:`ExampleData`; a ``DatasetDict``
-    directory is read through its ``train`` split."""
+    directory is read through its ``train`` split. With ``data.eval_path`` set nothing is held out of
+    the training data (``data.val_fraction`` is not used: that file scores the run) and the
+    validation split is empty."""
+    if cfg.eval_path is not None:
+        cfg = dataclasses.replace(cfg, val_fraction=0.0)
     if cfg.tokenizer:
         tokenizer = open_tokenizer(cfg.tokenizer)
     sample_mb = getattr(cfg, "tokenizer_sample_mb", DEFAULT_TOKENIZER_SAMPLE_MB)

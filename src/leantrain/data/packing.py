@@ -14,7 +14,8 @@ cut to that (counted in a warning). Rows of ``seq_len`` pairs:
   the padding, so no mask is needed).
 
 Examples are split into train and validation by a stable hash of their line (JSONL) or row number
-(``data.val_fraction``; a split left empty takes one example of the other). Batches are a pure
+(``data.val_fraction``; a split left empty takes one example of the other; with ``data.eval_path`` set
+nothing is held out). Batches are a pure
 function of (seed, step, micro-batch, rank), as :class:`leantrain.data.TokenData`'s are: the
 rows in a random order per epoch (seeded by seed and epoch), consecutive slices of it per batch.
 """
@@ -129,10 +130,12 @@ def load_examples(path: Path, fmt: str, cfg: DataConfig, tok, log) -> ExampleDat
                               f"{cfg.seq_len + 1} tokens (the prompt fills them); raise --data.seq-len")
         splits[_is_val(i, cfg.val_fraction)].append((ids, train))
     total = len(splits[False]) + len(splits[True])
-    if total < 2:
-        raise ConfigError(f"data file {path} holds {total} example(s); training and validation need at least 2")
+    held_out = cfg.val_fraction > 0  # (0: data.eval_path scores the run, every example trains)
+    if total < 1 + held_out:
+        raise ConfigError(f"data file {path} holds {total} example(s); training and validation need at least 2"
+                          if held_out else f"data file {path} holds no example")
     for empty, other in ((True, False), (False, True)):
-        if not splits[empty]:
+        if not splits[empty] and (held_out or not empty):
             splits[empty].append(splits[other].pop())
     if cut:
         log(f"warning: {cut} of {total} examples in {path} are longer than data.seq_len + 1 = {cfg.seq_len + 1} "
@@ -143,6 +146,7 @@ def load_examples(path: Path, fmt: str, cfg: DataConfig, tok, log) -> ExampleDat
             for name, is_val in (("train", False), ("val", True))}
     data = ExampleData(rows["train"], rows["val"], tok, tok.vocab_size, f"{path} ({fmt})", cfg.seq_len, cfg.pack,
                        cfg.grad_accum)
+    held = f"{len(splits[True])} held out" if held_out else f"none held out ({cfg.eval_path} scores the run)"
     log(f"{fmt} data: {len(splits[False])} training examples in {len(rows['train'].tokens)} rows of {cfg.seq_len}, "
-        f"{len(splits[True])} held out")
+        f"{held}")
     return data

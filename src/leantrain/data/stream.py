@@ -62,6 +62,12 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 65535 else np.uint32
 
 
+def open_tokens(path: Path, dtype) -> np.ndarray:
+    """A token file memory-mapped; an empty one (a split nothing went to) as an empty array, which
+    ``np.memmap`` cannot map."""
+    return np.memmap(path, dtype=dtype, mode="r") if Path(path).stat().st_size else np.zeros(0, dtype=dtype)
+
+
 class TokenWriter:
     """Documents' token ids, each followed by the end-of-text id (when the tokenizer has one),
     appended to ``path`` batch by batch.
@@ -105,7 +111,7 @@ class TokenWriter:
         self.flush()
         self.file.close()
         os.replace(self.tmp, self.path)
-        return np.memmap(self.path, dtype=self.dtype, mode="r")
+        return open_tokens(self.path, self.dtype)
 
     def abort(self) -> None:
         self.file.close()
