@@ -7,7 +7,7 @@
     leantrain finetune --from HF_DIR --data train.jsonl --eval-data val.jsonl --method full|forge|chunkft|mezo|grzo --out runs/ft
     leantrain export runs/a hf_out          (a Hugging Face model directory: from_pretrained loads it)
     leantrain eval --from runs/a|HF_DIR --data val.jsonl [--out DIR]   (loss and perplexity, or choice accuracy)
-    leantrain generate --from runs/a|HF_DIR --prompt "def " --max-new-tokens 40 [--temperature 0.8 --top-k 40]
+    leantrain generate --from runs/a|HF_DIR --prompt "def " --max-new-tokens 40 [--temperature 0.8 --top-k 40] [--chat]
     leantrain config --preset tiny [--section.field value ...]   (the resolved config, every field documented)
 
 Every config field is settable as ``--section.field value`` (``--forge.state-dtype int8``,
@@ -221,7 +221,7 @@ def cmd_generate(args, rest) -> int:
     from leantrain.train.evaluate import generate
 
     print(generate(args.source, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, device=args.device))
+                   top_k=args.top_k, seed=args.seed, device=args.device, chat=args.chat, system=args.system))
     return 0
 
 
@@ -326,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="sample among the k likeliest (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message, rendered by the tokenizer's chat template with the "
+                        "assistant's turn opened (a model fine-tuned on chat records)")
+    p.add_argument("--system", help="with --chat: a system message before it")
     p = sub.add_parser("config", help="print the resolved config tree with each field's doc")
     p.add_argument("--preset", default="tiny", help=f"one of {sorted(config_mod.PRESETS)}")
     p.add_argument("--config", help="TOML file of config overrides")

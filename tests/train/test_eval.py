@@ -85,6 +85,39 @@ def test_generate_equals_transformers_greedy_generate(hf_dir, capsys):
     assert capsys.readouterr().out.strip() == text.strip()
 
 
+LLAMA3_LIKE_TEMPLATE = (  # (a Llama-3-style template: a header per turn, the system's first)
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] | trim }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant]\n{% endif %}")
+
+
+def test_generate_chat_prompts_as_transformers_apply_chat_template(hf_dir, tmp_path, capsys):
+    """``--chat``: the prompt as a user's message (after ``--system``'s) through the model's own chat
+    template with the assistant's turn opened, the ids transformers' ``apply_chat_template`` gives;
+    the reply is the one transformers' greedy generate continues them with."""
+    import shutil
+
+    chat_dir = tmp_path / "chat"
+    shutil.copytree(hf_dir, chat_dir)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    hf_tok.chat_template = LLAMA3_LIKE_TEMPLATE
+    hf_tok.save_pretrained(chat_dir)
+    messages = [{"role": "system", "content": "Code."}, {"role": "user", "content": "def f(x):"}]
+    ids = transformers.AutoTokenizer.from_pretrained(chat_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(chat_dir).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          pad_token_id=hf_tok.eos_token_id)[0, len(ids):].tolist()
+    assert hf_tok.eos_token_id not in ref
+    assert len(ids) + 16 <= 64  # (the tiny model's positions)
+    text = generate(str(chat_dir), "def f(x):", max_new_tokens=16, device="cpu", chat=True, system="Code.",
+                    log=lambda *a: None)
+    assert text == hf_tok.decode(ref) and text != generate(str(chat_dir), "def f(x):", max_new_tokens=16,
+                                                           device="cpu", log=lambda *a: None)
+    assert cli.main(["generate", "--from", str(chat_dir), "--prompt", "x", "--system", "y", "--device", "cpu"]) == 2
+    assert "give --chat too" in capsys.readouterr().err
+
+
 def test_eval_text_loss_equals_transformers(hf_dir, tmp_path):
     text = "def wrap(text, width=70, **kwargs):\n    return text\n"
     (tmp_path / "t.txt").write_text(text)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from leantrain.config import ConfigError
-from leantrain.data.examples import record_format_of
+from leantrain.data.examples import ChatTemplate, record_format_of
 from leantrain.data.records import EVAL_SPLITS, dataset_split
 from leantrain.model import Llama
 from leantrain.train.evalset import ChoiceEval, RowsEval, example_rows, text_rows
@@ -86,14 +86,25 @@ def evaluate(source: str, data: str, *, out: str | Path | None = None, seq_len: 
 
 
 def generate(source: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, device: str | None = None, log=print) -> str:
+             top_k: int | None = None, seed: int = 0, device: str | None = None, chat: bool = False,
+             system: str | None = None, log=print) -> str:
     """The text ``source`` continues ``prompt`` with (bos first when the tokenizer has one; greedy at
     temperature 0; stops at an end-of-sequence token), by :meth:`leantrain.model.Llama.generate`
-    with its KV cache."""
+    with its KV cache. ``chat``: ``prompt`` is a user's message (after ``system``'s, when given), rendered
+    by the tokenizer's chat template with the assistant's turn opened, as fine-tuning on chat records
+    renders a conversation; the reply is the assistant's message."""
     dev = _device(device)
+    if system is not None and not chat:
+        raise ConfigError("--system is a chat message: give --chat too")
     model, tok = load_model(source, dev, log=log)
     bos = getattr(tok, "bos_id", None)
-    ids = ([bos] if bos is not None else []) + tok.encode(prompt)
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        text = ChatTemplate.of(tok).render(messages, add_generation_prompt=True, where="--chat")
+        ids = list(tok.tokenizer.encode(text, add_special_tokens=False).ids)
+    else:
+        ids = ([bos] if bos is not None else []) + tok.encode(prompt)
     if not ids:
         raise ConfigError("--prompt encodes to no tokens and the tokenizer has no bos token to start from")
     stop = tuple(getattr(tok, "eos_ids", ()) or ((tok.eot_id,) if tok.eot_id is not None else ()))
