@@ -41,14 +41,14 @@ class _Allocate:
 
 
 class CountedAllGather(_Allocate):
-    """FSDP2's all-gather (``torch.distributed.all_gather_into_tensor``), counted."""
+    """FSDP2's all-gather (torch's flat all-gather), counted."""
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         return collectives.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountedReduceScatter(_Allocate):
-    """FSDP2's reduce-scatter (``torch.distributed.reduce_scatter_tensor`` with FSDP2's op), counted."""
+    """FSDP2's reduce-scatter (torch's flat reduce-scatter with FSDP2's op), counted."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         return collectives.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

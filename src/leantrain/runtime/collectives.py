@@ -43,13 +43,19 @@ def all_reduce(t: Tensor, *, op=None, group=None, scope: str = "world", async_op
     return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+# torch's names for the two flat-tensor collectives: ``*_single`` from torch 2.13 (which warns on the older
+# names), ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` before; the same arguments
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def reduce_scatter_tensor(out: Tensor, inp: Tensor, *, op=None, group=None, scope: str = "world", async_op: bool = False):
     n = world_size(group)
     if n == 1:
         out.copy_(inp.view_as(out))
         return None
     record_comm("reduce_scatter", (n - 1) * _nbytes(inp) // n, scope)
-    return dist.reduce_scatter_tensor(out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _REDUCE_SCATTER(out, inp, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(out: Tensor, inp: Tensor, *, group=None, scope: str = "world", async_op: bool = False):
@@ -58,7 +64,7 @@ def all_gather_into_tensor(out: Tensor, inp: Tensor, *, group=None, scope: str =
         out.copy_(inp.view_as(out))
         return None
     record_comm("all_gather", (n - 1) * _nbytes(inp), scope)
-    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
 def all_to_all_single(
