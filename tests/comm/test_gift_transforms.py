@@ -63,6 +63,20 @@ def test_batched_transforms_match_the_per_layer_reference(rank, split):
         assert all(torch.allclose(x, o, rtol=1e-5, atol=1e-6) for x, o in zip(inplace, out))
 
 
+def test_split_products_of_a_strided_gradient():
+    """A gradient that is not contiguous (a transposed copy's view): its split slices are strided views,
+    and the products are the reference's."""
+    n, k = 40, 24
+    a, b = _side(k, 8, 1), _side(n, 8, 2)
+    grp = TransformGroup(n, k, split=4)
+    grp.rebuild([(a, b)])
+    g = torch.randn(k, n).t()
+    assert not g.is_contiguous()
+    out = [torch.empty(n, k)]
+    grp.apply([0], [g], out, True)
+    assert _rel(out[0], _two_sided(b, a, g.contiguous(), True)) < 1e-5
+
+
 @pytest.mark.parametrize("dtype,tol,euclidean_tol", [("float32", 1e-5, 1e-5), ("tfloat32", 1e-3, 1e-5),
                                                     ("bfloat16", 1e-2, 1e-1)])
 @pytest.mark.parametrize("rank,split", [(16, 1), (None, 1), (16, 8)])
