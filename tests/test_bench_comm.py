@@ -18,7 +18,7 @@ def test_scape_cost_times_dense_and_sparse_steps_and_restores_the_collectives(tm
     from leantrain.runtime import collectives as C
 
     before = (C.reduce_scatter_tensor, C.all_gather_into_tensor, C.all_reduce, C.broadcast, sharded.get_topology)
-    had_group = torch.distributed.is_initialized()  # (an earlier test of this worker may have left one)
+    had_group = torch.distributed.is_initialized()  # (an earlier test of this file may have left one)
     assert scape_cost.main(["--params", "40000", "--tensor", "10000", "--world", "4", "--intra", "2", "--reps", "1",
                             "--warmup", "2", "--bucket-mb", "0.05", "1", "--out", str(tmp_path)]) == 0
     assert before == (C.reduce_scatter_tensor, C.all_gather_into_tensor, C.all_reduce, C.broadcast, sharded.get_topology)
