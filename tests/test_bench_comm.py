@@ -74,7 +74,9 @@ def test_gift_cost_times_and_tables_the_split_thin_products():
     row = {"ms": 2.0, "whitened_layers": 4, "of_plain_step": 0.2, "queued_ms": 1.5, "queued_of_plain_step": 0.15,
            "host_issue_ms": 0.5, "split": {"4": {"ms": 1.0, "of_plain_step": 0.1, "queued_ms": 0.8,
                                                  "queued_of_plain_step": 0.08}}}
-    res = {"gift_transforms": {"stat_tokens": 64, "min_gain": {"1.2": {dt: row for dt in gift_cost.TRANSFORM_DTYPES}}},
+    unsplit = {k: v for k, v in row.items() if k != "split"}  # (the split timed at the last min_gain only)
+    res = {"gift_transforms": {"stat_tokens": 64, "min_gain": {"0": {dt: unsplit for dt in gift_cost.TRANSFORM_DTYPES},
+                                                               "1.2": {dt: row for dt in gift_cost.TRANSFORM_DTYPES}}},
            "step_ms": {"plain": 10.0}}
     table = "\n".join(gift_cost.gift_transforms_table(res))
-    assert "| 1.2 | 4 | 1.00 (10.0%) / 0.80 (8.0%) |" in table
+    assert "| 1.2 | 4 | 1.00 (10.0%) / 0.80 (8.0%) |" in table and table.count("/ 0.80 (8.0%)") == 3  # (one row)
