@@ -71,6 +71,10 @@ def test_an_eval_file_leaves_the_whole_corpus_to_training(tmp_path, corpus):
     for _ in range(2):  # (the second from the token cache)
         whole = D.load(cfg(corpus, eval_path=str(corpus)), log=lambda *_: None, tokenizer=tok)
         assert len(whole.val) == 0 and len(whole.train) == len(held.train) + len(held.val)
+    one = tmp_path / "one.txt"  # (one document: no split by characters either)
+    one.write_text("def f(x):\n    return x + 1\n" * 50)
+    whole = D.load(cfg(one, eval_path=str(one)), log=lambda *_: None, tokenizer=tok)
+    assert len(whole.val) == 0 and len(whole.train) > 0
     ids = (np.arange(5000) % 300).astype(np.uint16)
     ids.tofile(tmp_path / "t.bin")
     d = D.load(cfg(tmp_path / "t.bin", bin_vocab_size=300, eval_path=str(tmp_path)))

@@ -159,11 +159,11 @@ def _plan(source: Source, val_fraction: float) -> _Split:
         first = first or doc
     if count == 0:
         raise ConfigError(f"the corpus {source.describe} is empty: no non-blank text found")
+    if val_fraction == 0:  # (nothing held out: the validation split stays empty)
+        return _Split(val_fraction, train_size=sizes[False])
     if count == 1:
         cut = int(first.chars() * (1 - val_fraction))
         return _Split(val_fraction, single=first, cut=cut, train_size=cut)
-    if val_fraction == 0:  # (nothing held out: the validation split stays empty)
-        return _Split(val_fraction, train_size=sizes[False])
     flipped = last[False] if n_val == 0 else last[True] if n_val == count else None
     return _Split(val_fraction, flipped=flipped, train_size=sizes[False] or sizes[True])
 
