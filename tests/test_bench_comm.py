@@ -68,6 +68,7 @@ def test_gift_cost_times_and_tables_the_split_thin_products():
         return _Side(u, torch.rand(r, generator=g) + 1, 0.5, 1e-3)
 
     times = gift_cost.thin_products_device_time(side(k), side(n), torch.randn(n, k, generator=g),
+                                                torch.randn(n, 2 * r), torch.randn(2 * r, k),
                                                 SimpleNamespace(splits=[2, 3], reps=1), torch.device("cpu"))
     assert list(times["float32"]) == ["P+Q split 1", "P+Q split 2", "P+Q split 3", "final"]
     assert all(v > 0 for d in times.values() for v in d.values())

@@ -168,20 +168,21 @@ def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.devic
     row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
     lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
     row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
-    row["device_products_ms"] = thin_products_device_time(a, b, g, args, dev)
+    row["device_products_ms"] = thin_products_device_time(a, b, g, lft, rgt, args, dev)
     row.update(measure_batched(a, b, n, k, count, args, dev, gen))
     return row
 
 
-def thin_products_device_time(a: _Side, b: _Side, g: torch.Tensor, args, dev: torch.device) -> dict:
+def thin_products_device_time(a: _Side, b: _Side, g: torch.Tensor, lft: torch.Tensor, rgt: torch.Tensor, args,
+                              dev: torch.device) -> dict:
     """Device ms of one layer's thin products ``P = g Ua`` and ``Q = Ubᵀ g`` (one :class:`TransformGroup`
     transform's, fp32 and TF32), unsplit and split each ``--splits`` way, with the host ahead
-    (:func:`queued_time`, 3 trials: each holds the stream a quarter second); and of the final ``g + left @ right``."""
+    (:func:`queued_time`, 3 trials: each holds the stream a quarter second); and of the final
+    ``g + lft @ rgt``."""
     n, k = g.shape
     reps = min(args.reps, 3)
     ua, ubt = a.u.contiguous(), b.u.contiguous().mT
     p, q = torch.empty(n, ua.shape[1], device=dev), torch.empty(ubt.shape[0], k, device=dev)
-    lft, rgt = torch.randn(n, 2 * ua.shape[1], device=dev), torch.randn(2 * ua.shape[1], k, device=dev)
     out = {}
     for name, tf32 in (("float32", False), ("tfloat32", True)):
         grp = TransformGroup(n, k, name)

@@ -81,8 +81,8 @@ def test_tokenizer_sample_of_a_large_corpus(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_peak_memory_of_a_20_mb_file_is_bounded():
-    """Tokenizing 20 MB of text (tokenizer training included) stays under 512 MB RSS, ~320 MB of it Python + torch
-    (about 420 MB here, as for 8 MB: the tokenizer trains on a sample, the text is read as a stream)."""
+    """Tokenizing 20 MB of text (tokenizer training included) stays under 512 MB RSS, most of it Python + torch:
+    the tokenizer trains on a sample and the text is read as a stream, so the peak does not grow with the file."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_data.py"), "--mb", "20", "--print"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
                           timeout=900)

@@ -134,9 +134,10 @@ def load_examples(path: Path, fmt: str, cfg: DataConfig, tok, log) -> ExampleDat
     if total < 1 + held_out:
         raise ConfigError(f"data file {path} holds {total} example(s); training and validation need at least 2"
                           if held_out else f"data file {path} holds no example")
-    for empty, other in ((True, False), (False, True)):
-        if not splits[empty] and (held_out or not empty):
-            splits[empty].append(splits[other].pop())
+    if held_out and not splits[True]:
+        splits[True].append(splits[False].pop())
+    if not splits[False]:
+        splits[False].append(splits[True].pop())
     if cut:
         log(f"warning: {cut} of {total} examples in {path} are longer than data.seq_len + 1 = {cfg.seq_len + 1} "
             "tokens and were cut")
