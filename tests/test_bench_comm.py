@@ -51,9 +51,9 @@ def test_gift_cost_times_the_host_and_the_queued_device_and_tables_them():
     assert "queued" not in "\n".join(gift_cost.gift_transforms_table(res))
 
 
-def test_gift_cost_times_and_tables_the_split_thin_products():
-    """``--splits``: the transforms a step with ``TransformGroup.split`` set, and one layer's thin products
-    split each way, timed (wall time off CUDA) and tabled."""
+def test_gift_cost_times_the_batched_thin_products_and_tables_the_stacks_copies():
+    """One layer's thin products alone and batched over a shape's layers, timed (wall time off CUDA); the
+    stacks' copy in and out tabled beside the transforms a step."""
     from types import SimpleNamespace
 
     from parts import gift_cost
@@ -68,16 +68,13 @@ def test_gift_cost_times_and_tables_the_split_thin_products():
         return _Side(u, torch.rand(r, generator=g) + 1, 0.5, 1e-3)
 
     times = gift_cost.thin_products_device_time(side(k), side(n), torch.randn(n, k, generator=g),
-                                                torch.randn(n, 2 * r), torch.randn(2 * r, k),
-                                                SimpleNamespace(splits=[2, 3], reps=1), torch.device("cpu"))
-    assert list(times["float32"]) == ["P+Q split 1", "P+Q split 2", "P+Q split 3", "final"]
+                                                torch.randn(n, 2 * r), torch.randn(2 * r, k), 3,
+                                                SimpleNamespace(reps=1), torch.device("cpu"))
+    assert list(times["float32"]) == ["P+Q one layer", "P+Q batched over 3, a layer's share", "final"]
     assert all(v > 0 for d in times.values() for v in d.values())
-    row = {"ms": 2.0, "whitened_layers": 4, "of_plain_step": 0.2, "queued_ms": 1.5, "queued_of_plain_step": 0.15,
-           "host_issue_ms": 0.5, "split": {"4": {"ms": 1.0, "of_plain_step": 0.1, "queued_ms": 0.8,
-                                                 "queued_of_plain_step": 0.08}}}
-    unsplit = {k: v for k, v in row.items() if k != "split"}  # (the split timed at the last min_gain only)
-    res = {"gift_transforms": {"stat_tokens": 64, "min_gain": {"0": {dt: unsplit for dt in gift_cost.TRANSFORM_DTYPES},
-                                                               "1.2": {dt: row for dt in gift_cost.TRANSFORM_DTYPES}}},
+    row = {"ms": 2.0, "whitened_layers": 4, "chunks": 2, "of_plain_step": 0.2, "queued_ms": 1.5,
+           "queued_of_plain_step": 0.15, "host_issue_ms": 0.5, "stack_copies_queued_ms": 0.25}
+    res = {"gift_transforms": {"stat_tokens": 64, "min_gain": {"1.2": {dt: row for dt in gift_cost.TRANSFORM_DTYPES}}},
            "step_ms": {"plain": 10.0}}
     table = "\n".join(gift_cost.gift_transforms_table(res))
-    assert "| 1.2 | 4 | 1.00 (10.0%) / 0.80 (8.0%) |" in table and table.count("/ 0.80 (8.0%)") == 3  # (one row)
+    assert "min_gain 1.2: 0.25 (2 stacks)" in table

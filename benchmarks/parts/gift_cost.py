@@ -168,58 +168,59 @@ def measure_shape(gift: GIFT, n: int, k: int, count: int, args, dev: torch.devic
     row["product_Q_ms"] = timeit(lambda: b.u.t() @ g, args.reps, dev) * 1e3
     lft, rgt = torch.randn(n, 2 * a.u.shape[1], device=dev), torch.randn(2 * a.u.shape[1], k, device=dev)
     row["product_final_ms"] = timeit(lambda: torch.addmm(g, lft, rgt, beta=0.5), args.reps, dev) * 1e3
-    row["device_products_ms"] = thin_products_device_time(a, b, g, lft, rgt, args, dev)
+    row["device_products_ms"] = thin_products_device_time(a, b, g, lft, rgt, count, args, dev)
     row.update(measure_batched(a, b, n, k, count, args, dev, gen))
     return row
 
 
-def thin_products_device_time(a: _Side, b: _Side, g: torch.Tensor, lft: torch.Tensor, rgt: torch.Tensor, args,
-                              dev: torch.device) -> dict:
-    """Device ms of one layer's thin products ``P = g Ua`` and ``Q = Ubᵀ g`` (one :class:`TransformGroup`
-    transform's, fp32 and TF32), unsplit and split each ``--splits`` way, with the host ahead
-    (:func:`queued_time`, 3 trials: each holds the stream a quarter second); and of the final
-    ``g + lft @ rgt``."""
+def thin_products_device_time(a: _Side, b: _Side, g: torch.Tensor, lft: torch.Tensor, rgt: torch.Tensor,
+                              count: int, args, dev: torch.device) -> dict:
+    """Device ms of the thin products ``P = g Ua`` and ``Q = Ubᵀ g`` of one layer, alone and as one layer's
+    share of the products batched over ``count`` layers (as :class:`TransformGroup` runs them on a stack), in
+    fp32 and TF32, with the host ahead (:func:`queued_time`, 3 trials: each holds the stream a quarter
+    second); and of the final ``g + lft @ rgt``."""
     n, k = g.shape
     reps = min(args.reps, 3)
     ua, ubt = a.u.contiguous(), b.u.contiguous().mT
-    p, q = torch.empty(n, ua.shape[1], device=dev), torch.empty(ubt.shape[0], k, device=dev)
+    stack = g.expand(count, n, k).contiguous()
+    uas, ubts = ua.expand(count, *ua.shape).contiguous(), ubt.expand(count, *ubt.shape).contiguous()
     out = {}
     for name, tf32 in (("float32", False), ("tfloat32", True)):
-        grp = TransformGroup(n, k, name)
         row = out[name] = {}
         with _tf32(tf32):
-            for sp in [1, *args.splits]:
-                grp.split = sp
-                row[f"P+Q split {sp}"] = queued_time(lambda t=grp: t.thin_products(g, ua, ubt, p, q), reps, dev) * 1e3
+            row["P+Q one layer"] = queued_time(lambda: (g @ ua, ubt @ g), reps, dev) * 1e3
+            row[f"P+Q batched over {count}, a layer's share"] = queued_time(
+                lambda: (torch.bmm(stack, uas), torch.bmm(ubts, stack)), reps, dev) * 1e3 / count
             row["final"] = queued_time(lambda: torch.addmm(g, lft, rgt, beta=0.5), reps, dev) * 1e3
     return out
 
 
 def measure_batched(a: _Side, b: _Side, n: int, k: int, count: int, args, dev: torch.device,
                     gen: torch.Generator) -> dict:
-    """Whiten + unwhiten of ``count`` gradients of shape ``n x k`` in one :class:`TransformGroup` call each
-    way (in place, as GIFT runs them), per ``transform_dtype``; the relative error of its whitening against
-    the fp32 one and of its round trip (Euclidean), on the first gradient."""
-    grads = [torch.randn(n, k, device=dev, generator=gen) for _ in range(count)]
+    """Whiten + unwhiten of a stack of ``count`` gradients of shape ``n x k`` in one :class:`TransformGroup`
+    call each way (in place, as GIFT runs them), per ``transform_dtype``; the relative error of its
+    whitening against the fp32 one and of its round trip (Euclidean), on the first gradient."""
+    grads = torch.randn(count, n, k, device=dev, generator=gen)
     slots = list(range(count))
     row = {"batched_transforms_ms": {}, "batched_whiten_error": {}, "batched_round_trip_error": {}}
     white32 = None
     for dtype in TRANSFORM_DTYPES:
         grp = TransformGroup(n, k, dtype)
         grp.rebuild([(a, b)] * count)
-        work = [g.clone() for g in grads]
+        work = grads.clone()
 
         def transforms(grp=grp, work=work):
-            grp.apply(slots, work, work, True)
-            grp.apply(slots, work, work, False)
+            grp.apply(slots, work, True)
+            grp.apply(slots, work, False)
 
         row["batched_transforms_ms"][dtype] = timeit(transforms, args.reps, dev) * 1e3
-        w, back = torch.empty_like(grads[0]), torch.empty_like(grads[0])
-        grp.apply([0], [grads[0]], [w], True)
-        grp.apply([0], [w], [back], False)
+        w = grads[:1].clone()
+        grp.apply([0], w, True)
+        back = w.clone()
+        grp.apply([0], back, False)
         white32 = w if white32 is None else white32
         row["batched_whiten_error"][dtype] = float((w - white32).norm() / white32.norm())
-        row["batched_round_trip_error"][dtype] = float((back - grads[0]).norm() / grads[0].norm())
+        row["batched_round_trip_error"][dtype] = float((back - grads[:1]).norm() / grads[:1].norm())
         del work
     return row
 
@@ -258,9 +259,6 @@ def main(argv=None) -> int:
                     help="also time the refresh step with GIFT's stat_tokens at each of these")
     ap.add_argument("--min-gains", type=float, nargs="*", default=[0.0, 1.2],
                     help="time GIFT's own transforms with each of these min_gain")
-    ap.add_argument("--splits", type=int, nargs="*", default=[4, 8, 16],
-                    help="also time the transforms (at the last --min-gains) with the thin products split this many "
-                         "ways (TransformGroup.split)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -333,27 +331,29 @@ def main(argv=None) -> int:
                 loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
             g2._refresh_all(list(g2.layers.values()))
-            held = {pid: la.mod.weight.grad.float() for pid, la in g2.layers.items() if la.ready and not la.euclidean}
+            chunks = g2.whitened_chunks([p for p in model.parameters() if p.grad is not None])
+            stacks = [torch.stack(grads) for _, _, grads in chunks]  # (as reduce_gradients stacks them)
 
-            def both(g2=g2, held=held):
-                g2._transform_all(held, inverse=True)
-                g2._transform_all(held, inverse=False)
+            def both(chunks=chunks, stacks=stacks):
+                for (grp, slots, _), x in zip(chunks, stacks):
+                    grp.apply(slots, x, True)
+                    grp.apply(slots, x, False)
+
+            def copies(chunks=chunks, stacks=stacks):  # (the stack's copy in and back out)
+                for (_, _, grads), x in zip(chunks, stacks):
+                    torch.stack(grads, out=x)
+                    torch._foreach_copy_(grads, list(x.unbind(0)))
 
             ms = timeit(both, args.reps, dev) * 1e3
             queued = queued_time(both, args.reps, dev) * 1e3
-            per[dt] = {"ms": ms, "whitened_layers": len(held), "of_plain_step": ms / res["step_ms"]["plain"],
+            per[dt] = {"ms": ms, "whitened_layers": sum(len(slots) for _, slots, _ in chunks), "chunks": len(chunks),
+                       "of_plain_step": ms / res["step_ms"]["plain"],
                        "queued_ms": queued, "queued_of_plain_step": queued / res["step_ms"]["plain"],
-                       "host_issue_ms": host_time(both, args.reps, dev) * 1e3}
-            for sp in args.splits if mg == args.min_gains[-1] else []:  # (the same factors and gradients, split)
-                for grp in g2.groups.values():
-                    grp.split = sp
-                ms, queued = timeit(both, args.reps, dev) * 1e3, queued_time(both, args.reps, dev) * 1e3
-                per[dt].setdefault("split", {})[str(sp)] = {
-                    "ms": ms, "of_plain_step": ms / res["step_ms"]["plain"],
-                    "queued_ms": queued, "queued_of_plain_step": queued / res["step_ms"]["plain"]}
+                       "host_issue_ms": host_time(both, args.reps, dev) * 1e3,
+                       "stack_copies_queued_ms": queued_time(copies, args.reps, dev) * 1e3}
             g2.remove()
             model.zero_grad(set_to_none=True)
-            del g2, held
+            del g2, chunks, stacks
         print(f"GIFT's transforms, min_gain {mg:g}: " + json.dumps(per), flush=True)
 
     # --- per shape: the eigen-solves and the transforms
@@ -445,17 +445,12 @@ def gift_transforms_table(res: dict) -> list[str]:
     for mg, per in gt["min_gain"].items():
         lines.append(f"| {mg} | " + " | ".join(f"{per[dt]['queued_ms']:.2f} ({100 * per[dt]['queued_of_plain_step']:.1f}%)"
                                                f" | {per[dt]['host_issue_ms']:.2f}" for dt in TRANSFORM_DTYPES) + " |")
-    split = {mg: per for mg, per in gt["min_gain"].items() if per[TRANSFORM_DTYPES[0]].get("split")}
-    if split:
-        lines += ["", "The same with the thin products split (``TransformGroup.split``), wall ms and share of the plain "
-                  "step / queued on the device:", "",
-                  "| min_gain | split | " + " | ".join(TRANSFORM_DTYPES) + " |", "|---|---|" + "---|" * len(TRANSFORM_DTYPES)]
-        for mg, per in split.items():
-            for sp in per[TRANSFORM_DTYPES[0]]["split"]:
-                lines.append(f"| {mg} | {sp} | " + " | ".join(
-                    f"{per[dt]['split'][sp]['ms']:.2f} ({100 * per[dt]['split'][sp]['of_plain_step']:.1f}%) / "
-                    f"{per[dt]['split'][sp]['queued_ms']:.2f} ({100 * per[dt]['split'][sp]['queued_of_plain_step']:.1f}%)"
-                    for dt in TRANSFORM_DTYPES) + " |")
+    if "stack_copies_queued_ms" in next(iter(gt["min_gain"].values()))[TRANSFORM_DTYPES[0]]:
+        lines += ["", "The whitened layers' gradients are transformed in stacks (a shape's layers, at most a bucket "
+                  "each), the buffers the all-reduce sends. Copying them in and back out, queued ms (the Euclidean "
+                  "all-reduce copies the same gradients into its buckets and back): " + "; ".join(
+                      f"min_gain {mg}: {per[TRANSFORM_DTYPES[0]]['stack_copies_queued_ms']:.2f} "
+                      f"({per[TRANSFORM_DTYPES[0]]['chunks']} stacks)" for mg, per in gt["min_gain"].items()) + "."]
     if "step_host_issue_ms" in res:
         lines += ["", f"The plain step's forward + backward: {res['step_ms']['plain']:.2f} ms, of which the host "
                   f"issues its launches in {res['step_host_issue_ms']:.2f} ms."]
@@ -496,8 +491,8 @@ def markdown(res: dict) -> str:
     dp = [(shape, r["device_products_ms"]) for shape, r in res["per_shape"].items() if "device_products_ms" in r]
     if dp:
         cols = list(next(iter(dp))[1]["float32"])
-        lines += ["", "One layer's thin products P and Q, unsplit and split, and the final product, device ms with the "
-                  "host ahead, float32 / tfloat32:", "", "| layer N×K | " + " | ".join(cols) + " |",
+        lines += ["", "The thin products P and Q of one layer, alone and batched over the shape's layers (a layer's "
+                  "share), and the final product, device ms with the host ahead, float32 / tfloat32:", "", "| layer N×K | " + " | ".join(cols) + " |",
                   "|---|" + "---|" * len(cols)]
         for shape, d in dp:
             lines.append(f"| {shape} | " + " | ".join(f"{d['float32'][c]:.3f} / {d['tfloat32'][c]:.3f}" for c in cols)

@@ -4,8 +4,6 @@ on a subset of the layers; and on 2 gloo ranks, the reduction against the per-la
 layer, FP8 all-reduce in model order, map back) and the bf16 option's error advantage over Euclidean FP8;
 ``min_gain``: the gain estimate, the layers sent Euclidean, the decision kept by a state round trip.
 
-``split`` (the thin products as batched slices) is held to the same tolerances as the plain products.
-
 Tolerances: fp32 products agree with the per-layer reference to ``1e-5`` relative (the same products,
 batched); the fp32 and TF32 round trips to ``1e-5`` (the map back inverts the bases as rounded). bf16
 products: the whitened gradient within ``1e-2`` of the fp64 whitening and the round trip within ``1e-2``
@@ -42,53 +40,44 @@ def _rel(x, ref):
     return float((x.double() - ref.double()).norm() / ref.double().norm())
 
 
-@pytest.mark.parametrize("split", [1, 4, 3])  # (3 divides neither 40 nor 24: unsplit)
 @pytest.mark.parametrize("rank", [8, None])
-def test_batched_transforms_match_the_per_layer_reference(rank, split):
+def test_batched_transforms_match_the_per_layer_reference(rank):
     n, k, layers = 40, 24, 3
     sides = [(_side(k, rank or k, 2 * i), _side(n, rank or n, 2 * i + 1)) for i in range(layers)]
-    grp = TransformGroup(n, k, split=split)
+    grp = TransformGroup(n, k)
     grp.rebuild(sides)
-    gs = [torch.randn(n, k) for _ in range(layers)]
+    gs = torch.randn(layers, n, k)
     for inverse in (True, False):
-        out = [torch.empty(n, k) for _ in gs]
-        grp.apply(list(range(layers)), gs, out, inverse)
+        out = gs.clone()
+        grp.apply(list(range(layers)), out, inverse)
         for (a, b), g, o in zip(sides, gs, out):
             assert _rel(o, _two_sided(b, a, g, inverse)) < 1e-5
-        sub = [torch.empty(n, k)]  # a subset of the slots: the same numbers
-        grp.apply([2], [gs[2]], sub, inverse)
-        assert torch.allclose(sub[0], out[2], rtol=1e-5, atol=1e-6)
-        inplace = [g.clone() for g in gs]
-        grp.apply(list(range(layers)), inplace, inplace, inverse)
-        assert all(torch.allclose(x, o, rtol=1e-5, atol=1e-6) for x, o in zip(inplace, out))
+        sub = gs[[2, 0]].clone()  # a subset of the slots, in another order: the same numbers
+        grp.apply([2, 0], sub, inverse)
+        assert torch.allclose(sub, out[[2, 0]], rtol=1e-5, atol=1e-6)
 
 
-def test_split_products_of_a_strided_gradient():
-    """A gradient that is not contiguous (a transposed copy's view): its split slices are strided views,
-    and the products are the reference's."""
-    n, k = 40, 24
-    a, b = _side(k, 8, 1), _side(n, 8, 2)
-    grp = TransformGroup(n, k, split=4)
-    grp.rebuild([(a, b)])
-    g = torch.randn(k, n).t()
-    assert not g.is_contiguous()
-    out = [torch.empty(n, k)]
-    grp.apply([0], [g], out, True)
-    assert _rel(out[0], _two_sided(b, a, g.contiguous(), True)) < 1e-5
+def test_a_stack_of_another_shape_or_dtype_is_refused():
+    grp = TransformGroup(40, 24)
+    grp.rebuild([(_side(24, 8, 1), _side(40, 8, 2))] * 2)
+    for x in (torch.randn(1, 40, 24), torch.randn(2, 24, 40), torch.randn(2, 40, 24, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="stack"):
+            grp.apply([0, 1], x, True)
 
 
 @pytest.mark.parametrize("dtype,tol,euclidean_tol", [("float32", 1e-5, 1e-5), ("tfloat32", 1e-3, 1e-5),
                                                     ("bfloat16", 1e-2, 1e-1)])
-@pytest.mark.parametrize("rank,split", [(16, 1), (None, 1), (16, 8)])
-def test_the_map_back_inverts_the_map_out(dtype, tol, euclidean_tol, rank, split):
+@pytest.mark.parametrize("rank", [16, None])
+def test_the_map_back_inverts_the_map_out(dtype, tol, euclidean_tol, rank):
     n, k = 80, 48
     a, b = _side(k, rank or k, 1), _side(n, rank or n, 2)
-    grp = TransformGroup(n, k, dtype, split=split)
+    grp = TransformGroup(n, k, dtype)
     grp.rebuild([(a, b)])
     g = torch.randn(n, k) * torch.logspace(0, -1, k)
-    w, back = torch.empty(n, k), torch.empty(n, k)
-    grp.apply([0], [g], [w], True)
-    grp.apply([0], [w], [back], False)
+    w = g.clone()
+    grp.apply([0], w[None], True)
+    back = w.clone()
+    grp.apply([0], back[None], False)
 
     def whitened(x):  # the fp64 whitening: the K-FAC metric's coordinates
         return _dense(b, True) @ x.double() @ _dense(a, True)
@@ -119,24 +108,33 @@ class _Net(nn.Module):
 
 
 def _per_layer_reduction(gift, params):
-    """The reduction layer by layer: each whitened by the reference (unless sent Euclidean), one FP8
-    all-reduce of everything in model order, each mapped back by the reference."""
-    layers = [gift.layers.get(id(p)) for p in params]
-    layers = [None if la is None or la.euclidean else la for la in layers]
-    pieces = [(_two_sided(la.B, la.A, p.grad, True) if la else p.grad).reshape(-1) for la, p in zip(layers, params)]
-    flat = fp8_all_reduce(torch.cat(pieces), average=True)
-    out, o = [], 0
-    for la, p in zip(layers, params):
-        red = flat[o:o + p.numel()].view(p.shape)
-        o += p.numel()
-        out.append(_two_sided(la.B, la.A, red, False) if la else red)
-    return out
+    """The reduction layer by layer: the whitened layers (not sent Euclidean) a weight shape at a time, in
+    order of the shapes' first layers, one FP8 all-reduce for as many of a shape's layers as fit in
+    ``bucket_numel`` (at least one), whitened and mapped back by the reference; then one FP8 all-reduce of
+    the other gradients in model order."""
+    white = [p for p in params if id(p) in gift.layers and not gift.layers[id(p)].euclidean]
+    out = {}
+    for shape in dict.fromkeys(tuple(p.shape) for p in white):
+        ps = [p for p in white if tuple(p.shape) == shape]
+        per = max(1, gift.bucket_numel // ps[0].numel())
+        for chunk in (ps[i:i + per] for i in range(0, len(ps), per)):
+            las = [gift.layers[id(p)] for p in chunk]
+            flat = fp8_all_reduce(torch.cat([_two_sided(la.B, la.A, p.grad, True).reshape(-1)
+                                             for la, p in zip(las, chunk)]), average=True)
+            for la, p, red in zip(las, chunk, flat.split([p.numel() for p in chunk])):
+                out[id(p)] = _two_sided(la.B, la.A, red.view(p.shape), False)
+    rest = [p for p in params if id(p) not in out]
+    flat = fp8_all_reduce(torch.cat([p.grad.reshape(-1) for p in rest]), average=True)
+    for p, red in zip(rest, flat.split([p.numel() for p in rest])):
+        out[id(p)] = red.view(p.shape)
+    return [out[id(p)] for p in params]
 
 
-def _worker(rank, world, dtype, min_gain=0.0):
+def _worker(rank, world, dtype, min_gain=0.0, bucket_numel=1 << 25):
     torch.manual_seed(0)
     model = _Net()
-    gift = GIFT(model, min_numel=1024, rank=8, refresh_every=5, transform_dtype=dtype, min_gain=min_gain)
+    gift = GIFT(model, min_numel=1024, rank=8, refresh_every=5, transform_dtype=dtype, min_gain=min_gain,
+                bucket_numel=bucket_numel)
     params = list(model.parameters())
     out = {}
     for step in range(2):  # (step 0 refreshes the factors; step 1 is compared)
@@ -161,13 +159,14 @@ def _worker(rank, world, dtype, min_gain=0.0):
 
 @pytest.mark.distributed
 def test_batched_reduction_equals_the_per_layer_one_and_bf16_keeps_gifts_advantage():
-    o0, o1 = run_distributed(_worker, 2, args=("float32",))
-    assert o0["groups"] == [1, 2]
-    for got, again, ref in zip(o0["got"], o1["got"], o0["ref"]):
-        assert (got == again).all()
-        # the same bucket layout and codes: equal to the per-layer path up to the fp32 rounding of the
-        # transforms (an FP8 code may flip where a value sits on a rounding tie)
-        assert _rel(torch.from_numpy(got), torch.from_numpy(ref)) < 1e-4
+    for bucket_numel in (1 << 25, 6000):  # (6000: a chunk a layer; FP8's blocks of 1024 fall alike)
+        o0, o1 = run_distributed(_worker, 2, args=("float32", 0.0, bucket_numel))
+        assert o0["groups"] == [1, 2]
+        for got, again, ref in zip(o0["got"], o1["got"], o0["ref"]):
+            assert (got == again).all()
+            # the same codes: equal to the per-layer path up to the fp32 rounding of the transforms (an FP8
+            # code may flip where a value sits on a rounding tie)
+            assert _rel(torch.from_numpy(got), torch.from_numpy(ref)) < 1e-4
     fp32_errors = [_rel(torch.from_numpy(got), torch.from_numpy(ex)) for got, ex in zip(o0["got"], o0["exact"])]
     o0, o1 = run_distributed(_worker, 2, args=("bfloat16",))
     for got, again, ex, err in zip(o0["got"], o1["got"], o0["exact"], fp32_errors):
@@ -184,6 +183,26 @@ def test_layers_below_min_gain_are_sent_euclidean_on_every_rank():
     assert o0["euclidean"] == o1["euclidean"] == [True, True, True]
     for got, again, ref in zip(o0["got"], o1["got"], o0["ref"]):
         assert (got == again).all() and (got == ref).all()  # (the raw gradients' FP8 all-reduce, bit for bit)
+
+
+@pytest.mark.parametrize("bucket_numel,sizes", [(1 << 25, [2, 1]), (6000, [1, 1, 1]), (8192, [2, 1])])
+def test_the_whitened_layers_are_sent_a_shape_at_a_time_in_chunks_of_a_bucket(bucket_numel, sizes):
+    torch.manual_seed(0)
+    model = _Net()
+    gift = GIFT(model, min_numel=1024, rank=8, bucket_numel=bucket_numel)
+    model(torch.randn(32, 64)).square().mean().backward()
+    params = list(model.parameters())
+    assert gift.whitened_chunks(params) == []  # (no factors yet)
+    gift.reduce_gradients()  # (one process: the refresh)
+    chunks = gift.whitened_chunks(params)
+    assert [len(slots) for _, slots, _ in chunks] == sizes
+    assert [grp.n for grp, _, _ in chunks] == [64] * (len(sizes) - 1) + [32]
+    grads = [g for _, _, gs in chunks for g in gs]
+    assert [id(g) for g in grads] == [id(m.weight.grad) for m in (model.fc1, model.fc2, model.fc3)]
+    assert [slot for _, slots, _ in chunks for slot in slots] == [0, 1, 0]
+    gift.layers[id(model.fc1.weight)].euclidean = True
+    assert [id(g) for _, _, gs in gift.whitened_chunks(params) for g in gs] == [id(model.fc2.weight.grad),
+                                                                                id(model.fc3.weight.grad)]
 
 
 class _MixedNet(nn.Module):

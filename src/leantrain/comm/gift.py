@@ -28,8 +28,8 @@ broadcasts ``U``, ``s`` and ``σ``. Every rank then builds the same transforms f
 numbers: the whitened sum maps back exactly, and the factors' traffic is ``(K + N) · rank`` floats
 a layer per refresh, not ``K² + N²``. Between refreshes the factors are stale; that costs precision,
 never correctness. Applying them costs ``4 · N · K · rank`` multiply-adds a layer and step, run
-for all the layers of one weight shape at once (``comm/gift_transforms.py``: the small products batched,
-the three large ones a layer, in place in the gradients), in ``transform_dtype`` (fp32 by default; TF32
+for the layers of one weight shape at once (``comm/gift_transforms.py``: batched products on a stack of
+their gradients, the buffer the all-reduce then sends), in ``transform_dtype`` (fp32 by default; TF32
 or bf16 products are cheaper: the map back is still the inverse of the map out as applied, with the
 bases as rounded, and only the products' rounding of the gradients adds error).
 
@@ -55,8 +55,8 @@ Use::
 
     gift = lt.comm.GIFT(model)           # after the process group is up; before the first forward
     loss.backward()
-    gift.reduce_gradients()              # averages every gradient over the group (instead of DDP), in
-                                         # buckets of consecutive parameters in model order
+    gift.reduce_gradients()              # averages every gradient over the group (instead of DDP): the
+                                         # whitened layers a shape at a time, the rest in model order
     opt.step()
 
 :meth:`GIFT.errors` measures, on the gradients at hand, the relative error of GIFT and of Euclidean
@@ -197,9 +197,9 @@ class _Layer:
         return self.A is not None
 
     def _apply(self, g: Tensor, inverse: bool) -> Tensor:
-        out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-        self.group.apply([self.slot], [g.float()], [out], inverse)
-        return out
+        x = g.to(torch.float32, copy=True)
+        self.group.apply([self.slot], x[None], inverse)
+        return x
 
     def whiten(self, g: Tensor) -> Tensor:
         """``B^{-1/2} g A^{-1/2}`` (a new fp32 tensor), through the batched transforms GIFT sends with."""
@@ -219,9 +219,9 @@ class GIFT:
     statistics across refreshes; ``damping``: added to each factor, times its mean eigenvalue;
     ``min_numel``: the smallest ``nn.Linear`` weight sent whitened; ``block``: elements per FP8 scale;
     ``whiten=False``: the same FP8 all-reduce in Euclidean coordinates (the baseline); ``bucket_numel``:
-    elements a bucket of consecutive parameters (one FP8 all-reduce each). ``format="nvfp4"``: the
-    all-reduce in NVFP4-style 4-bit (``comm/fp4.py``, block 16; ``block`` is then unused), with
-    stochastic rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run
+    elements a bucket, one FP8 all-reduce each (a chunk of whitened layers of one shape, or consecutive
+    other parameters). ``format="nvfp4"``: the all-reduce in NVFP4-style 4-bit (``comm/fp4.py``, block
+    16; ``block`` is then unused), with stochastic rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run
     rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
     subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
     CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
@@ -419,8 +419,8 @@ class GIFT:
         grp.rebuild([(a, b)])
 
         def white(x):
-            out = torch.empty_like(x)
-            grp.apply([0], [x], [out], True)
+            out = x.clone()
+            grp.apply([0], out[None], True)
             return out
 
         w = white(g)
@@ -474,44 +474,57 @@ class GIFT:
 
     def reduce_gradients(self) -> None:
         """Average every parameter's gradient over the group, in place: ``nn.Linear`` weights of at least
-        ``min_numel`` elements in whitened coordinates, the rest as they are. The whitened layers are
-        whitened first, all of one shape at once (:class:`TransformGroup`), in place in their fp32
-        gradients (a gradient of another dtype: into an fp32 copy held until the map back); then one
-        low-precision all-reduce a bucket of consecutive parameters of about ``bucket_numel`` elements, in
-        model order (the transient fp32 copies are a bucket's, not the model's; the split depends only on
-        the parameters' order and sizes); then the map back, again a shape at once. On a refresh step
-        (every ``refresh_every``, the first included) the factors are rebuilt first from the statistics
-        that step's forward and backward took. Counts the step."""
+        ``min_numel`` elements in whitened coordinates, the rest as they are. On a refresh step (every
+        ``refresh_every``, the first included) the factors are rebuilt first from the statistics that
+        step's forward and backward took. The whitened layers go first, a weight shape at a time
+        (:meth:`whitened_chunks`): each chunk's gradients copied into one fp32 stack, whitened in place
+        (:class:`TransformGroup`), one low-precision all-reduce of the stack, mapped back, copied back. Then
+        the other gradients, one all-reduce a bucket of consecutive parameters of about ``bucket_numel``
+        elements in model order. The transient fp32 buffers are a chunk's or a bucket's, not the model's;
+        the layout depends only on the parameters' order and sizes and the layers sent whitened. Counts the
+        step."""
         params = [p for p in self.params if p.grad is not None]
         if self._collect:
             self._refresh_all([self.layers[id(p)] for p in params if id(p) in self.layers])
         if self.world > 1:
-            held = {id(p): p.grad.float() for p in params
-                    if id(p) in self.layers and self.layers[id(p)].ready and not self.layers[id(p)].euclidean}
-            self._transform_all(held, inverse=True)
-            start, size, bucket = 0, 0, 0
-            for i, p in enumerate(params):
+            bucket = 0
+            for grp, slots, grads in self.whitened_chunks(params):
+                x = torch.stack(grads, out=grads[0].new_empty((len(grads), grp.n, grp.k), dtype=torch.float32))
+                grp.apply(slots, x, True)
+                self._all_reduce(x.view(-1), self.steps * 65_537 + bucket, self.scope)
+                grp.apply(slots, x, False)
+                torch._foreach_copy_(grads, list(x.unbind(0)))
+                bucket += 1
+            rest = [p for p in params if not self._whitened(p)]
+            start, size = 0, 0
+            for i, p in enumerate(rest):
                 size += p.numel()
-                if size >= self.bucket_numel or i == len(params) - 1:
-                    self._reduce_bucket(params[start:i + 1], self.steps * 65_537 + bucket, held)
+                if size >= self.bucket_numel or i == len(rest) - 1:
+                    self._reduce_bucket(rest[start:i + 1], self.steps * 65_537 + bucket)
                     start, size, bucket = i + 1, 0, bucket + 1
-            self._transform_all(held, inverse=False)
-            for p in params:
-                if id(p) in held and held[id(p)] is not p.grad:
-                    p.grad.copy_(held[id(p)])
         self.steps += 1
 
-    def _transform_all(self, held: dict[int, Tensor], inverse: bool) -> None:
-        """Whiten (``inverse``) or map back, in place, the fp32 gradients ``held`` (``id(weight)`` -> tensor):
-        one batched call a weight shape."""
+    def whitened_chunks(self, params: list) -> list[tuple[TransformGroup, list[int], list[Tensor]]]:
+        """The gradients of ``params`` that are sent whitened (ready layers not sent Euclidean), as
+        ``(group, slots, gradients)``: a weight shape at a time, in slot order, in chunks of at most
+        ``bucket_numel`` elements (at least one layer)."""
         by_group: dict[int, list[tuple[int, Tensor]]] = {}
-        for pid, t in held.items():
-            la = self.layers[pid]
-            by_group.setdefault(id(la.group), []).append((la.slot, t))
+        for p in filter(self._whitened, params):
+            la = self.layers[id(p)]
+            by_group.setdefault(id(la.group), []).append((la.slot, p.grad))
+        chunks = []
         for grp in self.groups.values():
             items = sorted(by_group.get(id(grp), []), key=lambda item: item[0])
-            ts = [t for _, t in items]
-            grp.apply([slot for slot, _ in items], ts, ts, inverse)
+            per = max(1, self.bucket_numel // (grp.n * grp.k))
+            for i in range(0, len(items), per):
+                chunk = items[i:i + per]
+                chunks.append((grp, [slot for slot, _ in chunk], [g for _, g in chunk]))
+        return chunks
+
+    def _whitened(self, p: Tensor) -> bool:
+        """Whether ``p``'s gradient is sent whitened: a ready layer's weight, not sent Euclidean."""
+        la = self.layers.get(id(p))
+        return la is not None and la.ready and not la.euclidean
 
     def _rebuild_groups(self) -> None:
         """Restack every group's factors from its ready layers (after a refresh or a state load)."""
@@ -527,16 +540,12 @@ class GIFT:
             return nvfp4_all_reduce(flat, self.group, average=True, stochastic=self.stochastic, seed=seed, scope=scope)
         return fp8_all_reduce(flat, self.group, block=self.block, average=True, scope=scope)
 
-    def _reduce_bucket(self, params: list, seed: int, held: dict[int, Tensor]) -> None:
-        """One bucket's all-reduce: the whitened layers' ``held`` tensors, the other gradients as they are;
-        the average is written back to where each came from."""
-        flat = torch.cat([held.get(id(p), p.grad).float().reshape(-1) for p in params])
+    def _reduce_bucket(self, params: list, seed: int) -> None:
+        """One bucket's all-reduce of the gradients of ``params`` as they are, written back in place."""
+        flat = torch.cat([p.grad.float().reshape(-1) for p in params])
         self._all_reduce(flat, seed, self.scope)
-        o = 0
-        for p in params:
-            k = p.numel()
-            held.get(id(p), p.grad).copy_(flat[o:o + k].view(p.shape))
-            o += k
+        pieces = flat.split([p.numel() for p in params])
+        torch._foreach_copy_([p.grad for p in params], [t.view(p.shape) for t, p in zip(pieces, params)])
 
     @staticmethod
     def ddp_noop_hook(state, bucket):
@@ -544,7 +553,7 @@ class GIFT:
         model wrapped in DDP whose gradients GIFT reduces after backward (:meth:`reduce_gradients`).
         GIFT does not reduce DDP's buckets: their composition changes when DDP rebuilds them after the
         first step, and FP8 blocks and chunk owners would change with it. Reduced once over all
-        parameters in model order, a gradient's result depends only on the gradients (a resumed run
+        parameters in a fixed layout, a gradient's result depends only on the gradients (a resumed run
         reduces as the uninterrupted one did)."""
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())

@@ -10,15 +10,13 @@ Both transforms of a gradient ``g`` (``N x K``) are then
 
 three products of ``g`` with the thin bases (``4 N K r`` multiply-adds) and small ones.
 :class:`TransformGroup` holds the bases and matrices of all the layers of one shape stacked (``[L, K, r]``,
-``[L, N, r]``, ``[L, r, r]``), rebuilt on each refresh, and runs the small products for all of them at
-once as batched matmuls. The three products with ``g`` run layer by layer, reading each gradient where it
-lies and writing each result where it is wanted (in place into the gradient, or into a given tensor): a
-batched product would first need the layers' gradients copied into one stacked tensor, a pass over the
-gradients as long as the product's own, where a layer's own product costs one launch.
-Per layer and direction that is three launches of the large products; the small ops run once a group.
-(Run layer by layer, the small ops took more than half of a 2048 x 2048 layer's transform time on an
-H200, ``benchmarks/results/comm/2026-12-03_H200_gift-cost.json``; for the 1b's 88 layers a step makes
-about 700 kernel-launching calls batched against about 3100 layer by layer, counted on the CPU.)
+``[L, N, r]``, ``[L, r, r]``), rebuilt on each refresh, and transforms a stack of its layers' gradients
+(``[n, N, K]``, fp32, in place): the two thin products as one batched product each, the small ones batched,
+the final product layer by layer (each layer's ``c_a c_b`` is its own scalar). The stack is the all-reduce's
+buffer (``GIFT.reduce_gradients``): the gradients are copied into it once, as every bucket's gradients are
+concatenated into one, and copied back once. Batched, the thin outputs (``N x r``, ``r x K``: a few dozen
+tiles a layer, fewer than a GPU has multiprocessors) fill the GPU, and a shape's transforms take a few
+dozen launches where layer by layer they took a few a layer.
 
 **The map back is the exact inverse of the map out.** The whitening uses ``M = diag(e)``; the map back
 uses the ``M'`` that inverts ``c I + U M Uᵀ`` exactly for the basis as the products see it (rounded to the
@@ -32,12 +30,6 @@ the same factors, so the map back of the summed whitened gradients is the same l
 TF32 on CUDA: fp32 off CUDA), ``"bfloat16"`` (the bases stored in bf16, each gradient cast to bf16 for its
 two thin products, the final product ``left @ right`` in bf16 added to the fp32 ``c_a c_b g``). The small
 ops run in fp32 in all three.
-
-**Split products** (``split = s > 1``). ``P`` (``N x r``) and ``Q`` (``r x K``) are thin: a GEMM library
-tiles their outputs into a few dozen blocks, fewer than a GPU has multiprocessors. Split in ``s`` along
-their inner dimension, each is one batched product of ``s`` slices read in place (``g``'s column blocks
-for ``P``, its row blocks for ``Q``: strided views, no copy), ``s`` times the blocks, then a sum of ``s``
-small partial products (``s r`` floats a row or column: ``s r / K`` of a pass over ``g``).
 """
 
 from __future__ import annotations
@@ -112,14 +104,12 @@ class TransformGroup:
     """The whitened layers of one weight shape ``N x K`` and their transforms, batched (module doc).
 
     :meth:`rebuild` stacks the layers' factors (on each refresh and state load); :meth:`apply` whitens or
-    maps back any subset of them. ``dtype``: one of :data:`TRANSFORM_DTYPES`; ``split``: the thin products'
-    split (module doc)."""
+    maps back a stack of the gradients of any subset of them. ``dtype``: one of :data:`TRANSFORM_DTYPES`."""
 
-    def __init__(self, n: int, k: int, dtype: str = "float32", split: int = 1):
+    def __init__(self, n: int, k: int, dtype: str = "float32"):
         if dtype not in TRANSFORM_DTYPES:
             raise ValueError(f"GIFT: transform_dtype must be one of {TRANSFORM_DTYPES}, got {dtype!r}")
         self.n, self.k, self.dtype = n, k, dtype
-        self.split = split  # (module doc; one that does not divide N and K runs unsplit)
         self.store = torch.bfloat16 if dtype == "bfloat16" else torch.float32  # the bases and the products
         self.size = 0  # layers stacked
 
@@ -161,52 +151,35 @@ class TransformGroup:
         m = torch.diag(e.double())
         return (c, m) if inverse else _exact_inverse(c, m, u.double())
 
-    def apply(self, slots: list[int], srcs: list[Tensor], dsts: list[Tensor], inverse: bool) -> None:
-        """Write ``B^{∓1/2} src A^{∓1/2}`` (``-``: ``inverse``, the whitening) of the layers in ``slots`` into
-        ``dsts`` (fp32 ``N x K`` tensors; a ``dst`` may be its ``src``: in place)."""
+    def apply(self, slots: list[int], x: Tensor, inverse: bool) -> None:
+        """Overwrite each ``x[i]`` with ``B^{∓1/2} x[i] A^{∓1/2}`` (``-``: ``inverse``, the whitening) of the layer
+        in ``slots[i]``: ``x`` is an fp32 ``[len(slots), N, K]`` stack (any strides a batched product reads)."""
         if not slots:
             return
+        if x.shape != (len(slots), self.n, self.k) or x.dtype != torch.float32:
+            raise ValueError(f"GIFT: a stack of {len(slots)} fp32 {self.n}x{self.k} gradients expected, got "
+                             f"{x.dtype} {tuple(x.shape)}")
         every = slots == list(range(self.size))
         pick = (lambda t: t) if every else (lambda t: t[slots])  # noqa: E731  (all: the stacks, no copy)
         ua, ub, ua32, ub32 = (pick(t) for t in (self.ua, self.ub, self.ua32, self.ub32))
         cc, cbma, mb, ma, camb = self.coef[inverse]
         cc = cc if every else [cc[s] for s in slots]
         cbma, mb, ma, camb = (pick(t) for t in (cbma, mb, ma, camb))
-        n_, ra, rb = len(slots), ua.shape[-1], ub.shape[-1]
-        dev = ua.device
-        p = torch.empty(n_, self.n, ra, dtype=self.store, device=dev)
-        q = torch.empty(n_, rb, self.k, dtype=self.store, device=dev)
         with _tf32(self.dtype == "tfloat32"):
-            # the two thin products, layer by layer, into the stacks (unbind: one call for a stack's views)
-            for g, ua_i, ubt_i, p_i, q_i in zip(srcs, ua.unbind(0), ub.mT.unbind(0), p.unbind(0), q.unbind(0)):
-                self.thin_products(g.to(self.store), ua_i, ubt_i, p_i, q_i)
-            p, q = p.float(), q.float()
+            g = x.to(self.store)  # (fp32: x itself)
+            p = torch.bmm(g, ua).float()  # [n, N, ra]
+            q = torch.bmm(ub.mT, g).float()  # [n, rb, K]
+            del g
             msm = torch.bmm(torch.bmm(mb, torch.bmm(ub32.mT, p)), ma)  # M_b S M_a
             left = torch.cat([torch.baddbmm(torch.bmm(p, cbma), ub32, msm), ub32], -1).to(self.store)
             right = torch.cat([ua32.mT, torch.bmm(camb, q)], 1).to(self.store)
-            for src, dst, left_i, right_i, beta in zip(srcs, dsts, left.unbind(0), right.unbind(0), cc):
-                self._final(src, left_i, right_i, beta, dst)
+            for x_i, left_i, right_i, beta in zip(x.unbind(0), left.unbind(0), right.unbind(0), cc):
+                self._final(x_i, left_i, right_i, beta)
 
-    def thin_products(self, g: Tensor, ua: Tensor, ubt: Tensor, p: Tensor, q: Tensor) -> None:
-        """``p = g @ ua`` and ``q = ubt @ g`` of one layer: a product each, or with ``split`` (dividing ``N``
-        and ``K``) a batched product each of ``split`` slices of the inner dimension (module doc), the
-        partial products summed in fp32."""
-        s, n, k = self.split, self.n, self.k
-        if s <= 1 or n % s or k % s:
-            torch.mm(g, ua, out=p)
-            torch.mm(ubt, g, out=q)
-            return
-        cols = g.view(n, s, k // s).transpose(0, 1)  # [s, N, K/s]: g's column blocks, in place
-        p.copy_(torch.bmm(cols, ua.view(s, k // s, -1)).sum(0, dtype=torch.float32))
-        rows_t = ubt.view(-1, s, n // s).transpose(0, 1)  # [s, r, N/s]: Ubᵀ's column blocks
-        q.copy_(torch.bmm(rows_t, g.view(s, n // s, k)).sum(0, dtype=torch.float32))
-
-    def _final(self, src: Tensor, left: Tensor, right: Tensor, beta: float, dst: Tensor) -> None:
-        """``dst = beta src + left @ right``: one ``addmm`` in fp32 / TF32 (in place when ``dst`` is ``src``);
-        in bf16 the product in bf16, added to the fp32 ``beta src`` in one elementwise pass."""
+    def _final(self, x: Tensor, left: Tensor, right: Tensor, beta: float) -> None:
+        """``x = beta x + left @ right`` in place: one ``addmm`` in fp32 / TF32; in bf16 the product in bf16,
+        added to the fp32 ``beta x`` in one elementwise pass."""
         if self.store == torch.bfloat16:
-            torch.add(torch.mm(left, right), src, alpha=beta, out=dst)
-        elif dst is src:
-            dst.addmm_(left, right, beta=beta)
+            torch.add(torch.mm(left, right), x, alpha=beta, out=x)
         else:
-            torch.addmm(src, left, right, beta=beta, out=dst)
+            x.addmm_(left, right, beta=beta)
