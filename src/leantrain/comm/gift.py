@@ -494,6 +494,7 @@ class GIFT:
                 self._all_reduce(x.view(-1), self.steps * 65_537 + bucket, self.scope)
                 grp.apply(slots, x, False)
                 torch._foreach_copy_(grads, list(x.unbind(0)))
+                del x  # (one stack alive at a time)
                 bucket += 1
             rest = [p for p in params if not self._whitened(p)]
             start, size = 0, 0
