@@ -159,11 +159,16 @@ class TransformGroup:
         if x.shape != (len(slots), self.n, self.k) or x.dtype != torch.float32:
             raise ValueError(f"GIFT: a stack of {len(slots)} fp32 {self.n}x{self.k} gradients expected, got "
                              f"{x.dtype} {tuple(x.shape)}")
-        every = slots == list(range(self.size))
-        pick = (lambda t: t) if every else (lambda t: t[slots])  # noqa: E731  (all: the stacks, no copy)
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):  # (a run of slots, as GIFT sends them: views)
+            def pick(t):
+                return t[first:first + len(slots)]
+        else:  # (device ops alone: indexing with a list would copy it to the device and wait for it)
+            def pick(t):
+                return torch.stack([t[s] for s in slots])
         ua, ub, ua32, ub32 = (pick(t) for t in (self.ua, self.ub, self.ua32, self.ub32))
         cc, cbma, mb, ma, camb = self.coef[inverse]
-        cc = cc if every else [cc[s] for s in slots]
+        cc = [cc[s] for s in slots]
         cbma, mb, ma, camb = (pick(t) for t in (cbma, mb, ma, camb))
         with _tf32(self.dtype == "tfloat32"):
             g = x.to(self.store)  # (fp32: x itself)
