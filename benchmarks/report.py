@@ -514,7 +514,7 @@ SCAPE300 = [("\\|m\\| × age, `catch_up` 10, `catch_up_mode sign`, β1 0.9 (the 
             ("`optim.warmup_steps 60` (preset: 30)", "warmup60"),
             ("score = the owner's own residual \\|r\\| (local edit)", "residual_score"),
             ("coasting between updates, corrected at the next (local edit)", "coasting")]
-F_GIFT = "comm/2026-12-03_cpu_gift-nvfp4.json"
+F_GIFT = "comm/2026-12-07_cpu_gift-nvfp4.json"
 F_GIFT4 = "comm/2026-12-03_cpu_gift-nvfp4-4ranks.json"
 F_GIFT8 = "comm/2026-12-03_cpu_gift-e4m3.json"
 F_CHUNK = "finetune/2026-12-03_H200_chunkft-1b.json"
@@ -695,7 +695,7 @@ TABLES: dict[str, list[tuple]] = {
          "every 10: one rank rooting every layer / 8 ranks", gift_overhead, "", F_GIFT_COST),
         ("the same on an H200", gift_overhead, "", F_GIFT_COST_H200),
         ("E4M3 val loss vs exact, 2 ranks, `min_gain 1.2` (on the tiny preset every layer's gain is over 1.2)",
-         gift_loss, "within 1 %", "comm/2026-12-06_cpu_gift-e4m3-mingain1.2.json"),
+         gift_loss, "within 1 %", "comm/2026-12-07_cpu_gift-e4m3-mingain1.2.json"),
         ("the same with `stat_tokens 512` (one token in 8)", gift_loss, "within 1 %",
          "comm/2026-12-06_cpu_gift-e4m3-mingain1.2-stat512.json"),
     ],
