@@ -524,7 +524,7 @@ F_LOWMEM125 = "finetune/2026-12-06_H100-80GB-HBM3_lowmem-125m.json"
 F_LOWMEM125_2K = "finetune/2026-12-06_H200_lowmem-125m-2k.json"
 F_GIFT_COST = "comm/2026-12-06_H100-80GB-HBM3_gift-cost.json"
 F_GIFT_COST_H200 = "comm/2026-12-07_H200_gift-cost.json"
-F_GIFT_QUEUED = "comm/2026-12-07_H100-80GB-HBM3_gift-cost.json"  # (with the device times, host ahead)
+F_GIFT_QUEUED = "comm/2026-12-07_H100-80GB-HBM3_gift-cost-per-layer.json"  # (with the device times, host ahead)
 F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
 F_MEM = "memory/2026-12-05_H200_memory.json"
@@ -687,7 +687,8 @@ TABLES: dict[str, list[tuple]] = {
          "statistics of 1024 tokens", gift_own, "≤ 10 %", F_GIFT_COST),
         ("the same on an H200", gift_own, "≤ 10 %", F_GIFT_COST_H200),
         ("the same timed on the device with the host ahead (queued behind other work, as behind the backward "
-         "in a step), H100; the host's time to issue them", gift_queued, "≤ 10 %", F_GIFT_QUEUED),
+         "in a step), H100, the thin products a layer at a time; the host's time to issue them", gift_queued, "≤ 10 %",
+         F_GIFT_QUEUED),
         ("the statistics' extra forward + backward with `stat_tokens`", gift_stat_tokens, "", F_GIFT_COST),
         ("estimated E4M3 gain per shape from statistics of 1024 tokens, median (min)", gift_gains_tokens(1024), "",
          F_GIFT_COST),
