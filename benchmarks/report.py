@@ -461,6 +461,19 @@ def gift_queued(d):
                              f"{d['step_host_issue_ms']:.1f} ms")
 
 
+def gift_thin_products(d):
+    """bench_comm gift-cost: one layer's thin products alone and as its share of the products batched over
+    its shape's layers, device ms with the host ahead, per shape: fp32 and TF32."""
+    out = []
+    for shape, r in d["per_shape"].items():
+        cells = []
+        for times in (r["device_products_ms"][dt] for dt in ("float32", "tfloat32")):
+            share = next(v for c, v in times.items() if c.startswith("P+Q batched"))
+            cells.append(f"{times['P+Q one layer']:.3f} / {share:.3f}")
+        out.append(f"{shape} {', '.join(cells)}")
+    return "; ".join(out)
+
+
 def gift_stat_tokens(d):
     st = d["step_ms"]
     return "; ".join(f"{k.split('_')[2]} tokens {v - st['plain']:.0f} ms" for k, v in st.items() if k.endswith("_tokens")) \
@@ -525,6 +538,9 @@ F_LOWMEM125_2K = "finetune/2026-12-06_H200_lowmem-125m-2k.json"
 F_GIFT_COST = "comm/2026-12-06_H100-80GB-HBM3_gift-cost.json"
 F_GIFT_COST_H200 = "comm/2026-12-07_H200_gift-cost.json"
 F_GIFT_QUEUED = "comm/2026-12-07_H100-80GB-HBM3_gift-cost-per-layer.json"  # (with the device times, host ahead)
+# the thin products batched on stacks; the reduce path's subsets of slots were picked with a list index, a copy
+# to the device the host waited for (its per-shape stacks of every layer took no index)
+F_GIFT_STACKS = "comm/2026-12-07_H100-80GB-HBM3_gift-cost-stacks-list-index.json"
 F_BUDGET = "finetune/2026-12-05_H200_budgets-7b.json"
 F_HF1B = "finetune/2026-12-05_H200_hf-1b.json"
 F_MEM = "memory/2026-12-05_H200_memory.json"
@@ -678,6 +694,10 @@ TABLES: dict[str, list[tuple]] = {
          "≤ 10 %", F_GIFT_COST),
         ("the same with `min_gain 1.2` (the layers whose estimated E4M3 gain is at least 1.2)", gift_batched(1.2),
          "≤ 10 %", F_GIFT_COST),
+        ("the same on one stack of a shape's 22 layers, the thin products batched, H100; every layer / "
+         "`min_gain 1.2`", lambda d: f"{gift_batched(0.0)(d)} / {gift_batched(1.2)(d)}", "≤ 10 %", F_GIFT_STACKS),
+        ("the thin products P + Q of one layer alone / batched over the shape's 22 layers (a layer's share), "
+         "device ms with the host ahead, float32 and tfloat32, H100", gift_thin_products, "", F_GIFT_STACKS),
         ("estimated E4M3 gain of whitening per shape, median (min) over the 22 layers", gift_gains, "",
          F_GIFT_COST),
         ("a refresh, 1b, H100: the statistics' extra forward + backward time; the refresh warm / cold",
