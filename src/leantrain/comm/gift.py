@@ -214,26 +214,26 @@ class GIFT:
     """FP8 gradient all-reduce in K-FAC-whitened coordinates for a data-parallel ``model`` (module
     doc). Call :meth:`reduce_gradients` after each backward instead of DDP's reduction.
 
-    ``rank``: eigenpairs kept a factor (``None``: full rank); ``refresh_every``: steps between factor
-    refreshes (statistics are taken on the refresh steps only); ``ema``: the roots' EMA of the
-    statistics across refreshes; ``damping``: added to each factor, times its mean eigenvalue;
-    ``min_numel``: the smallest ``nn.Linear`` weight sent whitened; ``block``: elements per FP8 scale;
-    ``whiten=False``: the same FP8 all-reduce in Euclidean coordinates (the baseline); ``bucket_numel``:
-    elements a bucket, one FP8 all-reduce each (a chunk of whitened layers of one shape, or consecutive
-    other parameters). ``format="nvfp4"``: the all-reduce in NVFP4-style 4-bit (``comm/fp4.py``, block
-    16; ``block`` is then unused), with stochastic rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run
-    rounds as the uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``:
-    subspace iteration on a factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on
-    CUDA, the statistics' products (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped
-    and averaged). ``transform_dtype``: the precision of the whitening transforms' products with the
-    gradients, ``"float32"``, ``"tfloat32"`` or ``"bfloat16"`` (``comm/gift_transforms.py``; in each the
-    map back inverts the map out as applied). ``min_gain``: on each refresh a layer's root estimates
-    the gain of whitening, Euclidean error / GIFT's error in the K-FAC metric, from one pass of its own
-    gradient through the wire codec (:meth:`_gain`); a layer below ``min_gain`` is sent Euclidean until
-    the next refresh (the root's decision is broadcast with the factors: every rank agrees). ``0``:
-    every layer whitened. ``stat_tokens``: the most tokens (rows) a layer's statistics take from one
-    forward or backward, evenly strided (``0``: all): ``δ δᵀ`` of a wide layer costs ``tokens · n²``, more
-    than the step's own products (on the 1b, 1024 of 4096 tokens barely change the gains: docs/gift.md)."""
+    ``rank``: eigenpairs kept a factor (``None``: full rank); ``refresh_every``: steps between factor refreshes
+    (statistics are taken on the refresh steps only); ``ema``: the roots' EMA of the statistics across
+    refreshes; ``damping``: added to each factor, times its mean eigenvalue; ``min_numel``: the smallest
+    ``nn.Linear`` weight sent whitened; ``block``: elements per FP8 scale; ``whiten=False``: the same FP8
+    all-reduce in Euclidean coordinates (the baseline); ``bucket_numel``: elements a bucket, one FP8 all-reduce
+    each (a chunk of whitened layers of one shape, or consecutive other parameters). ``format="nvfp4"``: the
+    all-reduce in NVFP4-style 4-bit (``comm/fp4.py``, block 16; ``block`` is then unused), with stochastic
+    rounding unless ``stochastic=False`` (seeded by the step and bucket: a resumed run rounds as the
+    uninterrupted one). ``solver``: how the roots find the top eigenpairs (``"auto"``: subspace iteration on a
+    factor with ``rank + 16 <= dim / 4``, else the full ``eigh``). ``tf32``: on CUDA, the statistics' products
+    (``x xᵀ``, ``δ δᵀ``) in TF32 (the factors they estimate are damped and averaged). ``transform_dtype``: the
+    precision of the whitening transforms' products with the gradients, ``"float32"``, ``"tfloat32"`` or
+    ``"bfloat16"`` (``comm/gift_transforms.py``; in each the map back inverts the map out as applied).
+    ``min_gain``: on each refresh a layer's root estimates the gain of whitening, Euclidean error / GIFT's error
+    in the K-FAC metric, from one pass of its own gradient through the wire codec (:meth:`_gain`); a layer below
+    ``min_gain`` is sent Euclidean until the next refresh (the root's decision is broadcast with the factors:
+    every rank agrees). ``0``: every layer whitened. ``stat_tokens``: the most tokens (rows) a layer's
+    statistics take from one forward or backward, evenly strided (``0``: all): ``δ δᵀ`` of a wide layer costs
+    ``tokens · n²``, more than the step's own products (on the 1b, 1024 of 4096 tokens barely change the gains:
+    docs/gift.md)."""
 
     def __init__(self, model: nn.Module, group=None, *, rank: int | None = 64, refresh_every: int = 10,
                  ema: float = 0.95, damping: float = 1e-3, min_numel: int = 1 << 14, block: int = 1024,
