@@ -492,8 +492,8 @@ def markdown(res: dict) -> str:
     if dp:
         cols = list(next(iter(dp))[1]["float32"])
         lines += ["", "The thin products P and Q of one layer, alone and batched over the shape's layers (a layer's "
-                  "share), and the final product, device ms with the host ahead, float32 / tfloat32:", "", "| layer N×K | " + " | ".join(cols) + " |",
-                  "|---|" + "---|" * len(cols)]
+                  "share), and the final product, device ms with the host ahead, float32 / tfloat32:", "",
+                  "| layer N×K | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         for shape, d in dp:
             lines.append(f"| {shape} | " + " | ".join(f"{d['float32'][c]:.3f} / {d['tfloat32'][c]:.3f}" for c in cols)
                          + " |")
