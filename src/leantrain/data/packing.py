@@ -15,9 +15,9 @@ cut to that (counted in a warning). Rows of ``seq_len`` pairs:
 
 Examples are split into train and validation by a stable hash of their line (JSONL) or row number
 (``data.val_fraction``; a split left empty takes one example of the other; with ``data.eval_path`` set
-nothing is held out). Batches are a pure
-function of (seed, step, micro-batch, rank), as :class:`leantrain.data.TokenData`'s are: the
-rows in a random order per epoch (seeded by seed and epoch), consecutive slices of it per batch.
+nothing is held out). Batches are a pure function of (seed, step, micro-batch, rank), as
+:class:`leantrain.data.TokenData`'s are: the rows in a random order per epoch (seeded by seed and
+epoch), consecutive slices of it per batch.
 """
 
 from __future__ import annotations

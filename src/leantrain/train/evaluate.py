@@ -102,7 +102,7 @@ def generate(source: str, prompt: str, *, max_new_tokens: int = 64, temperature:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
             [{"role": "user", "content": prompt}]
         text = ChatTemplate.of(tok).render(messages, add_generation_prompt=True, where="--chat")
-        ids = list(tok.tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = tok.encode(text)  # (the template wrote the special tokens)
     else:
         ids = ([bos] if bos is not None else []) + tok.encode(prompt)
     if not ids:
